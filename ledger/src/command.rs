@@ -1,0 +1,477 @@
+//! Commands: what clients ask the leader to do. [`Ledger::execute`] decides a command against
+//! the state, applies the resulting events and returns them with the reply. Commands are
+//! idempotent: asking again for what the ledger already says writes nothing and answers the same.
+
+use crate::pb;
+use crate::pb::event::Body;
+use crate::placement::{self, Fit, PodRequest};
+use crate::state::{Alloc, AllocState, ApplyError, Ledger};
+
+/// A request to change the ledger.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Command {
+    /// Add or replace a node's inventory.
+    RegisterNode(pb::NodeInventory),
+    /// Remove a node, releasing its allocations first.
+    RemoveNode {
+        /// Node name.
+        node: String,
+        /// Why (for the audit trail).
+        reason: String,
+    },
+    /// Mark a GPU healthy or unhealthy.
+    SetDeviceHealth(pb::DeviceHealthChanged),
+    /// Reserve GPUs on `node` for every container of the pod.
+    Reserve {
+        /// The pod's request.
+        request: PodRequest,
+        /// The node the scheduler chose.
+        node: String,
+        /// When the reservation expires if the pod is not bound.
+        deadline_ms: i64,
+    },
+    /// The pod is bound to `node`.
+    ConfirmBound {
+        /// Pod UID.
+        pod_uid: String,
+        /// Node it was bound to.
+        node: String,
+        /// Why (e.g. "extender" or "reconcile").
+        reason: String,
+    },
+    /// A node agent claims a reservation for these device IDs.
+    Assign {
+        /// The calling agent's node.
+        node: String,
+        /// The allocation claimed.
+        allocation_id: u64,
+        /// The kubelet's device IDs.
+        device_ids: Vec<String>,
+    },
+    /// Swap the pod identities of two allocations of one node (the kubelet gave the devices of
+    /// one to the other's container).
+    CorrectIdentity {
+        /// The calling agent's node.
+        node: String,
+        /// The allocation that was claimed for the wrong pod.
+        from_allocation_id: u64,
+        /// The allocation of the pod that really got the devices.
+        to_allocation_id: u64,
+        /// The devices concerned.
+        device_ids: Vec<String>,
+    },
+    /// Release allocations: one by id, or a pod's (all containers or one).
+    Release {
+        /// Pod UID (ignored when `allocation_id` is set).
+        pod_uid: String,
+        /// Container, empty = all of the pod's.
+        container: String,
+        /// A single allocation; 0 = by pod.
+        allocation_id: u64,
+        /// Why.
+        reason: String,
+    },
+    /// A process over its limit, or on no allocation.
+    ReportViolation(pb::LimitViolated),
+    /// A new leader took over (the first event of every epoch).
+    LeaderElected(pb::LeaderElected),
+    /// Set (mem_mib > 0) or clear a namespace's GPU memory quota.
+    SetQuota(pb::QuotaSet),
+}
+
+/// Why a command was refused. Nothing was written.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CommandError {
+    /// The request is malformed or impossible; retrying will not help.
+    #[error("invalid request: {0}")]
+    Invalid(String),
+    /// A node, GPU, pod or allocation the request names is not in the ledger.
+    #[error("not found: {0}")]
+    NotFound(String),
+    /// The request does not fit now; it may later.
+    #[error("does not fit: {0}")]
+    NoCapacity(String),
+    /// The request can never fit where it asks.
+    #[error("can never fit: {0}")]
+    Unsatisfiable(String),
+    /// The request contradicts what the ledger already holds (e.g. reserved on another node).
+    #[error("conflict: {0}")]
+    Conflict(String),
+    /// The decided events broke an invariant: a bug. The state must be rebuilt from the log.
+    #[error("internal invariant violation (state must be reloaded): {0}")]
+    Bug(ApplyError),
+}
+
+/// The answer to a command.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Reply {
+    /// Whether the command changed anything.
+    Done {
+        /// False for an idempotent repeat.
+        changed: bool,
+    },
+    /// The allocations of a reservation.
+    Reserved {
+        /// One per GPU container.
+        allocations: Vec<pb::Allocation>,
+        /// False when an existing grant was returned.
+        created: bool,
+    },
+    /// The allocation after an assign.
+    Assigned(pb::Allocation),
+}
+
+impl Ledger {
+    /// Decide `cmd`, apply its events and return them (with seq, epoch and time set) and the
+    /// reply. On `Err` the state is unchanged, except for `CommandError::Bug`.
+    pub fn execute(
+        &mut self,
+        cmd: Command,
+        epoch: u64,
+        now_ms: i64,
+    ) -> Result<(Vec<pb::Event>, Reply), CommandError> {
+        let (bodies, reply) = self.decide(cmd)?;
+        let mut events = Vec::with_capacity(bodies.len());
+        let mut reply = reply;
+        for body in bodies {
+            let ev = pb::Event {
+                seq: self.seq() + 1,
+                epoch,
+                time_ms: now_ms,
+                body: Some(body),
+            };
+            self.apply(&ev).map_err(CommandError::Bug)?;
+            events.push(ev);
+        }
+        // Reservations answer with the allocations as they are in the state after apply.
+        if let Reply::Reserved {
+            allocations,
+            created: true,
+        } = &mut reply
+        {
+            *allocations = events
+                .iter()
+                .filter_map(|e| match &e.body {
+                    Some(Body::Reserved(r)) => self.alloc(r.allocation_id).map(Alloc::to_pb),
+                    _ => None,
+                })
+                .collect();
+        }
+        Ok((events, reply))
+    }
+
+    fn decide(&self, cmd: Command) -> Result<(Vec<Body>, Reply), CommandError> {
+        let unchanged = Ok((Vec::new(), Reply::Done { changed: false }));
+        let changed = |b: Vec<Body>| Ok((b, Reply::Done { changed: true }));
+        match cmd {
+            Command::RegisterNode(inv) => {
+                if inv.node.is_empty() {
+                    return Err(CommandError::Invalid("node name is empty".into()));
+                }
+                if let Some(n) = self.node(&inv.node) {
+                    let mut cur = n.inventory();
+                    let mut new = inv.clone();
+                    cur.gpus.sort_by_key(|g| g.index);
+                    new.gpus.sort_by_key(|g| g.index);
+                    if cur == new {
+                        return unchanged;
+                    }
+                }
+                if let Some(existing) = self.node(&inv.node) {
+                    for g in existing.gpus.iter().filter(|g| g.holders > 0) {
+                        match inv.gpus.iter().find(|n| n.uuid == g.uuid) {
+                            None => {
+                                return Err(CommandError::Conflict(format!(
+                                    "GPU {} has live allocations and cannot leave node {}'s inventory",
+                                    g.uuid, inv.node
+                                )));
+                            }
+                            Some(n) if n.memory_mib < g.mem_used => {
+                                return Err(CommandError::Conflict(format!(
+                                    "GPU {} would have {} MiB but {} MiB are allocated",
+                                    g.uuid, n.memory_mib, g.mem_used
+                                )));
+                            }
+                            Some(_) => {}
+                        }
+                    }
+                }
+                let mut seen = std::collections::BTreeSet::new();
+                for g in &inv.gpus {
+                    if g.uuid.is_empty() || !seen.insert(g.uuid.as_str()) {
+                        return Err(CommandError::Invalid(format!(
+                            "node {}: empty or duplicate GPU uuid {:?}",
+                            inv.node, g.uuid
+                        )));
+                    }
+                    if let Some(other) = self.gpu_owner(&g.uuid).filter(|o| *o != inv.node) {
+                        return Err(CommandError::Conflict(format!(
+                            "GPU {} is already registered on node {other}",
+                            g.uuid
+                        )));
+                    }
+                }
+                changed(vec![Body::NodeRegistered(pb::NodeRegistered {
+                    inventory: Some(inv),
+                })])
+            }
+            Command::RemoveNode { node, reason } => {
+                let Some(n) = self.node(&node) else {
+                    return unchanged;
+                };
+                let mut b: Vec<Body> = n
+                    .allocs
+                    .iter()
+                    .map(|id| {
+                        Body::Released(pb::Released {
+                            allocation_id: *id,
+                            reason: format!("node removed: {reason}"),
+                        })
+                    })
+                    .collect();
+                b.push(Body::NodeRemoved(pb::NodeRemoved { node, reason }));
+                changed(b)
+            }
+            Command::SetDeviceHealth(h) => {
+                let g = self
+                    .node(&h.node)
+                    .ok_or_else(|| CommandError::NotFound(format!("node {}", h.node)))?
+                    .gpu(&h.gpu_uuid)
+                    .ok_or_else(|| {
+                        CommandError::NotFound(format!("GPU {} on node {}", h.gpu_uuid, h.node))
+                    })?;
+                if g.healthy == h.healthy {
+                    return unchanged;
+                }
+                changed(vec![Body::DeviceHealthChanged(h)])
+            }
+            Command::Reserve {
+                request,
+                node,
+                deadline_ms,
+            } => self.decide_reserve(request, node, deadline_ms),
+            Command::ConfirmBound {
+                pod_uid,
+                node,
+                reason,
+            } => {
+                let allocs = self.allocs_of_pod(&pod_uid);
+                if allocs.is_empty() {
+                    return Err(CommandError::NotFound(format!(
+                        "pod {pod_uid} holds no allocation"
+                    )));
+                }
+                if let Some(a) = allocs.iter().find(|a| a.node != node) {
+                    return Err(CommandError::Conflict(format!(
+                        "pod {pod_uid} is reserved on node {}, not {node}",
+                        a.node
+                    )));
+                }
+                let b: Vec<Body> = allocs
+                    .iter()
+                    .filter(|a| a.state == AllocState::Reserved)
+                    .map(|a| {
+                        Body::Bound(pb::Bound {
+                            allocation_id: a.id,
+                            reason: reason.clone(),
+                        })
+                    })
+                    .collect();
+                if b.is_empty() { unchanged } else { changed(b) }
+            }
+            Command::Assign {
+                node,
+                allocation_id,
+                device_ids,
+            } => {
+                let a = self.node_alloc(&node, allocation_id)?;
+                if device_ids.is_empty() {
+                    return Err(CommandError::Invalid("no device ids".into()));
+                }
+                if a.state == AllocState::Assigned {
+                    if same_set(&a.device_ids, &device_ids) {
+                        return Ok((Vec::new(), Reply::Assigned(a.to_pb())));
+                    }
+                    return Err(CommandError::Conflict(format!(
+                        "allocation {allocation_id} is already assigned to devices {:?}",
+                        a.device_ids
+                    )));
+                }
+                if let Some(o) = self
+                    .node(&node)
+                    .into_iter()
+                    .flat_map(|n| n.allocs.iter())
+                    .filter_map(|id| self.alloc(*id))
+                    .find(|o| {
+                        o.id != allocation_id && o.device_ids.iter().any(|d| device_ids.contains(d))
+                    })
+                {
+                    return Err(CommandError::Conflict(format!(
+                        "devices {device_ids:?} overlap allocation {} ({}/{})",
+                        o.id, o.pod.namespace, o.pod.name
+                    )));
+                }
+                let mut after = a.to_pb();
+                after.state = pb::AllocationState::Assigned as i32;
+                after.device_ids = device_ids.clone();
+                Ok((
+                    vec![Body::Assigned(pb::Assigned {
+                        allocation_id,
+                        device_ids,
+                    })],
+                    Reply::Assigned(after),
+                ))
+            }
+            Command::CorrectIdentity {
+                node,
+                from_allocation_id,
+                to_allocation_id,
+                device_ids,
+            } => {
+                if from_allocation_id == to_allocation_id {
+                    return unchanged;
+                }
+                self.node_alloc(&node, from_allocation_id)?;
+                self.node_alloc(&node, to_allocation_id)?;
+                changed(vec![Body::IdentityCorrected(pb::IdentityCorrected {
+                    from_allocation_id,
+                    to_allocation_id,
+                    device_ids,
+                })])
+            }
+            Command::Release {
+                pod_uid,
+                container,
+                allocation_id,
+                reason,
+            } => {
+                let ids: Vec<u64> = if allocation_id != 0 {
+                    self.alloc(allocation_id)
+                        .map(|a| a.id)
+                        .into_iter()
+                        .collect()
+                } else {
+                    self.allocs_of_pod(&pod_uid)
+                        .into_iter()
+                        .filter(|a| container.is_empty() || a.container == container)
+                        .map(|a| a.id)
+                        .collect()
+                };
+                if ids.is_empty() {
+                    return unchanged;
+                }
+                changed(
+                    ids.into_iter()
+                        .map(|id| {
+                            Body::Released(pb::Released {
+                                allocation_id: id,
+                                reason: reason.clone(),
+                            })
+                        })
+                        .collect(),
+                )
+            }
+            Command::ReportViolation(v) => {
+                if v.node.is_empty() {
+                    return Err(CommandError::Invalid("violation without node".into()));
+                }
+                changed(vec![Body::LimitViolated(v)])
+            }
+            Command::LeaderElected(l) => changed(vec![Body::LeaderElected(l)]),
+            Command::SetQuota(q) => {
+                if q.namespace.is_empty() {
+                    return Err(CommandError::Invalid("quota without namespace".into()));
+                }
+                if self.quotas().get(&q.namespace).copied().unwrap_or(0) == q.mem_mib {
+                    return unchanged;
+                }
+                changed(vec![Body::QuotaSet(q)])
+            }
+        }
+    }
+
+    fn node_alloc(&self, node: &str, id: u64) -> Result<&Alloc, CommandError> {
+        let a = self
+            .alloc(id)
+            .ok_or_else(|| CommandError::NotFound(format!("allocation {id}")))?;
+        if a.node != node {
+            return Err(CommandError::Conflict(format!(
+                "allocation {id} is on node {}, not {node}",
+                a.node
+            )));
+        }
+        Ok(a)
+    }
+
+    fn decide_reserve(
+        &self,
+        request: PodRequest,
+        node: String,
+        deadline_ms: i64,
+    ) -> Result<(Vec<Body>, Reply), CommandError> {
+        request.validate().map_err(CommandError::Invalid)?;
+        let existing = self.allocs_of_pod(&request.pod.uid);
+        if !existing.is_empty() {
+            if let Some(a) = existing.iter().find(|a| a.node != node) {
+                return Err(CommandError::Conflict(format!(
+                    "pod {}/{} already holds allocation {} on node {}",
+                    request.pod.namespace, request.pod.name, a.id, a.node
+                )));
+            }
+            let mut allocations: Vec<pb::Allocation> = existing.iter().map(|a| a.to_pb()).collect();
+            allocations.sort_by_key(|a| a.id);
+            return Ok((
+                Vec::new(),
+                Reply::Reserved {
+                    allocations,
+                    created: false,
+                },
+            ));
+        }
+        let n = self
+            .node(&node)
+            .ok_or_else(|| CommandError::NotFound(format!("node {node} is not registered")))?;
+        let placed = placement::place_on_node(n, &request).map_err(|f| match f {
+            Fit::Never(r) => CommandError::Unsatisfiable(format!("node {node}: {r}")),
+            Fit::Wait(r) => CommandError::NoCapacity(format!("node {node}: {r}")),
+            Fit::Fits => CommandError::NoCapacity(format!("node {node}")),
+        })?;
+        let first = self.seq() + 1;
+        let bodies = placed
+            .into_iter()
+            .enumerate()
+            .map(|(i, p)| {
+                Body::Reserved(pb::Reserved {
+                    allocation_id: first + i as u64,
+                    pod: Some(request.pod.clone()),
+                    container: p.container,
+                    node: node.clone(),
+                    shares: p.shares,
+                    deadline_ms,
+                    // The pod's node-level requests are counted once, on its first container.
+                    cpu_milli: if i == 0 { request.cpu_milli } else { 0 },
+                    memory_mib: if i == 0 { request.memory_mib } else { 0 },
+                    policy: request.policy.to_string(),
+                })
+            })
+            .collect();
+        Ok((
+            bodies,
+            Reply::Reserved {
+                allocations: Vec::new(),
+                created: true,
+            },
+        ))
+    }
+}
+
+fn same_set(a: &[String], b: &[String]) -> bool {
+    let mut x = a.to_vec();
+    let mut y = b.to_vec();
+    x.sort();
+    y.sort();
+    x == y
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,226 @@
+use super::*;
+use crate::placement::{ContainerRequest, Policy};
+
+fn setup() -> Ledger {
+    let mut l = Ledger::new();
+    let inv = pb::NodeInventory {
+        node: "n1".into(),
+        gpus: (0..2)
+            .map(|i| pb::Gpu {
+                uuid: format!("GPU-{i}"),
+                index: i,
+                model: "A100".into(),
+                memory_mib: 16000,
+                healthy: true,
+            })
+            .collect(),
+        cpu_milli: 0,
+        memory_mib: 0,
+    };
+    l.execute(Command::RegisterNode(inv), 1, 0)
+        .expect("register");
+    l
+}
+
+fn pod(uid: &str, mem: u64) -> PodRequest {
+    PodRequest {
+        pod: pb::PodRef {
+            uid: uid.into(),
+            namespace: "default".into(),
+            name: uid.into(),
+        },
+        containers: vec![ContainerRequest {
+            name: "main".into(),
+            slices: 1,
+            mem_mib: mem,
+            ..Default::default()
+        }],
+        policy: Policy::Binpack,
+        ..Default::default()
+    }
+}
+
+fn reserve(uid: &str, mem: u64, node: &str) -> Command {
+    Command::Reserve {
+        request: pod(uid, mem),
+        node: node.into(),
+        deadline_ms: 60_000,
+    }
+}
+
+#[test]
+fn reserve_is_idempotent_by_pod_uid() {
+    let mut l = setup();
+    let (ev1, r1) = l.execute(reserve("p1", 4000, "n1"), 1, 10).expect("first");
+    assert_eq!(ev1.len(), 1);
+    let (ev2, r2) = l.execute(reserve("p1", 4000, "n1"), 1, 20).expect("repeat");
+    assert!(ev2.is_empty(), "a repeat writes nothing");
+    let (
+        Reply::Reserved {
+            allocations: a1,
+            created: true,
+        },
+        Reply::Reserved {
+            allocations: a2,
+            created: false,
+        },
+    ) = (r1, r2)
+    else {
+        panic!("unexpected replies");
+    };
+    assert_eq!(a1, a2);
+    assert!(matches!(
+        l.execute(reserve("p1", 4000, "n2"), 1, 30),
+        Err(CommandError::Conflict(_))
+    ));
+}
+
+#[test]
+fn bad_reserves_are_refused_with_nothing_written() {
+    let mut l = setup();
+    let seq = l.seq();
+    assert!(matches!(
+        l.execute(reserve("p1", 1, "nope"), 1, 0),
+        Err(CommandError::NotFound(_))
+    ));
+    assert!(matches!(
+        l.execute(reserve("p1", 999_999, "n1"), 1, 0),
+        Err(CommandError::Unsatisfiable(_))
+    ));
+    let mut bad = pod("p1", 10);
+    bad.containers[0].slices = 0;
+    assert!(matches!(
+        l.execute(
+            Command::Reserve {
+                request: bad,
+                node: "n1".into(),
+                deadline_ms: 0
+            },
+            1,
+            0
+        ),
+        Err(CommandError::Invalid(_))
+    ));
+    assert_eq!(l.seq(), seq);
+}
+
+#[test]
+fn full_node_says_no_capacity_then_release_makes_room() {
+    let mut l = setup();
+    l.execute(reserve("a", 16000, "n1"), 1, 0).expect("a");
+    l.execute(reserve("b", 16000, "n1"), 1, 0).expect("b");
+    assert!(matches!(
+        l.execute(reserve("c", 1, "n1"), 1, 0),
+        Err(CommandError::NoCapacity(_))
+    ));
+    l.execute(
+        Command::Release {
+            pod_uid: "a".into(),
+            container: String::new(),
+            allocation_id: 0,
+            reason: "deleted".into(),
+        },
+        1,
+        0,
+    )
+    .expect("release");
+    l.execute(reserve("c", 1, "n1"), 1, 0).expect("c fits now");
+}
+
+#[test]
+fn assign_bound_and_identity_correction() {
+    let mut l = setup();
+    l.execute(reserve("a", 1000, "n1"), 1, 0).expect("a");
+    l.execute(reserve("b", 1000, "n1"), 1, 0).expect("b");
+    let a = l.alloc_of("a", "main").expect("a").id;
+    let b = l.alloc_of("b", "main").expect("b").id;
+    l.execute(
+        Command::ConfirmBound {
+            pod_uid: "a".into(),
+            node: "n1".into(),
+            reason: "t".into(),
+        },
+        1,
+        0,
+    )
+    .expect("bound");
+    let (ev, _) = l
+        .execute(
+            Command::ConfirmBound {
+                pod_uid: "a".into(),
+                node: "n1".into(),
+                reason: "t".into(),
+            },
+            1,
+            0,
+        )
+        .expect("repeat");
+    assert!(ev.is_empty());
+    let devs = vec!["GPU-0::1".to_string()];
+    l.execute(
+        Command::Assign {
+            node: "n1".into(),
+            allocation_id: a,
+            device_ids: devs.clone(),
+        },
+        1,
+        0,
+    )
+    .expect("assign");
+    let (ev, _) = l
+        .execute(
+            Command::Assign {
+                node: "n1".into(),
+                allocation_id: a,
+                device_ids: devs.clone(),
+            },
+            1,
+            0,
+        )
+        .expect("repeat assign");
+    assert!(ev.is_empty());
+    assert!(matches!(
+        l.execute(
+            Command::Assign {
+                node: "n1".into(),
+                allocation_id: b,
+                device_ids: devs.clone()
+            },
+            1,
+            0
+        ),
+        Err(CommandError::Conflict(_))
+    ));
+    l.execute(
+        Command::CorrectIdentity {
+            node: "n1".into(),
+            from_allocation_id: a,
+            to_allocation_id: b,
+            device_ids: devs,
+        },
+        1,
+        0,
+    )
+    .expect("correct");
+    assert_eq!(l.alloc_of("b", "main").expect("b").id, a);
+    assert_eq!(l.alloc_of("a", "main").expect("a").id, b);
+    l.check().expect("consistent");
+}
+
+#[test]
+fn remove_node_releases_its_allocations_first() {
+    let mut l = setup();
+    l.execute(reserve("a", 1000, "n1"), 1, 0).expect("a");
+    let (ev, _) = l
+        .execute(
+            Command::RemoveNode {
+                node: "n1".into(),
+                reason: "deleted".into(),
+            },
+            1,
+            0,
+        )
+        .expect("remove");
+    assert_eq!(ev.len(), 2);
+    assert!(l.allocs().is_empty() && l.nodes().is_empty());
+}

@@ -1,0 +1,127 @@
+//! Property tests: random command streams never break an invariant, and replaying the events
+//! they produced from an empty ledger gives exactly the live state.
+
+use gpuledger_ledger::pb;
+use gpuledger_ledger::{Command, ContainerRequest, Ledger, PodRequest, Policy, Selector};
+use proptest::prelude::*;
+
+const NODES: usize = 3;
+
+fn inventory(node: usize, gpus: usize, mem: u64) -> pb::NodeInventory {
+    pb::NodeInventory {
+        node: format!("n{node}"),
+        gpus: (0..gpus)
+            .map(|i| pb::Gpu {
+                uuid: format!("GPU-{node}-{i}"),
+                index: i as u32,
+                model: if i % 2 == 0 {
+                    "A100".into()
+                } else {
+                    "T4".into()
+                },
+                memory_mib: mem,
+                healthy: true,
+            })
+            .collect(),
+        cpu_milli: 16_000,
+        memory_mib: 64_000,
+    }
+}
+
+fn pod_request(
+    pod: u8,
+    slices: u32,
+    mem: u64,
+    core: u32,
+    percent: bool,
+    spread: bool,
+    t4: bool,
+) -> PodRequest {
+    PodRequest {
+        pod: pb::PodRef {
+            uid: format!("uid-{pod}"),
+            namespace: "ns".into(),
+            name: format!("p{pod}"),
+        },
+        containers: vec![ContainerRequest {
+            name: "main".into(),
+            slices,
+            mem_mib: if percent { 0 } else { mem },
+            mem_percent: if percent { (mem % 100) as u32 + 1 } else { 0 },
+            core_milli: core,
+        }],
+        selector: Selector {
+            types: if t4 { vec!["t4".into()] } else { vec![] },
+            ..Default::default()
+        },
+        policy: if spread {
+            Policy::Spread
+        } else {
+            Policy::Binpack
+        },
+        cpu_milli: u64::from(pod % 4) * 1000,
+        memory_mib: u64::from(pod % 3) * 4000,
+    }
+}
+
+fn command() -> impl Strategy<Value = Command> {
+    prop_oneof![
+        4 => (0u8..24, 0..NODES, 1u32..3, 0u64..20_000, 0u32..700, any::<bool>(), any::<bool>(), any::<bool>())
+            .prop_map(|(p, n, s, m, c, pc, sp, t4)| Command::Reserve {
+                request: pod_request(p, s, m, c, pc, sp, t4),
+                node: format!("n{n}"),
+                deadline_ms: 1000,
+            }),
+        2 => (0u8..24).prop_map(|p| Command::Release {
+            pod_uid: format!("uid-{p}"), container: String::new(), allocation_id: 0, reason: "done".into()
+        }),
+        1 => (0u8..24, 0..NODES).prop_map(|(p, n)| Command::ConfirmBound {
+            pod_uid: format!("uid-{p}"), node: format!("n{n}"), reason: "bind".into()
+        }),
+        1 => (1u64..60, 0..NODES, 0u32..4).prop_map(|(id, n, d)| Command::Assign {
+            node: format!("n{n}"), allocation_id: id, device_ids: vec![format!("dev-{d}")]
+        }),
+        1 => (1u64..60, 1u64..60, 0..NODES).prop_map(|(a, b, n)| Command::CorrectIdentity {
+            node: format!("n{n}"), from_allocation_id: a, to_allocation_id: b, device_ids: vec![]
+        }),
+        1 => (0..NODES, 0usize..4, any::<bool>()).prop_map(|(n, g, h)| Command::SetDeviceHealth(pb::DeviceHealthChanged {
+            node: format!("n{n}"), gpu_uuid: format!("GPU-{n}-{g}"), healthy: h, reason: "xid".into(), xid: 79
+        })),
+        1 => (0..NODES, 1usize..5, 8_000u64..40_000).prop_map(|(n, g, m)| Command::RegisterNode(inventory(n, g, m))),
+        1 => (0..NODES).prop_map(|n| Command::RemoveNode { node: format!("n{n}"), reason: "gone".into() }),
+        1 => (0..NODES).prop_map(|n| Command::ReportViolation(pb::LimitViolated {
+            allocation_id: 1, node: format!("n{n}"), gpu_uuid: String::new(), pid: 7, used_mib: 9, limit_mib: 8, action: "report".into()
+        })),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    fn random_commands_keep_invariants_and_replay_equals_live(cmds in prop::collection::vec(command(), 1..120)) {
+        let mut live = Ledger::new();
+        let mut log: Vec<pb::Event> = Vec::new();
+        for n in 0..NODES {
+            let (ev, _) = live.execute(Command::RegisterNode(inventory(n, 4, 24_000)), 1, 0).expect("register");
+            log.extend(ev);
+        }
+        for (i, cmd) in cmds.into_iter().enumerate() {
+            let epoch = 1 + (i as u64 / 40);
+            let before = live.clone();
+            match live.execute(cmd, epoch, i as i64) {
+                Ok((events, _)) => log.extend(events),
+                Err(gpuledger_ledger::CommandError::Bug(e)) => panic!("decided an invalid event: {e}"),
+                Err(_) => prop_assert_eq!(&live, &before, "a refused command changed the state"),
+            }
+            if let Err(e) = live.check() {
+                panic!("invariant broken after step {i}: {e}");
+            }
+        }
+        let mut replayed = Ledger::new();
+        replayed.apply_all(&log).expect("the log replays");
+        prop_assert_eq!(&replayed, &live);
+        let from_snap = Ledger::from_snapshot(&live.to_snapshot()).expect("snapshot loads");
+        prop_assert!(from_snap.same_state(&live));
+    }
+}

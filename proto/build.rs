@@ -1,0 +1,16 @@
+//! Compiles the protobuf files into Rust with prost (messages) and tonic (services).
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let protos = [
+        "proto/gpuledger/ledger/v1/ledger.proto",
+        "proto/gpuledger/allocator/v1/allocator.proto",
+    ];
+    for p in &protos {
+        println!("cargo:rerun-if-changed={p}");
+    }
+    tonic_prost_build::configure()
+        .build_server(true)
+        .build_client(true)
+        .compile_protos(&protos, &["proto"])?;
+    Ok(())
+}
