@@ -226,6 +226,7 @@ impl Ledger {
                         Body::Released(pb::Released {
                             allocation_id: *id,
                             reason: format!("node removed: {reason}"),
+                            node: node.clone(),
                         })
                     })
                     .collect();
@@ -274,6 +275,7 @@ impl Ledger {
                         Body::Bound(pb::Bound {
                             allocation_id: a.id,
                             reason: reason.clone(),
+                            node: node.clone(),
                         })
                     })
                     .collect();
@@ -318,6 +320,7 @@ impl Ledger {
                     vec![Body::Assigned(pb::Assigned {
                         allocation_id,
                         device_ids,
+                        node,
                     })],
                     Reply::Assigned(after),
                 ))
@@ -337,6 +340,7 @@ impl Ledger {
                     from_allocation_id,
                     to_allocation_id,
                     device_ids,
+                    node,
                 })])
             }
             Command::Release {
@@ -345,27 +349,25 @@ impl Ledger {
                 allocation_id,
                 reason,
             } => {
-                let ids: Vec<u64> = if allocation_id != 0 {
-                    self.alloc(allocation_id)
-                        .map(|a| a.id)
-                        .into_iter()
-                        .collect()
+                let allocs: Vec<&Alloc> = if allocation_id != 0 {
+                    self.alloc(allocation_id).into_iter().collect()
                 } else {
                     self.allocs_of_pod(&pod_uid)
                         .into_iter()
                         .filter(|a| container.is_empty() || a.container == container)
-                        .map(|a| a.id)
                         .collect()
                 };
-                if ids.is_empty() {
+                if allocs.is_empty() {
                     return unchanged;
                 }
                 changed(
-                    ids.into_iter()
-                        .map(|id| {
+                    allocs
+                        .into_iter()
+                        .map(|a| {
                             Body::Released(pb::Released {
-                                allocation_id: id,
+                                allocation_id: a.id,
                                 reason: reason.clone(),
+                                node: a.node.clone(),
                             })
                         })
                         .collect(),

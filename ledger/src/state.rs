@@ -366,6 +366,12 @@ impl Ledger {
                 let a = self.allocs.get_mut(&b.allocation_id).ok_or_else(|| {
                     bad(format!("Bound of unknown allocation {}", b.allocation_id))
                 })?;
+                if !b.node.is_empty() && a.node != b.node {
+                    return Err(bad(format!(
+                        "Bound names node {} but allocation {} is on {}",
+                        b.node, a.id, a.node
+                    )));
+                }
                 if a.state != AllocState::Reserved {
                     return Err(bad(format!(
                         "Bound of allocation {} in state {}",
@@ -378,6 +384,15 @@ impl Ledger {
             Body::Assigned(x) => self.assign(x).map_err(bad)?,
             Body::IdentityCorrected(c) => self.correct(c).map_err(bad)?,
             Body::Released(r) => {
+                if let Some(a) = self.allocs.get(&r.allocation_id)
+                    && !r.node.is_empty()
+                    && a.node != r.node
+                {
+                    return Err(bad(format!(
+                        "Released names node {} but allocation {} is on {}",
+                        r.node, a.id, a.node
+                    )));
+                }
                 self.release(r.allocation_id).map_err(bad)?;
             }
             Body::LimitViolated(_) => self.violations += 1,
@@ -579,6 +594,12 @@ impl Ledger {
             .allocs
             .get(&x.allocation_id)
             .ok_or_else(|| format!("Assigned of unknown allocation {}", x.allocation_id))?;
+        if !x.node.is_empty() && a.node != x.node {
+            return Err(format!(
+                "Assigned names node {} but allocation {} is on {}",
+                x.node, a.id, a.node
+            ));
+        }
         if a.state == AllocState::Assigned {
             return Err(format!("allocation {} is already assigned", a.id));
         }

@@ -61,6 +61,7 @@ fn pod_request(
         },
         cpu_milli: u64::from(pod % 4) * 1000,
         memory_mib: u64::from(pod % 3) * 4000,
+        ..Default::default()
     }
 }
 

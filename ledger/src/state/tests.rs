@@ -104,6 +104,7 @@ fn one_live_allocation_per_container_and_release_frees() {
         Body::Released(pb::Released {
             allocation_id: 2,
             reason: "done".into(),
+            node: "n1".into(),
         }),
     ))
     .expect("release");

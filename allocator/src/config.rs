@@ -1,0 +1,99 @@
+//! Command-line flags (also read from `GPULEDGER_*` environment variables).
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::Parser;
+
+/// gpuledger-allocator: the leader-elected GPU ledger on etcd.
+///
+/// Run 2-3 replicas against the same etcd and --cluster. One is elected leader through an etcd
+/// lease and writes the ledger; the others follow the log, serve reads and forward writes to the
+/// leader, so clients may talk to any replica. If etcd is unreachable or this replica holds no
+/// lease it grants nothing and says why.
+#[derive(Parser, Debug, Clone)]
+#[command(name = "gpuledger-allocator", version, about, long_about)]
+pub struct Config {
+    /// etcd client endpoints, comma-separated.
+    #[arg(
+        long,
+        env = "GPULEDGER_ETCD_ENDPOINTS",
+        value_delimiter = ',',
+        default_value = "http://127.0.0.1:2379"
+    )]
+    pub etcd_endpoints: Vec<String>,
+
+    /// Ledger name: keys live under /gpuledger/<cluster>/ in etcd.
+    #[arg(long, env = "GPULEDGER_CLUSTER", default_value = "default")]
+    pub cluster: String,
+
+    /// Address the gRPC API listens on.
+    #[arg(long, env = "GPULEDGER_LISTEN", default_value = "0.0.0.0:7420")]
+    pub listen: SocketAddr,
+
+    /// Address other replicas use to reach this one (host:port). Default: --listen, with
+    /// 0.0.0.0 replaced by 127.0.0.1 (set it to the pod IP in Kubernetes).
+    #[arg(long, env = "GPULEDGER_ADVERTISE")]
+    pub advertise: Option<String>,
+
+    /// This replica's name in the ledger and logs. Default: the host name and port.
+    #[arg(long, env = "GPULEDGER_REPLICA")]
+    pub replica: Option<String>,
+
+    /// Leader lease TTL in seconds (etcd's minimum is 1.5 x its election timeout). A crashed
+    /// leader is replaced after about this long.
+    #[arg(long, env = "GPULEDGER_LEASE_TTL", default_value_t = 2)]
+    pub lease_ttl: u64,
+
+    /// Most events in one ledger batch (one etcd transaction); etcd's --max-txn-ops default.
+    #[arg(long, env = "GPULEDGER_MAX_TXN_OPS", default_value_t = 128)]
+    pub max_txn_ops: usize,
+
+    /// Most bytes in one ledger batch (etcd refuses requests over 1.5 MiB by default).
+    #[arg(long, env = "GPULEDGER_MAX_BATCH_BYTES", default_value_t = 1024 * 1024)]
+    pub max_batch_bytes: usize,
+
+    /// Write a snapshot of the folded state every this many events (0 = never).
+    #[arg(long, env = "GPULEDGER_SNAPSHOT_EVERY", default_value_t = 10_000)]
+    pub snapshot_every: u64,
+
+    /// How long a reservation may stay unbound before it expires, in seconds.
+    #[arg(long, env = "GPULEDGER_RESERVE_TTL", default_value_t = 60)]
+    pub reserve_ttl: u64,
+
+    /// Timeout of one etcd request, in milliseconds.
+    #[arg(long, env = "GPULEDGER_ETCD_TIMEOUT_MS", default_value_t = 2000)]
+    pub etcd_timeout_ms: u64,
+
+    /// Log format: "human" or "json".
+    #[arg(long, env = "GPULEDGER_LOG_FORMAT", default_value = "human", value_parser = ["human", "json"])]
+    pub log_format: String,
+}
+
+impl Config {
+    /// The advertised address.
+    pub fn advertise(&self) -> String {
+        self.advertise.clone().unwrap_or_else(|| {
+            let mut a = self.listen;
+            if a.ip().is_unspecified() {
+                a.set_ip([127, 0, 0, 1].into());
+            }
+            a.to_string()
+        })
+    }
+
+    /// The replica name.
+    pub fn replica(&self) -> String {
+        self.replica.clone().unwrap_or_else(|| {
+            let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .map(|s| s.trim().to_string())
+                .unwrap_or_else(|_| "allocator".into());
+            format!("{host}:{}", self.listen.port())
+        })
+    }
+
+    /// Lease TTL.
+    pub fn lease_ttl(&self) -> Duration {
+        Duration::from_secs(self.lease_ttl.max(1))
+    }
+}

@@ -1,0 +1,188 @@
+//! Leader election through etcd: a lease kept alive on a timer, and a campaign on it.
+//!
+//! The epoch of a leader is its election key's create_revision: unique and increasing across
+//! the cluster. A lease alone is not mutual exclusion; every write is also fenced on the epoch
+//! (see `log.rs`). The session also keeps a conservative local deadline: the lease cannot have
+//! been renewed past `sent + ttl` of the last acknowledged keep-alive, so once that passes the
+//! leader stops granting without waiting for etcd to say so.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use etcd_client::{Client, LeaderKey};
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tracing::{info, warn};
+
+/// A lease kept alive in the background.
+pub struct Session {
+    /// The lease id.
+    pub lease_id: i64,
+    /// The lease TTL.
+    pub ttl: Duration,
+    deadline: watch::Receiver<Instant>,
+    lost: Arc<AtomicBool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Session {
+    /// Grant a lease of `ttl` and keep it alive every `ttl / 3`.
+    pub async fn start(client: &Client, ttl: Duration) -> Result<Session, etcd_client::Error> {
+        let mut lease = client.lease_client();
+        let sent = Instant::now();
+        let ttl_s = ttl.as_secs().max(1) as i64;
+        let grant = tokio::time::timeout(ttl, lease.grant(ttl_s, None))
+            .await
+            .map_err(|_| {
+                etcd_client::Error::LeaseKeepAliveError("lease grant timed out".into())
+            })??;
+        let lease_id = grant.id();
+        let granted_ttl = Duration::from_secs(grant.ttl().max(1) as u64);
+        let (tx, deadline) = watch::channel(sent + granted_ttl);
+        let lost = Arc::new(AtomicBool::new(false));
+        let lost2 = lost.clone();
+        let client = client.clone();
+        let task = tokio::spawn(async move {
+            keep_alive(client, lease_id, granted_ttl, tx).await;
+            lost2.store(true, Ordering::SeqCst);
+        });
+        Ok(Session {
+            lease_id,
+            ttl: granted_ttl,
+            deadline,
+            lost,
+            task,
+        })
+    }
+
+    /// Whether the lease may still be valid (local conservative view).
+    pub fn alive(&self) -> bool {
+        !self.lost.load(Ordering::SeqCst) && Instant::now() < *self.deadline.borrow()
+    }
+
+    /// Time left before the lease may have expired.
+    pub fn remaining(&self) -> Duration {
+        self.deadline
+            .borrow()
+            .saturating_duration_since(Instant::now())
+    }
+
+    /// Resolves when the lease is (or may be) gone.
+    pub async fn lost(&self) {
+        let mut rx = self.deadline.clone();
+        loop {
+            if self.lost.load(Ordering::SeqCst) {
+                return;
+            }
+            let d = *rx.borrow_and_update();
+            tokio::select! {
+                _ = tokio::time::sleep_until(d) => {
+                    if Instant::now() >= *rx.borrow() {
+                        return;
+                    }
+                }
+                r = rx.changed() => {
+                    if r.is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Stop keeping the lease alive and revoke it (deletes the election key at once, so a
+    /// follower takes over without waiting for the TTL).
+    pub async fn revoke(self, client: &Client) {
+        self.task.abort();
+        let mut lease = client.lease_client();
+        match tokio::time::timeout(Duration::from_secs(1), lease.revoke(self.lease_id)).await {
+            Ok(Ok(_)) => info!(lease = self.lease_id, "lease revoked"),
+            Ok(Err(e)) => {
+                warn!(lease = self.lease_id, error = %e, "lease revoke failed; it expires by itself")
+            }
+            Err(_) => warn!(
+                lease = self.lease_id,
+                "lease revoke timed out; it expires by itself"
+            ),
+        }
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn keep_alive(client: Client, id: i64, ttl: Duration, deadline: watch::Sender<Instant>) {
+    let every = ttl / 3;
+    let mut lease = client.lease_client();
+    'outer: loop {
+        let (mut keeper, mut stream) = match lease.keep_alive(id).await {
+            Ok(x) => x,
+            Err(e) => {
+                warn!(lease = id, error = %e, "lease keep-alive stream failed");
+                if Instant::now() >= *deadline.borrow() {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        loop {
+            let sent = Instant::now();
+            let ok = async {
+                keeper.keep_alive().await?;
+                stream.message().await
+            };
+            match tokio::time::timeout(every, ok).await {
+                Ok(Ok(Some(resp))) if resp.ttl() > 0 => {
+                    let _ = deadline.send(sent + Duration::from_secs(resp.ttl() as u64));
+                }
+                Ok(Ok(Some(_))) => {
+                    warn!(lease = id, "lease expired (etcd answered ttl 0)");
+                    return;
+                }
+                Ok(Ok(None)) | Ok(Err(_)) | Err(_) => {
+                    if Instant::now() >= *deadline.borrow() {
+                        warn!(lease = id, "lease keep-alive failed past the deadline");
+                        return;
+                    }
+                    continue 'outer;
+                }
+            }
+            let next = sent + every;
+            tokio::time::sleep_until(next).await;
+        }
+    }
+}
+
+/// Campaign for leadership with `value` (our advertised address). Blocks until elected.
+/// Returns the leader key; its `rev()` is the epoch.
+pub async fn campaign(
+    client: &Client,
+    name: &str,
+    value: &str,
+    lease_id: i64,
+) -> Result<LeaderKey, etcd_client::Error> {
+    let mut el = client.election_client();
+    let mut resp = el.campaign(name, value, lease_id).await?;
+    resp.take_leader().ok_or_else(|| {
+        etcd_client::Error::ElectError("campaign answered without a leader key".into())
+    })
+}
+
+/// The current leader's value (address) and epoch, if any.
+pub async fn current_leader(client: &Client, name: &str) -> Option<(String, i64)> {
+    let mut el = client.election_client();
+    match tokio::time::timeout(Duration::from_secs(1), el.leader(name)).await {
+        Ok(Ok(resp)) => resp.kv().map(|kv| {
+            (
+                String::from_utf8_lossy(kv.value()).into_owned(),
+                kv.create_revision(),
+            )
+        }),
+        _ => None,
+    }
+}

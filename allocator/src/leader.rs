@@ -1,0 +1,337 @@
+//! The leader's sequencer: group commit with one transaction in flight.
+//!
+//! Commands are decided against a speculative state (committed + everything pending). Their
+//! events fill the next batch while the previous batch's transaction flies. A reply is sent only
+//! after its batch — and so every batch before it — committed. Any failed fence or unknown
+//! outcome stops the sequencer at once: nothing more is granted, every waiter is told to retry,
+//! and the replica falls back to follower.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use etcd_client::LeaderKey;
+use gpuledger_ledger::{Command, CommandError, Ledger, pb};
+use prost::Message;
+use tokio::sync::{mpsc, oneshot};
+use tonic::Status;
+use tracing::{info, warn};
+
+use crate::election::Session;
+use crate::log::{Commit, EtcdLog, LogError, MAX_VALUE_BYTES};
+use crate::shared::{Committed, Request, Role, Shared};
+
+/// Limits of one batch.
+#[derive(Debug, Clone, Copy)]
+pub struct BatchLimits {
+    /// Most events in one batch (etcd's --max-txn-ops by default, 128).
+    pub max_events: usize,
+    /// Most encoded bytes in one batch.
+    pub max_bytes: usize,
+}
+
+/// Why leadership ended.
+#[derive(Debug)]
+pub enum StepDown {
+    /// The fence failed: another leader exists.
+    Fenced,
+    /// The lease expired or may have.
+    LeaseLost,
+    /// etcd failed; the outcome of the in-flight batch is unknown.
+    Etcd(LogError),
+    /// The process is shutting down.
+    Shutdown,
+    /// A decided event broke an invariant (a bug): the state is reloaded.
+    Bug(String),
+}
+
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
+
+struct Waiter {
+    tx: oneshot::Sender<Result<Committed, Status>>,
+    reply: gpuledger_ledger::Reply,
+    seq: u64,
+}
+
+struct Batch {
+    events: Vec<pb::Event>,
+    bytes: usize,
+    waiters: Vec<Waiter>,
+}
+
+impl Batch {
+    fn new() -> Self {
+        Batch {
+            events: Vec::new(),
+            bytes: 0,
+            waiters: Vec::new(),
+        }
+    }
+}
+
+/// Everything the leader needs.
+pub struct Leader {
+    /// Shared replica state.
+    pub shared: Arc<Shared>,
+    /// The log.
+    pub log: EtcdLog,
+    /// The election key won (its rev is the epoch).
+    pub key: LeaderKey,
+    /// Batch limits.
+    pub limits: BatchLimits,
+    /// Snapshot every this many events (0 = never).
+    pub snapshot_every: u64,
+}
+
+impl Leader {
+    /// Lead until leadership ends. `shutdown` resolves on SIGTERM.
+    pub async fn run(
+        self,
+        session: &Session,
+        mut shutdown: tokio::sync::watch::Receiver<bool>,
+    ) -> StepDown {
+        let epoch = self.key.rev() as u64;
+        // Catch up with everything committed before us.
+        let head = match self.log.head().await {
+            Ok(h) => h,
+            Err(e) => return StepDown::Etcd(e),
+        };
+        if let Err(e) = crate::tail::catch_up(&self.shared, &self.log).await {
+            return StepDown::Etcd(e);
+        }
+        let mut spec: Ledger = self.shared.read(|l| l.clone());
+        if spec.seq() != head.seq {
+            return StepDown::Bug(format!(
+                "caught up to seq {} but head says {}",
+                spec.seq(),
+                head.seq
+            ));
+        }
+        let mut head_rev = head.mod_rev;
+        // The first event of every epoch names the leader.
+        let elected = Command::LeaderElected(pb::LeaderElected {
+            replica: self.shared.replica.clone(),
+            address: self.shared.address.clone(),
+        });
+        let events = match spec.execute(elected, epoch, now_ms()) {
+            Ok((ev, _)) => ev,
+            Err(e) => return StepDown::Bug(e.to_string()),
+        };
+        let batch = self.make_batch(epoch, events);
+        match self
+            .log
+            .commit(self.key.key(), self.key.rev(), head_rev, &batch)
+            .await
+        {
+            Ok(Commit::Done { head_rev: r }) => {
+                head_rev = r;
+                self.shared.apply_committed(batch);
+            }
+            Ok(Commit::Fenced) => return StepDown::Fenced,
+            Err(e) => return StepDown::Etcd(e),
+        }
+        info!(epoch, seq = spec.seq(), replica = %self.shared.replica, "leading");
+        let (tx, mut inbox) = mpsc::channel::<Request>(4096);
+        *self
+            .shared
+            .sequencer
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(tx);
+        self.shared
+            .set_role(Role::Leader, epoch, self.shared.address.clone());
+
+        let mut pending = Batch::new();
+        let mut inflight: Option<(
+            tokio::task::JoinHandle<Result<Commit, LogError>>,
+            Batch,
+            pb::EventBatch,
+        )> = None;
+        let mut last_snap = spec.seq();
+        let reason = loop {
+            let full = pending.events.len() >= self.limits.max_events
+                || pending.bytes >= self.limits.max_bytes;
+            tokio::select! {
+                biased;
+                _ = shutdown.changed() => break StepDown::Shutdown,
+                _ = session.lost() => break StepDown::LeaseLost,
+                done = async { (&mut inflight.as_mut().expect("guarded").0).await }, if inflight.is_some() => {
+                    let (_, batch, eb) = inflight.take().expect("guarded");
+                    match done {
+                        Ok(Ok(Commit::Done { head_rev: r })) => {
+                            head_rev = r;
+                            self.shared.apply_committed(eb);
+                            for w in batch.waiters {
+                                let _ = w.tx.send(Ok(Committed { reply: w.reply, seq: w.seq, epoch }));
+                            }
+                        }
+                        Ok(Ok(Commit::Fenced)) => {
+                            fail(batch, "leadership lost before the write committed; retry");
+                            break StepDown::Fenced;
+                        }
+                        Ok(Err(e)) => {
+                            fail(batch, "the ledger write's outcome is unknown (etcd error); retry, requests are idempotent");
+                            break StepDown::Etcd(e);
+                        }
+                        Err(join) => {
+                            fail(batch, "the ledger write task failed; retry");
+                            break StepDown::Bug(join.to_string());
+                        }
+                    }
+                }
+                req = inbox.recv(), if !full => {
+                    let Some(req) = req else { break StepDown::Shutdown };
+                    if let Err(stop) = decide(&mut spec, &mut pending, req, epoch) {
+                        break stop;
+                    }
+                    // Take whatever else is already queued into the same batch.
+                    let mut stop = None;
+                    while pending.events.len() < self.limits.max_events && pending.bytes < self.limits.max_bytes {
+                        let Ok(req) = inbox.try_recv() else { break };
+                        if let Err(s) = decide(&mut spec, &mut pending, req, epoch) {
+                            stop = Some(s);
+                            break;
+                        }
+                    }
+                    if let Some(s) = stop {
+                        break s;
+                    }
+                }
+            }
+            // Nothing in flight: launch the pending batch (or answer waiters that wrote nothing).
+            if inflight.is_none() && !pending.waiters.is_empty() {
+                if !session.alive() {
+                    fail(
+                        std::mem::replace(&mut pending, Batch::new()),
+                        "this replica's lease expired; retry",
+                    );
+                    break StepDown::LeaseLost;
+                }
+                let batch = std::mem::replace(&mut pending, Batch::new());
+                if batch.events.is_empty() {
+                    for w in batch.waiters {
+                        let _ = w.tx.send(Ok(Committed {
+                            reply: w.reply,
+                            seq: w.seq,
+                            epoch,
+                        }));
+                    }
+                } else {
+                    let eb = self.make_batch(epoch, batch.events.clone());
+                    let log = self.log.clone();
+                    let key = self.key.key().to_vec();
+                    let rev = self.key.rev();
+                    let eb2 = eb.clone();
+                    let h =
+                        tokio::spawn(async move { log.commit(&key, rev, head_rev, &eb2).await });
+                    inflight = Some((h, batch, eb));
+                }
+            }
+            if inflight.is_none()
+                && pending.waiters.is_empty()
+                && self.snapshot_every > 0
+                && spec.seq() >= last_snap + self.snapshot_every
+            {
+                last_snap = spec.seq();
+                crate::tail::spawn_snapshot(self.shared.clone(), self.log.clone());
+            }
+        };
+        // Stop granting at once: no new requests reach this sequencer.
+        *self
+            .shared
+            .sequencer
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = None;
+        inbox.close();
+        while let Ok(r) = inbox.try_recv() {
+            let _ = r
+                .reply
+                .send(Err(Status::unavailable("leadership lost; retry")));
+        }
+        fail(pending, "leadership lost; retry");
+        if let Some((h, batch, eb)) = inflight.take() {
+            // Let an in-flight write finish so its outcome is known to the waiters.
+            match tokio::time::timeout(Duration::from_secs(2), h).await {
+                Ok(Ok(Ok(Commit::Done { .. }))) => {
+                    self.shared.apply_committed(eb);
+                    for w in batch.waiters {
+                        let _ = w.tx.send(Ok(Committed {
+                            reply: w.reply,
+                            seq: w.seq,
+                            epoch,
+                        }));
+                    }
+                }
+                _ => fail(
+                    batch,
+                    "leadership lost; outcome unknown, retry (requests are idempotent)",
+                ),
+            }
+        }
+        match &reason {
+            StepDown::Shutdown => info!(epoch, "leader shutting down"),
+            other => warn!(epoch, reason = ?other, "stepping down"),
+        }
+        reason
+    }
+
+    fn make_batch(&self, epoch: u64, events: Vec<pb::Event>) -> pb::EventBatch {
+        pb::EventBatch {
+            version: 1,
+            first_seq: events.first().map_or(0, |e| e.seq),
+            epoch,
+            events,
+        }
+    }
+}
+
+fn decide(
+    spec: &mut Ledger,
+    pending: &mut Batch,
+    req: Request,
+    epoch: u64,
+) -> Result<(), StepDown> {
+    match spec.execute(req.cmd, epoch, now_ms()) {
+        Ok((events, reply)) => {
+            let seq = spec.seq();
+            for e in &events {
+                pending.bytes += e.encoded_len() + 4;
+            }
+            pending.events.extend(events);
+            pending.waiters.push(Waiter {
+                tx: req.reply,
+                reply,
+                seq,
+            });
+            Ok(())
+        }
+        Err(CommandError::Bug(e)) => {
+            let _ = req.reply.send(Err(Status::internal(format!(
+                "refused to write an invalid event: {e}"
+            ))));
+            Err(StepDown::Bug(e.to_string()))
+        }
+        Err(e) => {
+            let _ = req.reply.send(Err(crate::service::status_of(&e)));
+            Ok(())
+        }
+    }
+}
+
+fn fail(batch: Batch, why: &str) {
+    for w in batch.waiters {
+        let _ = w.tx.send(Err(Status::unavailable(why.to_string())));
+    }
+}
+
+/// Default limits: 128 events (etcd's default --max-txn-ops) and 1 MiB.
+impl Default for BatchLimits {
+    fn default() -> Self {
+        BatchLimits {
+            max_events: 128,
+            max_bytes: MAX_VALUE_BYTES,
+        }
+    }
+}

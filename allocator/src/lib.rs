@@ -1,0 +1,17 @@
+//! The gpuledger allocator: a leader-elected replica of the GPU ledger on etcd.
+//!
+//! Every replica folds the committed log into the same state and serves reads; the elected
+//! leader decides writes, batches their events and appends them to etcd in one fenced
+//! transaction per batch. See `DESIGN.md` ("The ledger", "etcd layout and the write protocol").
+
+pub mod config;
+pub mod election;
+pub mod leader;
+pub mod log;
+pub mod replica;
+pub mod service;
+pub mod shared;
+pub mod tail;
+
+pub use config::Config;
+pub use replica::run;

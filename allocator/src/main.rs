@@ -1,0 +1,27 @@
+//! `gpuledger-allocator`: a thin shell around `gpuledger_allocator::run`.
+
+use clap::Parser;
+use gpuledger_allocator::Config;
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    let cfg = Config::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_env("GPULEDGER_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    if cfg.log_format == "json" {
+        tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .json()
+            .init();
+    } else {
+        tracing_subscriber::fmt().with_env_filter(filter).init();
+    }
+    match gpuledger_allocator::run(cfg).await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e:#}");
+            eprintln!("gpuledger-allocator: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,246 @@
+//! One allocator replica: serve the API, load and follow the ledger, campaign, lead.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use etcd_client::{Client, ConnectOptions};
+use gpuledger_proto::allocator::v1::allocator_server::AllocatorServer;
+use tokio::sync::watch;
+use tracing::{info, warn};
+
+use crate::config::Config;
+use crate::election::{self, Session};
+use crate::leader::{BatchLimits, Leader, StepDown};
+use crate::log::EtcdLog;
+use crate::service::Service;
+use crate::shared::{Role, Shared};
+use crate::tail;
+
+/// Connect to etcd (lazily: the connection is made by the first request).
+pub async fn connect(endpoints: &[String]) -> anyhow::Result<Client> {
+    let opts = ConnectOptions::new()
+        .with_connect_timeout(Duration::from_secs(1))
+        .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2))
+        .with_require_leader(true);
+    Client::connect(endpoints, Some(opts))
+        .await
+        .with_context(|| format!("connecting to etcd at {}", endpoints.join(",")))
+}
+
+/// Run a replica until SIGTERM or SIGINT.
+pub async fn run(cfg: Config) -> anyhow::Result<()> {
+    let (stop_tx, stop_rx) = watch::channel(false);
+    tokio::spawn(async move {
+        wait_for_signal().await;
+        let _ = stop_tx.send(true);
+    });
+    run_until(cfg, stop_rx).await
+}
+
+async fn wait_for_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        futures::future::pending::<()>().await;
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => info!("SIGTERM: shutting down"),
+        _ = int.recv() => info!("SIGINT: shutting down"),
+    }
+}
+
+/// Run a replica until `stop` turns true.
+pub async fn run_until(cfg: Config, stop: watch::Receiver<bool>) -> anyhow::Result<()> {
+    let shared = Shared::new(cfg.replica(), cfg.advertise());
+    let client = connect(&cfg.etcd_endpoints).await?;
+    let log = EtcdLog::new(
+        &client,
+        &cfg.cluster,
+        Duration::from_millis(cfg.etcd_timeout_ms),
+    );
+    let listener = tokio::net::TcpListener::bind(cfg.listen)
+        .await
+        .with_context(|| format!("listening on {}", cfg.listen))?;
+    info!(
+        listen = %cfg.listen,
+        advertise = %shared.address,
+        replica = %shared.replica,
+        cluster = %cfg.cluster,
+        "gpuledger-allocator starting"
+    );
+    let service = Service::new(
+        shared.clone(),
+        client.clone(),
+        log.clone(),
+        Duration::from_secs(cfg.reserve_ttl),
+    );
+    let mut grpc_stop = stop.clone();
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .tcp_nodelay(true)
+            .add_service(
+                AllocatorServer::new(service)
+                    .max_decoding_message_size(64 * 1024 * 1024)
+                    .max_encoding_message_size(256 * 1024 * 1024),
+            )
+            .serve_with_incoming_shutdown(
+                tokio_stream::wrappers::TcpListenerStream::new(listener),
+                async move {
+                    let _ = grpc_stop.wait_for(|s| *s).await;
+                },
+            ),
+    );
+    tokio::spawn(health_loop(shared.clone(), client.clone(), log.clone()));
+
+    let result = lifecycle(&cfg, &shared, &client, &log, stop.clone()).await;
+    // Give in-flight RPCs a moment, then stop serving.
+    let _ = tokio::time::timeout(Duration::from_secs(2), server).await;
+    result
+}
+
+async fn lifecycle(
+    cfg: &Config,
+    shared: &Arc<Shared>,
+    client: &Client,
+    log: &EtcdLog,
+    mut stop: watch::Receiver<bool>,
+) -> anyhow::Result<()> {
+    // Load the ledger (retry until etcd answers).
+    loop {
+        if *stop.borrow() {
+            return Ok(());
+        }
+        match tail::load(shared, log).await {
+            Ok(()) => break,
+            Err(e @ crate::log::LogError::Corrupt { .. }) => {
+                shared
+                    .health
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .broken = Some(e.to_string());
+                warn!(error = %e, "the ledger does not load; serving status only");
+                let _ = stop.wait_for(|s| *s).await;
+                return Ok(());
+            }
+            Err(e) => {
+                warn!(error = %e, "loading the ledger failed; retrying");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }
+    }
+    shared.set_role(Role::Follower, shared.read(|l| l.epoch()), String::new());
+    let limits = BatchLimits {
+        max_events: cfg.max_txn_ops.max(1),
+        max_bytes: cfg.max_batch_bytes.clamp(4096, crate::log::MAX_VALUE_BYTES),
+    };
+    loop {
+        if *stop.borrow() {
+            return Ok(());
+        }
+        // Follow the log while campaigning.
+        let follower = tokio::spawn(tail::follow(
+            shared.clone(),
+            client.clone(),
+            log.clone(),
+            cfg.snapshot_every,
+        ));
+        let session = match Session::start(client, cfg.lease_ttl()).await {
+            Ok(s) => s,
+            Err(e) => {
+                warn!(error = %e, "cannot get an etcd lease; following only");
+                follower.abort();
+                let _ = follower.await;
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+                    _ = stop.changed() => {}
+                }
+                continue;
+            }
+        };
+        let election_name = log.election_name();
+        let won = tokio::select! {
+            r = election::campaign(client, &election_name, &shared.address, session.lease_id) => Some(r),
+            _ = session.lost() => None,
+            _ = stop.changed() => None,
+        };
+        follower.abort();
+        let _ = follower.await;
+        let key = match won {
+            Some(Ok(k)) => k,
+            Some(Err(e)) => {
+                warn!(error = %e, "campaign failed; retrying");
+                session.revoke(client).await;
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                continue;
+            }
+            None => {
+                session.revoke(client).await;
+                continue;
+            }
+        };
+        info!(epoch = key.rev(), "elected");
+        let leader = Leader {
+            shared: shared.clone(),
+            log: log.clone(),
+            key,
+            limits,
+            snapshot_every: cfg.snapshot_every,
+        };
+        let why = leader.run(&session, stop.clone()).await;
+        let epoch = shared.role_info().epoch;
+        shared.set_role(Role::Follower, epoch, String::new());
+        // Resign by revoking the lease: the election key goes at once, so a follower takes
+        // over without waiting for the TTL.
+        session.revoke(client).await;
+        if let StepDown::Bug(b) = &why {
+            warn!(bug = %b, "reloading the ledger from etcd after an internal error");
+            let _ = tail::load(shared, log).await;
+        }
+        if matches!(why, StepDown::Shutdown) {
+            return Ok(());
+        }
+        // Let another replica win before campaigning again.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Every second: confirm etcd answers (a linearizable read needs quorum) and learn the
+/// current leader. This is what makes reads fail closed when etcd is gone.
+async fn health_loop(shared: Arc<Shared>, client: Client, log: EtcdLog) {
+    loop {
+        let head = log.head().await;
+        let leader = election::current_leader(&client, &log.election_name()).await;
+        {
+            let mut h = shared.health.lock().unwrap_or_else(|p| p.into_inner());
+            match &head {
+                Ok(hd) => {
+                    if !h.etcd_ok {
+                        info!("etcd reachable");
+                    }
+                    h.etcd_ok = true;
+                    h.reason.clear();
+                    h.head_seq = hd.seq;
+                }
+                Err(e) => {
+                    if h.etcd_ok {
+                        warn!(error = %e, "etcd unreachable: granting nothing until it is back");
+                    }
+                    h.etcd_ok = false;
+                    h.reason = format!("etcd unreachable: {e}");
+                }
+            }
+        }
+        let info = shared.role_info();
+        if info.role == Role::Follower {
+            let (addr, epoch) = leader.map_or((String::new(), info.epoch), |(a, e)| (a, e as u64));
+            if addr != info.leader || epoch != info.epoch {
+                shared.set_role(Role::Follower, epoch, addr);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(if head.is_ok() { 1000 } else { 250 })).await;
+    }
+}

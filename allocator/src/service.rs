@@ -1,0 +1,731 @@
+//! The gRPC API. Reads are served from this replica's committed state; writes go to the
+//! leader's sequencer, here or — forwarded transparently — on the leader replica.
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use futures::Stream;
+use gpuledger_ledger::placement::{self, Fit};
+use gpuledger_ledger::{Command, CommandError, ContainerRequest, PodRequest, Reply, Selector, pb};
+use gpuledger_proto::allocator::v1 as api;
+use gpuledger_proto::allocator::v1::allocator_client::AllocatorClient;
+use gpuledger_proto::allocator::v1::allocator_server::Allocator;
+use tokio::sync::{broadcast, mpsc, oneshot};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Request, Response, Status};
+use tracing::debug;
+
+use crate::log::EtcdLog;
+use crate::shared::{Committed, Role, Shared};
+
+/// Metadata key marking a request already forwarded once (never forwarded twice).
+const FORWARDED: &str = "x-gpuledger-forwarded";
+/// How long a write may wait for a leader to appear (covers a failover).
+const FORWARD_WINDOW: Duration = Duration::from_secs(6);
+
+/// Map a refused command to a gRPC status.
+pub fn status_of(e: &CommandError) -> Status {
+    match e {
+        CommandError::Invalid(m) => Status::invalid_argument(m.clone()),
+        CommandError::NotFound(m) => Status::not_found(m.clone()),
+        CommandError::NoCapacity(m) => Status::resource_exhausted(m.clone()),
+        CommandError::Unsatisfiable(m) => Status::failed_precondition(m.clone()),
+        CommandError::Conflict(m) => Status::already_exists(m.clone()),
+        CommandError::Bug(m) => Status::internal(m.to_string()),
+    }
+}
+
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
+
+/// Convert an API pod request into the ledger's form, rejecting what is malformed.
+pub fn pod_request(r: Option<api::PodRequest>) -> Result<PodRequest, Status> {
+    let r = r.ok_or_else(|| Status::invalid_argument("request is missing"))?;
+    let pod = r
+        .pod
+        .ok_or_else(|| Status::invalid_argument("request.pod is missing"))?;
+    let p = r.placement.unwrap_or_default();
+    let policy = p.policy.parse().map_err(Status::invalid_argument)?;
+    let req = PodRequest {
+        pod,
+        containers: r
+            .containers
+            .into_iter()
+            .map(|c| ContainerRequest {
+                name: c.name,
+                slices: c.slices,
+                mem_mib: c.mem_mib,
+                mem_percent: c.mem_percent,
+                core_milli: c.core_milli,
+            })
+            .collect(),
+        selector: Selector {
+            types: p.gpu_types,
+            types_exclude: p.gpu_types_exclude,
+            uuids: p.gpu_uuids,
+            uuids_exclude: p.gpu_uuids_exclude,
+            ..Default::default()
+        },
+        policy,
+        cpu_milli: r.cpu_milli,
+        memory_mib: r.memory_mib,
+        ..Default::default()
+    };
+    req.validate().map_err(Status::invalid_argument)?;
+    Ok(req)
+}
+
+/// The gRPC service of one replica.
+#[derive(Clone)]
+pub struct Service {
+    shared: Arc<Shared>,
+    etcd: etcd_client::Client,
+    log: EtcdLog,
+    reserve_ttl: Duration,
+    channels: Arc<Mutex<HashMap<String, Channel>>>,
+}
+
+type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
+
+impl Service {
+    /// A service over `shared`.
+    pub fn new(
+        shared: Arc<Shared>,
+        etcd: etcd_client::Client,
+        log: EtcdLog,
+        reserve_ttl: Duration,
+    ) -> Self {
+        Service {
+            shared,
+            etcd,
+            log,
+            reserve_ttl,
+            channels: Arc::new(Mutex::new(HashMap::new())),
+        }
+    }
+
+    fn check_serving(&self) -> Result<(), Status> {
+        self.shared.serving().map_err(Status::unavailable)
+    }
+
+    /// Submit to the local sequencer when leading; None when not leading.
+    async fn local(&self, cmd: Command) -> Option<Result<Committed, Status>> {
+        let tx = self
+            .shared
+            .sequencer
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()?;
+        let (otx, orx) = oneshot::channel();
+        if tx
+            .send(crate::shared::Request { cmd, reply: otx })
+            .await
+            .is_err()
+        {
+            return Some(Err(Status::unavailable("leadership lost; retry")));
+        }
+        Some(match orx.await {
+            Ok(r) => r,
+            Err(_) => Err(Status::unavailable("leader stepped down; retry")),
+        })
+    }
+
+    async fn leader_channel(&self, refresh: bool) -> Result<(String, Channel), Status> {
+        let mut addr = self.shared.role_info().leader;
+        if refresh || addr.is_empty() || addr == self.shared.address {
+            match crate::election::current_leader(&self.etcd, &self.log.election_name()).await {
+                Some((a, _)) => addr = a,
+                None => {
+                    let why = self.shared.serving().err().unwrap_or_else(|| {
+                        "no allocator leader is elected right now (election in progress)".into()
+                    });
+                    return Err(Status::unavailable(why));
+                }
+            }
+        }
+        if addr == self.shared.address {
+            return Err(Status::unavailable(
+                "this replica was leader but is stepping down; retry",
+            ));
+        }
+        if let Some(c) = self
+            .channels
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&addr)
+        {
+            return Ok((addr, c.clone()));
+        }
+        let ep = Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(|e| Status::internal(format!("bad leader address {addr}: {e}")))?
+            .connect_timeout(Duration::from_millis(500))
+            .tcp_nodelay(true);
+        let ch = ep.connect_lazy();
+        self.channels
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(addr.clone(), ch.clone());
+        Ok((addr, ch))
+    }
+
+    /// Run `cmd` on the leader: locally, or by forwarding `req` with `call`.
+    async fn write<Q, R, F, Fut>(
+        &self,
+        req: Request<Q>,
+        cmd: impl Fn() -> Result<Command, Status>,
+        local_reply: impl Fn(Committed) -> Result<R, Status>,
+        call: F,
+    ) -> Result<Response<R>, Status>
+    where
+        Q: Clone,
+        F: Fn(AllocatorClient<Channel>, Request<Q>) -> Fut,
+        Fut: std::future::Future<Output = Result<Response<R>, Status>>,
+    {
+        let forwarded = req.metadata().get(FORWARDED).is_some();
+        let inner = req.into_inner();
+        let started = tokio::time::Instant::now();
+        let mut refresh = false;
+        loop {
+            if let Some(r) = self.local(cmd()?).await {
+                return r.and_then(local_reply).map(Response::new);
+            }
+            if forwarded {
+                return Err(Status::unavailable("not the leader (forwarded request)"));
+            }
+            let last = match self.leader_channel(refresh).await {
+                Ok((addr, ch)) => {
+                    let mut r = Request::new(inner.clone());
+                    r.metadata_mut()
+                        .insert(FORWARDED, tonic::metadata::MetadataValue::from_static("1"));
+                    r.set_timeout(Duration::from_secs(10));
+                    match call(AllocatorClient::new(ch), r).await {
+                        Ok(resp) => return Ok(resp),
+                        Err(s) if s.code() == tonic::Code::Unavailable => {
+                            debug!(leader = %addr, error = %s.message(), "forward failed; looking for the leader again");
+                            s
+                        }
+                        Err(s) => return Err(s),
+                    }
+                }
+                Err(s) => s,
+            };
+            if started.elapsed() > FORWARD_WINDOW {
+                return Err(last);
+            }
+            refresh = true;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+fn done(c: Committed) -> Result<api::WriteResponse, Status> {
+    let changed = matches!(c.reply, Reply::Done { changed: true });
+    Ok(api::WriteResponse {
+        seq: c.seq,
+        epoch: c.epoch,
+        changed,
+    })
+}
+
+fn event_node(e: &pb::Event) -> Option<&str> {
+    use pb::event::Body;
+    Some(match e.body.as_ref()? {
+        Body::NodeRegistered(r) => r.inventory.as_ref()?.node.as_str(),
+        Body::NodeRemoved(r) => &r.node,
+        Body::DeviceHealthChanged(h) => &h.node,
+        Body::Reserved(r) => &r.node,
+        Body::Bound(b) => &b.node,
+        Body::Assigned(a) => &a.node,
+        Body::IdentityCorrected(c) => &c.node,
+        Body::Released(r) => &r.node,
+        Body::LimitViolated(v) => &v.node,
+        Body::LeaderElected(_) | Body::QuotaSet(_) => return None,
+    })
+}
+
+fn for_node(e: &pb::Event, node: &str) -> bool {
+    event_node(e).is_none_or(|n| n == node)
+}
+
+#[tonic::async_trait]
+impl Allocator for Service {
+    async fn register_node(
+        &self,
+        req: Request<api::RegisterNodeRequest>,
+    ) -> Result<Response<api::WriteResponse>, Status> {
+        let inv = req
+            .get_ref()
+            .inventory
+            .clone()
+            .ok_or_else(|| Status::invalid_argument("inventory is missing"))?;
+        self.write(
+            req,
+            || Ok(Command::RegisterNode(inv.clone())),
+            done,
+            |mut c, r| async move { c.register_node(r).await },
+        )
+        .await
+    }
+
+    async fn remove_node(
+        &self,
+        req: Request<api::RemoveNodeRequest>,
+    ) -> Result<Response<api::WriteResponse>, Status> {
+        let r = req.get_ref().clone();
+        self.write(
+            req,
+            || {
+                Ok(Command::RemoveNode {
+                    node: r.node.clone(),
+                    reason: r.reason.clone(),
+                })
+            },
+            done,
+            |mut c, r| async move { c.remove_node(r).await },
+        )
+        .await
+    }
+
+    async fn set_device_health(
+        &self,
+        req: Request<api::SetDeviceHealthRequest>,
+    ) -> Result<Response<api::WriteResponse>, Status> {
+        let r = req.get_ref().clone();
+        self.write(
+            req,
+            || {
+                Ok(Command::SetDeviceHealth(pb::DeviceHealthChanged {
+                    node: r.node.clone(),
+                    gpu_uuid: r.gpu_uuid.clone(),
+                    healthy: r.healthy,
+                    reason: r.reason.clone(),
+                    xid: r.xid,
+                }))
+            },
+            done,
+            |mut c, r| async move { c.set_device_health(r).await },
+        )
+        .await
+    }
+
+    async fn filter(
+        &self,
+        req: Request<api::FilterRequest>,
+    ) -> Result<Response<api::FilterResponse>, Status> {
+        self.check_serving()?;
+        let r = req.into_inner();
+        let pr = pod_request(r.request)?;
+        let resp = self.shared.read(|l| {
+            let mut out = api::FilterResponse {
+                seq: l.seq(),
+                ..Default::default()
+            };
+            let names: Vec<String> = if r.nodes.is_empty() {
+                l.nodes().keys().cloned().collect()
+            } else {
+                r.nodes
+            };
+            for n in names {
+                match l.node(&n) {
+                    None => {
+                        out.unresolvable.insert(
+                            n.clone(),
+                            "node is not registered with gpuledger (no node agent running there?)"
+                                .into(),
+                        );
+                    }
+                    Some(ns) => match placement::fit_node(ns, &pr) {
+                        Fit::Fits => out.nodes.push(n),
+                        Fit::Wait(why) => {
+                            out.failed.insert(n, why);
+                        }
+                        Fit::Never(why) => {
+                            out.unresolvable.insert(n, why);
+                        }
+                    },
+                }
+            }
+            out
+        });
+        Ok(Response::new(resp))
+    }
+
+    async fn score(
+        &self,
+        req: Request<api::ScoreRequest>,
+    ) -> Result<Response<api::ScoreResponse>, Status> {
+        self.check_serving()?;
+        let r = req.into_inner();
+        let pr = pod_request(r.request)?;
+        let resp = self.shared.read(|l| api::ScoreResponse {
+            seq: l.seq(),
+            scores: r
+                .nodes
+                .iter()
+                .map(|n| api::NodeScore {
+                    node: n.clone(),
+                    score: l.node(n).map_or(0, |ns| placement::score_node(ns, &pr)),
+                })
+                .collect(),
+        });
+        Ok(Response::new(resp))
+    }
+
+    async fn reserve(
+        &self,
+        req: Request<api::ReserveRequest>,
+    ) -> Result<Response<api::ReserveResponse>, Status> {
+        let r = req.get_ref().clone();
+        if r.node.is_empty() {
+            return Err(Status::invalid_argument(
+                "node is empty: reserve needs the node the scheduler chose",
+            ));
+        }
+        let pr = pod_request(r.request.clone())?;
+        let ttl = if r.ttl_ms > 0 {
+            Duration::from_millis(r.ttl_ms)
+        } else {
+            self.reserve_ttl
+        };
+        self.write(
+            req,
+            || {
+                Ok(Command::Reserve {
+                    request: pr.clone(),
+                    node: r.node.clone(),
+                    deadline_ms: now_ms() + ttl.as_millis() as i64,
+                })
+            },
+            |c| match c.reply {
+                Reply::Reserved {
+                    allocations,
+                    created,
+                } => Ok(api::ReserveResponse {
+                    allocations,
+                    seq: c.seq,
+                    epoch: c.epoch,
+                    created,
+                }),
+                other => Err(Status::internal(format!("unexpected reply {other:?}"))),
+            },
+            |mut c, r| async move { c.reserve(r).await },
+        )
+        .await
+    }
+
+    async fn confirm_bound(
+        &self,
+        req: Request<api::ConfirmBoundRequest>,
+    ) -> Result<Response<api::WriteResponse>, Status> {
+        let r = req.get_ref().clone();
+        self.write(
+            req,
+            || {
+                Ok(Command::ConfirmBound {
+                    pod_uid: r.pod_uid.clone(),
+                    node: r.node.clone(),
+                    reason: "confirmed by the extender".into(),
+                })
+            },
+            done,
+            |mut c, r| async move { c.confirm_bound(r).await },
+        )
+        .await
+    }
+
+    async fn assign(
+        &self,
+        req: Request<api::AssignRequest>,
+    ) -> Result<Response<api::AssignResponse>, Status> {
+        let r = req.get_ref().clone();
+        self.write(
+            req,
+            || {
+                Ok(Command::Assign {
+                    node: r.node.clone(),
+                    allocation_id: r.allocation_id,
+                    device_ids: r.device_ids.clone(),
+                })
+            },
+            |c| match c.reply {
+                Reply::Assigned(a) => Ok(api::AssignResponse {
+                    allocation: Some(a),
+                    seq: c.seq,
+                    epoch: c.epoch,
+                }),
+                other => Err(Status::internal(format!("unexpected reply {other:?}"))),
+            },
+            |mut c, r| async move { c.assign(r).await },
+        )
+        .await
+    }
+
+    async fn correct_identity(
+        &self,
+        req: Request<api::CorrectIdentityRequest>,
+    ) -> Result<Response<api::WriteResponse>, Status> {
+        let r = req.get_ref().clone();
+        self.write(
+            req,
+            || {
+                Ok(Command::CorrectIdentity {
+                    node: r.node.clone(),
+                    from_allocation_id: r.from_allocation_id,
+                    to_allocation_id: r.to_allocation_id,
+                    device_ids: r.device_ids.clone(),
+                })
+            },
+            done,
+            |mut c, r| async move { c.correct_identity(r).await },
+        )
+        .await
+    }
+
+    async fn release(
+        &self,
+        req: Request<api::ReleaseRequest>,
+    ) -> Result<Response<api::WriteResponse>, Status> {
+        let r = req.get_ref().clone();
+        if r.pod_uid.is_empty() && r.allocation_id == 0 {
+            return Err(Status::invalid_argument(
+                "release needs pod_uid or allocation_id",
+            ));
+        }
+        self.write(
+            req,
+            || {
+                Ok(Command::Release {
+                    pod_uid: r.pod_uid.clone(),
+                    container: r.container.clone(),
+                    allocation_id: r.allocation_id,
+                    reason: if r.reason.is_empty() {
+                        "released".into()
+                    } else {
+                        r.reason.clone()
+                    },
+                })
+            },
+            done,
+            |mut c, r| async move { c.release(r).await },
+        )
+        .await
+    }
+
+    async fn report_violation(
+        &self,
+        req: Request<api::ReportViolationRequest>,
+    ) -> Result<Response<api::WriteResponse>, Status> {
+        let v = req
+            .get_ref()
+            .violation
+            .clone()
+            .ok_or_else(|| Status::invalid_argument("violation is missing"))?;
+        self.write(
+            req,
+            || Ok(Command::ReportViolation(v.clone())),
+            done,
+            |mut c, r| async move { c.report_violation(r).await },
+        )
+        .await
+    }
+
+    type SubscribeStream = BoxStream<api::SubscribeResponse>;
+
+    async fn subscribe(
+        &self,
+        req: Request<api::SubscribeRequest>,
+    ) -> Result<Response<Self::SubscribeStream>, Status> {
+        self.check_serving()?;
+        let r = req.into_inner();
+        if r.node.is_empty() {
+            return Err(Status::invalid_argument("node is empty"));
+        }
+        let mut rx = self.shared.batches.subscribe();
+        let shared = self.shared.clone();
+        let node = r.node;
+        let (tx, out) = mpsc::channel(256);
+        // Start: a view of the node, or the recent events after from_seq.
+        let (first, mut last) = {
+            let resume = if r.from_seq > 0 {
+                shared.recent_after(r.from_seq)
+            } else {
+                None
+            };
+            let epoch = shared.role_info().epoch;
+            match resume {
+                Some(batches) if shared.read(|l| l.seq()) >= r.from_seq => {
+                    let msgs: Vec<api::SubscribeResponse> = batches
+                        .iter()
+                        .flat_map(|b| b.events.iter())
+                        .filter(|e| e.seq > r.from_seq && for_node(e, &node))
+                        .map(|e| api::SubscribeResponse {
+                            epoch: e.epoch.max(epoch),
+                            body: Some(api::subscribe_response::Body::Event(e.clone())),
+                        })
+                        .collect();
+                    let last = batches
+                        .last()
+                        .and_then(|b| b.events.last())
+                        .map_or(r.from_seq, |e| e.seq);
+                    (msgs, last)
+                }
+                _ => shared.read(|l| {
+                    let mut allocations: Vec<pb::Allocation> = l
+                        .node(&node)
+                        .map(|n| {
+                            n.allocs
+                                .iter()
+                                .filter_map(|id| l.alloc(*id))
+                                .map(|a| a.to_pb())
+                                .collect()
+                        })
+                        .unwrap_or_default();
+                    allocations.sort_by_key(|a| a.id);
+                    let view = api::NodeView {
+                        seq: l.seq(),
+                        inventory: l.node(&node).map(|n| n.inventory()),
+                        allocations,
+                    };
+                    (
+                        vec![api::SubscribeResponse {
+                            epoch: l.epoch().max(epoch),
+                            body: Some(api::subscribe_response::Body::View(view)),
+                        }],
+                        l.seq(),
+                    )
+                }),
+            }
+        };
+        tokio::spawn(async move {
+            for m in first {
+                if tx.send(Ok(m)).await.is_err() {
+                    return;
+                }
+            }
+            loop {
+                match rx.recv().await {
+                    Ok(b) => {
+                        for e in &b.events {
+                            if e.seq <= last {
+                                continue;
+                            }
+                            last = e.seq;
+                            if !for_node(e, &node) {
+                                continue;
+                            }
+                            let m = api::SubscribeResponse {
+                                epoch: e.epoch,
+                                body: Some(api::subscribe_response::Body::Event(e.clone())),
+                            };
+                            if tx.send(Ok(m)).await.is_err() {
+                                return;
+                            }
+                        }
+                    }
+                    Err(broadcast::error::RecvError::Lagged(n)) => {
+                        let _ = tx
+                            .send(Err(Status::resource_exhausted(format!(
+                                "subscriber fell {n} batches behind; resubscribe from seq {last}"
+                            ))))
+                            .await;
+                        return;
+                    }
+                    Err(broadcast::error::RecvError::Closed) => return,
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(out))))
+    }
+
+    async fn status(
+        &self,
+        _req: Request<api::StatusRequest>,
+    ) -> Result<Response<api::StatusResponse>, Status> {
+        let role = self.shared.role_info();
+        let (seq, nodes, allocations) = self
+            .shared
+            .read(|l| (l.seq(), l.nodes().len() as u64, l.allocs().len() as u64));
+        let serving = self.shared.serving();
+        let leader_known = role.role == Role::Leader || !role.leader.is_empty();
+        let not_ready = match (&serving, leader_known) {
+            (Err(e), _) => e.clone(),
+            (Ok(()), false) => "no allocator leader is elected right now".into(),
+            _ => String::new(),
+        };
+        Ok(Response::new(api::StatusResponse {
+            replica: self.shared.replica.clone(),
+            address: self.shared.address.clone(),
+            role: role.role.as_str().into(),
+            leader: role.leader,
+            epoch: role.epoch,
+            seq,
+            ready: not_ready.is_empty(),
+            not_ready_reason: not_ready,
+            nodes,
+            allocations,
+        }))
+    }
+
+    async fn dump(
+        &self,
+        _req: Request<api::DumpRequest>,
+    ) -> Result<Response<api::DumpResponse>, Status> {
+        let snapshot = self.shared.read(|l| l.to_snapshot());
+        Ok(Response::new(api::DumpResponse {
+            snapshot: Some(snapshot),
+            replica: self.shared.replica.clone(),
+        }))
+    }
+
+    type ReadLogStream = BoxStream<pb::EventBatch>;
+
+    async fn read_log(
+        &self,
+        req: Request<api::ReadLogRequest>,
+    ) -> Result<Response<Self::ReadLogStream>, Status> {
+        let r = req.into_inner();
+        let log = self.log.clone();
+        let (tx, out) = mpsc::channel(64);
+        tokio::spawn(async move {
+            let tx2 = tx.clone();
+            // Batches are handed over synchronously; a bounded channel with blocking_send would
+            // stall the runtime, so collect a page at a time.
+            let mut from = r.from_seq.max(1);
+            loop {
+                let mut page = Vec::new();
+                let res = log
+                    .read_with(from, r.to_seq, 0, |b| {
+                        page.push(b);
+                        page.len() < 256
+                    })
+                    .await;
+                if let Err(e) = res {
+                    let _ = tx2
+                        .send(Err(Status::unavailable(format!("reading the log: {e}"))))
+                        .await;
+                    return;
+                }
+                let Some(last) = page.last().and_then(|b| b.events.last()).map(|e| e.seq) else {
+                    return;
+                };
+                let n = page.len();
+                for b in page {
+                    if tx.send(Ok(b)).await.is_err() {
+                        return;
+                    }
+                }
+                if n < 256 || (r.to_seq > 0 && last >= r.to_seq) {
+                    return;
+                }
+                from = last + 1;
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(out))))
+    }
+}

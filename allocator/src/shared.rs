@@ -1,0 +1,211 @@
+//! What every part of a replica shares: the committed state, the role, the event fan-out.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, RwLock};
+
+use gpuledger_ledger::{Command, Ledger, Reply, pb};
+use tokio::sync::{broadcast, mpsc, oneshot, watch};
+use tonic::Status;
+use tracing::error;
+
+/// How many recent committed batches a replica keeps for subscribers resuming from a seq.
+const RECENT_BATCHES: usize = 4096;
+
+/// A replica's role.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// Starting up: loading the state.
+    Starting,
+    /// Tailing the log, campaigning.
+    Follower,
+    /// Elected; writes go through this replica.
+    Leader,
+}
+
+impl Role {
+    /// Lower-case name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Starting => "starting",
+            Role::Follower => "follower",
+            Role::Leader => "leader",
+        }
+    }
+}
+
+/// A write command on its way to the leader's sequencer.
+pub struct Request {
+    /// What to do.
+    pub cmd: Command,
+    /// Where the answer goes once the events are durable.
+    pub reply: oneshot::Sender<Result<Committed, Status>>,
+}
+
+/// An answer to a write, sent only after its events (and every event before them) committed.
+#[derive(Debug, Clone)]
+pub struct Committed {
+    /// The command's reply.
+    pub reply: Reply,
+    /// Seq of the command's last event (or of the state it was answered from).
+    pub seq: u64,
+    /// Epoch of the leader that answered.
+    pub epoch: u64,
+}
+
+/// Why this replica cannot serve grants (None = it can).
+#[derive(Debug, Clone, Default)]
+pub struct Health {
+    /// etcd answered the last freshness check.
+    pub etcd_ok: bool,
+    /// What went wrong last, for `Status` and error messages.
+    pub reason: String,
+    /// Last head seq seen in etcd.
+    pub head_seq: u64,
+    /// The state met an invalid event and stopped applying (needs an operator).
+    pub broken: Option<String>,
+}
+
+/// State shared by the tail, the sequencer, the gRPC service and the health loop.
+pub struct Shared {
+    /// The committed state (only committed events are ever folded in here).
+    pub state: RwLock<Ledger>,
+    /// Role, epoch and leader address.
+    pub role: watch::Sender<RoleInfo>,
+    /// Committed batches as they are folded in.
+    pub batches: broadcast::Sender<Arc<pb::EventBatch>>,
+    recent: Mutex<VecDeque<Arc<pb::EventBatch>>>,
+    /// The leader's sequencer inbox, while this replica leads.
+    pub sequencer: Mutex<Option<mpsc::Sender<Request>>>,
+    /// Freshness of the view of etcd.
+    pub health: Mutex<Health>,
+    /// This replica's id and advertised gRPC address.
+    pub replica: String,
+    /// Advertised address (what followers forward to).
+    pub address: String,
+}
+
+/// Role plus what goes with it.
+#[derive(Debug, Clone)]
+pub struct RoleInfo {
+    /// Current role.
+    pub role: Role,
+    /// Leader's epoch as known here (0 = none).
+    pub epoch: u64,
+    /// Leader's advertised address as known here.
+    pub leader: String,
+}
+
+impl Shared {
+    /// A replica with an empty state.
+    pub fn new(replica: String, address: String) -> Arc<Shared> {
+        let (role, _) = watch::channel(RoleInfo {
+            role: Role::Starting,
+            epoch: 0,
+            leader: String::new(),
+        });
+        let (batches, _) = broadcast::channel(1024);
+        Arc::new(Shared {
+            state: RwLock::new(Ledger::new()),
+            role,
+            batches,
+            recent: Mutex::new(VecDeque::new()),
+            sequencer: Mutex::new(None),
+            health: Mutex::new(Health::default()),
+            replica,
+            address,
+        })
+    }
+
+    /// Read the committed state.
+    pub fn read<T>(&self, f: impl FnOnce(&Ledger) -> T) -> T {
+        let g = self.state.read().unwrap_or_else(|p| p.into_inner());
+        f(&g)
+    }
+
+    /// Replace the state (after loading a snapshot).
+    pub fn reset(&self, l: Ledger) {
+        *self.state.write().unwrap_or_else(|p| p.into_inner()) = l;
+        self.recent
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+    }
+
+    /// Fold a committed batch into the state and fan it out. Returns false (and marks the
+    /// replica broken) when the batch breaks an invariant.
+    pub fn apply_committed(&self, batch: pb::EventBatch) -> bool {
+        let batch = Arc::new(batch);
+        {
+            let mut st = self.state.write().unwrap_or_else(|p| p.into_inner());
+            for ev in &batch.events {
+                if ev.seq <= st.seq() {
+                    continue;
+                }
+                if let Err(e) = st.apply(ev) {
+                    error!(seq = ev.seq, error = %e, "committed event breaks an invariant; this replica stops applying the log");
+                    self.health.lock().unwrap_or_else(|p| p.into_inner()).broken =
+                        Some(format!("event {} breaks an invariant: {e}", ev.seq));
+                    return false;
+                }
+            }
+        }
+        {
+            let mut r = self.recent.lock().unwrap_or_else(|p| p.into_inner());
+            r.push_back(batch.clone());
+            while r.len() > RECENT_BATCHES {
+                r.pop_front();
+            }
+        }
+        let _ = self.batches.send(batch);
+        true
+    }
+
+    /// Recent committed batches with events after `seq`, if the buffer reaches back that far.
+    pub fn recent_after(&self, seq: u64) -> Option<Vec<Arc<pb::EventBatch>>> {
+        let r = self.recent.lock().unwrap_or_else(|p| p.into_inner());
+        let first = r.front()?.first_seq;
+        if seq + 1 < first {
+            return None;
+        }
+        Some(
+            r.iter()
+                .filter(|b| b.events.last().is_some_and(|e| e.seq > seq))
+                .cloned()
+                .collect(),
+        )
+    }
+
+    /// Set role information.
+    pub fn set_role(&self, role: Role, epoch: u64, leader: String) {
+        self.role.send_replace(RoleInfo {
+            role,
+            epoch,
+            leader,
+        });
+    }
+
+    /// Current role information.
+    pub fn role_info(&self) -> RoleInfo {
+        self.role.borrow().clone()
+    }
+
+    /// Whether reads and grants may be served, and if not why.
+    pub fn serving(&self) -> Result<(), String> {
+        let h = self.health.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(b) = &h.broken {
+            return Err(format!("ledger unavailable: {b}"));
+        }
+        if !h.etcd_ok {
+            let why = if h.reason.is_empty() {
+                "not connected to etcd yet".to_string()
+            } else {
+                h.reason.clone()
+            };
+            return Err(format!("ledger unavailable: {why}"));
+        }
+        if self.role_info().role == Role::Starting {
+            return Err("ledger unavailable: replica is still loading the ledger".into());
+        }
+        Ok(())
+    }
+}

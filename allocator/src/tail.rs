@@ -1,0 +1,181 @@
+//! Followers: load the newest snapshot, range-read the rest of the log, then watch `log/`.
+//! A watch cancelled by compaction (or broken by any error) recovers by range-reading from the
+//! last applied seq and watching again from the revision of that read.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use etcd_client::{Client, EventType, WatchOptions};
+use gpuledger_ledger::Ledger;
+use tracing::{debug, info, warn};
+
+use crate::log::{EtcdLog, LogError, decode_batch};
+use crate::shared::Shared;
+
+/// Build the state from the newest snapshot plus the log after it.
+pub async fn load(shared: &Shared, log: &EtcdLog) -> Result<(), LogError> {
+    let started = std::time::Instant::now();
+    let mut ledger = Ledger::new();
+    if let Some(snap) = log.latest_snapshot(0).await? {
+        ledger = Ledger::from_snapshot(&snap).map_err(|why| LogError::Corrupt {
+            key: format!("{}snapmeta/{:020}", log.prefix(), snap.seq),
+            why,
+        })?;
+        info!(seq = snap.seq, "loaded snapshot");
+    }
+    shared.reset(ledger);
+    catch_up(shared, log).await?;
+    let seq = shared.read(|l| l.seq());
+    info!(
+        seq,
+        elapsed_ms = started.elapsed().as_millis() as u64,
+        "ledger loaded"
+    );
+    Ok(())
+}
+
+/// Range-read and apply every batch after the applied seq. Returns the revision read at.
+pub async fn catch_up(shared: &Shared, log: &EtcdLog) -> Result<i64, LogError> {
+    let from = shared.read(|l| l.seq()) + 1;
+    let mut broken = false;
+    let rev = log
+        .read_with(from, 0, 0, |b| {
+            if shared.apply_committed(b) {
+                true
+            } else {
+                broken = true;
+                false
+            }
+        })
+        .await?;
+    if broken {
+        return Err(LogError::Corrupt {
+            key: log.log_prefix(),
+            why: "an event breaks an invariant (see the log above)".into(),
+        });
+    }
+    Ok(rev)
+}
+
+/// Follow the log until cancelled. Every error is retried; a broken state stops applying.
+pub async fn follow(shared: Arc<Shared>, client: Client, log: EtcdLog, snapshot_every: u64) {
+    let mut last_snap = shared.read(|l| l.seq());
+    loop {
+        if shared
+            .health
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .broken
+            .is_some()
+        {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            continue;
+        }
+        let rev = match catch_up(&shared, &log).await {
+            Ok(r) => r,
+            Err(e) => {
+                warn!(error = %e, "catching up with the log failed; retrying");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                continue;
+            }
+        };
+        if let Err(e) = watch_from(
+            &shared,
+            &client,
+            &log,
+            rev + 1,
+            snapshot_every,
+            &mut last_snap,
+        )
+        .await
+        {
+            debug!(error = %e, "log watch ended; catching up");
+        }
+    }
+}
+
+async fn watch_from(
+    shared: &Arc<Shared>,
+    client: &Client,
+    log: &EtcdLog,
+    start: i64,
+    snapshot_every: u64,
+    last_snap: &mut u64,
+) -> Result<(), LogError> {
+    let mut wc = client
+        .watch_client()
+        .max_decoding_message_size(256 * 1024 * 1024);
+    let mut stream = wc
+        .watch(
+            log.log_prefix(),
+            Some(WatchOptions::new().with_prefix().with_start_revision(start)),
+        )
+        .await?;
+    while let Some(resp) = stream.message().await? {
+        if resp.canceled() {
+            if resp.compact_revision() > 0 {
+                info!(
+                    compact_revision = resp.compact_revision(),
+                    "log watch cancelled by compaction; range-reading to catch up"
+                );
+            }
+            return Ok(());
+        }
+        for ev in resp.events() {
+            if ev.event_type() != EventType::Put {
+                continue;
+            }
+            let Some(kv) = ev.kv() else { continue };
+            if kv.version() > 1 {
+                let msg = format!(
+                    "log key {} was overwritten (version {}): log entries are immutable",
+                    String::from_utf8_lossy(kv.key()),
+                    kv.version()
+                );
+                tracing::error!("{msg}");
+                shared
+                    .health
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .broken = Some(msg);
+                return Ok(());
+            }
+            let batch = decode_batch(kv.key(), kv.value())?;
+            let seq = shared.read(|l| l.seq());
+            if batch.first_seq != seq + 1 {
+                if batch.first_seq > seq + 1 {
+                    // A gap: something was missed; the range read fills it.
+                    return Ok(());
+                }
+                continue;
+            }
+            if !shared.apply_committed(batch) {
+                return Ok(());
+            }
+        }
+        let seq = shared.read(|l| l.seq());
+        if snapshot_every > 0 && seq >= *last_snap + snapshot_every {
+            *last_snap = seq;
+            spawn_snapshot(shared.clone(), log.clone());
+        }
+    }
+    Ok(())
+}
+
+/// Write a snapshot of the committed state in the background and prune old ones.
+pub fn spawn_snapshot(shared: Arc<Shared>, log: EtcdLog) {
+    let snap = shared.read(|l| l.to_snapshot());
+    tokio::spawn(async move {
+        let seq = snap.seq;
+        match log.write_snapshot(&snap).await {
+            Ok(true) => {
+                info!(seq, "snapshot written");
+                if let Err(e) = log.prune_snapshots(2).await {
+                    warn!(error = %e, "pruning old snapshots failed");
+                }
+            }
+            Ok(false) => debug!(seq, "snapshot already present"),
+            Err(e) => warn!(seq, error = %e, "writing snapshot failed"),
+        }
+    });
+}

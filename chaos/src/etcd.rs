@@ -1,0 +1,198 @@
+//! Real etcd clusters (1 or 3 members) on free loopback ports in a temporary directory.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+
+use crate::process::{Proc, free_port};
+
+/// Install hint printed when the `etcd` binary is missing.
+pub const INSTALL_HINT: &str = "etcd is not installed: run `apt-get update && apt-get install -y etcd-server` (or `make deps`)";
+
+struct Member {
+    name: String,
+    client_port: u16,
+    peer_port: u16,
+    data_dir: PathBuf,
+    proc: Option<Proc>,
+}
+
+/// A running etcd cluster. Dropping it kills every member; the directory goes with it unless
+/// it was given by the caller.
+pub struct EtcdCluster {
+    members: Vec<Member>,
+    dir: PathBuf,
+    _tmp: Option<tempfile::TempDir>,
+    etcd: PathBuf,
+    initial_cluster: String,
+}
+
+fn find_etcd() -> Result<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    for d in std::env::split_paths(&path)
+        .chain([PathBuf::from("/usr/bin"), PathBuf::from("/usr/local/bin")])
+    {
+        let p = d.join("etcd");
+        if p.is_file() {
+            return Ok(p);
+        }
+    }
+    bail!(INSTALL_HINT)
+}
+
+impl EtcdCluster {
+    /// Start `n` members in a new temporary directory and wait until the cluster answers.
+    pub async fn start(n: usize) -> Result<EtcdCluster> {
+        let tmp = tempfile::Builder::new()
+            .prefix("gpuledger-etcd-")
+            .tempdir()
+            .context("creating a temp dir for etcd")?;
+        let dir = tmp.path().to_path_buf();
+        let mut c = Self::start_in(&dir, n).await?;
+        c._tmp = Some(tmp);
+        Ok(c)
+    }
+
+    /// Start `n` members with data and logs under `dir`.
+    pub async fn start_in(dir: &Path, n: usize) -> Result<EtcdCluster> {
+        let etcd = find_etcd()?;
+        std::fs::create_dir_all(dir)?;
+        let mut members = Vec::new();
+        for i in 0..n {
+            members.push(Member {
+                name: format!("etcd{i}"),
+                client_port: free_port()?,
+                peer_port: free_port()?,
+                data_dir: dir.join(format!("etcd{i}.data")),
+                proc: None,
+            });
+        }
+        let initial_cluster = members
+            .iter()
+            .map(|m| format!("{}=http://127.0.0.1:{}", m.name, m.peer_port))
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut c = EtcdCluster {
+            members,
+            dir: dir.to_path_buf(),
+            _tmp: None,
+            etcd,
+            initial_cluster,
+        };
+        for i in 0..n {
+            c.spawn_member(i, "new")?;
+        }
+        c.wait_ready(Duration::from_secs(20)).await?;
+        Ok(c)
+    }
+
+    fn spawn_member(&mut self, i: usize, state: &str) -> Result<()> {
+        let m = &self.members[i];
+        let client = format!("http://127.0.0.1:{}", m.client_port);
+        let peer = format!("http://127.0.0.1:{}", m.peer_port);
+        let args = vec![
+            format!("--name={}", m.name),
+            format!("--data-dir={}", m.data_dir.display()),
+            format!("--listen-client-urls={client}"),
+            format!("--advertise-client-urls={client}"),
+            format!("--listen-peer-urls={peer}"),
+            format!("--initial-advertise-peer-urls={peer}"),
+            format!("--initial-cluster={}", self.initial_cluster),
+            format!("--initial-cluster-state={state}"),
+            "--initial-cluster-token=gpuledger-test".into(),
+            "--heartbeat-interval=50".into(),
+            "--election-timeout=500".into(),
+            "--log-level=warn".into(),
+            "--logger=zap".into(),
+        ];
+        let p = Proc::spawn(&self.dir, &m.name, &self.etcd, args, Vec::new())?;
+        self.members[i].proc = Some(p);
+        Ok(())
+    }
+
+    /// Client endpoints of all members (`http://127.0.0.1:port`).
+    pub fn endpoints(&self) -> Vec<String> {
+        self.members
+            .iter()
+            .map(|m| format!("http://127.0.0.1:{}", m.client_port))
+            .collect()
+    }
+
+    /// Endpoints as one comma-separated flag value.
+    pub fn endpoints_flag(&self) -> String {
+        self.endpoints().join(",")
+    }
+
+    /// Number of members.
+    pub fn len(&self) -> usize {
+        self.members.len()
+    }
+
+    /// Whether the cluster has no members.
+    pub fn is_empty(&self) -> bool {
+        self.members.is_empty()
+    }
+
+    /// The directory holding data and logs.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// A client connected to every member.
+    pub async fn client(&self) -> Result<etcd_client::Client> {
+        let opts = etcd_client::ConnectOptions::new()
+            .with_connect_timeout(Duration::from_secs(2))
+            .with_timeout(Duration::from_secs(5));
+        etcd_client::Client::connect(self.endpoints(), Some(opts))
+            .await
+            .context("connecting to etcd")
+    }
+
+    /// Wait until a linearizable read succeeds (the cluster has a leader and quorum).
+    pub async fn wait_ready(&self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let mut last = String::new();
+        while Instant::now() < deadline {
+            match self.client().await {
+                Ok(mut c) => match c.get("/gpuledger-test-ready", None).await {
+                    Ok(_) => return Ok(()),
+                    Err(e) => last = e.to_string(),
+                },
+                Err(e) => last = e.to_string(),
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let logs: Vec<String> = self
+            .members
+            .iter()
+            .filter_map(|m| {
+                m.proc
+                    .as_ref()
+                    .map(|p| format!("{}:\n{}", m.name, p.log_tail(10)))
+            })
+            .collect();
+        bail!(
+            "etcd did not become ready in {timeout:?}: {last}\n{}",
+            logs.join("\n")
+        )
+    }
+
+    /// SIGKILL one member.
+    pub fn kill(&mut self, i: usize) {
+        if let Some(mut p) = self.members[i].proc.take() {
+            p.kill();
+        }
+    }
+
+    /// Restart a killed member with its data.
+    pub fn restart(&mut self, i: usize) -> Result<()> {
+        self.kill(i);
+        self.spawn_member(i, "existing")
+    }
+
+    /// The member process (for SIGSTOP/SIGCONT).
+    pub fn member(&self, i: usize) -> Option<&Proc> {
+        self.members[i].proc.as_ref()
+    }
+}

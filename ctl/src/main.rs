@@ -1,0 +1,68 @@
+//! `gpuledger`: the operator's command line.
+
+mod client;
+mod ledger_cmds;
+mod simulate;
+mod table;
+
+use clap::{Parser, Subcommand};
+
+/// gpuledger: inspect, audit, replay and verify the GPU ledger; simulate placement policies.
+///
+/// Commands that read the live ledger talk to the allocator's gRPC API (any replica). Point
+/// them at it with --allocator (or GPULEDGER_ALLOCATOR); several comma-separated addresses
+/// are tried in order.
+#[derive(Parser)]
+#[command(name = "gpuledger", version, about, long_about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Role, leader, epoch and seq of every allocator replica given.
+    Status(client::Target),
+    /// Per node and GPU: allocated/total memory and compute, and the pods holding them.
+    Inspect(ledger_cmds::InspectArgs),
+    /// The history of one pod: every ledger event that concerns it, in order.
+    Audit(ledger_cmds::AuditArgs),
+    /// The state of the ledger at a past seq or time, rebuilt from the log.
+    Replay(ledger_cmds::ReplayArgs),
+    /// Replay the whole log, check every invariant, and compare with each live replica.
+    /// Exits non-zero on any difference.
+    Verify(ledger_cmds::VerifyArgs),
+    /// Replay a production trace through the placement policies (offline, no cluster needed).
+    Simulate(simulate::SimulateArgs),
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    let res = match cli.command {
+        Cmd::Simulate(a) => simulate::run(a),
+        other => match tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+        {
+            Ok(rt) => rt.block_on(async move {
+                match other {
+                    Cmd::Status(t) => ledger_cmds::status(t).await,
+                    Cmd::Inspect(a) => ledger_cmds::inspect(a).await,
+                    Cmd::Audit(a) => ledger_cmds::audit(a).await,
+                    Cmd::Replay(a) => ledger_cmds::replay(a).await,
+                    Cmd::Verify(a) => ledger_cmds::verify(a).await,
+                    Cmd::Simulate(_) => unreachable!("handled above"),
+                }
+            }),
+            Err(e) => Err(e.into()),
+        },
+    };
+    match res {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("gpuledger: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
