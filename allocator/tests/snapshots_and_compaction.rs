@@ -1,0 +1,100 @@
+//! A new replica starts from the newest snapshot plus the log tail, even after etcd compacted
+//! its history; a follower that was paused through a compaction catches up by itself.
+
+use std::time::{Duration, Instant};
+
+use gpuledger_allocator::log::EtcdLog;
+use gpuledger_chaos::workload::{inventory, pod, reserve_retry};
+use gpuledger_chaos::{Allocators, EtcdCluster};
+use gpuledger_ledger::Ledger;
+use gpuledger_proto::allocator::v1 as api;
+use nix::sys::signal::Signal;
+
+async fn reserve_n(allocs: &Allocators, via: usize, from: usize, n: usize) -> anyhow::Result<()> {
+    for i in from..from + n {
+        let req = api::ReserveRequest {
+            request: Some(pod(&format!("p{i}"), 100, 0)),
+            node: "n1".into(),
+            ttl_ms: 0,
+        };
+        reserve_retry(
+            &allocs.addrs,
+            via,
+            req,
+            Instant::now() + Duration::from_secs(10),
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+async fn state(allocs: &Allocators, i: usize) -> anyhow::Result<Ledger> {
+    let d = allocs
+        .client(i)?
+        .dump(api::DumpRequest {})
+        .await?
+        .into_inner();
+    Ledger::from_snapshot(&d.snapshot.expect("snapshot")).map_err(anyhow::Error::msg)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cold_start_from_snapshot_and_recovery_after_compaction() -> anyhow::Result<()> {
+    let etcd = EtcdCluster::start(1).await?;
+    let dir = tempfile::tempdir()?;
+    let allocs = Allocators::start(
+        dir.path(),
+        &etcd.endpoints_flag(),
+        2,
+        "snap",
+        &["--snapshot-every=25"],
+    )?;
+    let leader = allocs.wait_leader(Duration::from_secs(20)).await?;
+    let follower = 1 - leader;
+    allocs
+        .client(leader)?
+        .register_node(api::RegisterNodeRequest {
+            inventory: Some(inventory("n1", 8, 80_000, "A100")),
+        })
+        .await?;
+    reserve_n(&allocs, leader, 0, 60).await?;
+    // Pause the follower, write more, compact all history, resume.
+    allocs.procs[follower].signal(Signal::SIGSTOP)?;
+    reserve_n(&allocs, leader, 60, 60).await?;
+    let mut client = etcd.client().await?;
+    let rev = client
+        .get("x", None)
+        .await?
+        .header()
+        .expect("header")
+        .revision();
+    client.compact(rev, None).await?;
+    allocs.procs[follower].signal(Signal::SIGCONT)?;
+    reserve_n(&allocs, follower, 120, 10).await?;
+    let head = allocs.status(leader).await.expect("leader").seq;
+    allocs.wait_seq(head, Duration::from_secs(20)).await?;
+    assert!(
+        state(&allocs, follower)
+            .await?
+            .same_state(&state(&allocs, leader).await?)
+    );
+
+    let log = EtcdLog::new(&client, "snap", Duration::from_secs(5));
+    let snaps = log.snapshot_seqs().await?;
+    assert!(!snaps.is_empty(), "snapshots were written");
+    assert!(snaps.len() <= 2, "old snapshots are pruned: {snaps:?}");
+    // A brand-new replica loads the newest snapshot and the tail.
+    let dir2 = tempfile::tempdir()?;
+    let fresh = Allocators::start(dir2.path(), &etcd.endpoints_flag(), 1, "snap", &[])?;
+    fresh.wait_seq(head, Duration::from_secs(20)).await?;
+    assert!(
+        state(&fresh, 0)
+            .await?
+            .same_state(&state(&allocs, leader).await?)
+    );
+    let logtext = std::fs::read_to_string(fresh.procs[0].log_path())?;
+    assert!(
+        logtext.contains("loaded snapshot"),
+        "the new replica did not start from a snapshot:\n{logtext}"
+    );
+    Ok(())
+}
