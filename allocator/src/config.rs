@@ -57,6 +57,11 @@ pub struct Config {
     #[arg(long, env = "GPULEDGER_SNAPSHOT_EVERY", default_value_t = 10_000)]
     pub snapshot_every: u64,
 
+    /// Load the state from the whole log at start, ignoring snapshots (slower; for when a
+    /// snapshot is suspect).
+    #[arg(long, env = "GPULEDGER_IGNORE_SNAPSHOTS")]
+    pub ignore_snapshots: bool,
+
     /// How long a reservation may stay unbound before it expires, in seconds.
     #[arg(long, env = "GPULEDGER_RESERVE_TTL", default_value_t = 60)]
     pub reserve_ttl: u64,

@@ -56,6 +56,13 @@ struct Waiter {
     seq: u64,
 }
 
+/// The transaction in flight, its waiters, and the batch it writes.
+type InFlight = (
+    tokio::task::JoinHandle<Result<Commit, LogError>>,
+    Batch,
+    pb::EventBatch,
+);
+
 struct Batch {
     events: Vec<pb::Event>,
     bytes: usize,
@@ -144,11 +151,7 @@ impl Leader {
             .set_role(Role::Leader, epoch, self.shared.address.clone());
 
         let mut pending = Batch::new();
-        let mut inflight: Option<(
-            tokio::task::JoinHandle<Result<Commit, LogError>>,
-            Batch,
-            pb::EventBatch,
-        )> = None;
+        let mut inflight: Option<InFlight> = None;
         let mut last_snap = spec.seq();
         let reason = loop {
             let full = pending.events.len() >= self.limits.max_events
@@ -219,13 +222,16 @@ impl Leader {
                         }));
                     }
                 } else {
-                    let eb = self.make_batch(epoch, batch.events.clone());
+                    let mut batch = batch;
+                    let eb = self.make_batch(epoch, std::mem::take(&mut batch.events));
                     let log = self.log.clone();
                     let key = self.key.key().to_vec();
                     let rev = self.key.rev();
-                    let eb2 = eb.clone();
-                    let h =
-                        tokio::spawn(async move { log.commit(&key, rev, head_rev, &eb2).await });
+                    let (first, head, bytes) = crate::log::encode(&eb);
+                    let h = tokio::spawn(async move {
+                        log.commit_encoded(&key, rev, head_rev, first, &head, bytes)
+                            .await
+                    });
                     inflight = Some((h, batch, eb));
                 }
             }

@@ -153,21 +153,28 @@ impl EtcdLog {
         head_rev: i64,
         batch: &pb::EventBatch,
     ) -> Result<Commit, LogError> {
-        let last = batch
-            .events
-            .last()
-            .map_or(batch.first_seq.saturating_sub(1), |e| e.seq);
-        let head = pb::Head {
-            seq: last,
-            epoch: batch.epoch,
-        };
+        let (first, head, bytes) = encode(batch);
+        self.commit_encoded(leader_key, epoch, head_rev, first, &head, bytes)
+            .await
+    }
+
+    /// [`EtcdLog::commit`] of a batch already encoded by [`encode`].
+    pub async fn commit_encoded(
+        &self,
+        leader_key: &[u8],
+        epoch: i64,
+        head_rev: i64,
+        first_seq: u64,
+        head: &pb::Head,
+        bytes: Vec<u8>,
+    ) -> Result<Commit, LogError> {
         let txn = Txn::new()
             .when([
                 Compare::create_revision(leader_key.to_vec(), CompareOp::Equal, epoch),
                 Compare::mod_revision(self.head_key(), CompareOp::Equal, head_rev),
             ])
             .and_then([
-                TxnOp::put(self.log_key(batch.first_seq), batch.encode_to_vec(), None),
+                TxnOp::put(self.log_key(first_seq), bytes, None),
                 TxnOp::put(self.head_key(), head.encode_to_vec(), None),
             ]);
         let mut kv = self.kv.clone();
@@ -357,6 +364,22 @@ impl EtcdLog {
         }
         Ok(())
     }
+}
+
+/// A batch's first seq, the head it moves to, and its bytes.
+pub fn encode(batch: &pb::EventBatch) -> (u64, pb::Head, Vec<u8>) {
+    let last = batch
+        .events
+        .last()
+        .map_or(batch.first_seq.saturating_sub(1), |e| e.seq);
+    (
+        batch.first_seq,
+        pb::Head {
+            seq: last,
+            epoch: batch.epoch,
+        },
+        batch.encode_to_vec(),
+    )
 }
 
 /// Decode a batch from a watch or range value.

@@ -114,7 +114,7 @@ async fn lifecycle(
         if *stop.borrow() {
             return Ok(());
         }
-        match tail::load(shared, log).await {
+        match tail::load(shared, log, !cfg.ignore_snapshots).await {
             Ok(()) => break,
             Err(e @ crate::log::LogError::Corrupt { .. }) => {
                 shared
@@ -198,7 +198,7 @@ async fn lifecycle(
         session.revoke(client).await;
         if let StepDown::Bug(b) = &why {
             warn!(bug = %b, "reloading the ledger from etcd after an internal error");
-            let _ = tail::load(shared, log).await;
+            let _ = tail::load(shared, log, !cfg.ignore_snapshots).await;
         }
         if matches!(why, StepDown::Shutdown) {
             return Ok(());

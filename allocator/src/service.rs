@@ -455,7 +455,7 @@ impl Allocator for Service {
             },
             |c| match c.reply {
                 Reply::Assigned(a) => Ok(api::AssignResponse {
-                    allocation: Some(a),
+                    allocation: Some(*a),
                     seq: c.seq,
                     epoch: c.epoch,
                 }),

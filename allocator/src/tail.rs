@@ -13,10 +13,15 @@ use crate::log::{EtcdLog, LogError, decode_batch};
 use crate::shared::Shared;
 
 /// Build the state from the newest snapshot plus the log after it.
-pub async fn load(shared: &Shared, log: &EtcdLog) -> Result<(), LogError> {
+pub async fn load(shared: &Shared, log: &EtcdLog, use_snapshots: bool) -> Result<(), LogError> {
     let started = std::time::Instant::now();
     let mut ledger = Ledger::new();
-    if let Some(snap) = log.latest_snapshot(0).await? {
+    let snap = if use_snapshots {
+        log.latest_snapshot(0).await?
+    } else {
+        None
+    };
+    if let Some(snap) = snap {
         ledger = Ledger::from_snapshot(&snap).map_err(|why| LogError::Corrupt {
             key: format!("{}snapmeta/{:020}", log.prefix(), snap.seq),
             why,

@@ -1,1 +1,57 @@
-fn main() {}
+//! `gpuledger-bench`: benchmarks that print a table and a final `key=value` line, always with a
+//! baseline measured in the same run. Build everything in release mode first
+//! (`cargo build --release --workspace`, or `make bench`).
+
+mod allocator;
+mod common;
+mod failover;
+mod replay;
+
+use clap::{Parser, Subcommand};
+
+/// gpuledger benchmarks (release build; each starts its own 3-member etcd on loopback).
+#[derive(Parser)]
+#[command(name = "gpuledger-bench", version, about, long_about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Reservations/s through the gRPC API vs raw etcd txn/s at the same concurrency; latency;
+    /// allocator RSS with a large ledger.
+    Allocator(allocator::Args),
+    /// SIGKILL the leader while clients reserve; time until a reservation succeeds again.
+    Failover(failover::Args),
+    /// Fold speed of the ledger, and cold start of a replica from etcd.
+    Replay(replay::Args),
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("gpuledger-bench: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    let res = rt.block_on(async move {
+        match cli.command {
+            Cmd::Allocator(a) => allocator::run(a).await,
+            Cmd::Failover(a) => failover::run(a).await,
+            Cmd::Replay(a) => replay::run(a).await,
+        }
+    });
+    match res {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("gpuledger-bench: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

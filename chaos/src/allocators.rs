@@ -41,6 +41,7 @@ impl Allocators {
         extra: &[&str],
     ) -> Result<Allocators> {
         let bin = bin_path("gpuledger-allocator")?;
+        std::fs::create_dir_all(dir)?;
         let mut procs = Vec::new();
         let mut addrs = Vec::new();
         for i in 0..n {

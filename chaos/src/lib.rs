@@ -5,6 +5,7 @@
 //! Integration tests of every crate and the benchmarks use it; nothing here is a mock.
 
 pub mod allocators;
+pub mod demo;
 pub mod etcd;
 pub mod process;
 pub mod workload;

@@ -99,11 +99,9 @@ pub async fn status(t: Target) -> Result<()> {
 }
 
 fn pct(a: u64, b: u64) -> String {
-    if b == 0 {
-        "-".into()
-    } else {
-        format!("{}%", a * 100 / b)
-    }
+    (a * 100)
+        .checked_div(b)
+        .map_or_else(|| "-".into(), |p| format!("{p}%"))
 }
 
 /// The inspect table of a state.

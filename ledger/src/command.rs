@@ -118,7 +118,7 @@ pub enum Reply {
         created: bool,
     },
     /// The allocation after an assign.
-    Assigned(pb::Allocation),
+    Assigned(Box<pb::Allocation>),
 }
 
 impl Ledger {
@@ -292,7 +292,7 @@ impl Ledger {
                 }
                 if a.state == AllocState::Assigned {
                     if same_set(&a.device_ids, &device_ids) {
-                        return Ok((Vec::new(), Reply::Assigned(a.to_pb())));
+                        return Ok((Vec::new(), Reply::Assigned(Box::new(a.to_pb()))));
                     }
                     return Err(CommandError::Conflict(format!(
                         "allocation {allocation_id} is already assigned to devices {:?}",
@@ -322,7 +322,7 @@ impl Ledger {
                         device_ids,
                         node,
                     })],
-                    Reply::Assigned(after),
+                    Reply::Assigned(Box::new(after)),
                 ))
             }
             Command::CorrectIdentity {

@@ -3,14 +3,21 @@
 //! Pure functions of a [`NodeState`] and a [`PodRequest`]. Selectors (GPU type and UUID
 //! include/exclude) apply first; then the policy orders the GPUs inside a node and scores nodes.
 //! Multi-slice containers take distinct GPUs of one node; the containers of a pod are placed in
-//! order, each seeing what the previous ones took.
+//! order, each seeing what the previous ones took. [`evaluate`] is the one decision procedure:
+//! [`place_on_node`], [`score_node`], [`choose_node`] and the trace simulator all go through it.
+
+mod baselines;
+mod fgd;
 
 use std::fmt;
 use std::str::FromStr;
+use std::sync::{Arc, OnceLock};
 
 use crate::CORE_MILLI_PER_GPU;
 use crate::pb;
 use crate::state::{GpuState, NodeState};
+
+pub use fgd::{PodShape, Workload};
 
 /// How GPUs and nodes are chosen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
@@ -20,18 +27,55 @@ pub enum Policy {
     Binpack,
     /// Emptiest GPU, then the emptiest node: spreads load and interference.
     Spread,
+    /// Fragmentation gradient descent (Weng et al., ATC '23): the GPU and node where the expected
+    /// fragmentation for the workload distribution ([`PodRequest::workload`]) grows least.
+    Fgd,
+    /// FGD, except that among nodes FGD scores equally, one already in use goes before an idle
+    /// one (gpuledger's variant; better than FGD on both openb traces).
+    FgdPack,
+    /// A uniformly random feasible node ([`PodRequest::salt`] is the randomness).
+    Random,
+    /// Tetris' dot product of free and requested CPU and GPU, smallest alignment first (paper baseline).
+    DotProduct,
+    /// Least CPU and GPU left after placement (paper baseline).
+    BestFit,
+    /// Shared GPUs, then idle GPUs of used nodes, then idle nodes (paper baseline).
+    Packing,
+    /// Next to pods with the same GPU request (paper baseline).
+    Clustering,
 }
 
 impl Policy {
     /// Every policy name, as the CLI and the pod annotation spell them.
-    pub const NAMES: &'static [&'static str] = &["binpack", "spread"];
+    pub const NAMES: &'static [&'static str] = &[
+        "binpack",
+        "spread",
+        "fgd",
+        "fgd-pack",
+        "random",
+        "dotprod",
+        "bestfit",
+        "packing",
+        "clustering",
+    ];
 
     /// The name as written in the ledger.
     pub fn as_str(self) -> &'static str {
         match self {
             Policy::Binpack => "binpack",
             Policy::Spread => "spread",
+            Policy::Fgd => "fgd",
+            Policy::FgdPack => "fgd-pack",
+            Policy::Random => "random",
+            Policy::DotProduct => "dotprod",
+            Policy::BestFit => "bestfit",
+            Policy::Packing => "packing",
+            Policy::Clustering => "clustering",
         }
+    }
+
+    fn is_fgd(self) -> bool {
+        matches!(self, Policy::Fgd | Policy::FgdPack)
     }
 }
 
@@ -44,9 +88,16 @@ impl fmt::Display for Policy {
 impl FromStr for Policy {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s.trim().to_ascii_lowercase().as_str() {
+        match s.trim().to_ascii_lowercase().replace('_', "-").as_str() {
             "" | "binpack" => Ok(Policy::Binpack),
             "spread" => Ok(Policy::Spread),
+            "fgd" => Ok(Policy::Fgd),
+            "fgd-pack" | "fgdpack" => Ok(Policy::FgdPack),
+            "random" => Ok(Policy::Random),
+            "dotprod" | "dot-product" | "dotproduct" => Ok(Policy::DotProduct),
+            "bestfit" | "best-fit" => Ok(Policy::BestFit),
+            "packing" => Ok(Policy::Packing),
+            "clustering" => Ok(Policy::Clustering),
             other => Err(format!(
                 "unknown placement policy {other:?} (known: {})",
                 Policy::NAMES.join(", ")
@@ -103,6 +154,8 @@ pub struct Selector {
     pub uuids: Vec<String>,
     /// Refused GPU UUIDs.
     pub uuids_exclude: Vec<String>,
+    /// Accepted model names, matched exactly (empty = any); the trace's `gpu_spec`.
+    pub models: Vec<String>,
 }
 
 impl Selector {
@@ -114,6 +167,7 @@ impl Selector {
             && !self.types_exclude.iter().any(type_match)
             && (self.uuids.is_empty() || self.uuids.contains(&gpu.uuid))
             && !self.uuids_exclude.contains(&gpu.uuid)
+            && (self.models.is_empty() || self.models.contains(&gpu.model))
     }
 }
 
@@ -132,6 +186,10 @@ pub struct PodRequest {
     pub cpu_milli: u64,
     /// Pod host memory request (MiB), 0 = not constrained.
     pub memory_mib: u64,
+    /// The workload distribution FGD measures fragmentation against (`None` = [`Workload::prior`]).
+    pub workload: Option<Arc<Workload>>,
+    /// Randomness for the `random` policy, drawn by the caller (placement itself has none).
+    pub salt: u64,
 }
 
 impl PodRequest {
@@ -207,8 +265,21 @@ struct Free {
     core: u32,
 }
 
-/// Place every container of `req` on `node`, or say why not.
-pub fn place_on_node(node: &NodeState, req: &PodRequest) -> Result<Vec<ContainerPlacement>, Fit> {
+/// A way to serve a pod on one node, as the policy scores it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Candidate {
+    /// The policy's score: higher is better; only comparable between nodes for one request.
+    pub score: f64,
+    /// For each container of the request, in order, the indices (into `NodeState::gpus`) of the
+    /// GPUs its slices take.
+    pub gpus: Vec<Vec<usize>>,
+}
+
+/// Decide how `req` would be served on `node` under its policy, or say why it cannot be.
+///
+/// This is the single decision procedure; the other functions here and the trace simulator are
+/// built on it.
+pub fn evaluate(node: &NodeState, req: &PodRequest) -> Result<Candidate, Fit> {
     if let Some(never) = never_fits(node, req) {
         return Err(Fit::Never(never));
     }
@@ -226,7 +297,7 @@ pub fn place_on_node(node: &NodeState, req: &PodRequest) -> Result<Vec<Container
             node.memory_mib - node.memory_used
         )));
     }
-    let mut free: Vec<Free> = node
+    let before: Vec<Free> = node
         .gpus
         .iter()
         .map(|g| Free {
@@ -234,10 +305,13 @@ pub fn place_on_node(node: &NodeState, req: &PodRequest) -> Result<Vec<Container
             core: g.core_free(),
         })
         .collect();
-    let mut out = Vec::with_capacity(req.containers.len());
+    let mut free = before.clone();
+    let workload = req.policy.is_fgd().then(|| workload_of(req));
+    let mut chosen_all = Vec::with_capacity(req.containers.len());
+    let mut dot_score = None;
     for c in &req.containers {
         let c = c.normalized();
-        let mut cands: Vec<(usize, u64, f64)> = node
+        let cands: Vec<(usize, u64, f64)> = node
             .gpus
             .iter()
             .enumerate()
@@ -255,26 +329,235 @@ pub fn place_on_node(node: &NodeState, req: &PodRequest) -> Result<Vec<Container
         if cands.len() < c.slices as usize {
             return Err(Fit::Wait(shortage(node, req, &c, &free)));
         }
-        match req.policy {
-            Policy::Binpack => cands.sort_by(|a, b| a.2.total_cmp(&b.2).then(a.0.cmp(&b.0))),
-            Policy::Spread => cands.sort_by(|a, b| b.2.total_cmp(&a.2).then(a.0.cmp(&b.0))),
-        }
-        let mut shares = Vec::with_capacity(c.slices as usize);
-        for &(i, mem, _) in cands.iter().take(c.slices as usize) {
-            free[i].mem -= mem;
+        let chosen: Vec<usize> = match req.policy {
+            Policy::Spread => take_sorted(cands, c.slices, |a, b| b.total_cmp(a)),
+            Policy::Fgd | Policy::FgdPack if c.slices == 1 && c.core_milli < CORE_MILLI_PER_GPU => {
+                let w = workload.expect("fgd policies have a workload");
+                vec![fgd_gpu(node, req, w, &free, &cands, c.core_milli)]
+            }
+            Policy::DotProduct => {
+                let (chosen, s) = dot_gpus(node, req, &free, &cands, &c);
+                dot_score = Some(dot_score.map_or(s, |d: f64| d.min(s)));
+                chosen
+            }
+            _ => take_sorted(cands, c.slices, |a, b| a.total_cmp(b)),
+        };
+        for &i in &chosen {
+            free[i].mem -= c.mem_on(&node.gpus[i]);
             free[i].core -= c.core_milli;
-            shares.push(pb::GpuShare {
-                gpu_uuid: node.gpus[i].uuid.clone(),
-                mem_mib: mem,
-                core_milli: c.core_milli,
-            });
         }
-        out.push(ContainerPlacement {
-            container: c.name.clone(),
-            shares,
-        });
+        chosen_all.push(chosen);
     }
-    Ok(out)
+    let score = node_score(node, req, &before, &free, &chosen_all, workload, dot_score);
+    Ok(Candidate {
+        score,
+        gpus: chosen_all,
+    })
+}
+
+/// The first `slices` candidates in the order `cmp` gives their leftover (ties: lower index).
+fn take_sorted(
+    mut cands: Vec<(usize, u64, f64)>,
+    slices: u32,
+    cmp: impl Fn(&f64, &f64) -> std::cmp::Ordering,
+) -> Vec<usize> {
+    cands.sort_by(|a, b| cmp(&a.2, &b.2).then(a.0.cmp(&b.0)));
+    cands.iter().take(slices as usize).map(|c| c.0).collect()
+}
+
+fn workload_of(req: &PodRequest) -> &Workload {
+    static PRIOR: OnceLock<Workload> = OnceLock::new();
+    req.workload
+        .as_deref()
+        .unwrap_or_else(|| PRIOR.get_or_init(Workload::prior))
+}
+
+/// Free compute per GPU as the fragmentation measure sees it.
+fn frag_free(node: &NodeState, free: &[Free]) -> Vec<u32> {
+    node.gpus
+        .iter()
+        .zip(free)
+        .map(|(g, f)| if g.healthy { f.core } else { 0 })
+        .collect()
+}
+
+/// FGD's choice of one shared GPU: the one after which the node's fragmentation is least.
+fn fgd_gpu(
+    node: &NodeState,
+    req: &PodRequest,
+    w: &Workload,
+    free: &[Free],
+    cands: &[(usize, u64, f64)],
+    core: u32,
+) -> usize {
+    let cpu = fgd::cpu_left(node, req.cpu_milli);
+    let mem = fgd::mem_left(node, req.memory_mib);
+    let mut cores = frag_free(node, free);
+    let mut best: Option<(f64, usize)> = None;
+    for &(i, _, _) in cands {
+        cores[i] -= core;
+        let f = w.fragmentation(node, &cores, cpu, mem);
+        cores[i] += core;
+        if best.is_none_or(|(b, _)| f < b) {
+            best = Some((f, i));
+        }
+    }
+    best.expect("at least one candidate").1
+}
+
+/// Dot-product's choice: one shared (partly used) GPU or the lowest idle GPUs, whichever aligns
+/// least with the request; returns the GPUs and the score of that choice.
+fn dot_gpus(
+    node: &NodeState,
+    req: &PodRequest,
+    free: &[Free],
+    cands: &[(usize, u64, f64)],
+    c: &ContainerRequest,
+) -> (Vec<usize>, f64) {
+    let cpu_left = fgd::cpu_left(node, 0).min(baselines::MAX_SPEC_CPU as u64);
+    let want = u64::from(c.slices) * u64::from(c.core_milli);
+    let idle: Vec<usize> = cands
+        .iter()
+        .filter(|x| free[x.0].core == CORE_MILLI_PER_GPU)
+        .map(|x| x.0)
+        .collect();
+    let mut best: Option<(f64, Vec<usize>)> = None;
+    if c.slices == 1 && c.core_milli < CORE_MILLI_PER_GPU {
+        for &(i, _, _) in cands.iter().filter(|x| free[x.0].core < CORE_MILLI_PER_GPU) {
+            let s = baselines::dot_product(cpu_left, u64::from(free[i].core), req.cpu_milli, want);
+            if best.as_ref().is_none_or(|(b, _)| s > *b) {
+                best = Some((s, vec![i]));
+            }
+        }
+    }
+    if idle.len() >= c.slices as usize {
+        let left = idle.len() as u64 * u64::from(CORE_MILLI_PER_GPU);
+        let s = baselines::dot_product(cpu_left, left, req.cpu_milli, want);
+        if best.as_ref().is_none_or(|(b, _)| s > *b) {
+            best = Some((s, idle[..c.slices as usize].to_vec()));
+        }
+    }
+    match best {
+        Some((s, g)) => (g, s),
+        // Only partly used GPUs can serve a multi-slice request: take the tightest.
+        None => (
+            take_sorted(cands.to_vec(), c.slices, |a, b| a.total_cmp(b)),
+            0.0,
+        ),
+    }
+}
+
+/// The policy's score of a node for a placement that takes `before` to `after`.
+fn node_score(
+    node: &NodeState,
+    req: &PodRequest,
+    before: &[Free],
+    after: &[Free],
+    chosen: &[Vec<usize>],
+    workload: Option<&Workload>,
+    dot_score: Option<f64>,
+) -> f64 {
+    let shape_gpus: u32 = req.containers.iter().map(|c| c.slices).sum();
+    let gpu_total: u64 = before
+        .iter()
+        .zip(after)
+        .map(|(b, a)| u64::from(b.core - a.core))
+        .sum();
+    let b = baselines::Before {
+        node,
+        free: &frag_free(node, before),
+        cpu_left: fgd::cpu_left(node, 0),
+    };
+    match req.policy {
+        Policy::Binpack => utilization_after(node, before, after),
+        Policy::Spread => 1.0 - utilization_after(node, before, after),
+        Policy::Fgd | Policy::FgdPack => {
+            let w = workload.expect("fgd policies have a workload");
+            let f0 = w.fragmentation(node, b.free, b.cpu_left, fgd::mem_left(node, 0));
+            let f1 = w.fragmentation(
+                node,
+                &frag_free(node, after),
+                fgd::cpu_left(node, req.cpu_milli),
+                fgd::mem_left(node, req.memory_mib),
+            );
+            let growth = f1 - f0;
+            // The paper's scorer: sigmoid of the growth in GPUs, as an integer 0..=100. The coarse
+            // steps make near-equal nodes tie, and ties go to the first node, which packs; exact
+            // comparison of tiny differences does measurably worse on the openb trace.
+            let paper = (100.0 / (1.0 + (growth / 1000.0).exp())).trunc();
+            let in_use = before.iter().any(|b| b.core < CORE_MILLI_PER_GPU);
+            if req.policy == Policy::FgdPack && in_use {
+                // Among ties, a node already in use goes before an idle one: idle nodes stay
+                // whole for multi-GPU pods.
+                paper + 0.5
+            } else {
+                paper
+            }
+        }
+        Policy::Random => 0.0,
+        Policy::DotProduct => {
+            let s = dot_score.unwrap_or_else(|| {
+                let left: u64 = b.free.iter().map(|&f| u64::from(f)).sum();
+                let cpu_left = b.cpu_left.min(baselines::MAX_SPEC_CPU as u64);
+                baselines::dot_product(cpu_left, left, req.cpu_milli, gpu_total)
+            });
+            (s * 100.0).trunc()
+        }
+        Policy::BestFit => baselines::best_fit(&b, req.cpu_milli, gpu_total),
+        Policy::Packing => {
+            let all: Vec<usize> = chosen.iter().flatten().copied().collect();
+            baselines::packing(&b, shape_gpus, &all)
+        }
+        Policy::Clustering => {
+            let core = req
+                .containers
+                .iter()
+                .map(|c| c.normalized().core_milli)
+                .max()
+                .unwrap_or(0);
+            baselines::clustering(&b, shape_gpus, core)
+        }
+    }
+}
+
+/// The score that decides between nodes at `position` in the caller's node order: the candidate's
+/// score, except for `random`, where it is a uniform draw from [`PodRequest::salt`].
+pub fn rank(req: &PodRequest, position: usize, cand: &Candidate) -> f64 {
+    match req.policy {
+        Policy::Random => baselines::uniform(req.salt, position),
+        _ => cand.score,
+    }
+}
+
+/// The shares of a candidate, ready to be reserved.
+pub fn materialize(
+    node: &NodeState,
+    req: &PodRequest,
+    cand: &Candidate,
+) -> Vec<ContainerPlacement> {
+    req.containers
+        .iter()
+        .zip(&cand.gpus)
+        .map(|(c, gpus)| {
+            let c = c.normalized();
+            ContainerPlacement {
+                container: c.name.clone(),
+                shares: gpus
+                    .iter()
+                    .map(|&i| pb::GpuShare {
+                        gpu_uuid: node.gpus[i].uuid.clone(),
+                        mem_mib: c.mem_on(&node.gpus[i]),
+                        core_milli: c.core_milli,
+                    })
+                    .collect(),
+            }
+        })
+        .collect()
+}
+
+/// Place every container of `req` on `node`, or say why not.
+pub fn place_on_node(node: &NodeState, req: &PodRequest) -> Result<Vec<ContainerPlacement>, Fit> {
+    evaluate(node, req).map(|c| materialize(node, req, &c))
 }
 
 /// Why the pod can never fit on this node (whatever is released), if so.
@@ -372,47 +655,48 @@ fn shortage(node: &NodeState, req: &PodRequest, c: &ContainerRequest, free: &[Fr
 
 /// Whether the pod fits on the node now, later, or never.
 pub fn fit_node(node: &NodeState, req: &PodRequest) -> Fit {
-    match place_on_node(node, req) {
+    match evaluate(node, req) {
         Ok(_) => Fit::Fits,
         Err(f) => f,
     }
 }
 
-/// Fraction (0..=1) of the node's GPU memory and compute in use after `placed` is added.
-fn utilization_after(node: &NodeState, placed: &[ContainerPlacement]) -> f64 {
+/// Fraction (0..=1) of the node's GPU memory and compute in use after `before` becomes `after`.
+fn utilization_after(node: &NodeState, before: &[Free], after: &[Free]) -> f64 {
     let mem_cap: u64 = node.gpus.iter().map(|g| g.memory_mib).sum();
     if mem_cap == 0 {
         return 0.0;
     }
     let core_cap = u64::from(CORE_MILLI_PER_GPU) * node.gpus.len() as u64;
-    let mem_used: u64 = node.gpus.iter().map(|g| g.mem_used).sum::<u64>()
-        + placed
-            .iter()
-            .flat_map(|p| &p.shares)
-            .map(|s| s.mem_mib)
-            .sum::<u64>();
-    let core_used: u64 = node
+    let placed_mem: u64 = before.iter().zip(after).map(|(b, a)| b.mem - a.mem).sum();
+    let placed_core: u64 = before
+        .iter()
+        .zip(after)
+        .map(|(b, a)| u64::from(b.core - a.core))
+        .sum();
+    let mem_used = node.gpus.iter().map(|g| g.mem_used).sum::<u64>() + placed_mem;
+    let core_used = node
         .gpus
         .iter()
         .map(|g| u64::from(g.core_used))
         .sum::<u64>()
-        + placed
-            .iter()
-            .flat_map(|p| &p.shares)
-            .map(|s| u64::from(s.core_milli))
-            .sum::<u64>();
+        + placed_core;
     (mem_used as f64 / mem_cap as f64 + core_used as f64 / core_cap as f64) / 2.0
 }
 
 /// A node's score for the request, 0..=10 (kube-scheduler's extender range); 0 when it does not fit.
 pub fn score_node(node: &NodeState, req: &PodRequest) -> u32 {
-    match place_on_node(node, req) {
+    match evaluate(node, req) {
         Err(_) => 0,
-        Ok(placed) => {
-            let u = utilization_after(node, &placed);
+        Ok(c) => {
             let s = match req.policy {
-                Policy::Binpack => u,
-                Policy::Spread => 1.0 - u,
+                Policy::Binpack | Policy::Spread => c.score,
+                // Growth of fragmentation in GPUs, squashed as the paper's scorer does.
+                Policy::Fgd | Policy::FgdPack => c.score.trunc() / 100.0,
+                Policy::Random => 0.5,
+                Policy::DotProduct | Policy::BestFit | Policy::Packing | Policy::Clustering => {
+                    c.score / 100.0
+                }
             };
             // Fitting nodes score at least 1 so that they stay ahead of non-fitting ones.
             ((s * 10.0).round() as u32).clamp(1, 10)
@@ -425,142 +709,20 @@ pub fn choose_node<'a>(
     nodes: impl IntoIterator<Item = &'a NodeState>,
     req: &PodRequest,
 ) -> Option<(&'a NodeState, Vec<ContainerPlacement>)> {
-    let mut best: Option<(f64, &'a NodeState, Vec<ContainerPlacement>)> = None;
-    for n in nodes {
-        if let Ok(p) = place_on_node(n, req) {
-            let u = utilization_after(n, &p);
-            let s = match req.policy {
-                Policy::Binpack => u,
-                Policy::Spread => 1.0 - u,
-            };
+    let mut best: Option<(f64, &'a NodeState, Candidate)> = None;
+    for (pos, n) in nodes.into_iter().enumerate() {
+        if let Ok(c) = evaluate(n, req) {
+            let s = rank(req, pos, &c);
             if best.as_ref().is_none_or(|(b, _, _)| s > *b) {
-                best = Some((s, n, p));
+                best = Some((s, n, c));
             }
         }
     }
-    best.map(|(_, n, p)| (n, p))
+    best.map(|(_, n, c)| {
+        let p = materialize(n, req, &c);
+        (n, p)
+    })
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn gpu(i: u32, mem: u64) -> GpuState {
-        GpuState {
-            uuid: format!("GPU-{i}"),
-            index: i,
-            model: "NVIDIA A100-SXM4-80GB".into(),
-            memory_mib: mem,
-            healthy: true,
-            mem_used: 0,
-            core_used: 0,
-            holders: 0,
-        }
-    }
-
-    fn node(gpus: Vec<GpuState>) -> NodeState {
-        NodeState {
-            name: "n1".into(),
-            gpus,
-            cpu_milli: 0,
-            memory_mib: 0,
-            cpu_used: 0,
-            memory_used: 0,
-            allocs: Default::default(),
-        }
-    }
-
-    fn req(slices: u32, mem: u64, policy: Policy) -> PodRequest {
-        PodRequest {
-            pod: pb::PodRef {
-                uid: "u".into(),
-                namespace: "ns".into(),
-                name: "p".into(),
-            },
-            containers: vec![ContainerRequest {
-                name: "c".into(),
-                slices,
-                mem_mib: mem,
-                ..Default::default()
-            }],
-            policy,
-            ..Default::default()
-        }
-    }
-
-    #[test]
-    fn binpack_takes_the_tightest_gpu_and_spread_the_emptiest() {
-        let mut n = node(vec![gpu(0, 16000), gpu(1, 16000), gpu(2, 16000)]);
-        n.gpus[1].mem_used = 10000;
-        let p = place_on_node(&n, &req(1, 4000, Policy::Binpack)).expect("fits");
-        assert_eq!(p[0].shares[0].gpu_uuid, "GPU-1");
-        let p = place_on_node(&n, &req(1, 4000, Policy::Spread)).expect("fits");
-        assert_eq!(p[0].shares[0].gpu_uuid, "GPU-0");
-    }
-
-    #[test]
-    fn multi_slice_takes_distinct_gpus() {
-        let n = node(vec![gpu(0, 16000), gpu(1, 16000)]);
-        let p = place_on_node(&n, &req(2, 1000, Policy::Binpack)).expect("fits");
-        assert_ne!(p[0].shares[0].gpu_uuid, p[0].shares[1].gpu_uuid);
-        assert!(matches!(
-            place_on_node(&n, &req(3, 1000, Policy::Binpack)),
-            Err(Fit::Never(_))
-        ));
-    }
-
-    #[test]
-    fn too_large_is_never_and_full_is_wait() {
-        let mut n = node(vec![gpu(0, 16000)]);
-        assert!(matches!(
-            fit_node(&n, &req(1, 20000, Policy::Binpack)),
-            Fit::Never(_)
-        ));
-        n.gpus[0].mem_used = 15000;
-        assert!(matches!(
-            fit_node(&n, &req(1, 2000, Policy::Binpack)),
-            Fit::Wait(_)
-        ));
-        n.gpus[0].healthy = false;
-        n.gpus[0].mem_used = 0;
-        assert!(matches!(
-            fit_node(&n, &req(1, 2000, Policy::Binpack)),
-            Fit::Wait(_)
-        ));
-    }
-
-    #[test]
-    fn selectors_filter_gpus() {
-        let mut n = node(vec![gpu(0, 16000), gpu(1, 16000)]);
-        n.gpus[0].model = "Tesla T4".into();
-        let mut r = req(1, 1000, Policy::Spread);
-        r.selector.types = vec!["a100".into()];
-        let p = place_on_node(&n, &r).expect("fits");
-        assert_eq!(p[0].shares[0].gpu_uuid, "GPU-1");
-        r.selector.uuids_exclude = vec!["GPU-1".into()];
-        assert!(matches!(fit_node(&n, &r), Fit::Never(_)));
-    }
-
-    #[test]
-    fn percent_memory_resolves_per_gpu_and_bare_slice_is_whole_gpu() {
-        let n = node(vec![gpu(0, 16000)]);
-        let mut r = req(1, 0, Policy::Binpack);
-        r.containers[0].mem_percent = 50;
-        let p = place_on_node(&n, &r).expect("fits");
-        assert_eq!(p[0].shares[0].mem_mib, 8000);
-        let p = place_on_node(&n, &req(1, 0, Policy::Binpack)).expect("fits");
-        assert_eq!(p[0].shares[0].mem_mib, 16000);
-        assert_eq!(p[0].shares[0].core_milli, 1000);
-    }
-
-    #[test]
-    fn validation_explains() {
-        let mut r = req(1, 100, Policy::Binpack);
-        r.containers[0].core_milli = 1500;
-        assert!(r.validate().expect_err("bad core").contains("0-100"));
-        let mut r = req(1, 100, Policy::Binpack);
-        r.containers[0].mem_percent = 10;
-        assert!(r.validate().expect_err("both").contains("both"));
-        assert!("fastest".parse::<Policy>().is_err());
-    }
-}
+mod tests;

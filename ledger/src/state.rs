@@ -218,16 +218,11 @@ pub struct Ledger {
     time_ms: i64,
     nodes: BTreeMap<String, NodeState>,
     allocs: HashMap<u64, Alloc>,
-    by_container: HashMap<(String, String), u64>,
+    /// pod uid → container → live allocation id.
+    by_pod: HashMap<String, BTreeMap<String, u64>>,
     gpu_owner: HashMap<String, String>,
     quotas: BTreeMap<String, u64>,
     violations: u64,
-}
-
-type Key = (String, String);
-
-fn key(pod_uid: &str, container: &str) -> Key {
-    (pod_uid.to_owned(), container.to_owned())
 }
 
 impl Ledger {
@@ -266,19 +261,17 @@ impl Ledger {
     }
     /// The live allocation of a pod's container.
     pub fn alloc_of(&self, pod_uid: &str, container: &str) -> Option<&Alloc> {
-        self.by_container
-            .get(&key(pod_uid, container))
+        self.by_pod
+            .get(pod_uid)
+            .and_then(|c| c.get(container))
             .and_then(|id| self.allocs.get(id))
     }
     /// Every live allocation of a pod, by container name order.
     pub fn allocs_of_pod(&self, pod_uid: &str) -> Vec<&Alloc> {
-        let mut v: Vec<&Alloc> = self
-            .allocs
-            .values()
-            .filter(|a| a.pod.uid == pod_uid)
-            .collect();
-        v.sort_by(|a, b| a.container.cmp(&b.container));
-        v
+        self.by_pod
+            .get(pod_uid)
+            .map(|c| c.values().filter_map(|id| self.allocs.get(id)).collect())
+            .unwrap_or_default()
     }
     /// The node a GPU UUID is registered on.
     pub fn gpu_owner(&self, uuid: &str) -> Option<&str> {
@@ -513,7 +506,7 @@ impl Ledger {
         if pod.uid.is_empty() {
             return Err("Reserved with an empty pod uid".into());
         }
-        if let Some(other) = self.by_container.get(&key(&pod.uid, &r.container)) {
+        if let Some(other) = self.by_pod.get(&pod.uid).and_then(|c| c.get(&r.container)) {
             return Err(format!(
                 "pod {} container {} already holds allocation {other}",
                 pod.uid, r.container
@@ -566,8 +559,7 @@ impl Ledger {
         node.cpu_used += r.cpu_milli;
         node.memory_used += r.memory_mib;
         node.allocs.insert(r.allocation_id);
-        self.by_container
-            .insert(key(&pod.uid, &r.container), r.allocation_id);
+        self.index_insert(&pod.uid, &r.container, r.allocation_id);
         self.allocs.insert(
             r.allocation_id,
             Alloc {
@@ -645,8 +637,10 @@ impl Ledger {
         }
         let (xp, xc) = (x.pod.clone(), x.container.clone());
         let (yp, yc) = (y.pod.clone(), y.container.clone());
-        self.by_container.insert(key(&xp.uid, &xc), b);
-        self.by_container.insert(key(&yp.uid, &yc), a);
+        self.index_remove(&xp.uid, &xc);
+        self.index_remove(&yp.uid, &yc);
+        self.index_insert(&xp.uid, &xc, b);
+        self.index_insert(&yp.uid, &yc, a);
         let x = self.allocs.get_mut(&a).expect("checked above");
         x.pod = yp;
         x.container = yc;
@@ -656,12 +650,28 @@ impl Ledger {
         Ok(())
     }
 
+    fn index_insert(&mut self, uid: &str, container: &str, id: u64) {
+        self.by_pod
+            .entry(uid.to_owned())
+            .or_default()
+            .insert(container.to_owned(), id);
+    }
+
+    fn index_remove(&mut self, uid: &str, container: &str) {
+        if let Some(c) = self.by_pod.get_mut(uid) {
+            c.remove(container);
+            if c.is_empty() {
+                self.by_pod.remove(uid);
+            }
+        }
+    }
+
     fn release(&mut self, id: u64) -> Result<(), String> {
         let a = self
             .allocs
             .remove(&id)
             .ok_or_else(|| format!("Released of unknown allocation {id}"))?;
-        self.by_container.remove(&key(&a.pod.uid, &a.container));
+        self.index_remove(&a.pod.uid, &a.container);
         let node = self
             .nodes
             .get_mut(&a.node)
@@ -795,7 +805,12 @@ impl Ledger {
             if !n.allocs.contains(&a.id) {
                 return Err(format!("node {} does not list allocation {}", a.node, a.id));
             }
-            if self.by_container.get(&key(&a.pod.uid, &a.container)) != Some(&a.id) {
+            if self
+                .by_pod
+                .get(&a.pod.uid)
+                .and_then(|c| c.get(&a.container))
+                != Some(&a.id)
+            {
                 return Err(format!(
                     "allocation {} missing from the container index",
                     a.id
@@ -812,7 +827,7 @@ impl Ledger {
             *cpu.entry(&a.node).or_default() += a.cpu_milli;
             *hmem.entry(&a.node).or_default() += a.memory_mib;
         }
-        if self.by_container.len() != self.allocs.len() {
+        if self.by_pod.values().map(BTreeMap::len).sum::<usize>() != self.allocs.len() {
             return Err("container index and allocations differ in size".into());
         }
         for n in self.nodes.values() {
@@ -861,7 +876,7 @@ impl Ledger {
             && self.epoch == other.epoch
             && self.nodes == other.nodes
             && self.allocs == other.allocs
-            && self.by_container == other.by_container
+            && self.by_pod == other.by_pod
             && self.gpu_owner == other.gpu_owner
             && self.quotas == other.quotas
     }

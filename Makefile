@@ -1,0 +1,60 @@
+# gpuledger — the two commands: `make demo` and `make test`.
+# Both install what is missing (Debian: protobuf-compiler for the protobuf build, etcd-server
+# for the real etcd every test and the demo start), then build.
+
+SHELL := /bin/bash
+CARGO ?= cargo
+APT_PACKAGES := protobuf-compiler etcd-server
+DEMO_FLAGS ?=
+
+.PHONY: all deps build release test fmt-check clippy demo bench bench-allocator bench-failover bench-replay clean
+
+all: build
+
+## Install the system packages the build and the tests need, when they are missing.
+deps:
+	@missing=""; \
+	command -v protoc >/dev/null 2>&1 || missing="$$missing protobuf-compiler"; \
+	command -v etcd >/dev/null 2>&1 || missing="$$missing etcd-server"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:$$missing"; \
+	  SUDO=""; [ "$$(id -u)" -ne 0 ] && SUDO=sudo; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
+	fi; \
+	command -v protoc >/dev/null && command -v etcd >/dev/null || { echo "could not install:$$missing" >&2; exit 1; }
+
+build: deps
+	$(CARGO) build --workspace
+
+release: deps
+	$(CARGO) build --release --workspace
+
+fmt-check:
+	$(CARGO) fmt --all -- --check
+
+clippy: deps
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+## Everything CI runs: format, lints, every test (real etcd, real processes).
+test: deps fmt-check clippy
+	$(CARGO) build --workspace
+	$(CARGO) test --workspace -- --test-threads=2
+
+## The local demo: etcd x3, allocator replicas, a workload, a leader kill, then inspect + verify.
+demo: deps release
+	./target/release/gpuledger-chaos demo $(DEMO_FLAGS)
+
+## Benchmarks (release build; each prints a table and a final key=value line).
+bench: bench-allocator bench-failover bench-replay
+
+bench-allocator: release
+	./target/release/gpuledger-bench allocator
+
+bench-failover: release
+	./target/release/gpuledger-bench failover --trials 10
+
+bench-replay: release
+	./target/release/gpuledger-bench replay --events 1000000
+
+clean:
+	$(CARGO) clean

@@ -1,0 +1,276 @@
+//! `gpuledger-bench allocator`: reservation throughput and latency against raw etcd.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use etcd_client::{Client, Compare, CompareOp, Txn, TxnOp};
+use gpuledger_chaos::allocators::client;
+use gpuledger_chaos::workload::{inventory, pod};
+use gpuledger_chaos::{Allocators, EtcdCluster};
+use gpuledger_proto::allocator::v1 as api;
+use hdrhistogram::Histogram;
+use tokio::sync::Mutex;
+
+use crate::common::{histogram, q_ms, record, rss_mib, run_dir, title};
+
+/// Flags of `gpuledger-bench allocator`.
+#[derive(clap::Args)]
+pub struct Args {
+    /// Concurrent clients (for both gpuledger and raw etcd).
+    #[arg(long, default_value_t = 64)]
+    clients: usize,
+    /// Seconds each throughput phase runs.
+    #[arg(long, default_value_t = 8)]
+    seconds: u64,
+    /// Nodes (8 GPUs of 80 GiB each) registered for the throughput phase.
+    #[arg(long, default_value_t = 1000)]
+    nodes: usize,
+    /// Nodes for the memory phase (0 skips it).
+    #[arg(long, default_value_t = 5000)]
+    rss_nodes: usize,
+    /// Live allocations for the memory phase.
+    #[arg(long, default_value_t = 100_000)]
+    rss_allocs: usize,
+}
+
+async fn raw_etcd(
+    endpoints: &[String],
+    tag: &str,
+    clients: usize,
+    dur: Duration,
+) -> Result<(f64, Histogram<u64>)> {
+    let mut conns = Vec::new();
+    for _ in 0..4 {
+        conns.push(Client::connect(endpoints, None).await?);
+    }
+    let hist = Arc::new(Mutex::new(histogram()));
+    let deadline = Instant::now() + dur;
+    let mut tasks = Vec::new();
+    for i in 0..clients {
+        let mut c = conns[i % conns.len()].clone();
+        let hist = hist.clone();
+        let tag = tag.to_string();
+        tasks.push(tokio::spawn(async move {
+            let key = format!("/bench/raw/{tag}/{i}");
+            let mut last = 0;
+            let mut n = 0u64;
+            let mut local = histogram();
+            while Instant::now() < deadline {
+                let t = Instant::now();
+                let txn = Txn::new()
+                    .when([Compare::mod_revision(key.clone(), CompareOp::Equal, last)])
+                    .and_then([TxnOp::put(key.clone(), vec![0u8; 200], None)]);
+                match c.txn(txn).await {
+                    Ok(r) if r.succeeded() => {
+                        last = r.header().map_or(0, |h| h.revision());
+                        n += 1;
+                        record(&mut local, t.elapsed());
+                    }
+                    Ok(_) => bail!("raw txn compare failed unexpectedly"),
+                    Err(e) => bail!("raw txn: {e}"),
+                }
+            }
+            hist.lock().await.add(&local).ok();
+            Ok(n)
+        }));
+    }
+    let started = Instant::now();
+    let mut total = 0;
+    for t in tasks {
+        total += t.await??;
+    }
+    let h = hist.lock().await.clone();
+    Ok((total as f64 / started.elapsed().as_secs_f64(), h))
+}
+
+async fn register(addr: &str, nodes: usize, prefix: &str) -> Result<()> {
+    let names: Vec<String> = (0..nodes).map(|i| format!("{prefix}{i:05}")).collect();
+    let chunks: Vec<Vec<String>> = names
+        .chunks(nodes.div_ceil(32).max(1))
+        .map(<[String]>::to_vec)
+        .collect();
+    let mut tasks = Vec::new();
+    for chunk in chunks {
+        let mut c = client(addr)?;
+        tasks.push(tokio::spawn(async move {
+            for n in chunk {
+                c.register_node(api::RegisterNodeRequest {
+                    inventory: Some(inventory(&n, 8, 81_920, "NVIDIA A100-SXM4-80GB")),
+                })
+                .await
+                .with_context(|| format!("registering {n}"))?;
+            }
+            anyhow::Ok(())
+        }));
+    }
+    for t in tasks {
+        t.await??;
+    }
+    Ok(())
+}
+
+/// Reserve from `clients` tasks until `dur` passes or `limit` reservations are made.
+async fn reserve_load(
+    addr: &str,
+    clients: usize,
+    dur: Duration,
+    limit: usize,
+    nodes: usize,
+    prefix: &str,
+    tag: &str,
+) -> Result<(f64, Histogram<u64>, usize)> {
+    let channels: Vec<_> = (0..8).map(|_| client(addr)).collect::<Result<_>>()?;
+    let hist = Arc::new(Mutex::new(histogram()));
+    let count = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let deadline = Instant::now() + dur;
+    let mut tasks = Vec::new();
+    for w in 0..clients {
+        let mut c = channels[w % channels.len()].clone();
+        let (hist, count) = (hist.clone(), count.clone());
+        let (prefix, tag) = (prefix.to_string(), tag.to_string());
+        tasks.push(tokio::spawn(async move {
+            let mut local = histogram();
+            let mut i = 0usize;
+            while Instant::now() < deadline {
+                let k = count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if k >= limit {
+                    break;
+                }
+                let node = format!("{prefix}{:05}", (k * 7919) % nodes);
+                let req = api::ReserveRequest {
+                    request: Some(pod(&format!("{tag}-{w}-{i}"), 1000, 1)),
+                    node,
+                    ttl_ms: 0,
+                };
+                let t = Instant::now();
+                c.reserve(req)
+                    .await
+                    .map_err(|s| anyhow::anyhow!("reserve: {}", s.message()))?;
+                record(&mut local, t.elapsed());
+                i += 1;
+            }
+            hist.lock().await.add(&local).ok();
+            anyhow::Ok(i)
+        }));
+    }
+    let started = Instant::now();
+    let mut total = 0;
+    for t in tasks {
+        total += t.await??;
+    }
+    let h = hist.lock().await.clone();
+    Ok((total as f64 / started.elapsed().as_secs_f64(), h, total))
+}
+
+/// Run the benchmark.
+pub async fn run(a: Args) -> Result<()> {
+    let dir = run_dir("allocator")?;
+    title("starting a 3-member etcd");
+    let etcd = EtcdCluster::start_in(&dir.path().join("etcd"), 3).await?;
+    let endpoints = etcd.endpoints();
+    let dur = Duration::from_secs(a.seconds);
+
+    title(&format!(
+        "raw etcd: single-key compare-and-put txns, {} concurrent clients, {}s",
+        a.clients, a.seconds
+    ));
+    let (raw, raw_h) = raw_etcd(&endpoints, "many", a.clients, dur).await?;
+    let (raw1, raw1_h) = raw_etcd(&endpoints, "one", 1, Duration::from_secs(3)).await?;
+
+    title(&format!(
+        "gpuledger: 1 allocator replica, {} nodes x 8 GPUs",
+        a.nodes
+    ));
+    let allocs = Allocators::start(dir.path(), &etcd.endpoints_flag(), 1, "bench", &[])?;
+    allocs.wait_leader(Duration::from_secs(30)).await?;
+    let addr = allocs.addrs[0].clone();
+    register(&addr, a.nodes, "node").await?;
+    let (rps, h, _) =
+        reserve_load(&addr, a.clients, dur, usize::MAX, a.nodes, "node", "load").await?;
+    let (rps1, h1, _) = reserve_load(
+        &addr,
+        1,
+        Duration::from_secs(3),
+        usize::MAX,
+        a.nodes,
+        "node",
+        "single",
+    )
+    .await?;
+    let rss_bench = allocs.procs[0]
+        .pid()
+        .map(rss_mib)
+        .transpose()?
+        .unwrap_or(0.0);
+
+    println!();
+    println!(
+        "{:<46} {:>12} {:>9} {:>9} {:>9}",
+        "what", "ops/s", "p50 ms", "p99 ms", "max ms"
+    );
+    let row = |what: &str, ops: f64, h: &Histogram<u64>| {
+        println!(
+            "{:<46} {:>12.0} {:>9.2} {:>9.2} {:>9.2}",
+            what,
+            ops,
+            q_ms(h, 0.5),
+            q_ms(h, 0.99),
+            h.max() as f64 / 1000.0
+        );
+    };
+    row(&format!("raw etcd txn, {} clients", a.clients), raw, &raw_h);
+    row("raw etcd txn, 1 client", raw1, &raw1_h);
+    row(
+        &format!("gpuledger Reserve (gRPC), {} clients", a.clients),
+        rps,
+        &h,
+    );
+    row("gpuledger Reserve (gRPC), 1 client", rps1, &h1);
+    println!(
+        "ratio gpuledger/raw etcd at {} clients: {:.2}x",
+        a.clients,
+        rps / raw
+    );
+    println!("allocator RSS after the throughput phase: {rss_bench:.1} MiB");
+
+    let mut rss_line = String::new();
+    if a.rss_nodes > 0 {
+        title(&format!(
+            "memory: fresh ledger with {} nodes x 8 GPUs and {} live allocations",
+            a.rss_nodes, a.rss_allocs
+        ));
+        let big = Allocators::start(dir.path(), &etcd.endpoints_flag(), 1, "rss", &[])?;
+        big.wait_leader(Duration::from_secs(30)).await?;
+        let baddr = big.addrs[0].clone();
+        let t = Instant::now();
+        register(&baddr, a.rss_nodes, "big").await?;
+        let (_, _, made) = reserve_load(
+            &baddr,
+            a.clients,
+            Duration::from_secs(600),
+            a.rss_allocs,
+            a.rss_nodes,
+            "big",
+            "rss",
+        )
+        .await?;
+        let st = big.status(0).await.context("allocator status")?;
+        let rss = big.procs[0].pid().map(rss_mib).transpose()?.unwrap_or(0.0);
+        println!(
+            "{} nodes, {} live allocations (made {made} in {:.1}s), seq {}: allocator RSS {rss:.1} MiB",
+            st.nodes,
+            st.allocations,
+            t.elapsed().as_secs_f64(),
+            st.seq
+        );
+        rss_line = format!(" rss_mib={rss:.0}");
+    }
+    println!(
+        "reserve_per_s={rps:.0} raw_etcd_txn_per_s={raw:.0} ratio={:.2} p50_ms={:.2} p99_ms={:.2}{rss_line}",
+        rps / raw,
+        q_ms(&h1, 0.5),
+        q_ms(&h1, 0.99)
+    );
+    Ok(())
+}

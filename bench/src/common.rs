@@ -1,0 +1,46 @@
+//! Shared pieces: run directory, latency histograms, process memory.
+
+use std::time::Duration;
+
+use anyhow::Result;
+use hdrhistogram::Histogram;
+
+/// A latency histogram in microseconds (1 µs .. 60 s).
+pub fn histogram() -> Histogram<u64> {
+    Histogram::new_with_bounds(1, 60_000_000, 3).expect("static bounds are valid")
+}
+
+/// Record a duration.
+pub fn record(h: &mut Histogram<u64>, d: Duration) {
+    let _ = h.record((d.as_micros() as u64).max(1));
+}
+
+/// Quantile in milliseconds.
+pub fn q_ms(h: &Histogram<u64>, q: f64) -> f64 {
+    h.value_at_quantile(q) as f64 / 1000.0
+}
+
+/// Resident set size of a process in MiB, from /proc.
+pub fn rss_mib(pid: u32) -> Result<f64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let kb: f64 = s
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0);
+    Ok(kb / 1024.0)
+}
+
+/// A temporary run directory that is kept (and printed) when GPULEDGER_KEEP_RUN is set.
+pub fn run_dir(name: &str) -> Result<tempfile::TempDir> {
+    let d = tempfile::Builder::new()
+        .prefix(&format!("gpuledger-bench-{name}-"))
+        .tempdir()?;
+    Ok(d)
+}
+
+/// Print a section title.
+pub fn title(s: &str) {
+    println!("\n== {s}");
+}

@@ -1,0 +1,303 @@
+//! `gpuledger-bench replay`: how fast the ledger folds, and how fast a replica cold-starts.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use etcd_client::Client;
+use gpuledger_allocator::log::EtcdLog;
+use gpuledger_chaos::{Allocators, EtcdCluster};
+use gpuledger_ledger::{Command, ContainerRequest, Ledger, PodRequest, Policy, pb};
+use prost::Message;
+
+use crate::common::{run_dir, title};
+
+/// Flags of `gpuledger-bench replay`.
+#[derive(clap::Args)]
+pub struct Args {
+    /// Events in the generated ledger.
+    #[arg(long, default_value_t = 1_000_000)]
+    events: usize,
+    /// Nodes (8 GPUs each) in the generated ledger.
+    #[arg(long, default_value_t = 1000)]
+    nodes: usize,
+    /// Live allocations kept while generating (older ones are released).
+    #[arg(long, default_value_t = 20_000)]
+    live: usize,
+    /// Snapshot interval used when writing the log to etcd (as the allocator does).
+    #[arg(long, default_value_t = 10_000)]
+    snapshot_every: u64,
+}
+
+/// A realistic event stream: registrations, then reserve → bound → assigned → release cycles.
+fn generate(a: &Args) -> Result<Vec<pb::Event>> {
+    let mut l = Ledger::new();
+    let mut out = Vec::with_capacity(a.events + 16);
+    let epoch = 7;
+    for n in 0..a.nodes {
+        let inv = pb::NodeInventory {
+            node: format!("node-{n:05}"),
+            gpus: (0..8)
+                .map(|g| pb::Gpu {
+                    uuid: format!("GPU-{n:05}-{g}-6f1c2a34-9b1e-4d6f-8e2a-0c3d5b7a9e11"),
+                    index: g,
+                    model: "NVIDIA A100-SXM4-80GB".into(),
+                    memory_mib: 81_920,
+                    healthy: true,
+                })
+                .collect(),
+            cpu_milli: 0,
+            memory_mib: 0,
+        };
+        out.extend(l.execute(Command::RegisterNode(inv), epoch, 0)?.0);
+    }
+    let mut live: std::collections::VecDeque<(String, String)> = Default::default();
+    let mut i = 0u64;
+    while out.len() < a.events {
+        let uid = format!("{i:08x}-5d2c-4b7e-9f3a-1e6b8c0d2f4a");
+        let node = format!("node-{:05}", (i as usize * 7919) % a.nodes);
+        let now = 1_700_000_000_000 + i as i64;
+        let req = PodRequest {
+            pod: pb::PodRef {
+                uid: uid.clone(),
+                namespace: "team-a".into(),
+                name: format!("trainer-{i}"),
+            },
+            containers: vec![ContainerRequest {
+                name: "main".into(),
+                slices: 1,
+                mem_mib: 4096,
+                mem_percent: 0,
+                core_milli: 100,
+            }],
+            policy: Policy::Binpack,
+            ..Default::default()
+        };
+        if let Ok((ev, _)) = l.execute(
+            Command::Reserve {
+                request: req,
+                node: node.clone(),
+                deadline_ms: now + 60_000,
+            },
+            epoch,
+            now,
+        ) {
+            let id = match ev.first().and_then(|e| e.body.as_ref()) {
+                Some(pb::event::Body::Reserved(r)) => r.allocation_id,
+                _ => 0,
+            };
+            out.extend(ev);
+            out.extend(
+                l.execute(
+                    Command::ConfirmBound {
+                        pod_uid: uid.clone(),
+                        node: node.clone(),
+                        reason: "extender".into(),
+                    },
+                    epoch,
+                    now,
+                )?
+                .0,
+            );
+            out.extend(
+                l.execute(
+                    Command::Assign {
+                        node: node.clone(),
+                        allocation_id: id,
+                        device_ids: vec![format!("GPU-{id}::0")],
+                    },
+                    epoch,
+                    now,
+                )?
+                .0,
+            );
+            live.push_back((uid, node));
+        }
+        while live.len() > a.live {
+            let (uid, _) = live.pop_front().expect("non-empty");
+            out.extend(
+                l.execute(
+                    Command::Release {
+                        pod_uid: uid,
+                        container: String::new(),
+                        allocation_id: 0,
+                        reason: "pod deleted".into(),
+                    },
+                    epoch,
+                    now,
+                )?
+                .0,
+            );
+        }
+        i += 1;
+    }
+    out.truncate(a.events);
+    Ok(out)
+}
+
+fn batches(events: &[pb::Event]) -> Vec<pb::EventBatch> {
+    events
+        .chunks(128)
+        .map(|c| pb::EventBatch {
+            version: 1,
+            first_seq: c[0].seq,
+            epoch: c[0].epoch,
+            events: c.to_vec(),
+        })
+        .collect()
+}
+
+async fn write_log(
+    client: &Client,
+    cluster: &str,
+    batches: &[pb::EventBatch],
+    snaps: &[pb::Snapshot],
+) -> Result<()> {
+    let log = EtcdLog::new(client, cluster, Duration::from_secs(30));
+    let mut tasks = Vec::new();
+    for part in batches.chunks(batches.len().div_ceil(16).max(1)) {
+        let mut kv = client.kv_client();
+        let part: Vec<(String, Vec<u8>)> = part
+            .iter()
+            .map(|b| (log.log_key(b.first_seq), b.encode_to_vec()))
+            .collect();
+        tasks.push(tokio::spawn(async move {
+            for (k, v) in part {
+                kv.put(k, v, None).await?;
+            }
+            anyhow::Ok(())
+        }));
+    }
+    for t in tasks {
+        t.await??;
+    }
+    let last = batches
+        .last()
+        .and_then(|b| b.events.last())
+        .context("empty log")?;
+    let head = pb::Head {
+        seq: last.seq,
+        epoch: last.epoch,
+    };
+    client
+        .kv_client()
+        .put(log.head_key(), head.encode_to_vec(), None)
+        .await?;
+    for s in snaps {
+        log.write_snapshot(s).await?;
+    }
+    Ok(())
+}
+
+async fn cold_start(
+    dir: &std::path::Path,
+    etcd: &EtcdCluster,
+    cluster: &str,
+    seq: u64,
+    extra: &[&str],
+) -> Result<(u128, String)> {
+    let t = Instant::now();
+    let a = Allocators::start(dir, &etcd.endpoints_flag(), 1, cluster, extra)?;
+    a.wait_seq(seq, Duration::from_secs(600)).await?;
+    let ms = t.elapsed().as_millis();
+    let log = std::fs::read_to_string(a.procs[0].log_path()).unwrap_or_default();
+    let how = if log.contains("loaded snapshot") {
+        "snapshot + tail"
+    } else {
+        "whole log"
+    };
+    Ok((ms, how.to_string()))
+}
+
+/// Run the benchmark.
+pub async fn run(a: Args) -> Result<()> {
+    title(&format!(
+        "generating {} events ({} nodes x 8 GPUs, ~{} live allocations)",
+        a.events, a.nodes, a.live
+    ));
+    let t = Instant::now();
+    let events = generate(&a)?;
+    println!("generated in {:.1}s", t.elapsed().as_secs_f64());
+
+    title("fold (apply with every invariant check), 3 runs");
+    let mut best = f64::MAX;
+    let mut live_state = Ledger::new();
+    for _ in 0..3 {
+        let mut l = Ledger::new();
+        let t = Instant::now();
+        l.apply_all(&events)
+            .map_err(|e| anyhow::anyhow!("fold: {e}"))?;
+        best = best.min(t.elapsed().as_secs_f64());
+        live_state = l;
+    }
+    let fold = events.len() as f64 / best;
+    let bs = batches(&events);
+    let bytes: Vec<Vec<u8>> = bs.iter().map(Message::encode_to_vec).collect();
+    let total_bytes: usize = bytes.iter().map(Vec::len).sum();
+    let t = Instant::now();
+    let mut n = 0;
+    for b in &bytes {
+        n += pb::EventBatch::decode(b.as_slice())?.events.len();
+    }
+    let decode = n as f64 / t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    let mut l = Ledger::new();
+    for b in &bytes {
+        l.apply_all(&pb::EventBatch::decode(b.as_slice())?.events)
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+    }
+    let decode_fold = n as f64 / t.elapsed().as_secs_f64();
+    println!("{:<40} {:>14}", "what", "events/s");
+    println!("{:<40} {:>14.0}", "protobuf decode only (baseline)", decode);
+    println!("{:<40} {:>14.0}", "fold (apply + invariants)", fold);
+    println!("{:<40} {:>14.0}", "decode + fold", decode_fold);
+    println!(
+        "log: {} batches, {:.1} MiB; final state: {} nodes, {} allocations",
+        bs.len(),
+        total_bytes as f64 / 1048576.0,
+        live_state.nodes().len(),
+        live_state.allocs().len()
+    );
+
+    title("writing the log to a 3-member etcd");
+    let dir = run_dir("replay")?;
+    let etcd = EtcdCluster::start_in(&dir.path().join("etcd"), 3).await?;
+    let client = etcd.client().await?;
+    // The allocator keeps the two newest snapshots; write those.
+    let mut snaps = Vec::new();
+    if a.snapshot_every > 0 {
+        let mut l = Ledger::new();
+        let last = events.len() as u64;
+        let s2 = last - last % a.snapshot_every;
+        let s1 = s2.saturating_sub(a.snapshot_every);
+        for e in &events {
+            l.apply(e).map_err(|e| anyhow::anyhow!("{e}"))?;
+            if (e.seq == s1 || e.seq == s2) && e.seq > 0 {
+                snaps.push(l.to_snapshot());
+            }
+        }
+    }
+    let t = Instant::now();
+    write_log(&client, "replay", &bs, &snaps).await?;
+    println!("written in {:.1}s", t.elapsed().as_secs_f64());
+
+    title("cold start of a new replica until it serves at the head seq");
+    let seq = events.len() as u64;
+    let (with_snap, how1) = cold_start(dir.path(), &etcd, "replay", seq, &[]).await?;
+    let (without, how2) = cold_start(
+        &dir.path().join("nosnap"),
+        &etcd,
+        "replay",
+        seq,
+        &["--ignore-snapshots"],
+    )
+    .await?;
+    println!("{:<40} {:>10}", "start from", "ms");
+    println!("{:<40} {:>10}", how1, with_snap);
+    println!(
+        "{:<40} {:>10}",
+        format!("{how2} (--ignore-snapshots)"),
+        without
+    );
+    println!("fold_events_per_s={fold:.0} cold_start_ms={with_snap}");
+    Ok(())
+}

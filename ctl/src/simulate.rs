@@ -1,0 +1,328 @@
+//! `gpuledger simulate`: replays the openb trace experiment through the ledger's placement code.
+//!
+//! The procedure is the one published by Weng et al. (USENIX ATC '23) on Alibaba's
+//! cluster-trace-gpu-v2023: see `../shared/traces/README.md`.
+
+mod engine;
+mod plot;
+mod trace;
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+use gpuledger_ledger::Policy;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+use engine::{POINTS, RunResult, Setup, trace_workload};
+use trace::{NodeRow, PodRow, read_nodes, read_pods};
+
+/// Arguments of `gpuledger simulate`.
+#[derive(clap::Args, Debug)]
+#[command(
+    about = "Replay a production GPU trace through the placement policies (offline)",
+    long_about = "Replay a production GPU trace through the ledger's placement policies, with the \
+procedure of Weng et al., USENIX ATC '23 (Alibaba cluster-trace-gpu-v2023, openb): pods sorted by \
+name and shuffled by seed, sampled with replacement up to --tune x the cluster's GPU capacity, node \
+order shuffled by seed, ties to the first node, pure fill (no pod ends). Prints, per policy, the GPU \
+allocation ratio and the unallocated share at 50/80/90/100/130 % arrived workload (mean ± sd over \
+seeds), the fragmentation rate, and a last line `policy=<p> unallocated_pct_at_100=<x>` per policy."
+)]
+pub struct SimulateArgs {
+    /// Node list CSV; columns by header name: sn, cpu_milli, memory_mib, gpu, model.
+    #[arg(
+        long,
+        value_name = "CSV",
+        default_value = "../shared/traces/openb/openb_node_list_gpu_node.csv"
+    )]
+    pub nodes: PathBuf,
+
+    /// Pod list CSV; columns by header name: name, cpu_milli, memory_mib, num_gpu, gpu_milli,
+    /// gpu_spec ('|'-separated exact GPU models, empty = any); other columns are ignored.
+    #[arg(
+        long,
+        value_name = "CSV",
+        default_value = "../shared/traces/openb/openb_pod_list_default.csv"
+    )]
+    pub pods: PathBuf,
+
+    /// Placement policies to compare, comma-separated. Paper baselines: random, dotprod, bestfit,
+    /// packing, clustering; the paper's policy: fgd; gpuledger's: binpack, spread, fgd-pack (FGD, ties to nodes already in use).
+    #[arg(
+        long,
+        value_name = "P[,P...]",
+        value_delimiter = ',',
+        default_value = "fgd"
+    )]
+    pub policy: Vec<Policy>,
+
+    /// Seeds: an inclusive range `42..51` (also `42..=51`), a comma list `42,43`, or one seed.
+    #[arg(long, value_name = "SEEDS", default_value = "42..51", value_parser = parse_seeds)]
+    pub seeds: Seeds,
+
+    /// Pods are sampled (with replacement) until their GPU request is this many times the
+    /// cluster's GPU capacity.
+    #[arg(long, value_name = "X", default_value_t = 1.3)]
+    pub tune: f64,
+
+    /// FGD's target workload: the most frequent pod shapes covering this share of pods (0-1].
+    #[arg(long, value_name = "SHARE", default_value_t = 0.95)]
+    pub coverage: f64,
+
+    /// Let FGD's pod shapes carry host memory too (the paper's simulator ignores it; both check
+    /// memory when placing).
+    #[arg(long)]
+    pub frag_memory: bool,
+
+    /// Write the plot of allocation ratio vs arrived workload (SVG) to this file.
+    #[arg(long, value_name = "SVG", default_value = "gpuledger-simulate.svg")]
+    pub plot: PathBuf,
+
+    /// Also write every run's results (per seed and point) as JSON to this file.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+}
+
+/// The seeds to run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Seeds(pub Vec<u64>);
+
+/// Parse `a..b` / `a..=b` (inclusive), `a,b,c` or `a`.
+pub fn parse_seeds(s: &str) -> Result<Seeds, String> {
+    let s = s.trim();
+    let num = |x: &str| {
+        x.trim()
+            .parse::<u64>()
+            .map_err(|_| format!("{x:?} is not a seed (a non-negative integer)"))
+    };
+    let seeds: Vec<u64> = if let Some((a, b)) = s.split_once("..") {
+        let (a, b) = (num(a)?, num(b.trim_start_matches('='))?);
+        if b < a {
+            return Err(format!("empty seed range {s:?}"));
+        }
+        (a..=b).collect()
+    } else {
+        s.split(',').map(num).collect::<Result<_, _>>()?
+    };
+    if seeds.is_empty() {
+        return Err("no seeds".into());
+    }
+    Ok(Seeds(seeds))
+}
+
+/// Results of one policy over all seeds.
+#[derive(Debug, Clone)]
+pub struct PolicyReport {
+    /// The policy.
+    pub policy: Policy,
+    /// One result per seed.
+    pub runs: Vec<RunResult>,
+    /// Wall time of all its runs.
+    pub seconds: f64,
+}
+
+impl PolicyReport {
+    /// Mean and sample standard deviation of `f` over the seeds.
+    pub fn stat(&self, f: impl Fn(&RunResult) -> f64) -> (f64, f64) {
+        mean_sd(&self.runs.iter().map(f).collect::<Vec<_>>())
+    }
+
+    /// Unallocated GPU share (percent) at 100 % arrived workload, mean over seeds.
+    pub fn unallocated_pct_at_100(&self) -> f64 {
+        let k = POINTS
+            .iter()
+            .position(|&p| p == 1.0)
+            .expect("100 % is a point");
+        self.stat(|r| 100.0 * (1.0 - r.alloc_at[k])).0
+    }
+}
+
+fn mean_sd(xs: &[f64]) -> (f64, f64) {
+    let n = xs.len() as f64;
+    let mean = xs.iter().sum::<f64>() / n;
+    let var = if xs.len() > 1 {
+        xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0)
+    } else {
+        0.0
+    };
+    (mean, var.sqrt())
+}
+
+/// Run every policy over every seed.
+pub fn simulate(
+    nodes: &[NodeRow],
+    pods: &[PodRow],
+    args: &SimulateArgs,
+    progress: &ProgressBar,
+) -> Vec<PolicyReport> {
+    let workload = Arc::new(trace_workload(pods, args.coverage, args.frag_memory));
+    let setup = Setup::new(nodes, pods, workload);
+    args.policy
+        .iter()
+        .map(|&policy| {
+            let start = Instant::now();
+            let runs = args
+                .seeds
+                .0
+                .iter()
+                .map(|&seed| {
+                    progress.set_message(format!("{policy} seed {seed}"));
+                    let r = setup.run(pods, policy, args.tune, seed);
+                    progress.inc(1);
+                    r
+                })
+                .collect();
+            PolicyReport {
+                policy,
+                runs,
+                seconds: start.elapsed().as_secs_f64(),
+            }
+        })
+        .collect()
+}
+
+/// Run the simulation.
+pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
+    if !(args.tune > 0.0 && args.tune.is_finite()) {
+        bail!("--tune must be a positive number, got {}", args.tune);
+    }
+    if !(args.coverage > 0.0 && args.coverage <= 1.0) {
+        bail!("--coverage must be in (0, 1], got {}", args.coverage);
+    }
+    if args.policy.is_empty() {
+        bail!("--policy: name at least one policy");
+    }
+    let nodes = read_nodes(&args.nodes)?;
+    let pods = read_pods(&args.pods)?;
+    let gpus: usize = nodes.iter().map(|n| n.gpus as usize).sum();
+    let total = (args.policy.len() * args.seeds.0.len()) as u64;
+    let progress = if std::io::stderr().is_terminal() {
+        ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr())
+    } else {
+        ProgressBar::hidden()
+    };
+    progress.set_style(
+        ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} runs, {elapsed} elapsed, eta {eta} {msg}",
+        )
+        .expect("static template"),
+    );
+    let reports = simulate(&nodes, &pods, &args, &progress);
+    progress.finish_and_clear();
+
+    println!(
+        "trace: {} ({} pods), {} ({} nodes, {} GPUs); seeds {}; tune {}",
+        args.pods.display(),
+        pods.len(),
+        args.nodes.display(),
+        nodes.len(),
+        gpus,
+        describe_seeds(&args.seeds),
+        args.tune
+    );
+    println!(
+        "Method and trace: Weng et al., USENIX ATC '23; Alibaba cluster-trace-gpu-v2023 (openb)."
+    );
+    for r in &reports {
+        print_report(r);
+    }
+    println!();
+    println!(
+        "{:<12} {:>22} {:>16} {:>10}",
+        "policy", "unallocated @100% (%)", "frag rate (%)", "time (s)"
+    );
+    for r in &reports {
+        let k = POINTS
+            .iter()
+            .position(|&p| p == 1.0)
+            .expect("100 % is a point");
+        let (m, sd) = r.stat(|x| 100.0 * (1.0 - x.alloc_at[k]));
+        let (fm, fsd) = r.stat(|x| 100.0 * x.frag_rate_at_100);
+        println!(
+            "{:<12} {:>13.2} ± {:<6.2} {:>8.2} ± {:<5.2} {:>10.1}",
+            r.policy.to_string(),
+            m,
+            sd,
+            fm,
+            fsd,
+            r.seconds
+        );
+    }
+    plot::write(&args.plot, &reports)
+        .with_context(|| format!("cannot write the plot to {}", args.plot.display()))?;
+    println!("plot: {}", args.plot.display());
+    if let Some(path) = &args.json {
+        std::fs::write(path, json(&reports).to_string())
+            .with_context(|| format!("cannot write {}", path.display()))?;
+        println!("json: {}", path.display());
+    }
+    for r in &reports {
+        println!(
+            "policy={} unallocated_pct_at_100={:.2}",
+            r.policy,
+            r.unallocated_pct_at_100()
+        );
+    }
+    Ok(())
+}
+
+fn describe_seeds(s: &Seeds) -> String {
+    let v = &s.0;
+    let contiguous = v.windows(2).all(|w| w[1] == w[0] + 1);
+    if v.len() > 2 && contiguous {
+        format!("{}..{} ({} runs)", v[0], v[v.len() - 1], v.len())
+    } else {
+        v.iter().map(u64::to_string).collect::<Vec<_>>().join(",")
+    }
+}
+
+fn print_report(r: &PolicyReport) {
+    println!();
+    println!(
+        "policy {}: {} seeds, {:.1} s, {:.0} pods/run, {:.1} failed/run",
+        r.policy,
+        r.runs.len(),
+        r.seconds,
+        r.stat(|x| x.pods as f64).0,
+        r.stat(|x| x.failed as f64).0
+    );
+    println!(
+        "  {:>8}  {:>22}  {:>22}",
+        "arrived", "GPU allocation (%)", "unallocated (%)"
+    );
+    for (k, p) in POINTS.iter().enumerate() {
+        let (m, sd) = r.stat(|x| 100.0 * x.alloc_at[k]);
+        println!(
+            "  {:>7.0}%  {:>13.2} ± {:<6.2}  {:>13.2} ± {:<6.2}",
+            p * 100.0,
+            m,
+            sd,
+            100.0 - m,
+            sd
+        );
+    }
+    let (fm, fsd) = r.stat(|x| 100.0 * x.frag_rate_at_100);
+    println!("  fragmentation rate at 100% arrived: {fm:.2} ± {fsd:.2} % of idle GPU");
+}
+
+fn json(reports: &[PolicyReport]) -> serde_json::Value {
+    serde_json::json!(
+        reports
+            .iter()
+            .map(|r| serde_json::json!({
+                "policy": r.policy.to_string(),
+                "seconds": r.seconds,
+                "points": POINTS,
+                "runs": r.runs.iter().map(|x| serde_json::json!({
+                    "seed": x.seed,
+                    "alloc_at": x.alloc_at,
+                    "frag_rate_at_100": x.frag_rate_at_100,
+                    "pods": x.pods,
+                    "failed": x.failed,
+                })).collect::<Vec<_>>(),
+            }))
+            .collect::<Vec<_>>()
+    )
+}

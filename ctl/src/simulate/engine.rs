@@ -1,0 +1,296 @@
+//! One run of the published experiment: one policy, one seed, pure fill.
+//!
+//! Every decision goes through `gpuledger_ledger::placement::evaluate` and `rank`; this module
+//! only keeps the books (what each node has left) and caches evaluations per node and pod shape
+//! until the node changes, which is sound because placement is a pure function of both.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use gpuledger_ledger::placement::{self, Candidate, Workload};
+use gpuledger_ledger::{ContainerRequest, GpuState, NodeState, PodRequest, Policy, Selector, pb};
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+
+use super::trace::{NodeRow, PodRow};
+
+/// Arrived-workload points (fractions of cluster GPU capacity) the report shows.
+pub const POINTS: [f64; 5] = [0.5, 0.8, 0.9, 1.0, 1.3];
+
+/// The result of one run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunResult {
+    /// The seed.
+    pub seed: u64,
+    /// After each pod: (arrived workload, GPU allocation ratio), both fractions of capacity.
+    pub curve: Vec<(f64, f64)>,
+    /// Allocation ratio at each of [`POINTS`] (interpolated between pods).
+    pub alloc_at: Vec<f64>,
+    /// Fragmented share of the idle GPU capacity when the arrived workload first reaches 100 %.
+    pub frag_rate_at_100: f64,
+    /// Pods submitted.
+    pub pods: usize,
+    /// Pods that fit nowhere.
+    pub failed: usize,
+}
+
+/// The pods of the experiment for `seed`: sorted by name, shuffled, then sampled with replacement
+/// until their GPU request reaches `tune` times the capacity; and the shuffled node order.
+pub fn workload_for_seed(
+    pods: &[PodRow],
+    nodes: usize,
+    capacity_milli: u64,
+    tune: f64,
+    seed: u64,
+) -> (Vec<usize>, Vec<usize>) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut order: Vec<usize> = (0..pods.len()).collect();
+    order.sort_by(|&a, &b| pods[a].name.cmp(&pods[b].name));
+    order.shuffle(&mut rng);
+    let target = tune * capacity_milli as f64;
+    let mut total: u64 = order.iter().map(|&i| pods[i].gpu_request()).sum();
+    if pods.iter().any(|p| p.gpu_request() > 0) {
+        while (total as f64) < target {
+            let i = rng.random_range(0..pods.len());
+            order.push(i);
+            total += pods[i].gpu_request();
+        }
+    }
+    let mut node_order: Vec<usize> = (0..nodes).collect();
+    node_order.shuffle(&mut rng);
+    (order, node_order)
+}
+
+/// Fixed inputs shared by every run: the cluster, the pod shapes and the workload distribution.
+pub struct Setup {
+    nodes: Vec<NodeState>,
+    /// Index of each pod's shape in `requests`.
+    shape_of: Vec<usize>,
+    /// One request per distinct pod shape.
+    requests: Vec<PodRequest>,
+    gpu_request: Vec<u64>,
+    capacity_milli: u64,
+    workload: Arc<Workload>,
+    pod_count: usize,
+}
+
+impl Setup {
+    /// Build the cluster and the requests; `workload` is what FGD measures fragmentation against.
+    pub fn new(nodes: &[NodeRow], pods: &[PodRow], workload: Arc<Workload>) -> Self {
+        let nodes: Vec<NodeState> = nodes.iter().map(node_state).collect();
+        let capacity_milli = nodes.iter().map(|n| n.gpus.len() as u64 * 1000).sum();
+        let mut index: HashMap<(u64, u64, u32, u32, &[String]), usize> = HashMap::new();
+        let mut requests = Vec::new();
+        let mut gpu_request = Vec::new();
+        let mut shape_of = Vec::with_capacity(pods.len());
+        for p in pods {
+            let key = (
+                p.cpu_milli,
+                p.memory_mib,
+                p.num_gpu,
+                p.gpu_milli,
+                &p.gpu_spec[..],
+            );
+            let id = *index.entry(key).or_insert_with(|| {
+                requests.push(request(p, requests.len(), &workload));
+                gpu_request.push(p.gpu_request());
+                requests.len() - 1
+            });
+            shape_of.push(id);
+        }
+        Setup {
+            nodes,
+            shape_of,
+            requests,
+            gpu_request,
+            capacity_milli,
+            workload,
+            pod_count: pods.len(),
+        }
+    }
+
+    /// Run the experiment for one policy and seed.
+    pub fn run(&self, pods: &[PodRow], policy: Policy, tune: f64, seed: u64) -> RunResult {
+        debug_assert_eq!(pods.len(), self.pod_count);
+        let (order, node_order) =
+            workload_for_seed(pods, self.nodes.len(), self.capacity_milli, tune, seed);
+        let mut nodes: Vec<NodeState> = node_order.iter().map(|&i| self.nodes[i].clone()).collect();
+        let mut requests = self.requests.clone();
+        for r in &mut requests {
+            r.policy = policy;
+        }
+        let shapes = requests.len();
+        let mut version = vec![0u32; nodes.len()];
+        let mut cache: Vec<Option<(u32, Option<Candidate>)>> = vec![None; nodes.len() * shapes];
+        let mut salts = StdRng::seed_from_u64(seed ^ 0x5EED_5A17);
+        let cap = self.capacity_milli as f64;
+        let (mut arrived, mut allocated) = (0u64, 0u64);
+        let mut curve = Vec::with_capacity(order.len());
+        let mut failed = 0;
+        let mut frag_rate_at_100 = None;
+        for &p in &order {
+            let t = self.shape_of[p];
+            let req = &mut requests[t];
+            if policy == Policy::Random {
+                req.salt = salts.random();
+            }
+            let req = &requests[t];
+            let mut best: Option<(f64, usize)> = None;
+            for (n, node) in nodes.iter().enumerate() {
+                let slot = &mut cache[n * shapes + t];
+                if slot.as_ref().is_none_or(|(v, _)| *v != version[n]) {
+                    *slot = Some((version[n], placement::evaluate(node, req).ok()));
+                }
+                if let Some((_, Some(c))) = slot {
+                    let s = placement::rank(req, n, c);
+                    if best.is_none_or(|(b, _)| s > b) {
+                        best = Some((s, n));
+                    }
+                }
+            }
+            arrived += self.gpu_request[t];
+            match best {
+                Some((_, n)) => {
+                    let (_, c) = cache[n * shapes + t].as_ref().expect("just evaluated");
+                    let c = c.as_ref().expect("best is a fitting candidate").clone();
+                    commit(&mut nodes[n], req, &c);
+                    version[n] += 1;
+                    allocated += self.gpu_request[t];
+                }
+                None => failed += 1,
+            }
+            curve.push((arrived as f64 / cap, allocated as f64 / cap));
+            if frag_rate_at_100.is_none() && arrived as f64 >= cap {
+                frag_rate_at_100 = Some(frag_rate(&nodes, &self.workload));
+            }
+        }
+        let alloc_at = POINTS.iter().map(|&x| at(&curve, x)).collect();
+        RunResult {
+            seed,
+            alloc_at,
+            frag_rate_at_100: frag_rate_at_100.unwrap_or_else(|| frag_rate(&nodes, &self.workload)),
+            pods: order.len(),
+            failed,
+            curve,
+        }
+    }
+}
+
+/// The allocation ratio when the arrived workload is `x`, interpolated between the two pods
+/// around it (the last point when the run ends before `x`).
+pub fn at(curve: &[(f64, f64)], x: f64) -> f64 {
+    let mut prev = (0.0, 0.0);
+    for &(a, r) in curve {
+        if a >= x {
+            if a - prev.0 <= f64::EPSILON {
+                return r;
+            }
+            return prev.1 + (r - prev.1) * (x - prev.0) / (a - prev.0);
+        }
+        prev = (a, r);
+    }
+    prev.1
+}
+
+/// Fragmented share of the idle GPU capacity of the cluster.
+fn frag_rate(nodes: &[NodeState], w: &Workload) -> f64 {
+    let idle: u64 = nodes
+        .iter()
+        .flat_map(|n| &n.gpus)
+        .map(|g| u64::from(g.core_free()))
+        .sum();
+    if idle == 0 {
+        return 0.0;
+    }
+    nodes.iter().map(|n| w.node_fragmentation(n)).sum::<f64>() / idle as f64
+}
+
+/// Book a decided candidate on the simulator's copy of the node.
+fn commit(node: &mut NodeState, req: &PodRequest, c: &Candidate) {
+    for (cr, gpus) in req.containers.iter().zip(&c.gpus) {
+        let cr = cr.normalized();
+        for &i in gpus {
+            let g = &mut node.gpus[i];
+            g.mem_used += cr.mem_on(g);
+            g.core_used += cr.core_milli;
+            g.holders += 1;
+        }
+    }
+    node.cpu_used += req.cpu_milli;
+    node.memory_used += req.memory_mib;
+}
+
+fn node_state(n: &NodeRow) -> NodeState {
+    NodeState {
+        name: n.name.clone(),
+        gpus: (0..n.gpus)
+            .map(|i| GpuState {
+                uuid: format!("{}-gpu{i}", n.name),
+                index: i,
+                model: n.model.clone(),
+                // The trace has no GPU memory; pods ask for none, so any capacity will do.
+                memory_mib: 16_384,
+                healthy: true,
+                mem_used: 0,
+                core_used: 0,
+                holders: 0,
+            })
+            .collect(),
+        cpu_milli: n.cpu_milli,
+        memory_mib: n.memory_mib,
+        cpu_used: 0,
+        memory_used: 0,
+        allocs: Default::default(),
+    }
+}
+
+fn request(p: &PodRow, id: usize, workload: &Arc<Workload>) -> PodRequest {
+    let containers = if p.num_gpu == 0 {
+        Vec::new()
+    } else {
+        vec![ContainerRequest {
+            name: "main".into(),
+            slices: p.num_gpu,
+            mem_mib: 0,
+            mem_percent: 0,
+            core_milli: p.gpu_milli,
+        }]
+    };
+    PodRequest {
+        pod: pb::PodRef {
+            uid: format!("shape-{id}"),
+            namespace: "trace".into(),
+            name: p.name.clone(),
+        },
+        containers,
+        selector: Selector {
+            models: p.gpu_spec.clone(),
+            ..Default::default()
+        },
+        policy: Policy::default(),
+        cpu_milli: p.cpu_milli,
+        memory_mib: p.memory_mib,
+        workload: Some(workload.clone()),
+        salt: 0,
+    }
+}
+
+/// The workload distribution of a pod list, for FGD: its most frequent shapes covering `coverage`.
+pub fn trace_workload(pods: &[PodRow], coverage: f64, with_memory: bool) -> Workload {
+    Workload::from_counts(
+        pods.iter().map(|p| {
+            (
+                placement::PodShape {
+                    cpu_milli: p.cpu_milli,
+                    memory_mib: if with_memory { p.memory_mib } else { 0 },
+                    gpus: p.num_gpu,
+                    core_milli: p.gpu_milli,
+                    models: p.gpu_spec.clone(),
+                },
+                1,
+            )
+        }),
+        coverage,
+    )
+}

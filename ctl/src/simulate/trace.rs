@@ -1,0 +1,245 @@
+//! The openb trace files: node and pod lists, read by header name.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use anyhow::{Context, bail};
+
+/// One node of the node list.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeRow {
+    /// Node name (`sn`).
+    pub name: String,
+    /// Allocatable CPU in millicores.
+    pub cpu_milli: u64,
+    /// Allocatable host memory in MiB.
+    pub memory_mib: u64,
+    /// Number of GPUs.
+    pub gpus: u32,
+    /// GPU model.
+    pub model: String,
+}
+
+/// One pod of the pod list.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodRow {
+    /// Pod name.
+    pub name: String,
+    /// CPU request in millicores.
+    pub cpu_milli: u64,
+    /// Host memory request in MiB.
+    pub memory_mib: u64,
+    /// Number of GPUs (0 = CPU-only).
+    pub num_gpu: u32,
+    /// Share of each GPU in thousandths (1000 for multi-GPU pods).
+    pub gpu_milli: u32,
+    /// Accepted GPU models (empty = any).
+    pub gpu_spec: Vec<String>,
+}
+
+impl PodRow {
+    /// GPU compute requested in total, in thousandths of a GPU.
+    pub fn gpu_request(&self) -> u64 {
+        u64::from(self.num_gpu) * u64::from(self.gpu_milli)
+    }
+}
+
+/// A CSV file split into a header index and numbered rows (no quoting: the trace has none).
+struct Table<'a> {
+    file: &'a Path,
+    columns: HashMap<String, usize>,
+    rows: Vec<(usize, Vec<&'a str>)>,
+}
+
+impl<'a> Table<'a> {
+    fn parse(file: &'a Path, text: &'a str) -> anyhow::Result<Self> {
+        let mut lines = text
+            .lines()
+            .enumerate()
+            .filter(|(_, l)| !l.trim().is_empty());
+        let Some((_, header)) = lines.next() else {
+            bail!("{}: empty file, expected a CSV header", file.display());
+        };
+        let columns: HashMap<String, usize> = header
+            .split(',')
+            .enumerate()
+            .map(|(i, h)| {
+                (
+                    h.trim().trim_start_matches('\u{feff}').to_ascii_lowercase(),
+                    i,
+                )
+            })
+            .collect();
+        let width = header.split(',').count();
+        let mut rows = Vec::new();
+        for (i, l) in lines {
+            let cells: Vec<&str> = l.split(',').map(str::trim).collect();
+            if cells.len() != width {
+                bail!(
+                    "{}:{}: {} fields, the header has {}",
+                    file.display(),
+                    i + 1,
+                    cells.len(),
+                    width
+                );
+            }
+            rows.push((i + 1, cells));
+        }
+        Ok(Table {
+            file,
+            columns,
+            rows,
+        })
+    }
+
+    fn column(&self, names: &[&str]) -> anyhow::Result<usize> {
+        names
+            .iter()
+            .find_map(|n| self.columns.get(*n).copied())
+            .with_context(|| {
+                format!(
+                    "{}:1: missing column {:?} in the header",
+                    self.file.display(),
+                    names[0]
+                )
+            })
+    }
+
+    fn number<T: std::str::FromStr>(
+        &self,
+        line: usize,
+        cells: &[&str],
+        col: usize,
+        name: &str,
+    ) -> anyhow::Result<T> {
+        cells[col].parse().map_err(|_| {
+            anyhow::anyhow!(
+                "{}:{line}: column {name}: {:?} is not a non-negative integer",
+                self.file.display(),
+                cells[col]
+            )
+        })
+    }
+}
+
+fn read(path: &Path) -> anyhow::Result<String> {
+    std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))
+}
+
+/// Read a node list (columns `sn`, `cpu_milli`, `memory_mib`, `gpu`, `model`, in any order).
+pub fn read_nodes(path: &Path) -> anyhow::Result<Vec<NodeRow>> {
+    let text = read(path)?;
+    parse_nodes(path, &text)
+}
+
+/// Parse a node list already read from `path`.
+pub fn parse_nodes(path: &Path, text: &str) -> anyhow::Result<Vec<NodeRow>> {
+    let t = Table::parse(path, text)?;
+    let (sn, cpu, mem, gpu, model) = (
+        t.column(&["sn", "name", "node"])?,
+        t.column(&["cpu_milli"])?,
+        t.column(&["memory_mib"])?,
+        t.column(&["gpu", "num_gpu"])?,
+        t.column(&["model", "gpu_model"])?,
+    );
+    let mut out = Vec::with_capacity(t.rows.len());
+    for (line, cells) in &t.rows {
+        let line = *line;
+        let gpus: u32 = t.number(line, cells, gpu, "gpu")?;
+        if gpus > 64 {
+            bail!(
+                "{}:{line}: column gpu: {gpus} GPUs on one node (at most 64)",
+                path.display()
+            );
+        }
+        if cells[sn].is_empty() {
+            bail!("{}:{line}: column sn: empty node name", path.display());
+        }
+        out.push(NodeRow {
+            name: cells[sn].to_string(),
+            cpu_milli: t.number(line, cells, cpu, "cpu_milli")?,
+            memory_mib: t.number(line, cells, mem, "memory_mib")?,
+            gpus,
+            model: cells[model].to_string(),
+        });
+    }
+    if out.is_empty() {
+        bail!("{}: no nodes", path.display());
+    }
+    Ok(out)
+}
+
+/// Read a pod list (columns `name`, `cpu_milli`, `memory_mib`, `num_gpu`, `gpu_milli`,
+/// `gpu_spec`, in any order; other columns are ignored).
+pub fn read_pods(path: &Path) -> anyhow::Result<Vec<PodRow>> {
+    let text = read(path)?;
+    parse_pods(path, &text)
+}
+
+/// Parse a pod list already read from `path`.
+pub fn parse_pods(path: &Path, text: &str) -> anyhow::Result<Vec<PodRow>> {
+    let t = Table::parse(path, text)?;
+    let (name, cpu, mem, num, milli) = (
+        t.column(&["name"])?,
+        t.column(&["cpu_milli"])?,
+        t.column(&["memory_mib"])?,
+        t.column(&["num_gpu"])?,
+        t.column(&["gpu_milli"])?,
+    );
+    let spec = t.columns.get("gpu_spec").copied();
+    let mut out = Vec::with_capacity(t.rows.len());
+    for (line, cells) in &t.rows {
+        let line = *line;
+        let num_gpu: u32 = t.number(line, cells, num, "num_gpu")?;
+        let gpu_milli: u32 = t.number(line, cells, milli, "gpu_milli")?;
+        if num_gpu > 64 {
+            bail!(
+                "{}:{line}: column num_gpu: {num_gpu} GPUs (at most 64)",
+                path.display()
+            );
+        }
+        let gpu_milli = match (num_gpu, gpu_milli) {
+            (0, 0) => 0,
+            (0, m) => bail!(
+                "{}:{line}: column gpu_milli: {m} with num_gpu 0 (a CPU-only pod has gpu_milli 0)",
+                path.display()
+            ),
+            (1, m @ 1..=1000) => m,
+            (1, m) => bail!(
+                "{}:{line}: column gpu_milli: {m} is outside 1..=1000",
+                path.display()
+            ),
+            // Multi-GPU pods take whole GPUs.
+            (_, 1000) => 1000,
+            (n, m) => bail!(
+                "{}:{line}: column gpu_milli: {m} with num_gpu {n} (multi-GPU pods use whole GPUs, 1000)",
+                path.display()
+            ),
+        };
+        if cells[name].is_empty() {
+            bail!("{}:{line}: column name: empty pod name", path.display());
+        }
+        let gpu_spec = spec
+            .map(|c| {
+                cells[c]
+                    .split('|')
+                    .map(str::trim)
+                    .filter(|s| !s.is_empty())
+                    .map(String::from)
+                    .collect()
+            })
+            .unwrap_or_default();
+        out.push(PodRow {
+            name: cells[name].to_string(),
+            cpu_milli: t.number(line, cells, cpu, "cpu_milli")?,
+            memory_mib: t.number(line, cells, mem, "memory_mib")?,
+            num_gpu,
+            gpu_milli,
+            gpu_spec,
+        });
+    }
+    if out.is_empty() {
+        bail!("{}: no pods", path.display());
+    }
+    Ok(out)
+}

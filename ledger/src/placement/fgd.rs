@@ -1,0 +1,231 @@
+//! Fragmentation gradient descent (Weng et al., "Beware of Fragmentation: Scheduling GPU-Sharing
+//! Workloads with Fragmentation Gradient Descent", USENIX ATC '23).
+//!
+//! For a target workload (the pod shapes that make up most pods, with their frequencies), a node's
+//! fragmentation is the expected free GPU share that a typical pod cannot use there: all of the
+//! node's free share when the pod cannot run on the node at all (GPU count, GPU model, CPU, host
+//! memory, or the pod uses no GPU), otherwise the free share on GPUs too small for it. FGD places a
+//! pod where fragmentation grows least.
+
+use std::collections::HashMap;
+
+use crate::CORE_MILLI_PER_GPU;
+use crate::placement::PodRequest;
+use crate::state::NodeState;
+
+/// The resource shape of a pod, as the fragmentation measure sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct PodShape {
+    /// CPU request (millicores).
+    pub cpu_milli: u64,
+    /// Host memory request (MiB); 0 when the workload ignores memory.
+    pub memory_mib: u64,
+    /// Number of GPUs (0 = CPU-only pod).
+    pub gpus: u32,
+    /// Compute per GPU in thousandths (1000 for whole-GPU and multi-GPU pods).
+    pub core_milli: u32,
+    /// Accepted GPU models, exact names (empty = any).
+    pub models: Vec<String>,
+}
+
+impl PodShape {
+    /// The shape of a request: all its slices, at the largest per-slice compute.
+    pub fn of(req: &PodRequest) -> PodShape {
+        let gpus = req.containers.iter().map(|c| c.slices).sum();
+        let core_milli = req
+            .containers
+            .iter()
+            .map(|c| c.normalized().core_milli)
+            .max()
+            .unwrap_or(0);
+        PodShape {
+            cpu_milli: req.cpu_milli,
+            memory_mib: req.memory_mib,
+            gpus,
+            core_milli: if gpus > 1 {
+                CORE_MILLI_PER_GPU
+            } else {
+                core_milli
+            },
+            models: req.selector.models.clone(),
+        }
+    }
+
+    /// GPU compute the pod asks for in total, in thousandths of a GPU.
+    pub fn total_core_milli(&self) -> u64 {
+        u64::from(self.gpus) * u64::from(self.core_milli)
+    }
+}
+
+/// A target workload: typical pod shapes and how often each occurs.
+#[derive(Debug, Clone, Default)]
+pub struct Workload {
+    shapes: Vec<PodShape>,
+    counts: Vec<u64>,
+    probs: Vec<f64>,
+}
+
+impl PartialEq for Workload {
+    fn eq(&self, other: &Self) -> bool {
+        self.shapes == other.shapes && self.counts == other.counts
+    }
+}
+
+impl Eq for Workload {}
+
+impl Workload {
+    /// Share of pods (by count) that the typical shapes must cover, as in the paper.
+    pub const DEFAULT_COVERAGE: f64 = 0.95;
+
+    /// The most frequent shapes covering at least `coverage` (0..=1) of all pods, with their
+    /// frequencies renormalized over the kept shapes. Ties in frequency keep the smaller shape first.
+    pub fn from_counts(counts: impl IntoIterator<Item = (PodShape, u64)>, coverage: f64) -> Self {
+        let mut merged: HashMap<PodShape, u64> = HashMap::new();
+        for (s, n) in counts {
+            *merged.entry(s).or_default() += n;
+        }
+        let mut all: Vec<(PodShape, u64)> = merged.into_iter().filter(|(_, n)| *n > 0).collect();
+        all.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        let total: u64 = all.iter().map(|(_, n)| n).sum();
+        let need = (coverage.clamp(0.0, 1.0) * total as f64).ceil() as u64;
+        let mut kept = 0u64;
+        let mut shapes = Vec::new();
+        let mut counts = Vec::new();
+        for (s, n) in all {
+            if kept >= need && !shapes.is_empty() {
+                break;
+            }
+            kept += n;
+            shapes.push(s);
+            counts.push(n);
+        }
+        let probs = counts
+            .iter()
+            .map(|&n| n as f64 / kept.max(1) as f64)
+            .collect();
+        Workload {
+            shapes,
+            counts,
+            probs,
+        }
+    }
+
+    /// The workload of a list of (recent) requests, at the default coverage; the prior if empty.
+    pub fn from_requests<'a>(reqs: impl IntoIterator<Item = &'a PodRequest>) -> Self {
+        let w = Self::from_counts(
+            reqs.into_iter().map(|r| (PodShape::of(r), 1)),
+            Self::DEFAULT_COVERAGE,
+        );
+        if w.shapes.is_empty() {
+            Self::prior()
+        } else {
+            w
+        }
+    }
+
+    /// A neutral prior for a cluster that has seen no requests yet: whole GPUs, halves, quarters,
+    /// tenths and multi-GPU pods, without CPU or memory constraints.
+    pub fn prior() -> Self {
+        let shape = |gpus, core_milli| PodShape {
+            gpus,
+            core_milli,
+            ..Default::default()
+        };
+        Self::from_counts(
+            [
+                (shape(1, 1000), 4),
+                (shape(1, 500), 2),
+                (shape(1, 250), 2),
+                (shape(1, 100), 1),
+                (shape(2, 1000), 1),
+                (shape(8, 1000), 1),
+            ],
+            1.0,
+        )
+    }
+
+    /// The typical shapes with their probabilities (summing to 1).
+    pub fn shapes(&self) -> impl Iterator<Item = (&PodShape, f64)> {
+        self.shapes.iter().zip(self.probs.iter().copied())
+    }
+
+    /// Whether no shape is known.
+    pub fn is_empty(&self) -> bool {
+        self.shapes.is_empty()
+    }
+
+    /// Expected fragmentation of `node` (thousandths of a GPU) as it is now.
+    pub fn node_fragmentation(&self, node: &NodeState) -> f64 {
+        let free: Vec<u32> = node.gpus.iter().map(usable_free).collect();
+        self.fragmentation(node, &free, cpu_left(node, 0), mem_left(node, 0))
+    }
+
+    /// Expected fragmentation of `node` (thousandths of a GPU) if its GPUs had `free` compute left
+    /// and it had `cpu_left` millicores and `mem_left` MiB of host memory left.
+    pub fn fragmentation(
+        &self,
+        node: &NodeState,
+        free: &[u32],
+        cpu_left: u64,
+        mem_left: u64,
+    ) -> f64 {
+        let total: u64 = free.iter().map(|&f| u64::from(f)).sum();
+        if total == 0 {
+            return 0.0;
+        }
+        self.shapes
+            .iter()
+            .zip(&self.probs)
+            .map(|(s, p)| p * frag_for(s, node, free, total, cpu_left, mem_left) as f64)
+            .sum()
+    }
+}
+
+/// Free compute of a GPU as the fragmentation measure counts it (an unhealthy GPU has none).
+pub(crate) fn usable_free(g: &crate::state::GpuState) -> u32 {
+    if g.healthy { g.core_free() } else { 0 }
+}
+
+/// CPU left on the node after `extra` more millicores (untracked CPU is unlimited).
+pub(crate) fn cpu_left(node: &NodeState, extra: u64) -> u64 {
+    if node.cpu_milli == 0 {
+        u64::MAX
+    } else {
+        node.cpu_milli.saturating_sub(node.cpu_used + extra)
+    }
+}
+
+/// Host memory left on the node after `extra` more MiB (untracked memory is unlimited).
+pub(crate) fn mem_left(node: &NodeState, extra: u64) -> u64 {
+    if node.memory_mib == 0 {
+        u64::MAX
+    } else {
+        node.memory_mib.saturating_sub(node.memory_used + extra)
+    }
+}
+
+/// Fragmentation of the node for one typical shape: the free share that shape cannot use.
+fn frag_for(
+    s: &PodShape,
+    node: &NodeState,
+    free: &[u32],
+    total: u64,
+    cpu_left: u64,
+    mem_left: u64,
+) -> u64 {
+    // A CPU-only pod uses no GPU: every free share is out of its reach (as in the paper).
+    if s.gpus == 0 || cpu_left < s.cpu_milli || mem_left < s.memory_mib {
+        return total;
+    }
+    let model_ok = |i: usize| s.models.is_empty() || s.models.contains(&node.gpus[i].model);
+    let mut able = 0u32;
+    let mut frag = 0u64;
+    for (i, &f) in free.iter().enumerate() {
+        if f >= s.core_milli && model_ok(i) {
+            able += 1;
+        } else {
+            frag += u64::from(f);
+        }
+    }
+    if able < s.gpus { total } else { frag }
+}

@@ -1,0 +1,277 @@
+use std::sync::Arc;
+
+use super::*;
+
+fn gpu(i: u32, mem: u64) -> GpuState {
+    GpuState {
+        uuid: format!("GPU-{i}"),
+        index: i,
+        model: "NVIDIA A100-SXM4-80GB".into(),
+        memory_mib: mem,
+        healthy: true,
+        mem_used: 0,
+        core_used: 0,
+        holders: 0,
+    }
+}
+
+fn node(gpus: Vec<GpuState>) -> NodeState {
+    NodeState {
+        name: "n1".into(),
+        gpus,
+        cpu_milli: 0,
+        memory_mib: 0,
+        cpu_used: 0,
+        memory_used: 0,
+        allocs: Default::default(),
+    }
+}
+
+fn req(slices: u32, mem: u64, policy: Policy) -> PodRequest {
+    PodRequest {
+        pod: pb::PodRef {
+            uid: "u".into(),
+            namespace: "ns".into(),
+            name: "p".into(),
+        },
+        containers: vec![ContainerRequest {
+            name: "c".into(),
+            slices,
+            mem_mib: mem,
+            ..Default::default()
+        }],
+        policy,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn binpack_takes_the_tightest_gpu_and_spread_the_emptiest() {
+    let mut n = node(vec![gpu(0, 16000), gpu(1, 16000), gpu(2, 16000)]);
+    n.gpus[1].mem_used = 10000;
+    let p = place_on_node(&n, &req(1, 4000, Policy::Binpack)).expect("fits");
+    assert_eq!(p[0].shares[0].gpu_uuid, "GPU-1");
+    let p = place_on_node(&n, &req(1, 4000, Policy::Spread)).expect("fits");
+    assert_eq!(p[0].shares[0].gpu_uuid, "GPU-0");
+}
+
+#[test]
+fn multi_slice_takes_distinct_gpus() {
+    let n = node(vec![gpu(0, 16000), gpu(1, 16000)]);
+    let p = place_on_node(&n, &req(2, 1000, Policy::Binpack)).expect("fits");
+    assert_ne!(p[0].shares[0].gpu_uuid, p[0].shares[1].gpu_uuid);
+    assert!(matches!(
+        place_on_node(&n, &req(3, 1000, Policy::Binpack)),
+        Err(Fit::Never(_))
+    ));
+}
+
+#[test]
+fn too_large_is_never_and_full_is_wait() {
+    let mut n = node(vec![gpu(0, 16000)]);
+    assert!(matches!(
+        fit_node(&n, &req(1, 20000, Policy::Binpack)),
+        Fit::Never(_)
+    ));
+    n.gpus[0].mem_used = 15000;
+    assert!(matches!(
+        fit_node(&n, &req(1, 2000, Policy::Binpack)),
+        Fit::Wait(_)
+    ));
+    n.gpus[0].healthy = false;
+    n.gpus[0].mem_used = 0;
+    assert!(matches!(
+        fit_node(&n, &req(1, 2000, Policy::Binpack)),
+        Fit::Wait(_)
+    ));
+}
+
+#[test]
+fn selectors_filter_gpus() {
+    let mut n = node(vec![gpu(0, 16000), gpu(1, 16000)]);
+    n.gpus[0].model = "Tesla T4".into();
+    let mut r = req(1, 1000, Policy::Spread);
+    r.selector.types = vec!["a100".into()];
+    let p = place_on_node(&n, &r).expect("fits");
+    assert_eq!(p[0].shares[0].gpu_uuid, "GPU-1");
+    r.selector.uuids_exclude = vec!["GPU-1".into()];
+    assert!(matches!(fit_node(&n, &r), Fit::Never(_)));
+}
+
+#[test]
+fn percent_memory_resolves_per_gpu_and_bare_slice_is_whole_gpu() {
+    let n = node(vec![gpu(0, 16000)]);
+    let mut r = req(1, 0, Policy::Binpack);
+    r.containers[0].mem_percent = 50;
+    let p = place_on_node(&n, &r).expect("fits");
+    assert_eq!(p[0].shares[0].mem_mib, 8000);
+    let p = place_on_node(&n, &req(1, 0, Policy::Binpack)).expect("fits");
+    assert_eq!(p[0].shares[0].mem_mib, 16000);
+    assert_eq!(p[0].shares[0].core_milli, 1000);
+}
+
+#[test]
+fn validation_explains() {
+    let mut r = req(1, 100, Policy::Binpack);
+    r.containers[0].core_milli = 1500;
+    assert!(r.validate().expect_err("bad core").contains("0-100"));
+    let mut r = req(1, 100, Policy::Binpack);
+    r.containers[0].mem_percent = 10;
+    assert!(r.validate().expect_err("both").contains("both"));
+    assert!("fastest".parse::<Policy>().is_err());
+}
+
+fn share_req(core: u32, policy: Policy, w: &Arc<Workload>) -> PodRequest {
+    let mut r = req(1, 0, policy);
+    r.containers[0].core_milli = core;
+    r.workload = Some(w.clone());
+    r
+}
+
+fn shape(gpus: u32, core_milli: u32) -> PodShape {
+    PodShape {
+        gpus,
+        core_milli,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn fragmentation_counts_what_typical_pods_cannot_use() {
+    // Half the pods want a whole GPU, half want 0.6 of one.
+    let w = Workload::from_counts([(shape(1, 1000), 1), (shape(1, 600), 1)], 1.0);
+    let mut n = node(vec![gpu(0, 16000), gpu(1, 16000)]);
+    n.gpus[0].core_used = 500;
+    // Whole-GPU pods cannot use GPU 0's 500 free; 0.6-pods cannot either: 500 for both.
+    assert!((w.node_fragmentation(&n) - 500.0).abs() < 1e-9);
+    n.gpus[1].core_used = 500;
+    // Nothing fits any more: all 1000 free is fragment.
+    assert!((w.node_fragmentation(&n) - 1000.0).abs() < 1e-9);
+}
+
+#[test]
+fn fgd_picks_the_gpu_that_fragments_least() {
+    // 0.5-pods are typical.
+    let w = Arc::new(Workload::from_counts([(shape(1, 500), 1)], 1.0));
+    let mut n = node(vec![gpu(0, 16000), gpu(1, 16000)]);
+    n.gpus[0].core_used = 300;
+    n.gpus[1].core_used = 600;
+    // A 0.4 pod: on GPU 0 it leaves (300, 400) free, where no 0.5 fits (fragment 700); on GPU 1
+    // it leaves (700, 0) (fragment 0).
+    let c = evaluate(&n, &share_req(400, Policy::Fgd, &w)).expect("fits");
+    assert_eq!(c.gpus, vec![vec![1]]);
+    n.gpus[1].core_used = 0;
+    // Now GPU 1 is idle: 0.4 on GPU 0 -> free (300, 1000): frag 300; on GPU 1 -> (700, 600):
+    // frag 0 (both still host a 0.5). FGD takes GPU 1; binpack takes the tighter GPU 0.
+    let c = evaluate(&n, &share_req(400, Policy::Fgd, &w)).expect("fits");
+    assert_eq!(c.gpus, vec![vec![1]]);
+    let c = evaluate(&n, &share_req(400, Policy::Binpack, &w)).expect("fits");
+    assert_eq!(c.gpus, vec![vec![0]]);
+}
+
+#[test]
+fn fgd_prefers_the_node_where_fragmentation_grows_least() {
+    let w = Arc::new(Workload::from_counts([(shape(1, 1000), 1)], 1.0));
+    let idle = node(vec![gpu(0, 16000), gpu(1, 16000)]);
+    let mut half = node(vec![gpu(0, 16000), gpu(1, 16000)]);
+    half.name = "n2".into();
+    half.gpus[0].core_used = 500;
+    // A 0.5 pod on the idle node ruins a whole GPU (+500 fragment); on the half-used node it
+    // fills the fragment (-500).
+    let r = share_req(500, Policy::Fgd, &w);
+    let (n, p) = choose_node([&idle, &half], &r).expect("fits");
+    assert_eq!(n.name, "n2");
+    assert_eq!(p[0].shares[0].gpu_uuid, "GPU-0");
+}
+
+#[test]
+fn fgd_pack_breaks_ties_towards_nodes_in_use() {
+    let w = Arc::new(Workload::from_counts([(shape(1, 1000), 1)], 1.0));
+    let idle = node(vec![gpu(0, 16000), gpu(1, 16000), gpu(2, 16000)]);
+    let mut used = node(vec![gpu(0, 16000), gpu(1, 16000), gpu(2, 16000)]);
+    used.name = "used".into();
+    used.gpus[0].core_used = 1000;
+    let r = share_req(1000, Policy::Fgd, &w);
+    assert_eq!(choose_node([&idle, &used], &r).expect("fits").0.name, "n1");
+    let r = share_req(1000, Policy::FgdPack, &w);
+    assert_eq!(
+        choose_node([&idle, &used], &r).expect("fits").0.name,
+        "used"
+    );
+}
+
+#[test]
+fn cpu_only_pods_are_placed_on_cpu_and_memory() {
+    let mut n = node(vec![gpu(0, 16000)]);
+    n.cpu_milli = 4000;
+    n.memory_mib = 1000;
+    let mut r = req(1, 0, Policy::Fgd);
+    r.containers.clear();
+    r.cpu_milli = 3000;
+    let c = evaluate(&n, &r).expect("fits");
+    assert!(c.gpus.is_empty());
+    r.memory_mib = 2000;
+    assert!(matches!(fit_node(&n, &r), Fit::Never(_)));
+    r.memory_mib = 0;
+    n.cpu_used = 2000;
+    assert!(matches!(fit_node(&n, &r), Fit::Wait(_)));
+}
+
+#[test]
+fn models_match_exactly() {
+    let mut n = node(vec![gpu(0, 16000)]);
+    n.gpus[0].model = "V100M32".into();
+    let mut r = req(1, 1000, Policy::BestFit);
+    r.selector.models = vec!["V100M16".into()];
+    assert!(matches!(fit_node(&n, &r), Fit::Never(_)));
+    r.selector.models = vec!["T4".into(), "V100M32".into()];
+    assert_eq!(fit_node(&n, &r), Fit::Fits);
+}
+
+#[test]
+fn every_policy_name_round_trips() {
+    for name in Policy::NAMES {
+        let p: Policy = name.parse().expect("known name");
+        assert_eq!(p.to_string(), *name);
+    }
+    assert_eq!("best-fit".parse::<Policy>(), Ok(Policy::BestFit));
+}
+
+#[test]
+fn random_is_a_pure_function_of_the_salt() {
+    let nodes: Vec<NodeState> = (0..8)
+        .map(|i| {
+            let mut n = node(vec![gpu(0, 16000)]);
+            n.name = format!("n{i}");
+            n
+        })
+        .collect();
+    let mut r = req(1, 1000, Policy::Random);
+    let pick = |r: &PodRequest| choose_node(&nodes, r).expect("fits").0.name.clone();
+    let picks: std::collections::BTreeSet<String> = (0..32)
+        .map(|s| {
+            r.salt = s;
+            pick(&r)
+        })
+        .collect();
+    assert!(picks.len() > 3, "random should spread: {picks:?}");
+    r.salt = 7;
+    assert_eq!(pick(&r), pick(&r));
+}
+
+#[test]
+fn workload_keeps_the_most_frequent_shapes() {
+    let w = Workload::from_counts(
+        [
+            (shape(1, 1000), 90),
+            (shape(1, 500), 6),
+            (shape(8, 1000), 4),
+        ],
+        0.95,
+    );
+    let kept: Vec<(PodShape, f64)> = w.shapes().map(|(s, p)| (s.clone(), p)).collect();
+    assert_eq!(kept.len(), 2);
+    assert!((kept[0].1 - 90.0 / 96.0).abs() < 1e-12);
+    assert!(!Workload::prior().is_empty());
+    assert_eq!(Workload::from_requests([]), Workload::prior());
+}
