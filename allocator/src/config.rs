@@ -70,6 +70,10 @@ pub struct Config {
     #[arg(long, env = "GPULEDGER_ETCD_TIMEOUT_MS", default_value_t = 2000)]
     pub etcd_timeout_ms: u64,
 
+    /// Kubernetes watchers (pod/node lifecycle, reservation expiry).
+    #[command(flatten)]
+    pub kube: crate::kube_watch::KubeArgs,
+
     /// Log format: "human" or "json".
     #[arg(long, env = "GPULEDGER_LOG_FORMAT", default_value = "human", value_parser = ["human", "json"])]
     pub log_format: String,

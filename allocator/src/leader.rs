@@ -237,8 +237,7 @@ impl Leader {
             }
             if inflight.is_none()
                 && pending.waiters.is_empty()
-                && self.snapshot_every > 0
-                && spec.seq() >= last_snap + self.snapshot_every
+                && crate::tail::snapshot_due(&spec, last_snap, self.snapshot_every)
             {
                 last_snap = spec.seq();
                 crate::tail::spawn_snapshot(self.shared.clone(), self.log.clone());

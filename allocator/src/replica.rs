@@ -78,6 +78,7 @@ pub async fn run_until(cfg: Config, stop: watch::Receiver<bool>) -> anyhow::Resu
         log.clone(),
         Duration::from_secs(cfg.reserve_ttl),
     );
+    crate::kube_watch::spawn(service.clone(), &cfg.kube);
     let mut grpc_stop = stop.clone();
     let server = tokio::spawn(
         tonic::transport::Server::builder()

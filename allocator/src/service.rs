@@ -114,8 +114,14 @@ impl Service {
         self.shared.serving().map_err(Status::unavailable)
     }
 
-    /// Submit to the local sequencer when leading; None when not leading.
-    async fn local(&self, cmd: Command) -> Option<Result<Committed, Status>> {
+    /// This replica's shared state.
+    pub fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+
+    /// Submit to the local sequencer when leading; None when not leading (only the leader
+    /// writes: watchers on followers observe but do not act).
+    pub async fn local(&self, cmd: Command) -> Option<Result<Committed, Status>> {
         let tx = self
             .shared
             .sequencer

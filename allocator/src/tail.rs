@@ -158,13 +158,21 @@ async fn watch_from(
                 return Ok(());
             }
         }
-        let seq = shared.read(|l| l.seq());
-        if snapshot_every > 0 && seq >= *last_snap + snapshot_every {
+        let (seq, due) = shared.read(|l| (l.seq(), snapshot_due(l, *last_snap, snapshot_every)));
+        if due {
             *last_snap = seq;
             spawn_snapshot(shared.clone(), log.clone());
         }
     }
     Ok(())
+}
+
+/// Whether a snapshot is due: `every` events since the last one, and never more often than the
+/// state's own size in events, so that writing snapshots costs O(1) per event however large
+/// the ledger grows.
+pub fn snapshot_due(l: &Ledger, last_snap: u64, every: u64) -> bool {
+    let size = (l.allocs().len() + l.nodes().len()) as u64;
+    every > 0 && l.seq() >= last_snap + every.max(2 * size)
 }
 
 /// Write a snapshot of the committed state in the background and prune old ones.

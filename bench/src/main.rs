@@ -4,7 +4,9 @@
 
 mod allocator;
 mod common;
+mod extender;
 mod failover;
+mod node_agent;
 mod replay;
 
 use clap::{Parser, Subcommand};
@@ -26,6 +28,10 @@ enum Cmd {
     Failover(failover::Args),
     /// Fold speed of the ledger, and cold start of a replica from etcd.
     Replay(replay::Args),
+    /// Device-plugin Allocate latency through a node agent, and the agent's RSS and CPU.
+    NodeAgent(node_agent::Args),
+    /// Extender filter/prioritize/bind latency with many nodes, and pods/s end to end.
+    Extender(extender::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -45,6 +51,8 @@ fn main() -> std::process::ExitCode {
             Cmd::Allocator(a) => allocator::run(a).await,
             Cmd::Failover(a) => failover::run(a).await,
             Cmd::Replay(a) => replay::run(a).await,
+            Cmd::NodeAgent(a) => node_agent::run(a).await,
+            Cmd::Extender(a) => extender::run(a).await,
         }
     });
     match res {

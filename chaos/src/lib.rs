@@ -7,6 +7,8 @@
 pub mod allocators;
 pub mod demo;
 pub mod etcd;
+pub mod kube;
+pub mod kubelet;
 pub mod process;
 pub mod workload;
 

@@ -1,0 +1,1 @@
+//! Fake kube-apiserver and kube-scheduler emulator (being built).

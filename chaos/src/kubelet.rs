@@ -1,0 +1,1 @@
+//! Kubelet emulator: device-plugin Registration server and PodResources (being built).

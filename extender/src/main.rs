@@ -1,0 +1,2 @@
+//! `gpuledger-extender` (being built).
+fn main() {}

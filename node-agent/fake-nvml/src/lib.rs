@@ -1,0 +1,1 @@
+//! A fake NVML library (being built).

@@ -1,0 +1,2 @@
+//! `gpuledger-node-agent` (being built).
+fn main() {}
