@@ -299,15 +299,13 @@ impl Ledger {
                         a.device_ids
                     )));
                 }
-                if let Some(o) = self
-                    .node(&node)
-                    .into_iter()
-                    .flat_map(|n| n.allocs.iter())
-                    .filter_map(|id| self.alloc(*id))
-                    .find(|o| {
-                        o.id != allocation_id && o.device_ids.iter().any(|d| device_ids.contains(d))
-                    })
-                {
+                if let Some(o) = self.node(&node).and_then(|n| {
+                    device_ids
+                        .iter()
+                        .filter_map(|d| n.devices.get(d))
+                        .find(|o| **o != allocation_id)
+                        .and_then(|o| self.alloc(*o))
+                }) {
                     return Err(CommandError::Conflict(format!(
                         "devices {device_ids:?} overlap allocation {} ({}/{})",
                         o.id, o.pod.namespace, o.pod.name

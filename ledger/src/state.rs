@@ -2,6 +2,8 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
+use rustc_hash::FxHashMap;
+
 use crate::CORE_MILLI_PER_GPU;
 use crate::pb;
 use crate::pb::event::Body;
@@ -90,6 +92,8 @@ pub struct NodeState {
     pub memory_used: u64,
     /// Live allocations on this node.
     pub allocs: BTreeSet<u64>,
+    /// Device IDs held by assigned allocations here → the allocation holding each.
+    pub devices: FxHashMap<String, u64>,
 }
 
 impl NodeState {
@@ -217,10 +221,10 @@ pub struct Ledger {
     epoch: u64,
     time_ms: i64,
     nodes: BTreeMap<String, NodeState>,
-    allocs: HashMap<u64, Alloc>,
+    allocs: FxHashMap<u64, Alloc>,
     /// pod uid → container → live allocation id.
-    by_pod: HashMap<String, BTreeMap<String, u64>>,
-    gpu_owner: HashMap<String, String>,
+    by_pod: FxHashMap<String, BTreeMap<String, u64>>,
+    gpu_owner: FxHashMap<String, String>,
     quotas: BTreeMap<String, u64>,
     violations: u64,
 }
@@ -252,7 +256,7 @@ impl Ledger {
         self.nodes.get(name)
     }
     /// Live allocations by id.
-    pub fn allocs(&self) -> &HashMap<u64, Alloc> {
+    pub fn allocs(&self) -> &FxHashMap<u64, Alloc> {
         &self.allocs
     }
     /// One allocation.
@@ -477,9 +481,15 @@ impl Ledger {
             self.gpu_owner.insert(g.uuid.clone(), inv.node.clone());
         }
         let old = self.nodes.get(&inv.node);
-        let (cpu_used, memory_used, allocs) = old.map_or((0, 0, BTreeSet::new()), |o| {
-            (o.cpu_used, o.memory_used, o.allocs.clone())
-        });
+        let (cpu_used, memory_used, allocs, devices) =
+            old.map_or((0, 0, BTreeSet::new(), FxHashMap::default()), |o| {
+                (
+                    o.cpu_used,
+                    o.memory_used,
+                    o.allocs.clone(),
+                    o.devices.clone(),
+                )
+            });
         self.nodes.insert(
             inv.node.clone(),
             NodeState {
@@ -490,6 +500,7 @@ impl Ledger {
                 cpu_used,
                 memory_used,
                 allocs,
+                devices,
             },
         );
         Ok(())
@@ -517,16 +528,20 @@ impl Ledger {
         }
         let node = self
             .nodes
-            .get(&r.node)
+            .get_mut(&r.node)
             .ok_or_else(|| format!("Reserved on unknown node {}", r.node))?;
-        let mut distinct = BTreeSet::new();
+        let mut idx: Vec<usize> = Vec::with_capacity(r.shares.len());
         for s in &r.shares {
-            let g = node
-                .gpu(&s.gpu_uuid)
+            let i = node
+                .gpus
+                .iter()
+                .position(|g| g.uuid == s.gpu_uuid)
                 .ok_or_else(|| format!("Reserved on GPU {} not on node {}", s.gpu_uuid, r.node))?;
-            if !distinct.insert(s.gpu_uuid.as_str()) {
+            if idx.contains(&i) {
                 return Err(format!("Reserved takes GPU {} twice", s.gpu_uuid));
             }
+            idx.push(i);
+            let g = &node.gpus[i];
             if !g.healthy {
                 return Err(format!("Reserved on unhealthy GPU {}", s.gpu_uuid));
             }
@@ -549,9 +564,8 @@ impl Ledger {
         if node.memory_mib > 0 && node.memory_used + r.memory_mib > node.memory_mib {
             return Err(format!("node {} host memory over capacity", r.node));
         }
-        let node = self.nodes.get_mut(&r.node).expect("checked above");
-        for s in &r.shares {
-            let g = node.gpu_mut(&s.gpu_uuid).expect("checked above");
+        for (s, i) in r.shares.iter().zip(idx) {
+            let g = &mut node.gpus[i];
             g.mem_used += s.mem_mib;
             g.core_used += s.core_milli;
             g.holders += 1;
@@ -598,24 +612,24 @@ impl Ledger {
         if x.device_ids.is_empty() {
             return Err(format!("Assigned {} without device ids", a.id));
         }
-        self.check_devices_free(&a.node, a.id, &x.device_ids)?;
+        let node = self
+            .nodes
+            .get_mut(&a.node)
+            .ok_or("allocation on unknown node")?;
+        for d in &x.device_ids {
+            if let Some(o) = node.devices.get(d).filter(|o| **o != a.id) {
+                return Err(format!("device {d} is already held by allocation {o}"));
+            }
+        }
+        for d in &x.device_ids {
+            node.devices.insert(d.clone(), x.allocation_id);
+        }
         let a = self
             .allocs
             .get_mut(&x.allocation_id)
             .expect("checked above");
         a.state = AllocState::Assigned;
         a.device_ids = x.device_ids.clone();
-        Ok(())
-    }
-
-    fn check_devices_free(&self, node: &str, except: u64, ids: &[String]) -> Result<(), String> {
-        let n = self.nodes.get(node).ok_or("allocation on unknown node")?;
-        for other in n.allocs.iter().filter(|id| **id != except) {
-            let o = &self.allocs[other];
-            if let Some(d) = o.device_ids.iter().find(|d| ids.contains(d)) {
-                return Err(format!("device {d} is already held by allocation {}", o.id));
-            }
-        }
         Ok(())
     }
 
@@ -687,6 +701,9 @@ impl Ledger {
         node.cpu_used -= a.cpu_milli;
         node.memory_used -= a.memory_mib;
         node.allocs.remove(&id);
+        for d in &a.device_ids {
+            node.devices.remove(d);
+        }
         Ok(())
     }
 
@@ -768,6 +785,11 @@ impl Ledger {
             let x = l.allocs.get_mut(&a.id).expect("just reserved");
             x.state = state;
             x.device_ids = a.device_ids.clone();
+            if let Some(n) = l.nodes.get_mut(&a.node) {
+                for d in &a.device_ids {
+                    n.devices.insert(d.clone(), a.id);
+                }
+            }
         }
         for q in &s.quotas {
             l.quotas.insert(q.namespace.clone(), q.mem_mib);
@@ -838,6 +860,22 @@ impl Ledger {
                 .count();
             if listed != n.allocs.len() {
                 return Err(format!("node {} lists released allocations", n.name));
+            }
+            let held: usize = n
+                .allocs
+                .iter()
+                .filter_map(|id| self.allocs.get(id))
+                .map(|a| a.device_ids.len())
+                .sum();
+            if held != n.devices.len()
+                || n.devices.iter().any(|(d, id)| {
+                    !self
+                        .allocs
+                        .get(id)
+                        .is_some_and(|a| a.device_ids.contains(d))
+                })
+            {
+                return Err(format!("node {} device index is off", n.name));
             }
             if cpu.get(n.name.as_str()).copied().unwrap_or(0) != n.cpu_used
                 || hmem.get(n.name.as_str()).copied().unwrap_or(0) != n.memory_used

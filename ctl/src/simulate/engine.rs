@@ -242,6 +242,7 @@ fn node_state(n: &NodeRow) -> NodeState {
         cpu_used: 0,
         memory_used: 0,
         allocs: Default::default(),
+        devices: Default::default(),
     }
 }
 

@@ -24,6 +24,7 @@ fn node(gpus: Vec<GpuState>) -> NodeState {
         cpu_used: 0,
         memory_used: 0,
         allocs: Default::default(),
+        devices: Default::default(),
     }
 }
 
