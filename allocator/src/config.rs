@@ -31,6 +31,10 @@ pub struct Config {
     #[arg(long, env = "GPULEDGER_LISTEN", default_value = "0.0.0.0:7420")]
     pub listen: SocketAddr,
 
+    /// Address of the HTTP endpoints /metrics, /healthz and /readyz.
+    #[arg(long, env = "GPULEDGER_HTTP_LISTEN", default_value = "0.0.0.0:7421")]
+    pub http_listen: SocketAddr,
+
     /// Address other replicas use to reach this one (host:port). Default: --listen, with
     /// 0.0.0.0 replaced by 127.0.0.1 (set it to the pod IP in Kubernetes).
     #[arg(long, env = "GPULEDGER_ADVERTISE")]

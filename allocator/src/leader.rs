@@ -61,6 +61,7 @@ type InFlight = (
     tokio::task::JoinHandle<Result<Commit, LogError>>,
     Batch,
     pb::EventBatch,
+    std::time::Instant,
 );
 
 struct Batch {
@@ -141,6 +142,7 @@ impl Leader {
             Err(e) => return StepDown::Etcd(e),
         }
         info!(epoch, seq = spec.seq(), replica = %self.shared.replica, "leading");
+        self.shared.metrics.leaderships.inc();
         let (tx, mut inbox) = mpsc::channel::<Request>(4096);
         *self
             .shared
@@ -161,10 +163,12 @@ impl Leader {
                 _ = shutdown.changed() => break StepDown::Shutdown,
                 _ = session.lost() => break StepDown::LeaseLost,
                 done = async { (&mut inflight.as_mut().expect("guarded").0).await }, if inflight.is_some() => {
-                    let (_, batch, eb) = inflight.take().expect("guarded");
+                    let (_, batch, eb, sent) = inflight.take().expect("guarded");
                     match done {
                         Ok(Ok(Commit::Done { head_rev: r })) => {
                             head_rev = r;
+                            self.shared.metrics.commit_latency.observe(sent.elapsed().as_secs_f64());
+                            self.shared.metrics.batch_events.observe(eb.events.len() as f64);
                             self.shared.apply_committed(eb);
                             for w in batch.waiters {
                                 let _ = w.tx.send(Ok(Committed { reply: w.reply, seq: w.seq, epoch }));
@@ -232,7 +236,7 @@ impl Leader {
                         log.commit_encoded(&key, rev, head_rev, first, &head, bytes)
                             .await
                     });
-                    inflight = Some((h, batch, eb));
+                    inflight = Some((h, batch, eb, std::time::Instant::now()));
                 }
             }
             if inflight.is_none()
@@ -256,7 +260,7 @@ impl Leader {
                 .send(Err(Status::unavailable("leadership lost; retry")));
         }
         fail(pending, "leadership lost; retry");
-        if let Some((h, batch, eb)) = inflight.take() {
+        if let Some((h, batch, eb, _)) = inflight.take() {
             // Let an in-flight write finish so its outcome is known to the waiters.
             match tokio::time::timeout(Duration::from_secs(2), h).await {
                 Ok(Ok(Ok(Commit::Done { .. }))) => {

@@ -6,6 +6,7 @@
 
 pub mod config;
 pub mod election;
+pub mod http;
 pub mod kube_watch;
 pub mod leader;
 pub mod log;

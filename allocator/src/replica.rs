@@ -78,6 +78,15 @@ pub async fn run_until(cfg: Config, stop: watch::Receiver<bool>) -> anyhow::Resu
         log.clone(),
         Duration::from_secs(cfg.reserve_ttl),
     );
+    let http = tokio::net::TcpListener::bind(cfg.http_listen)
+        .await
+        .with_context(|| format!("listening on --http-listen {}", cfg.http_listen))?;
+    let router = crate::http::router(shared.clone());
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(http, router).await {
+            warn!(error = %e, "the HTTP endpoint stopped");
+        }
+    });
     crate::kube_watch::spawn(service.clone(), &cfg.kube);
     let mut grpc_stop = stop.clone();
     let server = tokio::spawn(

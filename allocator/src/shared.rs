@@ -82,6 +82,8 @@ pub struct Shared {
     pub replica: String,
     /// Advertised address (what followers forward to).
     pub address: String,
+    /// Prometheus metrics.
+    pub metrics: crate::http::Metrics,
 }
 
 /// Role plus what goes with it.
@@ -113,6 +115,7 @@ impl Shared {
             health: Mutex::new(Health::default()),
             replica,
             address,
+            metrics: crate::http::Metrics::default(),
         })
     }
 
@@ -141,6 +144,7 @@ impl Shared {
                 if ev.seq <= st.seq() {
                     continue;
                 }
+                self.metrics.event(ev.body.as_ref());
                 if let Err(e) = st.apply(ev) {
                     error!(seq = ev.seq, error = %e, "committed event breaks an invariant; this replica stops applying the log");
                     self.health.lock().unwrap_or_else(|p| p.into_inner()).broken =

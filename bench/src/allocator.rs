@@ -203,6 +203,16 @@ pub async fn run(a: Args) -> Result<()> {
         .map(rss_mib)
         .transpose()?
         .unwrap_or(0.0);
+    // How well group commit batched: etcd transactions (log keys) per event.
+    let mut kv = Client::connect(&endpoints, None).await?;
+    let batches = kv
+        .get(
+            "/gpuledger/bench/log/",
+            Some(etcd_client::GetOptions::new().with_prefix().with_count_only()),
+        )
+        .await?
+        .count();
+    let seq = allocs.status(0).await.map_or(0, |s| s.seq);
 
     println!();
     println!(
@@ -233,6 +243,10 @@ pub async fn run(a: Args) -> Result<()> {
         rps / raw
     );
     println!("allocator RSS after the throughput phase: {rss_bench:.1} MiB");
+    println!(
+        "group commit: {seq} events in {batches} etcd transactions ({:.1} events per transaction)",
+        seq as f64 / batches.max(1) as f64
+    );
 
     let mut rss_line = String::new();
     if a.rss_nodes > 0 {

@@ -28,6 +28,8 @@ pub struct Allocators {
     pub procs: Vec<Proc>,
     /// Their gRPC addresses.
     pub addrs: Vec<String>,
+    /// Their HTTP (metrics, health) addresses.
+    pub http: Vec<String>,
     dir: PathBuf,
 }
 
@@ -44,10 +46,13 @@ impl Allocators {
         std::fs::create_dir_all(dir)?;
         let mut procs = Vec::new();
         let mut addrs = Vec::new();
+        let mut http = Vec::new();
         for i in 0..n {
             let port = free_port()?;
             let addr = format!("127.0.0.1:{port}");
+            let http_addr = format!("127.0.0.1:{}", free_port()?);
             let mut args = vec![
+                format!("--http-listen={http_addr}"),
                 format!("--etcd-endpoints={etcd}"),
                 format!("--cluster={cluster}"),
                 format!("--listen={addr}"),
@@ -62,10 +67,12 @@ impl Allocators {
                 vec![("GPULEDGER_LOG".into(), "info".into())],
             )?);
             addrs.push(addr);
+            http.push(http_addr);
         }
         Ok(Allocators {
             procs,
             addrs,
+            http,
             dir: dir.to_path_buf(),
         })
     }

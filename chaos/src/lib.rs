@@ -7,6 +7,7 @@
 pub mod allocators;
 pub mod demo;
 pub mod etcd;
+pub mod http;
 pub mod kube;
 pub mod kubelet;
 pub mod process;

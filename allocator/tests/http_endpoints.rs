@@ -1,0 +1,98 @@
+//! /healthz, /readyz and /metrics of real allocator replicas: the series exist, move with the
+//! ledger, and readiness drops when etcd is gone.
+
+use std::time::{Duration, Instant};
+
+use gpuledger_chaos::http::get;
+use gpuledger_chaos::workload::{inventory, pod};
+use gpuledger_chaos::{Allocators, EtcdCluster};
+use gpuledger_proto::allocator::v1 as api;
+
+fn metric(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find(|l| l.starts_with(name) && !l.starts_with('#'))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_readiness_and_metrics() -> anyhow::Result<()> {
+    let mut etcd = EtcdCluster::start(1).await?;
+    let dir = tempfile::tempdir()?;
+    let allocs = Allocators::start(dir.path(), &etcd.endpoints_flag(), 2, "http", &[])?;
+    let leader = allocs.wait_leader(Duration::from_secs(20)).await?;
+    let follower = 1 - leader;
+    for h in &allocs.http {
+        assert_eq!(get(&format!("http://{h}/healthz")).await?.0, 200);
+    }
+    // The follower is ready once it knows the leader.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (code, body) = get(&format!("http://{}/readyz", allocs.http[follower])).await?;
+        if code == 200 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "follower never ready: {body}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut c = allocs.client(leader)?;
+    c.register_node(api::RegisterNodeRequest {
+        inventory: Some(inventory("n1", 2, 16_000, "T4")),
+    })
+    .await?;
+    c.reserve(api::ReserveRequest {
+        request: Some(pod("m1", 5_000, 25)),
+        node: "n1".into(),
+        ttl_ms: 0,
+    })
+    .await?;
+    let (code, text) = get(&format!("http://{}/metrics", allocs.http[leader])).await?;
+    assert_eq!(code, 200);
+    assert_eq!(
+        metric(&text, "gpuledger_allocator_is_leader"),
+        Some(1.0),
+        "{text}"
+    );
+    assert!(
+        metric(&text, "gpuledger_allocator_ledger_seq").unwrap_or(0.0) >= 3.0,
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            r#"gpuledger_allocator_gpu_memory_allocated_mib{node="n1",gpu="GPU-n1-0"} 5000"#
+        ) || text.contains(
+            r#"gpuledger_allocator_gpu_memory_allocated_mib{node="n1",gpu="GPU-n1-1"} 5000"#
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains(r#"gpuledger_allocator_allocations{state="reserved"} 1"#),
+        "{text}"
+    );
+    assert!(
+        text.contains("gpuledger_allocator_commit_latency_seconds_count"),
+        "{text}"
+    );
+    assert!(
+        text.contains(r#"gpuledger_allocator_events_total{type="reserved"} 1"#),
+        "{text}"
+    );
+    let (_, ftext) = get(&format!("http://{}/metrics", allocs.http[follower])).await?;
+    assert_eq!(metric(&ftext, "gpuledger_allocator_is_leader"), Some(0.0));
+
+    etcd.kill(0);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (code, body) = get(&format!("http://{}/readyz", allocs.http[leader])).await?;
+        if code == 503 {
+            assert!(body.contains("etcd"), "{body}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "still ready 10 s after etcd died"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    Ok(())
+}
