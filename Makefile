@@ -7,7 +7,7 @@ CARGO ?= cargo
 APT_PACKAGES := protobuf-compiler etcd-server
 DEMO_FLAGS ?=
 
-.PHONY: all deps build release test fmt-check clippy demo bench bench-allocator bench-failover bench-replay clean
+.PHONY: all deps build release test fmt-check clippy demo chaos bench bench-allocator bench-failover bench-replay clean
 
 all: build
 
@@ -39,6 +39,11 @@ clippy: deps
 test: deps fmt-check clippy
 	$(CARGO) build --workspace
 	$(CARGO) test --workspace -- --test-threads=2
+	./target/debug/gpuledger-chaos run --seed 1 --pods 150 --faults 5
+
+## A chaos run with faults and a history check (see README for a full-size run).
+chaos: release
+	./target/release/gpuledger-chaos run --seed $(or $(SEED),1) --pods 1000 --faults 20
 
 ## The local demo: etcd x3, allocator replicas, a workload, a leader kill, then inspect + verify.
 demo: deps release

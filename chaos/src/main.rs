@@ -15,6 +15,9 @@ enum Cmd {
     /// The demo: 3-member etcd, allocator replicas, a workload, a leader kill midway, then the
     /// inspect table, placements, failover times, utilization and `gpuledger verify`.
     Demo(gpuledger_chaos::demo::DemoArgs),
+    /// A workload while faults chosen by --seed hit the allocator replicas and etcd, then a
+    /// quiet phase and a history check. Exits non-zero on any violation.
+    Run(gpuledger_chaos::run::RunArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -32,6 +35,7 @@ fn main() -> std::process::ExitCode {
     let res = rt.block_on(async move {
         match cli.command {
             Cmd::Demo(a) => gpuledger_chaos::demo::run(a).await,
+            Cmd::Run(a) => gpuledger_chaos::run::run(a).await,
         }
     });
     match res {
