@@ -3,6 +3,11 @@
 use clap::Parser;
 use gpuledger_allocator::Config;
 
+// The ledger folds and decides with many small allocations; mimalloc makes that ~1.4x faster
+// than the system allocator (measured with `gpuledger-bench replay`).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let cfg = Config::parse();

@@ -11,6 +11,11 @@ mod replay;
 
 use clap::{Parser, Subcommand};
 
+// The ledger folds and decides with many small allocations; mimalloc makes that ~1.4x faster
+// than the system allocator (measured with `gpuledger-bench replay`).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// gpuledger benchmarks (release build; each starts its own 3-member etcd on loopback).
 #[derive(Parser)]
 #[command(name = "gpuledger-bench", version, about, long_about)]
