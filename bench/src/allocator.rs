@@ -208,7 +208,11 @@ pub async fn run(a: Args) -> Result<()> {
     let batches = kv
         .get(
             "/gpuledger/bench/log/",
-            Some(etcd_client::GetOptions::new().with_prefix().with_count_only()),
+            Some(
+                etcd_client::GetOptions::new()
+                    .with_prefix()
+                    .with_count_only(),
+            ),
         )
         .await?
         .count();
