@@ -105,6 +105,8 @@ impl Allocators {
     ) -> Result<usize> {
         let deadline = Instant::now() + timeout;
         while Instant::now() < deadline {
+            // A deposed leader may still call itself leader for a moment: the newest epoch wins.
+            let mut best: Option<(u64, usize)> = None;
             for i in 0..self.addrs.len() {
                 if Some(i) == except {
                     continue;
@@ -112,9 +114,13 @@ impl Allocators {
                 if let Some(s) = self.status(i).await
                     && s.role == "leader"
                     && s.ready
+                    && best.is_none_or(|(e, _)| s.epoch > e)
                 {
-                    return Ok(i);
+                    best = Some((s.epoch, i));
                 }
+            }
+            if let Some((_, i)) = best {
+                return Ok(i);
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
