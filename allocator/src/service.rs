@@ -190,6 +190,7 @@ impl Service {
     ) -> Result<Response<R>, Status>
     where
         Q: Clone,
+        R: HasSeq,
         F: Fn(AllocatorClient<Channel>, Request<Q>) -> Fut,
         Fut: std::future::Future<Output = Result<Response<R>, Status>>,
     {
@@ -211,7 +212,14 @@ impl Service {
                         .insert(FORWARDED, tonic::metadata::MetadataValue::from_static("1"));
                     r.set_timeout(Duration::from_secs(10));
                     match call(AllocatorClient::new(ch), r).await {
-                        Ok(resp) => return Ok(resp),
+                        Ok(resp) => {
+                            // Read-your-writes through this replica: answer once the write is
+                            // folded here too (bounded; the leader has it durably either way).
+                            self.shared
+                                .wait_applied(resp.get_ref().seq(), Duration::from_secs(2))
+                                .await;
+                            return Ok(resp);
+                        }
                         Err(s) if s.code() == tonic::Code::Unavailable => {
                             debug!(leader = %addr, error = %s.message(), "forward failed; looking for the leader again");
                             s
@@ -227,6 +235,30 @@ impl Service {
             refresh = true;
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+}
+
+/// Responses to writes carry the seq they were answered at.
+pub trait HasSeq {
+    /// The seq of the write (or of the state an idempotent repeat was answered from).
+    fn seq(&self) -> u64;
+}
+
+impl HasSeq for api::WriteResponse {
+    fn seq(&self) -> u64 {
+        self.seq
+    }
+}
+
+impl HasSeq for api::ReserveResponse {
+    fn seq(&self) -> u64 {
+        self.seq
+    }
+}
+
+impl HasSeq for api::AssignResponse {
+    fn seq(&self) -> u64 {
+        self.seq
     }
 }
 

@@ -84,6 +84,8 @@ pub struct Shared {
     pub address: String,
     /// Prometheus metrics.
     pub metrics: crate::http::Metrics,
+    /// The highest seq folded into `state`, for waiters.
+    pub applied: watch::Sender<u64>,
 }
 
 /// Role plus what goes with it.
@@ -116,6 +118,7 @@ impl Shared {
             replica,
             address,
             metrics: crate::http::Metrics::default(),
+            applied: watch::channel(0).0,
         })
     }
 
@@ -127,7 +130,9 @@ impl Shared {
 
     /// Replace the state (after loading a snapshot).
     pub fn reset(&self, l: Ledger) {
+        let seq = l.seq();
         *self.state.write().unwrap_or_else(|p| p.into_inner()) = l;
+        self.applied.send_replace(seq);
         self.recent
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -153,6 +158,13 @@ impl Shared {
                 }
             }
         }
+        if let Some(last) = batch.events.last() {
+            self.applied.send_if_modified(|s| {
+                let bigger = last.seq > *s;
+                *s = (*s).max(last.seq);
+                bigger
+            });
+        }
         {
             let mut r = self.recent.lock().unwrap_or_else(|p| p.into_inner());
             r.push_back(batch.clone());
@@ -162,6 +174,13 @@ impl Shared {
         }
         let _ = self.batches.send(batch);
         true
+    }
+
+    /// Wait (at most `limit`) until this replica has folded `seq`: a client that wrote through
+    /// this replica then reads from it sees its own write.
+    pub async fn wait_applied(&self, seq: u64, limit: std::time::Duration) {
+        let mut rx = self.applied.subscribe();
+        let _ = tokio::time::timeout(limit, rx.wait_for(|s| *s >= seq)).await;
     }
 
     /// Recent committed batches with events after `seq`, if the buffer reaches back that far.

@@ -88,7 +88,7 @@ async fn grants_are_idempotent_forwarded_and_bad_input_writes_nothing() -> anyho
         })
         .await?
         .into_inner();
-    assert_eq!(filt.nodes, vec!["n1".to_string()]);
+    assert_eq!(filt.nodes, vec!["n1".to_string()], "{filt:?}");
     assert!(filt.unresolvable.contains_key("ghost"));
     let filt = f
         .filter(api::FilterRequest {

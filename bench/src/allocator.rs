@@ -163,6 +163,19 @@ async fn reserve_load(
     Ok((total as f64 / started.elapsed().as_secs_f64(), h, total))
 }
 
+/// CPU seconds (user + system) a process has used, from /proc.
+fn cpu_seconds(pid: u32) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0.0;
+    };
+    // Fields after the command name (which may hold spaces) start after the last ')'.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = f.get(11).and_then(|v| v.parse().ok()).unwrap_or(0.0)
+        + f.get(12).and_then(|v| v.parse().ok()).unwrap_or(0.0);
+    ticks / 100.0
+}
+
 /// Run the benchmark.
 pub async fn run(a: Args) -> Result<()> {
     let dir = run_dir("allocator")?;
@@ -186,8 +199,25 @@ pub async fn run(a: Args) -> Result<()> {
     allocs.wait_leader(Duration::from_secs(30)).await?;
     let addr = allocs.addrs[0].clone();
     register(&addr, a.nodes, "node").await?;
-    let (rps, h, _) =
+    let pids: Vec<(String, u32)> =
+        std::iter::once(("allocator".to_string(), allocs.procs[0].pid()))
+            .chain(
+                (0..etcd.len()).map(|i| (format!("etcd{i}"), etcd.member(i).and_then(|p| p.pid()))),
+            )
+            .chain(std::iter::once((
+                "bench clients".to_string(),
+                Some(std::process::id()),
+            )))
+            .filter_map(|(n, p)| p.map(|p| (n, p)))
+            .collect();
+    let cpu_before: Vec<f64> = pids.iter().map(|(_, p)| cpu_seconds(*p)).collect();
+    let (rps, h, made) =
         reserve_load(&addr, a.clients, dur, usize::MAX, a.nodes, "node", "load").await?;
+    let cpu_used: Vec<(String, f64)> = pids
+        .iter()
+        .zip(cpu_before)
+        .map(|((n, p), b)| (n.clone(), cpu_seconds(*p) - b))
+        .collect();
     let (rps1, h1, _) = reserve_load(
         &addr,
         1,
@@ -246,6 +276,13 @@ pub async fn run(a: Args) -> Result<()> {
         a.clients,
         rps / raw
     );
+    println!(
+        "CPU spent during the {}-client phase, per reservation:",
+        a.clients
+    );
+    for (n, c) in &cpu_used {
+        println!("  {n:<14} {:>7.1} µs", c * 1e6 / made.max(1) as f64);
+    }
     println!("allocator RSS after the throughput phase: {rss_bench:.1} MiB");
     println!(
         "group commit: {seq} events in {batches} etcd transactions ({:.1} events per transaction)",

@@ -161,14 +161,20 @@ pub struct Selector {
 impl Selector {
     /// Whether the selector accepts this GPU (health is not the selector's business).
     pub fn accepts(&self, gpu: &GpuState) -> bool {
-        let model = gpu.model.to_ascii_lowercase();
-        let type_match = |t: &String| model.contains(&t.to_ascii_lowercase());
+        let type_match = |t: &String| contains_ignore_ascii_case(&gpu.model, t);
         (self.types.is_empty() || self.types.iter().any(type_match))
             && !self.types_exclude.iter().any(type_match)
             && (self.uuids.is_empty() || self.uuids.contains(&gpu.uuid))
             && !self.uuids_exclude.contains(&gpu.uuid)
             && (self.models.is_empty() || self.models.contains(&gpu.model))
     }
+}
+
+/// `haystack` contains `needle`, ignoring ASCII case, without allocating (this runs for every
+/// GPU of every node on every filter).
+fn contains_ignore_ascii_case(haystack: &str, needle: &str) -> bool {
+    let (h, n) = (haystack.as_bytes(), needle.as_bytes());
+    n.is_empty() || h.windows(n.len()).any(|w| w.eq_ignore_ascii_case(n))
 }
 
 /// A pod's request: its GPU containers, selectors, policy and node-level requests.
