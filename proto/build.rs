@@ -4,6 +4,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let protos = [
         "proto/gpuledger/ledger/v1/ledger.proto",
         "proto/gpuledger/allocator/v1/allocator.proto",
+        "proto/k8s/deviceplugin/v1beta1/api.proto",
+        "proto/k8s/podresources/v1/api.proto",
     ];
     for p in &protos {
         println!("cargo:rerun-if-changed={p}");

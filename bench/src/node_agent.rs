@@ -1,10 +1,185 @@
-//! `gpuledger-bench node-agent` (being built).
+//! `gpuledger-bench node-agent`: device-plugin Allocate latency through a real node agent
+//! (the claim committed through the allocator included), against the baseline of the bare
+//! Assign RPC; and the agent's RSS and idle CPU.
 
-/// Flags.
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use gpuledger_chaos::kubelet::Kubelet;
+use gpuledger_chaos::kubelet::node::{FakeNvml, NodeAgent};
+use gpuledger_chaos::workload::pod;
+use gpuledger_chaos::{Allocators, EtcdCluster};
+use gpuledger_proto::allocator::v1 as api;
+
+use crate::common::{histogram, q_ms, record, rss_mib, run_dir, title};
+
+/// Flags of `gpuledger-bench node-agent`.
 #[derive(clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// Pods admitted through the agent (and as many Assign calls for the baseline).
+    #[arg(long, default_value_t = 200)]
+    pods: usize,
+    /// GPUs on the fake node.
+    #[arg(long, default_value_t = 8)]
+    gpus: u32,
+    /// Replica devices per GPU.
+    #[arg(long, default_value_t = 64)]
+    slots: u32,
+    /// Seconds of idling over which the agent's CPU use is measured.
+    #[arg(long, default_value_t = 10)]
+    idle_secs: u64,
+}
+
+const NODE: &str = "bench-node";
+
+/// utime + stime of a process in clock ticks (USER_HZ, 100 on Linux).
+fn cpu_ticks(pid: u32) -> Result<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    let rest = s.rsplit_once(')').context("malformed stat")?.1;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // After the command: state is field 3, utime 14, stime 15 (1-based in proc(5)).
+    let ut: u64 = f.get(11).context("utime")?.parse()?;
+    let st: u64 = f.get(12).context("stime")?.parse()?;
+    Ok(ut + st)
+}
 
 /// Run the benchmark.
-pub async fn run(_a: Args) -> anyhow::Result<()> {
-    anyhow::bail!("not built yet")
+pub async fn run(a: Args) -> Result<()> {
+    let dir = run_dir("node-agent")?;
+    title("starting a 3-member etcd, an allocator, the kubelet emulator and the node agent");
+    let etcd = EtcdCluster::start_in(&dir.path().join("etcd"), 3).await?;
+    let allocs = Allocators::start(
+        &dir.path().join("alloc"),
+        &etcd.endpoints_flag(),
+        1,
+        "bench",
+        &["--no-kube"],
+    )?;
+    allocs.wait_leader(Duration::from_secs(30)).await?;
+    let kubelet = Kubelet::start(&dir.path().join("kubelet")).await?;
+    let nvml = FakeNvml::new(dir.path(), NODE, a.gpus, 40_960)?;
+    let slots = format!("--slots-per-gpu={}", a.slots);
+    let agent = NodeAgent::start(
+        dir.path(),
+        NODE,
+        &allocs.addrs,
+        &nvml,
+        &kubelet,
+        &[&slots, "--enforce-interval=1s"],
+    )?;
+    kubelet
+        .wait_registrations(1, Duration::from_secs(30))
+        .await
+        .with_context(|| agent.proc.log_tail(30))?;
+    let want = (a.gpus * a.slots) as usize;
+    kubelet
+        .wait_devices(Duration::from_secs(10), |d| d.len() == want)
+        .await?;
+    let mut c = allocs.client(0)?;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while c
+        .dump(api::DumpRequest {})
+        .await?
+        .into_inner()
+        .snapshot
+        .is_none_or(|s| s.nodes.is_empty())
+    {
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the agent did not register its GPUs"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    title(&format!(
+        "admitting {} pods through the agent, interleaved with the baseline: the bare Assign RPC \
+         (the claim alone, no device plugin)",
+        a.pods
+    ));
+    let mut h_alloc = histogram();
+    let mut h_assign = histogram();
+    for i in 0..a.pods {
+        // Baseline first, so that when the kubelet admits the pod its reservation is the only
+        // pending one; interleaving exposes both to the same etcd and machine noise.
+        let base = format!("base-{i}");
+        let r = c
+            .reserve(api::ReserveRequest {
+                request: Some(pod(&base, 100, 1)),
+                node: NODE.into(),
+                ttl_ms: 600_000,
+            })
+            .await?
+            .into_inner();
+        let id = r.allocations.first().context("no allocation")?.id;
+        let t = Instant::now();
+        c.assign(api::AssignRequest {
+            node: NODE.into(),
+            allocation_id: id,
+            device_ids: vec![format!("baseline-{i}")],
+        })
+        .await?;
+        record(&mut h_assign, t.elapsed());
+
+        let uid = format!("uid-{i}");
+        c.reserve(api::ReserveRequest {
+            request: Some(pod(&uid, 100, 1)),
+            node: NODE.into(),
+            ttl_ms: 600_000,
+        })
+        .await?;
+        c.confirm_bound(api::ConfirmBoundRequest {
+            pod_uid: uid.clone(),
+            node: NODE.into(),
+        })
+        .await?;
+        let got = kubelet
+            .admit("default", &format!("pod-{uid}"), "main", 1)
+            .await?;
+        record(&mut h_alloc, got.elapsed);
+    }
+
+    title(&format!(
+        "agent idle for {} s ({} GPUs, 1 s enforce interval)",
+        a.idle_secs, a.gpus
+    ));
+    let pid = agent.proc.pid().context("the agent is not running")?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let t0 = cpu_ticks(pid)?;
+    let w0 = Instant::now();
+    tokio::time::sleep(Duration::from_secs(a.idle_secs)).await;
+    let ticks = cpu_ticks(pid)? - t0;
+    let cpu_pct = ticks as f64 / 100.0 / w0.elapsed().as_secs_f64() * 100.0;
+    let rss = rss_mib(pid)?;
+
+    println!(
+        "\n{:<34} {:>8} {:>8} {:>8}",
+        "what", "p50 ms", "p99 ms", "max ms"
+    );
+    for (name, h) in [
+        ("Allocate via the agent", &h_alloc),
+        ("baseline: bare Assign RPC", &h_assign),
+    ] {
+        println!(
+            "{:<34} {:>8.2} {:>8.2} {:>8.2}",
+            name,
+            q_ms(h, 0.5),
+            q_ms(h, 0.99),
+            h.max() as f64 / 1000.0
+        );
+    }
+    println!("agent RSS {rss:.1} MiB, idle CPU {cpu_pct:.2} % of a core");
+    println!(
+        "agent_rss_mib={rss:.1} agent_idle_cpu_pct={cpu_pct:.2} assign_baseline_p99_ms={:.2}",
+        q_ms(&h_assign, 0.99)
+    );
+    println!(
+        "allocate_p50_ms={:.2} allocate_p99_ms={:.2}",
+        q_ms(&h_alloc, 0.5),
+        q_ms(&h_alloc, 0.99)
+    );
+    if std::env::var_os("GPULEDGER_BENCH_AGENT_LOG").is_some() {
+        println!("{}", agent.proc.log_tail(20));
+    }
+    drop(agent);
+    Ok(())
 }

@@ -18,3 +18,21 @@ pub mod allocator {
         include!(concat!(env!("OUT_DIR"), "/gpuledger.allocator.v1.rs"));
     }
 }
+
+/// The kubelet device plugin API (`v1beta1`, upstream package name and field numbers).
+#[cfg(feature = "grpc")]
+pub mod deviceplugin {
+    /// Version v1beta1, the one every kubelet since 1.10 speaks.
+    pub mod v1beta1 {
+        include!(concat!(env!("OUT_DIR"), "/v1beta1.rs"));
+    }
+}
+
+/// The kubelet PodResources API (`v1`, upstream package name and field numbers).
+#[cfg(feature = "grpc")]
+pub mod podresources {
+    /// Version v1.
+    pub mod v1 {
+        include!(concat!(env!("OUT_DIR"), "/v1.rs"));
+    }
+}

@@ -1,0 +1,296 @@
+//! The agent's shared state and its tasks: ledger view, inventory registration, GPU health.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use gpuledger_proto::allocator::v1 as api;
+use gpuledger_proto::ledger::v1 as pb;
+use tokio::sync::{mpsc, watch};
+use tracing::{info, warn};
+
+use crate::allocator::Pool;
+use crate::config::Config;
+use crate::nvml::{GpuInfo, NvmlBackend, XidEvent, is_critical_xid};
+use crate::view::{EnvOptions, View};
+
+/// One GPU and whether it is fit to be handed out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuState {
+    /// What NVML says about it.
+    pub info: GpuInfo,
+    /// False after a critical Xid (or when the ledger already had it unhealthy).
+    pub healthy: bool,
+}
+
+/// Everything the agent's tasks and gRPC handlers share.
+pub struct Agent {
+    /// Flags.
+    pub cfg: Config,
+    /// Allocator clients.
+    pub pool: Pool,
+    /// NVML.
+    pub nvml: NvmlBackend,
+    /// The node's ledger view.
+    view: Mutex<View>,
+    /// Set once the first view arrived.
+    synced: AtomicBool,
+    /// Bumped on every view change (waiters for a reservation watch it).
+    view_rev: watch::Sender<u64>,
+    /// The GPUs and their health (ListAndWatch streams it).
+    pub gpus: watch::Sender<Vec<GpuState>>,
+    /// Serializes Allocate and PreStartContainer decisions (the guess and its correction).
+    pub decide: tokio::sync::Mutex<()>,
+    /// Set while the device plugin is registered with the current kubelet.
+    pub kubelet_registered: AtomicBool,
+    /// How containers' limits are exported.
+    pub env: EnvOptions,
+}
+
+impl Agent {
+    /// The agent for `cfg`, with NVML loaded and the GPUs discovered.
+    pub fn new(cfg: Config, nvml: NvmlBackend) -> anyhow::Result<Arc<Agent>> {
+        let gpus = nvml.gpus().context("discovering GPUs")?;
+        info!(node = %cfg.node_name, gpus = gpus.len(), "discovered GPUs: {:?}", gpus.iter().map(|g| &g.uuid).collect::<Vec<_>>());
+        let pool = Pool::new(&cfg.allocator)?;
+        let env = EnvOptions {
+            mps: cfg.mps,
+            mps_pipe_dir: cfg.mps_pipe_dir.display().to_string(),
+        };
+        Ok(Arc::new(Agent {
+            cfg,
+            pool,
+            nvml,
+            view: Mutex::new(View::default()),
+            synced: AtomicBool::new(false),
+            view_rev: watch::Sender::new(0),
+            gpus: watch::Sender::new(
+                gpus.into_iter()
+                    .map(|info| GpuState {
+                        info,
+                        healthy: true,
+                    })
+                    .collect(),
+            ),
+            decide: tokio::sync::Mutex::new(()),
+            kubelet_registered: AtomicBool::new(false),
+            env,
+        }))
+    }
+
+    /// Read the view.
+    pub fn with_view<T>(&self, f: impl FnOnce(&View) -> T) -> T {
+        f(&self.view.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Change the view and wake its waiters.
+    pub fn update_view(&self, f: impl FnOnce(&mut View)) {
+        f(&mut self.view.lock().unwrap_or_else(|e| e.into_inner()));
+        self.view_rev.send_modify(|r| *r += 1);
+    }
+
+    /// Whether the first view arrived.
+    pub fn synced(&self) -> bool {
+        self.synced.load(Ordering::Acquire)
+    }
+
+    /// The seq to resume the subscription after (0 = ask for a fresh view).
+    pub fn resume_seq(&self) -> u64 {
+        if self.synced() {
+            self.with_view(|v| v.seq)
+        } else {
+            0
+        }
+    }
+
+    /// Fold one subscription message.
+    pub fn on_message(&self, m: api::SubscribeResponse) {
+        use api::subscribe_response::Body;
+        match m.body {
+            Some(Body::View(v)) => {
+                let synced = self.synced();
+                self.update_view(|cur| {
+                    // A lagging replica's view must not roll ours back.
+                    if !synced || v.seq >= cur.seq {
+                        *cur = View::from_node_view(v);
+                    }
+                });
+                self.synced.store(true, Ordering::Release);
+            }
+            Some(Body::Event(e)) => self.update_view(|cur| cur.apply(&e)),
+            None => {}
+        }
+    }
+
+    /// Wait until `pred` holds on the view, or `timeout`. Returns its last answer.
+    pub async fn wait_view<T>(
+        &self,
+        timeout: Duration,
+        mut pred: impl FnMut(&View) -> Option<T>,
+    ) -> Option<T> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut rx = self.view_rev.subscribe();
+        loop {
+            rx.mark_unchanged();
+            if self.synced()
+                && let Some(t) = self.with_view(&mut pred)
+            {
+                return Some(t);
+            }
+            match tokio::time::timeout_at(deadline, rx.changed()).await {
+                Ok(Ok(())) => {}
+                _ => return None,
+            }
+        }
+    }
+
+    /// The inventory this agent reports: NVML's GPUs with the agent's health marks.
+    pub fn inventory(&self) -> pb::NodeInventory {
+        pb::NodeInventory {
+            node: self.cfg.node_name.clone(),
+            gpus: self
+                .gpus
+                .borrow()
+                .iter()
+                .map(|g| pb::Gpu {
+                    uuid: g.info.uuid.clone(),
+                    index: g.info.index,
+                    model: g.info.model.clone(),
+                    memory_mib: g.info.memory_mib,
+                    healthy: g.healthy,
+                })
+                .collect(),
+            cpu_milli: 0,
+            memory_mib: 0,
+        }
+    }
+
+    /// Register the inventory with the allocator now (retrying until it is accepted).
+    async fn register(&self) {
+        let inv = self.inventory();
+        loop {
+            let r = self
+                .pool
+                .call(Duration::from_secs(30), |mut c| {
+                    let inv = inv.clone();
+                    async move {
+                        c.register_node(api::RegisterNodeRequest {
+                            inventory: Some(inv),
+                        })
+                        .await
+                    }
+                })
+                .await;
+            match r {
+                Ok(w) => {
+                    info!(node = %inv.node, seq = w.seq, changed = w.changed, "inventory registered");
+                    return;
+                }
+                Err(e) => {
+                    warn!(node = %inv.node, "registering the inventory failed, retrying: {e}");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+            }
+        }
+    }
+
+    /// Register the inventory once the ledger view is in (so GPUs the ledger holds unhealthy
+    /// stay unhealthy), then again whenever NVML shows a different set of GPUs.
+    pub async fn keep_registered(self: Arc<Self>) {
+        let start = Instant::now();
+        while !self.synced() && start.elapsed() < Duration::from_secs(5) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let ledger = self.with_view(View::ledger_health);
+        self.gpus.send_modify(|gs| {
+            for g in gs.iter_mut() {
+                if ledger.get(&g.info.uuid) == Some(&false) {
+                    warn!(gpu = %g.info.uuid, "the ledger has this GPU unhealthy; keeping it so");
+                    g.healthy = false;
+                }
+            }
+        });
+        self.register().await;
+        loop {
+            tokio::time::sleep(self.cfg.rediscover_interval).await;
+            let nvml = self.nvml.clone();
+            let found = match tokio::task::spawn_blocking(move || nvml.gpus()).await {
+                Ok(Ok(g)) => g,
+                Ok(Err(e)) => {
+                    warn!("rediscovering GPUs: {e}");
+                    continue;
+                }
+                Err(_) => continue,
+            };
+            let now: Vec<GpuInfo> = self.gpus.borrow().iter().map(|g| g.info.clone()).collect();
+            if now != found {
+                info!("GPU inventory changed; registering again");
+                let health: HashMap<String, bool> = self
+                    .gpus
+                    .borrow()
+                    .iter()
+                    .map(|g| (g.info.uuid.clone(), g.healthy))
+                    .collect();
+                self.gpus.send_replace(
+                    found
+                        .into_iter()
+                        .map(|info| GpuState {
+                            healthy: health.get(&info.uuid).copied().unwrap_or(true),
+                            info,
+                        })
+                        .collect(),
+                );
+                self.register().await;
+            }
+        }
+    }
+
+    /// Mark GPUs with critical Xids unhealthy, locally (ListAndWatch) and in the ledger.
+    pub async fn watch_health(self: Arc<Self>, mut rx: mpsc::Receiver<XidEvent>) {
+        while let Some(x) = rx.recv().await {
+            if !is_critical_xid(x.xid) {
+                info!(gpu = %x.gpu, xid = x.xid, "non-critical Xid, GPU stays healthy");
+                continue;
+            }
+            warn!(gpu = %x.gpu, xid = x.xid, "critical Xid: marking the GPU unhealthy");
+            self.gpus.send_if_modified(|gs| {
+                let mut changed = false;
+                for g in gs.iter_mut().filter(|g| g.info.uuid == x.gpu && g.healthy) {
+                    g.healthy = false;
+                    changed = true;
+                }
+                changed
+            });
+            let req = api::SetDeviceHealthRequest {
+                node: self.cfg.node_name.clone(),
+                gpu_uuid: x.gpu.clone(),
+                healthy: false,
+                reason: format!("critical Xid {}", x.xid),
+                xid: x.xid as u32,
+            };
+            loop {
+                match self
+                    .pool
+                    .call(Duration::from_secs(30), |mut c| {
+                        let r = req.clone();
+                        async move { c.set_device_health(r).await }
+                    })
+                    .await
+                {
+                    Ok(_) => break,
+                    Err(e) if e.code() == tonic::Code::NotFound => {
+                        // Not registered yet: the registration carries the health mark.
+                        warn!(gpu = %x.gpu, "SetDeviceHealth: {e}");
+                        break;
+                    }
+                    Err(e) => {
+                        warn!(gpu = %x.gpu, "SetDeviceHealth failed, retrying: {e}");
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    }
+                }
+            }
+        }
+    }
+}

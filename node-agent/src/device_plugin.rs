@@ -1,0 +1,412 @@
+//! The kubelet device plugin for `gpuledger.io/gpu`: replica devices per GPU, the guess of
+//! which reservation an Allocate is for, and its verification before the container starts.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::Stream;
+use gpuledger_proto::allocator::v1 as api;
+use gpuledger_proto::deviceplugin::v1beta1 as dp;
+use gpuledger_proto::ledger::v1 as pb;
+use gpuledger_proto::podresources::v1 as podres;
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::WatchStream;
+use tonic::{Request, Response, Status};
+use tracing::{info, warn};
+
+use crate::agent::{Agent, GpuState};
+use crate::view::{container_response, device_id, parse_device_id};
+
+/// The resource this plugin advertises.
+pub const RESOURCE: &str = "gpuledger.io/gpu";
+
+/// The DevicePlugin gRPC service.
+#[derive(Clone)]
+pub struct Plugin {
+    agent: Arc<Agent>,
+}
+
+impl Plugin {
+    /// The service for `agent`.
+    pub fn new(agent: Arc<Agent>) -> Plugin {
+        Plugin { agent }
+    }
+
+    fn devices(&self, gpus: &[GpuState]) -> Vec<dp::Device> {
+        devices(gpus, self.agent.cfg.slots_per_gpu)
+    }
+
+    /// Refuse device IDs this agent does not advertise (nothing is claimed then).
+    fn check_ids(&self, ids: &[String]) -> Result<(), Status> {
+        if ids.is_empty() {
+            return Err(Status::invalid_argument("no device ids"));
+        }
+        let gpus = self.agent.gpus.borrow();
+        for id in ids {
+            let Some((uuid, k)) = parse_device_id(id) else {
+                return Err(Status::invalid_argument(format!(
+                    "{id:?} is not a {RESOURCE} device id (<GPU-UUID>::<slot>)"
+                )));
+            };
+            if k >= self.agent.cfg.slots_per_gpu || !gpus.iter().any(|g| g.info.uuid == uuid) {
+                return Err(Status::not_found(format!(
+                    "device {id:?} is not advertised by node {}",
+                    self.agent.cfg.node_name
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Claim the reservation for one container's devices; a repeat returns the same answer.
+    async fn allocate_one(&self, ids: Vec<String>) -> Result<pb::Allocation, Status> {
+        let a = &self.agent;
+        if let Some(done) = a.with_view(|v| v.by_devices(&ids).cloned()) {
+            info!(
+                allocation = done.id,
+                "Allocate repeated for assigned devices: same answer"
+            );
+            return Ok(done);
+        }
+        let started = Instant::now();
+        let deadline = started + a.cfg.allocate_wait;
+        let mut refusals = 0;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let guess = a
+                .wait_view(left, |v| {
+                    if let Some(done) = v.by_devices(&ids) {
+                        return Some(Err(done.clone()));
+                    }
+                    v.pending(ids.len()).cloned().map(Ok)
+                })
+                .await;
+            let guess = match guess {
+                Some(Ok(g)) => g,
+                Some(Err(done)) => return Ok(done),
+                None => {
+                    return Err(Status::failed_precondition(format!(
+                        "no pending gpuledger reservation of {} slice(s) on node {} (waited {:?})",
+                        ids.len(),
+                        a.cfg.node_name,
+                        a.cfg.allocate_wait
+                    )));
+                }
+            };
+            let waited = started.elapsed();
+            let req = api::AssignRequest {
+                node: a.cfg.node_name.clone(),
+                allocation_id: guess.id,
+                device_ids: ids.clone(),
+            };
+            let r = a
+                .pool
+                .call(Duration::from_secs(10), |mut c| {
+                    let r = req.clone();
+                    async move { c.assign(r).await }
+                })
+                .await;
+            match r {
+                Ok(resp) => {
+                    let Some(alloc) = resp.allocation else {
+                        return Err(Status::internal("Assign answered without the allocation"));
+                    };
+                    let pod = alloc.pod.clone().unwrap_or_default();
+                    info!(allocation = alloc.id, pod_uid = %pod.uid, pod = %format!("{}/{}", pod.namespace, pod.name),
+                        seq = resp.seq, epoch = resp.epoch, devices = ?ids, waited_ms = waited.as_millis() as u64,
+                        total_ms = started.elapsed().as_millis() as u64, "Allocate: claimed the oldest pending reservation");
+                    a.update_view(|v| v.upsert(alloc.clone()));
+                    return Ok(alloc);
+                }
+                // Assigned or released meanwhile (our view is behind), or the devices are still
+                // held by an allocation not yet released: wait for the ledger and look again,
+                // a few times, then let the kubelet retry the admission.
+                Err(s)
+                    if matches!(
+                        s.code(),
+                        tonic::Code::AlreadyExists
+                            | tonic::Code::FailedPrecondition
+                            | tonic::Code::NotFound
+                            | tonic::Code::Aborted
+                    ) && refusals < 5
+                        && Instant::now() < deadline =>
+                {
+                    refusals += 1;
+                    warn!(
+                        allocation = guess.id,
+                        "Assign refused ({s}); re-reading the ledger"
+                    );
+                    let seq = a.with_view(|v| v.seq);
+                    a.wait_view(Duration::from_millis(200), |v| (v.seq > seq).then_some(()))
+                        .await;
+                }
+                Err(s) => return Err(s),
+            }
+        }
+    }
+
+    /// Which pod/container the kubelet gave `ids` to, from the PodResources API.
+    async fn owner_of(&self, ids: &[String]) -> Result<Option<(String, String, String)>, Status> {
+        let path = &self.agent.cfg.pod_resources_socket;
+        let ch = crate::uds::channel(path).await.map_err(|e| {
+            Status::unavailable(format!("PodResources socket {}: {e}", path.display()))
+        })?;
+        let mut c = podres::pod_resources_lister_client::PodResourcesListerClient::new(ch);
+        let list = c
+            .list(podres::ListPodResourcesRequest {})
+            .await?
+            .into_inner();
+        for p in list.pod_resources {
+            for ctr in &p.containers {
+                let hit = ctr.devices.iter().any(|d| {
+                    d.resource_name == RESOURCE && d.device_ids.iter().any(|x| ids.contains(x))
+                });
+                if hit {
+                    return Ok(Some((
+                        p.namespace.clone(),
+                        p.name.clone(),
+                        ctr.name.clone(),
+                    )));
+                }
+            }
+        }
+        Ok(None)
+    }
+}
+
+/// The replica devices of `gpus`.
+pub fn devices(gpus: &[GpuState], slots: u32) -> Vec<dp::Device> {
+    let mut out = Vec::with_capacity(gpus.len() * slots as usize);
+    for g in gpus {
+        let health = if g.healthy { "Healthy" } else { "Unhealthy" };
+        for k in 0..slots {
+            out.push(dp::Device {
+                id: device_id(&g.info.uuid, k),
+                health: health.into(),
+                topology: None,
+            });
+        }
+    }
+    out
+}
+
+/// Prefer, for a reservation on `gpus`, one available device on each of them (the must-include
+/// ones first); `None` when the available devices do not cover those GPUs.
+pub fn prefer(
+    gpus: &[String],
+    available: &[String],
+    must: &[String],
+    size: usize,
+) -> Option<Vec<String>> {
+    let mut out: Vec<String> = must.to_vec();
+    for g in gpus {
+        if out
+            .iter()
+            .any(|d| parse_device_id(d).is_some_and(|(u, _)| u == g))
+        {
+            continue;
+        }
+        let d = available
+            .iter()
+            .find(|d| !out.contains(d) && parse_device_id(d).is_some_and(|(u, _)| u == g))?;
+        out.push(d.clone());
+    }
+    (out.len() == size).then_some(out)
+}
+
+type DeviceStream = Pin<Box<dyn Stream<Item = Result<dp::ListAndWatchResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl dp::device_plugin_server::DevicePlugin for Plugin {
+    type ListAndWatchStream = DeviceStream;
+
+    async fn get_device_plugin_options(
+        &self,
+        _req: Request<dp::Empty>,
+    ) -> Result<Response<dp::DevicePluginOptions>, Status> {
+        Ok(Response::new(options()))
+    }
+
+    async fn list_and_watch(
+        &self,
+        _req: Request<dp::Empty>,
+    ) -> Result<Response<Self::ListAndWatchStream>, Status> {
+        let me = self.clone();
+        let s = WatchStream::new(self.agent.gpus.subscribe()).map(move |gpus| {
+            Ok(dp::ListAndWatchResponse {
+                devices: me.devices(&gpus),
+            })
+        });
+        Ok(Response::new(Box::pin(s)))
+    }
+
+    async fn get_preferred_allocation(
+        &self,
+        req: Request<dp::PreferredAllocationRequest>,
+    ) -> Result<Response<dp::PreferredAllocationResponse>, Status> {
+        let a = &self.agent;
+        let mut out = Vec::new();
+        let mut taken: Vec<u64> = Vec::new();
+        for c in req.into_inner().container_requests {
+            let size = usize::try_from(c.allocation_size).unwrap_or(0);
+            // Steer to the GPUs of the reservation Allocate will guess.
+            let pick = a.with_view(|v| {
+                let cand = v.allocs.values().find(|x| {
+                    !taken.contains(&x.id)
+                        && x.shares.len() == size
+                        && x.device_ids.is_empty()
+                        && x.state != pb::AllocationState::Assigned as i32
+                })?;
+                let gpus: Vec<String> = cand.shares.iter().map(|s| s.gpu_uuid.clone()).collect();
+                Some((
+                    cand.id,
+                    prefer(
+                        &gpus,
+                        &c.available_device_i_ds,
+                        &c.must_include_device_i_ds,
+                        size,
+                    ),
+                ))
+            });
+            let ids = match pick {
+                Some((id, Some(ids))) => {
+                    taken.push(id);
+                    ids
+                }
+                _ => {
+                    let mut ids = c.must_include_device_i_ds.clone();
+                    for d in &c.available_device_i_ds {
+                        if ids.len() >= size {
+                            break;
+                        }
+                        if !ids.contains(d) {
+                            ids.push(d.clone());
+                        }
+                    }
+                    ids
+                }
+            };
+            out.push(dp::ContainerPreferredAllocationResponse { device_i_ds: ids });
+        }
+        Ok(Response::new(dp::PreferredAllocationResponse {
+            container_responses: out,
+        }))
+    }
+
+    async fn allocate(
+        &self,
+        req: Request<dp::AllocateRequest>,
+    ) -> Result<Response<dp::AllocateResponse>, Status> {
+        let reqs = req.into_inner().container_requests;
+        for c in &reqs {
+            self.check_ids(&c.devices_ids)?;
+        }
+        let _turn = self.agent.decide.lock().await;
+        let mut out = Vec::new();
+        for c in reqs {
+            let alloc = self.allocate_one(c.devices_ids).await?;
+            let r = self
+                .agent
+                .with_view(|v| container_response(&alloc, v.inventory.as_ref(), &self.agent.env));
+            out.push(r);
+        }
+        Ok(Response::new(dp::AllocateResponse {
+            container_responses: out,
+        }))
+    }
+
+    async fn pre_start_container(
+        &self,
+        req: Request<dp::PreStartContainerRequest>,
+    ) -> Result<Response<dp::PreStartContainerResponse>, Status> {
+        let ids = req.into_inner().devices_ids;
+        self.check_ids(&ids)?;
+        let a = &self.agent;
+        let _turn = a.decide.lock().await;
+        let Some(guessed) = a
+            .wait_view(Duration::from_secs(5), |v| v.by_devices(&ids).cloned())
+            .await
+        else {
+            return Err(Status::failed_precondition(format!(
+                "no allocation holds devices {ids:?} (was Allocate called?)"
+            )));
+        };
+        // The kubelet records the devices before it starts the container; a short retry covers
+        // a listing taken in between.
+        let mut owner = None;
+        for _ in 0..20 {
+            owner = self.owner_of(&ids).await?;
+            if owner.is_some() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let Some((ns, name, container)) = owner else {
+            return Err(Status::failed_precondition(format!(
+                "PodResources does not list devices {ids:?}"
+            )));
+        };
+        let gp = guessed.pod.clone().unwrap_or_default();
+        if gp.namespace == ns && gp.name == name && guessed.container == container {
+            info!(allocation = guessed.id, pod_uid = %gp.uid, "PreStartContainer: identity confirmed");
+            return Ok(Response::new(dp::PreStartContainerResponse {}));
+        }
+        let Some(right) = a.with_view(|v| v.by_pod(&ns, &name, &container).cloned()) else {
+            return Err(Status::failed_precondition(format!(
+                "pod {ns}/{name} container {container} got devices {ids:?} but has no gpuledger allocation on node {}",
+                a.cfg.node_name
+            )));
+        };
+        warn!(guessed = guessed.id, right = right.id, pod = %format!("{ns}/{name}"), %container,
+            "Allocate guessed the wrong pod; correcting the ledger");
+        let req = api::CorrectIdentityRequest {
+            node: a.cfg.node_name.clone(),
+            from_allocation_id: guessed.id,
+            to_allocation_id: right.id,
+            device_ids: ids.clone(),
+        };
+        let w = a
+            .pool
+            .call(Duration::from_secs(10), |mut c| {
+                let r = req.clone();
+                async move { c.correct_identity(r).await }
+            })
+            .await?;
+        info!(seq = w.seq, epoch = w.epoch, "identity corrected");
+        a.update_view(|v| v.swap(guessed.id, right.id));
+        Ok(Response::new(dp::PreStartContainerResponse {}))
+    }
+}
+
+/// The options this plugin registers with.
+pub fn options() -> dp::DevicePluginOptions {
+    dp::DevicePluginOptions {
+        pre_start_required: true,
+        get_preferred_allocation_available: true,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn preference_takes_one_device_per_reserved_gpu() {
+        let avail: Vec<String> = ["A::0", "A::1", "B::0", "C::0"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        assert_eq!(
+            prefer(&["B".into()], &avail, &[], 1),
+            Some(vec!["B::0".to_string()])
+        );
+        assert_eq!(
+            prefer(&["A".into(), "C".into()], &avail, &[], 2),
+            Some(vec!["A::0".to_string(), "C::0".to_string()])
+        );
+        assert_eq!(prefer(&["D".into()], &avail, &[], 1), None);
+        // A must-include device on another GPU makes the reserved GPUs unreachable.
+        assert_eq!(prefer(&["B".into()], &avail, &["A::1".into()], 1), None);
+    }
+}

@@ -1,0 +1,110 @@
+//! Serving the device plugin socket and registering it with the kubelet, again whenever the
+//! kubelet restarts (it deletes plugin sockets and recreates its own).
+
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use gpuledger_proto::deviceplugin::v1beta1 as dp;
+use tokio::net::UnixListener;
+use tokio_stream::wrappers::UnixListenerStream;
+use tracing::{info, warn};
+
+use crate::agent::Agent;
+use crate::device_plugin::{Plugin, RESOURCE, options};
+
+/// The device-plugin API version the kubelet expects.
+pub const VERSION: &str = "v1beta1";
+
+fn inode(p: &Path) -> Option<u64> {
+    std::fs::metadata(p).ok().map(|m| m.ino())
+}
+
+/// Register with the kubelet once.
+async fn register(kubelet_sock: &Path, endpoint: &str) -> anyhow::Result<()> {
+    let ch = crate::uds::channel(kubelet_sock).await?;
+    let mut c = dp::registration_client::RegistrationClient::new(ch);
+    c.register(dp::RegisterRequest {
+        version: VERSION.into(),
+        endpoint: endpoint.into(),
+        resource_name: RESOURCE.into(),
+        options: Some(options()),
+    })
+    .await?;
+    Ok(())
+}
+
+/// Serve the plugin and keep it registered until the process ends.
+pub async fn serve_and_register(agent: Arc<Agent>) {
+    let dir = agent.cfg.kubelet_dir.clone();
+    let sock: PathBuf = dir.join(&agent.cfg.plugin_socket);
+    let kubelet_sock = dir.join("kubelet.sock");
+    loop {
+        agent.kubelet_registered.store(false, Ordering::Release);
+        let _ = std::fs::remove_file(&sock);
+        if let Err(e) = std::fs::create_dir_all(&dir) {
+            warn!(dir = %dir.display(), "creating the device-plugin directory: {e}");
+        }
+        let listener = match UnixListener::bind(&sock) {
+            Ok(l) => l,
+            Err(e) => {
+                warn!(socket = %sock.display(), "binding the device-plugin socket: {e}");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                continue;
+            }
+        };
+        let my_inode = inode(&sock);
+        let svc = dp::device_plugin_server::DevicePluginServer::new(Plugin::new(agent.clone()));
+        let server = tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(svc)
+                .serve_with_incoming(UnixListenerStream::new(listener)),
+        );
+        // Register (retrying until the kubelet is there), then watch both sockets.
+        let mut kubelet_inode;
+        loop {
+            kubelet_inode = inode(&kubelet_sock);
+            if inode(&sock) != my_inode {
+                break;
+            }
+            match register(&kubelet_sock, &agent.cfg.plugin_socket).await {
+                Ok(()) => {
+                    info!(socket = %sock.display(), resource = RESOURCE, "registered with the kubelet");
+                    agent.kubelet_registered.store(true, Ordering::Release);
+                    break;
+                }
+                Err(e) => {
+                    tracing::debug!("registering with the kubelet: {e:#}");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+            }
+        }
+        loop {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let mine = inode(&sock);
+            let kubelet = inode(&kubelet_sock);
+            if mine != my_inode {
+                info!(
+                    "the device-plugin socket was removed (kubelet restart?); serving and registering again"
+                );
+                break;
+            }
+            if kubelet.is_some() && kubelet != kubelet_inode {
+                info!("the kubelet socket was recreated; registering again");
+                break;
+            }
+            if server.is_finished() {
+                warn!("the device-plugin server stopped; restarting it");
+                break;
+            }
+        }
+        server.abort();
+    }
+}
+
+/// Remove the plugin socket (on shutdown: the kubelet then sees the plugin gone).
+pub fn remove_socket(agent: &Agent) {
+    let _ = std::fs::remove_file(agent.cfg.kubelet_dir.join(&agent.cfg.plugin_socket));
+}

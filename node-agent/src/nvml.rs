@@ -1,0 +1,231 @@
+//! The device backend: GPUs, their processes and Xid errors, read through nvml-wrapper.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use nvml_wrapper::Nvml;
+use nvml_wrapper::bitmasks::event::EventTypes;
+use nvml_wrapper::enums::device::UsedGpuMemory;
+use nvml_wrapper::enums::event::XidError;
+use nvml_wrapper::error::NvmlError;
+use tokio::sync::mpsc;
+
+/// One GPU as NVML reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuInfo {
+    /// `GPU-…` UUID.
+    pub uuid: String,
+    /// NVML index.
+    pub index: u32,
+    /// Model name.
+    pub model: String,
+    /// Total memory in MiB.
+    pub memory_mib: u64,
+}
+
+/// A process with a compute context on a GPU.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuProcess {
+    /// UUID of the GPU.
+    pub gpu: String,
+    /// Process id.
+    pub pid: u32,
+    /// Used GPU memory in MiB (0 when NVML cannot say).
+    pub used_mib: u64,
+}
+
+/// An Xid error NVML reported on a GPU.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct XidEvent {
+    /// UUID of the GPU.
+    pub gpu: String,
+    /// The Xid number.
+    pub xid: u64,
+}
+
+/// Why talking to NVML failed.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The library file does not exist. Not retryable.
+    #[error(
+        "NVML library {path} does not exist (install the NVIDIA driver, or pass --nvml-lib PATH)"
+    )]
+    Missing {
+        /// The library path given.
+        path: String,
+    },
+    /// The library could not be loaded or initialised. Not retryable: the node has no usable
+    /// driver, or --nvml-lib is wrong.
+    #[error(
+        "cannot load or initialise NVML from {path}: {cause} (is the NVIDIA driver installed and loaded? --nvml-lib selects the library)"
+    )]
+    Load {
+        /// The library path tried.
+        path: String,
+        /// NVML's error.
+        cause: NvmlError,
+    },
+    /// A call failed. Retryable on the next tick; persistent failures mean a lost GPU.
+    #[error("NVML {what}: {source}")]
+    Call {
+        /// Which call.
+        what: &'static str,
+        /// NVML's error.
+        source: NvmlError,
+    },
+}
+
+fn call<T>(what: &'static str, r: Result<T, NvmlError>) -> Result<T, Error> {
+    r.map_err(|source| Error::Call { what, source })
+}
+
+/// Xids that are the application's fault or informational; every other Xid marks the GPU
+/// unhealthy (the NVIDIA device plugin skips the same set).
+pub const NON_CRITICAL_XIDS: [u64; 6] = [13, 31, 43, 45, 68, 109];
+
+/// Whether an Xid takes the GPU out of service.
+pub fn is_critical_xid(xid: u64) -> bool {
+    !NON_CRITICAL_XIDS.contains(&xid)
+}
+
+/// The NVML library, loaded once and shared.
+#[derive(Clone)]
+pub struct NvmlBackend {
+    nvml: Arc<Nvml>,
+}
+
+impl NvmlBackend {
+    /// Load and initialise NVML from `path` (the system library when `None`).
+    pub fn open(path: Option<&Path>) -> Result<NvmlBackend, Error> {
+        let shown = path.map_or_else(
+            || "libnvidia-ml.so.1".to_string(),
+            |p| p.display().to_string(),
+        );
+        let nvml = match path {
+            Some(p) => {
+                if !p.exists() {
+                    return Err(Error::Missing { path: shown });
+                }
+                let p: PathBuf = p.to_path_buf();
+                Nvml::builder().lib_path(p.as_os_str()).init()
+            }
+            None => Nvml::init(),
+        }
+        .map_err(|cause| Error::Load { path: shown, cause })?;
+        Ok(NvmlBackend {
+            nvml: Arc::new(nvml),
+        })
+    }
+
+    /// The node's GPUs in index order.
+    pub fn gpus(&self) -> Result<Vec<GpuInfo>, Error> {
+        let n = call("device count", self.nvml.device_count())?;
+        let mut out = Vec::with_capacity(n as usize);
+        for i in 0..n {
+            let d = call("device by index", self.nvml.device_by_index(i))?;
+            out.push(GpuInfo {
+                uuid: call("device uuid", d.uuid())?,
+                index: i,
+                model: call("device name", d.name())?,
+                memory_mib: call("memory info", d.memory_info())?.total >> 20,
+            });
+        }
+        Ok(out)
+    }
+
+    /// Every compute process on every GPU, with its memory use.
+    pub fn processes(&self) -> Result<Vec<GpuProcess>, Error> {
+        let n = call("device count", self.nvml.device_count())?;
+        let mut out = Vec::new();
+        for i in 0..n {
+            let d = call("device by index", self.nvml.device_by_index(i))?;
+            let uuid = call("device uuid", d.uuid())?;
+            for p in call("running compute processes", d.running_compute_processes())? {
+                let used_mib = match p.used_gpu_memory {
+                    UsedGpuMemory::Used(b) => b >> 20,
+                    UsedGpuMemory::Unavailable => 0,
+                };
+                out.push(GpuProcess {
+                    gpu: uuid.clone(),
+                    pid: p.pid,
+                    used_mib,
+                });
+            }
+        }
+        Ok(out)
+    }
+
+    /// Watch Xid errors on every GPU on a dedicated thread (NVML's wait blocks) until `stop`.
+    /// Events go to `tx`; the thread ends when `stop` is set or `tx` closes.
+    pub fn watch_xids(
+        &self,
+        tx: mpsc::Sender<XidEvent>,
+        stop: Arc<AtomicBool>,
+    ) -> std::thread::JoinHandle<()> {
+        let nvml = self.nvml.clone();
+        std::thread::Builder::new()
+            .name("nvml-xid".into())
+            .spawn(move || {
+                if let Err(e) = xid_loop(&nvml, &tx, &stop) {
+                    tracing::warn!("Xid events unavailable, GPU health is not watched: {e}");
+                }
+            })
+            .expect("spawning a thread")
+    }
+}
+
+fn xid_loop(nvml: &Nvml, tx: &mpsc::Sender<XidEvent>, stop: &AtomicBool) -> Result<(), Error> {
+    let mut set = call("event set create", nvml.create_event_set())?;
+    let n = call("device count", nvml.device_count())?;
+    for i in 0..n {
+        let d = call("device by index", nvml.device_by_index(i))?;
+        set = d
+            .register_events(EventTypes::CRITICAL_XID_ERROR, set)
+            .map_err(|e| Error::Call {
+                what: "register events",
+                source: e.error,
+            })?;
+    }
+    while !stop.load(Ordering::Relaxed) && !tx.is_closed() {
+        match set.wait(500) {
+            Ok(ev) => {
+                let xid = match ev.event_data {
+                    Some(XidError::Value(x)) => x,
+                    Some(XidError::Unknown) | None => 0,
+                };
+                let gpu = match ev.device.uuid() {
+                    Ok(u) => u,
+                    Err(e) => {
+                        tracing::warn!("Xid {xid} on a GPU whose UUID NVML cannot give: {e}");
+                        continue;
+                    }
+                };
+                if tx.blocking_send(XidEvent { gpu, xid }).is_err() {
+                    break;
+                }
+            }
+            Err(NvmlError::Timeout) => {}
+            Err(e) => {
+                tracing::warn!("NVML event wait: {e}");
+                std::thread::sleep(Duration::from_secs(1));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn application_xids_do_not_make_a_gpu_unhealthy() {
+        assert!(!is_critical_xid(13));
+        assert!(!is_critical_xid(43));
+        assert!(!is_critical_xid(109));
+        assert!(is_critical_xid(79));
+        assert!(is_critical_xid(48));
+    }
+}

@@ -1,0 +1,270 @@
+//! The agent's view of its node in the ledger: a fold of the node's events, and the decisions
+//! made from it (which reservation an Allocate is for, what env a container gets). Pure: no IO.
+
+use std::collections::{BTreeMap, HashMap};
+
+use gpuledger_proto::allocator::v1 as api;
+use gpuledger_proto::deviceplugin::v1beta1 as dp;
+use gpuledger_proto::ledger::v1 as pb;
+use pb::event::Body;
+
+/// The node's inventory and allocations at `seq`, as the ledger has them.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct View {
+    /// Highest ledger seq folded in.
+    pub seq: u64,
+    /// The node's inventory, once registered.
+    pub inventory: Option<pb::NodeInventory>,
+    /// Live allocations on the node by id (= the seq of their Reserved event: oldest first).
+    pub allocs: BTreeMap<u64, pb::Allocation>,
+}
+
+impl View {
+    /// The view a subscription starts with.
+    pub fn from_node_view(v: api::NodeView) -> View {
+        View {
+            seq: v.seq,
+            inventory: v.inventory,
+            allocs: v.allocations.into_iter().map(|a| (a.id, a)).collect(),
+        }
+    }
+
+    /// Fold one of the node's events. Events at or below `seq` are already in: ignored.
+    pub fn apply(&mut self, e: &pb::Event) {
+        if e.seq <= self.seq {
+            return;
+        }
+        self.seq = e.seq;
+        let Some(body) = &e.body else { return };
+        match body {
+            Body::NodeRegistered(r) => self.inventory = r.inventory.clone(),
+            Body::NodeRemoved(_) => {
+                self.inventory = None;
+                self.allocs.clear();
+            }
+            Body::DeviceHealthChanged(h) => {
+                if let Some(g) = self
+                    .inventory
+                    .as_mut()
+                    .and_then(|i| i.gpus.iter_mut().find(|g| g.uuid == h.gpu_uuid))
+                {
+                    g.healthy = h.healthy;
+                }
+            }
+            Body::Reserved(r) => {
+                self.allocs.insert(
+                    r.allocation_id,
+                    pb::Allocation {
+                        id: r.allocation_id,
+                        pod: r.pod.clone(),
+                        container: r.container.clone(),
+                        node: r.node.clone(),
+                        shares: r.shares.clone(),
+                        state: pb::AllocationState::Reserved as i32,
+                        reserved_ms: e.time_ms,
+                        deadline_ms: r.deadline_ms,
+                        device_ids: Vec::new(),
+                        cpu_milli: r.cpu_milli,
+                        memory_mib: r.memory_mib,
+                        epoch: e.epoch,
+                        policy: r.policy.clone(),
+                    },
+                );
+            }
+            Body::Bound(b) => {
+                if let Some(a) = self.allocs.get_mut(&b.allocation_id)
+                    && a.state == pb::AllocationState::Reserved as i32
+                {
+                    a.state = pb::AllocationState::Bound as i32;
+                }
+            }
+            Body::Assigned(x) => {
+                if let Some(a) = self.allocs.get_mut(&x.allocation_id) {
+                    a.state = pb::AllocationState::Assigned as i32;
+                    a.device_ids = x.device_ids.clone();
+                }
+            }
+            Body::IdentityCorrected(c) => self.swap(c.from_allocation_id, c.to_allocation_id),
+            Body::Released(r) => {
+                self.allocs.remove(&r.allocation_id);
+            }
+            Body::LimitViolated(_) | Body::LeaderElected(_) | Body::QuotaSet(_) => {}
+        }
+    }
+
+    /// Swap the pod identities of two allocations (what `IdentityCorrected` does).
+    pub fn swap(&mut self, a: u64, b: u64) {
+        if a == b {
+            return;
+        }
+        let (Some(x), Some(y)) = (self.allocs.get(&a).cloned(), self.allocs.get(&b).cloned())
+        else {
+            return;
+        };
+        if let Some(x2) = self.allocs.get_mut(&a) {
+            x2.pod = y.pod.clone();
+            x2.container = y.container.clone();
+        }
+        if let Some(y2) = self.allocs.get_mut(&b) {
+            y2.pod = x.pod;
+            y2.container = x.container;
+        }
+    }
+
+    /// Record an allocation as the allocator returned it (an Assign answer), ahead of its event.
+    pub fn upsert(&mut self, a: pb::Allocation) {
+        self.allocs.insert(a.id, a);
+    }
+
+    /// The reservation an Allocate of `slices` devices is guessed to be for: the oldest one on
+    /// the node that is reserved or bound but not yet assigned, with that many slices.
+    pub fn pending(&self, slices: usize) -> Option<&pb::Allocation> {
+        self.allocs.values().find(|a| {
+            a.shares.len() == slices
+                && (a.state == pb::AllocationState::Reserved as i32
+                    || a.state == pb::AllocationState::Bound as i32)
+        })
+    }
+
+    /// The allocation already assigned exactly these device IDs (in any order).
+    pub fn by_devices(&self, devices: &[String]) -> Option<&pb::Allocation> {
+        self.allocs
+            .values()
+            .find(|a| !a.device_ids.is_empty() && same_set(&a.device_ids, devices))
+    }
+
+    /// Allocations holding any of these device IDs.
+    pub fn holding_any(&self, devices: &[String]) -> Vec<&pb::Allocation> {
+        self.allocs
+            .values()
+            .filter(|a| a.device_ids.iter().any(|d| devices.contains(d)))
+            .collect()
+    }
+
+    /// The allocation of one pod container (by namespace/name, as PodResources names pods).
+    pub fn by_pod(&self, namespace: &str, name: &str, container: &str) -> Option<&pb::Allocation> {
+        self.allocs.values().find(|a| {
+            a.container == container
+                && a.pod
+                    .as_ref()
+                    .is_some_and(|p| p.namespace == namespace && p.name == name)
+        })
+    }
+
+    /// Health of each GPU as the ledger has it.
+    pub fn ledger_health(&self) -> HashMap<String, bool> {
+        self.inventory
+            .iter()
+            .flat_map(|i| i.gpus.iter())
+            .map(|g| (g.uuid.clone(), g.healthy))
+            .collect()
+    }
+}
+
+/// Whether two lists hold the same strings (ignoring order).
+pub fn same_set(a: &[String], b: &[String]) -> bool {
+    let mut x: Vec<&String> = a.iter().collect();
+    let mut y: Vec<&String> = b.iter().collect();
+    x.sort();
+    y.sort();
+    x == y
+}
+
+/// A device-plugin replica ID: `<GPU-UUID>::<k>`.
+pub fn device_id(uuid: &str, k: u32) -> String {
+    format!("{uuid}::{k}")
+}
+
+/// The GPU UUID and slot of a replica ID, if it is one.
+pub fn parse_device_id(id: &str) -> Option<(&str, u32)> {
+    let (uuid, k) = id.rsplit_once("::")?;
+    if uuid.is_empty() {
+        return None;
+    }
+    Some((uuid, k.parse().ok()?))
+}
+
+/// How the container's limits are exported.
+#[derive(Debug, Clone, Default)]
+pub struct EnvOptions {
+    /// Also the MPS variables and pipe-directory mount.
+    pub mps: bool,
+    /// The MPS pipe directory.
+    pub mps_pipe_dir: String,
+}
+
+/// The Allocate answer for one container holding allocation `a` on GPUs of `inventory`.
+pub fn container_response(
+    a: &pb::Allocation,
+    inventory: Option<&pb::NodeInventory>,
+    opts: &EnvOptions,
+) -> dp::ContainerAllocateResponse {
+    let mut envs = HashMap::new();
+    let uuids: Vec<&str> = a.shares.iter().map(|s| s.gpu_uuid.as_str()).collect();
+    let mem = a.shares.first().map_or(0, |s| s.mem_mib);
+    let core_pct = a.shares.first().map_or(0, |s| s.core_milli / 10);
+    envs.insert("NVIDIA_VISIBLE_DEVICES".into(), uuids.join(","));
+    envs.insert("GPULEDGER_ALLOCATION_ID".into(), a.id.to_string());
+    envs.insert("GPULEDGER_GPU_MEM_MIB".into(), mem.to_string());
+    envs.insert("GPULEDGER_GPU_CORE".into(), core_pct.to_string());
+    // HAMi-core: one limit per visible device, index within the container.
+    for (i, s) in a.shares.iter().enumerate() {
+        envs.insert(
+            format!("CUDA_DEVICE_MEMORY_LIMIT_{i}"),
+            format!("{}m", s.mem_mib),
+        );
+    }
+    if core_pct > 0 {
+        envs.insert("CUDA_DEVICE_SM_LIMIT".into(), core_pct.to_string());
+    }
+    // gpushare counts whole GiB.
+    let dev_mib = inventory
+        .and_then(|inv| {
+            inv.gpus
+                .iter()
+                .find(|g| Some(g.uuid.as_str()) == uuids.first().copied())
+        })
+        .map_or(0, |g| g.memory_mib);
+    envs.insert(
+        "ALIYUN_COM_GPU_MEM_DEV".into(),
+        (dev_mib / 1024).to_string(),
+    );
+    envs.insert(
+        "ALIYUN_COM_GPU_MEM_CONTAINER".into(),
+        (mem / 1024).max(u64::from(mem > 0)).to_string(),
+    );
+    let mut mounts = Vec::new();
+    if opts.mps {
+        let limits: Vec<String> = a
+            .shares
+            .iter()
+            .enumerate()
+            .map(|(i, s)| format!("{i}={}M", s.mem_mib))
+            .collect();
+        envs.insert("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT".into(), limits.join(","));
+        if core_pct > 0 {
+            envs.insert(
+                "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE".into(),
+                core_pct.to_string(),
+            );
+        }
+        envs.insert("CUDA_MPS_PIPE_DIRECTORY".into(), opts.mps_pipe_dir.clone());
+        mounts.push(dp::Mount {
+            container_path: opts.mps_pipe_dir.clone(),
+            host_path: opts.mps_pipe_dir.clone(),
+            read_only: false,
+        });
+    }
+    let mut annotations = HashMap::new();
+    annotations.insert("gpuledger.io/allocation-id".into(), a.id.to_string());
+    dp::ContainerAllocateResponse {
+        envs,
+        mounts,
+        devices: Vec::new(),
+        annotations,
+        cdi_devices: Vec::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,133 @@
+use super::*;
+
+fn reserved(seq: u64, uid: &str, gpu: &str) -> pb::Event {
+    pb::Event {
+        seq,
+        epoch: 1,
+        time_ms: 0,
+        body: Some(Body::Reserved(pb::Reserved {
+            allocation_id: seq,
+            pod: Some(pb::PodRef {
+                uid: uid.into(),
+                namespace: "ns".into(),
+                name: format!("pod-{uid}"),
+            }),
+            container: "main".into(),
+            node: "n1".into(),
+            shares: vec![pb::GpuShare {
+                gpu_uuid: gpu.into(),
+                mem_mib: 4096,
+                core_milli: 300,
+            }],
+            deadline_ms: 0,
+            cpu_milli: 0,
+            memory_mib: 0,
+            policy: String::new(),
+        })),
+    }
+}
+
+fn ev(seq: u64, body: Body) -> pb::Event {
+    pb::Event {
+        seq,
+        epoch: 1,
+        time_ms: 0,
+        body: Some(body),
+    }
+}
+
+#[test]
+fn oldest_pending_of_the_same_size_is_guessed_and_assigned_ones_are_skipped() {
+    let mut v = View::default();
+    v.apply(&reserved(5, "a", "G0"));
+    v.apply(&reserved(7, "b", "G1"));
+    assert_eq!(v.pending(1).map(|a| a.id), Some(5));
+    assert_eq!(v.pending(2), None);
+    v.apply(&ev(
+        8,
+        Body::Assigned(pb::Assigned {
+            allocation_id: 5,
+            device_ids: vec!["G0::3".into()],
+            node: "n1".into(),
+        }),
+    ));
+    assert_eq!(v.pending(1).map(|a| a.id), Some(7));
+    assert_eq!(v.by_devices(&["G0::3".into()]).map(|a| a.id), Some(5));
+    // An event already folded in is not applied twice.
+    v.apply(&reserved(6, "c", "G0"));
+    assert!(!v.allocs.contains_key(&6));
+}
+
+#[test]
+fn identity_correction_swaps_pods_but_keeps_gpus_and_devices() {
+    let mut v = View::default();
+    v.apply(&reserved(1, "a", "G0"));
+    v.apply(&reserved(2, "b", "G1"));
+    v.apply(&ev(
+        3,
+        Body::IdentityCorrected(pb::IdentityCorrected {
+            from_allocation_id: 1,
+            to_allocation_id: 2,
+            device_ids: vec![],
+            node: "n1".into(),
+        }),
+    ));
+    assert_eq!(v.by_pod("ns", "pod-b", "main").map(|a| a.id), Some(1));
+    assert_eq!(v.by_pod("ns", "pod-a", "main").map(|a| a.id), Some(2));
+    assert_eq!(v.allocs[&1].shares[0].gpu_uuid, "G0");
+    v.apply(&ev(
+        4,
+        Body::Released(pb::Released {
+            allocation_id: 1,
+            reason: "deleted".into(),
+            node: "n1".into(),
+        }),
+    ));
+    assert!(v.by_pod("ns", "pod-b", "main").is_none());
+}
+
+#[test]
+fn allocate_env_carries_every_limit_format() {
+    let mut v = View::default();
+    v.apply(&reserved(1, "a", "G0"));
+    let inv = pb::NodeInventory {
+        node: "n1".into(),
+        gpus: vec![pb::Gpu {
+            uuid: "G0".into(),
+            index: 0,
+            model: "A100".into(),
+            memory_mib: 40960,
+            healthy: true,
+        }],
+        cpu_milli: 0,
+        memory_mib: 0,
+    };
+    let opts = EnvOptions {
+        mps: true,
+        mps_pipe_dir: "/tmp/nvidia-mps".into(),
+    };
+    let r = container_response(&v.allocs[&1], Some(&inv), &opts);
+    let e = |k: &str| r.envs.get(k).map(String::as_str);
+    assert_eq!(e("NVIDIA_VISIBLE_DEVICES"), Some("G0"));
+    assert_eq!(e("GPULEDGER_ALLOCATION_ID"), Some("1"));
+    assert_eq!(e("GPULEDGER_GPU_MEM_MIB"), Some("4096"));
+    assert_eq!(e("GPULEDGER_GPU_CORE"), Some("30"));
+    assert_eq!(e("CUDA_DEVICE_MEMORY_LIMIT_0"), Some("4096m"));
+    assert_eq!(e("CUDA_DEVICE_SM_LIMIT"), Some("30"));
+    assert_eq!(e("ALIYUN_COM_GPU_MEM_DEV"), Some("40"));
+    assert_eq!(e("ALIYUN_COM_GPU_MEM_CONTAINER"), Some("4"));
+    assert_eq!(e("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"), Some("0=4096M"));
+    assert_eq!(e("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"), Some("30"));
+    assert_eq!(r.mounts.len(), 1);
+}
+
+#[test]
+fn device_ids_round_trip_and_garbage_is_rejected() {
+    assert_eq!(
+        parse_device_id(&device_id("GPU-1-2", 7)),
+        Some(("GPU-1-2", 7))
+    );
+    assert_eq!(parse_device_id("GPU-1"), None);
+    assert_eq!(parse_device_id("::3"), None);
+    assert_eq!(parse_device_id("GPU-1::x"), None);
+}

@@ -1,0 +1,71 @@
+//! Discovery: the GPUs NVML reports are registered with the allocator, and registered again
+//! when NVML shows a different set (a GPU added), with ListAndWatch following.
+
+mod support;
+
+use std::time::Duration;
+
+use gpuledger_chaos::kubelet::node::FakeGpu;
+use support::{Cluster, NODE, SLOTS};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nvml_inventory_is_registered_and_reregistered_on_change() -> anyhow::Result<()> {
+    let port = gpuledger_chaos::free_port()?;
+    let health = format!("--health-listen=127.0.0.1:{port}");
+    let mut c = Cluster::start(2, &["--rediscover-interval=200ms", &health]).await?;
+    assert!(
+        http_get(port, "/readyz")?.starts_with("HTTP/1.1 200"),
+        "registered and synced: ready"
+    );
+    assert!(http_get(port, "/healthz")?.starts_with("HTTP/1.1 200"));
+    let s = c.dump().await?;
+    let n = s.nodes.iter().find(|n| n.node == NODE).expect("registered");
+    let got: Vec<(u32, &str, &str, u64, bool)> = n
+        .gpus
+        .iter()
+        .map(|g| {
+            (
+                g.index,
+                g.uuid.as_str(),
+                g.model.as_str(),
+                g.memory_mib,
+                g.healthy,
+            )
+        })
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            (0, "GPU-gpu-node-1-0", "NVIDIA A100-SXM4-40GB", 40_960, true),
+            (1, "GPU-gpu-node-1-1", "NVIDIA A100-SXM4-40GB", 40_960, true),
+        ]
+    );
+    c.nvml.gpus.push(FakeGpu {
+        uuid: "GPU-hotplug".into(),
+        name: "NVIDIA H100".into(),
+        memory_mib: 81_920,
+    });
+    c.nvml.write()?;
+    c.wait_ledger(Duration::from_secs(10), |s| {
+        s.nodes
+            .iter()
+            .flat_map(|n| n.gpus.iter())
+            .any(|g| g.uuid == "GPU-hotplug" && g.memory_mib == 81_920 && g.model == "NVIDIA H100")
+    })
+    .await?;
+    c.kubelet
+        .wait_devices(Duration::from_secs(5), |d| {
+            d.len() == 3 * SLOTS as usize && d.iter().any(|x| x.id == "GPU-hotplug::0")
+        })
+        .await?;
+    Ok(())
+}
+
+fn http_get(port: u16, path: &str) -> anyhow::Result<String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port))?;
+    s.write_all(format!("GET {path} HTTP/1.1\r\nhost: x\r\n\r\n").as_bytes())?;
+    let mut out = String::new();
+    s.read_to_string(&mut out)?;
+    Ok(out)
+}

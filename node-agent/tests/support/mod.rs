@@ -1,0 +1,198 @@
+//! A one-node GPU cluster for the agent's tests: real etcd, a real allocator process, the fake
+//! NVML library, the kubelet emulator and a real node-agent process.
+
+#![allow(dead_code)]
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use gpuledger_chaos::kubelet::Kubelet;
+use gpuledger_chaos::kubelet::node::{FakeNvml, NodeAgent};
+use gpuledger_chaos::workload::pod;
+use gpuledger_chaos::{Allocators, EtcdCluster};
+use gpuledger_proto::allocator::v1 as api;
+use gpuledger_proto::ledger::v1 as pb;
+
+pub const NODE: &str = "gpu-node-1";
+pub const SLOTS: u32 = 4;
+pub const GPU_MIB: u64 = 40_960;
+
+pub struct Cluster {
+    pub dir: tempfile::TempDir,
+    pub etcd: EtcdCluster,
+    pub allocs: Allocators,
+    pub kubelet: Kubelet,
+    pub nvml: FakeNvml,
+    pub agent: NodeAgent,
+}
+
+impl Cluster {
+    /// Everything up, the agent registered with the kubelet and its GPUs in the ledger.
+    pub async fn start(gpus: u32, agent_flags: &[&str]) -> Result<Cluster> {
+        Self::start_with(1, gpus, agent_flags).await
+    }
+
+    /// Like [`Cluster::start`] with `replicas` allocator replicas (the agent gets all).
+    pub async fn start_with(replicas: usize, gpus: u32, agent_flags: &[&str]) -> Result<Cluster> {
+        let dir = tempfile::tempdir()?;
+        let etcd = EtcdCluster::start(1).await?;
+        let allocs = Allocators::start(
+            &dir.path().join("alloc"),
+            &etcd.endpoints_flag(),
+            replicas,
+            "t",
+            &["--no-kube"],
+        )?;
+        allocs.wait_leader(Duration::from_secs(30)).await?;
+        let kubelet = Kubelet::start(&dir.path().join("kubelet")).await?;
+        let nvml = FakeNvml::new(dir.path(), NODE, gpus, GPU_MIB)?;
+        let slots = format!("--slots-per-gpu={SLOTS}");
+        let mut flags = vec![slots.as_str(), "--enforce-interval=200ms"];
+        flags.extend_from_slice(agent_flags);
+        let agent = NodeAgent::start(dir.path(), NODE, &allocs.addrs, &nvml, &kubelet, &flags)?;
+        let c = Cluster {
+            dir,
+            etcd,
+            allocs,
+            kubelet,
+            nvml,
+            agent,
+        };
+        c.kubelet
+            .wait_registrations(1, Duration::from_secs(20))
+            .await
+            .with_context(|| c.agent_log())?;
+        let want = (gpus * SLOTS) as usize;
+        c.kubelet
+            .wait_devices(Duration::from_secs(10), |d| d.len() == want)
+            .await?;
+        c.wait_ledger(Duration::from_secs(20), |s| {
+            s.nodes
+                .iter()
+                .any(|n| n.node == NODE && n.gpus.len() == gpus as usize)
+        })
+        .await
+        .with_context(|| c.agent_log())?;
+        Ok(c)
+    }
+
+    pub fn agent_log(&self) -> String {
+        format!("agent log:\n{}", self.agent.proc.log_tail(40))
+    }
+
+    pub fn gpu(&self, i: usize) -> String {
+        self.nvml.gpus[i].uuid.clone()
+    }
+
+    /// A client to a running replica (the first one alive).
+    pub fn client(
+        &self,
+    ) -> Result<api::allocator_client::AllocatorClient<tonic::transport::Channel>> {
+        let i = (0..self.allocs.procs.len())
+            .find(|i| self.allocs.procs[*i].pid().is_some())
+            .unwrap_or(0);
+        self.allocs.client(i)
+    }
+
+    /// Reserve one slice of `mem_mib` for pod `uid` (optionally on one GPU) and confirm it bound.
+    pub async fn reserve(
+        &self,
+        uid: &str,
+        mem_mib: u64,
+        gpu: Option<&str>,
+    ) -> Result<pb::Allocation> {
+        let mut req = pod(uid, mem_mib, 10);
+        if let Some(g) = gpu {
+            req.placement = Some(api::Placement {
+                gpu_uuids: vec![g.to_string()],
+                ..Default::default()
+            });
+        }
+        let mut c = self.client()?;
+        let r = c
+            .reserve(api::ReserveRequest {
+                request: Some(req),
+                node: NODE.into(),
+                ttl_ms: 600_000,
+            })
+            .await?
+            .into_inner();
+        c.confirm_bound(api::ConfirmBoundRequest {
+            pod_uid: uid.into(),
+            node: NODE.into(),
+        })
+        .await?;
+        r.allocations.into_iter().next().context("no allocation")
+    }
+
+    pub async fn dump(&self) -> Result<pb::Snapshot> {
+        self.client()?
+            .dump(api::DumpRequest {})
+            .await?
+            .into_inner()
+            .snapshot
+            .context("no snapshot")
+    }
+
+    /// Poll the ledger until `pred` holds.
+    pub async fn wait_ledger(
+        &self,
+        timeout: Duration,
+        pred: impl Fn(&pb::Snapshot) -> bool,
+    ) -> Result<pb::Snapshot> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok(s) = self.dump().await
+                && pred(&s)
+            {
+                return Ok(s);
+            }
+            if Instant::now() > deadline {
+                bail!("ledger did not reach the expected state in {timeout:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Every event in the log.
+    pub async fn events(&self) -> Result<Vec<pb::Event>> {
+        let mut s = self
+            .client()?
+            .read_log(api::ReadLogRequest {
+                from_seq: 1,
+                to_seq: 0,
+            })
+            .await?
+            .into_inner();
+        let mut out = Vec::new();
+        while let Some(b) = s.message().await? {
+            out.extend(b.events);
+        }
+        Ok(out)
+    }
+
+    /// The LimitViolated events so far.
+    pub async fn violations(&self) -> Result<Vec<pb::LimitViolated>> {
+        Ok(self
+            .events()
+            .await?
+            .into_iter()
+            .filter_map(|e| match e.body {
+                Some(pb::event::Body::LimitViolated(v)) => Some(v),
+                _ => None,
+            })
+            .collect())
+    }
+}
+
+/// The live allocation of pod `uid`.
+pub fn alloc_of<'a>(s: &'a pb::Snapshot, uid: &str) -> Option<&'a pb::Allocation> {
+    s.allocations
+        .iter()
+        .find(|a| a.pod.as_ref().is_some_and(|p| p.uid == uid))
+}
+
+/// The GPU a device ID is on.
+pub fn gpu_of(device: &str) -> &str {
+    device.rsplit_once("::").map_or(device, |(g, _)| g)
+}
