@@ -1,11 +1,401 @@
-//! The allocator's Kubernetes side (being built): pod and node watchers that release
-//! allocations, and the reconcile of expired reservations. Only the leader writes.
+//! The allocator's Kubernetes side: pod and node watchers that release allocations, and the
+//! reconcile of reservations against what the API server says. Every replica watches; only
+//! the leader writes (`Service::local` is None elsewhere), and a periodic pass on the leader
+//! catches up with whatever happened while another replica led or the watch was down.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use futures::StreamExt;
+use gpuledger_ledger::Command;
+use gpuledger_ledger::state::AllocState;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::Api;
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use tracing::{debug, info, warn};
 
 use crate::service::Service;
+use crate::shared::Role;
 
 /// Flags of the Kubernetes watchers.
 #[derive(clap::Args, Debug, Clone, Default)]
-pub struct KubeArgs {}
+pub struct KubeArgs {
+    /// kubeconfig file of the cluster whose pods and nodes free allocations. Default: the
+    /// in-cluster service account when running in a pod; without either the watchers are off.
+    #[arg(long = "kubeconfig", env = "GPULEDGER_KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+
+    /// Turn the Kubernetes watchers off even when running in a cluster.
+    #[arg(long = "no-kube", env = "GPULEDGER_NO_KUBE")]
+    pub no_kube: bool,
+
+    /// How often the leader compares the ledger with the cluster (expired reservations,
+    /// missed deletions), in milliseconds.
+    #[arg(long, env = "GPULEDGER_RECONCILE_INTERVAL_MS", default_value_t = 500)]
+    pub reconcile_interval_ms: u64,
+
+    /// A ledger node absent from Kubernetes this many seconds is removed (deletions seen by
+    /// the watch act at once; this catches the ones no replica saw).
+    #[arg(long, env = "GPULEDGER_NODE_GONE_GRACE", default_value_t = 30)]
+    pub node_gone_grace_s: u64,
+}
+
+/// How long a fresh reservation may be missing from the pod cache before it counts as gone
+/// (the watch may simply not have delivered the pod yet).
+const YOUNG_MS: i64 = 5_000;
+
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
 
 /// Start the watchers, if configured.
-pub fn spawn(_service: Service, _args: &KubeArgs) {}
+pub fn spawn(service: Service, args: &KubeArgs) {
+    if args.no_kube {
+        return;
+    }
+    let in_cluster = std::env::var_os("KUBERNETES_SERVICE_HOST").is_some();
+    if args.kubeconfig.is_none() && !in_cluster {
+        info!("no --kubeconfig and not in a cluster: Kubernetes watchers are off");
+        return;
+    }
+    let args = args.clone();
+    tokio::spawn(async move {
+        let mut delay = Duration::from_millis(200);
+        let client = loop {
+            match client(&args).await {
+                Ok(c) => break c,
+                Err(e) => {
+                    warn!(error = %format!("{e:#}"), "Kubernetes client not ready; retrying");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_secs(10));
+                }
+            }
+        };
+        run(service, client, args).await;
+    });
+}
+
+async fn client(args: &KubeArgs) -> anyhow::Result<kube::Client> {
+    let cfg = match &args.kubeconfig {
+        Some(p) => {
+            let kc = kube::config::Kubeconfig::read_from(p)?;
+            kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
+                .await?
+        }
+        None => kube::Config::incluster()?,
+    };
+    Ok(kube::Client::try_from(cfg)?)
+}
+
+/// The watchers' view and the writes they make.
+struct Watch {
+    service: Service,
+    pods_api: Api<Pod>,
+    pods: Store<Pod>,
+    nodes: Store<Node>,
+    pods_ready: AtomicBool,
+    nodes_ready: AtomicBool,
+}
+
+impl Watch {
+    fn leading(&self) -> bool {
+        self.service.shared().role_info().role == Role::Leader
+    }
+
+    /// Submit `cmd` when leading; logs the outcome.
+    async fn act(&self, cmd: Command, what: &str) {
+        match self.service.local(cmd).await {
+            None => debug!(what, "not the leader: leaving it to the leader"),
+            Some(Ok(c)) => info!(
+                what,
+                seq = c.seq,
+                epoch = c.epoch,
+                "ledger updated from Kubernetes"
+            ),
+            Some(Err(s)) => warn!(what, error = %s.message(), "ledger update refused"),
+        }
+    }
+
+    fn holds(&self, uid: &str) -> bool {
+        self.service
+            .shared()
+            .read(|l| !l.allocs_of_pod(uid).is_empty())
+    }
+
+    async fn release(&self, uid: &str, reason: &str) {
+        if !self.holds(uid) {
+            return;
+        }
+        self.act(
+            Command::Release {
+                pod_uid: uid.to_string(),
+                container: String::new(),
+                allocation_id: 0,
+                reason: reason.to_string(),
+            },
+            &format!("release pod {uid}: {reason}"),
+        )
+        .await;
+    }
+
+    async fn confirm(&self, uid: &str, node: &str, reason: &str) {
+        self.act(
+            Command::ConfirmBound {
+                pod_uid: uid.to_string(),
+                node: node.to_string(),
+                reason: reason.to_string(),
+            },
+            &format!("confirm pod {uid} bound to {node}"),
+        )
+        .await;
+    }
+
+    /// React to a pod as the watch shows it.
+    async fn on_pod(&self, pod: &Pod) {
+        if !self.leading() {
+            return;
+        }
+        let Some(uid) = pod.metadata.uid.as_deref() else {
+            return;
+        };
+        if let Some(phase @ ("Succeeded" | "Failed")) =
+            pod.status.as_ref().and_then(|s| s.phase.as_deref())
+        {
+            self.release(uid, &format!("pod {}", phase.to_ascii_lowercase()))
+                .await;
+            return;
+        }
+        let Some(node) = pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) else {
+            return;
+        };
+        let reserved_here = self.service.shared().read(|l| {
+            l.allocs_of_pod(uid)
+                .iter()
+                .any(|a| a.state == AllocState::Reserved && a.node == node)
+        });
+        if reserved_here {
+            self.confirm(uid, node, "reconcile: the pod is bound to this node")
+                .await;
+        }
+    }
+
+    /// Compare the ledger with the cluster; fix what the watch did not (leader only).
+    async fn reconcile(&self, node_missing: &mut HashMap<String, Instant>, grace: Duration) {
+        if !self.leading() || !self.pods_ready.load(Ordering::Relaxed) {
+            return;
+        }
+        let allocs: BTreeMap<String, Vec<Held>> = self.service.shared().read(|l| {
+            let mut m: BTreeMap<String, Vec<Held>> = BTreeMap::new();
+            for a in l.allocs().values() {
+                m.entry(a.pod.uid.clone()).or_default().push(Held {
+                    ns: a.pod.namespace.clone(),
+                    name: a.pod.name.clone(),
+                    node: a.node.clone(),
+                    reserved: a.state == AllocState::Reserved,
+                    deadline_ms: a.deadline_ms,
+                    reserved_ms: a.reserved_ms,
+                });
+            }
+            m
+        });
+        let now = now_ms();
+        for (uid, list) in allocs {
+            let a = &list[0];
+            let cached = self
+                .pods
+                .get(&ObjectRef::new(&a.name).within(&a.ns))
+                .filter(|p| p.metadata.uid.as_deref() == Some(uid.as_str()));
+            match cached {
+                Some(p) => {
+                    let terminal = matches!(
+                        p.status.as_ref().and_then(|s| s.phase.as_deref()),
+                        Some("Succeeded" | "Failed")
+                    );
+                    let bound_to = p.spec.as_ref().and_then(|s| s.node_name.clone());
+                    if terminal || bound_to.as_deref() == Some(a.node.as_str()) {
+                        self.on_pod(&p).await;
+                        continue;
+                    }
+                    let expired = list.iter().any(|x| x.reserved && x.deadline_ms <= now);
+                    if expired {
+                        self.expire(&uid, a).await;
+                    }
+                }
+                None => {
+                    let young = list.iter().all(|x| now - x.reserved_ms < YOUNG_MS);
+                    let expired = list.iter().any(|x| x.reserved && x.deadline_ms <= now);
+                    if young && !expired {
+                        continue;
+                    }
+                    // Not in the cache: ask the API server before releasing anything.
+                    match self.pods_api_ns(&a.ns).get_opt(&a.name).await {
+                        Ok(Some(p)) if p.metadata.uid.as_deref() == Some(uid.as_str()) => {
+                            self.on_pod(&p).await;
+                            if expired
+                                && p.spec.as_ref().and_then(|s| s.node_name.as_deref())
+                                    != Some(a.node.as_str())
+                            {
+                                self.expire(&uid, a).await;
+                            }
+                        }
+                        Ok(_) => self.release(&uid, "pod deleted").await,
+                        Err(e) => debug!(error = %e, "reading a pod for reconcile failed"),
+                    }
+                }
+            }
+        }
+        if self.nodes_ready.load(Ordering::Relaxed) {
+            let ledger_nodes: Vec<String> = self
+                .service
+                .shared()
+                .read(|l| l.nodes().keys().cloned().collect());
+            node_missing.retain(|n, _| ledger_nodes.contains(n));
+            for n in ledger_nodes {
+                if self.nodes.get(&ObjectRef::new(&n)).is_some() {
+                    node_missing.remove(&n);
+                    continue;
+                }
+                let since = *node_missing.entry(n.clone()).or_insert_with(Instant::now);
+                if since.elapsed() >= grace {
+                    self.act(
+                        Command::RemoveNode {
+                            node: n.clone(),
+                            reason: "node is not in Kubernetes".into(),
+                        },
+                        &format!("remove node {n}"),
+                    )
+                    .await;
+                    node_missing.remove(&n);
+                }
+            }
+        }
+    }
+
+    fn pods_api_ns(&self, ns: &str) -> Api<Pod> {
+        Api::namespaced(self.pods_api.clone().into_client(), ns)
+    }
+
+    /// A reservation past its deadline: bound after all (the extender died after the
+    /// Binding) → confirm; otherwise release it as expired.
+    async fn expire(&self, uid: &str, a: &Held) {
+        match self.pods_api_ns(&a.ns).get_opt(&a.name).await {
+            Ok(Some(p)) if p.metadata.uid.as_deref() == Some(uid) => {
+                let node = p.spec.as_ref().and_then(|s| s.node_name.clone());
+                if node.as_deref() == Some(a.node.as_str()) {
+                    self.confirm(
+                        uid,
+                        &a.node,
+                        "reconcile: reservation deadline passed; the pod is bound",
+                    )
+                    .await;
+                } else {
+                    self.release(uid, "expired").await;
+                }
+            }
+            Ok(_) => self.release(uid, "expired").await,
+            Err(e) => debug!(error = %e, "reading a pod for expiry failed"),
+        }
+    }
+}
+
+/// One allocation as the reconcile sees it.
+struct Held {
+    ns: String,
+    name: String,
+    node: String,
+    reserved: bool,
+    deadline_ms: i64,
+    reserved_ms: i64,
+}
+
+async fn run(service: Service, client: kube::Client, args: KubeArgs) {
+    let (pods, pod_writer) = reflector::store::<Pod>();
+    let (nodes, node_writer) = reflector::store::<Node>();
+    let w = Arc::new(Watch {
+        service,
+        pods_api: Api::all(client.clone()),
+        pods,
+        nodes,
+        pods_ready: AtomicBool::new(false),
+        nodes_ready: AtomicBool::new(false),
+    });
+    info!("Kubernetes watchers started (pods, nodes)");
+
+    let wp = w.clone();
+    let pod_stream = reflector::reflector(
+        pod_writer,
+        watcher(Api::<Pod>::all(client.clone()), watcher::Config::default()),
+    )
+    .default_backoff();
+    tokio::spawn(async move {
+        let mut s = std::pin::pin!(pod_stream);
+        while let Some(ev) = s.next().await {
+            match ev {
+                Ok(watcher::Event::Apply(p) | watcher::Event::InitApply(p)) => wp.on_pod(&p).await,
+                Ok(watcher::Event::Delete(p)) => {
+                    if let Some(uid) = p.metadata.uid.as_deref()
+                        && wp.leading()
+                    {
+                        wp.release(uid, "pod deleted").await;
+                    }
+                }
+                Ok(watcher::Event::InitDone) => wp.pods_ready.store(true, Ordering::Relaxed),
+                Ok(watcher::Event::Init) => {}
+                Err(e) => warn!(error = %e, "pod watch error; retrying"),
+            }
+        }
+    });
+
+    let wn = w.clone();
+    let node_stream = reflector::reflector(
+        node_writer,
+        watcher(Api::<Node>::all(client), watcher::Config::default()),
+    )
+    .default_backoff();
+    tokio::spawn(async move {
+        let mut s = std::pin::pin!(node_stream);
+        while let Some(ev) = s.next().await {
+            match ev {
+                Ok(watcher::Event::Delete(n)) => {
+                    let Some(name) = n.metadata.name.clone() else {
+                        continue;
+                    };
+                    let known = wn.service.shared().read(|l| l.node(&name).is_some());
+                    if known && wn.leading() {
+                        wn.act(
+                            Command::RemoveNode {
+                                node: name.clone(),
+                                reason: "node deleted from Kubernetes".into(),
+                            },
+                            &format!("remove node {name}"),
+                        )
+                        .await;
+                    }
+                }
+                Ok(watcher::Event::InitDone) => wn.nodes_ready.store(true, Ordering::Relaxed),
+                Ok(_) => {}
+                Err(e) => warn!(error = %e, "node watch error; retrying"),
+            }
+        }
+    });
+
+    let interval = Duration::from_millis(if args.reconcile_interval_ms == 0 {
+        500
+    } else {
+        args.reconcile_interval_ms
+    });
+    let grace = Duration::from_secs(args.node_gone_grace_s);
+    let mut missing = HashMap::new();
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        w.reconcile(&mut missing, grace).await;
+    }
+}

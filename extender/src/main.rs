@@ -1,2 +1,146 @@
-//! `gpuledger-extender` (being built).
-fn main() {}
+//! `gpuledger-extender`: the kube-scheduler extender and, with `--webhook-listen`, the
+//! admission webhook of gpuledger.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+use gpuledger_extender::allocator::Allocators;
+use gpuledger_extender::extender::{self, App, CrashAt};
+use gpuledger_extender::{kubeconfig, webhook};
+use tracing::info;
+
+/// gpuledger-extender: kube-scheduler extender (filter, prioritize, bind, preempt) and
+/// admission webhook for fractional GPUs.
+///
+/// Stateless: run as many replicas as you like. Every decision comes from the allocator
+/// (any replica); bind creates the pod's Binding in the API server.
+#[derive(Parser, Debug)]
+#[command(name = "gpuledger-extender", version, about, long_about)]
+struct Args {
+    /// Address of the extender's HTTP server (KubeSchedulerConfiguration urlPrefix points here,
+    /// with or without the /gpuledger path).
+    #[arg(long, env = "GPULEDGER_LISTEN", default_value = "0.0.0.0:28888")]
+    listen: SocketAddr,
+
+    /// Allocator replica addresses (host:port), comma-separated; any replica works.
+    #[arg(
+        long,
+        env = "GPULEDGER_ALLOCATOR",
+        value_delimiter = ',',
+        required = true
+    )]
+    allocator: Vec<String>,
+
+    /// Timeout of one allocator call, in milliseconds (kube-scheduler waits 5 s in all).
+    #[arg(long, env = "GPULEDGER_ALLOCATOR_TIMEOUT_MS", default_value_t = 3000)]
+    allocator_timeout_ms: u64,
+
+    /// kubeconfig file; default: the in-cluster service account when running in a pod.
+    #[arg(long, env = "GPULEDGER_KUBECONFIG")]
+    kubeconfig: Option<PathBuf>,
+
+    /// Address of the admission webhook's HTTPS server (off when not set).
+    #[arg(long, env = "GPULEDGER_WEBHOOK_LISTEN", requires_all = ["tls_cert", "tls_key"])]
+    webhook_listen: Option<SocketAddr>,
+
+    /// PEM certificate chain of the webhook.
+    #[arg(long, env = "GPULEDGER_TLS_CERT")]
+    tls_cert: Option<PathBuf>,
+
+    /// PEM private key of the webhook.
+    #[arg(long, env = "GPULEDGER_TLS_KEY")]
+    tls_key: Option<PathBuf>,
+
+    /// Scheduler name the webhook sets on GPU pods that use the default scheduler (off when
+    /// not set).
+    #[arg(long, env = "GPULEDGER_SCHEDULER_NAME")]
+    scheduler_name: Option<String>,
+
+    /// Log format: "human" or "json".
+    #[arg(long, env = "GPULEDGER_LOG_FORMAT", default_value = "human", value_parser = ["human", "json"])]
+    log_format: String,
+
+    /// Test only: exit at this point of a bind, as if killed.
+    #[arg(long, env = "GPULEDGER_CRASH_AT", hide = true)]
+    crash_at: Option<CrashAt>,
+}
+
+async fn run(a: Args) -> anyhow::Result<()> {
+    let allocators = Allocators::new(&a.allocator, Duration::from_millis(a.allocator_timeout_ms))?;
+    let kube = kubeconfig::client(a.kubeconfig.as_deref()).await?;
+    if kube.is_none() {
+        tracing::warn!("no --kubeconfig and not in a cluster: bind will fail");
+    }
+    if let Some(addr) = a.webhook_listen {
+        let (cert, key) = (
+            a.tls_cert
+                .clone()
+                .context("--tls-cert is required with --webhook-listen")?,
+            a.tls_key
+                .clone()
+                .context("--tls-key is required with --webhook-listen")?,
+        );
+        let tls = webhook::tls_config(&cert, &key)?;
+        let l = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("listening on {addr}"))?;
+        let app = webhook::router(webhook::Webhook {
+            allocators: allocators.clone(),
+            scheduler_name: a.scheduler_name.clone(),
+        });
+        info!(%addr, "admission webhook listening (HTTPS)");
+        tokio::spawn(webhook::serve_tls(l, tls, app));
+    }
+    let app = extender::router(App {
+        allocators,
+        kube,
+        crash_at: a.crash_at,
+    });
+    let l = tokio::net::TcpListener::bind(a.listen)
+        .await
+        .with_context(|| format!("listening on {}", a.listen))?;
+    info!(addr = %a.listen, allocators = ?a.allocator, "scheduler extender listening");
+    let shutdown = async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("installing a SIGTERM handler");
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+    };
+    // Answers of thousands of node names span many segments: no Nagle delay.
+    let l = axum::serve::ListenerExt::tap_io(l, |tcp: &mut tokio::net::TcpStream| {
+        let _ = tcp.set_nodelay(true);
+    });
+    axum::serve(l, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+        .context("serving the extender")?;
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    let a = Args::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_env("GPULEDGER_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    if a.log_format == "json" {
+        tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .json()
+            .init();
+    } else {
+        tracing_subscriber::fmt().with_env_filter(filter).init();
+    }
+    match run(a).await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e:#}");
+            eprintln!("gpuledger-extender: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

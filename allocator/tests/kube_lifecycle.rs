@@ -1,0 +1,137 @@
+//! The allocator watches Kubernetes: a deleted or finished pod frees its GPUs within 2 s, a
+//! deleted node frees everything on it.
+
+use std::time::{Duration, Instant};
+
+use gpuledger_chaos::kube::{KubeStack, StackOptions};
+use gpuledger_chaos::workload::{inventory, pod};
+use gpuledger_proto::allocator::v1 as api;
+use gpuledger_proto::ledger::v1 as pb;
+use k8s_openapi::serde_json::json;
+
+async fn live(stack: &KubeStack) -> anyhow::Result<Vec<pb::Allocation>> {
+    let d = stack
+        .allocs
+        .client(0)?
+        .dump(api::DumpRequest {})
+        .await?
+        .into_inner();
+    Ok(d.snapshot.map(|s| s.allocations).unwrap_or_default())
+}
+
+async fn wait_until<F, Fut>(what: &str, timeout: Duration, mut f: F) -> anyhow::Result<Duration>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<bool>>,
+{
+    let t0 = Instant::now();
+    while t0.elapsed() < timeout {
+        if f().await? {
+            return Ok(t0.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    anyhow::bail!("{what}: not within {timeout:?}")
+}
+
+/// Create the pod in the API server, reserve and bind it like the extender does.
+async fn place(stack: &KubeStack, name: &str, node: &str) -> anyhow::Result<String> {
+    let p = stack
+        .api
+        .add_pod(json!({"metadata": {"name": name, "namespace": "default"},
+        "spec": {"containers": [{"name": "main", "image": "x"}]}}))?;
+    let uid = p["metadata"]["uid"].as_str().expect("uid").to_string();
+    let mut req = pod(&uid, 2_000, 10);
+    if let Some(r) = req.pod.as_mut() {
+        r.name = name.into();
+    }
+    stack
+        .allocs
+        .client(0)?
+        .reserve(api::ReserveRequest {
+            request: Some(req),
+            node: node.into(),
+            ttl_ms: 0,
+        })
+        .await?;
+    stack
+        .api
+        .store
+        .bind("default", name, &json!({"target": {"name": node}}))
+        .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    Ok(uid)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleted_pods_and_nodes_release() -> anyhow::Result<()> {
+    let stack = KubeStack::start(StackOptions {
+        allocators: 2,
+        allocator_flags: vec!["--reconcile-interval-ms=200".into()],
+        ..Default::default()
+    })
+    .await?;
+    let mut c = stack.allocs.client(0)?;
+    for n in ["n1", "n2"] {
+        c.register_node(api::RegisterNodeRequest {
+            inventory: Some(inventory(n, 2, 16_000, "T4")),
+        })
+        .await?;
+        stack.api.add_node(n, 128)?;
+    }
+    let a = place(&stack, "a", "n1").await?;
+    let b = place(&stack, "b", "n1").await?;
+    let d = place(&stack, "d", "n2").await?;
+    let e = place(&stack, "e", "n2").await?;
+    // Bound pods are confirmed from the watch.
+    wait_until("pods confirmed bound", Duration::from_secs(5), || async {
+        let l = live(&stack).await?;
+        Ok(l.len() == 4
+            && l.iter()
+                .all(|x| x.state == pb::AllocationState::Bound as i32))
+    })
+    .await?;
+
+    stack.api.delete_pod("default", "a")?;
+    let took = wait_until("pod a released", Duration::from_secs(2), || async {
+        Ok(!live(&stack)
+            .await?
+            .iter()
+            .any(|x| x.pod.as_ref().is_some_and(|p| p.uid == a)))
+    })
+    .await?;
+    eprintln!("pod deletion released in {took:?}");
+
+    stack.api.set_pod_phase("default", "b", "Succeeded")?;
+    wait_until(
+        "finished pod b released",
+        Duration::from_secs(2),
+        || async {
+            Ok(!live(&stack)
+                .await?
+                .iter()
+                .any(|x| x.pod.as_ref().is_some_and(|p| p.uid == b)))
+        },
+    )
+    .await?;
+
+    stack.api.delete_node("n2")?;
+    wait_until(
+        "node n2 removed with its allocations",
+        Duration::from_secs(2),
+        || async {
+            let l = live(&stack).await?;
+            let snap = stack
+                .allocs
+                .client(0)?
+                .dump(api::DumpRequest {})
+                .await?
+                .into_inner()
+                .snapshot
+                .expect("snapshot");
+            Ok(l.is_empty() && snap.nodes.iter().all(|n| n.node != "n2"))
+        },
+    )
+    .await?;
+    let _ = (d, e);
+    Ok(())
+}

@@ -1,0 +1,476 @@
+//! A kube-scheduler emulator: takes pending pods of one scheduler name from the API server and
+//! runs them through an extender's filter → prioritize → bind over HTTP, with the JSON
+//! kube-scheduler sends. Like the real one, only pods that request a managed resource go to
+//! the extender; the others are bound directly.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use hyper_util::client::legacy::Client as HttpClient;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{Api, ListParams, PostParams};
+use serde_json::{Value, json};
+
+/// The `extenders[]` entry of a KubeSchedulerConfiguration.
+#[derive(Debug, Clone)]
+pub struct ExtenderConfig {
+    /// e.g. `http://127.0.0.1:28888/gpuledger`.
+    pub url_prefix: String,
+    /// Send `NodeNames` (true) or full `Nodes` (false).
+    pub node_cache_capable: bool,
+    /// Only pods requesting one of these go to the extender.
+    pub managed_resources: Vec<String>,
+    /// Whether the extender binds (bindVerb set).
+    pub bind: bool,
+    /// Per-call timeout (kube-scheduler's httpTimeout, 5 s by default).
+    pub timeout: Duration,
+    /// The profile's `percentageOfNodesToScore`: 0 = kube-scheduler's adaptive default
+    /// (50% − nodes/125, at least 5% and 100 nodes), 100 = every node goes to the extender.
+    pub percentage_of_nodes_to_score: u32,
+}
+
+impl ExtenderConfig {
+    /// gpuledger's configuration (as in `scheduler-config.yaml`).
+    pub fn gpuledger(url_prefix: &str) -> ExtenderConfig {
+        ExtenderConfig {
+            url_prefix: url_prefix.trim_end_matches('/').to_string(),
+            node_cache_capable: true,
+            managed_resources: [
+                "gpuledger.io/gpu",
+                "gpuledger.io/gpu-mem",
+                "gpuledger.io/gpu-mem-percent",
+                "gpuledger.io/gpu-core",
+            ]
+            .map(String::from)
+            .to_vec(),
+            bind: true,
+            timeout: Duration::from_secs(5),
+            percentage_of_nodes_to_score: 100,
+        }
+    }
+}
+
+/// Latencies (µs) and counts of what the emulator did.
+#[derive(Default)]
+pub struct Stats {
+    /// Pods bound.
+    pub bound: AtomicU64,
+    /// Scheduling attempts that failed (will be retried).
+    pub failed: AtomicU64,
+    /// Per-verb latencies in microseconds.
+    pub filter_us: Mutex<Vec<u64>>,
+    /// Prioritize latencies.
+    pub prioritize_us: Mutex<Vec<u64>>,
+    /// Bind latencies.
+    pub bind_us: Mutex<Vec<u64>>,
+    /// Last failure messages by pod.
+    pub last_error: Mutex<HashMap<String, String>>,
+}
+
+/// How many feasible nodes kube-scheduler looks for before it stops filtering
+/// (`numFeasibleNodesToFind`): only those reach the extender.
+pub fn num_feasible_nodes_to_find(all: usize, percentage: u32) -> usize {
+    const MIN_NODES: usize = 100;
+    if all < MIN_NODES || percentage >= 100 {
+        return all;
+    }
+    let pct = if percentage == 0 {
+        (50i64 - all as i64 / 125).max(5) as usize
+    } else {
+        percentage as usize
+    };
+    (all * pct / 100).max(MIN_NODES)
+}
+
+/// An HTTP client speaking to an extender like kube-scheduler does.
+#[derive(Clone)]
+pub struct ExtenderClient {
+    http: HttpClient<HttpConnector, Full<Bytes>>,
+    /// The extender's configuration.
+    pub cfg: ExtenderConfig,
+}
+
+impl ExtenderClient {
+    /// A client for `cfg`.
+    pub fn new(cfg: ExtenderConfig) -> ExtenderClient {
+        let mut conn = HttpConnector::new();
+        conn.set_nodelay(true);
+        let http = HttpClient::builder(TokioExecutor::new())
+            .pool_max_idle_per_host(64)
+            .build(conn);
+        ExtenderClient { http, cfg }
+    }
+
+    /// POST `body` to `<urlPrefix>/<verb>`; the HTTP status and the body.
+    pub async fn post_raw(&self, verb: &str, body: Vec<u8>) -> Result<(u16, Vec<u8>)> {
+        let req = hyper::Request::post(format!("{}/{verb}", self.cfg.url_prefix))
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(body)))?;
+        let fut = async {
+            let resp = self.http.request(req).await?;
+            let status = resp.status().as_u16();
+            let body = resp.into_body().collect().await?.to_bytes().to_vec();
+            anyhow::Ok((status, body))
+        };
+        tokio::time::timeout(self.cfg.timeout, fut)
+            .await
+            .with_context(|| {
+                format!(
+                    "{verb}: extender did not answer within {:?}",
+                    self.cfg.timeout
+                )
+            })?
+    }
+
+    /// POST JSON and parse the JSON answer; non-200 is an error, as for kube-scheduler.
+    pub async fn post(&self, verb: &str, body: &Value) -> Result<Value> {
+        let (status, b) = self.post_raw(verb, serde_json::to_vec(body)?).await?;
+        if status != 200 {
+            bail!("{verb}: HTTP {status}: {}", String::from_utf8_lossy(&b));
+        }
+        Ok(serde_json::from_slice(&b)?)
+    }
+
+    /// Whether kube-scheduler would send this pod to the extender.
+    pub fn interested(&self, pod: &Pod) -> bool {
+        let Some(spec) = pod.spec.as_ref() else {
+            return false;
+        };
+        spec.containers
+            .iter()
+            .chain(spec.init_containers.iter().flatten())
+            .filter_map(|c| c.resources.as_ref())
+            .any(|r| {
+                [r.requests.as_ref(), r.limits.as_ref()]
+                    .into_iter()
+                    .flatten()
+                    .any(|m| m.keys().any(|k| self.cfg.managed_resources.contains(k)))
+            })
+    }
+
+    /// ExtenderArgs for `pod` and `nodes`.
+    pub fn args(&self, pod: &Pod, nodes: &[Node]) -> Result<Value> {
+        let pod = serde_json::to_value(pod)?;
+        Ok(if self.cfg.node_cache_capable {
+            let names: Vec<&str> = nodes
+                .iter()
+                .filter_map(|n| n.metadata.name.as_deref())
+                .collect();
+            json!({"Pod": pod, "Nodes": null, "NodeNames": names})
+        } else {
+            json!({"Pod": pod, "Nodes": {"metadata": {}, "items": nodes}, "NodeNames": null})
+        })
+    }
+}
+
+/// A running scheduler emulator.
+pub struct SchedulerEmulator {
+    /// What it did.
+    pub stats: Arc<Stats>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for SchedulerEmulator {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+fn key(p: &Pod) -> String {
+    format!(
+        "{}/{}",
+        p.metadata.namespace.as_deref().unwrap_or("default"),
+        p.metadata.name.as_deref().unwrap_or("")
+    )
+}
+
+fn micros(t: Instant) -> u64 {
+    t.elapsed().as_micros() as u64
+}
+
+/// One scheduling attempt of `pod`: the chosen node on success.
+async fn schedule_one(
+    kube: kube::Client,
+    ext: ExtenderClient,
+    nodes: Arc<Vec<Node>>,
+    pod: Pod,
+    stats: Arc<Stats>,
+    rr: usize,
+    start: usize,
+) -> Result<String> {
+    if nodes.is_empty() {
+        bail!("0/0 nodes are available");
+    }
+    let ns = pod
+        .metadata
+        .namespace
+        .clone()
+        .unwrap_or_else(|| "default".into());
+    let name = pod.metadata.name.clone().unwrap_or_default();
+    let uid = pod.metadata.uid.clone().unwrap_or_default();
+    if !ext.interested(&pod) {
+        let node = nodes[rr % nodes.len()]
+            .metadata
+            .name
+            .clone()
+            .unwrap_or_default();
+        let pods: Api<Pod> = Api::namespaced(kube, &ns);
+        let b = json!({"apiVersion": "v1", "kind": "Binding",
+                       "metadata": {"name": name, "namespace": ns, "uid": uid},
+                       "target": {"apiVersion": "v1", "kind": "Node", "name": node}});
+        let _: Value = pods
+            .create_subresource("binding", &name, &PostParams::default(), &b)
+            .await?;
+        return Ok(node);
+    }
+    // kube-scheduler's own filters pass every node here (the emulator models no CPU or
+    // memory); it stops after numFeasibleNodesToFind, starting where the last pod stopped.
+    let want = num_feasible_nodes_to_find(nodes.len(), ext.cfg.percentage_of_nodes_to_score);
+    let window: Vec<Node> = (0..want)
+        .map(|k| nodes[(start + k) % nodes.len()].clone())
+        .collect();
+    let args = ext.args(&pod, &window)?;
+    let t = Instant::now();
+    let f = ext.post("filter", &args).await?;
+    stats
+        .filter_us
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push(micros(t));
+    if let Some(e) = f
+        .get("Error")
+        .and_then(Value::as_str)
+        .filter(|e| !e.is_empty())
+    {
+        bail!("filter: {e}");
+    }
+    let feasible: Vec<String> = match f.get("NodeNames").and_then(Value::as_array) {
+        Some(a) => a
+            .iter()
+            .filter_map(|v| v.as_str().map(String::from))
+            .collect(),
+        None => f
+            .pointer("/Nodes/items")
+            .and_then(Value::as_array)
+            .map(|a| {
+                a.iter()
+                    .filter_map(|n| {
+                        n.pointer("/metadata/name")
+                            .and_then(Value::as_str)
+                            .map(String::from)
+                    })
+                    .collect()
+            })
+            .unwrap_or_default(),
+    };
+    if feasible.is_empty() {
+        bail!(
+            "0/{} nodes are available: {}",
+            nodes.len(),
+            f.get("FailedNodes").cloned().unwrap_or_default()
+        );
+    }
+    let node = if feasible.len() == 1 {
+        feasible[0].clone()
+    } else {
+        let keep: HashSet<&str> = feasible.iter().map(String::as_str).collect();
+        let chosen: Vec<Node> = window
+            .iter()
+            .filter(|n| n.metadata.name.as_deref().is_some_and(|x| keep.contains(x)))
+            .cloned()
+            .collect();
+        let t = Instant::now();
+        let p = ext.post("prioritize", &ext.args(&pod, &chosen)?).await?;
+        stats
+            .prioritize_us
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(micros(t));
+        let best = p
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|h| {
+                Some((
+                    h.get("Host")?.as_str()?.to_string(),
+                    h.get("Score")?.as_i64()?,
+                ))
+            })
+            .fold(None::<(String, i64)>, |acc, (h, s)| match acc {
+                Some((_, bs)) if bs >= s => acc,
+                _ => Some((h, s)),
+            });
+        best.map_or_else(|| feasible[rr % feasible.len()].clone(), |(h, _)| h)
+    };
+    if !ext.cfg.bind {
+        bail!("extender without bindVerb is not emulated");
+    }
+    let t = Instant::now();
+    let r = ext
+        .post(
+            "bind",
+            &json!({"PodName": name, "PodNamespace": ns, "PodUID": uid, "Node": node}),
+        )
+        .await?;
+    stats
+        .bind_us
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push(micros(t));
+    if let Some(e) = r
+        .get("Error")
+        .and_then(Value::as_str)
+        .filter(|e| !e.is_empty())
+    {
+        bail!("bind: {e}");
+    }
+    Ok(node)
+}
+
+impl SchedulerEmulator {
+    /// Schedule pods with `spec.schedulerName == scheduler_name` through `ext`, with up to
+    /// `parallel` pods in flight. Failed pods are retried after `backoff`.
+    pub fn start(
+        kube: kube::Client,
+        scheduler_name: &str,
+        ext: ExtenderConfig,
+        parallel: usize,
+        backoff: Duration,
+    ) -> SchedulerEmulator {
+        let stats = Arc::new(Stats::default());
+        let st = stats.clone();
+        let sched = scheduler_name.to_string();
+        let ext = ExtenderClient::new(ext);
+        let task = tokio::spawn(async move {
+            let pods_api: Api<Pod> = Api::all(kube.clone());
+            let nodes_api: Api<Node> = Api::all(kube.clone());
+            let sem = Arc::new(tokio::sync::Semaphore::new(parallel.max(1)));
+            let in_flight = Arc::new(Mutex::new(HashSet::<String>::new()));
+            let retry_at = Arc::new(Mutex::new(HashMap::<String, Instant>::new()));
+            let mut nodes: Arc<Vec<Node>> = Arc::new(Vec::new());
+            let mut nodes_at = Instant::now() - Duration::from_secs(60);
+            let mut rr = 0usize;
+            let mut next_start = 0usize;
+            loop {
+                if nodes_at.elapsed() > Duration::from_secs(1)
+                    && let Ok(l) = nodes_api.list(&ListParams::default()).await
+                {
+                    nodes = Arc::new(l.items);
+                    nodes_at = Instant::now();
+                }
+                let lp = ListParams::default()
+                    .fields(&format!("spec.schedulerName={sched},spec.nodeName="));
+                let pending = match pods_api.list(&lp).await {
+                    Ok(l) => l.items,
+                    Err(_) => {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    }
+                };
+                let mut started = 0;
+                for pod in pending {
+                    let k = key(&pod);
+                    if in_flight
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .contains(&k)
+                    {
+                        continue;
+                    }
+                    if retry_at
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .get(&k)
+                        .is_some_and(|t| *t > Instant::now())
+                    {
+                        continue;
+                    }
+                    let Ok(permit) = sem.clone().acquire_owned().await else {
+                        return;
+                    };
+                    in_flight
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .insert(k.clone());
+                    started += 1;
+                    rr += 1;
+                    let start = next_start;
+                    if !nodes.is_empty() {
+                        let want = num_feasible_nodes_to_find(
+                            nodes.len(),
+                            ext.cfg.percentage_of_nodes_to_score,
+                        );
+                        next_start = (next_start + want) % nodes.len();
+                    }
+                    let (kube, ext, nodes, st, in_flight, retry_at) = (
+                        kube.clone(),
+                        ext.clone(),
+                        nodes.clone(),
+                        st.clone(),
+                        in_flight.clone(),
+                        retry_at.clone(),
+                    );
+                    tokio::spawn(async move {
+                        let res = schedule_one(kube, ext, nodes, pod, st.clone(), rr, start).await;
+                        match res {
+                            Ok(_) => {
+                                st.bound.fetch_add(1, Ordering::Relaxed);
+                                // A list taken before the bind may still show it pending.
+                                retry_at
+                                    .lock()
+                                    .unwrap_or_else(|p| p.into_inner())
+                                    .insert(k.clone(), Instant::now() + Duration::from_secs(5));
+                                st.last_error
+                                    .lock()
+                                    .unwrap_or_else(|p| p.into_inner())
+                                    .remove(&k);
+                            }
+                            Err(e) => {
+                                st.failed.fetch_add(1, Ordering::Relaxed);
+                                retry_at
+                                    .lock()
+                                    .unwrap_or_else(|p| p.into_inner())
+                                    .insert(k.clone(), Instant::now() + backoff);
+                                st.last_error
+                                    .lock()
+                                    .unwrap_or_else(|p| p.into_inner())
+                                    .insert(k.clone(), format!("{e:#}"));
+                            }
+                        }
+                        in_flight
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .remove(&k);
+                        drop(permit);
+                    });
+                }
+                if started == 0 {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+        });
+        SchedulerEmulator { stats, task }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::num_feasible_nodes_to_find as n;
+
+    #[test]
+    fn feasible_nodes_like_kube_scheduler() {
+        assert_eq!(n(50, 0), 50);
+        assert_eq!(n(1000, 0), 420);
+        assert_eq!(n(5000, 0), 500);
+        assert_eq!(n(100_000, 0), 5000);
+        assert_eq!(n(5000, 100), 5000);
+        assert_eq!(n(5000, 1), 100);
+    }
+}

@@ -1,0 +1,552 @@
+//! The kube-scheduler extender: `filter`, `prioritize`, `bind` and `preempt` over HTTP, in the
+//! exact JSON kube-scheduler sends (k8s.io/kube-scheduler/extender/v1: Go field names, no tags).
+//! Stateless: every answer comes from an allocator replica and the API server.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use gpuledger_proto::allocator::v1 as api;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+use tonic::Code;
+use tracing::{debug, info, warn};
+
+use crate::allocator::Allocators;
+use crate::resources::{self, ANN_ALLOCATION};
+
+/// Where a test asks the process to die (a stand-in for a crash at the worst moment).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum CrashAt {
+    /// After the reservation, before the Binding is created.
+    BeforeBinding,
+    /// After the Binding is created, before the allocator is told.
+    AfterBinding,
+}
+
+/// Shared state of the HTTP handlers.
+#[derive(Clone)]
+pub struct App {
+    /// Allocator replicas.
+    pub allocators: Allocators,
+    /// API server client (bind needs it).
+    pub kube: Option<kube::Client>,
+    /// Test-only crash point.
+    pub crash_at: Option<CrashAt>,
+}
+
+/// `ExtenderArgs`: the body of filter, prioritize (and the pod of preempt).
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "PascalCase")]
+pub struct ExtenderArgs {
+    /// The pod being scheduled.
+    pub pod: Option<Pod>,
+    /// Full nodes (extender not nodeCacheCapable).
+    pub nodes: Option<NodeList>,
+    /// Node names (nodeCacheCapable).
+    pub node_names: Option<Vec<String>>,
+}
+
+/// A `v1.NodeList` kept as raw JSON so that filter hands back exactly what it got.
+#[derive(Debug, Default, Deserialize, Serialize)]
+pub struct NodeList {
+    /// List metadata, passed through.
+    #[serde(default)]
+    pub metadata: Value,
+    /// The nodes.
+    #[serde(default)]
+    pub items: Vec<Value>,
+}
+
+/// `ExtenderFilterResult`.
+#[derive(Debug, Default, Serialize, Deserialize)]
+#[serde(rename_all = "PascalCase")]
+pub struct FilterResult {
+    /// Feasible nodes, when the request carried full nodes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nodes: Option<NodeList>,
+    /// Feasible node names, when the request carried names.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub node_names: Option<Vec<String>>,
+    /// Node → why the pod does not fit now.
+    pub failed_nodes: BTreeMap<String, String>,
+    /// Node → why the pod can never fit (preemption will not help).
+    pub failed_and_unresolvable_nodes: BTreeMap<String, String>,
+    /// Set when the extender could not decide.
+    pub error: String,
+}
+
+/// One entry of `HostPriorityList`.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(rename_all = "PascalCase")]
+pub struct HostPriority {
+    /// Node name.
+    pub host: String,
+    /// 0..10.
+    pub score: i64,
+}
+
+/// `ExtenderBindingArgs`.
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "PascalCase")]
+pub struct BindingArgs {
+    /// Pod name.
+    pub pod_name: String,
+    /// Pod namespace.
+    pub pod_namespace: String,
+    /// Pod UID.
+    #[serde(rename = "PodUID")]
+    pub pod_uid: String,
+    /// The node chosen by the scheduler.
+    pub node: String,
+}
+
+/// `ExtenderBindingResult`.
+#[derive(Debug, Default, Serialize, Deserialize)]
+#[serde(rename_all = "PascalCase")]
+pub struct BindingResult {
+    /// Empty on success.
+    pub error: String,
+}
+
+/// `ExtenderPreemptionArgs`.
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "PascalCase")]
+pub struct PreemptionArgs {
+    /// The pod that wants to preempt.
+    pub pod: Option<Pod>,
+    /// Node → victims as full pods.
+    #[serde(default)]
+    pub node_name_to_victims: Option<BTreeMap<String, Value>>,
+    /// Node → victims as UIDs.
+    #[serde(default)]
+    pub node_name_to_meta_victims: Option<BTreeMap<String, Value>>,
+}
+
+/// `ExtenderPreemptionResult`.
+#[derive(Debug, Default, Serialize, Deserialize)]
+#[serde(rename_all = "PascalCase")]
+pub struct PreemptionResult {
+    /// Node → victims as UIDs, for the nodes where preemption can help.
+    pub node_name_to_meta_victims: BTreeMap<String, Value>,
+}
+
+/// The extender's routes, served at the root and under `/gpuledger`.
+pub fn router(app: App) -> Router {
+    let verbs = Router::new()
+        .route("/filter", post(filter))
+        .route("/prioritize", post(prioritize))
+        .route("/bind", post(bind))
+        .route("/preempt", post(preempt));
+    Router::new()
+        .merge(verbs.clone())
+        .nest("/gpuledger", verbs)
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(|| async { "ok" }))
+        .with_state(app)
+}
+
+fn bad_request(what: &str, e: impl std::fmt::Display) -> Response {
+    let body = json!({ "Error": format!("malformed {what} request: {e}") });
+    (StatusCode::BAD_REQUEST, axum::Json(body)).into_response()
+}
+
+fn node_names(args: &ExtenderArgs) -> Vec<String> {
+    if let Some(n) = &args.node_names {
+        return n.clone();
+    }
+    args.nodes
+        .as_ref()
+        .map(|l| l.items.iter().filter_map(node_name).collect())
+        .unwrap_or_default()
+}
+
+fn node_name(v: &Value) -> Option<String> {
+    v.pointer("/metadata/name")?.as_str().map(String::from)
+}
+
+fn pod_id(pod: &Pod) -> String {
+    format!(
+        "{}/{}",
+        pod.metadata.namespace.as_deref().unwrap_or(""),
+        pod.metadata.name.as_deref().unwrap_or("")
+    )
+}
+
+/// Keep the nodes named in `keep`, in the request's form (names or full nodes).
+fn answer_nodes(args: ExtenderArgs, keep: &[String], out: &mut FilterResult) {
+    if let Some(list) = args.nodes
+        && args.node_names.is_none()
+    {
+        let keep: std::collections::HashSet<&str> = keep.iter().map(String::as_str).collect();
+        let items = list
+            .items
+            .into_iter()
+            .filter(|n| node_name(n).is_some_and(|x| keep.contains(x.as_str())))
+            .collect();
+        out.nodes = Some(NodeList {
+            metadata: list.metadata,
+            items,
+        });
+    } else {
+        out.node_names = Some(keep.to_vec());
+    }
+}
+
+async fn filter(State(app): State<App>, body: Bytes) -> Response {
+    let t0 = Instant::now();
+    let args: ExtenderArgs = match serde_json::from_slice(&body) {
+        Ok(a) => a,
+        Err(e) => return bad_request("filter", e),
+    };
+    let Some(pod) = args.pod.as_ref() else {
+        return bad_request("filter", "Pod is missing");
+    };
+    let names = node_names(&args);
+    let id = pod_id(pod);
+    let mut out = FilterResult::default();
+    if names.is_empty() {
+        // The allocator reads "no nodes" as "all nodes"; the scheduler means none.
+        answer_nodes(args, &[], &mut out);
+        return axum::Json(out).into_response();
+    }
+    let req = match resources::pod_request(pod) {
+        Ok(Some(r)) => r,
+        Ok(None) => {
+            // Nothing gpuledger manages: no opinion.
+            answer_nodes(args, &names, &mut out);
+            return axum::Json(out).into_response();
+        }
+        Err(e) => {
+            for n in &names {
+                out.failed_and_unresolvable_nodes
+                    .insert(n.clone(), e.to_string());
+            }
+            answer_nodes(args, &[], &mut out);
+            return axum::Json(out).into_response();
+        }
+    };
+    let fr = api::FilterRequest {
+        request: Some(req),
+        nodes: names.clone(),
+    };
+    let res = app
+        .allocators
+        .call(|mut c| {
+            let fr = fr.clone();
+            async move { c.filter(fr).await }
+        })
+        .await;
+    match res {
+        Ok(r) => {
+            out.failed_nodes = r.failed.into_iter().collect();
+            out.failed_and_unresolvable_nodes = r.unresolvable.into_iter().collect();
+            debug!(pod = %id, feasible = r.nodes.len(), of = names.len(), seq = r.seq,
+                   ms = t0.elapsed().as_secs_f64() * 1e3, "filter");
+            answer_nodes(args, &r.nodes, &mut out);
+        }
+        Err(s) if s.code() == Code::InvalidArgument => {
+            for n in &names {
+                out.failed_and_unresolvable_nodes
+                    .insert(n.clone(), s.message().to_string());
+            }
+            answer_nodes(args, &[], &mut out);
+        }
+        Err(s) => {
+            warn!(pod = %id, error = %s.message(), "filter failed");
+            out.error = s.message().to_string();
+        }
+    }
+    axum::Json(out).into_response()
+}
+
+async fn prioritize(State(app): State<App>, body: Bytes) -> Response {
+    let args: ExtenderArgs = match serde_json::from_slice(&body) {
+        Ok(a) => a,
+        Err(e) => return bad_request("prioritize", e),
+    };
+    let Some(pod) = args.pod.as_ref() else {
+        return bad_request("prioritize", "Pod is missing");
+    };
+    let names = node_names(&args);
+    let zero = |names: &[String]| {
+        names
+            .iter()
+            .map(|n| HostPriority {
+                host: n.clone(),
+                score: 0,
+            })
+            .collect::<Vec<_>>()
+    };
+    let req = match resources::pod_request(pod) {
+        Ok(Some(r)) => r,
+        Ok(None) | Err(_) => return axum::Json(zero(&names)).into_response(),
+    };
+    let sr = api::ScoreRequest {
+        request: Some(req),
+        nodes: names.clone(),
+    };
+    let res = app
+        .allocators
+        .call(|mut c| {
+            let sr = sr.clone();
+            async move { c.score(sr).await }
+        })
+        .await;
+    match res {
+        Ok(r) => {
+            let list: Vec<HostPriority> = r
+                .scores
+                .into_iter()
+                .map(|s| HostPriority {
+                    host: s.node,
+                    score: i64::from(s.score.min(10)),
+                })
+                .collect();
+            axum::Json(list).into_response()
+        }
+        Err(s) => {
+            warn!(pod = %pod_id(pod), error = %s.message(), "prioritize failed");
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                axum::Json(json!({"Error": s.message()})),
+            )
+                .into_response()
+        }
+    }
+}
+
+/// The human-readable record of a grant, written to the pod (never read back).
+fn allocation_annotation(r: &api::ReserveResponse) -> String {
+    let allocs: Vec<Value> = r
+        .allocations
+        .iter()
+        .map(|a| {
+            json!({
+                "id": a.id,
+                "container": a.container,
+                "node": a.node,
+                "gpus": a.shares.iter().map(|s| s.gpu_uuid.clone()).collect::<Vec<_>>(),
+                "memMiB": a.shares.first().map_or(0, |s| s.mem_mib),
+                "coreMilli": a.shares.first().map_or(0, |s| s.core_milli),
+            })
+        })
+        .collect();
+    json!({"allocations": allocs, "seq": r.seq, "epoch": r.epoch}).to_string()
+}
+
+fn kube_error(e: &kube::Error) -> (Option<u16>, String) {
+    match e {
+        kube::Error::Api(s) => (Some(s.code), format!("{} ({})", s.message, s.reason)),
+        other => (None, other.to_string()),
+    }
+}
+
+async fn bind(State(app): State<App>, body: Bytes) -> Response {
+    let args: BindingArgs = match serde_json::from_slice(&body) {
+        Ok(a) => a,
+        Err(e) => return bad_request("bind", e),
+    };
+    let error = match do_bind(&app, &args).await {
+        Ok(()) => String::new(),
+        Err(e) => {
+            warn!(pod = %format!("{}/{}", args.pod_namespace, args.pod_name), uid = %args.pod_uid,
+                  node = %args.node, error = %e, "bind failed");
+            e
+        }
+    };
+    axum::Json(BindingResult { error }).into_response()
+}
+
+async fn release(app: &App, uid: &str, why: &str) {
+    let rr = api::ReleaseRequest {
+        pod_uid: uid.to_string(),
+        reason: why.to_string(),
+        ..Default::default()
+    };
+    let res = app
+        .allocators
+        .call(|mut c| {
+            let rr = rr.clone();
+            async move { c.release(rr).await }
+        })
+        .await;
+    if let Err(s) = res {
+        // The reservation expires by itself (--reserve-ttl) if this fails.
+        warn!(uid, error = %s.message(), "releasing the reservation failed; it will expire");
+    }
+}
+
+async fn do_bind(app: &App, a: &BindingArgs) -> Result<(), String> {
+    let t0 = Instant::now();
+    let kube = app
+        .kube
+        .clone()
+        .ok_or("the extender has no Kubernetes client (--kubeconfig or in-cluster config)")?;
+    let pods: Api<Pod> = Api::namespaced(kube, &a.pod_namespace);
+    let pod = pods.get(&a.pod_name).await.map_err(|e| {
+        format!(
+            "reading pod {}/{}: {}",
+            a.pod_namespace,
+            a.pod_name,
+            kube_error(&e).1
+        )
+    })?;
+    if !a.pod_uid.is_empty() && pod.metadata.uid.as_deref() != Some(a.pod_uid.as_str()) {
+        return Err(format!(
+            "pod {}/{} has uid {:?}, not {} (it was deleted and created again)",
+            a.pod_namespace, a.pod_name, pod.metadata.uid, a.pod_uid
+        ));
+    }
+    let uid = pod.metadata.uid.clone().unwrap_or_default();
+    let req = resources::pod_request(&pod).map_err(|e| e.to_string())?;
+    let reserved = match req {
+        None => None,
+        Some(req) => {
+            let rr = api::ReserveRequest {
+                request: Some(req),
+                node: a.node.clone(),
+                ttl_ms: 0,
+            };
+            let r = app
+                .allocators
+                .call(|mut c| {
+                    let rr = rr.clone();
+                    async move { c.reserve(rr).await }
+                })
+                .await
+                .map_err(|s| format!("reserving GPUs on {}: {}", a.node, s.message()))?;
+            Some(r)
+        }
+    };
+    if let Some(r) = &reserved {
+        let patch =
+            json!({"metadata": {"annotations": {ANN_ALLOCATION: allocation_annotation(r)}}});
+        if let Err(e) = pods
+            .patch(&a.pod_name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+        {
+            release(app, &uid, "bind failed").await;
+            return Err(format!("annotating the pod: {}", kube_error(&e).1));
+        }
+    }
+    if app.crash_at == Some(CrashAt::BeforeBinding) {
+        std::process::exit(99);
+    }
+    let binding = json!({
+        "apiVersion": "v1",
+        "kind": "Binding",
+        "metadata": {"name": a.pod_name, "namespace": a.pod_namespace, "uid": uid},
+        "target": {"apiVersion": "v1", "kind": "Node", "name": a.node},
+    });
+    let created: Result<Value, kube::Error> = pods
+        .create_subresource("binding", &a.pod_name, &PostParams::default(), &binding)
+        .await;
+    if let Err(e) = created {
+        let (code, msg) = kube_error(&e);
+        // A repeated bind of a pod already bound to this very node is a success.
+        let already_here = code == Some(409)
+            && pods.get(&a.pod_name).await.ok().is_some_and(|p| {
+                p.spec.and_then(|s| s.node_name).as_deref() == Some(a.node.as_str())
+            });
+        if !already_here {
+            if reserved.is_some() {
+                release(app, &uid, "bind failed").await;
+            }
+            return Err(format!("creating the Binding to {}: {msg}", a.node));
+        }
+    }
+    if app.crash_at == Some(CrashAt::AfterBinding) {
+        std::process::exit(99);
+    }
+    if reserved.is_some() {
+        let cb = api::ConfirmBoundRequest {
+            pod_uid: uid.clone(),
+            node: a.node.clone(),
+        };
+        // The pod is bound now: a failed confirm is left to the allocator's reconcile, which
+        // sees the binding; releasing would leave a running pod without its GPU.
+        if let Err(s) = app
+            .allocators
+            .call(|mut c| {
+                let cb = cb.clone();
+                async move { c.confirm_bound(cb).await }
+            })
+            .await
+        {
+            warn!(uid, error = %s.message(), "confirming the binding failed; the allocator's reconcile will");
+        }
+    }
+    info!(pod = %format!("{}/{}", a.pod_namespace, a.pod_name), uid, node = %a.node,
+          ms = t0.elapsed().as_secs_f64() * 1e3, "bound");
+    Ok(())
+}
+
+async fn preempt(State(app): State<App>, body: Bytes) -> Response {
+    let args: PreemptionArgs = match serde_json::from_slice(&body) {
+        Ok(a) => a,
+        Err(e) => return bad_request("preempt", e),
+    };
+    let mut candidates: BTreeMap<String, Value> =
+        args.node_name_to_meta_victims.unwrap_or_default();
+    for (node, v) in args.node_name_to_victims.unwrap_or_default() {
+        let uids: Vec<Value> = v
+            .get("Pods")
+            .and_then(Value::as_array)
+            .map(|ps| {
+                ps.iter()
+                    .filter_map(|p| p.pointer("/metadata/uid").cloned())
+                    .map(|u| json!({"UID": u}))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let pdb = v.get("NumPDBViolations").cloned().unwrap_or(json!(0));
+        candidates
+            .entry(node)
+            .or_insert_with(|| json!({"Pods": uids, "NumPDBViolations": pdb}));
+    }
+    let req = match args.pod.as_ref().map(resources::pod_request) {
+        Some(Ok(Some(r))) => r,
+        // No GPU request: gpuledger has no say in preemption.
+        Some(Ok(None)) => {
+            return axum::Json(PreemptionResult {
+                node_name_to_meta_victims: candidates,
+            })
+            .into_response();
+        }
+        Some(Err(_)) | None => return axum::Json(PreemptionResult::default()).into_response(),
+    };
+    // Drop the nodes where the pod can never fit, whoever is evicted.
+    let fr = api::FilterRequest {
+        request: Some(req),
+        nodes: candidates.keys().cloned().collect(),
+    };
+    match app
+        .allocators
+        .call(|mut c| {
+            let fr = fr.clone();
+            async move { c.filter(fr).await }
+        })
+        .await
+    {
+        Ok(r) => {
+            candidates.retain(|n, _| !r.unresolvable.contains_key(n));
+            axum::Json(PreemptionResult {
+                node_name_to_meta_victims: candidates,
+            })
+            .into_response()
+        }
+        Err(s) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            axum::Json(json!({"Error": s.message()})),
+        )
+            .into_response(),
+    }
+}

@@ -1,0 +1,407 @@
+//! What a pod asks of gpuledger: Kubernetes quantities, gpuledger resource names and the
+//! gpushare/HAMi aliases, placement annotations, turned into the allocator's `PodRequest`.
+
+use std::collections::BTreeMap;
+
+use gpuledger_proto::allocator::v1 as api;
+use gpuledger_proto::ledger::v1 as pb;
+use k8s_openapi::api::core::v1::{Container, Pod};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+
+/// Number of GPU slices of a container (each on a distinct GPU).
+pub const GPU: &str = "gpuledger.io/gpu";
+/// MiB of GPU memory per slice.
+pub const GPU_MEM: &str = "gpuledger.io/gpu-mem";
+/// Percent of each chosen GPU's memory.
+pub const GPU_MEM_PERCENT: &str = "gpuledger.io/gpu-mem-percent";
+/// Percent of a GPU's compute per slice (0-100).
+pub const GPU_CORE: &str = "gpuledger.io/gpu-core";
+/// gpushare: GiB of GPU memory.
+pub const ALIYUN_GPU_MEM: &str = "aliyun.com/gpu-mem";
+/// HAMi: MiB of GPU memory per GPU.
+pub const HAMI_GPU_MEM: &str = "nvidia.com/gpumem";
+/// HAMi: percent of each GPU's memory.
+pub const HAMI_GPU_MEM_PERCENT: &str = "nvidia.com/gpumem-percentage";
+/// HAMi: percent of each GPU's compute.
+pub const HAMI_GPU_CORES: &str = "nvidia.com/gpucores";
+
+/// Every resource name gpuledger reads (canonical names first).
+pub const ALL_RESOURCES: [&str; 8] = [
+    GPU,
+    GPU_MEM,
+    GPU_MEM_PERCENT,
+    GPU_CORE,
+    ALIYUN_GPU_MEM,
+    HAMI_GPU_MEM,
+    HAMI_GPU_MEM_PERCENT,
+    HAMI_GPU_CORES,
+];
+
+/// Annotation: GPU model names to use (comma list, substring match).
+pub const ANN_GPU_TYPE: &str = "gpuledger.io/gpu-type";
+/// Annotation: GPU model names to avoid.
+pub const ANN_GPU_TYPE_EXCLUDE: &str = "gpuledger.io/gpu-type-exclude";
+/// Annotation: GPU UUIDs to use.
+pub const ANN_GPU_UUID: &str = "gpuledger.io/gpu-uuid";
+/// Annotation: GPU UUIDs to avoid.
+pub const ANN_GPU_UUID_EXCLUDE: &str = "gpuledger.io/gpu-uuid-exclude";
+/// Annotation: placement policy.
+pub const ANN_POLICY: &str = "gpuledger.io/policy";
+/// Annotation the extender writes for humans (never read back).
+pub const ANN_ALLOCATION: &str = "gpuledger.io/allocation";
+
+/// Why a pod's GPU request cannot be understood. Not retryable: the pod must change.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RequestError {
+    /// A quantity that is not a Kubernetes quantity, or out of range.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// A parsed Kubernetes quantity ("3", "3k", "3Gi", "500m", "1.5", "2e3").
+pub fn parse_quantity(s: &str) -> Result<f64, String> {
+    let t = s.trim();
+    let bad = || format!("{s:?} is not a Kubernetes quantity");
+    if t.is_empty() {
+        return Err(bad());
+    }
+    let num_end = t
+        .char_indices()
+        .find(|&(i, c)| !(c.is_ascii_digit() || c == '.' || ((c == '+' || c == '-') && i == 0)))
+        .map_or(t.len(), |(i, _)| i);
+    let (num, suffix) = t.split_at(num_end);
+    if num.is_empty() || num == "+" || num == "-" || num.matches('.').count() > 1 {
+        return Err(bad());
+    }
+    let value: f64 = num.parse().map_err(|_| bad())?;
+    let mult = match suffix {
+        "" => 1.0,
+        "n" => 1e-9,
+        "u" => 1e-6,
+        "m" => 1e-3,
+        "k" => 1e3,
+        "M" => 1e6,
+        "G" => 1e9,
+        "T" => 1e12,
+        "P" => 1e15,
+        "E" => 1e18,
+        "Ki" => 1024.0,
+        "Mi" => 1024.0 * 1024.0,
+        "Gi" => 1024.0 * 1024.0 * 1024.0,
+        "Ti" => 1024.0f64.powi(4),
+        "Pi" => 1024.0f64.powi(5),
+        "Ei" => 1024.0f64.powi(6),
+        e if e.starts_with(['e', 'E']) => {
+            let exp: i32 = e[1..].parse().map_err(|_| bad())?;
+            10f64.powi(exp)
+        }
+        _ => return Err(bad()),
+    };
+    let v = value * mult;
+    if !v.is_finite() {
+        return Err(bad());
+    }
+    Ok(v)
+}
+
+/// One container's GPU request, as written (before defaults).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ContainerGpu {
+    /// Container name.
+    pub name: String,
+    /// Slices asked for, if the container names `gpuledger.io/gpu`.
+    pub slices: Option<f64>,
+    /// MiB per slice, from `gpu-mem`, `nvidia.com/gpumem` or `aliyun.com/gpu-mem` (GiB).
+    pub mem_mib: Option<f64>,
+    /// Percent of memory.
+    pub mem_percent: Option<f64>,
+    /// Percent of compute.
+    pub core_percent: Option<f64>,
+}
+
+impl ContainerGpu {
+    /// Whether the container asks for anything gpuledger manages.
+    pub fn wants_gpu(&self) -> bool {
+        self.slices.is_some_and(|s| s > 0.0)
+            || self.mem_mib.is_some()
+            || self.mem_percent.is_some()
+            || self.core_percent.is_some()
+    }
+
+    /// Read a container's resources (limits win over requests; aliases after canonical names).
+    pub fn of(c: &Container) -> Result<ContainerGpu, RequestError> {
+        let res = c.resources.as_ref();
+        let empty = BTreeMap::new();
+        let limits = res.and_then(|r| r.limits.as_ref()).unwrap_or(&empty);
+        let requests = res.and_then(|r| r.requests.as_ref()).unwrap_or(&empty);
+        let get = |key: &str| -> Result<Option<f64>, RequestError> {
+            match limits.get(key).or_else(|| requests.get(key)) {
+                None => Ok(None),
+                Some(Quantity(q)) => parse_quantity(q).map(Some).map_err(|e| {
+                    RequestError::Invalid(format!("{key}: {e} in container {:?}", c.name))
+                }),
+            }
+        };
+        let first = |keys: &[(&str, f64)]| -> Result<Option<f64>, RequestError> {
+            for (k, scale) in keys {
+                if let Some(v) = get(k)? {
+                    return Ok(Some(v * scale));
+                }
+            }
+            Ok(None)
+        };
+        Ok(ContainerGpu {
+            name: c.name.clone(),
+            slices: get(GPU)?,
+            mem_mib: first(&[
+                (GPU_MEM, 1.0),
+                (HAMI_GPU_MEM, 1.0),
+                (ALIYUN_GPU_MEM, 1024.0),
+            ])?,
+            mem_percent: first(&[(GPU_MEM_PERCENT, 1.0), (HAMI_GPU_MEM_PERCENT, 1.0)])?,
+            core_percent: first(&[(GPU_CORE, 1.0), (HAMI_GPU_CORES, 1.0)])?,
+        })
+    }
+
+    /// Check the request and turn it into the allocator's form.
+    pub fn to_api(&self) -> Result<api::ContainerRequest, RequestError> {
+        let name = &self.name;
+        let err = |m: String| Err(RequestError::Invalid(m));
+        let slices = self.slices.unwrap_or(1.0);
+        if slices < 1.0 || slices.fract() != 0.0 {
+            return err(format!(
+                "{GPU} must be a whole number of at least 1 (got {slices}) in container {name:?}"
+            ));
+        }
+        if slices > 64.0 {
+            return err(format!(
+                "{GPU} asks for {slices} GPU slices in container {name:?}; no node has that many GPUs"
+            ));
+        }
+        if let Some(core) = self.core_percent
+            && !(0.0..=100.0).contains(&core)
+        {
+            return err(format!(
+                "{GPU_CORE} must be between 0 and 100 (got {core}) in container {name:?}"
+            ));
+        }
+        if let Some(mem) = self.mem_mib
+            && mem <= 0.0
+        {
+            return err(format!(
+                "{GPU_MEM} must be more than 0 MiB (got {mem}) in container {name:?}"
+            ));
+        }
+        if let Some(p) = self.mem_percent
+            && !(p > 0.0 && p <= 100.0)
+        {
+            return err(format!(
+                "{GPU_MEM_PERCENT} must be between 1 and 100 (got {p}) in container {name:?}"
+            ));
+        }
+        if self.mem_mib.is_some() && self.mem_percent.is_some() {
+            return err(format!(
+                "container {name:?} sets both GPU memory in MiB ({GPU_MEM}) and in percent \
+                 ({GPU_MEM_PERCENT}); set one of them"
+            ));
+        }
+        Ok(api::ContainerRequest {
+            name: name.clone(),
+            slices: slices as u32,
+            mem_mib: self.mem_mib.map_or(0, |m| m.ceil() as u64),
+            mem_percent: self.mem_percent.map_or(0, |p| p.ceil() as u32),
+            core_milli: self.core_percent.map_or(0, |c| (c * 10.0).round() as u32),
+        })
+    }
+}
+
+fn comma_list(v: Option<&String>) -> Vec<String> {
+    v.map(|s| {
+        s.split(',')
+            .map(str::trim)
+            .filter(|x| !x.is_empty())
+            .map(String::from)
+            .collect()
+    })
+    .unwrap_or_default()
+}
+
+/// The pod's placement annotations.
+pub fn placement(pod: &Pod) -> Result<api::Placement, RequestError> {
+    let empty = BTreeMap::new();
+    let ann = pod.metadata.annotations.as_ref().unwrap_or(&empty);
+    let policy = ann
+        .get(ANN_POLICY)
+        .map(|p| p.trim().to_string())
+        .unwrap_or_default();
+    if let Err(e) = policy.parse::<gpuledger_ledger::placement::Policy>() {
+        return Err(RequestError::Invalid(format!(
+            "annotation {ANN_POLICY}: {e}"
+        )));
+    }
+    Ok(api::Placement {
+        gpu_types: comma_list(ann.get(ANN_GPU_TYPE)),
+        gpu_types_exclude: comma_list(ann.get(ANN_GPU_TYPE_EXCLUDE)),
+        gpu_uuids: comma_list(ann.get(ANN_GPU_UUID)),
+        gpu_uuids_exclude: comma_list(ann.get(ANN_GPU_UUID_EXCLUDE)),
+        policy,
+    })
+}
+
+/// The GPU-asking containers of a pod (regular containers; init containers get no GPU).
+pub fn containers(pod: &Pod) -> Result<Vec<ContainerGpu>, RequestError> {
+    let Some(spec) = pod.spec.as_ref() else {
+        return Ok(Vec::new());
+    };
+    let mut out = Vec::new();
+    for c in &spec.containers {
+        let g = ContainerGpu::of(c)?;
+        if g.wants_gpu() {
+            out.push(g);
+        }
+    }
+    Ok(out)
+}
+
+fn sum_requests(pod: &Pod, key: &str) -> f64 {
+    pod.spec.as_ref().map_or(0.0, |s| {
+        s.containers
+            .iter()
+            .filter_map(|c| {
+                let r = c.resources.as_ref()?;
+                r.requests
+                    .as_ref()
+                    .and_then(|m| m.get(key))
+                    .or_else(|| r.limits.as_ref().and_then(|m| m.get(key)))
+            })
+            .filter_map(|q| parse_quantity(&q.0).ok())
+            .sum()
+    })
+}
+
+/// The allocator request for `pod`, or None when it asks for no gpuledger resource.
+pub fn pod_request(pod: &Pod) -> Result<Option<api::PodRequest>, RequestError> {
+    let cs = containers(pod)?;
+    if cs.is_empty() {
+        return Ok(None);
+    }
+    let containers = cs
+        .iter()
+        .map(ContainerGpu::to_api)
+        .collect::<Result<Vec<_>, _>>()?;
+    let m = &pod.metadata;
+    Ok(Some(api::PodRequest {
+        pod: Some(pb::PodRef {
+            uid: m.uid.clone().unwrap_or_default(),
+            namespace: m.namespace.clone().unwrap_or_else(|| "default".into()),
+            name: m.name.clone().unwrap_or_default(),
+        }),
+        containers,
+        placement: Some(placement(pod)?),
+        cpu_milli: (sum_requests(pod, "cpu") * 1000.0).ceil() as u64,
+        memory_mib: (sum_requests(pod, "memory") / (1024.0 * 1024.0)).ceil() as u64,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(limits: &[(&str, &str)], ann: &[(&str, &str)]) -> Pod {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "p", "namespace": "ns", "uid": "u1",
+                "annotations": ann.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect::<BTreeMap<_, _>>()},
+            "spec": {"containers": [
+                {"name": "c", "resources": {"limits": limits.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect::<BTreeMap<_, _>>()}},
+                {"name": "side", "resources": {"limits": {"cpu": "100m"}}}
+            ]}
+        }))
+        .expect("valid pod")
+    }
+
+    #[test]
+    fn quantities() {
+        assert_eq!(parse_quantity("3k"), Ok(3000.0));
+        assert_eq!(parse_quantity("3000"), Ok(3000.0));
+        assert_eq!(parse_quantity("3Gi"), Ok(3.0 * 1024.0 * 1024.0 * 1024.0));
+        assert_eq!(parse_quantity("500m"), Ok(0.5));
+        assert_eq!(parse_quantity("1.5"), Ok(1.5));
+        assert_eq!(parse_quantity("2e3"), Ok(2000.0));
+        assert_eq!(parse_quantity("-1"), Ok(-1.0));
+        for bad in ["", "k", "3x", "1.2.3", "3 k", "--1", "e3"] {
+            assert!(parse_quantity(bad).is_err(), "{bad:?} parsed");
+        }
+    }
+
+    #[test]
+    fn canonical_and_aliases() {
+        let r = pod_request(&pod(&[(GPU, "1"), (GPU_MEM, "3k"), (GPU_CORE, "30")], &[]))
+            .expect("ok")
+            .expect("gpu");
+        assert_eq!(r.containers.len(), 1, "the sidecar asks for nothing");
+        let c = &r.containers[0];
+        assert_eq!((c.slices, c.mem_mib, c.core_milli), (1, 3000, 300));
+        let g = pod_request(&pod(&[(ALIYUN_GPU_MEM, "3")], &[]))
+            .expect("ok")
+            .expect("gpu");
+        assert_eq!((g.containers[0].slices, g.containers[0].mem_mib), (1, 3072));
+        let h = pod_request(&pod(&[(HAMI_GPU_MEM, "3000"), (HAMI_GPU_CORES, "30")], &[]))
+            .expect("ok")
+            .expect("gpu");
+        assert_eq!(
+            (
+                h.containers[0].slices,
+                h.containers[0].mem_mib,
+                h.containers[0].core_milli
+            ),
+            (1, 3000, 300)
+        );
+        let p = pod_request(&pod(&[(HAMI_GPU_MEM_PERCENT, "25")], &[]))
+            .expect("ok")
+            .expect("gpu");
+        assert_eq!(p.containers[0].mem_percent, 25);
+        assert_eq!(pod_request(&pod(&[("cpu", "1")], &[])), Ok(None));
+    }
+
+    #[test]
+    fn annotations_map_to_placement() {
+        let r = pod_request(&pod(
+            &[(GPU_MEM, "1Ki")],
+            &[
+                (ANN_GPU_TYPE, "A100, H100"),
+                (ANN_GPU_TYPE_EXCLUDE, "T4"),
+                (ANN_GPU_UUID, "GPU-1"),
+                (ANN_GPU_UUID_EXCLUDE, "GPU-2,GPU-3"),
+                (ANN_POLICY, "spread"),
+            ],
+        ))
+        .expect("ok")
+        .expect("gpu");
+        let p = r.placement.expect("placement");
+        assert_eq!(p.gpu_types, vec!["A100", "H100"]);
+        assert_eq!(p.gpu_types_exclude, vec!["T4"]);
+        assert_eq!(p.gpu_uuids, vec!["GPU-1"]);
+        assert_eq!(p.gpu_uuids_exclude, vec!["GPU-2", "GPU-3"]);
+        assert_eq!(p.policy, "spread");
+        assert_eq!(r.containers[0].mem_mib, 1024);
+    }
+
+    #[test]
+    fn malformed_requests_say_why() {
+        let e = |l: &[(&str, &str)], a: &[(&str, &str)]| match pod_request(&pod(l, a)) {
+            Err(RequestError::Invalid(m)) => m,
+            other => panic!("accepted {l:?} {a:?}: {other:?}"),
+        };
+        assert_eq!(
+            e(&[(GPU, "1"), (GPU_CORE, "150")], &[]),
+            "gpuledger.io/gpu-core must be between 0 and 100 (got 150) in container \"c\""
+        );
+        assert!(e(&[(GPU_MEM, "0")], &[]).contains("more than 0"));
+        assert!(e(&[(GPU_MEM, "-5")], &[]).contains("more than 0"));
+        assert!(e(&[(GPU_MEM, "100"), (GPU_MEM_PERCENT, "10")], &[]).contains("set one"));
+        assert!(e(&[(GPU, "1.5")], &[]).contains("whole number"));
+        assert!(e(&[(GPU, "100")], &[]).contains("no node has that many"));
+        assert!(e(&[(GPU_MEM, "lots")], &[]).contains("not a Kubernetes quantity"));
+        assert!(e(&[(GPU, "1")], &[(ANN_POLICY, "fastest")]).contains("unknown placement policy"));
+    }
+}

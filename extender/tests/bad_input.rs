@@ -1,0 +1,63 @@
+//! Malformed requests get HTTP 400 with an `Error`, never a crash; an unreachable ledger makes
+//! filter answer an `Error` that says the ledger is unavailable.
+
+mod kit;
+
+use std::time::Duration;
+
+use gpuledger_chaos::kube::stack::wait_http;
+use gpuledger_chaos::kube::{ExtenderClient, ExtenderConfig};
+use gpuledger_chaos::{Proc, bin_path, free_port};
+use serde_json::{Value, json};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_json_is_400_and_a_dead_ledger_is_named() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let port = free_port()?;
+    // Two allocator addresses where nothing listens.
+    let dead = format!("127.0.0.1:{},127.0.0.1:{}", free_port()?, free_port()?);
+    let mut p = Proc::spawn(
+        dir.path(),
+        "extender",
+        &bin_path("gpuledger-extender")?,
+        vec![
+            format!("--listen=127.0.0.1:{port}"),
+            format!("--allocator={dead}"),
+        ],
+        vec![],
+    )?;
+    wait_http(port, Duration::from_secs(20)).await?;
+    let ext = ExtenderClient::new(ExtenderConfig::gpuledger(&format!(
+        "http://127.0.0.1:{port}/gpuledger"
+    )));
+    for verb in ["filter", "prioritize", "bind", "preempt"] {
+        for body in [&b"{not json"[..], b"", b"[1,2]", b"{\"Pod\": 7}"] {
+            let (status, b) = ext.post_raw(verb, body.to_vec()).await?;
+            assert_eq!(status, 400, "{verb} {body:?}");
+            let v: Value = serde_json::from_slice(&b)?;
+            assert!(
+                v["Error"].as_str().is_some_and(|e| e.contains("malformed")),
+                "{verb}: {v}"
+            );
+        }
+    }
+    let fx = kit::fixtures();
+    let req = kit::read_json(&fx.join("extender/003-filter.json"))?;
+    let r = ext.post("filter", &req).await?;
+    let err = r["Error"].as_str().unwrap_or("");
+    assert!(err.contains("ledger unavailable"), "{r}");
+    // A pod whose request can never be met is unresolvable on every node, with the reason.
+    let mut bad = req.clone();
+    bad["Pod"]["spec"]["containers"][1]["resources"]["limits"]["gpuledger.io/gpu-core"] =
+        json!("150");
+    bad["Pod"]["spec"]["containers"][1]["resources"]["requests"]["gpuledger.io/gpu-core"] =
+        json!("150");
+    let r = ext.post("filter", &bad).await?;
+    assert_eq!(r["NodeNames"], json!([]), "{r}");
+    let why = r["FailedAndUnresolvableNodes"]["gpu-node-2"]
+        .as_str()
+        .unwrap_or("");
+    assert!(why.contains("between 0 and 100"), "{r}");
+    assert!(p.exited().is_none(), "the extender survived all of it");
+    Ok(())
+}

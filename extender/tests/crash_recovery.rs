@@ -1,0 +1,158 @@
+//! The extender dies at the two worst moments of a bind; the allocator's reconcile against
+//! the API server repairs the ledger either way.
+
+mod kit;
+
+use std::time::{Duration, Instant};
+
+use gpuledger_chaos::kube::{ExtenderConfig, KubeStack, SchedulerEmulator, StackOptions};
+use gpuledger_chaos::workload::inventory;
+use gpuledger_proto::allocator::v1 as api;
+use gpuledger_proto::ledger::v1 as pb;
+use serde_json::{Value, json};
+
+fn gpu_pod(name: &str) -> Value {
+    json!({"metadata": {"name": name, "namespace": "default"},
+           "spec": {"schedulerName": "gpuledger-scheduler", "containers": [{"name": "c", "image": "x",
+              "resources": {"limits": {"gpuledger.io/gpu": "1", "gpuledger.io/gpu-mem": "4k"}}}]}})
+}
+
+async fn allocs_of(stack: &KubeStack, uid: &str) -> anyhow::Result<Vec<pb::Allocation>> {
+    let d = stack
+        .allocs
+        .client(0)?
+        .dump(api::DumpRequest {})
+        .await?
+        .into_inner();
+    Ok(d.snapshot
+        .map(|s| s.allocations)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|a| a.pod.as_ref().is_some_and(|p| p.uid == uid))
+        .collect())
+}
+
+async fn released_reasons(stack: &KubeStack) -> anyhow::Result<Vec<String>> {
+    let mut s = stack
+        .allocs
+        .client(0)?
+        .read_log(api::ReadLogRequest {
+            from_seq: 1,
+            to_seq: 0,
+        })
+        .await?
+        .into_inner();
+    let mut out = Vec::new();
+    while let Some(b) = s.message().await? {
+        for e in b.events {
+            if let Some(pb::event::Body::Released(r)) = e.body {
+                out.push(r.reason);
+            }
+        }
+    }
+    Ok(out)
+}
+
+async fn eventually<F, Fut>(what: &str, timeout: Duration, mut f: F) -> anyhow::Result<()>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<bool>>,
+{
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if f().await? {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    anyhow::bail!("{what}: not within {timeout:?}")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_after_binding_is_confirmed_and_before_binding_expires() -> anyhow::Result<()> {
+    let mut stack = KubeStack::start(StackOptions {
+        allocators: 1,
+        allocator_flags: vec![
+            "--reserve-ttl=2".into(),
+            "--reconcile-interval-ms=200".into(),
+        ],
+        extender_flags: Some(vec!["--crash-at=after-binding".into()]),
+        ..Default::default()
+    })
+    .await?;
+    stack
+        .allocs
+        .client(0)?
+        .register_node(api::RegisterNodeRequest {
+            inventory: Some(inventory("n1", 2, 16_000, "NVIDIA L4")),
+        })
+        .await?;
+    stack.api.add_node("n1", 128)?;
+    let ext = kit::extender(&stack);
+
+    // 1. Killed between the Binding and the confirm.
+    let p1 = stack.api.add_pod(gpu_pod("p1"))?;
+    let uid1 = p1["metadata"]["uid"].as_str().expect("uid").to_string();
+    let bind = json!({"PodName": "p1", "PodNamespace": "default", "PodUID": uid1, "Node": "n1"});
+    let r = ext.post("bind", &bind).await;
+    assert!(r.is_err(), "the extender should have died mid-bind: {r:?}");
+    assert_eq!(
+        stack.api.pod("default", "p1").expect("pod")["spec"]["nodeName"],
+        "n1"
+    );
+    eventually(
+        "reconcile records Bound",
+        Duration::from_secs(10),
+        || async {
+            let a = allocs_of(&stack, &uid1).await?;
+            Ok(a.len() == 1 && a[0].state == pb::AllocationState::Bound as i32)
+        },
+    )
+    .await?;
+
+    // 2. Killed after the reservation, before the Binding.
+    stack
+        .start_extender(&["--crash-at=before-binding".into()])
+        .await?;
+    let p2 = stack.api.add_pod(gpu_pod("p2"))?;
+    let uid2 = p2["metadata"]["uid"].as_str().expect("uid").to_string();
+    let bind = json!({"PodName": "p2", "PodNamespace": "default", "PodUID": uid2, "Node": "n1"});
+    let r = ext.post("bind", &bind).await;
+    assert!(r.is_err(), "the extender should have died mid-bind: {r:?}");
+    let first = allocs_of(&stack, &uid2).await?;
+    assert_eq!(first.len(), 1, "reserved before the crash");
+    assert_eq!(first[0].state, pb::AllocationState::Reserved as i32);
+    assert!(stack.api.pod("default", "p2").expect("pod")["spec"]["nodeName"].is_null());
+    eventually(
+        "the reservation expires",
+        Duration::from_secs(10),
+        || async { Ok(allocs_of(&stack, &uid2).await?.is_empty()) },
+    )
+    .await?;
+    assert!(
+        released_reasons(&stack)
+            .await?
+            .iter()
+            .any(|r| r == "expired"),
+        "released as expired"
+    );
+    // The pod is scheduled again, through a healthy extender.
+    stack.start_extender(&[]).await?;
+    let sched = SchedulerEmulator::start(
+        stack.api.client().await?,
+        "gpuledger-scheduler",
+        ExtenderConfig::gpuledger(&stack.extender_url),
+        4,
+        Duration::from_millis(200),
+    );
+    eventually("p2 is bound again", Duration::from_secs(15), || async {
+        Ok(stack.api.pod("default", "p2").expect("pod")["spec"]["nodeName"] == "n1")
+    })
+    .await?;
+    let again = allocs_of(&stack, &uid2).await?;
+    assert_eq!(again.len(), 1);
+    assert_ne!(again[0].id, first[0].id, "a new grant after the expiry");
+    assert_eq!(again[0].state, pb::AllocationState::Bound as i32);
+    drop(sched);
+    Ok(())
+}

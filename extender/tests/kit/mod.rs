@@ -1,0 +1,184 @@
+//! Helpers shared by the extender's integration tests: fixtures, TLS, an HTTPS client, JSON
+//! Patch, and admission as the API server does it.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail};
+use gpuledger_chaos::kube::{ExtenderClient, ExtenderConfig, KubeStack};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use serde_json::{Value, json};
+
+/// `shared/fixtures/kube-1.20` beside the checkout; panics with the reason when missing.
+pub fn fixtures() -> PathBuf {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/kube-1.20");
+    assert!(
+        p.join("extender").is_dir() && p.join("webhook").is_dir(),
+        "golden fixtures missing: expected {} (the shared/ folder beside the checkout, with \
+         extender/ and webhook/ captured from kube 1.20)",
+        p.display()
+    );
+    p
+}
+
+/// Parse a JSON file.
+pub fn read_json(p: &Path) -> Result<Value> {
+    let b = std::fs::read(p).with_context(|| format!("reading {}", p.display()))?;
+    serde_json::from_slice(&b).with_context(|| format!("parsing {}", p.display()))
+}
+
+/// A client that speaks to the stack's extender like kube-scheduler.
+pub fn extender(stack: &KubeStack) -> ExtenderClient {
+    ExtenderClient::new(ExtenderConfig::gpuledger(&stack.extender_url))
+}
+
+/// A self-signed certificate for 127.0.0.1/localhost in a temp dir.
+pub struct TestTls {
+    dir: tempfile::TempDir,
+    /// PEM certificate.
+    pub cert_pem: String,
+}
+
+impl TestTls {
+    /// Generate.
+    pub fn new() -> Result<TestTls> {
+        let ck = rcgen::generate_simple_self_signed(vec!["localhost".into(), "127.0.0.1".into()])?;
+        let dir = tempfile::tempdir()?;
+        let cert_pem = ck.cert.pem();
+        std::fs::write(dir.path().join("tls.crt"), &cert_pem)?;
+        std::fs::write(dir.path().join("tls.key"), ck.signing_key.serialize_pem())?;
+        Ok(TestTls { dir, cert_pem })
+    }
+
+    /// Extender flags serving the webhook on `port`.
+    pub fn flags(&self, port: u16) -> Vec<String> {
+        vec![
+            format!("--webhook-listen=127.0.0.1:{port}"),
+            format!("--tls-cert={}", self.dir.path().join("tls.crt").display()),
+            format!("--tls-key={}", self.dir.path().join("tls.key").display()),
+        ]
+    }
+}
+
+/// A minimal HTTPS client trusting only the test certificate (as the API server trusts the
+/// webhook's caBundle).
+pub struct Https {
+    connector: tokio_rustls::TlsConnector,
+    port: u16,
+}
+
+impl Https {
+    /// A client for 127.0.0.1:`port`.
+    pub fn new(tls: &TestTls, port: u16) -> Result<Https> {
+        use rustls::pki_types::CertificateDer;
+        use rustls::pki_types::pem::PemObject;
+        let mut roots = rustls::RootCertStore::empty();
+        for c in CertificateDer::pem_slice_iter(tls.cert_pem.as_bytes()) {
+            roots.add(c?)?;
+        }
+        let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+        Ok(Https {
+            connector: tokio_rustls::TlsConnector::from(Arc::new(cfg)),
+            port,
+        })
+    }
+
+    /// POST raw bytes; status and body.
+    pub async fn post_raw(&self, path: &str, body: Vec<u8>) -> Result<(u16, Vec<u8>)> {
+        let tcp = tokio::net::TcpStream::connect(("127.0.0.1", self.port)).await?;
+        let name = rustls::pki_types::ServerName::try_from("localhost")?.to_owned();
+        let tls = self.connector.connect(name, tcp).await?;
+        let (mut send, conn) =
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tls)).await?;
+        tokio::spawn(conn);
+        let req = hyper::Request::post(path)
+            .header("host", "localhost")
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(body)))?;
+        let resp = send.send_request(req).await?;
+        let status = resp.status().as_u16();
+        Ok((
+            status,
+            resp.into_body().collect().await?.to_bytes().to_vec(),
+        ))
+    }
+
+    /// POST JSON; status and parsed body (Null when not JSON).
+    pub async fn post(&self, path: &str, body: &Value) -> Result<(u16, Value)> {
+        let (s, b) = self.post_raw(path, serde_json::to_vec(body)?).await?;
+        Ok((s, serde_json::from_slice(&b).unwrap_or(Value::Null)))
+    }
+}
+
+fn unescape(seg: &str) -> String {
+    seg.replace("~1", "/").replace("~0", "~")
+}
+
+/// Apply an RFC 6902 JSON Patch (add, replace, remove), as the API server does.
+pub fn apply_patch(mut doc: Value, patch: &Value) -> Result<Value> {
+    for op in patch.as_array().context("a patch is a list")? {
+        let path = op["path"].as_str().context("op without path")?;
+        let segs: Vec<String> = path.split('/').skip(1).map(unescape).collect();
+        let (last, parents) = segs.split_last().context("empty path")?;
+        let mut cur = &mut doc;
+        for s in parents {
+            cur = match cur {
+                Value::Object(m) => m.get_mut(s).with_context(|| format!("{path}: no {s}"))?,
+                Value::Array(a) => a
+                    .get_mut(s.parse::<usize>()?)
+                    .with_context(|| format!("{path}: no index {s}"))?,
+                _ => bail!("{path}: {s} is not a container"),
+            };
+        }
+        match (op["op"].as_str(), cur) {
+            (Some("add" | "replace"), Value::Object(m)) => {
+                m.insert(last.clone(), op["value"].clone());
+            }
+            (Some("remove"), Value::Object(m)) => {
+                m.remove(last);
+            }
+            (Some("add"), Value::Array(a)) if last == "-" => a.push(op["value"].clone()),
+            (o, _) => bail!("unsupported op {o:?} at {path}"),
+        }
+    }
+    Ok(doc)
+}
+
+/// Admit `pod` as the API server would: mutate, apply the patch, validate.
+/// Ok(the stored pod) or Err(the denial message).
+pub async fn admit(hook: &Https, pod: Value) -> Result<std::result::Result<Value, String>> {
+    let review = |obj: &Value, uid: &str| {
+        json!({"kind": "AdmissionReview", "apiVersion": "admission.k8s.io/v1",
+               "request": {"uid": uid, "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                           "resource": {"group": "", "version": "v1", "resource": "pods"},
+                           "operation": "CREATE", "object": obj}})
+    };
+    let (s, m) = hook.post("/mutate", &review(&pod, "m-1")).await?;
+    anyhow::ensure!(s == 200, "mutate answered {s}: {m}");
+    let pod = match m["response"]["patch"].as_str() {
+        None => pod,
+        Some(p) => {
+            use base64::Engine;
+            let patch: Value =
+                serde_json::from_slice(&base64::engine::general_purpose::STANDARD.decode(p)?)?;
+            apply_patch(pod, &patch)?
+        }
+    };
+    let (s, v) = hook.post("/validate", &review(&pod, "v-1")).await?;
+    anyhow::ensure!(s == 200, "validate answered {s}: {v}");
+    if v["response"]["allowed"] == true {
+        Ok(Ok(pod))
+    } else {
+        Ok(Err(v["response"]["status"]["message"]
+            .as_str()
+            .unwrap_or("")
+            .to_string()))
+    }
+}

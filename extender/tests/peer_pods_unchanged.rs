@@ -1,0 +1,121 @@
+//! Pods written for gpushare (`aliyun.com/gpu-mem`, GiB) and for HAMi (`nvidia.com/gpumem`,
+//! `nvidia.com/gpucores`) are admitted by the webhook, placed by the scheduler emulator through
+//! the extender, and bound, without a change to their YAML.
+
+mod kit;
+
+use std::time::{Duration, Instant};
+
+use gpuledger_chaos::free_port;
+use gpuledger_chaos::kube::{ExtenderConfig, KubeStack, SchedulerEmulator, StackOptions};
+use gpuledger_chaos::workload::inventory;
+use gpuledger_proto::allocator::v1 as api;
+use serde_json::json;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpushare_and_hami_pods_run_as_written() -> anyhow::Result<()> {
+    let tls = kit::TestTls::new()?;
+    let port = free_port()?;
+    let mut flags = tls.flags(port);
+    flags.push("--scheduler-name=gpuledger-scheduler".into());
+    let stack = KubeStack::start(StackOptions {
+        allocators: 1,
+        extender_flags: Some(flags),
+        ..Default::default()
+    })
+    .await?;
+    gpuledger_chaos::kube::stack::wait_http(port, Duration::from_secs(10)).await?;
+    let hook = kit::Https::new(&tls, port)?;
+    let mut c = stack.allocs.client(0)?;
+    for n in ["n1", "n2"] {
+        c.register_node(api::RegisterNodeRequest {
+            inventory: Some(inventory(n, 2, 24_000, "NVIDIA A10")),
+        })
+        .await?;
+        stack.api.add_node(n, 128)?;
+    }
+    // As their users wrote them: no gpuledger names, default scheduler.
+    let gpushare = json!({"metadata": {"name": "gpushare-0", "namespace": "default"},
+        "spec": {"containers": [{"name": "c", "image": "x",
+            "resources": {"limits": {"aliyun.com/gpu-mem": "3"}}}]}});
+    let hami = json!({"metadata": {"name": "hami-0", "namespace": "default"},
+        "spec": {"containers": [{"name": "c", "image": "x",
+            "resources": {"limits": {"nvidia.com/gpumem": "3000", "nvidia.com/gpucores": "30"}}}]}});
+    let bad = json!({"metadata": {"name": "bad-0", "namespace": "default"},
+        "spec": {"containers": [{"name": "c", "image": "x",
+            "resources": {"limits": {"gpuledger.io/gpu": "3", "gpuledger.io/gpu-mem": "1000"}}}]}});
+    for p in [gpushare, hami] {
+        let admitted = kit::admit(&hook, p).await?.map_err(anyhow::Error::msg)?;
+        assert_eq!(admitted["spec"]["schedulerName"], "gpuledger-scheduler");
+        stack.api.add_pod(admitted)?;
+    }
+    // Three slices on distinct GPUs where no node has three GPUs: refused at admission.
+    let why = kit::admit(&hook, bad)
+        .await?
+        .expect_err("no node has 3 GPUs");
+    assert!(why.contains("3 GPU"), "{why}");
+    let bad_policy = json!({"metadata": {"name": "bp", "namespace": "default",
+        "annotations": {"gpuledger.io/policy": "fastest"}},
+        "spec": {"containers": [{"name": "c", "image": "x",
+            "resources": {"limits": {"gpuledger.io/gpu-mem": "1000"}}}]}});
+    let why = kit::admit(&hook, bad_policy)
+        .await?
+        .expect_err("unknown policy");
+    assert!(why.contains("unknown placement policy"), "{why}");
+    let both = json!({"metadata": {"name": "both", "namespace": "default"},
+        "spec": {"containers": [{"name": "c", "image": "x",
+            "resources": {"limits": {"gpuledger.io/gpu-mem": "1000", "gpuledger.io/gpu-mem-percent": "10"}}}]}});
+    let why = kit::admit(&hook, both).await?.expect_err("MiB and percent");
+    assert!(why.contains("set one of them"), "{why}");
+
+    let sched = SchedulerEmulator::start(
+        stack.api.client().await?,
+        "gpuledger-scheduler",
+        ExtenderConfig::gpuledger(&stack.extender_url),
+        4,
+        Duration::from_millis(200),
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let bound = ["gpushare-0", "hami-0"].iter().all(|n| {
+            stack
+                .api
+                .pod("default", n)
+                .is_some_and(|p| p["spec"]["nodeName"].is_string())
+        });
+        if bound {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not bound; scheduler errors: {:?}",
+            sched.stats.last_error.lock().map(|m| m.clone())
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let snap = c
+        .dump(api::DumpRequest {})
+        .await?
+        .into_inner()
+        .snapshot
+        .expect("snapshot");
+    let by_name = |n: &str| {
+        snap.allocations
+            .iter()
+            .find(|a| a.pod.as_ref().is_some_and(|p| p.name == n))
+            .unwrap_or_else(|| panic!("no allocation for {n}: {:?}", snap.allocations))
+            .clone()
+    };
+    let g = by_name("gpushare-0");
+    assert_eq!((g.shares.len(), g.shares[0].mem_mib), (1, 3 * 1024));
+    let h = by_name("hami-0");
+    assert_eq!((h.shares[0].mem_mib, h.shares[0].core_milli), (3000, 300));
+    for a in [&g, &h] {
+        let pod = stack
+            .api
+            .pod("default", &a.pod.as_ref().expect("pod").name)
+            .expect("pod");
+        assert_eq!(pod["spec"]["nodeName"], a.node.as_str());
+    }
+    Ok(())
+}
