@@ -214,6 +214,35 @@ impl Alloc {
     }
 }
 
+/// A pod's containers with a live allocation, by name. Pods have one to a few GPU containers:
+/// a sorted vector costs one small allocation where a map would cost a tree node.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct Containers(Vec<(String, u64)>);
+
+impl Containers {
+    fn get(&self, name: &str) -> Option<&u64> {
+        self.0.iter().find(|(n, _)| n == name).map(|(_, id)| id)
+    }
+    fn insert(&mut self, name: &str, id: u64) {
+        match self.0.binary_search_by(|(n, _)| n.as_str().cmp(name)) {
+            Ok(i) => self.0[i].1 = id,
+            Err(i) => self.0.insert(i, (name.to_owned(), id)),
+        }
+    }
+    fn remove(&mut self, name: &str) {
+        self.0.retain(|(n, _)| n != name);
+    }
+    fn values(&self) -> impl Iterator<Item = &u64> {
+        self.0.iter().map(|(_, id)| id)
+    }
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
 /// The folded ledger: nodes, GPUs and live allocations at `seq`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Ledger {
@@ -223,7 +252,7 @@ pub struct Ledger {
     nodes: BTreeMap<String, NodeState>,
     allocs: FxHashMap<u64, Alloc>,
     /// pod uid → container → live allocation id.
-    by_pod: FxHashMap<String, BTreeMap<String, u64>>,
+    by_pod: FxHashMap<String, Containers>,
     gpu_owner: FxHashMap<String, String>,
     quotas: BTreeMap<String, u64>,
     violations: u64,
@@ -665,10 +694,14 @@ impl Ledger {
     }
 
     fn index_insert(&mut self, uid: &str, container: &str, id: u64) {
-        self.by_pod
-            .entry(uid.to_owned())
-            .or_default()
-            .insert(container.to_owned(), id);
+        match self.by_pod.get_mut(uid) {
+            Some(c) => c.insert(container, id),
+            None => {
+                let mut c = Containers::default();
+                c.insert(container, id);
+                self.by_pod.insert(uid.to_owned(), c);
+            }
+        }
     }
 
     fn index_remove(&mut self, uid: &str, container: &str) {
@@ -849,7 +882,7 @@ impl Ledger {
             *cpu.entry(&a.node).or_default() += a.cpu_milli;
             *hmem.entry(&a.node).or_default() += a.memory_mib;
         }
-        if self.by_pod.values().map(BTreeMap::len).sum::<usize>() != self.allocs.len() {
+        if self.by_pod.values().map(Containers::len).sum::<usize>() != self.allocs.len() {
             return Err("container index and allocations differ in size".into());
         }
         for n in self.nodes.values() {
