@@ -12,6 +12,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use futures::StreamExt;
 use gpuledger_ledger::Command;
 use gpuledger_ledger::state::AllocState;
+use gpuledger_ops::events::{Kind, PodEvent, Recorder};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::Api;
 use kube::runtime::reflector::{self, ObjectRef, Store};
@@ -59,8 +60,7 @@ pub fn spawn(service: Service, args: &KubeArgs) {
     if args.no_kube {
         return;
     }
-    let in_cluster = std::env::var_os("KUBERNETES_SERVICE_HOST").is_some();
-    if args.kubeconfig.is_none() && !in_cluster {
+    if args.kubeconfig.is_none() && !gpuledger_ops::kube_client::in_cluster() {
         info!("no --kubeconfig and not in a cluster: Kubernetes watchers are off");
         return;
     }
@@ -82,15 +82,9 @@ pub fn spawn(service: Service, args: &KubeArgs) {
 }
 
 async fn client(args: &KubeArgs) -> anyhow::Result<kube::Client> {
-    let cfg = match &args.kubeconfig {
-        Some(p) => {
-            let kc = kube::config::Kubeconfig::read_from(p)?;
-            kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
-                .await?
-        }
-        None => kube::Config::incluster()?,
-    };
-    Ok(kube::Client::try_from(cfg)?)
+    gpuledger_ops::kube_client::client(args.kubeconfig.as_deref())
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no --kubeconfig and no in-cluster config"))
 }
 
 /// The watchers' view and the writes they make.
@@ -101,6 +95,7 @@ struct Watch {
     nodes: Store<Node>,
     pods_ready: AtomicBool,
     nodes_ready: AtomicBool,
+    events: Recorder,
 }
 
 impl Watch {
@@ -108,17 +103,26 @@ impl Watch {
         self.service.shared().role_info().role == Role::Leader
     }
 
-    /// Submit `cmd` when leading; logs the outcome.
-    async fn act(&self, cmd: Command, what: &str) {
+    /// Submit `cmd` when leading; logs the outcome. True when the ledger took it.
+    async fn act(&self, cmd: Command, what: &str) -> bool {
         match self.service.local(cmd).await {
-            None => debug!(what, "not the leader: leaving it to the leader"),
-            Some(Ok(c)) => info!(
-                what,
-                seq = c.seq,
-                epoch = c.epoch,
-                "ledger updated from Kubernetes"
-            ),
-            Some(Err(s)) => warn!(what, error = %s.message(), "ledger update refused"),
+            None => {
+                debug!(what, "not the leader: leaving it to the leader");
+                false
+            }
+            Some(Ok(c)) => {
+                info!(
+                    what,
+                    seq = c.seq,
+                    epoch = c.epoch,
+                    "ledger updated from Kubernetes"
+                );
+                true
+            }
+            Some(Err(s)) => {
+                warn!(what, error = %s.message(), "ledger update refused");
+                false
+            }
         }
     }
 
@@ -128,9 +132,9 @@ impl Watch {
             .read(|l| !l.allocs_of_pod(uid).is_empty())
     }
 
-    async fn release(&self, uid: &str, reason: &str) {
+    async fn release(&self, uid: &str, reason: &str) -> bool {
         if !self.holds(uid) {
-            return;
+            return false;
         }
         self.act(
             Command::Release {
@@ -141,7 +145,7 @@ impl Watch {
             },
             &format!("release pod {uid}: {reason}"),
         )
-        .await;
+        .await
     }
 
     async fn confirm(&self, uid: &str, node: &str, reason: &str) {
@@ -154,6 +158,22 @@ impl Watch {
             &format!("confirm pod {uid} bound to {node}"),
         )
         .await;
+    }
+
+    /// Tell a pod whose reservation expired (it still exists, unbound) why its GPUs went.
+    fn tell_expired(&self, uid: &str, a: &Held) {
+        let waited_s = (a.deadline_ms - a.reserved_ms).max(0) / 1000;
+        self.events.emit(PodEvent {
+            namespace: a.ns.clone(),
+            name: a.name.clone(),
+            uid: uid.to_string(),
+            kind: Kind::Warning,
+            reason: "GpuReservationExpired",
+            message: format!(
+                "the GPU reservation on {} expired: the pod was not bound there within {waited_s} s (--reserve-ttl); the GPUs are free again and the scheduler will place the pod anew",
+                a.node
+            ),
+        });
     }
 
     /// React to a pod as the watch shows it.
@@ -244,7 +264,9 @@ impl Watch {
                                 self.expire(&uid, a).await;
                             }
                         }
-                        Ok(_) => self.release(&uid, "pod deleted").await,
+                        Ok(_) => {
+                            self.release(&uid, "pod deleted").await;
+                        }
                         Err(e) => debug!(error = %e, "reading a pod for reconcile failed"),
                     }
                 }
@@ -294,11 +316,13 @@ impl Watch {
                         "reconcile: reservation deadline passed; the pod is bound",
                     )
                     .await;
-                } else {
-                    self.release(uid, "expired").await;
+                } else if self.release(uid, "expired").await {
+                    self.tell_expired(uid, a);
                 }
             }
-            Ok(_) => self.release(uid, "expired").await,
+            Ok(_) => {
+                self.release(uid, "expired").await;
+            }
             Err(e) => debug!(error = %e, "reading a pod for expiry failed"),
         }
     }
@@ -324,6 +348,7 @@ async fn run(service: Service, client: kube::Client, args: KubeArgs) {
         nodes,
         pods_ready: AtomicBool::new(false),
         nodes_ready: AtomicBool::new(false),
+        events: Recorder::new(client.clone(), "gpuledger-allocator", None),
     });
     info!("Kubernetes watchers started (pods, nodes)");
 

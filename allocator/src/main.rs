@@ -11,16 +11,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let cfg = Config::parse();
-    let filter = tracing_subscriber::EnvFilter::try_from_env("GPULEDGER_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    if cfg.log_format == "json" {
-        tracing_subscriber::fmt()
-            .with_env_filter(filter)
-            .json()
-            .init();
-    } else {
-        tracing_subscriber::fmt().with_env_filter(filter).init();
-    }
+    gpuledger_ops::logging::init(&cfg.log_format);
     match gpuledger_allocator::run(cfg).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {

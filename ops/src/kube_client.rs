@@ -4,8 +4,13 @@ use std::path::Path;
 
 use anyhow::Context;
 
-/// A client from the kubeconfig file at `path`, or in-cluster config when `path` is None and
-/// the process runs in a pod; None when neither is available.
+/// True when the process runs in a pod (the in-cluster config is available).
+pub fn in_cluster() -> bool {
+    std::env::var_os("KUBERNETES_SERVICE_HOST").is_some()
+}
+
+/// A client from the kubeconfig file at `path`, or the in-cluster config when `path` is None
+/// and the process runs in a pod; None when neither is available.
 pub async fn client(path: Option<&Path>) -> anyhow::Result<Option<kube::Client>> {
     let cfg = match path {
         Some(p) => {
@@ -15,7 +20,7 @@ pub async fn client(path: Option<&Path>) -> anyhow::Result<Option<kube::Client>>
                 .await
                 .with_context(|| format!("loading kubeconfig {}", p.display()))?
         }
-        None if std::env::var_os("KUBERNETES_SERVICE_HOST").is_some() => {
+        None if in_cluster() => {
             kube::Config::incluster().context("loading the in-cluster Kubernetes config")?
         }
         None => return Ok(None),
