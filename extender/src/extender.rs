@@ -3,6 +3,7 @@
 //! Stateless: every answer comes from an allocator replica and the API server.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Instant;
 
 use axum::Router;
@@ -11,6 +12,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use gpuledger_ops::events::{Kind, PodEvent, Recorder};
 use gpuledger_proto::allocator::v1 as api;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, Patch, PatchParams, PostParams};
@@ -20,6 +22,7 @@ use tonic::Code;
 use tracing::{debug, info, warn};
 
 use crate::allocator::Allocators;
+use crate::metrics::{Metrics, Outcome};
 use crate::resources::{self, ANN_ALLOCATION};
 
 /// Where a test asks the process to die (a stand-in for a crash at the worst moment).
@@ -40,6 +43,10 @@ pub struct App {
     pub kube: Option<kube::Client>,
     /// Test-only crash point.
     pub crash_at: Option<CrashAt>,
+    /// Pod Events (placed on GPU …); None without a Kubernetes client.
+    pub events: Option<Recorder>,
+    /// Verb latencies and outcomes, served at /metrics.
+    pub metrics: Arc<Metrics>,
 }
 
 /// `ExtenderArgs`: the body of filter, prioritize (and the pod of preempt).
@@ -140,6 +147,7 @@ pub struct PreemptionResult {
 
 /// The extender's routes, served at the root and under `/gpuledger`.
 pub fn router(app: App) -> Router {
+    let metrics = app.metrics.clone();
     let verbs = Router::new()
         .route("/filter", post(filter))
         .route("/prioritize", post(prioritize))
@@ -151,6 +159,17 @@ pub fn router(app: App) -> Router {
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(|| async { "ok" }))
         .with_state(app)
+        .merge(gpuledger_ops::metrics::router(metrics.registry.clone()))
+        .layer(axum::middleware::from_fn_with_state(
+            metrics,
+            crate::metrics::track,
+        ))
+}
+
+/// Mark a response that answers 200 but reports a failure.
+fn failed(mut resp: Response) -> Response {
+    resp.extensions_mut().insert(Outcome("error"));
+    resp
 }
 
 fn bad_request(what: &str, e: impl std::fmt::Display) -> Response {
@@ -262,6 +281,7 @@ async fn filter(State(app): State<App>, body: Bytes) -> Response {
         Err(s) => {
             warn!(pod = %id, error = %s.message(), "filter failed");
             out.error = s.message().to_string();
+            return failed(axum::Json(out).into_response());
         }
     }
     axum::Json(out).into_response()
@@ -323,6 +343,35 @@ async fn prioritize(State(app): State<App>, body: Bytes) -> Response {
     }
 }
 
+/// "placed on node-3: container main on GPU-… (3072 MiB, 30% compute), …" for the pod's Event.
+fn placed_message(node: &str, r: &api::ReserveResponse) -> String {
+    let parts: Vec<String> = r
+        .allocations
+        .iter()
+        .map(|a| {
+            let gpus: Vec<String> = a
+                .shares
+                .iter()
+                .map(|s| {
+                    format!(
+                        "{} ({} MiB, {}% compute)",
+                        s.gpu_uuid,
+                        s.mem_mib,
+                        s.core_milli / 10
+                    )
+                })
+                .collect();
+            format!(
+                "container {} on {} [allocation {}]",
+                a.container,
+                gpus.join(", "),
+                a.id
+            )
+        })
+        .collect();
+    format!("placed on {node}: {}", parts.join("; "))
+}
+
 /// The human-readable record of a grant, written to the pod (never read back).
 fn allocation_annotation(r: &api::ReserveResponse) -> String {
     let allocs: Vec<Value> = r
@@ -354,15 +403,14 @@ async fn bind(State(app): State<App>, body: Bytes) -> Response {
         Ok(a) => a,
         Err(e) => return bad_request("bind", e),
     };
-    let error = match do_bind(&app, &args).await {
-        Ok(()) => String::new(),
-        Err(e) => {
+    match do_bind(&app, &args).await {
+        Ok(()) => axum::Json(BindingResult::default()).into_response(),
+        Err(error) => {
             warn!(pod = %format!("{}/{}", args.pod_namespace, args.pod_name), uid = %args.pod_uid,
-                  node = %args.node, error = %e, "bind failed");
-            e
+                  node = %args.node, error = %error, "bind failed");
+            failed(axum::Json(BindingResult { error }).into_response())
         }
-    };
-    axum::Json(BindingResult { error }).into_response()
+    }
 }
 
 async fn release(app: &App, uid: &str, why: &str) {
@@ -486,6 +534,16 @@ async fn do_bind(app: &App, a: &BindingArgs) -> Result<(), String> {
     }
     info!(pod = %format!("{}/{}", a.pod_namespace, a.pod_name), uid, node = %a.node,
           ms = t0.elapsed().as_secs_f64() * 1e3, "bound");
+    if let (Some(r), Some(events)) = (&reserved, &app.events) {
+        events.emit(PodEvent {
+            namespace: a.pod_namespace.clone(),
+            name: a.pod_name.clone(),
+            uid,
+            kind: Kind::Normal,
+            reason: "GpuPlaced",
+            message: placed_message(&a.node, r),
+        });
+    }
     Ok(())
 }
 

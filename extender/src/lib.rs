@@ -4,6 +4,6 @@
 
 pub mod allocator;
 pub mod extender;
-pub mod kubeconfig;
+pub mod metrics;
 pub mod resources;
 pub mod webhook;

@@ -3,13 +3,16 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
 use gpuledger_extender::allocator::Allocators;
 use gpuledger_extender::extender::{self, App, CrashAt};
-use gpuledger_extender::{kubeconfig, webhook};
+use gpuledger_extender::metrics::Metrics;
+use gpuledger_extender::webhook;
+use gpuledger_ops::events::Recorder;
 use tracing::info;
 
 /// gpuledger-extender: kube-scheduler extender (filter, prioritize, bind, preempt) and
@@ -70,10 +73,11 @@ struct Args {
 
 async fn run(a: Args) -> anyhow::Result<()> {
     let allocators = Allocators::new(&a.allocator, Duration::from_millis(a.allocator_timeout_ms))?;
-    let kube = kubeconfig::client(a.kubeconfig.as_deref()).await?;
+    let kube = gpuledger_ops::kube_client::client(a.kubeconfig.as_deref()).await?;
     if kube.is_none() {
         tracing::warn!("no --kubeconfig and not in a cluster: bind will fail");
     }
+    let metrics = Arc::new(Metrics::default());
     if let Some(addr) = a.webhook_listen {
         let (cert, key) = (
             a.tls_cert
@@ -90,14 +94,23 @@ async fn run(a: Args) -> anyhow::Result<()> {
         let app = webhook::router(webhook::Webhook {
             allocators: allocators.clone(),
             scheduler_name: a.scheduler_name.clone(),
-        });
+        })
+        .layer(axum::middleware::from_fn_with_state(
+            metrics.clone(),
+            gpuledger_extender::metrics::track,
+        ));
         info!(%addr, "admission webhook listening (HTTPS)");
         tokio::spawn(webhook::serve_tls(l, tls, app));
     }
+    let events = kube
+        .clone()
+        .map(|k| Recorder::new(k, "gpuledger-extender", None));
     let app = extender::router(App {
         allocators,
         kube,
         crash_at: a.crash_at,
+        events,
+        metrics,
     });
     let l = tokio::net::TcpListener::bind(a.listen)
         .await
@@ -125,16 +138,7 @@ async fn run(a: Args) -> anyhow::Result<()> {
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let a = Args::parse();
-    let filter = tracing_subscriber::EnvFilter::try_from_env("GPULEDGER_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    if a.log_format == "json" {
-        tracing_subscriber::fmt()
-            .with_env_filter(filter)
-            .json()
-            .init();
-    } else {
-        tracing_subscriber::fmt().with_env_filter(filter).init();
-    }
+    gpuledger_ops::logging::init(&a.log_format);
     match run(a).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {

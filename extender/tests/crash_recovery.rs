@@ -136,6 +136,21 @@ async fn crash_after_binding_is_confirmed_and_before_binding_expires() -> anyhow
             .any(|r| r == "expired"),
         "released as expired"
     );
+    // The pod's users see why it is back in the queue.
+    eventually(
+        "a GpuReservationExpired event on p2",
+        Duration::from_secs(5),
+        || async {
+            Ok(stack.api.store.objects("v1", "events").iter().any(|e| {
+                e["involvedObject"]["name"] == "p2"
+                    && e["involvedObject"]["uid"] == uid2.as_str()
+                    && e["reason"] == "GpuReservationExpired"
+                    && e["type"] == "Warning"
+                    && e["message"].as_str().is_some_and(|m| m.contains("n1"))
+            }))
+        },
+    )
+    .await?;
     // The pod is scheduled again, through a healthy extender.
     stack.start_extender(&[]).await?;
     let sched = SchedulerEmulator::start(

@@ -117,5 +117,51 @@ async fn gpushare_and_hami_pods_run_as_written() -> anyhow::Result<()> {
             .expect("pod");
         assert_eq!(pod["spec"]["nodeName"], a.node.as_str());
     }
+
+    // Each user sees where the pod landed in `kubectl describe pod`: a GpuPlaced Event that
+    // names the node and the GPU the ledger holds.
+    for a in [&g, &h] {
+        let name = &a.pod.as_ref().expect("pod").name;
+        let gpu = &a.shares[0].gpu_uuid;
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let events = stack.api.store.objects("v1", "events");
+            let found = events.iter().any(|e| {
+                e["involvedObject"]["name"] == name.as_str()
+                    && e["reason"] == "GpuPlaced"
+                    && e["type"] == "Normal"
+                    && e["message"]
+                        .as_str()
+                        .is_some_and(|m| m.contains(a.node.as_str()) && m.contains(gpu.as_str()))
+            });
+            if found {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no GpuPlaced event for {name} on {gpu}: {events:#?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    // The extender's own metrics count the binds and time every verb.
+    let port = stack
+        .extender_url
+        .trim_start_matches("http://127.0.0.1:")
+        .trim_end_matches("/gpuledger");
+    let (code, text) =
+        gpuledger_chaos::http::get(&format!("http://127.0.0.1:{port}/metrics")).await?;
+    assert_eq!(code, 200);
+    let binds_ok = text
+        .lines()
+        .find(|l| l.starts_with(r#"gpuledger_extender_requests_total{verb="bind",outcome="ok"}"#))
+        .and_then(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .unwrap_or_else(|| panic!("no bind counter in:\n{text}"));
+    assert!(binds_ok >= 2, "{binds_ok} binds counted:\n{text}");
+    assert!(
+        text.contains(r#"gpuledger_extender_request_duration_seconds_count{verb="filter"}"#),
+        "{text}"
+    );
     Ok(())
 }
