@@ -2,17 +2,20 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use gpuledger_ops::events::{PodEvent, Recorder};
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
+use prometheus_client::registry::Registry;
 use tokio::sync::{mpsc, watch};
 use tracing::{info, warn};
 
 use crate::allocator::Pool;
 use crate::config::Config;
+use crate::metrics::Metrics;
 use crate::nvml::{GpuInfo, NvmlBackend, XidEvent, is_critical_xid};
 use crate::view::{EnvOptions, View};
 
@@ -47,6 +50,12 @@ pub struct Agent {
     pub kubelet_registered: AtomicBool,
     /// How containers' limits are exported.
     pub env: EnvOptions,
+    /// Metrics, served at /metrics with the probes.
+    pub metrics: Metrics,
+    /// The registry `metrics` live in.
+    pub registry: Registry,
+    /// Pod Events (limit exceeded, identity corrected); unset without a Kubernetes client.
+    pub events: OnceLock<Recorder>,
 }
 
 impl Agent {
@@ -55,6 +64,8 @@ impl Agent {
         let gpus = nvml.gpus().context("discovering GPUs")?;
         info!(node = %cfg.node_name, gpus = gpus.len(), "discovered GPUs: {:?}", gpus.iter().map(|g| &g.uuid).collect::<Vec<_>>());
         let pool = Pool::new(&cfg.allocator)?;
+        let mut registry = Registry::with_prefix("gpuledger_node_agent");
+        let metrics = Metrics::new(&mut registry);
         let env = EnvOptions {
             mps: cfg.mps,
             mps_pipe_dir: cfg.mps_pipe_dir.display().to_string(),
@@ -77,7 +88,17 @@ impl Agent {
             decide: tokio::sync::Mutex::new(()),
             kubelet_registered: AtomicBool::new(false),
             env,
+            metrics,
+            registry,
+            events: OnceLock::new(),
         }))
+    }
+
+    /// Tell the pod's users something through a Kubernetes Event (best effort).
+    pub fn event(&self, ev: PodEvent) {
+        if let Some(r) = self.events.get() {
+            r.emit(ev);
+        }
     }
 
     /// Read the view.

@@ -101,9 +101,14 @@ pub struct Config {
     #[arg(long, env = "GPULEDGER_REDISCOVER_INTERVAL", default_value = "30s", value_parser = parse_duration)]
     pub rediscover_interval: Duration,
 
-    /// Address for the HTTP probes `/healthz` and `/readyz` (e.g. 0.0.0.0:7422); off when unset.
+    /// Address for HTTP `/healthz`, `/readyz` and `/metrics` (e.g. 0.0.0.0:7422); off when unset.
     #[arg(long, env = "GPULEDGER_HEALTH_LISTEN")]
     pub health_listen: Option<std::net::SocketAddr>,
+
+    /// kubeconfig for creating pod Events (limit exceeded, identity corrected). Default: the
+    /// in-cluster service account when running in a pod; without either, no Events.
+    #[arg(long, env = "GPULEDGER_KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
 
     /// Log format: "human" or "json" (filter with GPULEDGER_LOG, e.g. "debug").
     #[arg(long, env = "GPULEDGER_LOG_FORMAT", default_value = "human", value_parser = ["human", "json"])]

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::Stream;
+use gpuledger_ops::events::{Kind, PodEvent};
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::deviceplugin::v1beta1 as dp;
 use gpuledger_proto::ledger::v1 as pb;
@@ -60,6 +61,27 @@ impl Plugin {
     }
 
     /// Claim the reservation for one container's devices; a repeat returns the same answer.
+    async fn allocate_all(
+        &self,
+        reqs: Vec<dp::ContainerAllocateRequest>,
+    ) -> Result<dp::AllocateResponse, Status> {
+        for c in &reqs {
+            self.check_ids(&c.devices_ids)?;
+        }
+        let _turn = self.agent.decide.lock().await;
+        let mut out = Vec::new();
+        for c in reqs {
+            let alloc = self.allocate_one(c.devices_ids).await?;
+            let r = self
+                .agent
+                .with_view(|v| container_response(&alloc, v.inventory.as_ref(), &self.agent.env));
+            out.push(r);
+        }
+        Ok(dp::AllocateResponse {
+            container_responses: out,
+        })
+    }
+
     async fn allocate_one(&self, ids: Vec<String>) -> Result<pb::Allocation, Status> {
         let a = &self.agent;
         if let Some(done) = a.with_view(|v| v.by_devices(&ids).cloned()) {
@@ -298,22 +320,15 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
         &self,
         req: Request<dp::AllocateRequest>,
     ) -> Result<Response<dp::AllocateResponse>, Status> {
-        let reqs = req.into_inner().container_requests;
-        for c in &reqs {
-            self.check_ids(&c.devices_ids)?;
-        }
-        let _turn = self.agent.decide.lock().await;
-        let mut out = Vec::new();
-        for c in reqs {
-            let alloc = self.allocate_one(c.devices_ids).await?;
-            let r = self
-                .agent
-                .with_view(|v| container_response(&alloc, v.inventory.as_ref(), &self.agent.env));
-            out.push(r);
-        }
-        Ok(Response::new(dp::AllocateResponse {
-            container_responses: out,
-        }))
+        let t0 = Instant::now();
+        let res = self.allocate_all(req.into_inner().container_requests).await;
+        let outcome = if res.is_ok() { "ok" } else { "error" };
+        self.agent
+            .metrics
+            .allocate_latency
+            .get_or_create(&vec![("outcome", outcome.to_string())])
+            .observe(t0.elapsed().as_secs_f64());
+        res.map(Response::new)
     }
 
     async fn pre_start_container(
@@ -375,6 +390,21 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
             .await?;
         info!(seq = w.seq, epoch = w.epoch, "identity corrected");
         a.update_view(|v| v.swap(guessed.id, right.id));
+        let gpus: Vec<String> = guessed.shares.iter().map(|s| s.gpu_uuid.clone()).collect();
+        a.event(PodEvent {
+            namespace: ns,
+            name: name.clone(),
+            uid: right.pod.as_ref().map(|p| p.uid.clone()).unwrap_or_default(),
+            kind: Kind::Normal,
+            reason: "GpuIdentityCorrected",
+            message: format!(
+                "the kubelet gave container {container} the devices on {} that Allocate had matched to {}/{}; the ledger now records them for this pod (allocation {})",
+                gpus.join(", "),
+                gp.namespace,
+                gp.name,
+                guessed.id
+            ),
+        });
         Ok(Response::new(dp::PreStartContainerResponse {}))
     }
 }

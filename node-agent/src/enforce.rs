@@ -5,6 +5,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use gpuledger_ops::events::{Kind, PodEvent};
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
 use tracing::{info, warn};
@@ -185,6 +186,7 @@ impl Enforcer {
                 (p, o)
             })
             .collect();
+        record_memory_used(agent, procs.iter().map(|(p, _)| p));
         if !agent.synced() {
             return;
         }
@@ -227,6 +229,20 @@ impl Enforcer {
                             }
                         }
                     }
+                    agent
+                        .metrics
+                        .violations
+                        .get_or_create(&vec![("action", action.as_str().to_string())])
+                        .inc();
+                    tell_pod(
+                        agent,
+                        allocation_id,
+                        &gpu,
+                        &pids,
+                        used_mib,
+                        limit_mib,
+                        action,
+                    );
                     report(
                         agent,
                         pb::LimitViolated {
@@ -246,6 +262,11 @@ impl Enforcer {
                         continue;
                     }
                     warn!(%gpu, pid, used_mib, "GPU process on no allocation (rogue)");
+                    agent
+                        .metrics
+                        .violations
+                        .get_or_create(&vec![("action", "rogue".to_string())])
+                        .inc();
                     report(
                         agent,
                         pb::LimitViolated {
@@ -267,6 +288,61 @@ impl Enforcer {
         self.reported.retain(|(_, _, pid)| live.contains(pid));
         self.killed.retain(|pid| alive(*pid));
     }
+}
+
+/// NVML's memory use per GPU by live processes (every GPU of the node, 0 where nothing runs)
+/// into the metrics.
+fn record_memory_used<'a>(agent: &Agent, procs: impl Iterator<Item = &'a GpuProcess>) {
+    const MIB: i64 = 1 << 20;
+    let mut used: HashMap<String, u64> = agent
+        .gpus
+        .borrow()
+        .iter()
+        .map(|g| (g.info.uuid.clone(), 0))
+        .collect();
+    for p in procs {
+        *used.entry(p.gpu.clone()).or_default() += p.used_mib;
+    }
+    for (gpu, mib) in used {
+        agent
+            .metrics
+            .memory_used
+            .get_or_create(&vec![("gpu", gpu)])
+            .set(i64::try_from(mib).unwrap_or(i64::MAX / MIB) * MIB);
+    }
+}
+
+/// A Warning Event on the pod whose container went over its limit, saying what happened.
+fn tell_pod(
+    agent: &Agent,
+    allocation_id: u64,
+    gpu: &str,
+    pids: &[u32],
+    used_mib: u64,
+    limit_mib: u64,
+    action: OnViolation,
+) {
+    let Some((pod, container)) = agent.with_view(|v| {
+        v.allocs
+            .get(&allocation_id)
+            .and_then(|a| Some((a.pod.clone()?, a.container.clone())))
+    }) else {
+        return;
+    };
+    let what = match action {
+        OnViolation::Kill => format!("its GPU processes {pids:?} were killed"),
+        OnViolation::Report => "reported only (--on-violation=report)".to_string(),
+    };
+    agent.event(PodEvent {
+        namespace: pod.namespace,
+        name: pod.name,
+        uid: pod.uid,
+        kind: Kind::Warning,
+        reason: "GpuLimitExceeded",
+        message: format!(
+            "container {container} used {used_mib} MiB on {gpu}, over its limit of {limit_mib} MiB (allocation {allocation_id}): {what}"
+        ),
+    });
 }
 
 async fn report(agent: &Agent, v: pb::LimitViolated) {

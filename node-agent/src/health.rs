@@ -1,65 +1,82 @@
-//! `/healthz` (the process answers) and `/readyz` (registered with the kubelet and following
-//! the ledger) over plain HTTP/1.1, for the DaemonSet's probes.
+//! The agent's HTTP side for the DaemonSet's probes and Prometheus: `/healthz` (the process
+//! answers), `/readyz` (registered with the kubelet and following the ledger), `/metrics`.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpListener;
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
 use tracing::warn;
 
 use crate::agent::Agent;
 
-/// The status line and body for a request path.
-pub fn answer(path: &str, registered: bool, synced: bool) -> (&'static str, String) {
+/// The status and body of a probe.
+pub fn answer(path: &str, registered: bool, synced: bool) -> (StatusCode, String) {
     match path {
-        "/healthz" => ("200 OK", "ok\n".into()),
-        "/readyz" if registered && synced => ("200 OK", "ready\n".into()),
+        "/healthz" => (StatusCode::OK, "ok\n".into()),
+        "/readyz" if registered && synced => (StatusCode::OK, "ready\n".into()),
         "/readyz" => (
-            "503 Service Unavailable",
+            StatusCode::SERVICE_UNAVAILABLE,
             format!("not ready: kubelet_registered={registered} ledger_synced={synced}\n"),
         ),
-        _ => ("404 Not Found", "not found\n".into()),
+        _ => (StatusCode::NOT_FOUND, "not found\n".into()),
     }
 }
 
-/// Serve the probes on `addr` forever.
+fn probe(agent: &Agent, path: &str) -> (StatusCode, String) {
+    answer(
+        path,
+        agent.kubelet_registered.load(Ordering::Acquire),
+        agent.synced(),
+    )
+}
+
+async fn metrics(State(agent): State<Arc<Agent>>) -> Response {
+    agent.metrics.refresh(&agent);
+    match gpuledger_ops::metrics::encode(&agent.registry) {
+        Ok(body) => (
+            [(header::CONTENT_TYPE, gpuledger_ops::metrics::CONTENT_TYPE)],
+            body,
+        )
+            .into_response(),
+        Err(e) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("encoding metrics: {e}\n"),
+        )
+            .into_response(),
+    }
+}
+
+/// The routes.
+pub fn router(agent: Arc<Agent>) -> Router {
+    Router::new()
+        .route(
+            "/healthz",
+            get(|State(a): State<Arc<Agent>>| async move { probe(&a, "/healthz") }),
+        )
+        .route(
+            "/readyz",
+            get(|State(a): State<Arc<Agent>>| async move { probe(&a, "/readyz") }),
+        )
+        .route("/metrics", get(metrics))
+        .with_state(agent)
+}
+
+/// Serve on `addr` until the task is dropped.
 pub async fn serve(agent: Arc<Agent>, addr: SocketAddr) {
-    let l = match TcpListener::bind(addr).await {
+    let l = match tokio::net::TcpListener::bind(addr).await {
         Ok(l) => l,
         Err(e) => {
-            warn!(%addr, "health endpoint not served: {e}");
+            warn!(%addr, "health and metrics endpoint not served: {e}");
             return;
         }
     };
-    loop {
-        let Ok((mut s, _)) = l.accept().await else {
-            continue;
-        };
-        let agent = agent.clone();
-        tokio::spawn(async move {
-            let mut buf = [0u8; 1024];
-            let mut n = 0;
-            while n < buf.len() && !buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
-                match s.read(&mut buf[n..]).await {
-                    Ok(0) | Err(_) => break,
-                    Ok(k) => n += k,
-                }
-            }
-            let req = String::from_utf8_lossy(&buf[..n]);
-            let path = req.split_whitespace().nth(1).unwrap_or("/");
-            let (status, body) = answer(
-                path,
-                agent.kubelet_registered.load(Ordering::Acquire),
-                agent.synced(),
-            );
-            let resp = format!(
-                "HTTP/1.1 {status}\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-                body.len()
-            );
-            let _ = s.write_all(resp.as_bytes()).await;
-        });
+    if let Err(e) = axum::serve(l, router(agent)).await {
+        warn!(%addr, "health and metrics endpoint stopped: {e}");
     }
 }
 
@@ -69,10 +86,15 @@ mod tests {
 
     #[test]
     fn ready_only_when_registered_and_synced() {
-        assert_eq!(answer("/healthz", false, false).0, "200 OK");
-        assert_eq!(answer("/readyz", true, true).0, "200 OK");
-        assert!(answer("/readyz", true, false).0.starts_with("503"));
-        assert!(answer("/readyz", false, true).0.starts_with("503"));
-        assert!(answer("/metrics", true, true).0.starts_with("404"));
+        assert_eq!(answer("/healthz", false, false).0, StatusCode::OK);
+        assert_eq!(answer("/readyz", true, true).0, StatusCode::OK);
+        assert_eq!(
+            answer("/readyz", true, false).0,
+            StatusCode::SERVICE_UNAVAILABLE
+        );
+        assert_eq!(
+            answer("/readyz", false, true).0,
+            StatusCode::SERVICE_UNAVAILABLE
+        );
     }
 }

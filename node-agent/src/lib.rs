@@ -12,6 +12,7 @@ pub mod device_plugin;
 pub mod enforce;
 pub mod health;
 pub mod kubelet;
+pub mod metrics;
 pub mod nvml;
 pub mod subscribe;
 pub mod uds;
@@ -22,7 +23,7 @@ use std::sync::atomic::AtomicBool;
 
 use anyhow::Context;
 use tokio::signal::unix::{SignalKind, signal};
-use tracing::info;
+use tracing::{info, warn};
 
 pub use config::Config;
 
@@ -35,6 +36,18 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
     anyhow::ensure!(cfg.slots_per_gpu > 0, "--slots-per-gpu must be at least 1");
     let nvml = nvml::NvmlBackend::open(cfg.nvml_lib.as_deref())?;
     let agent = agent::Agent::new(cfg, nvml).context("starting the agent")?;
+    match gpuledger_ops::kube_client::client(agent.cfg.kubeconfig.as_deref()).await {
+        Ok(Some(client)) => {
+            let rec = gpuledger_ops::events::Recorder::new(
+                client,
+                "gpuledger-node-agent",
+                Some(agent.cfg.node_name.clone()),
+            );
+            let _ = agent.events.set(rec);
+        }
+        Ok(None) => info!("no --kubeconfig and not in a cluster: no pod Events"),
+        Err(e) => warn!("no pod Events: {e:#}"),
+    }
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
 

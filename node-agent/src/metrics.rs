@@ -1,0 +1,151 @@
+//! The node agent's metrics (`gpuledger_node_agent_*`): device-plugin Allocate latency,
+//! NVML-measured memory per GPU, GPU health, violations, and how far the ledger view is.
+
+use std::sync::atomic::{AtomicI64, AtomicU64};
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::{Registry, Unit};
+
+use crate::agent::Agent;
+
+type Labels = Vec<(&'static str, String)>;
+
+/// Every series the agent exports. Values that are state (health, capacity, view seq) are
+/// refreshed from the agent on each scrape; events (Allocate, violations) are counted where
+/// they happen.
+pub struct Metrics {
+    /// Time to answer one device-plugin Allocate, claim through the allocator included.
+    pub allocate_latency: Family<Labels, Histogram>,
+    /// Violations found, by action (kill, report, rogue).
+    pub violations: Family<Labels, Counter>,
+    /// GPU memory in use per GPU as NVML measures it (sum over its processes), in bytes.
+    pub memory_used: Family<Labels, Gauge<i64, AtomicI64>>,
+    memory_total: Family<Labels, Gauge<i64, AtomicI64>>,
+    memory_allocated: Family<Labels, Gauge<i64, AtomicI64>>,
+    healthy: Family<Labels, Gauge>,
+    allocations: Gauge,
+    ledger_seq: Gauge<u64, AtomicU64>,
+    registered: Gauge,
+    synced: Gauge,
+}
+
+fn allocate_histogram() -> Histogram {
+    // 0.25 ms .. ~8 s.
+    Histogram::new(exponential_buckets(0.000_25, 2.0, 16))
+}
+
+impl Metrics {
+    /// The metrics, registered in `registry`.
+    pub fn new(registry: &mut Registry) -> Metrics {
+        let m = Metrics {
+            allocate_latency: Family::new_with_constructor(allocate_histogram as fn() -> _),
+            violations: Family::default(),
+            memory_used: Family::default(),
+            memory_total: Family::default(),
+            memory_allocated: Family::default(),
+            healthy: Family::default(),
+            allocations: Gauge::default(),
+            ledger_seq: Gauge::default(),
+            registered: Gauge::default(),
+            synced: Gauge::default(),
+        };
+        registry.register_with_unit(
+            "allocate_duration",
+            "Time to answer a device-plugin Allocate (the claim through the allocator included), by outcome",
+            Unit::Seconds,
+            m.allocate_latency.clone(),
+        );
+        registry.register(
+            "violations",
+            "Processes found over their memory limit or on no allocation, by action",
+            m.violations.clone(),
+        );
+        registry.register_with_unit(
+            "gpu_memory_used",
+            "GPU memory used per GPU as NVML measures it (sum over its processes)",
+            Unit::Bytes,
+            m.memory_used.clone(),
+        );
+        registry.register_with_unit(
+            "gpu_memory_total",
+            "GPU memory per GPU as NVML reports it",
+            Unit::Bytes,
+            m.memory_total.clone(),
+        );
+        registry.register_with_unit(
+            "gpu_memory_allocated",
+            "GPU memory the ledger allocates on each GPU of this node",
+            Unit::Bytes,
+            m.memory_allocated.clone(),
+        );
+        registry.register(
+            "gpu_healthy",
+            "1 while the GPU is healthy (0 after a critical Xid)",
+            m.healthy.clone(),
+        );
+        registry.register(
+            "allocations",
+            "Allocations the ledger holds on this node",
+            m.allocations.clone(),
+        );
+        registry.register(
+            "ledger_seq",
+            "Ledger seq of this agent's view of its node",
+            m.ledger_seq.clone(),
+        );
+        registry.register(
+            "kubelet_registered",
+            "1 while the device plugin is registered with the kubelet",
+            m.registered.clone(),
+        );
+        registry.register(
+            "ledger_synced",
+            "1 once the agent follows the ledger",
+            m.synced.clone(),
+        );
+        m
+    }
+
+    /// Bring the state gauges up to date with `agent` (called on each scrape).
+    pub fn refresh(&self, agent: &Agent) {
+        const MIB: i64 = 1 << 20;
+        for g in agent.gpus.borrow().iter() {
+            let l = vec![("gpu", g.info.uuid.clone())];
+            self.healthy.get_or_create(&l).set(i64::from(g.healthy));
+            self.memory_total
+                .get_or_create(&l)
+                .set(i64::try_from(g.info.memory_mib).unwrap_or(i64::MAX) * MIB);
+        }
+        agent.with_view(|v| {
+            self.ledger_seq.set(v.seq);
+            self.allocations
+                .set(i64::try_from(v.allocs.len()).unwrap_or(i64::MAX));
+            let mut per_gpu: std::collections::HashMap<&str, i64> = Default::default();
+            if let Some(inv) = &v.inventory {
+                for g in &inv.gpus {
+                    per_gpu.insert(&g.uuid, 0);
+                }
+            }
+            for a in v.allocs.values() {
+                for s in &a.shares {
+                    *per_gpu.entry(&s.gpu_uuid).or_default() +=
+                        i64::try_from(s.mem_mib).unwrap_or(0);
+                }
+            }
+            for (gpu, mib) in per_gpu {
+                self.memory_allocated
+                    .get_or_create(&vec![("gpu", gpu.to_string())])
+                    .set(mib * MIB);
+            }
+        });
+        self.registered.set(i64::from(
+            agent
+                .kubelet_registered
+                .load(std::sync::atomic::Ordering::Acquire),
+        ));
+        self.synced.set(i64::from(agent.synced()));
+    }
+}

@@ -1,0 +1,168 @@
+//! What the agent tells people: Kubernetes Events on the pod (limit exceeded, identity
+//! corrected), created through an ordinary kubeconfig against the test kit's API server, and
+//! its `/metrics` (Allocate latency, NVML-measured memory, violations, health).
+
+mod support;
+
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+use gpuledger_chaos::free_port;
+use gpuledger_chaos::kube::FakeApiServer;
+use serde_json::Value;
+use support::Cluster;
+
+struct Observed {
+    api: FakeApiServer,
+    _dir: tempfile::TempDir,
+    port: u16,
+    flags: Vec<String>,
+}
+
+async fn observed() -> anyhow::Result<Observed> {
+    let dir = tempfile::tempdir()?;
+    let api = FakeApiServer::start(dir.path()).await?;
+    let port = free_port()?;
+    let flags = vec![
+        format!("--kubeconfig={}", api.kubeconfig().display()),
+        format!("--health-listen=127.0.0.1:{port}"),
+    ];
+    Ok(Observed {
+        api,
+        _dir: dir,
+        port,
+        flags,
+    })
+}
+
+async fn wait_event(api: &FakeApiServer, pod: &str, reason: &str) -> anyhow::Result<Value> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let events = api.store.objects("v1", "events");
+        if let Some(e) = events
+            .iter()
+            .find(|e| e["involvedObject"]["name"] == pod && e["reason"] == reason)
+        {
+            return Ok(e.clone());
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "no {reason} event for {pod}; events: {events:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The value of the series whose line starts with `series` (name and labels).
+fn value(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+}
+
+async fn scrape(port: u16) -> anyhow::Result<String> {
+    let (code, text) =
+        gpuledger_chaos::http::get(&format!("http://127.0.0.1:{port}/metrics")).await?;
+    anyhow::ensure!(code == 200, "/metrics answered {code}: {text}");
+    Ok(text)
+}
+
+fn sleeper(allocation_id: u64) -> anyhow::Result<Child> {
+    Ok(Command::new("sleep")
+        .arg("60")
+        .env("GPULEDGER_ALLOCATION_ID", allocation_id.to_string())
+        .spawn()?)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_container_gets_an_event_and_the_metrics_follow_nvml() -> anyhow::Result<()> {
+    let o = observed().await?;
+    let flags: Vec<&str> = o.flags.iter().map(String::as_str).collect();
+    let mut c = Cluster::start(1, &flags).await?;
+    let gpu = c.gpu(0);
+    let a = c.reserve("uid-a", 10_000, None).await?;
+    let b = c.reserve("uid-b", 6_000, None).await?;
+    c.kubelet.admit("default", "pod-uid-a", "main", 1).await?;
+    c.kubelet.admit("default", "pod-uid-b", "main", 1).await?;
+
+    let hog = sleeper(a.id)?;
+    let fine = sleeper(b.id)?;
+    c.nvml.set_process(hog.id(), 12_000, &gpu)?;
+    c.nvml.set_process(fine.id(), 5_000, &gpu)?;
+
+    let e = wait_event(&o.api, "pod-uid-a", "GpuLimitExceeded").await?;
+    assert_eq!(e["type"], "Warning");
+    assert_eq!(e["metadata"]["namespace"], "default");
+    assert_eq!(e["source"]["host"], support::NODE);
+    let msg = e["message"].as_str().unwrap_or_default();
+    for want in ["12000 MiB", "10000 MiB", gpu.as_str(), "killed"] {
+        assert!(msg.contains(want), "{want:?} missing from {msg:?}");
+    }
+    assert!(
+        o.api
+            .store
+            .objects("v1", "events")
+            .iter()
+            .all(|e| e["involvedObject"]["name"] != "pod-uid-b"),
+        "the pod within its limit gets no event"
+    );
+
+    // After the kill only the process within its limit uses memory, as NVML measures it.
+    let used = format!("gpuledger_node_agent_gpu_memory_used_bytes{{gpu=\"{gpu}\"}}");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let text = loop {
+        let text = scrape(o.port).await?;
+        if value(&text, &used) == Some(5_000.0 * 1048576.0) {
+            break text;
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "{used} never became 5000 MiB:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let allocated = format!("gpuledger_node_agent_gpu_memory_allocated_bytes{{gpu=\"{gpu}\"}}");
+    assert_eq!(
+        value(&text, &allocated),
+        Some(16_000.0 * 1048576.0),
+        "{text}"
+    );
+    let kills = r#"gpuledger_node_agent_violations_total{action="kill"}"#;
+    assert_eq!(value(&text, kills), Some(1.0), "{text}");
+    let allocates = r#"gpuledger_node_agent_allocate_duration_seconds_count{outcome="ok"}"#;
+    assert_eq!(value(&text, allocates), Some(2.0), "{text}");
+    let healthy = format!("gpuledger_node_agent_gpu_healthy{{gpu=\"{gpu}\"}}");
+    assert_eq!(value(&text, &healthy), Some(1.0), "{text}");
+    assert_eq!(
+        value(&text, "gpuledger_node_agent_kubelet_registered"),
+        Some(1.0)
+    );
+    assert_eq!(value(&text, "gpuledger_node_agent_allocations"), Some(2.0));
+    assert!(value(&text, "gpuledger_node_agent_ledger_seq").is_some_and(|s| s > 0.0));
+    let (code, _) =
+        gpuledger_chaos::http::get(&format!("http://127.0.0.1:{}/readyz", o.port)).await?;
+    assert_eq!(code, 200);
+    for mut ch in [hog, fine] {
+        let _ = ch.kill();
+        let _ = ch.wait();
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrected_identity_is_told_to_the_pod() -> anyhow::Result<()> {
+    let o = observed().await?;
+    let flags: Vec<&str> = o.flags.iter().map(String::as_str).collect();
+    let c = Cluster::start(2, &flags).await?;
+    let (g0, g1) = (c.gpu(0), c.gpu(1));
+    let a = c.reserve("uid-a", 10_000, Some(&g0)).await?;
+    c.reserve("uid-b", 10_000, Some(&g1)).await?;
+    // B is admitted first and gets A's (older) reservation on GPU 0; PreStart corrects it.
+    c.kubelet.admit("default", "pod-uid-b", "main", 1).await?;
+    let e = wait_event(&o.api, "pod-uid-b", "GpuIdentityCorrected").await?;
+    let msg = e["message"].as_str().unwrap_or_default();
+    assert!(msg.contains(&g0), "{msg}");
+    assert!(msg.contains("default/pod-uid-a"), "{msg}");
+    assert!(msg.contains(&format!("allocation {}", a.id)), "{msg}");
+    Ok(())
+}
