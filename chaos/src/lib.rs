@@ -11,6 +11,7 @@ pub mod http;
 pub mod kube;
 pub mod kubelet;
 pub mod process;
+pub mod promtext;
 pub mod run;
 pub mod workload;
 
