@@ -157,13 +157,38 @@ pub fn router(app: App) -> Router {
         .merge(verbs.clone())
         .nest("/gpuledger", verbs)
         .route("/healthz", get(|| async { "ok" }))
-        .route("/readyz", get(|| async { "ok" }))
+        .route("/readyz", get(readyz))
         .with_state(app)
         .merge(gpuledger_ops::metrics::router(metrics.registry.clone()))
         .layer(axum::middleware::from_fn_with_state(
             metrics,
             crate::metrics::track,
         ))
+}
+
+/// Ready when an allocator replica answers and can serve grants: without one every verb
+/// would fail, so a Service should route the scheduler elsewhere.
+async fn readyz(State(app): State<App>) -> Response {
+    let st = app
+        .allocators
+        .call(|mut c| async move { c.status(api::StatusRequest {}).await })
+        .await;
+    match st {
+        Ok(s) if s.ready => (StatusCode::OK, "ready\n".to_string()).into_response(),
+        Ok(s) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "not ready: allocator {} cannot serve grants: {}\n",
+                s.address, s.not_ready_reason
+            ),
+        )
+            .into_response(),
+        Err(e) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: {}\n", e.message()),
+        )
+            .into_response(),
+    }
 }
 
 /// Mark a response that answers 200 but reports a failure.

@@ -58,6 +58,21 @@ async fn malformed_json_is_400_and_a_dead_ledger_is_named() -> anyhow::Result<()
         .as_str()
         .unwrap_or("");
     assert!(why.contains("between 0 and 100"), "{r}");
+    // Alive but not ready without a ledger, and /readyz says why.
+    let base = format!("http://127.0.0.1:{port}");
+    let (code, _) = gpuledger_chaos::http::get(&format!("{base}/healthz")).await?;
+    assert_eq!(code, 200);
+    let (code, body) = gpuledger_chaos::http::get(&format!("{base}/readyz")).await?;
+    assert_eq!(code, 503, "{body}");
+    assert!(body.contains("ledger unavailable"), "{body}");
+    // The failed filter shows in the metrics as an error, the malformed bodies as bad requests.
+    let (_, text) = gpuledger_chaos::http::get(&format!("{base}/metrics")).await?;
+    for want in [
+        r#"gpuledger_extender_requests_total{verb="filter",outcome="error"} 1"#,
+        r#"gpuledger_extender_requests_total{verb="bind",outcome="bad_request"} 4"#,
+    ] {
+        assert!(text.contains(want), "{want} not in:\n{text}");
+    }
     assert!(p.exited().is_none(), "the extender survived all of it");
     Ok(())
 }

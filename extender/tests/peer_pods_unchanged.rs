@@ -153,6 +153,9 @@ async fn gpushare_and_hami_pods_run_as_written() -> anyhow::Result<()> {
     let (code, text) =
         gpuledger_chaos::http::get(&format!("http://127.0.0.1:{port}/metrics")).await?;
     assert_eq!(code, 200);
+    let (ready, why) =
+        gpuledger_chaos::http::get(&format!("http://127.0.0.1:{port}/readyz")).await?;
+    assert_eq!(ready, 200, "{why}");
     let binds_ok = text
         .lines()
         .find(|l| l.starts_with(r#"gpuledger_extender_requests_total{verb="bind",outcome="ok"}"#))
