@@ -78,6 +78,20 @@ pub struct Config {
     #[command(flatten)]
     pub kube: crate::kube_watch::KubeArgs,
 
+    /// Placement policy of pods that name none (annotation `gpuledger.io/policy`): binpack,
+    /// spread, fgd, fgd-pack, random, dotprod, bestfit, packing or clustering.
+    #[arg(long, env = "GPULEDGER_DEFAULT_POLICY", default_value = "binpack", value_parser = parse_policy)]
+    pub default_policy: gpuledger_ledger::Policy,
+
+    /// FGD learns the cluster's pod shapes from this many most recent reservations.
+    #[arg(long, env = "GPULEDGER_FGD_WINDOW", default_value_t = 1000)]
+    pub fgd_window: usize,
+
+    /// Until this many reservations are in the window, FGD uses a neutral prior (whole GPUs,
+    /// halves, quarters, tenths, multi-GPU pods).
+    #[arg(long, env = "GPULEDGER_FGD_MIN_SAMPLES", default_value_t = 100)]
+    pub fgd_min_samples: usize,
+
     /// Log format: "human" or "json".
     #[arg(long, env = "GPULEDGER_LOG_FORMAT", default_value = "human", value_parser = ["human", "json"])]
     pub log_format: String,
@@ -109,4 +123,8 @@ impl Config {
     pub fn lease_ttl(&self) -> Duration {
         Duration::from_secs(self.lease_ttl.max(1))
     }
+}
+
+fn parse_policy(s: &str) -> Result<gpuledger_ledger::Policy, String> {
+    s.parse()
 }

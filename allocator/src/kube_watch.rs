@@ -279,8 +279,9 @@ impl Watch {
                 .read(|l| l.nodes().keys().cloned().collect());
             node_missing.retain(|n, _| ledger_nodes.contains(n));
             for n in ledger_nodes {
-                if self.nodes.get(&ObjectRef::new(&n)).is_some() {
+                if let Some(k) = self.nodes.get(&ObjectRef::new(&n)) {
                     node_missing.remove(&n);
+                    self.sync_capacity(&n, &k).await;
                     continue;
                 }
                 let since = *node_missing.entry(n.clone()).or_insert_with(Instant::now);
@@ -297,6 +298,28 @@ impl Watch {
                 }
             }
         }
+    }
+
+    /// Bring the ledger's CPU and host memory of `name` in line with the node's allocatable
+    /// (for node-level fit and FGD). GPUs stay as the node agent registered them.
+    async fn sync_capacity(&self, name: &str, k: &Node) {
+        let Some((cpu_milli, memory_mib)) = allocatable(k) else {
+            return;
+        };
+        let Some(mut inv) = self.service.shared().read(|l| {
+            l.node(name)
+                .filter(|n| (n.cpu_milli, n.memory_mib) != (cpu_milli, memory_mib))
+                .map(|n| n.inventory())
+        }) else {
+            return;
+        };
+        inv.cpu_milli = cpu_milli;
+        inv.memory_mib = memory_mib;
+        self.act(
+            Command::RegisterNode(inv),
+            &format!("node {name}: allocatable cpu {cpu_milli}m, memory {memory_mib} MiB"),
+        )
+        .await;
     }
 
     fn pods_api_ns(&self, ns: &str) -> Api<Pod> {
@@ -326,6 +349,20 @@ impl Watch {
             Err(e) => debug!(error = %e, "reading a pod for expiry failed"),
         }
     }
+}
+
+/// A node's allocatable CPU (millicores) and memory (MiB), when Kubernetes reports both.
+fn allocatable(n: &Node) -> Option<(u64, u64)> {
+    let a = n.status.as_ref()?.allocatable.as_ref()?;
+    let q = |k: &str| gpuledger_ops::quantity::parse(&a.get(k)?.0).ok();
+    let cpu = q("cpu")?;
+    let mem = q("memory")?;
+    (cpu > 0.0 && mem > 0.0).then(|| {
+        (
+            (cpu * 1000.0).round() as u64,
+            (mem / (1024.0 * 1024.0)).floor() as u64,
+        )
+    })
 }
 
 /// One allocation as the reconcile sees it.

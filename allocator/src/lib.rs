@@ -14,6 +14,7 @@ pub mod replica;
 pub mod service;
 pub mod shared;
 pub mod tail;
+pub mod workload;
 
 pub use config::Config;
 pub use replica::run;

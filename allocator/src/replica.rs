@@ -13,9 +13,11 @@ use crate::config::Config;
 use crate::election::{self, Session};
 use crate::leader::{BatchLimits, Leader, StepDown};
 use crate::log::EtcdLog;
+use crate::service::Placement;
 use crate::service::Service;
 use crate::shared::{Role, Shared};
 use crate::tail;
+use crate::workload::Learned;
 
 /// Connect to etcd (lazily: the connection is made by the first request).
 pub async fn connect(endpoints: &[String]) -> anyhow::Result<Client> {
@@ -72,12 +74,18 @@ pub async fn run_until(cfg: Config, stop: watch::Receiver<bool>) -> anyhow::Resu
         cluster = %cfg.cluster,
         "gpuledger-allocator starting"
     );
+    let learned = Learned::new(cfg.fgd_window, cfg.fgd_min_samples);
     let service = Service::new(
         shared.clone(),
         client.clone(),
         log.clone(),
         Duration::from_secs(cfg.reserve_ttl),
+        Placement {
+            default_policy: cfg.default_policy,
+            learned: learned.clone(),
+        },
     );
+    tokio::spawn(crate::workload::follow(shared.clone(), learned));
     let http = tokio::net::TcpListener::bind(cfg.http_listen)
         .await
         .with_context(|| format!("listening on --http-listen {}", cfg.http_listen))?;

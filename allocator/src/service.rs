@@ -20,6 +20,7 @@ use tracing::debug;
 
 use crate::log::EtcdLog;
 use crate::shared::{Committed, Role, Shared};
+use crate::workload::Learned;
 
 /// Metadata key marking a request already forwarded once (never forwarded twice).
 const FORWARDED: &str = "x-gpuledger-forwarded";
@@ -89,6 +90,16 @@ pub struct Service {
     log: EtcdLog,
     reserve_ttl: Duration,
     channels: Arc<Mutex<HashMap<String, Channel>>>,
+    placement: Placement,
+}
+
+/// How requests that name no policy are placed, and the workload FGD learns.
+#[derive(Clone)]
+pub struct Placement {
+    /// The policy of requests that do not name one.
+    pub default_policy: gpuledger_ledger::Policy,
+    /// The pod shapes FGD measures fragmentation against.
+    pub learned: Arc<Learned>,
 }
 
 type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
@@ -100,6 +111,7 @@ impl Service {
         etcd: etcd_client::Client,
         log: EtcdLog,
         reserve_ttl: Duration,
+        placement: Placement,
     ) -> Self {
         Service {
             shared,
@@ -107,7 +119,23 @@ impl Service {
             log,
             reserve_ttl,
             channels: Arc::new(Mutex::new(HashMap::new())),
+            placement,
         }
+    }
+
+    /// A request as the ledger evaluates it: the default policy when it names none, and the
+    /// learned workload for FGD.
+    fn request(&self, r: Option<api::PodRequest>) -> Result<PodRequest, Status> {
+        let mut r = r;
+        if let Some(p) = r.as_mut() {
+            let pl = p.placement.get_or_insert_with(Default::default);
+            if pl.policy.is_empty() {
+                pl.policy = self.placement.default_policy.as_str().to_string();
+            }
+        }
+        let mut pr = pod_request(r)?;
+        self.placement.learned.attach(&mut pr);
+        Ok(pr)
     }
 
     fn check_serving(&self) -> Result<(), Status> {
@@ -358,7 +386,7 @@ impl Allocator for Service {
     ) -> Result<Response<api::FilterResponse>, Status> {
         self.check_serving()?;
         let r = req.into_inner();
-        let pr = pod_request(r.request)?;
+        let pr = self.request(r.request)?;
         let resp = self.shared.read(|l| {
             let mut out = api::FilterResponse {
                 seq: l.seq(),
@@ -400,7 +428,7 @@ impl Allocator for Service {
     ) -> Result<Response<api::ScoreResponse>, Status> {
         self.check_serving()?;
         let r = req.into_inner();
-        let pr = pod_request(r.request)?;
+        let pr = self.request(r.request)?;
         let resp = self.shared.read(|l| api::ScoreResponse {
             seq: l.seq(),
             scores: r
@@ -425,7 +453,7 @@ impl Allocator for Service {
                 "node is empty: reserve needs the node the scheduler chose",
             ));
         }
-        let pr = pod_request(r.request.clone())?;
+        let pr = self.request(r.request.clone())?;
         let ttl = if r.ttl_ms > 0 {
             Duration::from_millis(r.ttl_ms)
         } else {

@@ -164,9 +164,19 @@ impl Ledger {
         let unchanged = Ok((Vec::new(), Reply::Done { changed: false }));
         let changed = |b: Vec<Body>| Ok((b, Reply::Done { changed: true }));
         match cmd {
-            Command::RegisterNode(inv) => {
+            Command::RegisterNode(mut inv) => {
                 if inv.node.is_empty() {
                     return Err(CommandError::Invalid("node name is empty".into()));
+                }
+                // CPU and host memory come from Kubernetes (node allocatable), GPUs from the
+                // node agent: a registration that does not know one (0) keeps the ledger's.
+                if let Some(n) = self.node(&inv.node) {
+                    if inv.cpu_milli == 0 {
+                        inv.cpu_milli = n.cpu_milli;
+                    }
+                    if inv.memory_mib == 0 {
+                        inv.memory_mib = n.memory_mib;
+                    }
                 }
                 if let Some(n) = self.node(&inv.node) {
                     let mut cur = n.inventory();

@@ -74,7 +74,8 @@ impl Policy {
         }
     }
 
-    fn is_fgd(self) -> bool {
+    /// Whether the policy measures fragmentation against a workload (fgd, fgd-pack).
+    pub fn is_fgd(self) -> bool {
         matches!(self, Policy::Fgd | Policy::FgdPack)
     }
 }

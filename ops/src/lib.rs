@@ -5,3 +5,4 @@ pub mod events;
 pub mod kube_client;
 pub mod logging;
 pub mod metrics;
+pub mod quantity;

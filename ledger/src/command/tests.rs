@@ -224,3 +224,38 @@ fn remove_node_releases_its_allocations_first() {
     assert_eq!(ev.len(), 2);
     assert!(l.allocs().is_empty() && l.nodes().is_empty());
 }
+
+#[test]
+fn cpu_and_memory_from_kubernetes_survive_an_agent_registration() {
+    let mut l = setup();
+    let mut from_k8s = l.node("n1").expect("n1").inventory();
+    from_k8s.cpu_milli = 8000;
+    from_k8s.memory_mib = 32_768;
+    let (ev, _) = l
+        .execute(Command::RegisterNode(from_k8s.clone()), 1, 1)
+        .expect("capacity from k8s");
+    assert_eq!(ev.len(), 1);
+    // The node agent knows GPUs only: it registers with 0 CPU and memory, which keep the ledger's.
+    let mut from_agent = from_k8s.clone();
+    from_agent.cpu_milli = 0;
+    from_agent.memory_mib = 0;
+    let (ev, r) = l
+        .execute(Command::RegisterNode(from_agent), 1, 2)
+        .expect("agent");
+    assert!(ev.is_empty(), "nothing changed: {r:?}");
+    let n = l.node("n1").expect("n1");
+    assert_eq!((n.cpu_milli, n.memory_mib), (8000, 32_768));
+    // A pod larger than the node's CPU does not fit any more.
+    let mut big = pod("big", 1000);
+    big.cpu_milli = 9000;
+    let err = l.execute(
+        Command::Reserve {
+            request: big,
+            node: "n1".into(),
+            deadline_ms: 60_000,
+        },
+        1,
+        3,
+    );
+    assert!(err.is_err(), "{err:?}");
+}

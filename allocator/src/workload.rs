@@ -1,0 +1,209 @@
+//! The workload FGD places against, learned from the ledger's recent reservations.
+//!
+//! Fragmentation gradient descent needs the distribution of pod shapes the cluster runs. Every
+//! replica follows the committed batches and keeps the shapes of the last `--fgd-window` pods
+//! reserved (GPUs, compute per GPU, CPU and host memory, from their `Reserved` events); while
+//! fewer than `--fgd-min-samples` have been seen, it uses [`Workload::prior`]. Requests with an
+//! FGD policy get the current distribution attached before they are evaluated.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, RwLock};
+
+use gpuledger_ledger::CORE_MILLI_PER_GPU;
+use gpuledger_ledger::placement::{PodRequest, PodShape, Workload};
+use gpuledger_proto::ledger::v1 as pb;
+use tokio::sync::broadcast::error::RecvError;
+
+use crate::shared::Shared;
+
+/// How many new shapes make the distribution be recomputed.
+const REBUILD_EVERY: usize = 16;
+
+/// The learned distribution and the window it comes from.
+pub struct Learned {
+    current: RwLock<Arc<Workload>>,
+    window: usize,
+    min_samples: usize,
+    seen: std::sync::Mutex<Window>,
+}
+
+#[derive(Default)]
+struct Window {
+    shapes: VecDeque<PodShape>,
+    counts: HashMap<PodShape, u64>,
+    since_rebuild: usize,
+}
+
+impl Learned {
+    /// Empty (the prior) for a window of `window` pods, learned once `min_samples` are in.
+    pub fn new(window: usize, min_samples: usize) -> Arc<Learned> {
+        Arc::new(Learned {
+            current: RwLock::new(Arc::new(Workload::prior())),
+            window: window.max(1),
+            min_samples: min_samples.min(window.max(1)),
+            seen: std::sync::Mutex::new(Window::default()),
+        })
+    }
+
+    /// The distribution FGD uses now.
+    pub fn get(&self) -> Arc<Workload> {
+        self.current
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Give an FGD request the current distribution (unless it brings its own).
+    pub fn attach(&self, req: &mut PodRequest) {
+        if req.policy.is_fgd() && req.workload.is_none() {
+            req.workload = Some(self.get());
+        }
+    }
+
+    /// Pods reserved in the window so far.
+    pub fn samples(&self) -> usize {
+        self.seen
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .shapes
+            .len()
+    }
+
+    /// Count the pods reserved by one committed batch.
+    pub fn observe(&self, batch: &pb::EventBatch) {
+        let shapes = pod_shapes(batch);
+        if shapes.is_empty() {
+            return;
+        }
+        let mut w = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        for s in shapes {
+            *w.counts.entry(s.clone()).or_default() += 1;
+            w.shapes.push_back(s);
+            w.since_rebuild += 1;
+            while w.shapes.len() > self.window {
+                if let Some(old) = w.shapes.pop_front()
+                    && let Some(n) = w.counts.get_mut(&old)
+                {
+                    *n -= 1;
+                    if *n == 0 {
+                        w.counts.remove(&old);
+                    }
+                }
+            }
+        }
+        let enough = w.shapes.len() >= self.min_samples;
+        if enough && (w.since_rebuild >= REBUILD_EVERY || w.shapes.len() == self.min_samples) {
+            w.since_rebuild = 0;
+            let learned = Workload::from_counts(
+                w.counts.iter().map(|(s, n)| (s.clone(), *n)),
+                Workload::DEFAULT_COVERAGE,
+            );
+            drop(w);
+            *self.current.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(learned);
+        }
+    }
+}
+
+/// The shape of every pod a batch reserves (a pod's containers are reserved together).
+fn pod_shapes(batch: &pb::EventBatch) -> Vec<PodShape> {
+    let mut order: Vec<String> = Vec::new();
+    let mut by_pod: HashMap<String, PodShape> = HashMap::new();
+    for ev in &batch.events {
+        let Some(pb::event::Body::Reserved(r)) = &ev.body else {
+            continue;
+        };
+        let uid = r.pod.as_ref().map(|p| p.uid.clone()).unwrap_or_default();
+        let s = by_pod.entry(uid.clone()).or_insert_with(|| {
+            order.push(uid);
+            PodShape::default()
+        });
+        s.gpus += u32::try_from(r.shares.len()).unwrap_or(u32::MAX);
+        let core = r.shares.iter().map(|g| g.core_milli).max().unwrap_or(0);
+        s.core_milli = s.core_milli.max(core);
+        s.cpu_milli += r.cpu_milli;
+        s.memory_mib += r.memory_mib;
+    }
+    order
+        .into_iter()
+        .filter_map(|u| by_pod.remove(&u))
+        .map(|mut s| {
+            if s.gpus > 1 {
+                s.core_milli = CORE_MILLI_PER_GPU;
+            }
+            s
+        })
+        .collect()
+}
+
+/// Follow the committed batches of `shared` forever.
+pub async fn follow(shared: Arc<Shared>, learned: Arc<Learned>) {
+    let mut rx = shared.batches.subscribe();
+    loop {
+        match rx.recv().await {
+            Ok(b) => learned.observe(&b),
+            Err(RecvError::Lagged(_)) => continue,
+            Err(RecvError::Closed) => return,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reserved(uid: &str, cores: &[u32]) -> pb::Event {
+        pb::Event {
+            body: Some(pb::event::Body::Reserved(pb::Reserved {
+                pod: Some(pb::PodRef {
+                    uid: uid.into(),
+                    ..Default::default()
+                }),
+                shares: cores
+                    .iter()
+                    .map(|c| pb::GpuShare {
+                        core_milli: *c,
+                        ..Default::default()
+                    })
+                    .collect(),
+                cpu_milli: 500,
+                ..Default::default()
+            })),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_pods_containers_make_one_shape_and_the_window_forgets_old_pods() {
+        let l = Learned::new(3, 2);
+        assert_eq!(*l.get(), Workload::prior());
+        let b = pb::EventBatch {
+            events: vec![
+                reserved("a", &[250]),
+                reserved("b", &[1000, 1000]),
+                reserved("b", &[1000]),
+            ],
+            ..Default::default()
+        };
+        let shapes = pod_shapes(&b);
+        assert_eq!(shapes.len(), 2);
+        assert_eq!((shapes[1].gpus, shapes[1].core_milli), (3, 1000));
+        assert_eq!(shapes[1].cpu_milli, 1000);
+        l.observe(&b);
+        assert_ne!(*l.get(), Workload::prior(), "learned at min_samples");
+        let quarter = |n: &str| pb::EventBatch {
+            events: vec![reserved(n, &[250])],
+            ..Default::default()
+        };
+        for n in ["c", "d"] {
+            l.observe(&quarter(n));
+        }
+        assert_eq!(l.samples(), 3, "the window keeps the last 3 pods");
+        // Rebuilt on the 16th shape; until then the old distribution stands. Feed enough.
+        for i in 0..REBUILD_EVERY {
+            l.observe(&quarter(&format!("q{i}")));
+        }
+        let only: Vec<_> = l.get().shapes().map(|(s, _)| s.clone()).collect();
+        assert_eq!(only.len(), 1, "{only:?}");
+        assert_eq!((only[0].gpus, only[0].core_milli), (1, 250));
+    }
+}
