@@ -211,8 +211,8 @@ pub async fn inspect(a: InspectArgs) -> Result<()> {
     Ok(())
 }
 
-/// Read the log from seq 1 to `to` (0 = the end), handing each event to `f`.
-async fn read_log(
+/// Read the log from seq 1 to `to` (0 = the end), handing each event to `f` (false = stop).
+pub(crate) async fn read_log(
     t: &Target,
     to: u64,
     mut f: impl FnMut(&pb::Event) -> Result<bool>,

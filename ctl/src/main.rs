@@ -4,6 +4,7 @@ mod client;
 mod ledger_cmds;
 mod simulate;
 mod table;
+mod usage;
 
 use clap::{Parser, Subcommand};
 
@@ -37,6 +38,10 @@ enum Cmd {
     /// Replay the whole log, check every invariant, and compare with each live replica.
     /// Exits non-zero on any difference.
     Verify(ledger_cmds::VerifyArgs),
+    /// GPU-MiB-hours and GPU-core-hours per namespace, pod or node over a time window,
+    /// integrated exactly from the ledger.
+    #[command(long_about = usage::LONG_ABOUT)]
+    Usage(usage::UsageArgs),
     /// Replay a production trace through the placement policies (offline, no cluster needed).
     Simulate(simulate::SimulateArgs),
 }
@@ -57,6 +62,7 @@ fn main() -> std::process::ExitCode {
                     Cmd::Audit(a) => ledger_cmds::audit(a).await,
                     Cmd::Replay(a) => ledger_cmds::replay(a).await,
                     Cmd::Verify(a) => ledger_cmds::verify(a).await,
+                    Cmd::Usage(a) => usage::usage(a).await,
                     Cmd::Simulate(_) => unreachable!("handled above"),
                 }
             }),
