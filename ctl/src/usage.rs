@@ -58,11 +58,11 @@ pub struct UsageArgs {
     /// Start of the window (inclusive): an RFC 3339 time (2026-11-21T10:00:00Z,
     /// 2026-11-21T11:00:00.250+01:00), `now`, or relative to now: -90s, -30m, -1h, -2d, -1h30m.
     /// Default: the ledger's first event.
-    #[arg(long, value_name = "TIME", value_parser = parse_time)]
+    #[arg(long, value_name = "TIME", value_parser = parse_time, allow_hyphen_values = true)]
     since: Option<TimeArg>,
     /// End of the window (exclusive), in the same forms. Default: now. Allocations still held
     /// then count up to it. A time in the future is refused.
-    #[arg(long, value_name = "TIME", value_parser = parse_time)]
+    #[arg(long, value_name = "TIME", value_parser = parse_time, allow_hyphen_values = true)]
     until: Option<TimeArg>,
     /// One row per namespace, per pod (namespace/name) or per node.
     #[arg(long, value_enum, default_value_t = By::Namespace)]
@@ -408,10 +408,14 @@ fn core_hours(a: &Acc) -> String {
     )
 }
 
+/// RFC 3339 in UTC with milliseconds always shown: the ledger's resolution, in a fixed width.
 fn fmt_ms(ms: i64) -> String {
+    let f = time::macros::format_description!(
+        "[year]-[month]-[day]T[hour]:[minute]:[second].[subsecond digits:3]Z"
+    );
     OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000)
         .ok()
-        .and_then(|t| t.format(&Rfc3339).ok())
+        .and_then(|t| t.format(&f).ok())
         .unwrap_or_else(|| ms.to_string())
 }
 
