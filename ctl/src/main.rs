@@ -1,12 +1,13 @@
 //! `gpuledger`: the operator's command line.
 
 mod client;
+mod discover;
 mod ledger_cmds;
 mod simulate;
 mod table;
 mod usage;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 // The ledger folds and decides with many small allocations; mimalloc makes that ~1.4x faster
 // than the system allocator (measured with `gpuledger-bench replay`).
@@ -18,6 +19,12 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 /// Commands that read the live ledger talk to the allocator's gRPC API (any replica). Point
 /// them at it with --allocator (or GPULEDGER_ALLOCATOR); several comma-separated addresses
 /// are tried in order.
+///
+/// As a kubectl plugin (this binary installed or linked as `kubectl-gpuledger` on the PATH,
+/// run as `kubectl gpuledger …`) the commands are the same, and without --allocator the
+/// allocator is found through the kubeconfig ($KUBECONFIG, --kubeconfig, --context): the port
+/// named `grpc` of service gpuledger-allocator in namespace gpuledger-system, port-forwarded
+/// to each of its ready pods.
 #[derive(Parser)]
 #[command(name = "gpuledger", version, about, long_about)]
 struct Cli {
@@ -47,7 +54,13 @@ enum Cmd {
 }
 
 fn main() -> std::process::ExitCode {
-    let cli = Cli::parse();
+    // Installed as `kubectl-gpuledger` (a link to this binary), kubectl runs it as
+    // `kubectl gpuledger …`: same commands, but the allocator is found through the kubeconfig.
+    let mut cmd = Cli::command();
+    if discover::detect_plugin(std::env::args_os().next().as_deref()) {
+        cmd = cmd.bin_name("kubectl gpuledger");
+    }
+    let cli = Cli::from_arg_matches(&cmd.get_matches()).unwrap_or_else(|e| e.exit());
     let res = match cli.command {
         Cmd::Simulate(a) => simulate::run(a),
         other => match tokio::runtime::Builder::new_multi_thread()
