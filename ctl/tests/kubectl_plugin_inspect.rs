@@ -33,6 +33,12 @@ fn run(bin: &Path, args: &[&str], env: &[(&str, &str)]) -> (bool, String, String
     )
 }
 
+fn which(bin: &str) -> Option<std::path::PathBuf> {
+    std::env::split_paths(&std::env::var_os("PATH")?)
+        .map(|d| d.join(bin))
+        .find(|p| p.is_file())
+}
+
 fn allocator_pod(name: &str, grpc_port: u16, ready: bool) -> serde_json::Value {
     json!({
         "metadata": {"name": name, "namespace": "gpuledger-system",
@@ -127,6 +133,25 @@ async fn kubectl_gpuledger_inspect_equals_gpuledger_inspect() -> anyhow::Result<
         "the plugin did not go through the API server's port-forward"
     );
     println!("kubectl-gpuledger inspect --details:\n{got}");
+
+    // Through kubectl itself, when it is installed: it finds the link on the PATH and runs it.
+    match which("kubectl") {
+        Some(kubectl) => {
+            let path = format!(
+                "{}:{}",
+                dir.path().display(),
+                std::env::var("PATH").unwrap_or_default()
+            );
+            let (ok, got, err) = run(
+                &kubectl,
+                &["gpuledger", "inspect", "--details"],
+                &[("KUBECONFIG", &kubeconfig), ("PATH", &path)],
+            );
+            assert!(ok, "kubectl gpuledger inspect failed:\n{err}");
+            assert_eq!(got, want, "kubectl gpuledger inspect differs");
+        }
+        None => eprintln!("kubectl is not installed: ran kubectl-gpuledger directly only"),
+    }
 
     // --kubeconfig and --context work the same; a context that does not exist is an error.
     let (ok, got, err) = run(
