@@ -7,6 +7,7 @@
 //! bindings (409 on a second bind). Components reach it through an ordinary kubeconfig file.
 
 pub mod apiserver;
+pub mod portforward;
 pub mod scheduler;
 pub mod stack;
 

@@ -1,22 +1,62 @@
 //! Reaching the allocator: any of several replica addresses.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use gpuledger_proto::allocator::v1::allocator_client::AllocatorClient;
+use tokio::sync::OnceCell;
 use tonic::transport::{Channel, Endpoint};
+
+use crate::discover;
 
 /// Where the allocator is.
 #[derive(clap::Args, Debug, Clone)]
 pub struct Target {
     /// Allocator gRPC address(es), host:port, comma-separated; the first that answers is used.
-    #[arg(
-        long,
-        env = "GPULEDGER_ALLOCATOR",
-        value_delimiter = ',',
-        default_value = "127.0.0.1:7420"
-    )]
+    /// Given, it always wins. Not given: `gpuledger` uses 127.0.0.1:7420, and `kubectl
+    /// gpuledger` (or `gpuledger` with --kubeconfig/--context) finds the allocator in the
+    /// cluster and port-forwards to it.
+    #[arg(long, env = "GPULEDGER_ALLOCATOR", value_delimiter = ',')]
     pub allocator: Vec<String>,
+    #[command(flatten)]
+    pub kube: discover::KubeArgs,
+    /// The addresses once resolved: a command that connects several times sets up its
+    /// port-forwards once.
+    #[arg(skip)]
+    resolved: Arc<OnceCell<Vec<String>>>,
+}
+
+/// The address `gpuledger` uses when told nothing else.
+pub const DEFAULT_ALLOCATOR: &str = "127.0.0.1:7420";
+
+impl Target {
+    /// The replica addresses to use: explicit ones, or local port-forwards into the cluster,
+    /// or the default.
+    pub async fn addrs(&self) -> Result<Vec<String>> {
+        self.resolved
+            .get_or_try_init(|| self.resolve())
+            .await
+            .cloned()
+    }
+
+    async fn resolve(&self) -> Result<Vec<String>> {
+        let given: Vec<String> = self
+            .allocator
+            .iter()
+            .map(|a| a.trim().to_string())
+            .filter(|a| !a.is_empty())
+            .collect();
+        if !given.is_empty() {
+            return Ok(given);
+        }
+        if discover::is_plugin() || self.kube.given() {
+            return discover::forward_allocators(&self.kube)
+                .await
+                .context("finding the allocator through the kubeconfig's cluster");
+        }
+        Ok(vec![DEFAULT_ALLOCATOR.to_string()])
+    }
 }
 
 /// A gRPC client to one address.
@@ -41,7 +81,7 @@ pub async fn connect_one(addr: &str) -> Result<AllocatorClient<Channel>> {
 /// The first replica that answers.
 pub async fn connect(t: &Target) -> Result<AllocatorClient<Channel>> {
     let mut errs = Vec::new();
-    for a in &t.allocator {
+    for a in &t.addrs().await? {
         match connect_one(a).await {
             Ok(c) => return Ok(c),
             Err(e) => errs.push(format!("{e:#}")),

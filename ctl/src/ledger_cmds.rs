@@ -60,7 +60,7 @@ pub async fn status(t: Target) -> Result<()> {
         "REPLICA", "ADDRESS", "ROLE", "LEADER", "EPOCH", "SEQ", "NODES", "ALLOCS", "READY",
     ]);
     let mut any = false;
-    for a in &t.allocator {
+    for a in &t.addrs().await? {
         match connect_one(a).await {
             Ok(mut c) => match c.status(api::StatusRequest {}).await {
                 Ok(s) => {
@@ -211,8 +211,8 @@ pub async fn inspect(a: InspectArgs) -> Result<()> {
     Ok(())
 }
 
-/// Read the log from seq 1 to `to` (0 = the end), handing each event to `f`.
-async fn read_log(
+/// Read the log from seq 1 to `to` (0 = the end), handing each event to `f` (false = stop).
+pub(crate) async fn read_log(
     t: &Target,
     to: u64,
     mut f: impl FnMut(&pb::Event) -> Result<bool>,
@@ -477,7 +477,7 @@ pub async fn verify(a: VerifyArgs) -> Result<()> {
     // Dumps first: the log can only be longer than any dump.
     let mut dumps: Vec<(String, Ledger)> = Vec::new();
     let mut problems: Vec<String> = Vec::new();
-    for addr in &a.target.allocator {
+    for addr in &a.target.addrs().await? {
         match connect_one(addr).await {
             Ok(mut c) => match dump_of(&mut c).await {
                 Ok((replica, snap)) => match Ledger::from_snapshot(&snap) {

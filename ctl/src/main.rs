@@ -1,11 +1,13 @@
 //! `gpuledger`: the operator's command line.
 
 mod client;
+mod discover;
 mod ledger_cmds;
 mod simulate;
 mod table;
+mod usage;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 // The ledger folds and decides with many small allocations; mimalloc makes that ~1.4x faster
 // than the system allocator (measured with `gpuledger-bench replay`).
@@ -17,6 +19,12 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 /// Commands that read the live ledger talk to the allocator's gRPC API (any replica). Point
 /// them at it with --allocator (or GPULEDGER_ALLOCATOR); several comma-separated addresses
 /// are tried in order.
+///
+/// As a kubectl plugin (this binary installed or linked as `kubectl-gpuledger` on the PATH,
+/// run as `kubectl gpuledger …`) the commands are the same, and without --allocator the
+/// allocator is found through the kubeconfig ($KUBECONFIG, --kubeconfig, --context): the port
+/// named `grpc` of service gpuledger-allocator in namespace gpuledger-system, port-forwarded
+/// to each of its ready pods.
 #[derive(Parser)]
 #[command(name = "gpuledger", version, about, long_about)]
 struct Cli {
@@ -37,12 +45,22 @@ enum Cmd {
     /// Replay the whole log, check every invariant, and compare with each live replica.
     /// Exits non-zero on any difference.
     Verify(ledger_cmds::VerifyArgs),
+    /// GPU-MiB-hours and GPU-core-hours per namespace, pod or node over a time window,
+    /// integrated exactly from the ledger.
+    #[command(long_about = usage::LONG_ABOUT)]
+    Usage(usage::UsageArgs),
     /// Replay a production trace through the placement policies (offline, no cluster needed).
     Simulate(simulate::SimulateArgs),
 }
 
 fn main() -> std::process::ExitCode {
-    let cli = Cli::parse();
+    // Installed as `kubectl-gpuledger` (a link to this binary), kubectl runs it as
+    // `kubectl gpuledger …`: same commands, but the allocator is found through the kubeconfig.
+    let mut cmd = Cli::command();
+    if discover::detect_plugin(std::env::args_os().next().as_deref()) {
+        cmd = cmd.bin_name("kubectl gpuledger");
+    }
+    let cli = Cli::from_arg_matches(&cmd.get_matches()).unwrap_or_else(|e| e.exit());
     let res = match cli.command {
         Cmd::Simulate(a) => simulate::run(a),
         other => match tokio::runtime::Builder::new_multi_thread()
@@ -57,6 +75,7 @@ fn main() -> std::process::ExitCode {
                     Cmd::Audit(a) => ledger_cmds::audit(a).await,
                     Cmd::Replay(a) => ledger_cmds::replay(a).await,
                     Cmd::Verify(a) => ledger_cmds::verify(a).await,
+                    Cmd::Usage(a) => usage::usage(a).await,
                     Cmd::Simulate(_) => unreachable!("handled above"),
                 }
             }),

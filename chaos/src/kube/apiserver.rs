@@ -845,12 +845,14 @@ impl FakeApiServer {
             .context("binding the fake API server")?;
         let url = format!("http://{}", l.local_addr()?);
         let s = store.clone();
-        let app = Router::new().fallback(
-            move |method: Method, uri: Uri, headers: HeaderMap, body: Bytes| {
-                let s = s.clone();
-                async move { handle(s, method, uri, headers, body).await }
-            },
-        );
+        let app = Router::new()
+            .merge(super::portforward::routes(store.clone()))
+            .fallback(
+                move |method: Method, uri: Uri, headers: HeaderMap, body: Bytes| {
+                    let s = s.clone();
+                    async move { handle(s, method, uri, headers, body).await }
+                },
+            );
         let l = axum::serve::ListenerExt::tap_io(l, |tcp: &mut tokio::net::TcpStream| {
             let _ = tcp.set_nodelay(true);
         });
