@@ -613,7 +613,7 @@ def check_rbac(c, rendered, usage_file, pending_file):
 
 def render_helm(c, helm, chart, values_sets):
     out = {}
-    lint = run([helm, "lint", str(chart)])
+    lint = run([helm, "lint", str(chart), "--namespace", NS])
     c.check("helm lint", [] if lint.returncode == 0 else [lint.stdout + lint.stderr])
     for label, sets in values_sets.items():
         args = [helm, "template", "gpuledger", str(chart), "--namespace", NS]
@@ -654,7 +654,8 @@ def check_helm_equals_kustomize(c, rendered, pairs):
         if f"helm:{helm_label}" not in rendered:
             continue
         h = {key(d): normalize(d) for d in rendered[f"helm:{helm_label}"]}
-        k = {key(d): normalize(d) for d in rendered[overlay]}
+        # The chart leaves the Namespace to `helm install --create-namespace`.
+        k = {key(d): normalize(d) for d in rendered[overlay] if d["kind"] != "Namespace"}
         p = []
         for x in sorted(set(h) | set(k), key=str):
             if x not in h:
