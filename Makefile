@@ -8,8 +8,10 @@ APT_PACKAGES := protobuf-compiler etcd-server
 DEMO_FLAGS ?=
 # CI runs the demo on the debug build it already has (saves a second, release, build).
 DEMO_PROFILE ?= release
+# `make image` tag; push it to your registry and set it in deploy/ (see deploy/README.md).
+IMAGE ?= gpuledger:0.1.0
 
-.PHONY: all deps build release test fmt-check clippy demo chaos bench bench-allocator bench-failover bench-replay clean
+.PHONY: all deps build release test fmt-check clippy demo chaos bench bench-allocator bench-failover bench-replay clean deploy-check image
 
 all: build
 
@@ -42,6 +44,17 @@ test: deps fmt-check clippy
 	$(CARGO) build --workspace
 	$(CARGO) test --workspace -- --test-threads=2
 	./target/debug/gpuledger-chaos run --seed 1 --pods 150 --faults 5
+	./deploy/test/deploy-check.sh
+
+## deploy/: render the kustomize overlays and the Helm chart, validate them offline against the
+## Kubernetes schemas, check flags, wiring and RBAC against the code (installs its tools).
+deploy-check: deps
+	$(CARGO) build --workspace
+	./deploy/test/deploy-check.sh
+
+## The container image with every binary (needs Docker with BuildKit; not buildable here).
+image:
+	docker build -t $(IMAGE) .
 
 ## A chaos run with faults and a history check (see README for a full-size run).
 chaos: release

@@ -52,6 +52,24 @@ struct Inner {
 pub struct Store {
     inner: Mutex<Inner>,
     tx: broadcast::Sender<Arc<Change>>,
+    requests: Mutex<std::collections::BTreeSet<ApiRequest>>,
+}
+
+/// One kind of request a client made, in RBAC terms: who (the bearer token of its
+/// kubeconfig, see [`FakeApiServer::kubeconfig_as`]), which verb on which resource, where.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ApiRequest {
+    /// The bearer token, or "anonymous" without one.
+    pub user: String,
+    /// RBAC verb: get, list, watch, create, update, patch, delete, deletecollection.
+    pub verb: String,
+    /// API group ("" for the core group).
+    pub group: String,
+    /// Resource, with its subresource after a slash ("pods/binding"); for paths outside
+    /// the resource API, the path itself ("/version").
+    pub resource: String,
+    /// Namespace; empty for cluster-scoped resources and requests across all namespaces.
+    pub namespace: String,
 }
 
 /// A request the store refuses, as an HTTP status and a Kubernetes `Status` reason.
@@ -209,6 +227,7 @@ impl Default for Store {
         Store {
             inner: Mutex::new(Inner::default()),
             tx,
+            requests: Mutex::default(),
         }
     }
 }
@@ -494,6 +513,12 @@ impl Store {
         (inner.rv, items)
     }
 
+    /// Every distinct kind of request served so far (for RBAC checks).
+    pub fn requests(&self) -> Vec<ApiRequest> {
+        let r = self.requests.lock().unwrap_or_else(|p| p.into_inner());
+        r.iter().cloned().collect()
+    }
+
     /// Current objects of a resource (all namespaces), for tests.
     pub fn objects(&self, gv: &str, resource: &str) -> Vec<Value> {
         self.list(gv, resource, "", &Filter::default()).1
@@ -568,6 +593,52 @@ fn target(path: &str) -> Option<Target> {
     })
 }
 
+/// The request in RBAC terms.
+fn rbac_request(method: &Method, uri: &Uri, headers: &HeaderMap) -> ApiRequest {
+    let user = headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("anonymous")
+        .to_string();
+    let watch = matches!(
+        query(uri).get("watch").map(String::as_str),
+        Some("true" | "1")
+    );
+    let Some(t) = target(uri.path()) else {
+        return ApiRequest {
+            user,
+            verb: method.as_str().to_ascii_lowercase(),
+            group: String::new(),
+            resource: uri.path().to_string(),
+            namespace: String::new(),
+        };
+    };
+    let verb = match (method, t.name.is_some()) {
+        (&Method::GET, true) => "get",
+        (&Method::GET, false) if watch => "watch",
+        (&Method::GET, false) => "list",
+        (&Method::POST, _) => "create",
+        (&Method::PUT, _) => "update",
+        (&Method::PATCH, _) => "patch",
+        (&Method::DELETE, true) => "delete",
+        (&Method::DELETE, false) => "deletecollection",
+        (m, _) => m.as_str(),
+    };
+    let group = t.gv.rsplit_once('/').map_or("", |(g, _)| g).to_string();
+    let resource = match &t.sub {
+        Some(sub) => format!("{}/{sub}", t.resource),
+        None => t.resource.clone(),
+    };
+    ApiRequest {
+        user,
+        verb: verb.to_string(),
+        group,
+        resource,
+        namespace: t.namespace,
+    }
+}
+
 async fn handle(
     store: Arc<Store>,
     method: Method,
@@ -575,6 +646,12 @@ async fn handle(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
+    let r = rbac_request(&method, &uri, &headers);
+    store
+        .requests
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(r);
     match route(store, method, uri, headers, body).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
@@ -833,6 +910,7 @@ pub struct FakeApiServer {
     pub store: Arc<Store>,
     url: String,
     kubeconfig: PathBuf,
+    dir: PathBuf,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -873,6 +951,7 @@ impl FakeApiServer {
             store,
             url,
             kubeconfig,
+            dir: dir.to_path_buf(),
             task,
         })
     }
@@ -885,6 +964,28 @@ impl FakeApiServer {
     /// Path of the kubeconfig file that reaches this server.
     pub fn kubeconfig(&self) -> &Path {
         &self.kubeconfig
+    }
+
+    /// Write a kubeconfig whose requests carry `user` as their bearer token, so that
+    /// [`Store::requests`] tells this client's requests apart (one per component, e.g.
+    /// `system:serviceaccount:gpuledger-system:gpuledger-extender`).
+    pub fn kubeconfig_as(&self, user: &str) -> Result<PathBuf> {
+        let file: String = user
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+            .collect();
+        let path = self.dir.join(format!("kubeconfig-{file}"));
+        let token = serde_json::to_string(user)?;
+        std::fs::write(
+            &path,
+            format!(
+                "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: {}\n\
+                 contexts:\n- name: fake\n  context:\n    cluster: fake\n    user: u\n    namespace: default\n\
+                 current-context: fake\nusers:\n- name: u\n  user:\n    token: {token}\n",
+                self.url
+            ),
+        )?;
+        Ok(path)
     }
 
     /// A kube-rs client through the kubeconfig, as a component would build it.
@@ -964,6 +1065,44 @@ impl Drop for FakeApiServer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn requests_in_rbac_terms() {
+        let mut h = HeaderMap::new();
+        h.insert("authorization", "Bearer alice".parse().expect("header"));
+        let r = |m: Method, u: &str, h: &HeaderMap| {
+            let x = rbac_request(&m, &u.parse().expect("uri"), h);
+            (x.user, x.verb, x.group, x.resource, x.namespace)
+        };
+        let s = |v: &str| v.to_string();
+        assert_eq!(
+            r(Method::GET, "/api/v1/pods?watch=true&resourceVersion=3", &h),
+            (s("alice"), s("watch"), s(""), s("pods"), s(""))
+        );
+        assert_eq!(
+            r(Method::GET, "/api/v1/nodes", &HeaderMap::new()),
+            (s("anonymous"), s("list"), s(""), s("nodes"), s(""))
+        );
+        assert_eq!(
+            r(Method::POST, "/api/v1/namespaces/ns/pods/p/binding", &h).3,
+            "pods/binding"
+        );
+        assert_eq!(
+            r(
+                Method::PATCH,
+                "/apis/events.k8s.io/v1/namespaces/ns/events/e",
+                &h
+            ),
+            (
+                s("alice"),
+                s("patch"),
+                s("events.k8s.io"),
+                s("events"),
+                s("ns")
+            )
+        );
+        assert_eq!(r(Method::GET, "/version", &h).3, "/version");
+    }
 
     #[test]
     fn merge_patch_follows_rfc7386() {
