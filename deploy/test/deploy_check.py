@@ -244,7 +244,8 @@ def check_wiring(c, rendered):
     """Ports, probes, scrape annotations and Services agree with the binaries."""
     served = {
         "gpuledger-allocator": routes(["allocator/src/http.rs"]),
-        "gpuledger-extender": routes(["extender/src/extender.rs"]),
+        # /metrics comes from the shared ops crate.
+        "gpuledger-extender": routes(["extender/src/extender.rs", "ops/src/metrics.rs"]),
         "gpuledger-node-agent": routes(["node-agent/src/health.rs"]),
     }
     # Which port serves which routes.
