@@ -11,7 +11,7 @@ DEMO_PROFILE ?= release
 # `make image` tag; push it to your registry and set it in deploy/ (see deploy/README.md).
 IMAGE ?= gpuledger:0.1.0
 
-.PHONY: all deps build release test fmt-check clippy demo chaos bench bench-allocator bench-failover bench-replay clean deploy-check image
+.PHONY: all deps build release test fmt-check clippy demo chaos bench bench-allocator bench-failover bench-replay clean deploy-check image install-plugin
 
 all: build
 
@@ -51,6 +51,13 @@ test: deps fmt-check clippy
 deploy-check: deps
 	$(CARGO) build --workspace
 	./deploy/test/deploy-check.sh
+
+## Install the CLI and the kubectl plugin (kubectl gpuledger …) into $(PREFIX)/bin.
+PREFIX ?= /usr/local
+install-plugin: release
+	install -d $(DESTDIR)$(PREFIX)/bin
+	install -m 0755 target/release/gpuledger $(DESTDIR)$(PREFIX)/bin/gpuledger
+	ln -sf gpuledger $(DESTDIR)$(PREFIX)/bin/kubectl-gpuledger
 
 ## The container image with every binary (needs Docker with BuildKit; not buildable here).
 image:
