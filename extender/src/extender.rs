@@ -101,7 +101,7 @@ pub struct HostPriority {
 }
 
 /// `ExtenderBindingArgs`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 #[serde(rename_all = "PascalCase")]
 pub struct BindingArgs {
     /// Pod name.
@@ -499,17 +499,6 @@ async fn do_bind(app: &App, a: &BindingArgs) -> Result<(), String> {
             Some(r)
         }
     };
-    if let Some(r) = &reserved {
-        let patch =
-            json!({"metadata": {"annotations": {ANN_ALLOCATION: allocation_annotation(r)}}});
-        if let Err(e) = pods
-            .patch(&a.pod_name, &PatchParams::default(), &Patch::Merge(&patch))
-            .await
-        {
-            release(app, &uid, "bind failed").await;
-            return Err(format!("annotating the pod: {}", kube_error(&e).1));
-        }
-    }
     if app.crash_at == Some(CrashAt::BeforeBinding) {
         std::process::exit(99);
     }
@@ -539,37 +528,55 @@ async fn do_bind(app: &App, a: &BindingArgs) -> Result<(), String> {
     if app.crash_at == Some(CrashAt::AfterBinding) {
         std::process::exit(99);
     }
-    if reserved.is_some() {
-        let cb = api::ConfirmBoundRequest {
-            pod_uid: uid.clone(),
-            node: a.node.clone(),
-        };
-        // The pod is bound now: a failed confirm is left to the allocator's reconcile, which
-        // sees the binding; releasing would leave a running pod without its GPU.
-        if let Err(s) = app
-            .allocators
-            .call(|mut c| {
-                let cb = cb.clone();
-                async move { c.confirm_bound(cb).await }
-            })
-            .await
-        {
-            warn!(uid, error = %s.message(), "confirming the binding failed; the allocator's reconcile will");
-        }
-    }
     info!(pod = %format!("{}/{}", a.pod_namespace, a.pod_name), uid, node = %a.node,
           ms = t0.elapsed().as_secs_f64() * 1e3, "bound");
-    if let (Some(r), Some(events)) = (&reserved, &app.events) {
+    if let Some(r) = reserved {
+        // The pod is bound: the scheduler may go on. Recording it (ConfirmBound, one more etcd
+        // commit), the annotation for humans and the Event follow off the scheduler's path. If
+        // this extender dies first, the allocator's pod watch sees the binding and records it.
+        tokio::spawn(after_bind(app.clone(), pods, a.clone(), uid, r));
+    }
+    Ok(())
+}
+
+/// What follows a successful Binding: confirm it in the ledger, annotate the pod, tell the user.
+async fn after_bind(
+    app: App,
+    pods: Api<Pod>,
+    a: BindingArgs,
+    uid: String,
+    r: api::ReserveResponse,
+) {
+    let cb = api::ConfirmBoundRequest {
+        pod_uid: uid.clone(),
+        node: a.node.clone(),
+    };
+    let confirm = app.allocators.call(|mut c| {
+        let cb = cb.clone();
+        async move { c.confirm_bound(cb).await }
+    });
+    let patch = json!({"metadata": {"annotations": {ANN_ALLOCATION: allocation_annotation(&r)}}});
+    let (pp, merge) = (PatchParams::default(), Patch::Merge(&patch));
+    let annotate = pods.patch(&a.pod_name, &pp, &merge);
+    let (confirmed, annotated) = tokio::join!(confirm, annotate);
+    if let Err(s) = confirmed {
+        // A failed confirm is left to the allocator's reconcile, which sees the binding;
+        // releasing would leave a running pod without its GPU.
+        warn!(uid, error = %s.message(), "confirming the binding failed; the allocator's reconcile will");
+    }
+    if let Err(e) = annotated {
+        warn!(uid, error = %kube_error(&e).1, "writing the allocation annotation failed (it is informational)");
+    }
+    if let Some(events) = &app.events {
         events.emit(PodEvent {
             namespace: a.pod_namespace.clone(),
             name: a.pod_name.clone(),
             uid,
             kind: Kind::Normal,
             reason: "GpuPlaced",
-            message: placed_message(&a.node, r),
+            message: placed_message(&a.node, &r),
         });
     }
-    Ok(())
 }
 
 async fn preempt(State(app): State<App>, body: Bytes) -> Response {

@@ -126,13 +126,30 @@ async fn extender_answers_every_captured_request() -> anyhow::Result<()> {
     assert_eq!(r["Error"], "", "{r}");
     let pod = stack.api.pod("default", "trainer-0").expect("pod");
     assert_eq!(pod["spec"]["nodeName"], "gpu-node-1");
+    // The Binding is made before bind answers; the confirm and the annotation follow it.
+    let uid = bind["PodUID"].as_str().expect("uid");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let pod = loop {
+        let pod = stack.api.pod("default", "trainer-0").expect("pod");
+        let bound = dump(&stack).await?.iter().any(|a| {
+            a.pod.as_ref().is_some_and(|p| p.uid == uid)
+                && a.state == pb::AllocationState::Bound as i32
+        });
+        if bound && pod["metadata"]["annotations"]["gpuledger.io/allocation"].is_string() {
+            break pod;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not confirmed and annotated: {pod}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
     let ann: Value = serde_json::from_str(
         pod["metadata"]["annotations"]["gpuledger.io/allocation"]
             .as_str()
             .expect("allocation annotation"),
     )?;
     assert!(ann["seq"].as_u64().unwrap_or(0) > 0, "{ann}");
-    let uid = bind["PodUID"].as_str().expect("uid");
     let allocs = dump(&stack).await?;
     let mine: Vec<_> = allocs
         .iter()
