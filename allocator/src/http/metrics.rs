@@ -166,7 +166,7 @@ impl View {
     fn of(shared: &Shared) -> View {
         let role = shared.role_info();
         let ready = super::readiness(shared).is_ok();
-        let mut v = shared.read(|l| View::of_ledger(l));
+        let mut v = shared.read(View::of_ledger);
         v.epoch = role.epoch.max(v.epoch);
         v.leader = role.role == Role::Leader;
         v.ready = ready;
