@@ -26,8 +26,8 @@ pub struct Args {
     /// Pods of 30 GiB placed per GPU (two fill an 80 GiB GPU; every figure has its full width).
     #[arg(long, default_value_t = 2)]
     pods_per_gpu: usize,
-    /// Scrapes measured per endpoint (after two warm-up requests).
-    #[arg(long, default_value_t = 40)]
+    /// Requests measured per endpoint (after two warm-up requests).
+    #[arg(long, default_value_t = 100)]
     scrapes: usize,
     /// Concurrent clients while filling the ledger.
     #[arg(long, default_value_t = 64)]
@@ -84,12 +84,31 @@ struct Measured {
     hist: Histogram<u64>,
     bytes: usize,
     lines: usize,
+    /// Allocator CPU per request: unlike latency, not inflated by other load on the machine.
+    cpu_ms: f64,
 }
 
-async fn measure(url: &str, n: usize) -> Result<Measured> {
+/// CPU seconds (user + system) a process has used, from /proc.
+fn cpu_seconds(pid: u32) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0.0;
+    };
+    // Fields after the command name (which may hold spaces) start after the last ')'.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = f.get(11).and_then(|v| v.parse().ok()).unwrap_or(0.0)
+        + f.get(12).and_then(|v| v.parse().ok()).unwrap_or(0.0);
+    ticks / 100.0
+}
+
+async fn measure(url: &str, n: usize, pid: u32) -> Result<Measured> {
     let mut hist = histogram();
+    let mut cpu = 0.0;
     let mut last = String::new();
     for i in 0..n + 2 {
+        if i == 2 {
+            cpu = cpu_seconds(pid);
+        }
         let t = Instant::now();
         let (code, body) = get(url).await?;
         let took = t.elapsed();
@@ -108,6 +127,7 @@ async fn measure(url: &str, n: usize) -> Result<Measured> {
         hist,
         bytes: last.len(),
         lines: last.lines().filter(|l| !l.starts_with('#')).count(),
+        cpu_ms: (cpu_seconds(pid) - cpu) * 1000.0 / n.max(1) as f64,
     })
 }
 
@@ -139,14 +159,15 @@ pub async fn run(a: Args) -> Result<()> {
 
     title(&format!("{} sequential GETs per endpoint", a.scrapes));
     let http = &allocs.http[0];
-    let health = measure(&format!("http://{http}/healthz"), a.scrapes).await?;
-    let metrics = measure(&format!("http://{http}/metrics"), a.scrapes).await?;
-    let state = measure(&format!("http://{http}/api/v1/state"), a.scrapes).await?;
+    let pid = allocs.procs[0].pid().context("allocator exited")?;
+    let health = measure(&format!("http://{http}/healthz"), a.scrapes, pid).await?;
+    let metrics = measure(&format!("http://{http}/metrics"), a.scrapes, pid).await?;
+    let state = measure(&format!("http://{http}/api/v1/state"), a.scrapes, pid).await?;
 
     println!();
     println!(
-        "{:<34} {:>9} {:>9} {:>9} {:>12} {:>9}",
-        "endpoint", "p50 ms", "p99 ms", "max ms", "bytes", "series"
+        "{:<34} {:>9} {:>9} {:>9} {:>10} {:>12} {:>9}",
+        "endpoint", "p50 ms", "p99 ms", "max ms", "cpu ms/req", "bytes", "series"
     );
     for (what, m) in [
         ("/healthz (HTTP round trip)", &health),
@@ -154,11 +175,12 @@ pub async fn run(a: Args) -> Result<()> {
         ("/api/v1/state (the /ui JSON)", &state),
     ] {
         println!(
-            "{:<34} {:>9.2} {:>9.2} {:>9.2} {:>12} {:>9}",
+            "{:<34} {:>9.2} {:>9.2} {:>9.2} {:>10.2} {:>12} {:>9}",
             what,
             q_ms(&m.hist, 0.5),
             q_ms(&m.hist, 0.99),
             m.hist.max() as f64 / 1000.0,
+            m.cpu_ms,
             m.bytes,
             if what == "/metrics" {
                 m.lines.to_string()
