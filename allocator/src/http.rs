@@ -1,203 +1,22 @@
-//! The allocator's HTTP side: `/metrics` (Prometheus text), `/healthz`, `/readyz`.
+//! The allocator's HTTP side: `/metrics` (OpenMetrics text), `/healthz`, `/readyz`, and the
+//! live GPU map `/ui` with its JSON endpoints `/api/v1/state` and `/api/v1/events`.
 //!
 //! `/healthz` answers while the process runs. `/readyz` answers 200 only when this replica can
 //! serve: etcd reachable, the ledger loaded and caught up with `head`, and a leader known.
 
+mod metrics;
+mod ui;
+
 use std::sync::Arc;
 
 use axum::Router;
-use axum::extract::State;
+use axum::extract::{RawQuery, State};
 use axum::http::{StatusCode, header};
-use axum::response::IntoResponse;
+use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use prometheus_client::encoding::text::encode;
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
-use prometheus_client::registry::Registry;
 
+pub use self::metrics::Metrics;
 use crate::shared::{Role, Shared};
-
-type Labels = Vec<(&'static str, String)>;
-
-/// Every metric the allocator exports (`gpuledger_allocator_*`).
-pub struct Metrics {
-    registry: Registry,
-    seq: Gauge,
-    epoch: Gauge,
-    leader: Gauge,
-    /// Seconds from sending a batch's transaction to its commit.
-    pub commit_latency: Histogram,
-    /// Events per committed batch.
-    pub batch_events: Histogram,
-    /// Events folded, by type.
-    pub events: Family<Labels, Counter>,
-    /// Times this replica became leader.
-    pub leaderships: Counter,
-    allocations: Family<Labels, Gauge>,
-    gpu_mem_alloc: Family<Labels, Gauge>,
-    gpu_mem_cap: Family<Labels, Gauge>,
-    gpu_core_alloc: Family<Labels, Gauge>,
-    gpu_healthy: Family<Labels, Gauge>,
-    violations: Gauge,
-}
-
-impl Default for Metrics {
-    fn default() -> Self {
-        let mut registry = Registry::with_prefix("gpuledger_allocator");
-        let m = Metrics {
-            seq: Gauge::default(),
-            epoch: Gauge::default(),
-            leader: Gauge::default(),
-            commit_latency: Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
-            batch_events: Histogram::new(exponential_buckets(1.0, 2.0, 9)),
-            events: Family::default(),
-            leaderships: Counter::default(),
-            allocations: Family::default(),
-            gpu_mem_alloc: Family::default(),
-            gpu_mem_cap: Family::default(),
-            gpu_core_alloc: Family::default(),
-            gpu_healthy: Family::default(),
-            violations: Gauge::default(),
-            registry: Registry::default(),
-        };
-        registry.register(
-            "ledger_seq",
-            "Highest ledger seq folded by this replica",
-            m.seq.clone(),
-        );
-        registry.register(
-            "ledger_epoch",
-            "Epoch of the current leader as known here",
-            m.epoch.clone(),
-        );
-        registry.register(
-            "is_leader",
-            "1 when this replica is the leader",
-            m.leader.clone(),
-        );
-        registry.register(
-            "commit_latency_seconds",
-            "Time from sending a batch to etcd to its commit",
-            m.commit_latency.clone(),
-        );
-        registry.register(
-            "batch_events",
-            "Events per committed batch",
-            m.batch_events.clone(),
-        );
-        registry.register("events", "Ledger events folded, by type", m.events.clone());
-        registry.register(
-            "leaderships",
-            "Times this replica became the leader",
-            m.leaderships.clone(),
-        );
-        registry.register(
-            "allocations",
-            "Live allocations by state",
-            m.allocations.clone(),
-        );
-        registry.register(
-            "gpu_memory_allocated_mib",
-            "GPU memory allocated per node and GPU",
-            m.gpu_mem_alloc.clone(),
-        );
-        registry.register(
-            "gpu_memory_capacity_mib",
-            "GPU memory capacity per node and GPU",
-            m.gpu_mem_cap.clone(),
-        );
-        registry.register(
-            "gpu_core_allocated_permille",
-            "GPU compute allocated per node and GPU, in thousandths",
-            m.gpu_core_alloc.clone(),
-        );
-        registry.register(
-            "gpu_healthy",
-            "1 when the GPU is healthy",
-            m.gpu_healthy.clone(),
-        );
-        registry.register(
-            "limit_violations",
-            "LimitViolated events folded since the last snapshot load",
-            m.violations.clone(),
-        );
-        Metrics { registry, ..m }
-    }
-}
-
-impl Metrics {
-    /// Count a folded event.
-    pub fn event(&self, body: Option<&gpuledger_ledger::pb::event::Body>) {
-        use gpuledger_ledger::pb::event::Body;
-        let t = match body {
-            Some(Body::NodeRegistered(_)) => "node_registered",
-            Some(Body::NodeRemoved(_)) => "node_removed",
-            Some(Body::DeviceHealthChanged(_)) => "device_health_changed",
-            Some(Body::Reserved(_)) => "reserved",
-            Some(Body::Bound(_)) => "bound",
-            Some(Body::Assigned(_)) => "assigned",
-            Some(Body::IdentityCorrected(_)) => "identity_corrected",
-            Some(Body::Released(_)) => "released",
-            Some(Body::LimitViolated(_)) => "limit_violated",
-            Some(Body::LeaderElected(_)) => "leader_elected",
-            Some(Body::QuotaSet(_)) => "quota_set",
-            None => "empty",
-        };
-        self.events
-            .get_or_create(&vec![("type", t.to_string())])
-            .inc();
-    }
-
-    /// Refresh the gauges from the state and render the text format.
-    pub fn render(&self, shared: &Shared) -> String {
-        let role = shared.role_info();
-        self.epoch.set(role.epoch as i64);
-        self.leader.set(i64::from(role.role == Role::Leader));
-        self.allocations.clear();
-        self.gpu_mem_alloc.clear();
-        self.gpu_mem_cap.clear();
-        self.gpu_core_alloc.clear();
-        self.gpu_healthy.clear();
-        shared.read(|l| {
-            self.seq.set(l.seq() as i64);
-            self.violations.set(l.violations() as i64);
-            for s in ["reserved", "bound", "assigned"] {
-                self.allocations
-                    .get_or_create(&vec![("state", s.to_string())])
-                    .set(0);
-            }
-            for a in l.allocs().values() {
-                self.allocations
-                    .get_or_create(&vec![("state", a.state.as_str().to_string())])
-                    .inc();
-            }
-            for n in l.nodes().values() {
-                for g in &n.gpus {
-                    let labels = vec![("node", n.name.clone()), ("gpu", g.uuid.clone())];
-                    self.gpu_mem_alloc
-                        .get_or_create(&labels)
-                        .set(g.mem_used as i64);
-                    self.gpu_mem_cap
-                        .get_or_create(&labels)
-                        .set(g.memory_mib as i64);
-                    self.gpu_core_alloc
-                        .get_or_create(&labels)
-                        .set(i64::from(g.core_used));
-                    self.gpu_healthy
-                        .get_or_create(&labels)
-                        .set(i64::from(g.healthy));
-                }
-            }
-        });
-        let mut out = String::new();
-        if encode(&mut out, &self.registry).is_err() {
-            out.clear();
-        }
-        out
-    }
-}
 
 /// Whether this replica is ready to serve (and why not).
 pub fn readiness(shared: &Shared) -> Result<(), String> {
@@ -220,6 +39,28 @@ pub fn readiness(shared: &Shared) -> Result<(), String> {
     Ok(())
 }
 
+/// Run `f` off the async workers: encoding a large ledger takes milliseconds of CPU.
+async fn blocking(
+    shared: Arc<Shared>,
+    content_type: &'static str,
+    f: impl FnOnce(&Arc<Shared>) -> String + Send + 'static,
+) -> Response {
+    match tokio::task::spawn_blocking(move || f(&shared)).await {
+        Ok(body) => ([(header::CONTENT_TYPE, content_type)], body).into_response(),
+        Err(e) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("rendering failed: {e}\n"),
+        )
+            .into_response(),
+    }
+}
+
+const JSON: &str = "application/json";
+
+fn bad_request(e: ui::BadQuery) -> Response {
+    (StatusCode::BAD_REQUEST, format!("bad request: {e}\n")).into_response()
+}
+
 /// The HTTP router.
 pub fn router(shared: Arc<Shared>) -> Router {
     Router::new()
@@ -238,17 +79,45 @@ pub fn router(shared: Arc<Shared>) -> Router {
         )
         .route(
             "/metrics",
-            get(|State(s): State<Arc<Shared>>| async move {
-                let body = s.metrics.render(&s);
-                (
-                    [(
-                        header::CONTENT_TYPE,
-                        "text/plain; version=0.0.4; charset=utf-8",
-                    )],
-                    body,
+            get(|State(s): State<Arc<Shared>>| {
+                // prometheus-client writes the OpenMetrics text format (`# EOF`, `_total`).
+                blocking(
+                    s,
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                    |s| s.metrics.render(s),
                 )
-                    .into_response()
             }),
+        )
+        .route(
+            "/ui",
+            get(|| async {
+                (
+                    [(header::CONTENT_TYPE, "text/html; charset=utf-8")],
+                    ui::PAGE,
+                )
+            }),
+        )
+        .route(
+            "/api/v1/state",
+            get(
+                |State(s): State<Arc<Shared>>, RawQuery(q): RawQuery| async move {
+                    match ui::no_params(q.as_deref()) {
+                        Ok(()) => blocking(s, JSON, |s| ui::state_json(s)).await,
+                        Err(e) => bad_request(e),
+                    }
+                },
+            ),
+        )
+        .route(
+            "/api/v1/events",
+            get(
+                |State(s): State<Arc<Shared>>, RawQuery(q): RawQuery| async move {
+                    match ui::events_limit(q.as_deref()) {
+                        Ok(limit) => blocking(s, JSON, move |s| ui::events_json(s, limit)).await,
+                        Err(e) => bad_request(e),
+                    }
+                },
+            ),
         )
         .with_state(shared)
 }

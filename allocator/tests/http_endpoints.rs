@@ -58,11 +58,10 @@ async fn health_readiness_and_metrics() -> anyhow::Result<()> {
         "{text}"
     );
     assert!(
-        text.contains(
-            r#"gpuledger_allocator_gpu_memory_allocated_mib{node="n1",gpu="GPU-n1-0"} 5000"#
-        ) || text.contains(
-            r#"gpuledger_allocator_gpu_memory_allocated_mib{node="n1",gpu="GPU-n1-1"} 5000"#
-        ),
+        text.contains(r#"gpuledger_allocator_gpu_memory_allocated_mib{node="n1",gpu="0"} 5000"#)
+            || text.contains(
+                r#"gpuledger_allocator_gpu_memory_allocated_mib{node="n1",gpu="1"} 5000"#
+            ),
         "{text}"
     );
     assert!(

@@ -8,6 +8,7 @@ mod extender;
 mod failover;
 mod node_agent;
 mod replay;
+mod scrape;
 
 use clap::{Parser, Subcommand};
 
@@ -37,6 +38,8 @@ enum Cmd {
     NodeAgent(node_agent::Args),
     /// Extender filter/prioritize/bind latency with many nodes, and pods/s end to end.
     Extender(extender::Args),
+    /// Latency and bytes of one /metrics scrape of an allocator holding a large cluster.
+    Scrape(scrape::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -58,6 +61,7 @@ fn main() -> std::process::ExitCode {
             Cmd::Replay(a) => replay::run(a).await,
             Cmd::NodeAgent(a) => node_agent::run(a).await,
             Cmd::Extender(a) => extender::run(a).await,
+            Cmd::Scrape(a) => scrape::run(a).await,
         }
     });
     match res {

@@ -1,0 +1,379 @@
+//! `/metrics`: what the allocator exports to Prometheus (`gpuledger_allocator_*`).
+//!
+//! Counters and histograms that only the hot path can observe (commit latency, batch size,
+//! events by type, leaderships) are kept up to date as things happen. Everything that is a view
+//! of the ledger (seq, reservations by state, per node and per GPU figures) is encoded from the
+//! state at scrape time by [`LedgerCollector`]: with 5,000 nodes × 8 GPUs, keeping 40,000 gauges
+//! per family current on every event would cost the fold path, and clearing and refilling them
+//! on every scrape cost more than encoding straight from the state.
+//!
+//! Size is the other budget: one per-GPU line is ~80 bytes, so 40,000 GPUs allow about one
+//! dense per-GPU family within 5 MB. Memory — the resource that fragments — is per GPU;
+//! capacity and compute are per node (compute capacity is 1000‰ per GPU by definition); an
+//! unhealthy GPU gets its own series, healthy GPUs none.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use gpuledger_ledger::pb::event::Body;
+use gpuledger_ledger::{AllocState, CORE_MILLI_PER_GPU, Ledger};
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::text::{encode_eof, encode_registry};
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+use crate::shared::{Role, Shared};
+
+const PREFIX: &str = "gpuledger_allocator";
+
+/// Ledger event types, in the order of [`Metrics`]' per-type counters.
+const EVENT_TYPES: [&str; 12] = [
+    "node_registered",
+    "node_removed",
+    "device_health_changed",
+    "reserved",
+    "bound",
+    "assigned",
+    "identity_corrected",
+    "released",
+    "limit_violated",
+    "leader_elected",
+    "quota_set",
+    "empty",
+];
+
+/// The metrics the allocator keeps between scrapes; the rest is read from the ledger.
+pub struct Metrics {
+    registry: Registry,
+    /// Seconds from sending a batch's transaction to its commit.
+    pub commit_latency: Histogram,
+    /// Events per committed batch.
+    pub batch_events: Histogram,
+    /// Times this replica became leader.
+    pub leaderships: Counter,
+    /// Events folded, by type (index into [`EVENT_TYPES`]): a fixed array, so counting an
+    /// event under the state's write lock neither allocates nor hashes.
+    events: [AtomicU64; EVENT_TYPES.len()],
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut registry = Registry::with_prefix(PREFIX);
+        let commit_latency = Histogram::new(exponential_buckets(0.0005, 2.0, 14));
+        let batch_events = Histogram::new(exponential_buckets(1.0, 2.0, 9));
+        let leaderships = Counter::default();
+        registry.register(
+            "commit_latency_seconds",
+            "Time from sending a batch to etcd to its commit",
+            commit_latency.clone(),
+        );
+        registry.register(
+            "batch_events",
+            "Events per committed batch",
+            batch_events.clone(),
+        );
+        registry.register(
+            "leaderships",
+            "Times this replica became the leader (failovers it took over)",
+            leaderships.clone(),
+        );
+        Metrics {
+            registry,
+            commit_latency,
+            batch_events,
+            leaderships,
+            events: Default::default(),
+        }
+    }
+}
+
+impl Metrics {
+    /// Count a folded event.
+    pub fn event(&self, body: Option<&Body>) {
+        let i = match body {
+            Some(Body::NodeRegistered(_)) => 0,
+            Some(Body::NodeRemoved(_)) => 1,
+            Some(Body::DeviceHealthChanged(_)) => 2,
+            Some(Body::Reserved(_)) => 3,
+            Some(Body::Bound(_)) => 4,
+            Some(Body::Assigned(_)) => 5,
+            Some(Body::IdentityCorrected(_)) => 6,
+            Some(Body::Released(_)) => 7,
+            Some(Body::LimitViolated(_)) => 8,
+            Some(Body::LeaderElected(_)) => 9,
+            Some(Body::QuotaSet(_)) => 10,
+            None => 11,
+        };
+        self.events[i].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Render every metric in the OpenMetrics text format. Takes the state's read lock only
+    /// long enough to copy the numbers out; the encoding runs without it.
+    pub fn render(&self, shared: &Arc<Shared>) -> String {
+        let view = View::of(shared);
+        let mut per_scrape = Registry::with_prefix(PREFIX);
+        per_scrape.register_collector(Box::new(LedgerCollector {
+            view,
+            events: std::array::from_fn(|i| self.events[i].load(Ordering::Relaxed)),
+        }));
+        let mut out = String::with_capacity(1 << 16);
+        let res = encode_registry(&mut out, &self.registry)
+            .and_then(|()| encode_registry(&mut out, &per_scrape))
+            .and_then(|()| encode_eof(&mut out));
+        if res.is_err() {
+            // Writing to a String cannot fail; an encoder error would be a bug in a label set.
+            out.clear();
+        }
+        out
+    }
+}
+
+/// The numbers one scrape reports, copied out of the state under its read lock.
+#[derive(Debug, Default)]
+struct View {
+    seq: u64,
+    epoch: u64,
+    leader: bool,
+    ready: bool,
+    violations: u64,
+    /// Live allocations: reserved, bound, assigned.
+    by_state: [u64; 3],
+    nodes: Vec<NodeRow>,
+    gpus: Vec<GpuRow>,
+}
+
+#[derive(Debug)]
+struct NodeRow {
+    name: String,
+    mem_cap: u64,
+    core_used: u64,
+    core_cap: u64,
+}
+
+#[derive(Debug)]
+struct GpuRow {
+    /// Index into `View::nodes`.
+    node: u32,
+    index: u32,
+    mem_used: u64,
+    healthy: bool,
+}
+
+impl View {
+    fn of(shared: &Shared) -> View {
+        let role = shared.role_info();
+        let ready = super::readiness(shared).is_ok();
+        let mut v = shared.read(View::of_ledger);
+        v.epoch = role.epoch.max(v.epoch);
+        v.leader = role.role == Role::Leader;
+        v.ready = ready;
+        v
+    }
+
+    fn of_ledger(l: &Ledger) -> View {
+        let mut v = View {
+            seq: l.seq(),
+            epoch: l.epoch(),
+            violations: l.violations(),
+            nodes: Vec::with_capacity(l.nodes().len()),
+            gpus: Vec::with_capacity(l.nodes().len() * 8),
+            ..View::default()
+        };
+        for a in l.allocs().values() {
+            let i = match a.state {
+                AllocState::Reserved => 0,
+                AllocState::Bound => 1,
+                AllocState::Assigned => 2,
+            };
+            v.by_state[i] += 1;
+        }
+        for (i, n) in l.nodes().values().enumerate() {
+            let mut row = NodeRow {
+                name: n.name.clone(),
+                mem_cap: 0,
+                core_used: 0,
+                core_cap: 0,
+            };
+            for g in &n.gpus {
+                row.mem_cap += g.memory_mib;
+                row.core_used += u64::from(g.core_used);
+                row.core_cap += u64::from(CORE_MILLI_PER_GPU);
+                v.gpus.push(GpuRow {
+                    node: i as u32,
+                    index: g.index,
+                    mem_used: g.mem_used,
+                    healthy: g.healthy,
+                });
+            }
+            v.nodes.push(row);
+        }
+        v
+    }
+}
+
+/// Encodes the ledger's view at scrape time (see the module docs for why).
+#[derive(Debug)]
+struct LedgerCollector {
+    view: View,
+    events: [u64; EVENT_TYPES.len()],
+}
+
+impl LedgerCollector {
+    fn gauge(
+        enc: &mut DescriptorEncoder<'_>,
+        name: &str,
+        help: &str,
+        value: u64,
+    ) -> Result<(), std::fmt::Error> {
+        let mut m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
+        m.encode_gauge(&value)
+    }
+}
+
+impl Collector for LedgerCollector {
+    fn encode(&self, mut enc: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let v = &self.view;
+        Self::gauge(
+            &mut enc,
+            "ledger_seq",
+            "Highest ledger seq folded by this replica",
+            v.seq,
+        )?;
+        Self::gauge(
+            &mut enc,
+            "ledger_epoch",
+            "Epoch of the current leader as known here",
+            v.epoch,
+        )?;
+        Self::gauge(
+            &mut enc,
+            "is_leader",
+            "1 when this replica is the leader",
+            u64::from(v.leader),
+        )?;
+        Self::gauge(
+            &mut enc,
+            "ready",
+            "1 when this replica can serve (etcd reachable, caught up, leader known), as /readyz",
+            u64::from(v.ready),
+        )?;
+        {
+            let mut m = enc.encode_descriptor(
+                "events",
+                "Ledger events folded by this replica, by type",
+                None,
+                MetricType::Counter,
+            )?;
+            for (t, n) in EVENT_TYPES.iter().zip(self.events) {
+                if *t == "empty" && n == 0 {
+                    continue;
+                }
+                ConstCounter::new(n).encode(m.encode_family(&[("type", *t)])?)?;
+            }
+        }
+        {
+            let mut m = enc.encode_descriptor(
+                "allocations",
+                "Live allocations (reservations) by state",
+                None,
+                MetricType::Gauge,
+            )?;
+            for (s, n) in ["reserved", "bound", "assigned"].iter().zip(v.by_state) {
+                m.encode_family(&[("state", *s)])?.encode_gauge(&n)?;
+            }
+        }
+        {
+            let m = enc.encode_descriptor(
+                "limit_violations",
+                "LimitViolated events in the ledger this replica folded (since its last snapshot load)",
+                None,
+                MetricType::Counter,
+            )?;
+            ConstCounter::new(v.violations).encode(m)?;
+        }
+        Self::gauge(
+            &mut enc,
+            "nodes",
+            "Nodes registered in the ledger",
+            v.nodes.len() as u64,
+        )?;
+        Self::gauge(
+            &mut enc,
+            "gpus",
+            "GPUs registered in the ledger",
+            v.gpus.len() as u64,
+        )?;
+        Self::gauge(
+            &mut enc,
+            "gpus_unhealthy",
+            "GPUs marked unhealthy (no new grants land on them)",
+            v.gpus.iter().filter(|g| !g.healthy).count() as u64,
+        )?;
+        {
+            let mut m = enc.encode_descriptor(
+                "node_gpu_memory_capacity_mib",
+                "GPU memory of a node, all its GPUs together",
+                None,
+                MetricType::Gauge,
+            )?;
+            for n in &v.nodes {
+                m.encode_family(&[("node", n.name.as_str())])?
+                    .encode_gauge(&n.mem_cap)?;
+            }
+        }
+        {
+            let mut m = enc.encode_descriptor(
+                "node_gpu_core_allocated_permille",
+                "GPU compute allocated on a node, in thousandths of a GPU",
+                None,
+                MetricType::Gauge,
+            )?;
+            for n in &v.nodes {
+                m.encode_family(&[("node", n.name.as_str())])?
+                    .encode_gauge(&n.core_used)?;
+            }
+        }
+        {
+            let mut m = enc.encode_descriptor(
+                "node_gpu_core_capacity_permille",
+                "GPU compute of a node, in thousandths of a GPU (1000 per GPU)",
+                None,
+                MetricType::Gauge,
+            )?;
+            for n in &v.nodes {
+                m.encode_family(&[("node", n.name.as_str())])?
+                    .encode_gauge(&n.core_cap)?;
+            }
+        }
+        {
+            let mut m = enc.encode_descriptor(
+                "gpu_memory_allocated_mib",
+                "GPU memory allocated per node and GPU index",
+                None,
+                MetricType::Gauge,
+            )?;
+            for g in &v.gpus {
+                let node = v.nodes[g.node as usize].name.as_str();
+                m.encode_family(&([("node", node)], [("gpu", g.index)]))?
+                    .encode_gauge(&g.mem_used)?;
+            }
+        }
+        {
+            let mut m = enc.encode_descriptor(
+                "gpu_unhealthy",
+                "1 for each GPU marked unhealthy; healthy GPUs have no series",
+                None,
+                MetricType::Gauge,
+            )?;
+            for g in v.gpus.iter().filter(|g| !g.healthy) {
+                let node = v.nodes[g.node as usize].name.as_str();
+                m.encode_family(&([("node", node)], [("gpu", g.index)]))?
+                    .encode_gauge(&1u32)?;
+            }
+        }
+        Ok(())
+    }
+}
