@@ -11,7 +11,7 @@ DEMO_PROFILE ?= release
 # `make image` tag; push it to your registry and set it in deploy/ (see deploy/README.md).
 IMAGE ?= gpuledger:0.1.0
 
-.PHONY: all deps build release test fmt-check clippy demo chaos bench bench-allocator bench-failover bench-replay clean deploy-check image install-plugin
+.PHONY: all deps build release test fmt-check clippy demo chaos bench bench-allocator bench-failover bench-replay clean deploy-check image install-plugin test-deps
 
 all: build
 
@@ -27,6 +27,15 @@ deps:
 	fi; \
 	command -v protoc >/dev/null && command -v etcd >/dev/null || { echo "could not install:$$missing" >&2; exit 1; }
 
+## What only the tests need: Chromium for the browser test of the allocator's /ui.
+test-deps: deps
+	@if ! command -v chromium >/dev/null 2>&1; then \
+	  echo "installing: chromium"; \
+	  SUDO=""; [ "$$(id -u)" -ne 0 ] && SUDO=sudo; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium; \
+	fi; \
+	command -v chromium >/dev/null || { echo "could not install: chromium" >&2; exit 1; }
+
 build: deps
 	$(CARGO) build --workspace
 
@@ -40,7 +49,7 @@ clippy: deps
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 ## Everything CI runs: format, lints, every test (real etcd, real processes).
-test: deps fmt-check clippy
+test: test-deps fmt-check clippy
 	$(CARGO) build --workspace
 	$(CARGO) test --workspace -- --test-threads=2
 	./target/debug/gpuledger-chaos run --seed 1 --pods 150 --faults 5

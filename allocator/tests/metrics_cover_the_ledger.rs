@@ -166,6 +166,23 @@ async fn metrics_report_what_the_ledger_holds() -> anyhow::Result<()> {
             })
             .sum();
         assert_eq!(n2, 20_000.0, "{text}");
+        // Cluster totals, and the free memory stranded on partly allocated GPUs, from the
+        // per-GPU series (n1: 2 x 16,000 MiB, n2: 4 x 40,000 MiB).
+        let per_gpu = |node: &str, g: u32| {
+            s[&format!(
+                r#"gpuledger_allocator_gpu_memory_allocated_mib{{node="{node}",gpu="{g}"}}"#
+            )]
+        };
+        let stranded: f64 = (0..2)
+            .map(|g| (16_000.0, per_gpu("n1", g)))
+            .chain((0..4).map(|g| (40_000.0, per_gpu("n2", g))))
+            .filter(|(_, used)| *used > 0.0)
+            .map(|(cap, used)| cap - used)
+            .sum();
+        expect(&s, "cluster_gpu_memory_capacity_mib", 192_000.0, &text);
+        expect(&s, "cluster_gpu_memory_allocated_mib", 28_000.0, &text);
+        expect(&s, "cluster_gpu_memory_stranded_mib", stranded, &text);
+        assert!(stranded >= 8_000.0, "n1's GPU 0 is half used: {stranded}");
         expect(
             &s,
             r#"node_gpu_memory_capacity_mib{node="n1"}"#,

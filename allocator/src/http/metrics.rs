@@ -143,6 +143,10 @@ struct View {
     by_state: [u64; 3],
     nodes: Vec<NodeRow>,
     gpus: Vec<GpuRow>,
+    /// Cluster GPU memory: capacity, allocated, and free on GPUs already partly allocated.
+    mem_total: u64,
+    mem_allocated: u64,
+    mem_stranded: u64,
 }
 
 #[derive(Debug)]
@@ -198,6 +202,11 @@ impl View {
                 core_cap: 0,
             };
             for g in &n.gpus {
+                v.mem_total += g.memory_mib;
+                v.mem_allocated += g.mem_used;
+                if g.mem_used > 0 {
+                    v.mem_stranded += g.memory_mib.saturating_sub(g.mem_used);
+                }
                 row.mem_cap += g.memory_mib;
                 row.core_used += u64::from(g.core_used);
                 row.core_cap += u64::from(CORE_MILLI_PER_GPU);
@@ -294,6 +303,24 @@ impl Collector for LedgerCollector {
             )?;
             ConstCounter::new(v.violations).encode(m)?;
         }
+        Self::gauge(
+            &mut enc,
+            "cluster_gpu_memory_capacity_mib",
+            "GPU memory of every GPU in the ledger",
+            v.mem_total,
+        )?;
+        Self::gauge(
+            &mut enc,
+            "cluster_gpu_memory_allocated_mib",
+            "GPU memory allocated on every GPU in the ledger",
+            v.mem_allocated,
+        )?;
+        Self::gauge(
+            &mut enc,
+            "cluster_gpu_memory_stranded_mib",
+            "Free GPU memory on GPUs already partly allocated: what a whole-GPU pod cannot use",
+            v.mem_stranded,
+        )?;
         Self::gauge(
             &mut enc,
             "nodes",
