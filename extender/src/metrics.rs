@@ -14,6 +14,16 @@ use prometheus_client::registry::Registry;
 
 type Labels = Vec<(&'static str, &'static str)>;
 
+const VERBS: [&str; 6] = [
+    "filter",
+    "prioritize",
+    "bind",
+    "preempt",
+    "mutate",
+    "validate",
+];
+const OUTCOMES: [&str; 3] = ["ok", "error", "bad_request"];
+
 /// How a request ended, when the status code alone does not say (bind and filter answer 200
 /// with an `Error` field).
 #[derive(Debug, Clone, Copy)]
@@ -48,6 +58,14 @@ impl Default for Metrics {
             prometheus_client::registry::Unit::Seconds,
             latency.clone(),
         );
+        // Every series exists from the start (at 0), so rate() and the dashboard see a fresh
+        // extender, not a missing one.
+        for verb in VERBS {
+            let _ = latency.get_or_create(&vec![("verb", verb)]);
+            for outcome in OUTCOMES {
+                let _ = requests.get_or_create(&vec![("verb", verb), ("outcome", outcome)]);
+            }
+        }
         Metrics {
             registry: Arc::new(registry),
             requests,

@@ -106,6 +106,17 @@ impl Metrics {
             "1 once the agent follows the ledger",
             m.synced.clone(),
         );
+        // Series that count events exist from the start (at 0).
+        for outcome in ["ok", "error"] {
+            let _ = m
+                .allocate_latency
+                .get_or_create(&vec![("outcome", outcome.to_string())]);
+        }
+        for action in ["kill", "report", "rogue"] {
+            let _ = m
+                .violations
+                .get_or_create(&vec![("action", action.to_string())]);
+        }
         m
     }
 
@@ -123,12 +134,9 @@ impl Metrics {
             self.ledger_seq.set(v.seq);
             self.allocations
                 .set(i64::try_from(v.allocs.len()).unwrap_or(i64::MAX));
-            let mut per_gpu: std::collections::HashMap<&str, i64> = Default::default();
-            if let Some(inv) = &v.inventory {
-                for g in &inv.gpus {
-                    per_gpu.insert(&g.uuid, 0);
-                }
-            }
+            let gpus = agent.gpus.borrow();
+            let mut per_gpu: std::collections::HashMap<&str, i64> =
+                gpus.iter().map(|g| (g.info.uuid.as_str(), 0)).collect();
             for a in v.allocs.values() {
                 for s in &a.shares {
                     *per_gpu.entry(&s.gpu_uuid).or_default() +=
