@@ -23,6 +23,19 @@ pub struct Config {
     )]
     pub etcd_endpoints: Vec<String>,
 
+    /// PEM CA bundle that signed etcd's server certificate; turns on TLS to etcd (use https://
+    /// endpoints).
+    #[arg(long, env = "GPULEDGER_ETCD_CA")]
+    pub etcd_ca: Option<std::path::PathBuf>,
+
+    /// PEM client certificate for etcd's --client-cert-auth (with --etcd-key).
+    #[arg(long, env = "GPULEDGER_ETCD_CERT", requires = "etcd_key")]
+    pub etcd_cert: Option<std::path::PathBuf>,
+
+    /// PEM private key of --etcd-cert.
+    #[arg(long, env = "GPULEDGER_ETCD_KEY", requires = "etcd_cert")]
+    pub etcd_key: Option<std::path::PathBuf>,
+
     /// Ledger name: keys live under /gpuledger/<cluster>/ in etcd.
     #[arg(long, env = "GPULEDGER_CLUSTER", default_value = "default")]
     pub cluster: String,
@@ -127,4 +140,24 @@ impl Config {
 
 fn parse_policy(s: &str) -> Result<gpuledger_ledger::Policy, String> {
     s.parse()
+}
+
+/// TLS to etcd: the CA to trust and, for client-certificate auth, our certificate and key.
+#[derive(Debug, Clone, Default)]
+pub struct EtcdTls {
+    /// CA bundle (PEM).
+    pub ca: Option<std::path::PathBuf>,
+    /// Client certificate and key (PEM).
+    pub identity: Option<(std::path::PathBuf, std::path::PathBuf)>,
+}
+
+impl Config {
+    /// The etcd TLS settings, None for plain-text etcd.
+    pub fn etcd_tls(&self) -> Option<EtcdTls> {
+        let identity = self.etcd_cert.clone().zip(self.etcd_key.clone());
+        (self.etcd_ca.is_some() || identity.is_some()).then(|| EtcdTls {
+            ca: self.etcd_ca.clone(),
+            identity,
+        })
+    }
 }

@@ -4,12 +4,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use etcd_client::{Client, ConnectOptions};
+use etcd_client::{Certificate, Client, ConnectOptions, Identity, TlsOptions};
 use gpuledger_proto::allocator::v1::allocator_server::AllocatorServer;
 use tokio::sync::watch;
 use tracing::{info, warn};
 
-use crate::config::Config;
+use crate::config::{Config, EtcdTls};
 use crate::election::{self, Session};
 use crate::leader::{BatchLimits, Leader, StepDown};
 use crate::log::EtcdLog;
@@ -20,11 +20,30 @@ use crate::tail;
 use crate::workload::Learned;
 
 /// Connect to etcd (lazily: the connection is made by the first request).
-pub async fn connect(endpoints: &[String]) -> anyhow::Result<Client> {
-    let opts = ConnectOptions::new()
+pub async fn connect(endpoints: &[String], tls: Option<&EtcdTls>) -> anyhow::Result<Client> {
+    let mut opts = ConnectOptions::new()
         .with_connect_timeout(Duration::from_secs(1))
         .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2))
         .with_require_leader(true);
+    if let Some(t) = tls {
+        if let Some(plain) = endpoints.iter().find(|e| e.starts_with("http://")) {
+            anyhow::bail!("etcd TLS is configured but endpoint {plain} is http://; use https://");
+        }
+        let read = |p: &std::path::Path, what: &str| {
+            std::fs::read(p).with_context(|| format!("reading the etcd {what} {}", p.display()))
+        };
+        let mut o = TlsOptions::new();
+        if let Some(ca) = &t.ca {
+            o = o.ca_certificate(Certificate::from_pem(read(ca, "CA")?));
+        }
+        if let Some((cert, key)) = &t.identity {
+            o = o.identity(Identity::from_pem(
+                read(cert, "client certificate")?,
+                read(key, "client key")?,
+            ));
+        }
+        opts = opts.with_tls(o);
+    }
     Client::connect(endpoints, Some(opts))
         .await
         .with_context(|| format!("connecting to etcd at {}", endpoints.join(",")))
@@ -58,7 +77,7 @@ async fn wait_for_signal() {
 /// Run a replica until `stop` turns true.
 pub async fn run_until(cfg: Config, stop: watch::Receiver<bool>) -> anyhow::Result<()> {
     let shared = Shared::new(cfg.replica(), cfg.advertise());
-    let client = connect(&cfg.etcd_endpoints).await?;
+    let client = connect(&cfg.etcd_endpoints, cfg.etcd_tls().as_ref()).await?;
     let log = EtcdLog::new(
         &client,
         &cfg.cluster,

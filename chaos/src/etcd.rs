@@ -28,7 +28,8 @@ pub struct EtcdCluster {
     initial_cluster: String,
 }
 
-fn find_etcd() -> Result<PathBuf> {
+/// The etcd binary (PATH, then /usr/bin, /usr/local/bin), or an error with the install hint.
+pub fn find_etcd() -> Result<PathBuf> {
     let path = std::env::var_os("PATH").unwrap_or_default();
     for d in std::env::split_paths(&path)
         .chain([PathBuf::from("/usr/bin"), PathBuf::from("/usr/local/bin")])

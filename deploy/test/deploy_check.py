@@ -726,7 +726,7 @@ def main():
     chart = DEPLOY / "helm/gpuledger"
     helm_sets = {
         "defaults": [],
-        "external-etcd": ["etcd.bundled=false", "etcd.endpoints=http://etcd-0.etcd.example.svc:2379\\,http://etcd-1.etcd.example.svc:2379\\,http://etcd-2.etcd.example.svc:2379"],
+        "external-etcd": ["etcd.bundled=false", "etcd.tlsSecret=gpuledger-etcd-client", "etcd.endpoints=https://etcd-0.etcd.example.svc:2379\\,https://etcd-1.etcd.example.svc:2379\\,https://etcd-2.etcd.example.svc:2379"],
         "default-scheduler": ["scheduler.mode=default"],
     }
     if a.helm and chart.exists():
