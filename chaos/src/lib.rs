@@ -5,6 +5,7 @@
 //! Integration tests of every crate and the benchmarks use it; nothing here is a mock.
 
 pub mod allocators;
+pub mod cluster;
 pub mod demo;
 pub mod etcd;
 pub mod http;
@@ -15,5 +16,6 @@ pub mod run;
 pub mod workload;
 
 pub use allocators::Allocators;
+pub use cluster::{ClusterOptions, LocalCluster};
 pub use etcd::EtcdCluster;
 pub use process::{Proc, bin_path, free_port};
