@@ -70,7 +70,7 @@ impl Default for ClusterOptions {
             gpus: 2,
             allocators: 3,
             extenders: 2,
-            slots_per_gpu: 16,
+            slots_per_gpu: 32,
             scheduler_parallel: 8,
             scheduler_backoff: Duration::from_millis(500),
             admit_timeout: Duration::from_secs(60),

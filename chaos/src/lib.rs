@@ -13,6 +13,7 @@ pub mod kube;
 pub mod kubelet;
 pub mod process;
 pub mod run;
+pub mod up;
 pub mod workload;
 
 pub use allocators::Allocators;

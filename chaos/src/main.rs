@@ -12,9 +12,16 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// The demo: 3-member etcd, allocator replicas, a workload, a leader kill midway, then the
-    /// inspect table, placements, failover times, utilization and `gpuledger verify`.
+    /// The demo: the local cluster with every component a process (etcd x3, allocators,
+    /// extenders, fake API server, scheduler emulator, nodes with kubelet emulator, fake NVML
+    /// and node agent), pods run end to end, the allocator leader and a node agent SIGKILLed
+    /// midway, then the inspect table, placements, failover times, utilization,
+    /// `gpuledger verify` and every agent's view against the ledger. Exits non-zero when
+    /// verify fails, a view differs or pods are lost.
     Demo(gpuledger_chaos::demo::DemoArgs),
+    /// Start the same local cluster and keep it running until Ctrl-C; prints the addresses,
+    /// the kubeconfig and the metrics URLs of every component.
+    Up(gpuledger_chaos::up::UpArgs),
     /// A workload while faults chosen by --seed hit the allocator replicas and etcd, then a
     /// quiet phase and a history check. Exits non-zero on any violation.
     Run(gpuledger_chaos::run::RunArgs),
@@ -35,6 +42,7 @@ fn main() -> std::process::ExitCode {
     let res = rt.block_on(async move {
         match cli.command {
             Cmd::Demo(a) => gpuledger_chaos::demo::run(a).await,
+            Cmd::Up(a) => gpuledger_chaos::up::run(a).await,
             Cmd::Run(a) => gpuledger_chaos::run::run(a).await,
         }
     });
