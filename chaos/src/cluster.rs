@@ -54,8 +54,8 @@ pub struct ClusterOptions {
     pub scheduler_parallel: usize,
     /// How long an unschedulable pod waits before the scheduler tries it again.
     pub scheduler_backoff: Duration,
-    /// How long the kubelet loop keeps trying to admit a pod (Allocate + PreStartContainer)
-    /// before it fails the pod, e.g. while the node agent is down.
+    /// How long the kubelet loop keeps retrying Allocate, and then PreStartContainer, of a
+    /// container before it fails the pod (the agent may be down for a while).
     pub admit_timeout: Duration,
     /// Node agents' `--enforce-interval`.
     pub enforce_interval: String,
@@ -73,7 +73,7 @@ impl Default for ClusterOptions {
             slots_per_gpu: 32,
             scheduler_parallel: 8,
             scheduler_backoff: Duration::from_millis(500),
-            admit_timeout: Duration::from_secs(60),
+            admit_timeout: Duration::from_secs(30),
             enforce_interval: "500ms".into(),
             dir: None,
         }
@@ -82,7 +82,7 @@ impl Default for ClusterOptions {
 
 /// The GPU model and memory (MiB) of node `i`: A100 40 GB and T4 alternate.
 pub fn node_model(i: usize) -> (&'static str, u64) {
-    if i % 2 == 0 {
+    if i.is_multiple_of(2) {
         ("NVIDIA A100-SXM4-40GB", 40_960)
     } else {
         ("Tesla T4", 15_360)

@@ -424,6 +424,19 @@ async fn drive(c: &mut LocalCluster, a: &DemoArgs, t0: Instant) -> Result<()> {
             .join(" / "),
         c.scheduler.stats.failed.load(Ordering::Relaxed)
     );
+    let mut violations = 0.0;
+    for n in &c.nodes {
+        if let Ok((200, t)) = crate::http::get(&format!("{}/metrics", n.health_url())).await {
+            violations += t
+                .lines()
+                .filter(|l| l.starts_with("gpuledger_node_agent_violations_total"))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum::<f64>();
+        }
+    }
+    println!(
+        "  enforcement: {violations} limit violations or rogue processes seen by the agents (each container uses 75% of its limit in the fake NVML, so 0 is right)"
+    );
     for (why, n) in &failed {
         println!("  {n:>4} x failed: {why}");
     }

@@ -293,46 +293,50 @@ pub async fn run(ctx: Arc<NodeCtx>, client: kube::Client) {
     }
 }
 
-/// Admit one container: Allocate (unless done), then PreStartContainer, retried while the
-/// agent is unreachable, until the admission timeout.
-async fn admit_container(
+/// Which step of starting a GPU container.
+#[derive(Clone, Copy)]
+enum Step<'a> {
+    /// Allocate this many devices at admission (the device manager, one pod at a time).
+    Allocate(usize),
+    /// PreStartContainer of these devices when the container starts (each pod's own worker).
+    PreStart(&'a [String]),
+}
+
+/// Allocate devices for one container, or PreStartContainer the devices it got, retried
+/// (the agent may be restarting) until the admission timeout.
+async fn device_step(
     ctx: &NodeCtx,
     ns: &str,
     name: &str,
     container: &str,
-    n: usize,
+    step: Step<'_>,
     stop: &watch::Receiver<bool>,
-) -> Result<Allocated> {
+) -> Result<Option<Allocated>> {
     let deadline = Instant::now() + ctx.admit_timeout;
-    let mut allocated: Option<Allocated> = None;
     let mut attempt = 0u32;
     loop {
         attempt += 1;
-        let e: anyhow::Error = match &allocated {
-            None => match ctx.kubelet.allocate(ns, name, container, n).await {
+        let e: anyhow::Error = match step {
+            Step::Allocate(n) => match ctx.kubelet.allocate(ns, name, container, n).await {
                 Ok(a) => {
                     ctx.log(&format!(
                         "{ns}/{name}/{container}: Allocate {:?} in {} ms",
                         a.device_ids,
                         a.elapsed.as_millis()
                     ));
-                    allocated = Some(a);
-                    continue;
+                    return Ok(Some(a));
                 }
                 Err(e) => e.context("Allocate"),
             },
-            Some(a) => match ctx.kubelet.pre_start(&a.device_ids).await {
-                Ok(()) => return Ok(a.clone()),
+            Step::PreStart(ids) => match ctx.kubelet.pre_start(ids).await {
+                Ok(()) => return Ok(None),
                 Err(e) => e.context("PreStartContainer"),
             },
         };
         if Instant::now() > deadline || *stop.borrow() {
-            if allocated.is_some() {
-                ctx.kubelet.remove_pod(ns, name);
-            }
-            return Err(e.context(format!("admission failed after {attempt} attempts")));
+            return Err(e.context(format!("gave up after {attempt} attempts")));
         }
-        if attempt == 1 || attempt % 20 == 0 {
+        if attempt == 1 || attempt.is_multiple_of(20) {
             ctx.log(&format!(
                 "{ns}/{name}/{container}: {e:#} (attempt {attempt}; retrying)"
             ));
@@ -376,8 +380,9 @@ async fn run_pod(ctx: Arc<NodeCtx>, pod: Pod, mut stop: watch::Receiver<bool>) {
         .as_ref()
         .map_or(Vec::new(), |s| s.containers.clone());
 
-    // Admission, one pod at a time.
+    // Admission: Allocate, one pod at a time like the kubelet's device manager.
     let mut allocated: Vec<Option<Allocated>> = Vec::new();
+    let mut failure: Option<String> = None;
     {
         let _turn = ctx.admit.lock().await;
         for c in &containers {
@@ -386,21 +391,46 @@ async fn run_pod(ctx: Arc<NodeCtx>, pod: Pod, mut stop: watch::Receiver<bool>) {
                 allocated.push(None);
                 continue;
             }
-            match admit_container(&ctx, &ns, &name, &c.name, n, &stop).await {
-                Ok(a) => allocated.push(Some(a)),
+            match device_step(&ctx, &ns, &name, &c.name, Step::Allocate(n), &stop).await {
+                Ok(a) => allocated.push(a),
                 Err(e) => {
-                    let why = format!("UnexpectedAdmissionError: container {}: {e:#}", c.name);
-                    ctx.log(&format!("{ns}/{name}: {why}"));
-                    ctx.kubelet.remove_pod(&ns, &name);
-                    ctx.set_phase(&ns, &name, &uid, "Failed", Some(&why));
-                    ctx.runs.update(&uid, |r| {
-                        r.ended = Some(Instant::now());
-                        r.outcome = RunOutcome::Failed(why);
-                    });
-                    return;
+                    failure = Some(format!(
+                        "UnexpectedAdmissionError: container {}: {e:#}",
+                        c.name
+                    ));
+                    break;
                 }
             }
         }
+    }
+    // Container start: PreStartContainer for each GPU container (concurrently with other
+    // pods' admissions, as the kubelet's pod workers do).
+    if failure.is_none() {
+        for (c, a) in containers.iter().zip(&allocated) {
+            let Some(a) = a else { continue };
+            let r = device_step(
+                &ctx,
+                &ns,
+                &name,
+                &c.name,
+                Step::PreStart(&a.device_ids),
+                &stop,
+            );
+            if let Err(e) = r.await {
+                failure = Some(format!("CreateContainerError: container {}: {e:#}", c.name));
+                break;
+            }
+        }
+    }
+    if let Some(why) = failure {
+        ctx.log(&format!("{ns}/{name}: {why}"));
+        ctx.kubelet.remove_pod(&ns, &name);
+        ctx.set_phase(&ns, &name, &uid, "Failed", Some(&why));
+        ctx.runs.update(&uid, |r| {
+            r.ended = Some(Instant::now());
+            r.outcome = RunOutcome::Failed(why);
+        });
+        return;
     }
 
     // Start the containers as child processes.
