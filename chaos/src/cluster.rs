@@ -73,7 +73,7 @@ impl Default for ClusterOptions {
             slots_per_gpu: 32,
             scheduler_parallel: 8,
             scheduler_backoff: Duration::from_millis(500),
-            admit_timeout: Duration::from_secs(30),
+            admit_timeout: Duration::from_secs(20),
             enforce_interval: "500ms".into(),
             dir: None,
         }

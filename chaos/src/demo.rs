@@ -6,8 +6,7 @@
 //! failovers, utilization, `gpuledger verify`, and every agent's view against the ledger.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -237,12 +236,10 @@ async fn drive(c: &mut LocalCluster, a: &DemoArgs, t0: Instant) -> Result<()> {
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     let started = Instant::now();
-    let created = Arc::new(AtomicUsize::new(0));
 
     // The arrival stream: create pods while few wait to be scheduled.
     let feeder = {
         let store = c.api.store.clone();
-        let created = created.clone();
         let pods = pods.clone();
         let max_pending = a.max_pending.max(1);
         tokio::spawn(async move {
@@ -262,7 +259,6 @@ async fn drive(c: &mut LocalCluster, a: &DemoArgs, t0: Instant) -> Result<()> {
                 if let Err(e) = store.create("v1", "pods", "default", body) {
                     return Err(anyhow::anyhow!("creating pod {}: {}", p.name, e.message()));
                 }
-                created.fetch_add(1, Ordering::Relaxed);
             }
             Ok(())
         })
@@ -299,8 +295,7 @@ async fn drive(c: &mut LocalCluster, a: &DemoArgs, t0: Instant) -> Result<()> {
             bar.abandon();
             return Err(e.context("a component died"));
         }
-        let n_created = created.load(Ordering::Relaxed);
-        if !leader_done && n_created >= pods.len() * 2 / 5 {
+        if !leader_done && done >= pods.len() * 3 / 10 {
             leader_done = true;
             let leader = c.allocs.wait_leader(Duration::from_secs(30)).await?;
             let out = tokio::process::Command::new(&ctl)
@@ -314,7 +309,7 @@ async fn drive(c: &mut LocalCluster, a: &DemoArgs, t0: Instant) -> Result<()> {
             ));
             failovers.push(kill_leader(c, leader).await?);
             bar.println(format!("  {}", failovers[failovers.len() - 1].detail));
-        } else if !agent_done && n_created >= pods.len() * 3 / 5 {
+        } else if !agent_done && done >= pods.len() * 11 / 20 {
             agent_done = true;
             let (f, check) = kill_agent(c, &bar).await?;
             bar.println(format!("  {}", f.detail));
@@ -415,7 +410,7 @@ async fn drive(c: &mut LocalCluster, a: &DemoArgs, t0: Instant) -> Result<()> {
         lost.len()
     );
     println!(
-        "  bound through extender0..{}: {}; scheduling attempts retried: {}; identities corrected at PreStartContainer: {corrected}",
+        "  bound through extender0..{}: {}; attempts that found no room (retried): {}; identities corrected at PreStartContainer: {corrected}",
         by_ext.len().saturating_sub(1),
         by_ext
             .iter()
@@ -569,11 +564,11 @@ async fn kill_leader(c: &mut LocalCluster, leader: usize) -> Result<Failover> {
     c.allocs.procs[leader].start()?;
     let detail = match flowed {
         Some(d) => format!(
-            "alloc{leader} killed -> alloc{new} leading after {elected_ms} ms; binds flowed again after {} ms (alloc{leader} restarted as a follower)",
+            "alloc{leader} killed -> alloc{new} seen leading after {elected_ms} ms; binds flowed again after {} ms (alloc{leader} restarted as a follower)",
             d.as_millis()
         ),
         None => format!(
-            "alloc{leader} killed -> alloc{new} leading after {elected_ms} ms; no bind was attempted in the next 30 s"
+            "alloc{leader} killed -> alloc{new} seen leading after {elected_ms} ms; no bind was attempted in the next 30 s"
         ),
     };
     Ok(Failover {
