@@ -12,15 +12,19 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// The demo: the local cluster with every component a process (etcd x3, allocators,
-    /// extenders, fake API server, scheduler emulator, nodes with kubelet emulator, fake NVML
-    /// and node agent), pods run end to end, the allocator leader and a node agent SIGKILLed
-    /// midway, then the inspect table, placements, failover times, utilization,
-    /// `gpuledger verify` and every agent's view against the ledger. Exits non-zero when
-    /// verify fails, a view differs or pods are lost.
+    /// The demo: the local cluster, pods run end to end, an allocator leader and a node agent
+    /// SIGKILLed midway, then what an operator would look at.
+    ///
+    /// Every component is a process on 127.0.0.1: etcd x3, allocators, extenders, and per node
+    /// a node agent against a kubelet emulator and a fake NVML; the fake API server and the
+    /// kube-scheduler emulator run in this process. Prints the inspect table, placements,
+    /// failover times, utilization, `gpuledger verify` and every agent's view against the
+    /// ledger. Exits non-zero when verify fails, a view differs or pods are lost.
     Demo(gpuledger_chaos::demo::DemoArgs),
-    /// Start the same local cluster and keep it running until Ctrl-C; prints the addresses,
-    /// the kubeconfig and the metrics URLs of every component.
+    /// Start the demo's local cluster and keep it running until Ctrl-C.
+    ///
+    /// Prints the allocator addresses for `gpuledger status|inspect|verify`, the kubeconfig of
+    /// the fake API server, and the /metrics URLs of every component.
     Up(gpuledger_chaos::up::UpArgs),
     /// A workload while faults chosen by --seed hit the allocator replicas and etcd, then a
     /// quiet phase and a history check. Exits non-zero on any violation.
