@@ -1,47 +1,56 @@
-//! `gpuledger-chaos demo`: a local cluster on this machine, a workload, a leader kill, then
-//! what an operator would look at: the inspect table, placements, failovers, utilization, and
-//! `gpuledger verify`.
-//!
-//! Today the demo drives the allocator API the way the scheduler extender does (filter → reserve
-//! → confirm bound → release); node agents and the extender join it as they land.
+//! `gpuledger-chaos demo`: the local cluster with every component a real process, pods that
+//! go the whole way (API server → scheduler emulator → extender replicas → allocator → binding
+//! → kubelet Allocate/PreStartContainer through the node agent → a running process the agent
+//! watches through the fake NVML → Succeeded → released), an allocator leader and a node agent
+//! SIGKILLed midway, then what an operator would look at: the inspect table, placements,
+//! failovers, utilization, `gpuledger verify`, and every agent's view against the ledger.
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::PathBuf;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
-use gpuledger_proto::allocator::v1 as api;
+use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use tokio::sync::Mutex;
+use serde_json::Value;
 
-use crate::allocators::{Allocators, client};
-use crate::etcd::EtcdCluster;
+use crate::cluster::{ClusterOptions, LocalCluster, RunOutcome, pod_json};
 use crate::process::bin_path;
-use crate::workload::{inventory, retryable};
 
 /// Flags of `gpuledger-chaos demo`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct DemoArgs {
-    /// Simulated GPU nodes.
+    /// Simulated GPU nodes (each: kubelet emulator, fake NVML, a node agent process).
     #[arg(long, default_value_t = 8)]
     pub nodes: usize,
-    /// GPUs per node.
+    /// GPUs per node (even nodes: A100 40 GB, odd nodes: T4 15 GB).
     #[arg(long, default_value_t = 4)]
     pub gpus: u32,
-    /// Pods to schedule.
+    /// Pods to run.
     #[arg(long, default_value_t = 300)]
     pub pods: usize,
     /// Allocator replicas.
     #[arg(long, default_value_t = 3)]
     pub replicas: usize,
-    /// Seed of the workload.
+    /// Extender replicas (the scheduler emulator alternates between them).
+    #[arg(long, default_value_t = 2)]
+    pub extenders: usize,
+    /// At most this many created pods wait to be scheduled at once; more are created as
+    /// pods get bound (a steady arrival stream rather than one burst).
+    #[arg(long, default_value_t = 24)]
+    pub max_pending: usize,
+    /// Seed of the workload (sizes, lifetimes, resource names).
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
-    /// A smaller, faster run (for CI): 4 nodes x 2 GPUs, 60 pods.
+    /// Give up on pods not finished this many seconds after the start of the workload; they
+    /// count as lost.
+    #[arg(long, default_value_t = 150)]
+    pub timeout: u64,
+    /// Skip the faults (allocator leader and node agent SIGKILL).
+    #[arg(long)]
+    pub no_faults: bool,
+    /// A smaller, faster run (for CI): at most 4 nodes x 2 GPUs, 60 pods.
     #[arg(long)]
     pub small: bool,
     /// Keep the run directory (logs of every process) instead of deleting it.
@@ -52,77 +61,99 @@ pub struct DemoArgs {
 #[derive(Clone)]
 struct PodSpec {
     name: String,
-    mem_mib: u64,
-    core_pct: u32,
-    slices: u32,
-    life: Duration,
+    resources: Vec<(&'static str, String)>,
+    secs: f64,
 }
 
-/// Sizes seen in shared inference/training clusters: mostly small slices, some whole GPUs.
+/// Sizes seen in shared inference/training clusters: mostly small slices, some whole GPUs;
+/// some pods written for gpushare or HAMi (as the admission webhook admits them: their own
+/// resource names plus `gpuledger.io/gpu: 1`).
 fn workload(n: usize, seed: u64) -> Vec<PodSpec> {
     let mut rng = StdRng::seed_from_u64(seed);
     let shapes: [(u64, u32, u32, u32); 7] = [
-        // (mem MiB, core %, slices, weight)
+        // (mem MiB, core %, slices, weight); mem 0 = a whole GPU
         (2_048, 10, 1, 25),
         (4_096, 20, 1, 25),
         (8_192, 30, 1, 20),
         (12_288, 50, 1, 12),
         (20_480, 50, 1, 8),
-        (0, 0, 1, 6), // a whole GPU
-        (16_384, 50, 2, 4),
+        (0, 100, 1, 6),
+        (6_144, 50, 2, 4),
     ];
     let total: u32 = shapes.iter().map(|s| s.3).sum();
     (0..n)
         .map(|i| {
             let mut pick = rng.random_range(0..total);
-            let s = shapes
-                .iter()
-                .find(|s| {
-                    if pick < s.3 {
-                        true
-                    } else {
-                        pick -= s.3;
-                        false
-                    }
-                })
-                .expect("weights cover the range");
+            let mut s = shapes[0];
+            for x in shapes {
+                if pick < x.3 {
+                    s = x;
+                    break;
+                }
+                pick -= x.3;
+            }
+            let (mem, core, slices, _) = s;
+            let style = rng.random_range(0..10);
+            let resources: Vec<(&'static str, String)> = if mem == 0 {
+                vec![
+                    ("gpuledger.io/gpu", "1".into()),
+                    ("gpuledger.io/gpu-mem-percent", "100".into()),
+                    ("gpuledger.io/gpu-core", "100".into()),
+                ]
+            } else if slices == 1 && style == 0 && mem % 1024 == 0 {
+                // gpushare: GiB.
+                vec![
+                    ("aliyun.com/gpu-mem", (mem / 1024).to_string()),
+                    ("gpuledger.io/gpu", "1".into()),
+                ]
+            } else if slices == 1 && style == 1 {
+                // HAMi: MiB and percent of compute.
+                vec![
+                    ("nvidia.com/gpumem", mem.to_string()),
+                    ("nvidia.com/gpucores", core.to_string()),
+                    ("gpuledger.io/gpu", "1".into()),
+                ]
+            } else {
+                vec![
+                    ("gpuledger.io/gpu", slices.to_string()),
+                    ("gpuledger.io/gpu-mem", mem.to_string()),
+                    ("gpuledger.io/gpu-core", core.to_string()),
+                ]
+            };
             PodSpec {
                 name: format!("job-{i:03}"),
-                mem_mib: s.0,
-                core_pct: s.1,
-                slices: s.2,
-                life: Duration::from_millis(rng.random_range(1_500..6_000)),
+                resources,
+                secs: rng.random_range(1_500..6_000) as f64 / 1000.0,
             }
         })
         .collect()
 }
 
-fn request(p: &PodSpec) -> api::PodRequest {
-    api::PodRequest {
-        pod: Some(gpuledger_proto::ledger::v1::PodRef {
-            uid: format!("uid-{}", p.name),
-            namespace: "demo".into(),
-            name: p.name.clone(),
-        }),
-        containers: vec![api::ContainerRequest {
-            name: "main".into(),
-            slices: p.slices,
-            mem_mib: p.mem_mib,
-            mem_percent: 0,
-            core_milli: p.core_pct * 10,
-        }],
-        placement: None,
-        cpu_milli: 0,
-        memory_mib: 0,
-    }
+fn phase(p: &Value) -> &str {
+    p.pointer("/status/phase")
+        .and_then(Value::as_str)
+        .unwrap_or("Pending")
 }
 
-#[derive(Default)]
-struct Outcome {
-    placed: usize,
-    failed: BTreeMap<String, usize>,
-    mem_mib_seconds: f64,
-    whole_gpu_seconds: f64,
+/// Pods of the demo by phase, from the API server.
+fn phases(c: &LocalCluster) -> HashMap<String, (String, bool)> {
+    c.api
+        .store
+        .objects("v1", "pods")
+        .iter()
+        .filter(|p| p["metadata"]["namespace"] == "default")
+        .map(|p| {
+            (
+                p["metadata"]["name"].as_str().unwrap_or("").to_string(),
+                (phase(p).to_string(), p["spec"]["nodeName"].is_string()),
+            )
+        })
+        .collect()
+}
+
+struct Failover {
+    what: String,
+    detail: String,
 }
 
 /// Run the demo.
@@ -132,326 +163,518 @@ pub async fn run(mut a: DemoArgs) -> Result<()> {
         a.gpus = a.gpus.min(2);
         a.pods = a.pods.min(60);
     }
+    let t0 = Instant::now();
     let tmp = tempfile::Builder::new()
         .prefix("gpuledger-demo-")
         .tempdir()?;
-    let dir: PathBuf = if a.keep {
-        tmp.keep()
+    let dir = tmp.path().to_path_buf();
+    let _keep = if a.keep {
+        let _ = tmp.keep();
+        None
     } else {
-        tmp.path().to_path_buf()
+        Some(tmp)
     };
     println!(
-        "gpuledger demo — run directory {} (logs of every process)",
-        dir.display()
-    );
-    println!(
-        "starting a 3-member etcd and {} allocator replicas…",
-        a.replicas
-    );
-    let etcd = EtcdCluster::start_in(&dir.join("etcd"), 3).await?;
-    let mut allocs = Allocators::start(&dir, &etcd.endpoints_flag(), a.replicas, "demo", &[])?;
-    let leader = allocs.wait_leader(Duration::from_secs(30)).await?;
-    let addrs = allocs.addrs.clone();
-    let mut c = client(&addrs[leader])?;
-    let mut capacity_mib = 0u64;
-    let mut gpu_mem: HashMap<String, u64> = HashMap::new();
-    for n in 0..a.nodes {
-        let (model, mem) = if n % 2 == 0 {
-            ("NVIDIA A100-SXM4-40GB", 40_960)
+        "gpuledger demo — run directory {} (logs of every process{})",
+        dir.display(),
+        if a.keep {
+            ", kept"
         } else {
-            ("Tesla T4", 15_360)
-        };
-        let inv = inventory(&format!("gpu-node-{n}"), a.gpus, mem, model);
-        for g in &inv.gpus {
-            gpu_mem.insert(g.uuid.clone(), g.memory_mib);
+            "; --keep keeps it"
         }
-        c.register_node(api::RegisterNodeRequest {
-            inventory: Some(inv),
-        })
-        .await
-        .context("registering nodes")?;
-        capacity_mib += mem * u64::from(a.gpus);
-    }
+    );
     println!(
-        "{} nodes x {} GPUs registered ({} GiB of GPU memory); scheduling {} pods…",
+        "starting etcd x3, {} allocator replicas, {} extender replicas, the API server and scheduler emulator, {} nodes x {} GPUs (kubelet + fake NVML + node agent each)…",
+        a.replicas, a.extenders, a.nodes, a.gpus
+    );
+    let mut c = LocalCluster::start(ClusterOptions {
+        nodes: a.nodes,
+        gpus: a.gpus,
+        allocators: a.replicas,
+        extenders: a.extenders,
+        dir: Some(dir.clone()),
+        ..Default::default()
+    })
+    .await?;
+    let res = drive(&mut c, &a, t0).await;
+    if res.is_err() {
+        // Say which process died, if one did: often the reason.
+        if let Err(e) = c.check_processes() {
+            eprintln!("gpuledger-chaos: a process died during the demo:\n{e:#}");
+        }
+        if !a.keep {
+            eprintln!("(run again with --keep to keep the logs)");
+        } else {
+            eprintln!("logs: {}", dir.display());
+        }
+    }
+    drop(c);
+    res
+}
+
+async fn drive(c: &mut LocalCluster, a: &DemoArgs, t0: Instant) -> Result<()> {
+    let ctl = bin_path("gpuledger")?;
+    let alloc_flag = c.allocator_flag();
+    let capacity_gib: u64 = c
+        .nodes
+        .iter()
+        .map(|n| n.gpu_mem_mib * u64::from(a.gpus))
+        .sum::<u64>()
+        / 1024;
+    println!(
+        "ready after {:.1}s: {} nodes x {} GPUs ({capacity_gib} GiB of GPU memory); running {} pods…",
+        t0.elapsed().as_secs_f64(),
         a.nodes,
         a.gpus,
-        capacity_mib / 1024,
         a.pods
     );
 
     let pods = workload(a.pods, a.seed);
     let bar = ProgressBar::new(pods.len() as u64);
     bar.set_style(
-        ProgressStyle::with_template("{bar:40} {pos}/{len} pods  {msg}")
+        ProgressStyle::with_template("{bar:40} {pos}/{len} pods done  {msg}")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    let done = Arc::new(AtomicUsize::new(0));
     let started = Instant::now();
-    let ctx = Arc::new(Ctx {
-        addrs: addrs.clone(),
-        nodes: a.nodes,
-        outcome: Mutex::new(Outcome::default()),
-        last_ok_ms: AtomicU64::new(0),
-        started,
-        gpu_mem,
-    });
-    let queue = Arc::new(Mutex::new(pods.clone()));
-    let mut workers = Vec::new();
-    for w in 0..32usize {
-        let (queue, done, bar, ctx) = (queue.clone(), done.clone(), bar.clone(), ctx.clone());
-        workers.push(tokio::spawn(async move {
-            let mut k = w;
-            loop {
-                let Some(p) = queue.lock().await.pop() else {
-                    break;
-                };
-                schedule_one(&p, &mut k, &ctx).await;
-                done.fetch_add(1, Ordering::Relaxed);
-                bar.inc(1);
-            }
-        }));
-    }
-    // Midway: kill the leader, as a crash would.
-    let mut failovers = Vec::new();
-    while done.load(Ordering::Relaxed) < pods.len() / 2 {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let leader = allocs.wait_leader(Duration::from_secs(30)).await?;
-    let ctl = bin_path("gpuledger")?;
-    let alloc_flag = format!("--allocator={}", addrs.join(","));
-    let peak = tokio::process::Command::new(&ctl)
-        .args(["inspect", &alloc_flag])
-        .output()
-        .await?;
-    bar.set_message(format!("SIGKILL allocator leader alloc{leader}"));
-    let kill_ms = started.elapsed().as_millis() as u64;
-    allocs.procs[leader].kill();
-    let new = allocs
-        .wait_leader_except(Duration::from_secs(30), Some(leader))
-        .await?;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while ctx.last_ok_ms.load(Ordering::Relaxed) <= kill_ms && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let took = ctx
-        .last_ok_ms
-        .load(Ordering::Relaxed)
-        .saturating_sub(kill_ms);
-    failovers.push((leader, new, took));
-    bar.set_message(format!(
-        "alloc{new} leads after {took} ms; restarting alloc{leader}"
-    ));
-    allocs.procs[leader].start()?;
-    for w in workers {
-        w.await?;
-    }
-    bar.finish_with_message("all pods scheduled and finished");
 
-    // Everything has finished: the ledger must be empty of allocations and consistent.
-    let head = allocs
-        .status(allocs.wait_leader(Duration::from_secs(30)).await?)
-        .await
-        .map_or(0, |s| s.seq);
-    allocs.wait_seq(head, Duration::from_secs(30)).await?;
-    let o = ctx.outcome.lock().await;
+    // The arrival stream: create pods while few wait to be scheduled.
+    let feeder = {
+        let store = c.api.store.clone();
+        let pods = pods.clone();
+        let max_pending = a.max_pending.max(1);
+        tokio::spawn(async move {
+            for p in pods {
+                loop {
+                    let pending = store
+                        .objects("v1", "pods")
+                        .iter()
+                        .filter(|x| !x["spec"]["nodeName"].is_string())
+                        .count();
+                    if pending < max_pending {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                let body = pod_json(&p.name, &p.resources, p.secs);
+                if let Err(e) = store.create("v1", "pods", "default", body) {
+                    return Err(anyhow::anyhow!("creating pod {}: {}", p.name, e.message()));
+                }
+            }
+            Ok(())
+        })
+    };
+
+    let mut failovers: Vec<Failover> = Vec::new();
+    let mut peak: Option<String> = None;
+    let mut leader_done = a.no_faults;
+    let mut agent_done = a.no_faults;
+    let deadline = started + Duration::from_secs(a.timeout);
+    let mut agent_check = None;
+    loop {
+        let ph = phases(c);
+        let done = ph
+            .values()
+            .filter(|(p, _)| p == "Succeeded" || p == "Failed")
+            .count();
+        let running = ph.values().filter(|(p, _)| p == "Running").count();
+        let pending = ph.values().filter(|(_, bound)| !bound).count();
+        bar.set_position(done as u64);
+        bar.set_message(format!("running {running}, pending {pending}"));
+        if done >= pods.len() {
+            break;
+        }
+        if Instant::now() > deadline {
+            bar.println(format!(
+                "timeout: {} pods not finished after {}s",
+                pods.len() - done,
+                a.timeout
+            ));
+            break;
+        }
+        if let Err(e) = c.check_processes() {
+            bar.abandon();
+            return Err(e.context("a component died"));
+        }
+        if !leader_done && done >= pods.len() * 3 / 10 {
+            leader_done = true;
+            let leader = c.allocs.wait_leader(Duration::from_secs(30)).await?;
+            let out = tokio::process::Command::new(&ctl)
+                .args(["inspect", &alloc_flag])
+                .output()
+                .await
+                .context("running gpuledger inspect")?;
+            peak = Some(String::from_utf8_lossy(&out.stdout).into_owned());
+            bar.println(format!(
+                "SIGKILL allocator leader alloc{leader} ({running} pods running)"
+            ));
+            failovers.push(kill_leader(c, leader).await?);
+            bar.println(format!("  {}", failovers[failovers.len() - 1].detail));
+        } else if !agent_done && done >= pods.len() * 11 / 20 {
+            agent_done = true;
+            let (f, check) = kill_agent(c, &bar).await?;
+            bar.println(format!("  {}", f.detail));
+            failovers.push(f);
+            agent_check = Some(check);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    feeder.abort();
+    let workload_secs = started.elapsed().as_secs_f64();
+    bar.finish_with_message(format!("workload done in {workload_secs:.1}s"));
+
+    // Every allocation released: the allocators' pod watchers saw every pod end.
+    let release_deadline = Instant::now() + Duration::from_secs(30);
+    let mut left = usize::MAX;
+    while Instant::now() < release_deadline {
+        left = c.dump().await.map_or(usize::MAX, |s| s.allocations.len());
+        if left == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let leader = c.allocs.wait_leader(Duration::from_secs(30)).await?;
+    if let Some(s) = c.allocs.status(leader).await {
+        c.allocs.wait_seq(s.seq, Duration::from_secs(30)).await?;
+    }
+
+    let mut problems: Vec<String> = Vec::new();
     println!("\n== gpuledger inspect, mid-run (just before the leader was killed)");
-    print!("{}", String::from_utf8_lossy(&peak.stdout));
+    match &peak {
+        Some(p) => print!("{p}"),
+        None => println!("  (no fault injected: --no-faults)"),
+    }
+
+    // Pods: what the API server and the kubelets say.
+    let ph = phases(c);
+    let runs = c.runs.all();
+    let mut failed: BTreeMap<String, usize> = BTreeMap::new();
+    let mut succeeded = 0;
+    for r in &runs {
+        match &r.outcome {
+            RunOutcome::Succeeded => succeeded += 1,
+            RunOutcome::Failed(why) => *failed.entry(why.clone()).or_default() += 1,
+            RunOutcome::Deleted => *failed.entry("deleted".into()).or_default() += 1,
+            RunOutcome::Running => {}
+        }
+    }
+    let placed = ph.values().filter(|(_, bound)| *bound).count();
+    let lost: Vec<String> = pods
+        .iter()
+        .filter(|p| {
+            ph.get(&p.name)
+                .is_none_or(|(phase, _)| phase != "Succeeded" && phase != "Failed")
+        })
+        .map(|p| {
+            let (phase, bound) = ph
+                .get(&p.name)
+                .cloned()
+                .unwrap_or(("not created".into(), false));
+            let why = c
+                .scheduler
+                .stats
+                .last_error
+                .lock()
+                .ok()
+                .and_then(|m| m.get(&format!("default/{}", p.name)).cloned())
+                .unwrap_or_default();
+            format!(
+                "{} ({phase}{}{})",
+                p.name,
+                if bound { ", bound" } else { "" },
+                if why.is_empty() {
+                    String::new()
+                } else {
+                    format!(": {why}")
+                }
+            )
+        })
+        .collect();
+    let corrected = c
+        .api
+        .store
+        .objects("v1", "events")
+        .iter()
+        .filter(|e| e["reason"] == "GpuIdentityCorrected")
+        .count();
+    let by_ext = c
+        .scheduler
+        .stats
+        .bound_by_extender
+        .lock()
+        .map(|v| v.clone())
+        .unwrap_or_default();
     println!("\n== pods");
     println!(
-        "placed: {}   failed: {}",
-        o.placed,
-        o.failed.values().sum::<usize>()
+        "placed: {placed}   succeeded: {succeeded}   failed: {}   lost: {}",
+        failed.values().sum::<usize>(),
+        lost.len()
     );
-    for (why, n) in &o.failed {
-        println!("  {n:>4} x {why}");
+    println!(
+        "  bound through extender0..{}: {}; attempts that found no room (retried): {}; identities corrected at PreStartContainer: {corrected}",
+        by_ext.len().saturating_sub(1),
+        by_ext
+            .iter()
+            .map(u64::to_string)
+            .collect::<Vec<_>>()
+            .join(" / "),
+        c.scheduler.stats.failed.load(Ordering::Relaxed)
+    );
+    let mut violations = 0.0;
+    for n in &c.nodes {
+        if let Ok((200, t)) = crate::http::get(&format!("{}/metrics", n.health_url())).await {
+            violations += t
+                .lines()
+                .filter(|l| l.starts_with("gpuledger_node_agent_violations_total"))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum::<f64>();
+        }
     }
+    println!(
+        "  enforcement: {violations} limit violations or rogue processes seen by the agents (each container uses 75% of its limit in the fake NVML, so 0 is right)"
+    );
+    for (why, n) in &failed {
+        println!("  {n:>4} x failed: {why}");
+    }
+    for l in lost.iter().take(10) {
+        println!("  lost: {l}");
+    }
+    if lost.len() > 10 {
+        println!("  … and {} more lost", lost.len() - 10);
+    }
+    if !lost.is_empty() {
+        problems.push(format!("{} pods lost", lost.len()));
+    }
+
     println!("\n== failovers survived");
-    for (old, new, ms) in &failovers {
-        println!(
-            "  alloc{old} killed -> alloc{new} leading; reservations flowed again after {ms} ms"
-        );
+    if failovers.is_empty() {
+        println!("  (none injected: --no-faults)");
     }
+    for f in &failovers {
+        println!("  {}: {}", f.what, f.detail);
+    }
+    if let Some(chk) = &agent_check {
+        println!("  {chk}");
+        if chk.contains("LOST") || chk.contains("DIFFERS") {
+            problems.push("a running pod lost its GPU across the agent restart".into());
+        }
+    }
+
     println!("\n== GPU memory use vs whole-GPU allocation");
+    let (mut frac, mut whole) = (0.0f64, 0.0f64);
+    for r in &runs {
+        if let (Some(s), Some(e)) = (r.started, r.ended) {
+            let secs = e.saturating_duration_since(s).as_secs_f64();
+            for (_, limit, cap) in &r.shares {
+                frac += *limit as f64 * secs;
+                whole += *cap as f64 * secs;
+            }
+        }
+    }
     println!(
         "  fractional: {:.0} GiB-seconds held; whole GPUs would have held {:.0} GiB-seconds ({:.1}x more)",
-        o.mem_mib_seconds / 1024.0,
-        o.whole_gpu_seconds / 1024.0,
-        if o.mem_mib_seconds > 0.0 {
-            o.whole_gpu_seconds / o.mem_mib_seconds
-        } else {
-            0.0
-        }
+        frac / 1024.0,
+        whole / 1024.0,
+        if frac > 0.0 { whole / frac } else { 0.0 }
     );
+    println!(
+        "  (from the containers' limits as the node agents returned them, over the time each ran)"
+    );
+
     println!("\n== gpuledger verify");
-    let out = std::process::Command::new(&ctl)
+    let out = tokio::process::Command::new(&ctl)
         .args(["verify", &alloc_flag])
-        .output()?;
+        .output()
+        .await
+        .context("running gpuledger verify")?;
     print!("{}", String::from_utf8_lossy(&out.stdout));
     eprint!("{}", String::from_utf8_lossy(&out.stderr));
     if !out.status.success() {
-        anyhow::bail!("gpuledger verify failed");
+        problems.push("gpuledger verify failed".into());
     }
-    if o.placed == 0 {
-        anyhow::bail!("no pod was placed");
+    if left != 0 {
+        problems.push(format!(
+            "{} allocations still held 30 s after every pod ended",
+            if left == usize::MAX {
+                "unknown".to_string()
+            } else {
+                left.to_string()
+            }
+        ));
     }
-    println!("\ndemo finished in {:.1}s", started.elapsed().as_secs_f64());
+
+    println!("\n== node agents vs ledger (agent /metrics vs the ledger's Dump, per node)");
+    let views = c.check_agent_views(Duration::from_secs(10)).await;
+    for v in &views {
+        if v.agree {
+            println!(
+                "  {}: agent view = ledger ({} allocations, memory per GPU equal)",
+                v.node, v.allocations
+            );
+        } else {
+            println!("  {}: DIFFERENT: {}", v.node, v.detail);
+            problems.push(format!("{}: agent view differs from the ledger", v.node));
+        }
+    }
+    c.check_processes()?;
+    if succeeded == 0 {
+        problems.push("no pod ran".into());
+    }
+    println!(
+        "\ndemo finished in {:.1}s (cluster start {:.1}s, workload {workload_secs:.1}s)",
+        t0.elapsed().as_secs_f64(),
+        (started - t0).as_secs_f64()
+    );
+    if !problems.is_empty() {
+        bail!("demo failed: {}", problems.join("; "));
+    }
     Ok(())
 }
 
-/// What every scheduling worker shares.
-struct Ctx {
-    addrs: Vec<String>,
-    nodes: usize,
-    outcome: Mutex<Outcome>,
-    last_ok_ms: AtomicU64,
-    started: Instant,
-    gpu_mem: HashMap<String, u64>,
+/// SIGKILL the allocator leader; measure until a new leader is elected and until a bind sent
+/// after the kill succeeds; restart the old one.
+async fn kill_leader(c: &mut LocalCluster, leader: usize) -> Result<Failover> {
+    let kill_at = Instant::now();
+    c.allocs.procs[leader].kill();
+    let new = c
+        .allocs
+        .wait_leader_except(Duration::from_secs(30), Some(leader))
+        .await?;
+    let elected_ms = kill_at.elapsed().as_millis();
+    let wait_until = Instant::now() + Duration::from_secs(30);
+    let mut flowed = None;
+    while Instant::now() < wait_until {
+        let binds = c
+            .scheduler
+            .stats
+            .binds
+            .lock()
+            .map(|b| b.clone())
+            .unwrap_or_default();
+        if let Some(d) = binds
+            .iter()
+            .filter(|(sent, _)| *sent >= kill_at)
+            .map(|(_, done)| done.saturating_duration_since(kill_at))
+            .min()
+        {
+            flowed = Some(d);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    c.allocs.procs[leader].start()?;
+    let detail = match flowed {
+        Some(d) => format!(
+            "alloc{leader} killed -> alloc{new} seen leading after {elected_ms} ms; binds flowed again after {} ms (alloc{leader} restarted as a follower)",
+            d.as_millis()
+        ),
+        None => format!(
+            "alloc{leader} killed -> alloc{new} seen leading after {elected_ms} ms; no bind was attempted in the next 30 s"
+        ),
+    };
+    Ok(Failover {
+        what: "allocator leader".into(),
+        detail,
+    })
 }
 
-async fn schedule_one(p: &PodSpec, k: &mut usize, ctx: &Ctx) {
-    let (addrs, nodes, outcome, last_ok, started, gpu_mem) = (
-        &ctx.addrs,
-        ctx.nodes,
-        &ctx.outcome,
-        &ctx.last_ok_ms,
-        ctx.started,
-        &ctx.gpu_mem,
-    );
-    let req = request(p);
-    let uid = format!("uid-{}", p.name);
-    let give_up = Instant::now() + Duration::from_secs(20);
-    loop {
-        *k += 1;
-        let Ok(mut c) = client(&addrs[*k % addrs.len()]) else {
-            continue;
-        };
-        let sent = started.elapsed().as_millis() as u64;
-        // Filter like the extender, then reserve on the best-scoring fitting node.
-        let nodes_all: Vec<String> = (0..nodes).map(|n| format!("gpu-node-{n}")).collect();
-        let f = c
-            .filter(api::FilterRequest {
-                request: Some(req.clone()),
-                nodes: nodes_all,
-            })
-            .await;
-        let f = match f {
-            Ok(f) => f.into_inner(),
-            Err(s) if retryable(&s) && Instant::now() < give_up => {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-            Err(s) => {
-                *outcome
-                    .lock()
-                    .await
-                    .failed
-                    .entry(s.message().to_string())
-                    .or_default() += 1;
-                return;
-            }
-        };
-        if f.nodes.is_empty() {
-            if !f.failed.is_empty() && Instant::now() < give_up {
-                // Full for now: wait for running pods to finish, as a pending pod would.
-                tokio::time::sleep(Duration::from_millis(200)).await;
-                continue;
-            }
-            let why = f
-                .unresolvable
-                .values()
-                .chain(f.failed.values())
-                .next()
-                .cloned()
-                .unwrap_or_else(|| "no node".into());
-            *outcome
-                .lock()
-                .await
-                .failed
-                .entry(format!("unschedulable: {why}"))
-                .or_default() += 1;
-            return;
+/// SIGKILL the node agent of the busiest node, restart it, and check that the pods running
+/// there kept their allocation (same id in the ledger, same node) and that the agent's view
+/// equals the ledger again.
+async fn kill_agent(c: &mut LocalCluster, bar: &ProgressBar) -> Result<(Failover, String)> {
+    let running = c.runs.running();
+    let mut per_node: BTreeMap<String, usize> = BTreeMap::new();
+    for r in &running {
+        *per_node.entry(r.node.clone()).or_default() += 1;
+    }
+    let i = c
+        .nodes
+        .iter()
+        .enumerate()
+        .max_by_key(|(_, n)| per_node.get(&n.name).copied().unwrap_or(0))
+        .map_or(0, |(i, _)| i);
+    let name = c.nodes[i].name.clone();
+    let before: Vec<_> = running.into_iter().filter(|r| r.node == name).collect();
+    bar.println(format!(
+        "SIGKILL node agent of {name} ({} pods running there), restart after 1 s",
+        before.len()
+    ));
+    let kill_at = Instant::now();
+    c.nodes[i].agent.proc.kill();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let regs = c.nodes[i].kubelet.registrations();
+    c.nodes[i].agent.proc.start()?;
+    c.nodes[i]
+        .kubelet
+        .wait_registrations(regs + 1, Duration::from_secs(30))
+        .await
+        .with_context(|| c.nodes[i].agent.proc.log_tail(20))?;
+    let url = format!("{}/readyz", c.nodes[i].health_url());
+    let ready_deadline = Instant::now() + Duration::from_secs(30);
+    while !crate::http::get(&url)
+        .await
+        .is_ok_and(|(code, _)| code == 200)
+    {
+        if Instant::now() > ready_deadline {
+            bail!(
+                "node agent of {name} not ready 30 s after its restart:\n{}",
+                c.nodes[i].agent.proc.log_tail(20)
+            );
         }
-        let s = c
-            .score(api::ScoreRequest {
-                request: Some(req.clone()),
-                nodes: f.nodes.clone(),
-            })
-            .await
-            .map(|s| s.into_inner().scores)
-            .unwrap_or_default();
-        let node = s
-            .iter()
-            .max_by_key(|s| s.score)
-            .map_or(f.nodes[0].clone(), |s| s.node.clone());
-        let r = c
-            .reserve(api::ReserveRequest {
-                request: Some(req.clone()),
-                node: node.clone(),
-                ttl_ms: 0,
-            })
-            .await;
-        match r {
-            Ok(r) => {
-                last_ok.fetch_max(sent, Ordering::Relaxed);
-                let r = r.into_inner();
-                let _ = c
-                    .confirm_bound(api::ConfirmBoundRequest {
-                        pod_uid: uid.clone(),
-                        node,
-                    })
-                    .await;
-                tokio::time::sleep(p.life).await;
-                loop {
-                    let Ok(mut c) = client(&addrs[*k % addrs.len()]) else {
-                        continue;
-                    };
-                    match c
-                        .release(api::ReleaseRequest {
-                            pod_uid: uid.clone(),
-                            reason: "pod succeeded".into(),
-                            ..Default::default()
-                        })
-                        .await
-                    {
-                        Ok(_) => break,
-                        Err(s) if retryable(&s) => {
-                            *k += 1;
-                            tokio::time::sleep(Duration::from_millis(50)).await;
-                        }
-                        Err(_) => break,
-                    }
-                }
-                let mut o = outcome.lock().await;
-                o.placed += 1;
-                let secs = p.life.as_secs_f64();
-                for a in &r.allocations {
-                    for sh in &a.shares {
-                        o.mem_mib_seconds += sh.mem_mib as f64 * secs;
-                    }
-                }
-                // A whole-GPU system gives every slice a full GPU: charge the GPU's capacity.
-                for sh in r.allocations.iter().flat_map(|a| &a.shares) {
-                    o.whole_gpu_seconds +=
-                        gpu_mem.get(&sh.gpu_uuid).copied().unwrap_or(0) as f64 * secs;
-                }
-                return;
-            }
-            Err(s) if retryable(&s) && Instant::now() < give_up => {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            Err(s) if s.code() == tonic::Code::ResourceExhausted && Instant::now() < give_up => {
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            Err(s) => {
-                *outcome
-                    .lock()
-                    .await
-                    .failed
-                    .entry(s.message().to_string())
-                    .or_default() += 1;
-                return;
-            }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let back_ms = kill_at.elapsed().as_millis();
+    // The pods that were running: still running with the same allocation, or ended normally.
+    let snap = c.dump().await?;
+    let now: HashMap<(String, String), _> = c
+        .runs
+        .all()
+        .into_iter()
+        .map(|r| ((r.namespace.clone(), r.name.clone()), r))
+        .collect();
+    let (mut kept, mut ended, mut lost) = (0, 0, Vec::new());
+    for b in &before {
+        let r = now.get(&(b.namespace.clone(), b.name.clone()));
+        if r.is_some_and(|r| r.outcome != RunOutcome::Running) {
+            ended += 1;
+            continue;
+        }
+        let held = snap.allocations.iter().any(|x| {
+            x.node == name
+                && x.pod
+                    .as_ref()
+                    .is_some_and(|p| p.name == b.name && p.namespace == b.namespace)
+                && Some(x.id) == b.allocation_id
+        });
+        if held {
+            kept += 1;
+        } else {
+            lost.push(b.name.clone());
         }
     }
+    let view = c
+        .check_agent_views(Duration::from_secs(10))
+        .await
+        .into_iter()
+        .find(|v| v.node == name);
+    let view_s = match view {
+        Some(v) if v.agree => "its view equals the ledger".to_string(),
+        Some(v) => format!("its view DIFFERS from the ledger: {}", v.detail),
+        None => "no view".into(),
+    };
+    let check = if lost.is_empty() {
+        format!(
+            "{name}: {kept} pods kept running on their GPUs across the agent restart ({ended} ended normally meanwhile); {view_s}"
+        )
+    } else {
+        format!("{name}: pods LOST their allocation across the agent restart: {lost:?}; {view_s}")
+    };
+    Ok((
+        Failover {
+            what: "node agent".into(),
+            detail: format!(
+                "agent on {name} killed -> restarted, re-registered with the kubelet and ready after {back_ms} ms"
+            ),
+        },
+        check,
+    ))
 }

@@ -5,6 +5,7 @@
 //! Integration tests of every crate and the benchmarks use it; nothing here is a mock.
 
 pub mod allocators;
+pub mod cluster;
 pub mod demo;
 pub mod etcd;
 pub mod http;
@@ -13,8 +14,10 @@ pub mod kubelet;
 pub mod process;
 pub mod promtext;
 pub mod run;
+pub mod up;
 pub mod workload;
 
 pub use allocators::Allocators;
+pub use cluster::{ClusterOptions, LocalCluster};
 pub use etcd::EtcdCluster;
 pub use process::{Proc, bin_path, free_port};

@@ -12,9 +12,20 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// The demo: 3-member etcd, allocator replicas, a workload, a leader kill midway, then the
-    /// inspect table, placements, failover times, utilization and `gpuledger verify`.
+    /// The demo: the local cluster, pods run end to end, an allocator leader and a node agent
+    /// SIGKILLed midway, then what an operator would look at.
+    ///
+    /// Every component is a process on 127.0.0.1: etcd x3, allocators, extenders, and per node
+    /// a node agent against a kubelet emulator and a fake NVML; the fake API server and the
+    /// kube-scheduler emulator run in this process. Prints the inspect table, placements,
+    /// failover times, utilization, `gpuledger verify` and every agent's view against the
+    /// ledger. Exits non-zero when verify fails, a view differs or pods are lost.
     Demo(gpuledger_chaos::demo::DemoArgs),
+    /// Start the demo's local cluster and keep it running until Ctrl-C.
+    ///
+    /// Prints the allocator addresses for `gpuledger status|inspect|verify`, the kubeconfig of
+    /// the fake API server, and the /metrics URLs of every component.
+    Up(gpuledger_chaos::up::UpArgs),
     /// A workload while faults chosen by --seed hit the allocator replicas and etcd, then a
     /// quiet phase and a history check. Exits non-zero on any violation.
     Run(gpuledger_chaos::run::RunArgs),
@@ -35,6 +46,7 @@ fn main() -> std::process::ExitCode {
     let res = rt.block_on(async move {
         match cli.command {
             Cmd::Demo(a) => gpuledger_chaos::demo::run(a).await,
+            Cmd::Up(a) => gpuledger_chaos::up::run(a).await,
             Cmd::Run(a) => gpuledger_chaos::run::run(a).await,
         }
     });

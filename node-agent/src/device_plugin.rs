@@ -389,7 +389,8 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
             })
             .await?;
         info!(seq = w.seq, epoch = w.epoch, "identity corrected");
-        a.update_view(|v| v.swap(guessed.id, right.id));
+        a.wait_view(Duration::from_secs(5), |v| (v.seq >= w.seq).then_some(()))
+            .await;
         let gpus: Vec<String> = guessed.shares.iter().map(|s| s.gpu_uuid.clone()).collect();
         a.event(PodEvent {
             namespace: ns,

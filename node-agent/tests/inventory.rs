@@ -64,7 +64,7 @@ async fn nvml_inventory_is_registered_and_reregistered_on_change() -> anyhow::Re
 fn http_get(port: u16, path: &str) -> anyhow::Result<String> {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port))?;
-    s.write_all(format!("GET {path} HTTP/1.1\r\nhost: x\r\n\r\n").as_bytes())?;
+    s.write_all(format!("GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").as_bytes())?;
     let mut out = String::new();
     s.read_to_string(&mut out)?;
     Ok(out)

@@ -81,13 +81,20 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    fn new(code: u16, reason: &'static str, message: impl Into<String>) -> Self {
+    /// A refusal with HTTP status `code` and Kubernetes reason `reason`.
+    pub fn new(code: u16, reason: &'static str, message: impl Into<String>) -> Self {
         ApiError {
             code,
             reason,
             message: message.into(),
         }
     }
+
+    /// The human-readable message.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
     fn status(&self) -> Value {
         json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
                "message": self.message, "reason": self.reason, "code": self.code})

@@ -72,6 +72,12 @@ pub struct Stats {
     pub bind_us: Mutex<Vec<u64>>,
     /// Last failure messages by pod.
     pub last_error: Mutex<HashMap<String, String>>,
+    /// `(sent, answered)` of every successful bind call, in completion order.
+    pub binds: Mutex<Vec<(Instant, Instant)>>,
+    /// Successful scheduling attempts per extender (index into the configured list).
+    pub bound_by_extender: Mutex<Vec<u64>>,
+    /// Attempts that moved on to the next extender because one did not accept connections.
+    pub extender_failovers: AtomicU64,
 }
 
 /// How many feasible nodes kube-scheduler looks for before it stops filtering
@@ -193,6 +199,52 @@ fn key(p: &Pod) -> String {
 
 fn micros(t: Instant) -> u64 {
     t.elapsed().as_micros() as u64
+}
+
+/// Whether `e` means the extender could not even be reached (nothing was sent, so another
+/// replica may be asked at once).
+fn unreachable(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<hyper_util::client::legacy::Error>()
+            .is_some_and(hyper_util::client::legacy::Error::is_connect)
+    })
+}
+
+/// One scheduling attempt of `pod` through extender `exts[rr % n]`, moving on to the next
+/// replica when one cannot be reached (as a Service in front of the replicas would): the node
+/// and the index of the extender that placed it on success.
+async fn schedule_any(
+    kube: kube::Client,
+    exts: Arc<Vec<ExtenderClient>>,
+    nodes: Arc<Vec<Node>>,
+    pod: Pod,
+    stats: Arc<Stats>,
+    rr: usize,
+    start: usize,
+) -> Result<(String, usize)> {
+    let mut last = None;
+    for k in 0..exts.len() {
+        let i = (rr + k) % exts.len();
+        match schedule_one(
+            kube.clone(),
+            exts[i].clone(),
+            nodes.clone(),
+            pod.clone(),
+            stats.clone(),
+            rr,
+            start,
+        )
+        .await
+        {
+            Ok(node) => return Ok((node, i)),
+            Err(e) if unreachable(&e) && k + 1 < exts.len() => {
+                stats.extender_failovers.fetch_add(1, Ordering::Relaxed);
+                last = Some(e);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| anyhow::anyhow!("no extender configured")))
 }
 
 /// One scheduling attempt of `pod`: the chosen node on success.
@@ -331,6 +383,11 @@ async fn schedule_one(
     {
         bail!("bind: {e}");
     }
+    stats
+        .binds
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push((t, Instant::now()));
     Ok(node)
 }
 
@@ -344,10 +401,29 @@ impl SchedulerEmulator {
         parallel: usize,
         backoff: Duration,
     ) -> SchedulerEmulator {
-        let stats = Arc::new(Stats::default());
+        Self::start_replicas(kube, scheduler_name, vec![ext], parallel, backoff)
+    }
+
+    /// Like [`SchedulerEmulator::start`] with several extender replicas: pods alternate between
+    /// them, and an attempt moves on to the next replica when one does not accept connections.
+    pub fn start_replicas(
+        kube: kube::Client,
+        scheduler_name: &str,
+        exts: Vec<ExtenderConfig>,
+        parallel: usize,
+        backoff: Duration,
+    ) -> SchedulerEmulator {
+        let stats = Arc::new(Stats {
+            bound_by_extender: Mutex::new(vec![0; exts.len()]),
+            ..Stats::default()
+        });
         let st = stats.clone();
         let sched = scheduler_name.to_string();
-        let ext = ExtenderClient::new(ext);
+        let exts: Arc<Vec<ExtenderClient>> =
+            Arc::new(exts.into_iter().map(ExtenderClient::new).collect());
+        let pct = exts
+            .first()
+            .map_or(100, |e| e.cfg.percentage_of_nodes_to_score);
         let task = tokio::spawn(async move {
             let pods_api: Api<Pod> = Api::all(kube.clone());
             let nodes_api: Api<Node> = Api::all(kube.clone());
@@ -403,25 +479,30 @@ impl SchedulerEmulator {
                     rr += 1;
                     let start = next_start;
                     if !nodes.is_empty() {
-                        let want = num_feasible_nodes_to_find(
-                            nodes.len(),
-                            ext.cfg.percentage_of_nodes_to_score,
-                        );
+                        let want = num_feasible_nodes_to_find(nodes.len(), pct);
                         next_start = (next_start + want) % nodes.len();
                     }
-                    let (kube, ext, nodes, st, in_flight, retry_at) = (
+                    let (kube, exts, nodes, st, in_flight, retry_at) = (
                         kube.clone(),
-                        ext.clone(),
+                        exts.clone(),
                         nodes.clone(),
                         st.clone(),
                         in_flight.clone(),
                         retry_at.clone(),
                     );
                     tokio::spawn(async move {
-                        let res = schedule_one(kube, ext, nodes, pod, st.clone(), rr, start).await;
+                        let res = schedule_any(kube, exts, nodes, pod, st.clone(), rr, start).await;
                         match res {
-                            Ok(_) => {
+                            Ok((_, i)) => {
                                 st.bound.fetch_add(1, Ordering::Relaxed);
+                                if let Some(n) = st
+                                    .bound_by_extender
+                                    .lock()
+                                    .unwrap_or_else(|p| p.into_inner())
+                                    .get_mut(i)
+                                {
+                                    *n += 1;
+                                }
                                 // A list taken before the bind may still show it pending.
                                 retry_at
                                     .lock()
