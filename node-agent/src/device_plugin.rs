@@ -84,13 +84,16 @@ impl Plugin {
 
     async fn allocate_one(&self, ids: Vec<String>) -> Result<pb::Allocation, Status> {
         let a = &self.agent;
-        if let Some(done) = a.with_view(|v| v.by_devices(&ids).cloned()) {
+        if let Some(done) = a.with_view(|v| v.by_devices(&ids).cloned())
+            && self.still_holds(&done, &ids).await
+        {
             info!(
                 allocation = done.id,
                 "Allocate repeated for assigned devices: same answer"
             );
             return Ok(done);
         }
+        self.wait_stale_holders(&ids).await?;
         let started = Instant::now();
         let deadline = started + a.cfg.allocate_wait;
         let mut refusals = 0;
@@ -169,6 +172,47 @@ impl Plugin {
     }
 
     /// Which pod/container the kubelet gave `ids` to, from the PodResources API.
+    /// Whether the container that `held` belongs to still has `ids` at the kubelet: then an
+    /// Allocate for them is a repeat (kubelet restart). When the kubelet has given the devices
+    /// to someone else, `held` is a finished container whose release the ledger has not
+    /// folded yet. Without PodResources the answer is yes (the safe, old behaviour).
+    async fn still_holds(&self, held: &pb::Allocation, ids: &[String]) -> bool {
+        let pod = held.pod.clone().unwrap_or_default();
+        match self.owner_of(ids).await {
+            Ok(Some((ns, name, container))) => {
+                ns == pod.namespace && name == pod.name && container == held.container
+            }
+            Ok(None) => false,
+            Err(e) => {
+                warn!(allocation = held.id, error = %e.message(), "PodResources unavailable: treating the Allocate as a repeat");
+                true
+            }
+        }
+    }
+
+    /// Wait until no allocation of a finished container still holds any of `ids` in the
+    /// ledger (the kubelet reuses device IDs as soon as a pod ends, before its `Released`).
+    async fn wait_stale_holders(&self, ids: &[String]) -> Result<(), Status> {
+        let a = &self.agent;
+        let stale: Vec<u64> = a.with_view(|v| v.holding_any(ids).iter().map(|x| x.id).collect());
+        if stale.is_empty() {
+            return Ok(());
+        }
+        warn!(allocations = ?stale, devices = ?ids,
+            "devices handed out again while the ledger still has them on finished containers; waiting for their release");
+        let gone = a
+            .wait_view(a.cfg.allocate_wait, |v| {
+                (!v.holding_any(ids).iter().any(|x| stale.contains(&x.id))).then_some(())
+            })
+            .await;
+        gone.ok_or_else(|| {
+            Status::unavailable(format!(
+                "devices {ids:?} are still held by allocation(s) {stale:?} in the ledger (their release has not arrived after {:?}); the kubelet will retry",
+                a.cfg.allocate_wait
+            ))
+        })
+    }
+
     async fn owner_of(&self, ids: &[String]) -> Result<Option<(String, String, String)>, Status> {
         let path = &self.agent.cfg.pod_resources_socket;
         let ch = crate::uds::channel(path).await.map_err(|e| {
