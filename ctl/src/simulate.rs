@@ -16,7 +16,7 @@ use anyhow::{Context, bail};
 use gpuledger_ledger::Policy;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use engine::{POINTS, RunResult, Setup, trace_workload};
+use engine::{POINTS, RunResult, Setup, Ties, trace_workload};
 use trace::{NodeRow, PodRow, read_nodes, read_pods};
 
 /// Arguments of `gpuledger simulate`.
@@ -75,6 +75,10 @@ pub struct SimulateArgs {
     /// memory when placing).
     #[arg(long)]
     pub frag_memory: bool,
+
+    /// Among nodes the policy scores equally: the first in the shuffled node order, or a random one.
+    #[arg(long, value_enum, default_value = "first")]
+    pub ties: Ties,
 
     /// Write the plot of allocation ratio vs arrived workload (SVG) to this file.
     #[arg(long, value_name = "SVG", default_value = "gpuledger-simulate.svg")]
@@ -169,7 +173,7 @@ pub fn simulate(
                 .iter()
                 .map(|&seed| {
                     progress.set_message(format!("{policy} seed {seed}"));
-                    let r = setup.run(pods, policy, args.tune, seed);
+                    let r = setup.run(pods, policy, args.tune, seed, args.ties);
                     progress.inc(1);
                     r
                 })

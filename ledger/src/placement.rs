@@ -388,7 +388,10 @@ fn frag_free(node: &NodeState, free: &[Free]) -> Vec<u32> {
         .collect()
 }
 
-/// FGD's choice of one shared GPU: the one after which the node's fragmentation is least.
+/// FGD's choice of one shared GPU, as the paper's simulator makes it: each GPU that fits gets the
+/// node score FGD would give the placement there (an integer 0..=100, see [`fgd::paper_score`]), and
+/// the highest wins, ties to the lowest GPU index. Scoring the GPUs in integers, not by exact
+/// fragmentation, is what the simulator does; near-equal GPUs then go to the first one.
 fn fgd_gpu(
     node: &NodeState,
     req: &PodRequest,
@@ -397,16 +400,17 @@ fn fgd_gpu(
     cands: &[(usize, u64, f64)],
     core: u32,
 ) -> usize {
+    let mut cores = frag_free(node, free);
+    let f0 = w.fragmentation(node, &cores, fgd::cpu_left(node, 0), fgd::mem_left(node, 0));
     let cpu = fgd::cpu_left(node, req.cpu_milli);
     let mem = fgd::mem_left(node, req.memory_mib);
-    let mut cores = frag_free(node, free);
     let mut best: Option<(f64, usize)> = None;
     for &(i, _, _) in cands {
         cores[i] -= core;
-        let f = w.fragmentation(node, &cores, cpu, mem);
+        let s = fgd::paper_score(f0, w.fragmentation(node, &cores, cpu, mem));
         cores[i] += core;
-        if best.is_none_or(|(b, _)| f < b) {
-            best = Some((f, i));
+        if best.is_none_or(|(b, _)| s > b) {
+            best = Some((s, i));
         }
     }
     best.expect("at least one candidate").1
@@ -487,11 +491,10 @@ fn node_score(
                 fgd::cpu_left(node, req.cpu_milli),
                 fgd::mem_left(node, req.memory_mib),
             );
-            let growth = f1 - f0;
             // The paper's scorer: sigmoid of the growth in GPUs, as an integer 0..=100. The coarse
             // steps make near-equal nodes tie, and ties go to the first node, which packs; exact
             // comparison of tiny differences does measurably worse on the openb trace.
-            let paper = (100.0 / (1.0 + (growth / 1000.0).exp())).trunc();
+            let paper = fgd::paper_score(f0, f1);
             let in_use = before.iter().any(|b| b.core < CORE_MILLI_PER_GPU);
             if req.policy == Policy::FgdPack && in_use {
                 // Among ties, a node already in use goes before an idle one: idle nodes stay

@@ -62,6 +62,15 @@ pub fn workload_for_seed(
     (order, node_order)
 }
 
+/// How a pod's node is chosen among the nodes its policy scores equally.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Ties {
+    /// The first in the (seed-shuffled) node order.
+    First,
+    /// Uniformly at random, as kube-scheduler's selectHost does (reservoir sampling).
+    Random,
+}
+
 /// Fixed inputs shared by every run: the cluster, the pod shapes and the workload distribution.
 pub struct Setup {
     nodes: Vec<NodeState>,
@@ -111,7 +120,14 @@ impl Setup {
     }
 
     /// Run the experiment for one policy and seed.
-    pub fn run(&self, pods: &[PodRow], policy: Policy, tune: f64, seed: u64) -> RunResult {
+    pub fn run(
+        &self,
+        pods: &[PodRow],
+        policy: Policy,
+        tune: f64,
+        seed: u64,
+        ties: Ties,
+    ) -> RunResult {
         debug_assert_eq!(pods.len(), self.pod_count);
         let (order, node_order) =
             workload_for_seed(pods, self.nodes.len(), self.capacity_milli, tune, seed);
@@ -124,6 +140,7 @@ impl Setup {
         let mut version = vec![0u32; nodes.len()];
         let mut cache: Vec<Option<(u32, Option<Candidate>)>> = vec![None; nodes.len() * shapes];
         let mut salts = StdRng::seed_from_u64(seed ^ 0x5EED_5A17);
+        let mut tie_rng = StdRng::seed_from_u64(seed ^ 0x7135_5A17);
         let cap = self.capacity_milli as f64;
         let (mut arrived, mut allocated) = (0u64, 0u64);
         let mut curve = Vec::with_capacity(order.len());
@@ -137,6 +154,7 @@ impl Setup {
             }
             let req = &requests[t];
             let mut best: Option<(f64, usize)> = None;
+            let mut tied = 0u32;
             for (n, node) in nodes.iter().enumerate() {
                 let slot = &mut cache[n * shapes + t];
                 if slot.as_ref().is_none_or(|(v, _)| *v != version[n]) {
@@ -144,8 +162,19 @@ impl Setup {
                 }
                 if let Some((_, Some(c))) = slot {
                     let s = placement::rank(req, n, c);
-                    if best.is_none_or(|(b, _)| s > b) {
-                        best = Some((s, n));
+                    match best {
+                        Some((b, _)) if s < b => {}
+                        Some((b, _)) if s == b => {
+                            // kube-scheduler's selectHost: reservoir sampling among the best.
+                            tied += 1;
+                            if ties == Ties::Random && tie_rng.random_range(0..tied) == 0 {
+                                best = Some((s, n));
+                            }
+                        }
+                        _ => {
+                            best = Some((s, n));
+                            tied = 1;
+                        }
                     }
                 }
             }

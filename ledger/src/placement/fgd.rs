@@ -181,6 +181,13 @@ impl Workload {
     }
 }
 
+/// FGD's score of a placement that takes a node's fragmentation from `before` to `after`
+/// (thousandths of a GPU), as the paper's simulator computes it: the sigmoid of the fragmentation
+/// removed, in GPUs, times 100 and truncated to an integer (kube-scheduler's 0..=100 node scores).
+pub(crate) fn paper_score(before: f64, after: f64) -> f64 {
+    (100.0 / (1.0 + ((after - before) / 1000.0).exp())).trunc()
+}
+
 /// Free compute of a GPU as the fragmentation measure counts it (an unhealthy GPU has none).
 pub(crate) fn usable_free(g: &crate::state::GpuState) -> u32 {
     if g.healthy { g.core_free() } else { 0 }

@@ -171,6 +171,24 @@ fn fgd_picks_the_gpu_that_fragments_least() {
 }
 
 #[test]
+fn fgd_scores_gpus_in_integers_and_ties_go_to_the_first() {
+    // As in the paper's simulator: a GPU's score is the node score of the placement there,
+    // truncated to an integer, and the first of equal GPUs wins.
+    let w = Arc::new(Workload::from_counts(
+        [(shape(1, 600), 99), (shape(1, 950), 1)],
+        1.0,
+    ));
+    let mut n = node(vec![gpu(0, 16000), gpu(1, 16000), gpu(2, 16000)]);
+    n.gpus[1].core_used = 50;
+    n.gpus[2].core_used = 750;
+    // Fragmentation before: 250 (GPU 2 hosts neither shape). A 0.3 pod on GPU 0 makes it 257,
+    // on GPU 1 256.5: exactly, GPU 1 is better, but both score 49.
+    let c = evaluate(&n, &share_req(300, Policy::Fgd, &w)).expect("fits");
+    assert_eq!(c.gpus, vec![vec![0]]);
+    assert_eq!(c.score, 49.0);
+}
+
+#[test]
 fn fgd_prefers_the_node_where_fragmentation_grows_least() {
     let w = Arc::new(Workload::from_counts([(shape(1, 1000), 1)], 1.0));
     let idle = node(vec![gpu(0, 16000), gpu(1, 16000)]);
