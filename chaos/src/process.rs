@@ -9,10 +9,21 @@ use anyhow::{Context, Result, bail};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
-/// A free TCP port on 127.0.0.1 (bound once and released: good enough for tests on one host).
+/// A free TCP port on 127.0.0.1 (bound once and released). The kernel may hand the same
+/// ephemeral port out again right after it is released, so this process never returns a port
+/// twice (seen: two etcd members given one peer port).
 pub fn free_port() -> Result<u16> {
-    let l = TcpListener::bind("127.0.0.1:0").context("binding a free loopback port")?;
-    Ok(l.local_addr()?.port())
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut given = GIVEN.lock().unwrap_or_else(|p| p.into_inner());
+    for _ in 0..1000 {
+        let l = TcpListener::bind("127.0.0.1:0").context("binding a free loopback port")?;
+        let port = l.local_addr()?.port();
+        if !given.contains(&port) {
+            given.push(port);
+            return Ok(port);
+        }
+    }
+    anyhow::bail!("no loopback port not handed out before, after 1000 tries")
 }
 
 /// Path of a workspace binary built next to the running executable (tests run from
