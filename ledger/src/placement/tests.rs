@@ -294,3 +294,45 @@ fn workload_keeps_the_most_frequent_shapes() {
     assert!(!Workload::prior().is_empty());
     assert_eq!(Workload::from_requests([]), Workload::prior());
 }
+
+proptest::proptest! {
+    /// Filter's fast path says "fits" exactly when the full evaluation does.
+    #[test]
+    fn fit_node_agrees_with_evaluate(
+        used in proptest::collection::vec((0u64..=16_000, 0u32..=1000, proptest::bool::ANY), 1..5),
+        mem in 0u64..=17_000,
+        percent in proptest::prop_oneof![proptest::strategy::Just(0u32), 1u32..=100],
+        core in 0u32..=1000,
+        cpu in 0u64..=4_000,
+        node_cpu in proptest::prop_oneof![proptest::strategy::Just(0u64), 1_000u64..=8_000],
+        cpu_used in 0u64..=4_000,
+        typed in proptest::bool::ANY,
+    ) {
+        let mut n = node(
+            used.iter()
+                .enumerate()
+                .map(|(i, (m, c, healthy))| {
+                    let mut g = gpu(i as u32, 16_000);
+                    g.mem_used = *m;
+                    g.core_used = *c;
+                    g.healthy = *healthy;
+                    if i % 2 == 1 {
+                        g.model = "Tesla T4".into();
+                    }
+                    g
+                })
+                .collect(),
+        );
+        n.cpu_milli = node_cpu;
+        n.cpu_used = cpu_used.min(node_cpu);
+        let mut r = req(1, if percent > 0 { 0 } else { mem }, Policy::Binpack);
+        r.containers[0].mem_percent = percent;
+        r.containers[0].core_milli = core;
+        r.cpu_milli = cpu;
+        if typed {
+            r.selector.types = vec!["t4".into()];
+        }
+        let fast = matches!(fit_node(&n, &r), Fit::Fits);
+        proptest::prop_assert_eq!(fast, evaluate(&n, &r).is_ok());
+    }
+}
