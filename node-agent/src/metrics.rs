@@ -25,6 +25,7 @@ pub struct Metrics {
     pub memory_used: Family<Labels, Gauge<i64, AtomicI64>>,
     memory_total: Family<Labels, Gauge<i64, AtomicI64>>,
     memory_allocated: Family<Labels, Gauge<i64, AtomicI64>>,
+    core_allocated: Family<Labels, Gauge>,
     healthy: Family<Labels, Gauge>,
     allocations: Gauge,
     ledger_seq: Gauge<u64, AtomicU64>,
@@ -46,6 +47,7 @@ impl Metrics {
             memory_used: Family::default(),
             memory_total: Family::default(),
             memory_allocated: Family::default(),
+            core_allocated: Family::default(),
             healthy: Family::default(),
             allocations: Gauge::default(),
             ledger_seq: Gauge::default(),
@@ -80,6 +82,11 @@ impl Metrics {
             "GPU memory the ledger allocates on each GPU of this node",
             Unit::Bytes,
             m.memory_allocated.clone(),
+        );
+        registry.register(
+            "gpu_core_allocated_permille",
+            "GPU compute the ledger allocates on each GPU of this node, in thousandths of a GPU",
+            m.core_allocated.clone(),
         );
         registry.register(
             "gpu_healthy",
@@ -135,18 +142,21 @@ impl Metrics {
             self.allocations
                 .set(i64::try_from(v.allocs.len()).unwrap_or(i64::MAX));
             let gpus = agent.gpus.borrow();
-            let mut per_gpu: std::collections::HashMap<&str, i64> =
-                gpus.iter().map(|g| (g.info.uuid.as_str(), 0)).collect();
+            let mut per_gpu: std::collections::HashMap<&str, (i64, i64)> = gpus
+                .iter()
+                .map(|g| (g.info.uuid.as_str(), (0, 0)))
+                .collect();
             for a in v.allocs.values() {
                 for s in &a.shares {
-                    *per_gpu.entry(&s.gpu_uuid).or_default() +=
-                        i64::try_from(s.mem_mib).unwrap_or(0);
+                    let e = per_gpu.entry(&s.gpu_uuid).or_default();
+                    e.0 += i64::try_from(s.mem_mib).unwrap_or(0);
+                    e.1 += i64::from(s.core_milli);
                 }
             }
-            for (gpu, mib) in per_gpu {
-                self.memory_allocated
-                    .get_or_create(&vec![("gpu", gpu.to_string())])
-                    .set(mib * MIB);
+            for (gpu, (mib, core)) in per_gpu {
+                let l = vec![("gpu", gpu.to_string())];
+                self.memory_allocated.get_or_create(&l).set(mib * MIB);
+                self.core_allocated.get_or_create(&l).set(core);
             }
         });
         self.registered.set(i64::from(

@@ -127,6 +127,9 @@ async fn a_killed_container_gets_an_event_and_the_metrics_follow_nvml() -> anyho
         Some(16_000.0 * 1048576.0),
         "{text}"
     );
+    // pod() asks 10 % compute for each of the two pods on the one GPU.
+    let core = format!("gpuledger_node_agent_gpu_core_allocated_permille{{gpu=\"{gpu}\"}}");
+    assert_eq!(value(&text, &core), Some(200.0), "{text}");
     let kills = r#"gpuledger_node_agent_violations_total{action="kill"}"#;
     assert_eq!(value(&text, kills), Some(1.0), "{text}");
     let allocates = r#"gpuledger_node_agent_allocate_duration_seconds_count{outcome="ok"}"#;
