@@ -126,11 +126,26 @@ impl ContainerRequest {
     /// A slice that names neither memory nor compute is the whole GPU.
     pub fn normalized(&self) -> ContainerRequest {
         let mut c = self.clone();
-        if c.mem_mib == 0 && c.mem_percent == 0 && c.core_milli == 0 {
+        if c.whole_gpu() {
             c.mem_percent = 100;
             c.core_milli = CORE_MILLI_PER_GPU;
         }
         c
+    }
+
+    /// Nothing asked but the slice: the whole GPU.
+    fn whole_gpu(&self) -> bool {
+        self.mem_mib == 0 && self.mem_percent == 0 && self.core_milli == 0
+    }
+
+    /// Memory and compute one slice needs on `gpu`, as [`Self::normalized`] would ask, without
+    /// building the normalized copy.
+    pub fn slice_on(&self, gpu: &GpuState) -> (u64, u32) {
+        if self.whole_gpu() {
+            (gpu.memory_mib, CORE_MILLI_PER_GPU)
+        } else {
+            (self.mem_on(gpu), self.core_milli)
+        }
     }
 
     /// Memory this container needs on `gpu` per slice.
@@ -671,18 +686,8 @@ pub fn fit_node(node: &NodeState, req: &PodRequest) -> Fit {
         && c.slices == 1
         && node_has_room(node, req)
     {
-        let whole = c.mem_mib == 0 && c.mem_percent == 0 && c.core_milli == 0;
-        let (percent, core) = if whole {
-            (100, CORE_MILLI_PER_GPU)
-        } else {
-            (c.mem_percent, c.core_milli)
-        };
         let fits = node.gpus.iter().any(|g| {
-            let mem = if percent > 0 {
-                (g.memory_mib * u64::from(percent)).div_ceil(100)
-            } else {
-                c.mem_mib
-            };
+            let (mem, core) = c.slice_on(g);
             g.healthy
                 && mem <= g.memory_mib
                 && mem <= g.mem_free()
