@@ -273,15 +273,20 @@ impl Watch {
             }
         }
         if self.nodes_ready.load(Ordering::Relaxed) {
-            let ledger_nodes: Vec<String> = self
-                .service
-                .shared()
-                .read(|l| l.nodes().keys().cloned().collect());
-            node_missing.retain(|n, _| ledger_nodes.contains(n));
-            for n in ledger_nodes {
+            // One read for every node: its name and the CPU/memory the ledger has for it.
+            let ledger_nodes: Vec<(String, (u64, u64))> = self.service.shared().read(|l| {
+                l.nodes()
+                    .values()
+                    .map(|n| (n.name.clone(), (n.cpu_milli, n.memory_mib)))
+                    .collect()
+            });
+            node_missing.retain(|n, _| ledger_nodes.iter().any(|(m, _)| m == n));
+            for (n, capacity) in ledger_nodes {
                 if let Some(k) = self.nodes.get(&ObjectRef::new(&n)) {
                     node_missing.remove(&n);
-                    self.sync_capacity(&n, &k).await;
+                    if let Some(a) = allocatable(&k).filter(|a| *a != capacity) {
+                        self.sync_capacity(&n, a).await;
+                    }
                     continue;
                 }
                 let since = *node_missing.entry(n.clone()).or_insert_with(Instant::now);
@@ -300,17 +305,14 @@ impl Watch {
         }
     }
 
-    /// Bring the ledger's CPU and host memory of `name` in line with the node's allocatable
-    /// (for node-level fit and FGD). GPUs stay as the node agent registered them.
-    async fn sync_capacity(&self, name: &str, k: &Node) {
-        let Some((cpu_milli, memory_mib)) = allocatable(k) else {
-            return;
-        };
-        let Some(mut inv) = self.service.shared().read(|l| {
-            l.node(name)
-                .filter(|n| (n.cpu_milli, n.memory_mib) != (cpu_milli, memory_mib))
-                .map(|n| n.inventory())
-        }) else {
+    /// Set the ledger's CPU and host memory of `name` to the node's allocatable (for node-level
+    /// fit and FGD). GPUs stay as the node agent registered them.
+    async fn sync_capacity(&self, name: &str, (cpu_milli, memory_mib): (u64, u64)) {
+        let Some(mut inv) = self
+            .service
+            .shared()
+            .read(|l| l.node(name).map(|n| n.inventory()))
+        else {
             return;
         };
         inv.cpu_milli = cpu_milli;
