@@ -334,10 +334,8 @@ impl Kubelet {
         container: &str,
         n: usize,
     ) -> Result<Allocated> {
-        let resource = self
-            .last_registration()
-            .context("no device plugin registered")?
-            .resource_name;
+        self.last_registration()
+            .context("no device plugin registered")?;
         let used: Vec<String> = self
             .assignments()
             .into_iter()
@@ -373,6 +371,23 @@ impl Kubelet {
             }
             _ => available[..n].to_vec(),
         };
+        self.allocate_ids(namespace, pod, container, ids).await
+    }
+
+    /// Allocate exactly `ids` for a container and record the assignment (what the device
+    /// manager does once it has chosen the devices).
+    pub async fn allocate_ids(
+        &self,
+        namespace: &str,
+        pod: &str,
+        container: &str,
+        ids: Vec<String>,
+    ) -> Result<Allocated> {
+        let resource = self
+            .last_registration()
+            .context("no device plugin registered")?
+            .resource_name;
+        let mut c = self.client()?;
         let t = Instant::now();
         let resp = c
             .allocate(dp::AllocateRequest {

@@ -93,7 +93,9 @@ impl Plugin {
             );
             return Ok(done);
         }
-        self.wait_stale_holders(&ids).await?;
+        if let Some(lost) = self.wait_stale_holders(&ids).await? {
+            return Ok(lost);
+        }
         let started = Instant::now();
         let deadline = started + a.cfg.allocate_wait;
         let mut refusals = 0;
@@ -192,11 +194,18 @@ impl Plugin {
 
     /// Wait until no allocation of a finished container still holds any of `ids` in the
     /// ledger (the kubelet reuses device IDs as soon as a pod ends, before its `Released`).
-    async fn wait_stale_holders(&self, ids: &[String]) -> Result<(), Status> {
+    ///
+    /// A holder whose release does not come within `--allocate-wait` is most likely not a
+    /// finished container but one whose Allocate answer was lost (the agent restarted after
+    /// committing the claim, or the kubelet's call timed out): the kubelet is admitting its
+    /// pod again with the same devices. When that holder has exactly `ids`, it is the answer
+    /// (`Some`), as for a repeat; PreStartContainer then checks with PodResources which pod
+    /// really got the devices and corrects the ledger if it was another.
+    async fn wait_stale_holders(&self, ids: &[String]) -> Result<Option<pb::Allocation>, Status> {
         let a = &self.agent;
         let stale: Vec<u64> = a.with_view(|v| v.holding_any(ids).iter().map(|x| x.id).collect());
         if stale.is_empty() {
-            return Ok(());
+            return Ok(None);
         }
         warn!(allocations = ?stale, devices = ?ids,
             "devices handed out again while the ledger still has them on finished containers; waiting for their release");
@@ -205,12 +214,28 @@ impl Plugin {
                 (!v.holding_any(ids).iter().any(|x| stale.contains(&x.id))).then_some(())
             })
             .await;
-        gone.ok_or_else(|| {
-            Status::unavailable(format!(
-                "devices {ids:?} are still held by allocation(s) {stale:?} in the ledger (their release has not arrived after {:?}); the kubelet will retry",
-                a.cfg.allocate_wait
-            ))
-        })
+        if gone.is_some() {
+            return Ok(None);
+        }
+        let exact = a.with_view(|v| {
+            let holders = v.holding_any(ids);
+            match holders.as_slice() {
+                [only] if stale.contains(&only.id) => {
+                    v.by_devices(ids).filter(|x| x.id == only.id).cloned()
+                }
+                _ => None,
+            }
+        });
+        if let Some(held) = exact {
+            let pod = held.pod.clone().unwrap_or_default();
+            warn!(allocation = held.id, pod = %format!("{}/{}", pod.namespace, pod.name), devices = ?ids,
+                "no release came for the allocation on these devices: its Allocate answer was most likely lost; answering with it again");
+            return Ok(Some(held));
+        }
+        Err(Status::unavailable(format!(
+            "devices {ids:?} are still held by allocation(s) {stale:?} in the ledger (their release has not arrived after {:?}); the kubelet will retry",
+            a.cfg.allocate_wait
+        )))
     }
 
     async fn owner_of(&self, ids: &[String]) -> Result<Option<(String, String, String)>, Status> {
