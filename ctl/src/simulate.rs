@@ -5,7 +5,6 @@
 
 mod engine;
 mod plot;
-mod trace;
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -17,7 +16,7 @@ use gpuledger_ledger::Policy;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use engine::{POINTS, RunResult, Setup, Ties, trace_workload};
-use trace::{NodeRow, PodRow, read_nodes, read_pods};
+use gpuledger_ops::trace::{NodeRow, PodRow, read_nodes, read_pods};
 
 /// Arguments of `gpuledger simulate`.
 #[derive(clap::Args, Debug)]

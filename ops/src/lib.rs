@@ -1,8 +1,10 @@
 //! What every gpuledger binary shares to be operated: log setup, the Kubernetes client, pod
-//! Events for users, and the Prometheus `/metrics` route.
+//! Events for users, the Prometheus `/metrics` route, and the reader of the openb trace files
+//! the simulator and the chaos workloads share.
 
 pub mod events;
 pub mod kube_client;
 pub mod logging;
 pub mod metrics;
 pub mod quantity;
+pub mod trace;

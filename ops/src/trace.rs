@@ -1,4 +1,6 @@
-//! The openb trace files: node and pod lists, read by header name.
+//! The openb trace files (`../shared/traces/openb/`): node and pod lists, read by header name.
+//! `gpuledger simulate` replays them through the placement policies; `gpuledger-chaos run
+//! --workload openb` runs their pod sizes and lifetimes on the local cluster.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -35,6 +37,11 @@ pub struct PodRow {
     pub gpu_milli: u32,
     /// Accepted GPU models (empty = any).
     pub gpu_spec: Vec<String>,
+    /// Seconds from the trace's start to the pod's creation (`creation_time`; 0 when the
+    /// file has no such column).
+    pub created_s: u64,
+    /// Seconds the pod lived (`deletion_time - creation_time`), when the file says.
+    pub lifetime_s: Option<u64>,
 }
 
 impl PodRow {
@@ -187,6 +194,8 @@ pub fn parse_pods(path: &Path, text: &str) -> anyhow::Result<Vec<PodRow>> {
         t.column(&["gpu_milli"])?,
     );
     let spec = t.columns.get("gpu_spec").copied();
+    let created = t.columns.get("creation_time").copied();
+    let deleted = t.columns.get("deletion_time").copied();
     let mut out = Vec::with_capacity(t.rows.len());
     for (line, cells) in &t.rows {
         let line = *line;
@@ -229,6 +238,23 @@ pub fn parse_pods(path: &Path, text: &str) -> anyhow::Result<Vec<PodRow>> {
                     .collect()
             })
             .unwrap_or_default();
+        let created_s: u64 = match created {
+            Some(c) => t.number(line, cells, c, "creation_time")?,
+            None => 0,
+        };
+        let lifetime_s = match deleted {
+            Some(d) if !cells[d].is_empty() => {
+                let end: u64 = t.number(line, cells, d, "deletion_time")?;
+                if end < created_s {
+                    bail!(
+                        "{}:{line}: column deletion_time: {end} is before creation_time {created_s}",
+                        path.display()
+                    );
+                }
+                Some(end - created_s)
+            }
+            _ => None,
+        };
         out.push(PodRow {
             name: cells[name].to_string(),
             cpu_milli: t.number(line, cells, cpu, "cpu_milli")?,
@@ -236,6 +262,8 @@ pub fn parse_pods(path: &Path, text: &str) -> anyhow::Result<Vec<PodRow>> {
             num_gpu,
             gpu_milli,
             gpu_spec,
+            created_s,
+            lifetime_s,
         });
     }
     if out.is_empty() {

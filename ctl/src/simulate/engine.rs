@@ -13,7 +13,7 @@ use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
-use super::trace::{NodeRow, PodRow};
+use gpuledger_ops::trace::{NodeRow, PodRow};
 
 /// Arrived-workload points (fractions of cluster GPU capacity) the report shows.
 pub const POINTS: [f64; 5] = [0.5, 0.8, 0.9, 1.0, 1.3];
