@@ -27,14 +27,20 @@ deps:
 	fi; \
 	command -v protoc >/dev/null && command -v etcd >/dev/null || { echo "could not install:$$missing" >&2; exit 1; }
 
-## What only the tests need: Chromium for the browser test of the allocator's /ui.
+## What only the tests need: Chromium for the browser test of the allocator's /ui; iproute2
+## and iptables for the chaos run's partitions (it makes a network namespace of its own).
 test-deps: deps
-	@if ! command -v chromium >/dev/null 2>&1; then \
-	  echo "installing: chromium"; \
+	@missing=""; \
+	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
+	command -v ip >/dev/null 2>&1 || missing="$$missing iproute2"; \
+	command -v iptables >/dev/null 2>&1 || missing="$$missing iptables"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:$$missing"; \
 	  SUDO=""; [ "$$(id -u)" -ne 0 ] && SUDO=sudo; \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
 	fi; \
-	command -v chromium >/dev/null || { echo "could not install: chromium" >&2; exit 1; }
+	command -v chromium >/dev/null && command -v ip >/dev/null && command -v iptables >/dev/null \
+	  || { echo "could not install:$$missing" >&2; exit 1; }
 
 build: deps
 	$(CARGO) build --workspace
@@ -52,7 +58,7 @@ clippy: deps
 test: test-deps fmt-check clippy
 	$(CARGO) build --workspace
 	$(CARGO) test --workspace -- --test-threads=2
-	./target/debug/gpuledger-chaos run --seed 1 --pods 150 --faults 5
+	./target/debug/gpuledger-chaos run --seed 1 --pods 150 --faults 7
 	./deploy/test/deploy-check.sh
 
 ## deploy/: render the kustomize overlays and the Helm chart, validate them offline against the

@@ -42,12 +42,23 @@ impl Allocators {
         cluster: &str,
         extra: &[&str],
     ) -> Result<Allocators> {
+        Self::start_each(dir, &vec![etcd.to_string(); n], cluster, extra)
+    }
+
+    /// Start one replica per entry of `etcd`, replica `i` reaching etcd through `etcd[i]`
+    /// (its own `--etcd-endpoints`).
+    pub fn start_each(
+        dir: &Path,
+        etcd: &[String],
+        cluster: &str,
+        extra: &[&str],
+    ) -> Result<Allocators> {
         let bin = bin_path("gpuledger-allocator")?;
         std::fs::create_dir_all(dir)?;
         let mut procs = Vec::new();
         let mut addrs = Vec::new();
         let mut http = Vec::new();
-        for i in 0..n {
+        for (i, etcd) in etcd.iter().enumerate() {
             let port = free_port()?;
             let addr = format!("127.0.0.1:{port}");
             let http_addr = format!("127.0.0.1:{}", free_port()?);

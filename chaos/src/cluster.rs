@@ -61,6 +61,10 @@ pub struct ClusterOptions {
     pub enforce_interval: String,
     /// Run directory; a new temporary one (deleted on drop) when unset.
     pub dir: Option<PathBuf>,
+    /// Allocator `i` reaches etcd only through its own loopback address
+    /// [`allocator_etcd_host`]`(i)`, so a firewall rule on that address partitions it from
+    /// etcd alone.
+    pub etcd_alias_per_allocator: bool,
 }
 
 impl Default for ClusterOptions {
@@ -76,6 +80,7 @@ impl Default for ClusterOptions {
             admit_timeout: Duration::from_secs(20),
             enforce_interval: "500ms".into(),
             dir: None,
+            etcd_alias_per_allocator: false,
         }
     }
 }
@@ -87,6 +92,12 @@ pub fn node_model(i: usize) -> (&'static str, u64) {
     } else {
         ("Tesla T4", 15_360)
     }
+}
+
+/// The loopback address through which allocator `i` reaches etcd when
+/// [`ClusterOptions::etcd_alias_per_allocator`] is set.
+pub fn allocator_etcd_host(i: usize) -> String {
+    format!("127.0.1.{}", i + 1)
 }
 
 /// The name of node `i`.
@@ -170,7 +181,13 @@ impl LocalCluster {
                 (t.path().to_path_buf(), Some(t))
             }
         };
-        let etcd = EtcdCluster::start_in(&dir.join("etcd"), 3).await?;
+        let n_alloc = opts.allocators.max(1);
+        let aliases: Vec<String> = if opts.etcd_alias_per_allocator {
+            (0..n_alloc).map(allocator_etcd_host).collect()
+        } else {
+            Vec::new()
+        };
+        let etcd = EtcdCluster::start_with_aliases(&dir.join("etcd"), 3, &aliases).await?;
         let api = FakeApiServer::start(&dir).await?;
         let kubeconfig = api.kubeconfig().display().to_string();
         let slots = opts.slots_per_gpu.max(1);
@@ -178,13 +195,12 @@ impl LocalCluster {
             api.add_node(&node_name(i), opts.gpus * slots)?;
         }
         let kflag = format!("--kubeconfig={kubeconfig}");
-        let allocs = Allocators::start(
-            &dir,
-            &etcd.endpoints_flag(),
-            opts.allocators.max(1),
-            "local",
-            &[kflag.as_str()],
-        )?;
+        let etcd_flags: Vec<String> = if aliases.is_empty() {
+            vec![etcd.endpoints_flag(); n_alloc]
+        } else {
+            aliases.iter().map(|h| etcd.endpoints_flag_via(h)).collect()
+        };
+        let allocs = Allocators::start_each(&dir, &etcd_flags, "local", &[kflag.as_str()])?;
         allocs.wait_leader(Duration::from_secs(30)).await?;
 
         let ext_bin = bin_path("gpuledger-extender")?;
@@ -385,6 +401,38 @@ impl LocalCluster {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+
+    /// SIGKILL node `i`'s agent, keep it down for `down`, start it again and wait until it
+    /// has re-registered with its kubelet and answers `/readyz` with 200 (30 s at most each).
+    /// How long from the kill until it was ready.
+    pub async fn restart_agent(&mut self, i: usize, down: Duration) -> Result<Duration> {
+        let kill_at = Instant::now();
+        let n = &mut self.nodes[i];
+        n.agent.proc.kill();
+        tokio::time::sleep(down).await;
+        let regs = n.kubelet.registrations();
+        n.agent.proc.start()?;
+        n.kubelet
+            .wait_registrations(regs + 1, Duration::from_secs(30))
+            .await
+            .with_context(|| n.agent.proc.log_tail(20))?;
+        let url = format!("{}/readyz", n.health_url());
+        let ready_deadline = Instant::now() + Duration::from_secs(30);
+        while !crate::http::get(&url)
+            .await
+            .is_ok_and(|(code, _)| code == 200)
+        {
+            if Instant::now() > ready_deadline {
+                bail!(
+                    "node agent of {} not ready 30 s after its restart:\n{}",
+                    n.name,
+                    n.agent.proc.log_tail(20)
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok(kill_at.elapsed())
     }
 
     /// The kubeconfig that reaches the fake API server.

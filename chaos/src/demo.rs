@@ -11,12 +11,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
 use serde_json::Value;
 
-use crate::cluster::{ClusterOptions, LocalCluster, RunOutcome, pod_json};
+use crate::cluster::{ClusterOptions, LocalCluster, RunOutcome};
 use crate::process::bin_path;
+use crate::workload::{feed, mixed_pods};
 
 /// Flags of `gpuledger-chaos demo`.
 #[derive(clap::Args, Debug, Clone)]
@@ -56,77 +55,6 @@ pub struct DemoArgs {
     /// Keep the run directory (logs of every process) instead of deleting it.
     #[arg(long)]
     pub keep: bool,
-}
-
-#[derive(Clone)]
-struct PodSpec {
-    name: String,
-    resources: Vec<(&'static str, String)>,
-    secs: f64,
-}
-
-/// Sizes seen in shared inference/training clusters: mostly small slices, some whole GPUs;
-/// some pods written for gpushare or HAMi (as the admission webhook admits them: their own
-/// resource names plus `gpuledger.io/gpu: 1`).
-fn workload(n: usize, seed: u64) -> Vec<PodSpec> {
-    let mut rng = StdRng::seed_from_u64(seed);
-    let shapes: [(u64, u32, u32, u32); 7] = [
-        // (mem MiB, core %, slices, weight); mem 0 = a whole GPU
-        (2_048, 10, 1, 25),
-        (4_096, 20, 1, 25),
-        (8_192, 30, 1, 20),
-        (12_288, 50, 1, 12),
-        (20_480, 50, 1, 8),
-        (0, 100, 1, 6),
-        (6_144, 50, 2, 4),
-    ];
-    let total: u32 = shapes.iter().map(|s| s.3).sum();
-    (0..n)
-        .map(|i| {
-            let mut pick = rng.random_range(0..total);
-            let mut s = shapes[0];
-            for x in shapes {
-                if pick < x.3 {
-                    s = x;
-                    break;
-                }
-                pick -= x.3;
-            }
-            let (mem, core, slices, _) = s;
-            let style = rng.random_range(0..10);
-            let resources: Vec<(&'static str, String)> = if mem == 0 {
-                vec![
-                    ("gpuledger.io/gpu", "1".into()),
-                    ("gpuledger.io/gpu-mem-percent", "100".into()),
-                    ("gpuledger.io/gpu-core", "100".into()),
-                ]
-            } else if slices == 1 && style == 0 && mem % 1024 == 0 {
-                // gpushare: GiB.
-                vec![
-                    ("aliyun.com/gpu-mem", (mem / 1024).to_string()),
-                    ("gpuledger.io/gpu", "1".into()),
-                ]
-            } else if slices == 1 && style == 1 {
-                // HAMi: MiB and percent of compute.
-                vec![
-                    ("nvidia.com/gpumem", mem.to_string()),
-                    ("nvidia.com/gpucores", core.to_string()),
-                    ("gpuledger.io/gpu", "1".into()),
-                ]
-            } else {
-                vec![
-                    ("gpuledger.io/gpu", slices.to_string()),
-                    ("gpuledger.io/gpu-mem", mem.to_string()),
-                    ("gpuledger.io/gpu-core", core.to_string()),
-                ]
-            };
-            PodSpec {
-                name: format!("job-{i:03}"),
-                resources,
-                secs: rng.random_range(1_500..6_000) as f64 / 1000.0,
-            }
-        })
-        .collect()
 }
 
 fn phase(p: &Value) -> &str {
@@ -229,7 +157,7 @@ async fn drive(c: &mut LocalCluster, a: &DemoArgs, t0: Instant) -> Result<()> {
         a.pods
     );
 
-    let pods = workload(a.pods, a.seed);
+    let pods = mixed_pods(a.pods, a.seed);
     let bar = ProgressBar::new(pods.len() as u64);
     bar.set_style(
         ProgressStyle::with_template("{bar:40} {pos}/{len} pods done  {msg}")
@@ -238,31 +166,7 @@ async fn drive(c: &mut LocalCluster, a: &DemoArgs, t0: Instant) -> Result<()> {
     let started = Instant::now();
 
     // The arrival stream: create pods while few wait to be scheduled.
-    let feeder = {
-        let store = c.api.store.clone();
-        let pods = pods.clone();
-        let max_pending = a.max_pending.max(1);
-        tokio::spawn(async move {
-            for p in pods {
-                loop {
-                    let pending = store
-                        .objects("v1", "pods")
-                        .iter()
-                        .filter(|x| !x["spec"]["nodeName"].is_string())
-                        .count();
-                    if pending < max_pending {
-                        break;
-                    }
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-                let body = pod_json(&p.name, &p.resources, p.secs);
-                if let Err(e) = store.create("v1", "pods", "default", body) {
-                    return Err(anyhow::anyhow!("creating pod {}: {}", p.name, e.message()));
-                }
-            }
-            Ok(())
-        })
-    };
+    let feeder = feed(c.api.store.clone(), pods.clone(), a.max_pending);
 
     let mut failovers: Vec<Failover> = Vec::new();
     let mut peak: Option<String> = None;
@@ -598,31 +502,10 @@ async fn kill_agent(c: &mut LocalCluster, bar: &ProgressBar) -> Result<(Failover
         "SIGKILL node agent of {name} ({} pods running there), restart after 1 s",
         before.len()
     ));
-    let kill_at = Instant::now();
-    c.nodes[i].agent.proc.kill();
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    let regs = c.nodes[i].kubelet.registrations();
-    c.nodes[i].agent.proc.start()?;
-    c.nodes[i]
-        .kubelet
-        .wait_registrations(regs + 1, Duration::from_secs(30))
-        .await
-        .with_context(|| c.nodes[i].agent.proc.log_tail(20))?;
-    let url = format!("{}/readyz", c.nodes[i].health_url());
-    let ready_deadline = Instant::now() + Duration::from_secs(30);
-    while !crate::http::get(&url)
-        .await
-        .is_ok_and(|(code, _)| code == 200)
-    {
-        if Instant::now() > ready_deadline {
-            bail!(
-                "node agent of {name} not ready 30 s after its restart:\n{}",
-                c.nodes[i].agent.proc.log_tail(20)
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let back_ms = kill_at.elapsed().as_millis();
+    let back_ms = c
+        .restart_agent(i, Duration::from_secs(1))
+        .await?
+        .as_millis();
     // The pods that were running: still running with the same allocation, or ended normally.
     let snap = c.dump().await?;
     let now: HashMap<(String, String), _> = c

@@ -26,6 +26,8 @@ pub struct EtcdCluster {
     _tmp: Option<tempfile::TempDir>,
     etcd: PathBuf,
     initial_cluster: String,
+    /// Loopback addresses the members also serve clients on, besides 127.0.0.1.
+    alias_hosts: Vec<String>,
 }
 
 /// The etcd binary (PATH, then /usr/bin, /usr/local/bin), or an error with the install hint.
@@ -57,6 +59,18 @@ impl EtcdCluster {
 
     /// Start `n` members with data and logs under `dir`.
     pub async fn start_in(dir: &Path, n: usize) -> Result<EtcdCluster> {
+        Self::start_with_aliases(dir, n, &[]).await
+    }
+
+    /// Like [`EtcdCluster::start_in`], every member also serving clients on the same port of
+    /// each loopback address in `aliases` (e.g. `127.0.1.1`). A client that reaches etcd only
+    /// through its own alias can be cut off from etcd by an iptables rule on that address
+    /// while every other client and the members' peer traffic go on.
+    pub async fn start_with_aliases(
+        dir: &Path,
+        n: usize,
+        aliases: &[String],
+    ) -> Result<EtcdCluster> {
         let etcd = find_etcd()?;
         std::fs::create_dir_all(dir)?;
         let mut members = Vec::new();
@@ -80,6 +94,7 @@ impl EtcdCluster {
             _tmp: None,
             etcd,
             initial_cluster,
+            alias_hosts: aliases.to_vec(),
         };
         for i in 0..n {
             c.spawn_member(i, "new")?;
@@ -92,10 +107,17 @@ impl EtcdCluster {
         let m = &self.members[i];
         let client = format!("http://127.0.0.1:{}", m.client_port);
         let peer = format!("http://127.0.0.1:{}", m.peer_port);
+        let listen: Vec<String> = std::iter::once(client.clone())
+            .chain(
+                self.alias_hosts
+                    .iter()
+                    .map(|h| format!("http://{h}:{}", m.client_port)),
+            )
+            .collect();
         let args = vec![
             format!("--name={}", m.name),
             format!("--data-dir={}", m.data_dir.display()),
-            format!("--listen-client-urls={client}"),
+            format!("--listen-client-urls={}", listen.join(",")),
             format!("--advertise-client-urls={client}"),
             format!("--listen-peer-urls={peer}"),
             format!("--initial-advertise-peer-urls={peer}"),
@@ -123,6 +145,16 @@ impl EtcdCluster {
     /// Endpoints as one comma-separated flag value.
     pub fn endpoints_flag(&self) -> String {
         self.endpoints().join(",")
+    }
+
+    /// Endpoints of all members through loopback address `host` (one of the aliases given
+    /// to [`EtcdCluster::start_with_aliases`]), as one comma-separated flag value.
+    pub fn endpoints_flag_via(&self, host: &str) -> String {
+        self.members
+            .iter()
+            .map(|m| format!("http://{host}:{}", m.client_port))
+            .collect::<Vec<_>>()
+            .join(",")
     }
 
     /// Number of members.

@@ -8,6 +8,7 @@ pub mod allocators;
 pub mod cluster;
 pub mod demo;
 pub mod etcd;
+pub mod history;
 pub mod http;
 pub mod kube;
 pub mod kubelet;

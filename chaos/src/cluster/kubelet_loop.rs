@@ -23,6 +23,7 @@ use serde_json::json;
 use tokio::sync::watch;
 
 use super::ANN_MEM_USED_PERCENT;
+use crate::history::{History, Outcome, PodAt};
 use crate::kube::apiserver::Store;
 use crate::kubelet::node::FakeNvml;
 use crate::kubelet::{Allocated, Kubelet};
@@ -67,6 +68,8 @@ pub struct PodRun {
 #[derive(Default)]
 pub struct Runs {
     runs: Mutex<HashMap<String, PodRun>>,
+    /// Every Allocate call the kubelets made, and how every pod ended.
+    pub history: History,
 }
 
 impl Runs {
@@ -306,14 +309,19 @@ enum Step<'a> {
 /// (the agent may be restarting) until the admission timeout.
 async fn device_step(
     ctx: &NodeCtx,
-    ns: &str,
-    name: &str,
+    (ns, name, uid): (&str, &str, &str),
     container: &str,
     step: Step<'_>,
     stop: &watch::Receiver<bool>,
 ) -> Result<Option<Allocated>> {
     let deadline = Instant::now() + ctx.admit_timeout;
     let mut attempt = 0u32;
+    let pod_key = format!("{ns}/{name}");
+    let at = PodAt {
+        pod: &pod_key,
+        uid,
+        node: &ctx.node,
+    };
     loop {
         attempt += 1;
         let e: anyhow::Error = match step {
@@ -324,9 +332,24 @@ async fn device_step(
                         a.device_ids,
                         a.elapsed.as_millis()
                     ));
+                    let id = a
+                        .response
+                        .envs
+                        .get("GPULEDGER_ALLOCATION_ID")
+                        .and_then(|v| v.parse().ok());
+                    let devices = a.device_ids.join(",");
+                    ctx.runs
+                        .history
+                        .record("allocate", at, Outcome::Ok, id, devices);
                     return Ok(Some(a));
                 }
-                Err(e) => e.context("Allocate"),
+                Err(e) => {
+                    let outcome = allocate_outcome(&e);
+                    ctx.runs
+                        .history
+                        .record("allocate", at, outcome, None, format!("{e:#}"));
+                    e.context("Allocate")
+                }
             },
             Step::PreStart(ids) => match ctx.kubelet.pre_start(ids).await {
                 Ok(()) => return Ok(None),
@@ -342,6 +365,19 @@ async fn device_step(
             ));
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// What a failed Allocate tells the kubelet: the agent refused (or was not there to ask),
+/// or the call may have reached it and nobody knows what it did.
+fn allocate_outcome(e: &anyhow::Error) -> Outcome {
+    let status = e.chain().find_map(|c| c.downcast_ref::<tonic::Status>());
+    match status.map(tonic::Status::code) {
+        Some(tonic::Code::DeadlineExceeded | tonic::Code::Cancelled | tonic::Code::Unknown) => {
+            Outcome::Unknown
+        }
+        Some(tonic::Code::Unavailable) if !format!("{e:#}").contains("connect") => Outcome::Unknown,
+        _ => Outcome::Fail,
     }
 }
 
@@ -391,7 +427,8 @@ async fn run_pod(ctx: Arc<NodeCtx>, pod: Pod, mut stop: watch::Receiver<bool>) {
                 allocated.push(None);
                 continue;
             }
-            match device_step(&ctx, &ns, &name, &c.name, Step::Allocate(n), &stop).await {
+            let who = (ns.as_str(), name.as_str(), uid.as_str());
+            match device_step(&ctx, who, &c.name, Step::Allocate(n), &stop).await {
                 Ok(a) => allocated.push(a),
                 Err(e) => {
                     failure = Some(format!(
@@ -410,8 +447,7 @@ async fn run_pod(ctx: Arc<NodeCtx>, pod: Pod, mut stop: watch::Receiver<bool>) {
             let Some(a) = a else { continue };
             let r = device_step(
                 &ctx,
-                &ns,
-                &name,
+                (&ns, &name, &uid),
                 &c.name,
                 Step::PreStart(&a.device_ids),
                 &stop,
@@ -568,6 +604,18 @@ fn finish(
         }
         pids.clear();
     }
+    let (result, detail) = match &outcome {
+        RunOutcome::Succeeded => (Outcome::Ok, "Succeeded".to_string()),
+        RunOutcome::Failed(why) => (Outcome::Fail, why.clone()),
+        RunOutcome::Deleted | RunOutcome::Running => (Outcome::Ok, "Deleted".to_string()),
+    };
+    let pod_key = format!("{ns}/{name}");
+    let at = PodAt {
+        pod: &pod_key,
+        uid,
+        node: &ctx.node,
+    };
+    ctx.runs.history.record("end", at, result, None, detail);
     match &outcome {
         RunOutcome::Succeeded => ctx.set_phase(ns, name, uid, "Succeeded", None),
         RunOutcome::Failed(why) => ctx.set_phase(ns, name, uid, "Failed", Some(why)),

@@ -18,6 +18,8 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, ListParams, PostParams};
 use serde_json::{Value, json};
 
+use crate::history::{Outcome, PodAt};
+
 /// The `extenders[]` entry of a KubeSchedulerConfiguration.
 #[derive(Debug, Clone)]
 pub struct ExtenderConfig {
@@ -78,6 +80,8 @@ pub struct Stats {
     pub bound_by_extender: Mutex<Vec<u64>>,
     /// Attempts that moved on to the next extender because one did not accept connections.
     pub extender_failovers: AtomicU64,
+    /// Every bind call and what came back.
+    pub history: crate::history::History,
 }
 
 /// How many feasible nodes kube-scheduler looks for before it stops filtering
@@ -365,12 +369,35 @@ async fn schedule_one(
         bail!("extender without bindVerb is not emulated");
     }
     let t = Instant::now();
-    let r = ext
+    let pod_key = format!("{ns}/{name}");
+    let at = PodAt {
+        pod: &pod_key,
+        uid: &uid,
+        node: &node,
+    };
+    let r = match ext
         .post(
             "bind",
             &json!({"PodName": name, "PodNamespace": ns, "PodUID": uid, "Node": node}),
         )
-        .await?;
+        .await
+    {
+        Ok(r) => r,
+        Err(e) => {
+            // Not reachable, or an HTTP error status: the extender answered nothing was bound.
+            // A timeout or a connection lost after sending: nobody knows.
+            let refused = unreachable(&e) || format!("{e}").contains("HTTP ");
+            let outcome = if refused {
+                Outcome::Fail
+            } else {
+                Outcome::Unknown
+            };
+            stats
+                .history
+                .record("bind", at, outcome, None, format!("{e:#}"));
+            return Err(e);
+        }
+    };
     stats
         .bind_us
         .lock()
@@ -381,8 +408,10 @@ async fn schedule_one(
         .and_then(Value::as_str)
         .filter(|e| !e.is_empty())
     {
+        stats.history.record("bind", at, Outcome::Fail, None, e);
         bail!("bind: {e}");
     }
+    stats.history.record("bind", at, Outcome::Ok, None, "");
     stats
         .binds
         .lock()
