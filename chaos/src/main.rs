@@ -26,8 +26,13 @@ enum Cmd {
     /// Prints the allocator addresses for `gpuledger status|inspect|verify`, the kubeconfig of
     /// the fake API server, and the /metrics URLs of every component.
     Up(gpuledger_chaos::up::UpArgs),
-    /// A workload while faults chosen by --seed hit the allocator replicas and etcd, then a
+    /// The local cluster runs pods end to end while faults chosen by --seed hit it, then a
     /// quiet phase and a history check. Exits non-zero on any violation.
+    ///
+    /// Faults: SIGKILL of the allocator leader, a follower, an extender, a node agent, an etcd
+    /// member; SIGSTOP of the leader past its lease; and, as root, a partition of the leader
+    /// from etcd (iptables, inside a network namespace the run creates and deletes). The last
+    /// line is `violations=N lost_grants=N double_grants=N replay_equal=B converged_s=X`.
     Run(gpuledger_chaos::run::RunArgs),
 }
 
