@@ -678,18 +678,37 @@ impl Ledger {
                 x.node, y.node
             ));
         }
-        let (xp, xc) = (x.pod.clone(), x.container.clone());
-        let (yp, yc) = (y.pod.clone(), y.container.clone());
-        self.index_remove(&xp.uid, &xc);
-        self.index_remove(&yp.uid, &yc);
-        self.index_insert(&xp.uid, &xc, b);
-        self.index_insert(&yp.uid, &yc, a);
+        // What belongs to the pod moves with it: who it is, its reservation clock and its
+        // host CPU/memory request. What belongs to the devices stays: GPUs, shares, device IDs
+        // and a claim. The pod that lost `a` was never admitted (its reservation was claimed
+        // for another pod's devices), so `b` becomes its reservation again unless `b` is
+        // itself claimed; whether that pod is bound the pod watcher confirms at the deadline.
+        let xp = (
+            x.pod.clone(),
+            x.container.clone(),
+            x.reserved_ms,
+            x.deadline_ms,
+        );
+        let yp = (
+            y.pod.clone(),
+            y.container.clone(),
+            y.reserved_ms,
+            y.deadline_ms,
+        );
+        let (xr, yr) = ((x.cpu_milli, x.memory_mib), (y.cpu_milli, y.memory_mib));
+        self.index_remove(&xp.0.uid, &xp.1);
+        self.index_remove(&yp.0.uid, &yp.1);
+        self.index_insert(&xp.0.uid, &xp.1, b);
+        self.index_insert(&yp.0.uid, &yp.1, a);
         let x = self.allocs.get_mut(&a).expect("checked above");
-        x.pod = yp;
-        x.container = yc;
+        (x.pod, x.container, x.reserved_ms, x.deadline_ms) = yp;
+        (x.cpu_milli, x.memory_mib) = yr;
         let y = self.allocs.get_mut(&b).expect("checked above");
-        y.pod = xp;
-        y.container = xc;
+        (y.pod, y.container, y.reserved_ms, y.deadline_ms) = xp;
+        (y.cpu_milli, y.memory_mib) = xr;
+        if y.state == AllocState::Bound {
+            y.state = AllocState::Reserved;
+        }
         Ok(())
     }
 

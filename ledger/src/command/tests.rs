@@ -207,6 +207,60 @@ fn assign_bound_and_identity_correction() {
     l.check().expect("consistent");
 }
 
+/// An Allocate claimed the reservation of a pod that was never bound here (the extender died
+/// between Reserve and Binding); the correction hands that pod another allocation. The pod's
+/// reservation clock and its unbound state must go with it, or it could hold GPUs here forever
+/// (each correction making its reservation young again, or Bound) and never be placed.
+#[test]
+fn a_correction_moves_the_pods_clock_and_bound_state_with_it() {
+    let mut l = setup();
+    let reserve_at = |uid: &str, deadline_ms| Command::Reserve {
+        request: pod(uid, 1000),
+        node: "n1".into(),
+        deadline_ms,
+    };
+    // x: reserved at t=0, never bound. y: reserved at t=5000 and bound.
+    l.execute(reserve_at("x", 30_000), 1, 0).expect("x");
+    l.execute(reserve_at("y", 35_000), 1, 5_000).expect("y");
+    let x = l.alloc_of("x", "main").expect("x").id;
+    let y = l.alloc_of("y", "main").expect("y").id;
+    let bound = Command::ConfirmBound {
+        pod_uid: "y".into(),
+        node: "n1".into(),
+        reason: "t".into(),
+    };
+    l.execute(bound, 1, 5_100).expect("bound");
+    // y's Allocate guessed x's reservation, PreStartContainer shows the devices went to y.
+    let devs = vec!["GPU-0::0".to_string()];
+    let assign = Command::Assign {
+        node: "n1".into(),
+        allocation_id: x,
+        device_ids: devs.clone(),
+    };
+    l.execute(assign, 1, 5_200).expect("assign");
+    let correct = Command::CorrectIdentity {
+        node: "n1".into(),
+        from_allocation_id: x,
+        to_allocation_id: y,
+        device_ids: devs.clone(),
+    };
+    l.execute(correct, 1, 5_300).expect("correct");
+    let for_y = l.alloc_of("y", "main").expect("y");
+    assert_eq!(for_y.id, x);
+    assert_eq!(for_y.state, AllocState::Assigned);
+    assert_eq!(for_y.device_ids, devs);
+    assert_eq!((for_y.reserved_ms, for_y.deadline_ms), (5_000, 35_000));
+    let for_x = l.alloc_of("x", "main").expect("x");
+    assert_eq!(for_x.id, y);
+    assert_eq!(
+        for_x.state,
+        AllocState::Reserved,
+        "x was never bound: its reservation expires as before"
+    );
+    assert_eq!((for_x.reserved_ms, for_x.deadline_ms), (0, 30_000));
+    l.check().expect("consistent");
+}
+
 #[test]
 fn remove_node_releases_its_allocations_first() {
     let mut l = setup();
