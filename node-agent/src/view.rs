@@ -116,14 +116,18 @@ impl View {
         self.allocs.insert(a.id, a);
     }
 
-    /// The reservation an Allocate of `slices` devices is guessed to be for: the oldest one on
-    /// the node that is reserved or bound but not yet assigned, with that many slices.
+    /// The reservation an Allocate of `slices` devices is guessed to be for: the oldest bound
+    /// one on the node with that many slices (the kubelet admits only pods bound to its node),
+    /// else the oldest still only reserved (its pod's `Bound` may be on its way). A reservation
+    /// whose pod was never bound here (the extender died before the Binding) is then guessed
+    /// only when no bound pod waits.
     pub fn pending(&self, slices: usize) -> Option<&pb::Allocation> {
-        self.allocs.values().find(|a| {
-            a.shares.len() == slices
-                && (a.state == pb::AllocationState::Reserved as i32
-                    || a.state == pb::AllocationState::Bound as i32)
-        })
+        let oldest = |state: pb::AllocationState| {
+            self.allocs
+                .values()
+                .find(|a| a.shares.len() == slices && a.state == state as i32)
+        };
+        oldest(pb::AllocationState::Bound).or_else(|| oldest(pb::AllocationState::Reserved))
     }
 
     /// The allocation already assigned exactly these device IDs (in any order).

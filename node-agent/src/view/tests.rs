@@ -131,3 +131,20 @@ fn device_ids_round_trip_and_garbage_is_rejected() {
     assert_eq!(parse_device_id("::3"), None);
     assert_eq!(parse_device_id("GPU-1::x"), None);
 }
+
+#[test]
+fn a_bound_reservation_is_guessed_before_an_older_unbound_one() {
+    let mut v = View::default();
+    v.apply(&reserved(5, "never-bound", "G0"));
+    v.apply(&reserved(7, "b", "G1"));
+    assert_eq!(v.pending(1).map(|a| a.id), Some(5), "nothing bound yet");
+    v.apply(&ev(
+        8,
+        Body::Bound(pb::Bound {
+            allocation_id: 7,
+            reason: "extender".into(),
+            node: "n1".into(),
+        }),
+    ));
+    assert_eq!(v.pending(1).map(|a| a.id), Some(7));
+}
