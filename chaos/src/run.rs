@@ -211,10 +211,18 @@ pub async fn run(a: RunArgs) -> Result<()> {
     })
     .await?;
     let res = drive(&mut c, &a, partitions).await;
-    if res.is_err() && !a.keep {
-        eprintln!(
-            "reproduce with the logs kept: gpuledger-chaos run --seed {} --pods {} --faults {} --keep",
-            a.seed, a.pods, a.faults
+    if res.is_err() {
+        let workload = match a.workload {
+            Workload::Synthetic => String::new(),
+            Workload::Openb => format!(
+                " --workload openb --trace {} --time-scale {}",
+                a.trace.display(),
+                a.time_scale
+            ),
+        };
+        println!(
+            "reproduce: gpuledger-chaos run --seed {} --pods {} --faults {} --nodes {} --gpus {} --replicas {} --extenders {}{workload} --keep",
+            a.seed, a.pods, a.faults, a.nodes, a.gpus, a.replicas, a.extenders
         );
     }
     if partitions {
@@ -953,12 +961,6 @@ async fn check(
     println!("history: {}", hist_path.display());
     for v in &violations {
         println!("VIOLATION {v}");
-    }
-    if !violations.is_empty() {
-        println!(
-            "reproduce: gpuledger-chaos run --seed {} --pods {} --faults {} --nodes {} --gpus {} --keep",
-            a.seed, a.pods, a.faults, a.nodes, a.gpus
-        );
     }
     println!(
         "violations={} lost_grants={lost} double_grants={double} replay_equal={replay_equal} converged_s={converged_s:.1}",
