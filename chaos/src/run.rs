@@ -211,24 +211,43 @@ pub async fn run(a: RunArgs) -> Result<()> {
     })
     .await?;
     let res = drive(&mut c, &a, partitions).await;
-    if res.is_err() {
-        let workload = match a.workload {
-            Workload::Synthetic => String::new(),
-            Workload::Openb => format!(
-                " --workload openb --trace {} --time-scale {}",
-                a.trace.display(),
-                a.time_scale
-            ),
-        };
-        println!(
-            "reproduce: gpuledger-chaos run --seed {} --pods {} --faults {} --nodes {} --gpus {} --replicas {} --extenders {}{workload} --keep",
-            a.seed, a.pods, a.faults, a.nodes, a.gpus, a.replicas, a.extenders
-        );
+    if let Err(e) = &res
+        && e.downcast_ref::<Violations>().is_none()
+    {
+        println!("{}", reproduce(&a));
     }
     if partitions {
         heal_all();
     }
     res
+}
+
+/// The history check found violations (already reported).
+#[derive(Debug)]
+struct Violations(usize);
+
+impl std::fmt::Display for Violations {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} violation(s)", self.0)
+    }
+}
+
+impl std::error::Error for Violations {}
+
+/// The command that runs `a` again with its logs kept.
+fn reproduce(a: &RunArgs) -> String {
+    let workload = match a.workload {
+        Workload::Synthetic => String::new(),
+        Workload::Openb => format!(
+            " --workload openb --trace {} --time-scale {}",
+            a.trace.display(),
+            a.time_scale
+        ),
+    };
+    format!(
+        "reproduce: gpuledger-chaos run --seed {} --pods {} --faults {} --nodes {} --gpus {} --replicas {} --extenders {}{workload} --keep",
+        a.seed, a.pods, a.faults, a.nodes, a.gpus, a.replicas, a.extenders
+    )
 }
 
 /// Why this process cannot put a run in a network namespace of its own, if it cannot.
@@ -962,12 +981,15 @@ async fn check(
     for v in &violations {
         println!("VIOLATION {v}");
     }
+    if !violations.is_empty() {
+        println!("{}", reproduce(a));
+    }
     println!(
         "violations={} lost_grants={lost} double_grants={double} replay_equal={replay_equal} converged_s={converged_s:.1}",
         violations.len()
     );
     if !violations.is_empty() {
-        bail!("{} violation(s)", violations.len());
+        return Err(Violations(violations.len()).into());
     }
     Ok(())
 }
