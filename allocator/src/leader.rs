@@ -14,7 +14,7 @@ use gpuledger_ledger::{Command, CommandError, Ledger, pb};
 use prost::Message;
 use tokio::sync::{mpsc, oneshot};
 use tonic::Status;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::election::Session;
 use crate::log::{Commit, EtcdLog, LogError, MAX_VALUE_BYTES};
@@ -56,9 +56,11 @@ struct Waiter {
     seq: u64,
 }
 
-/// The transaction in flight, its waiters, and the batch it writes.
+/// The transaction in flight, its waiters, and the batch it writes. The commit future is
+/// polled by the sequencer's own task (not spawned): its answer wakes the sequencer directly,
+/// one task hop less between etcd's reply and the acks.
 type InFlight = (
-    tokio::task::JoinHandle<Result<Commit, LogError>>,
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<Commit, LogError>> + Send>>,
     Batch,
     pb::EventBatch,
     std::time::Instant,
@@ -68,6 +70,8 @@ struct Batch {
     events: Vec<pb::Event>,
     bytes: usize,
     waiters: Vec<Waiter>,
+    /// When the first command of this batch was decided (how long it waited for the txn).
+    opened: Option<std::time::Instant>,
 }
 
 impl Batch {
@@ -76,6 +80,7 @@ impl Batch {
             events: Vec::new(),
             bytes: 0,
             waiters: Vec::new(),
+            opened: None,
         }
     }
 }
@@ -162,29 +167,31 @@ impl Leader {
                 biased;
                 _ = shutdown.changed() => break StepDown::Shutdown,
                 _ = session.lost() => break StepDown::LeaseLost,
-                done = async { (&mut inflight.as_mut().expect("guarded").0).await }, if inflight.is_some() => {
+                done = async { inflight.as_mut().expect("guarded").0.as_mut().await }, if inflight.is_some() => {
                     let (_, batch, eb, sent) = inflight.take().expect("guarded");
                     match done {
-                        Ok(Ok(Commit::Done { head_rev: r })) => {
+                        Ok(Commit::Done { head_rev: r }) => {
                             head_rev = r;
-                            self.shared.metrics.commit_latency.observe(sent.elapsed().as_secs_f64());
+                            let txn = sent.elapsed();
+                            self.shared.metrics.commit_latency.observe(txn.as_secs_f64());
                             self.shared.metrics.batch_events.observe(eb.events.len() as f64);
+                            let (events, waiters) = (eb.events.len(), batch.waiters.len());
+                            let queued = batch.opened.map(|o| sent.saturating_duration_since(o));
                             self.shared.apply_committed(eb);
                             for w in batch.waiters {
                                 let _ = w.tx.send(Ok(Committed { reply: w.reply, seq: w.seq, epoch }));
                             }
+                            debug!(events, waiters, queued_us = queued.map_or(0, |d| d.as_micros() as u64),
+                                txn_us = txn.as_micros() as u64,
+                                acked_us = (sent.elapsed() - txn).as_micros() as u64, "batch committed");
                         }
-                        Ok(Ok(Commit::Fenced)) => {
+                        Ok(Commit::Fenced) => {
                             fail(batch, "leadership lost before the write committed; retry");
                             break StepDown::Fenced;
                         }
-                        Ok(Err(e)) => {
+                        Err(e) => {
                             fail(batch, "the ledger write's outcome is unknown (etcd error); retry, requests are idempotent");
                             break StepDown::Etcd(e);
-                        }
-                        Err(join) => {
-                            fail(batch, "the ledger write task failed; retry");
-                            break StepDown::Bug(join.to_string());
                         }
                     }
                 }
@@ -232,7 +239,7 @@ impl Leader {
                     let key = self.key.key().to_vec();
                     let rev = self.key.rev();
                     let (first, head, bytes) = crate::log::encode(&eb);
-                    let h = tokio::spawn(async move {
+                    let h = Box::pin(async move {
                         log.commit_encoded(&key, rev, head_rev, first, &head, bytes)
                             .await
                     });
@@ -263,7 +270,7 @@ impl Leader {
         if let Some((h, batch, eb, _)) = inflight.take() {
             // Let an in-flight write finish so its outcome is known to the waiters.
             match tokio::time::timeout(Duration::from_secs(2), h).await {
-                Ok(Ok(Ok(Commit::Done { .. }))) => {
+                Ok(Ok(Commit::Done { .. })) => {
                     self.shared.apply_committed(eb);
                     for w in batch.waiters {
                         let _ = w.tx.send(Ok(Committed {
@@ -305,6 +312,7 @@ fn decide(
     match spec.execute(req.cmd, epoch, now_ms()) {
         Ok((events, reply)) => {
             let seq = spec.seq();
+            pending.opened.get_or_insert_with(std::time::Instant::now);
             for e in &events {
                 pending.bytes += e.encoded_len() + 4;
             }

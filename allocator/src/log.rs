@@ -66,6 +66,9 @@ pub struct HeadInfo {
 #[derive(Clone)]
 pub struct EtcdLog {
     kv: KvClient,
+    /// Where commits go: `kv`, or a connection to the etcd raft leader (see
+    /// [`EtcdLog::with_writer`]).
+    writer: KvClient,
     prefix: String,
     timeout: Duration,
 }
@@ -77,13 +80,29 @@ fn seq_key(seq: u64) -> String {
 impl EtcdLog {
     /// The log of cluster `cluster` through `client`.
     pub fn new(client: &etcd_client::Client, cluster: &str, timeout: Duration) -> Self {
+        let kv = client
+            .kv_client()
+            .max_decoding_message_size(MAX_DECODE)
+            .max_encoding_message_size(MAX_DECODE);
         EtcdLog {
-            kv: client
+            writer: kv.clone(),
+            kv,
+            prefix: format!("/gpuledger/{cluster}/"),
+            timeout,
+        }
+    }
+
+    /// The same log, with its commits sent through `client` (a connection to the member that
+    /// is etcd's raft leader: a write to a follower member is forwarded to the leader and
+    /// answered only after the follower applied it, one more hop inside etcd). Only the route
+    /// changes: every commit is still the same fenced transaction, valid at any member.
+    pub fn with_writer(&self, client: &etcd_client::Client) -> Self {
+        EtcdLog {
+            writer: client
                 .kv_client()
                 .max_decoding_message_size(MAX_DECODE)
                 .max_encoding_message_size(MAX_DECODE),
-            prefix: format!("/gpuledger/{cluster}/"),
-            timeout,
+            ..self.clone()
         }
     }
 
@@ -177,7 +196,7 @@ impl EtcdLog {
                 TxnOp::put(self.log_key(first_seq), bytes, None),
                 TxnOp::put(self.head_key(), head.encode_to_vec(), None),
             ]);
-        let mut kv = self.kv.clone();
+        let mut kv = self.writer.clone();
         let resp = self.timed(kv.txn(txn)).await?;
         if resp.succeeded() {
             Ok(Commit::Done {

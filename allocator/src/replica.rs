@@ -141,6 +141,45 @@ pub async fn run_until(cfg: Config, stop: watch::Receiver<bool>) -> anyhow::Resu
     result
 }
 
+/// `scheme://host:port` without the scheme and a trailing slash, to compare etcd URLs.
+fn bare_url(u: &str) -> &str {
+    let u = u.trim_end_matches('/');
+    u.split_once("://").map_or(u, |(_, rest)| rest)
+}
+
+/// A connection to the etcd member that is raft leader now, for the ledger's commits, when
+/// that member is one of the configured endpoints (behind a load balancer or a DNS name there
+/// is nothing to pick: `None`, and commits go through the shared connection). Looked up once
+/// per leadership: if etcd's leader moves later, the commits still succeed through the old
+/// member (forwarded), and a failed commit ends the leadership anyway.
+async fn etcd_leader_client(cfg: &Config, client: &Client) -> Option<Client> {
+    if cfg.etcd_endpoints.len() < 2 {
+        return None;
+    }
+    let mut c = client.clone();
+    let find = async {
+        let leader = c.status().await.ok()?.leader();
+        let members = c.member_list().await.ok()?;
+        let m = members.members().iter().find(|m| m.id() == leader)?;
+        cfg.etcd_endpoints
+            .iter()
+            .find(|e| m.client_urls().iter().any(|u| bare_url(u) == bare_url(e)))
+            .cloned()
+    };
+    let timeout = Duration::from_millis(cfg.etcd_timeout_ms);
+    let endpoint = tokio::time::timeout(timeout, find).await.ok().flatten()?;
+    match connect(std::slice::from_ref(&endpoint), cfg.etcd_tls().as_ref()).await {
+        Ok(w) => {
+            info!(%endpoint, "ledger commits go to the etcd leader member");
+            Some(w)
+        }
+        Err(e) => {
+            warn!(%endpoint, error = %format!("{e:#}"), "no connection to the etcd leader member; committing through any member");
+            None
+        }
+    }
+}
+
 async fn lifecycle(
     cfg: &Config,
     shared: &Arc<Shared>,
@@ -222,9 +261,12 @@ async fn lifecycle(
             }
         };
         info!(epoch = key.rev(), "elected");
+        let writer = etcd_leader_client(cfg, client).await;
         let leader = Leader {
             shared: shared.clone(),
-            log: log.clone(),
+            log: writer
+                .as_ref()
+                .map_or_else(|| log.clone(), |w| log.with_writer(w)),
             key,
             limits,
             snapshot_every: cfg.snapshot_every,

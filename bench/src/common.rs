@@ -34,9 +34,14 @@ pub fn rss_mib(pid: u32) -> Result<f64> {
 
 /// A temporary run directory that is kept (and printed) when GPULEDGER_KEEP_RUN is set.
 pub fn run_dir(name: &str) -> Result<tempfile::TempDir> {
+    let keep = std::env::var_os("GPULEDGER_KEEP_RUN").is_some();
     let d = tempfile::Builder::new()
         .prefix(&format!("gpuledger-bench-{name}-"))
+        .disable_cleanup(keep)
         .tempdir()?;
+    if keep {
+        println!("run directory (kept): {}", d.path().display());
+    }
     Ok(d)
 }
 

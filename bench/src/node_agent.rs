@@ -1,15 +1,18 @@
 //! `gpuledger-bench node-agent`: device-plugin Allocate latency through a real node agent
-//! (the claim committed through the allocator included), against the baseline of the bare
-//! Assign RPC; and the agent's RSS and idle CPU.
+//! (the claim committed through the allocator included), against two baselines measured
+//! interleaved on the same etcd: the bare Assign RPC, and the raw fenced etcd transaction the
+//! allocator's commit is made of (no allocator at all); and the agent's RSS and idle CPU.
 
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
+use gpuledger_allocator::log::{Commit, EtcdLog};
 use gpuledger_chaos::kubelet::Kubelet;
 use gpuledger_chaos::kubelet::node::{FakeNvml, NodeAgent};
 use gpuledger_chaos::workload::pod;
 use gpuledger_chaos::{Allocators, EtcdCluster};
 use gpuledger_proto::allocator::v1 as api;
+use gpuledger_proto::ledger::v1 as pb;
 
 use crate::common::{histogram, q_ms, record, rss_mib, run_dir, title};
 
@@ -41,6 +44,85 @@ fn cpu_ticks(pid: u32) -> Result<u64> {
     let ut: u64 = f.get(11).context("utime")?.parse()?;
     let st: u64 = f.get(12).context("stime")?.parse()?;
     Ok(ut + st)
+}
+
+/// The baseline: the ledger's own commit transaction (fenced on a fence key's create_revision
+/// and on `head`'s mod_revision, putting a batch and `head`) written straight to etcd through
+/// a client made like the allocator's, one Assigned-sized event per batch.
+struct RawCommit {
+    log: EtcdLog,
+    fence: Vec<u8>,
+    epoch: i64,
+    head_rev: i64,
+    seq: u64,
+}
+
+impl RawCommit {
+    async fn new(endpoints: &[String], tag: &str) -> Result<RawCommit> {
+        let mut client = gpuledger_allocator::replica::connect(endpoints, None).await?;
+        let fence = format!("/bench/raw-commit-{tag}/fence").into_bytes();
+        let put = client.put(fence.clone(), "x", None).await?;
+        let epoch = put.header().context("no header")?.revision();
+        let log = EtcdLog::new(
+            &client,
+            &format!("bench-raw-commit-{tag}"),
+            Duration::from_secs(10),
+        );
+        Ok(RawCommit {
+            log,
+            fence,
+            epoch,
+            head_rev: 0,
+            seq: 0,
+        })
+    }
+
+    async fn commit(&mut self, i: usize) -> Result<()> {
+        self.seq += 1;
+        let batch = pb::EventBatch {
+            version: 1,
+            first_seq: self.seq,
+            epoch: self.epoch as u64,
+            events: vec![pb::Event {
+                seq: self.seq,
+                epoch: self.epoch as u64,
+                time_ms: 0,
+                body: Some(pb::event::Body::Assigned(pb::Assigned {
+                    allocation_id: self.seq,
+                    device_ids: vec![format!(
+                        "GPU-00000000-0000-0000-0000-00000000000{}::{i}",
+                        i % 8
+                    )],
+                    node: NODE.into(),
+                })),
+            }],
+        };
+        match self
+            .log
+            .commit(&self.fence, self.epoch, self.head_rev, &batch)
+            .await?
+        {
+            Commit::Done { head_rev } => self.head_rev = head_rev,
+            Commit::Fenced => anyhow::bail!("raw commit fenced unexpectedly"),
+        }
+        Ok(())
+    }
+}
+
+/// The client URL of the etcd member that is raft leader now.
+async fn etcd_leader_url(endpoints: &[String]) -> Result<String> {
+    let mut c = gpuledger_allocator::replica::connect(endpoints, None).await?;
+    let leader = c.status().await?.leader();
+    let members = c.member_list().await?;
+    let m = members
+        .members()
+        .iter()
+        .find(|m| m.id() == leader)
+        .context("the etcd leader is not in the member list")?;
+    m.client_urls()
+        .first()
+        .cloned()
+        .context("the etcd leader has no client URL")
 }
 
 /// Run the benchmark.
@@ -96,9 +178,21 @@ pub async fn run(a: Args) -> Result<()> {
          (the claim alone, no device plugin)",
         a.pods
     ));
+    let mut raw = RawCommit::new(&etcd.endpoints(), "any").await?;
+    let leader_url = etcd_leader_url(&etcd.endpoints()).await?;
+    let mut raw_leader = RawCommit::new(std::slice::from_ref(&leader_url), "leader").await?;
     let mut h_alloc = histogram();
     let mut h_assign = histogram();
+    let mut h_raw = histogram();
+    let mut h_raw_leader = histogram();
     for i in 0..a.pods {
+        let t = Instant::now();
+        raw.commit(i).await?;
+        record(&mut h_raw, t.elapsed());
+        let t = Instant::now();
+        raw_leader.commit(i).await?;
+        record(&mut h_raw_leader, t.elapsed());
+
         // Baseline first, so that when the kubelet admits the pod its reservation is the only
         // pending one; interleaving exposes both to the same etcd and machine noise.
         let base = format!("base-{i}");
@@ -158,6 +252,8 @@ pub async fn run(a: Args) -> Result<()> {
     for (name, h) in [
         ("Allocate via the agent", &h_alloc),
         ("baseline: bare Assign RPC", &h_assign),
+        ("baseline: raw etcd commit txn", &h_raw),
+        ("  the same, to the etcd leader", &h_raw_leader),
     ] {
         println!(
             "{:<34} {:>8.2} {:>8.2} {:>8.2}",
@@ -169,8 +265,14 @@ pub async fn run(a: Args) -> Result<()> {
     }
     println!("agent RSS {rss:.1} MiB, idle CPU {cpu_pct:.2} % of a core");
     println!(
-        "agent_rss_mib={rss:.1} agent_idle_cpu_pct={cpu_pct:.2} assign_baseline_p99_ms={:.2}",
-        q_ms(&h_assign, 0.99)
+        "agent_rss_mib={rss:.1} agent_idle_cpu_pct={cpu_pct:.2} assign_baseline_p99_ms={:.2} \
+         raw_etcd_commit_p50_ms={:.2} raw_etcd_commit_p99_ms={:.2} \
+         raw_etcd_leader_commit_p50_ms={:.2} raw_etcd_leader_commit_p99_ms={:.2}",
+        q_ms(&h_assign, 0.99),
+        q_ms(&h_raw, 0.5),
+        q_ms(&h_raw, 0.99),
+        q_ms(&h_raw_leader, 0.5),
+        q_ms(&h_raw_leader, 0.99)
     );
     println!(
         "allocate_p50_ms={:.2} allocate_p99_ms={:.2}",

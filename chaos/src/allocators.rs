@@ -75,7 +75,12 @@ impl Allocators {
                 &format!("alloc{i}"),
                 &bin,
                 args,
-                vec![("GPULEDGER_LOG".into(), "info".into())],
+                // GPULEDGER_ALLOCATOR_LOG overrides the level (e.g. to see the leader's per-batch
+                // timings at debug) without the test's own GPULEDGER_LOG leaking in.
+                vec![(
+                    "GPULEDGER_LOG".into(),
+                    std::env::var("GPULEDGER_ALLOCATOR_LOG").unwrap_or_else(|_| "info".into()),
+                )],
             )?);
             addrs.push(addr);
             http.push(http_addr);

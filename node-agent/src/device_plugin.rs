@@ -122,6 +122,7 @@ impl Plugin {
                 }
             };
             let waited = started.elapsed();
+            let sent = Instant::now();
             let req = api::AssignRequest {
                 node: a.cfg.node_name.clone(),
                 allocation_id: guess.id,
@@ -141,8 +142,9 @@ impl Plugin {
                     };
                     let pod = alloc.pod.clone().unwrap_or_default();
                     info!(allocation = alloc.id, pod_uid = %pod.uid, pod = %format!("{}/{}", pod.namespace, pod.name),
-                        seq = resp.seq, epoch = resp.epoch, devices = ?ids, waited_ms = waited.as_millis() as u64,
-                        total_ms = started.elapsed().as_millis() as u64, "Allocate: claimed the oldest pending reservation");
+                        seq = resp.seq, epoch = resp.epoch, devices = ?ids, waited_us = waited.as_micros() as u64,
+                        assign_us = sent.elapsed().as_micros() as u64, refusals,
+                        total_us = started.elapsed().as_micros() as u64, "Allocate: claimed the oldest pending reservation");
                     a.update_view(|v| v.upsert(alloc.clone()));
                     return Ok(alloc);
                 }
