@@ -48,7 +48,9 @@ pub struct SimulateArgs {
     pub pods: PathBuf,
 
     /// Placement policies to compare, comma-separated. Paper baselines: random, dotprod, bestfit,
-    /// packing, clustering; the paper's policy: fgd; gpuledger's: binpack, spread, fgd-pack (FGD, ties to nodes already in use).
+    /// packing, clustering; the paper's policy: fgd; gpuledger's: binpack, spread, fgd-pack (FGD,
+    /// ties to nodes already in use), fgd-pack-cpu (fgd-pack, and pods without GPUs to the tied
+    /// node with the least free GPU).
     #[arg(
         long,
         value_name = "P[,P...]",

@@ -212,11 +212,62 @@ fn fgd_pack_breaks_ties_towards_nodes_in_use() {
     used.gpus[0].core_used = 1000;
     let r = share_req(1000, Policy::Fgd, &w);
     assert_eq!(choose_node([&idle, &used], &r).expect("fits").0.name, "n1");
-    let r = share_req(1000, Policy::FgdPack, &w);
-    assert_eq!(
-        choose_node([&idle, &used], &r).expect("fits").0.name,
-        "used"
-    );
+    // fgd-pack-cpu places pods that ask for GPUs as fgd-pack does.
+    for policy in [Policy::FgdPack, Policy::FgdPackCpu] {
+        let r = share_req(1000, policy, &w);
+        assert_eq!(
+            choose_node([&idle, &used], &r).expect("fits").0.name,
+            "used"
+        );
+    }
+}
+
+#[test]
+fn fgd_pack_cpu_puts_pods_without_gpus_where_the_least_gpu_is_free() {
+    let w = Arc::new(Workload::from_counts([(shape(1, 500), 1)], 1.0));
+    // A node in use with 3.5 GPUs free, then an idle node with one GPU.
+    let mut big = node(vec![
+        gpu(0, 16000),
+        gpu(1, 16000),
+        gpu(2, 16000),
+        gpu(3, 16000),
+    ]);
+    big.name = "big".into();
+    big.gpus[0].core_used = 500;
+    let mut small = node(vec![gpu(0, 16000)]);
+    small.name = "small".into();
+    for n in [&mut big, &mut small] {
+        n.cpu_milli = 32_000;
+    }
+    // A CPU-only pod leaves every GPU able to host the typical 0.5 pod: FGD scores both nodes
+    // 50. fgd takes the first node, fgd-pack the one in use (the same), fgd-pack-cpu the node
+    // where its CPU could strand the least GPU.
+    let mut r = req(1, 0, Policy::Fgd);
+    r.containers.clear();
+    r.cpu_milli = 4000;
+    r.workload = Some(w.clone());
+    let pick = |policy| {
+        let r = PodRequest {
+            policy,
+            ..r.clone()
+        };
+        let scores: Vec<f64> = [&big, &small]
+            .iter()
+            .map(|n| evaluate(n, &r).expect("fits").score.trunc())
+            .collect();
+        assert_eq!(scores, vec![50.0, 50.0]);
+        choose_node([&big, &small], &r)
+            .expect("fits")
+            .0
+            .name
+            .clone()
+    };
+    assert_eq!(pick(Policy::Fgd), "big");
+    assert_eq!(pick(Policy::FgdPack), "big");
+    assert_eq!(pick(Policy::FgdPackCpu), "small");
+    // The order among ties never outweighs FGD's own score: the extender sees the same 0..=10.
+    r.policy = Policy::FgdPackCpu;
+    assert_eq!(score_node(&small, &r), 5);
 }
 
 #[test]
