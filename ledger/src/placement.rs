@@ -15,7 +15,7 @@ use std::sync::{Arc, OnceLock};
 
 use crate::CORE_MILLI_PER_GPU;
 use crate::pb;
-use crate::state::{GpuState, NodeState};
+use crate::state::{GpuState, Ledger, NodeState};
 
 pub use fgd::{PodShape, Workload};
 
@@ -215,6 +215,45 @@ pub struct PodRequest {
 }
 
 impl PodRequest {
+    /// Decode the API's form (as the allocator and the extender receive it), with
+    /// `default_policy` for a request that names none, and validate it.
+    pub fn from_pb(r: pb::PodRequest, default_policy: Policy) -> Result<PodRequest, String> {
+        let pod = r.pod.ok_or("request.pod is missing")?;
+        let p = r.placement.unwrap_or_default();
+        let policy = if p.policy.is_empty() {
+            default_policy
+        } else {
+            p.policy.parse()?
+        };
+        let req = PodRequest {
+            pod,
+            containers: r
+                .containers
+                .into_iter()
+                .map(|c| ContainerRequest {
+                    name: c.name,
+                    slices: c.slices,
+                    mem_mib: c.mem_mib,
+                    mem_percent: c.mem_percent,
+                    core_milli: c.core_milli,
+                })
+                .collect(),
+            selector: Selector {
+                types: p.gpu_types,
+                types_exclude: p.gpu_types_exclude,
+                uuids: p.gpu_uuids,
+                uuids_exclude: p.gpu_uuids_exclude,
+                ..Default::default()
+            },
+            policy,
+            cpu_milli: r.cpu_milli,
+            memory_mib: r.memory_mib,
+            ..Default::default()
+        };
+        req.validate()?;
+        Ok(req)
+    }
+
     /// Reject requests that can never be served anywhere, with a reason a user understands.
     pub fn validate(&self) -> Result<(), String> {
         if self.pod.uid.is_empty() {
@@ -702,6 +741,51 @@ pub fn fit_node(node: &NodeState, req: &PodRequest) -> Fit {
         Ok(_) => Fit::Fits,
         Err(f) => f,
     }
+}
+
+/// Why a node that gpuledger does not know can never host a pod.
+pub const NOT_REGISTERED: &str =
+    "node is not registered with gpuledger (no node agent running there?)";
+
+/// Filter's answer for a list of nodes: where the pod fits, and why not elsewhere.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Filtered {
+    /// Nodes where the pod fits now, in the order asked.
+    pub fits: Vec<String>,
+    /// Node and why the pod does not fit there now.
+    pub wait: Vec<(String, String)>,
+    /// Node and why the pod can never fit there (unregistered nodes included).
+    pub never: Vec<(String, String)>,
+}
+
+/// Filter `names` for the request against the state: the one procedure behind the allocator's
+/// Filter and the extender's answer from its replica, so both give the same reasons.
+pub fn filter_nodes(
+    ledger: &Ledger,
+    names: impl IntoIterator<Item = String>,
+    req: &PodRequest,
+) -> Filtered {
+    let mut out = Filtered::default();
+    for n in names {
+        match ledger.node(&n).map(|ns| fit_node(ns, req)) {
+            None => out.never.push((n, NOT_REGISTERED.to_string())),
+            Some(Fit::Fits) => out.fits.push(n),
+            Some(Fit::Wait(why)) => out.wait.push((n, why)),
+            Some(Fit::Never(why)) => out.never.push((n, why)),
+        }
+    }
+    out
+}
+
+/// [`score_node`] for each named node, in order; 0 for a node the state does not know.
+pub fn score_nodes<'a>(
+    ledger: &'a Ledger,
+    names: impl IntoIterator<Item = &'a str> + 'a,
+    req: &'a PodRequest,
+) -> impl Iterator<Item = (&'a str, u32)> + 'a {
+    names
+        .into_iter()
+        .map(move |n| (n, ledger.node(n).map_or(0, |ns| score_node(ns, req))))
 }
 
 /// The node's CPU and host memory take the pod (the node-level checks of `evaluate`).
