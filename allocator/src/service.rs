@@ -410,7 +410,7 @@ impl Allocator for Service {
             scores: placement::score_nodes(l, r.nodes.iter().map(String::as_str), &pr)
                 .map(|(n, score)| api::NodeScore {
                     node: n.to_string(),
-                    score,
+                    score: score.unwrap_or(0),
                 })
                 .collect(),
         });

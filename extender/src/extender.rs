@@ -294,32 +294,27 @@ async fn filter(State(app): State<App>, body: Bytes) -> Response {
             return axum::Json(out).into_response();
         }
     };
-    let mut names = Some(names);
     let local = match &app.replica {
         None => None,
         Some(r) => {
-            r.read("filter", |l, d| {
-                // A node the replica does not know yet may be registered by now: ask.
-                let all_known = names.iter().flatten().all(|n| l.nodes().contains_key(n));
-                if !all_known {
-                    return None;
+            r.read("filter", |l, d| match d.request(req.clone()) {
+                Ok(pr) => {
+                    let f = placement::filter_nodes(l, &names, &pr);
+                    // A node the replica does not know yet may be registered by now: ask.
+                    (f.unregistered == 0).then(|| Ok((f, l.seq())))
                 }
-                let names = names.take().unwrap_or_default();
-                Some(match d.request(req.clone()) {
-                    Ok(pr) => Ok((placement::filter_nodes(l, names, &pr), l.seq())),
-                    Err(why) => Err((names, why)),
-                })
+                Err(why) => Some(Err(tonic::Status::invalid_argument(why))),
             })
             .await
         }
     };
     let answer = match local {
         Some(Ok(r)) => Ok(r),
-        Some(Err((names, why))) => Err((names, tonic::Status::invalid_argument(why))),
+        Some(Err(s)) => Err((names, s)),
         None => {
             let fr = api::FilterRequest {
                 request: Some(req),
-                nodes: names.take().unwrap_or_default(),
+                nodes: names,
             };
             let res = app
                 .allocators
@@ -334,6 +329,7 @@ async fn filter(State(app): State<App>, body: Bytes) -> Response {
                         fits: r.nodes,
                         wait: r.failed.into_iter().collect(),
                         never: r.unresolvable.into_iter().collect(),
+                        ..Default::default()
                     },
                     r.seq,
                 )),
@@ -391,18 +387,18 @@ async fn prioritize(State(app): State<App>, body: Bytes) -> Response {
     let local = match &app.replica {
         None => None,
         Some(r) => {
-            r.read("prioritize", |l, d| {
-                if !names.iter().all(|n| l.nodes().contains_key(n)) {
-                    return None;
-                }
-                Some(d.request(req.clone()).map(|pr| {
-                    placement::score_nodes(l, names.iter().map(String::as_str), &pr)
-                        .map(|(n, s)| HostPriority {
+            r.read("prioritize", |l, d| match d.request(req.clone()) {
+                // A node the replica does not know yet may be registered by now: ask.
+                Ok(pr) => placement::score_nodes(l, names.iter().map(String::as_str), &pr)
+                    .map(|(n, s)| {
+                        Some(HostPriority {
                             host: n.to_string(),
-                            score: i64::from(s.min(10)),
+                            score: i64::from(s?.min(10)),
                         })
-                        .collect::<Vec<_>>()
-                }))
+                    })
+                    .collect::<Option<Vec<_>>>()
+                    .map(Ok),
+                Err(why) => Some(Err(why)),
             })
             .await
         }

@@ -756,36 +756,41 @@ pub struct Filtered {
     pub wait: Vec<(String, String)>,
     /// Node and why the pod can never fit there (unregistered nodes included).
     pub never: Vec<(String, String)>,
+    /// How many of the nodes are not registered (they are in `never`).
+    pub unregistered: usize,
 }
 
 /// Filter `names` for the request against the state: the one procedure behind the allocator's
 /// Filter and the extender's answer from its replica, so both give the same reasons.
-pub fn filter_nodes(
+pub fn filter_nodes<S: AsRef<str> + Into<String>>(
     ledger: &Ledger,
-    names: impl IntoIterator<Item = String>,
+    names: impl IntoIterator<Item = S>,
     req: &PodRequest,
 ) -> Filtered {
     let mut out = Filtered::default();
     for n in names {
-        match ledger.node(&n).map(|ns| fit_node(ns, req)) {
-            None => out.never.push((n, NOT_REGISTERED.to_string())),
-            Some(Fit::Fits) => out.fits.push(n),
-            Some(Fit::Wait(why)) => out.wait.push((n, why)),
-            Some(Fit::Never(why)) => out.never.push((n, why)),
+        match ledger.node(n.as_ref()).map(|ns| fit_node(ns, req)) {
+            None => {
+                out.unregistered += 1;
+                out.never.push((n.into(), NOT_REGISTERED.to_string()));
+            }
+            Some(Fit::Fits) => out.fits.push(n.into()),
+            Some(Fit::Wait(why)) => out.wait.push((n.into(), why)),
+            Some(Fit::Never(why)) => out.never.push((n.into(), why)),
         }
     }
     out
 }
 
-/// [`score_node`] for each named node, in order; 0 for a node the state does not know.
+/// [`score_node`] for each named node, in order; None for a node the state does not know.
 pub fn score_nodes<'a>(
     ledger: &'a Ledger,
     names: impl IntoIterator<Item = &'a str> + 'a,
     req: &'a PodRequest,
-) -> impl Iterator<Item = (&'a str, u32)> + 'a {
+) -> impl Iterator<Item = (&'a str, Option<u32>)> + 'a {
     names
         .into_iter()
-        .map(move |n| (n, ledger.node(n).map_or(0, |ns| score_node(ns, req))))
+        .map(move |n| (n, ledger.node(n).map(|ns| score_node(ns, req))))
 }
 
 /// The node's CPU and host memory take the pod (the node-level checks of `evaluate`).
