@@ -123,7 +123,7 @@ impl Replica {
         );
         r.register(
             "replica_synced",
-            "1 while filter and prioritize are answered from the replica, 0 while they go to the allocator",
+            "1 while the replica follows the allocator and answers filter and prioritize, 0 while they go to the allocator",
             m.synced.clone(),
         );
         r.register(
@@ -190,7 +190,9 @@ impl Replica {
         let mut backoff = Duration::from_millis(100);
         loop {
             let from = self.seq();
-            match self.stream(&allocators, from, &mut max_epoch).await {
+            let end = self.stream(&allocators, from, &mut max_epoch).await;
+            self.metrics.synced.set(0);
+            match end {
                 Err(StreamEnd::Diverged(why)) => {
                     warn!(error = %why, "the ledger replica diverged; starting again from a snapshot");
                     self.inner.write().unwrap_or_else(|p| p.into_inner()).ledger = None;
@@ -230,6 +232,7 @@ impl Replica {
             };
             let mut g = self.inner.write().unwrap_or_else(|p| p.into_inner());
             g.heard = Some(Instant::now());
+            self.metrics.synced.set(i64::from(g.ledger.is_some()));
             match msg.body {
                 Some(Body::Placement(p)) => {
                     g.defaults = Defaults {
