@@ -7,8 +7,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures::Stream;
-use gpuledger_ledger::placement::{self, Fit};
-use gpuledger_ledger::{Command, CommandError, ContainerRequest, PodRequest, Reply, Selector, pb};
+use gpuledger_ledger::placement;
+use gpuledger_ledger::{Command, CommandError, PodRequest, Reply, pb};
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::allocator::v1::allocator_client::AllocatorClient;
 use gpuledger_proto::allocator::v1::allocator_server::Allocator;
@@ -45,41 +45,18 @@ fn now_ms() -> i64 {
         .map_or(0, |d| d.as_millis() as i64)
 }
 
-/// Convert an API pod request into the ledger's form, rejecting what is malformed.
+/// Convert an API pod request into the ledger's form (no policy = binpack), rejecting what is
+/// malformed.
 pub fn pod_request(r: Option<api::PodRequest>) -> Result<PodRequest, Status> {
+    decode(r, gpuledger_ledger::Policy::default())
+}
+
+fn decode(
+    r: Option<api::PodRequest>,
+    default_policy: gpuledger_ledger::Policy,
+) -> Result<PodRequest, Status> {
     let r = r.ok_or_else(|| Status::invalid_argument("request is missing"))?;
-    let pod = r
-        .pod
-        .ok_or_else(|| Status::invalid_argument("request.pod is missing"))?;
-    let p = r.placement.unwrap_or_default();
-    let policy = p.policy.parse().map_err(Status::invalid_argument)?;
-    let req = PodRequest {
-        pod,
-        containers: r
-            .containers
-            .into_iter()
-            .map(|c| ContainerRequest {
-                name: c.name,
-                slices: c.slices,
-                mem_mib: c.mem_mib,
-                mem_percent: c.mem_percent,
-                core_milli: c.core_milli,
-            })
-            .collect(),
-        selector: Selector {
-            types: p.gpu_types,
-            types_exclude: p.gpu_types_exclude,
-            uuids: p.gpu_uuids,
-            uuids_exclude: p.gpu_uuids_exclude,
-            ..Default::default()
-        },
-        policy,
-        cpu_milli: r.cpu_milli,
-        memory_mib: r.memory_mib,
-        ..Default::default()
-    };
-    req.validate().map_err(Status::invalid_argument)?;
-    Ok(req)
+    PodRequest::from_pb(r, default_policy).map_err(Status::invalid_argument)
 }
 
 /// The gRPC service of one replica.
@@ -126,14 +103,7 @@ impl Service {
     /// A request as the ledger evaluates it: the default policy when it names none, and the
     /// learned workload for FGD.
     fn request(&self, r: Option<api::PodRequest>) -> Result<PodRequest, Status> {
-        let mut r = r;
-        if let Some(p) = r.as_mut() {
-            let pl = p.placement.get_or_insert_with(Default::default);
-            if pl.policy.is_empty() {
-                pl.policy = self.placement.default_policy.as_str().to_string();
-            }
-        }
-        let mut pr = pod_request(r)?;
+        let mut pr = decode(r, self.placement.default_policy)?;
         self.placement.learned.attach(&mut pr);
         Ok(pr)
     }
@@ -299,6 +269,30 @@ fn done(c: Committed) -> Result<api::WriteResponse, Status> {
     })
 }
 
+/// How often Replicate tells a replica that the stream is alive.
+const REPLICATE_HEARTBEAT: Duration = Duration::from_millis(500);
+
+/// What a replica of the ledger needs to place requests as this replica does.
+fn placement_defaults(
+    policy: gpuledger_ledger::Policy,
+    workload: &gpuledger_ledger::placement::Workload,
+) -> api::PlacementDefaults {
+    api::PlacementDefaults {
+        default_policy: policy.as_str().to_string(),
+        workload: workload
+            .counts()
+            .map(|(s, count)| api::WorkloadShape {
+                cpu_milli: s.cpu_milli,
+                memory_mib: s.memory_mib,
+                gpus: s.gpus,
+                core_milli: s.core_milli,
+                models: s.models.clone(),
+                count,
+            })
+            .collect(),
+    }
+}
+
 fn event_node(e: &pb::Event) -> Option<&str> {
     use pb::event::Body;
     Some(match e.body.as_ref()? {
@@ -388,36 +382,18 @@ impl Allocator for Service {
         let r = req.into_inner();
         let pr = self.request(r.request)?;
         let resp = self.shared.read(|l| {
-            let mut out = api::FilterResponse {
-                seq: l.seq(),
-                ..Default::default()
-            };
             let names: Vec<String> = if r.nodes.is_empty() {
                 l.nodes().keys().cloned().collect()
             } else {
                 r.nodes
             };
-            for n in names {
-                match l.node(&n) {
-                    None => {
-                        out.unresolvable.insert(
-                            n.clone(),
-                            "node is not registered with gpuledger (no node agent running there?)"
-                                .into(),
-                        );
-                    }
-                    Some(ns) => match placement::fit_node(ns, &pr) {
-                        Fit::Fits => out.nodes.push(n),
-                        Fit::Wait(why) => {
-                            out.failed.insert(n, why);
-                        }
-                        Fit::Never(why) => {
-                            out.unresolvable.insert(n, why);
-                        }
-                    },
-                }
+            let f = placement::filter_nodes(l, names, &pr);
+            api::FilterResponse {
+                nodes: f.fits,
+                failed: f.wait.into_iter().collect(),
+                unresolvable: f.never.into_iter().collect(),
+                seq: l.seq(),
             }
-            out
         });
         Ok(Response::new(resp))
     }
@@ -431,12 +407,10 @@ impl Allocator for Service {
         let pr = self.request(r.request)?;
         let resp = self.shared.read(|l| api::ScoreResponse {
             seq: l.seq(),
-            scores: r
-                .nodes
-                .iter()
-                .map(|n| api::NodeScore {
-                    node: n.clone(),
-                    score: l.node(n).map_or(0, |ns| placement::score_node(ns, &pr)),
+            scores: placement::score_nodes(l, r.nodes.iter().map(String::as_str), &pr)
+                .map(|(n, score)| api::NodeScore {
+                    node: n.to_string(),
+                    score: score.unwrap_or(0),
                 })
                 .collect(),
         });
@@ -703,6 +677,117 @@ impl Allocator for Service {
                         return;
                     }
                     Err(broadcast::error::RecvError::Closed) => return,
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(out))))
+    }
+
+    type ReplicateStream = BoxStream<api::ReplicateResponse>;
+
+    async fn replicate(
+        &self,
+        req: Request<api::ReplicateRequest>,
+    ) -> Result<Response<Self::ReplicateStream>, Status> {
+        use api::replicate_response::Body;
+        self.check_serving()?;
+        let from = req.into_inner().from_seq;
+        let shared = self.shared.clone();
+        // Subscribe before reading the state: every batch after the start point is then queued.
+        let mut rx = shared.batches.subscribe();
+        let mut learned = self.placement.learned.watch();
+        let default_policy = self.placement.default_policy;
+        if from > 0 && shared.read(|l| l.seq()) < from {
+            // The receiver saw more than this replica folded: give it a moment to catch up.
+            shared.wait_applied(from, Duration::from_secs(2)).await;
+            if shared.read(|l| l.seq()) < from {
+                return Err(Status::unavailable(format!(
+                    "this replica is behind seq {from}; try another"
+                )));
+            }
+        }
+        let epoch_now = |s: &Shared| s.read(|l| l.epoch()).max(s.role_info().epoch);
+        let epoch = epoch_now(&shared);
+        let placement = placement_defaults(default_policy, &learned.borrow_and_update());
+        let mut first = vec![api::ReplicateResponse {
+            epoch,
+            body: Some(Body::Placement(placement)),
+        }];
+        let resume = if from > 0 {
+            shared.recent_after(from)
+        } else {
+            None
+        };
+        let mut last = match resume {
+            Some(batches) => {
+                first.extend(batches.iter().map(|b| api::ReplicateResponse {
+                    epoch: b.epoch,
+                    body: Some(Body::Batch(pb::EventBatch::clone(b))),
+                }));
+                batches
+                    .last()
+                    .and_then(|b| b.events.last())
+                    .map_or(from, |e| e.seq)
+            }
+            None => shared.read(|l| {
+                first.push(api::ReplicateResponse {
+                    epoch,
+                    body: Some(Body::Snapshot(l.to_snapshot())),
+                });
+                l.seq()
+            }),
+        };
+        let (tx, out) = mpsc::channel(256);
+        tokio::spawn(async move {
+            for m in first {
+                if tx.send(Ok(m)).await.is_err() {
+                    return;
+                }
+            }
+            let mut beat = tokio::time::interval(REPLICATE_HEARTBEAT);
+            loop {
+                let m = tokio::select! {
+                    b = rx.recv() => match b {
+                        Ok(b) => {
+                            let Some(end) = b.events.last().map(|e| e.seq) else { continue };
+                            if end <= last {
+                                continue;
+                            }
+                            last = end;
+                            Ok(api::ReplicateResponse {
+                                epoch: b.epoch,
+                                body: Some(Body::Batch(pb::EventBatch::clone(&b))),
+                            })
+                        }
+                        Err(broadcast::error::RecvError::Lagged(n)) => Err(Status::resource_exhausted(
+                            format!("replica fell {n} batches behind; resume from seq {last}"),
+                        )),
+                        Err(broadcast::error::RecvError::Closed) => return,
+                    },
+                    c = learned.changed() => {
+                        if c.is_err() {
+                            return;
+                        }
+                        let p = placement_defaults(default_policy, &learned.borrow_and_update());
+                        Ok(api::ReplicateResponse {
+                            epoch: epoch_now(&shared),
+                            body: Some(Body::Placement(p)),
+                        })
+                    }
+                    _ = beat.tick() => match shared.serving() {
+                        // A replica that cannot serve must not keep a cache looking fresh.
+                        Err(why) => Err(Status::unavailable(why)),
+                        Ok(()) => Ok(api::ReplicateResponse {
+                            epoch: epoch_now(&shared),
+                            body: Some(Body::Heartbeat(api::Heartbeat {
+                                seq: *shared.applied.borrow(),
+                            })),
+                        }),
+                    },
+                };
+                let end = m.is_err();
+                if tx.send(m).await.is_err() || end {
+                    return;
                 }
             }
         });

@@ -7,12 +7,13 @@
 //! FGD policy get the current distribution attached before they are evaluated.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 
 use gpuledger_ledger::CORE_MILLI_PER_GPU;
 use gpuledger_ledger::placement::{PodRequest, PodShape, Workload};
 use gpuledger_proto::ledger::v1 as pb;
 use tokio::sync::broadcast::error::RecvError;
+use tokio::sync::watch;
 
 use crate::shared::Shared;
 
@@ -21,7 +22,7 @@ const REBUILD_EVERY: usize = 16;
 
 /// The learned distribution and the window it comes from.
 pub struct Learned {
-    current: RwLock<Arc<Workload>>,
+    current: watch::Sender<Arc<Workload>>,
     window: usize,
     min_samples: usize,
     seen: std::sync::Mutex<Window>,
@@ -38,7 +39,7 @@ impl Learned {
     /// Empty (the prior) for a window of `window` pods, learned once `min_samples` are in.
     pub fn new(window: usize, min_samples: usize) -> Arc<Learned> {
         Arc::new(Learned {
-            current: RwLock::new(Arc::new(Workload::prior())),
+            current: watch::channel(Arc::new(Workload::prior())).0,
             window: window.max(1),
             min_samples: min_samples.min(window.max(1)),
             seen: std::sync::Mutex::new(Window::default()),
@@ -47,10 +48,12 @@ impl Learned {
 
     /// The distribution FGD uses now.
     pub fn get(&self) -> Arc<Workload> {
-        self.current
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.current.borrow().clone()
+    }
+
+    /// The distribution now and whenever it is rebuilt (what replicas of the ledger follow).
+    pub fn watch(&self) -> watch::Receiver<Arc<Workload>> {
+        self.current.subscribe()
     }
 
     /// Give an FGD request the current distribution (unless it brings its own).
@@ -99,7 +102,7 @@ impl Learned {
                 Workload::DEFAULT_COVERAGE,
             );
             drop(w);
-            *self.current.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(learned);
+            self.current.send_replace(Arc::new(learned));
         }
     }
 }

@@ -32,7 +32,8 @@ pub struct Args {
     /// Pods scheduled end to end through the scheduler emulator.
     #[arg(long, default_value_t = 2000)]
     pods: usize,
-    /// Pods the scheduler emulator has in flight at once.
+    /// Binds the scheduler emulator has in flight at once (it filters and prioritizes one pod
+    /// at a time, as kube-scheduler does).
     #[arg(long, default_value_t = 32)]
     parallel: usize,
     /// kube-scheduler's percentageOfNodesToScore for the end-to-end run (0 = its adaptive
@@ -72,7 +73,7 @@ fn api_pod(uid: &str) -> api::PodRequest {
 /// Run the benchmark.
 pub async fn run(a: Args) -> Result<()> {
     title(&format!(
-        "extender: {} nodes x {} GPUs, {} samples, {} pods end to end ({} in flight)",
+        "extender: {} nodes x {} GPUs, {} samples, {} pods end to end ({} binds in flight)",
         a.nodes, a.gpus_per_node, a.samples, a.pods, a.parallel
     ));
     let stack = KubeStack::start(StackOptions {
@@ -253,11 +254,14 @@ pub async fn run(a: Args) -> Result<()> {
     row("baseline: allocator gRPC Score", &gs);
     row("extender bind (sequential)", &hb);
     row(
-        &format!("extender filter under load ({} in flight)", a.parallel),
+        &format!(
+            "extender filter in the e2e run ({} binds in flight)",
+            a.parallel
+        ),
         &ef,
     );
     row(
-        &format!("extender bind under load ({} in flight)", a.parallel),
+        &format!("extender bind in the e2e run ({} in flight)", a.parallel),
         &eb,
     );
     println!(

@@ -1,6 +1,8 @@
 //! The kube-scheduler extender: `filter`, `prioritize`, `bind` and `preempt` over HTTP, in the
 //! exact JSON kube-scheduler sends (k8s.io/kube-scheduler/extender/v1: Go field names, no tags).
-//! Stateless: every answer comes from an allocator replica and the API server.
+//! Filter and prioritize are answered from a read-only replica of the ledger while it is fresh
+//! (see [`crate::replica`]), otherwise by an allocator replica; bind always goes through the
+//! allocator's `Reserve` and the API server.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -12,6 +14,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use gpuledger_ledger::placement;
 use gpuledger_ops::events::{Kind, PodEvent, Recorder};
 use gpuledger_proto::allocator::v1 as api;
 use k8s_openapi::api::core::v1::Pod;
@@ -23,6 +26,7 @@ use tracing::{debug, info, warn};
 
 use crate::allocator::Allocators;
 use crate::metrics::{Metrics, Outcome};
+use crate::replica::Replica;
 use crate::resources::{self, ANN_ALLOCATION};
 
 /// Where a test asks the process to die (a stand-in for a crash at the worst moment).
@@ -47,6 +51,9 @@ pub struct App {
     pub events: Option<Recorder>,
     /// Verb latencies and outcomes, served at /metrics.
     pub metrics: Arc<Metrics>,
+    /// The local replica of the ledger filter and prioritize read (None = always ask the
+    /// allocator).
+    pub replica: Option<Arc<Replica>>,
 }
 
 /// `ExtenderArgs`: the body of filter, prioritize (and the pod of preempt).
@@ -202,9 +209,10 @@ fn bad_request(what: &str, e: impl std::fmt::Display) -> Response {
     (StatusCode::BAD_REQUEST, axum::Json(body)).into_response()
 }
 
-fn node_names(args: &ExtenderArgs) -> Vec<String> {
-    if let Some(n) = &args.node_names {
-        return n.clone();
+/// The node names of the request, taken out of it (names, or the names of full nodes).
+fn take_node_names(args: &mut ExtenderArgs) -> Vec<String> {
+    if let Some(n) = args.node_names.take() {
+        return n;
     }
     args.nodes
         .as_ref()
@@ -224,11 +232,10 @@ fn pod_id(pod: &Pod) -> String {
     )
 }
 
-/// Keep the nodes named in `keep`, in the request's form (names or full nodes).
-fn answer_nodes(args: ExtenderArgs, keep: &[String], out: &mut FilterResult) {
-    if let Some(list) = args.nodes
-        && args.node_names.is_none()
-    {
+/// Keep the nodes named in `keep`, in the request's form: full nodes when it carried them
+/// (`nodes`), names otherwise.
+fn answer_nodes(nodes: Option<NodeList>, keep: Vec<String>, out: &mut FilterResult) {
+    if let Some(list) = nodes {
         let keep: std::collections::HashSet<&str> = keep.iter().map(String::as_str).collect();
         let items = list
             .items
@@ -240,70 +247,109 @@ fn answer_nodes(args: ExtenderArgs, keep: &[String], out: &mut FilterResult) {
             items,
         });
     } else {
-        out.node_names = Some(keep.to_vec());
+        out.node_names = Some(keep);
     }
 }
 
 async fn filter(State(app): State<App>, body: Bytes) -> Response {
     let t0 = Instant::now();
-    let args: ExtenderArgs = match serde_json::from_slice(&body) {
+    let mut args: ExtenderArgs = match serde_json::from_slice(&body) {
         Ok(a) => a,
         Err(e) => return bad_request("filter", e),
+    };
+    if args.pod.is_none() {
+        return bad_request("filter", "Pod is missing");
+    }
+    // Full nodes are answered in kind only when the request carried no names.
+    let full = if args.node_names.is_none() {
+        args.nodes.take()
+    } else {
+        None
+    };
+    let names = if let Some(l) = &full {
+        l.items.iter().filter_map(node_name).collect()
+    } else {
+        take_node_names(&mut args)
     };
     let Some(pod) = args.pod.as_ref() else {
         return bad_request("filter", "Pod is missing");
     };
-    let names = node_names(&args);
     let id = pod_id(pod);
     let mut out = FilterResult::default();
     if names.is_empty() {
         // The allocator reads "no nodes" as "all nodes"; the scheduler means none.
-        answer_nodes(args, &[], &mut out);
+        answer_nodes(full, Vec::new(), &mut out);
         return axum::Json(out).into_response();
     }
     let req = match resources::pod_request(pod) {
         Ok(Some(r)) => r,
         Ok(None) => {
             // Nothing gpuledger manages: no opinion.
-            answer_nodes(args, &names, &mut out);
+            answer_nodes(full, names, &mut out);
             return axum::Json(out).into_response();
         }
         Err(e) => {
-            for n in &names {
-                out.failed_and_unresolvable_nodes
-                    .insert(n.clone(), e.to_string());
-            }
-            answer_nodes(args, &[], &mut out);
+            unresolvable_everywhere(&names, &e.to_string(), &mut out);
+            answer_nodes(full, Vec::new(), &mut out);
             return axum::Json(out).into_response();
         }
     };
-    let fr = api::FilterRequest {
-        request: Some(req),
-        nodes: names.clone(),
+    let local = match &app.replica {
+        None => None,
+        Some(r) => {
+            r.read("filter", |l, d| match d.request(req.clone()) {
+                Ok(pr) => {
+                    let f = placement::filter_nodes(l, &names, &pr);
+                    // A node the replica does not know yet may be registered by now: ask.
+                    (f.unregistered == 0).then(|| Ok((f, l.seq())))
+                }
+                Err(why) => Some(Err(tonic::Status::invalid_argument(why))),
+            })
+            .await
+        }
     };
-    let res = app
-        .allocators
-        .call(|mut c| {
-            let fr = fr.clone();
-            async move { c.filter(fr).await }
-        })
-        .await;
-    match res {
-        Ok(r) => {
-            out.failed_nodes = r.failed.into_iter().collect();
-            out.failed_and_unresolvable_nodes = r.unresolvable.into_iter().collect();
-            debug!(pod = %id, feasible = r.nodes.len(), of = names.len(), seq = r.seq,
-                   ms = t0.elapsed().as_secs_f64() * 1e3, "filter");
-            answer_nodes(args, &r.nodes, &mut out);
-        }
-        Err(s) if s.code() == Code::InvalidArgument => {
-            for n in &names {
-                out.failed_and_unresolvable_nodes
-                    .insert(n.clone(), s.message().to_string());
+    let answer = match local {
+        Some(Ok(r)) => Ok(r),
+        Some(Err(s)) => Err((names, s)),
+        None => {
+            let fr = api::FilterRequest {
+                request: Some(req),
+                nodes: names,
+            };
+            let res = app
+                .allocators
+                .call(|mut c| {
+                    let fr = fr.clone();
+                    async move { c.filter(fr).await }
+                })
+                .await;
+            match res {
+                Ok(r) => Ok((
+                    placement::Filtered {
+                        fits: r.nodes,
+                        wait: r.failed.into_iter().collect(),
+                        never: r.unresolvable.into_iter().collect(),
+                        ..Default::default()
+                    },
+                    r.seq,
+                )),
+                Err(s) => Err((fr.nodes, s)),
             }
-            answer_nodes(args, &[], &mut out);
         }
-        Err(s) => {
+    };
+    match answer {
+        Ok((f, seq)) => {
+            debug!(pod = %id, feasible = f.fits.len(), seq,
+                   ms = t0.elapsed().as_secs_f64() * 1e3, "filter");
+            out.failed_nodes = f.wait.into_iter().collect();
+            out.failed_and_unresolvable_nodes = f.never.into_iter().collect();
+            answer_nodes(full, f.fits, &mut out);
+        }
+        Err((names, s)) if s.code() == Code::InvalidArgument => {
+            unresolvable_everywhere(&names, s.message(), &mut out);
+            answer_nodes(full, Vec::new(), &mut out);
+        }
+        Err((_, s)) => {
             warn!(pod = %id, error = %s.message(), "filter failed");
             out.error = s.message().to_string();
             return failed(axum::Json(out).into_response());
@@ -312,39 +358,67 @@ async fn filter(State(app): State<App>, body: Bytes) -> Response {
     axum::Json(out).into_response()
 }
 
+fn unresolvable_everywhere(names: &[String], why: &str, out: &mut FilterResult) {
+    for n in names {
+        out.failed_and_unresolvable_nodes
+            .insert(n.clone(), why.to_string());
+    }
+}
+
 async fn prioritize(State(app): State<App>, body: Bytes) -> Response {
-    let args: ExtenderArgs = match serde_json::from_slice(&body) {
+    let mut args: ExtenderArgs = match serde_json::from_slice(&body) {
         Ok(a) => a,
         Err(e) => return bad_request("prioritize", e),
     };
+    let names = take_node_names(&mut args);
     let Some(pod) = args.pod.as_ref() else {
         return bad_request("prioritize", "Pod is missing");
     };
-    let names = node_names(&args);
-    let zero = |names: &[String]| {
+    let zero = |names: Vec<String>| {
         names
-            .iter()
-            .map(|n| HostPriority {
-                host: n.clone(),
-                score: 0,
-            })
+            .into_iter()
+            .map(|host| HostPriority { host, score: 0 })
             .collect::<Vec<_>>()
     };
     let req = match resources::pod_request(pod) {
         Ok(Some(r)) => r,
-        Ok(None) | Err(_) => return axum::Json(zero(&names)).into_response(),
+        Ok(None) | Err(_) => return axum::Json(zero(names)).into_response(),
     };
-    let sr = api::ScoreRequest {
-        request: Some(req),
-        nodes: names.clone(),
+    let local = match &app.replica {
+        None => None,
+        Some(r) => {
+            r.read("prioritize", |l, d| match d.request(req.clone()) {
+                // A node the replica does not know yet may be registered by now: ask.
+                Ok(pr) => placement::score_nodes(l, names.iter().map(String::as_str), &pr)
+                    .map(|(n, s)| {
+                        Some(HostPriority {
+                            host: n.to_string(),
+                            score: i64::from(s?.min(10)),
+                        })
+                    })
+                    .collect::<Option<Vec<_>>>()
+                    .map(Ok),
+                Err(why) => Some(Err(why)),
+            })
+            .await
+        }
     };
-    let res = app
-        .allocators
-        .call(|mut c| {
-            let sr = sr.clone();
-            async move { c.score(sr).await }
-        })
-        .await;
+    let res = match local {
+        Some(Ok(list)) => return axum::Json(list).into_response(),
+        Some(Err(why)) => Err(tonic::Status::invalid_argument(why)),
+        None => {
+            let sr = api::ScoreRequest {
+                request: Some(req),
+                nodes: names,
+            };
+            app.allocators
+                .call(|mut c| {
+                    let sr = sr.clone();
+                    async move { c.score(sr).await }
+                })
+                .await
+        }
+    };
     match res {
         Ok(r) => {
             let list: Vec<HostPriority> = r
@@ -451,6 +525,9 @@ async fn release(app: &App, uid: &str, why: &str) {
             async move { c.release(rr).await }
         })
         .await;
+    if let (Ok(w), Some(rep)) = (&res, &app.replica) {
+        rep.note_write(w.seq);
+    }
     if let Err(s) = res {
         // The reservation expires by itself (--reserve-ttl) if this fails.
         warn!(uid, error = %s.message(), "releasing the reservation failed; it will expire");
@@ -496,6 +573,9 @@ async fn do_bind(app: &App, a: &BindingArgs) -> Result<(), String> {
                 })
                 .await
                 .map_err(|s| format!("reserving GPUs on {}: {}", a.node, s.message()))?;
+            if let Some(rep) = &app.replica {
+                rep.note_write(r.seq);
+            }
             Some(r)
         }
     };

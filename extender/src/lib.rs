@@ -1,9 +1,10 @@
 //! gpuledger's Kubernetes front door: the kube-scheduler extender (filter, prioritize, bind,
-//! preempt) and the admission webhook (mutate, validate). Stateless; every decision is the
-//! allocator's, reached over gRPC.
+//! preempt) and the admission webhook (mutate, validate). No state of its own: filter and
+//! prioritize read a replica of the allocator's ledger, every write is the allocator's.
 
 pub mod allocator;
 pub mod extender;
 pub mod metrics;
+pub mod replica;
 pub mod resources;
 pub mod webhook;

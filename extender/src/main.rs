@@ -11,6 +11,7 @@ use clap::Parser;
 use gpuledger_extender::allocator::Allocators;
 use gpuledger_extender::extender::{self, App, CrashAt};
 use gpuledger_extender::metrics::Metrics;
+use gpuledger_extender::replica::Replica;
 use gpuledger_extender::webhook;
 use gpuledger_ops::events::Recorder;
 use tracing::info;
@@ -18,8 +19,10 @@ use tracing::info;
 /// gpuledger-extender: kube-scheduler extender (filter, prioritize, bind, preempt) and
 /// admission webhook for fractional GPUs.
 ///
-/// Stateless: run as many replicas as you like. Every decision comes from the allocator
-/// (any replica); bind creates the pod's Binding in the API server.
+/// Run as many replicas as you like. Filter and prioritize answer from a local replica of
+/// the allocator's ledger (streamed from any allocator replica), or from the allocator while
+/// that replica is not fresh; bind reserves at the allocator and creates the pod's Binding in
+/// the API server.
 #[derive(Parser, Debug)]
 #[command(name = "gpuledger-extender", version, about, long_about)]
 struct Args {
@@ -40,6 +43,12 @@ struct Args {
     /// Timeout of one allocator call, in milliseconds (kube-scheduler waits 5 s in all).
     #[arg(long, env = "GPULEDGER_ALLOCATOR_TIMEOUT_MS", default_value_t = 3000)]
     allocator_timeout_ms: u64,
+
+    /// How long filter and prioritize may answer from the local replica of the ledger after
+    /// last hearing from the allocator (heartbeats come twice a second); past it they ask the
+    /// allocator. 0 = no replica: always ask the allocator.
+    #[arg(long, env = "GPULEDGER_REPLICA_STALE_MS", default_value_t = 2000)]
+    replica_stale_ms: u64,
 
     /// kubeconfig file; default: the in-cluster service account when running in a pod.
     #[arg(long, env = "GPULEDGER_KUBECONFIG")]
@@ -77,7 +86,16 @@ async fn run(a: Args) -> anyhow::Result<()> {
     if kube.is_none() {
         tracing::warn!("no --kubeconfig and not in a cluster: bind will fail");
     }
-    let metrics = Arc::new(Metrics::default());
+    let replica =
+        (a.replica_stale_ms > 0).then(|| Replica::new(Duration::from_millis(a.replica_stale_ms)));
+    let metrics = Arc::new(Metrics::new(|r| {
+        if let Some(rep) = &replica {
+            rep.register(r);
+        }
+    }));
+    if let Some(rep) = &replica {
+        tokio::spawn(rep.clone().follow(allocators.clone()));
+    }
     if let Some(addr) = a.webhook_listen {
         let (cert, key) = (
             a.tls_cert
@@ -111,6 +129,7 @@ async fn run(a: Args) -> anyhow::Result<()> {
         crash_at: a.crash_at,
         events,
         metrics,
+        replica,
     });
     let l = tokio::net::TcpListener::bind(a.listen)
         .await

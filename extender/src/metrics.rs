@@ -43,7 +43,15 @@ fn latency_histogram() -> Histogram {
 
 impl Default for Metrics {
     fn default() -> Self {
+        Metrics::new(|_| {})
+    }
+}
+
+impl Metrics {
+    /// The verb series plus whatever `more` registers (the ledger replica's).
+    pub fn new(more: impl FnOnce(&mut Registry)) -> Self {
         let mut registry = Registry::with_prefix("gpuledger_extender");
+        more(&mut registry);
         let requests = Family::<Labels, Counter>::default();
         let latency =
             Family::<Labels, Histogram>::new_with_constructor(latency_histogram as fn() -> _);
@@ -72,9 +80,7 @@ impl Default for Metrics {
             latency,
         }
     }
-}
 
-impl Metrics {
     /// Record one request of `verb` that took `secs` and ended as `outcome`.
     pub fn observe(&self, verb: &'static str, outcome: &'static str, secs: f64) {
         self.requests

@@ -15,7 +15,7 @@ use std::sync::{Arc, OnceLock};
 
 use crate::CORE_MILLI_PER_GPU;
 use crate::pb;
-use crate::state::{GpuState, NodeState};
+use crate::state::{GpuState, Ledger, NodeState};
 
 pub use fgd::{PodShape, Workload};
 
@@ -222,6 +222,45 @@ pub struct PodRequest {
 }
 
 impl PodRequest {
+    /// Decode the API's form (as the allocator and the extender receive it), with
+    /// `default_policy` for a request that names none, and validate it.
+    pub fn from_pb(r: pb::PodRequest, default_policy: Policy) -> Result<PodRequest, String> {
+        let pod = r.pod.ok_or("request.pod is missing")?;
+        let p = r.placement.unwrap_or_default();
+        let policy = if p.policy.is_empty() {
+            default_policy
+        } else {
+            p.policy.parse()?
+        };
+        let req = PodRequest {
+            pod,
+            containers: r
+                .containers
+                .into_iter()
+                .map(|c| ContainerRequest {
+                    name: c.name,
+                    slices: c.slices,
+                    mem_mib: c.mem_mib,
+                    mem_percent: c.mem_percent,
+                    core_milli: c.core_milli,
+                })
+                .collect(),
+            selector: Selector {
+                types: p.gpu_types,
+                types_exclude: p.gpu_types_exclude,
+                uuids: p.gpu_uuids,
+                uuids_exclude: p.gpu_uuids_exclude,
+                ..Default::default()
+            },
+            policy,
+            cpu_milli: r.cpu_milli,
+            memory_mib: r.memory_mib,
+            ..Default::default()
+        };
+        req.validate()?;
+        Ok(req)
+    }
+
     /// Reject requests that can never be served anywhere, with a reason a user understands.
     pub fn validate(&self) -> Result<(), String> {
         if self.pod.uid.is_empty() {
@@ -719,6 +758,56 @@ pub fn fit_node(node: &NodeState, req: &PodRequest) -> Fit {
     }
 }
 
+/// Why a node that gpuledger does not know can never host a pod.
+pub const NOT_REGISTERED: &str =
+    "node is not registered with gpuledger (no node agent running there?)";
+
+/// Filter's answer for a list of nodes: where the pod fits, and why not elsewhere.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Filtered {
+    /// Nodes where the pod fits now, in the order asked.
+    pub fits: Vec<String>,
+    /// Node and why the pod does not fit there now.
+    pub wait: Vec<(String, String)>,
+    /// Node and why the pod can never fit there (unregistered nodes included).
+    pub never: Vec<(String, String)>,
+    /// How many of the nodes are not registered (they are in `never`).
+    pub unregistered: usize,
+}
+
+/// Filter `names` for the request against the state: the one procedure behind the allocator's
+/// Filter and the extender's answer from its replica, so both give the same reasons.
+pub fn filter_nodes<S: AsRef<str> + Into<String>>(
+    ledger: &Ledger,
+    names: impl IntoIterator<Item = S>,
+    req: &PodRequest,
+) -> Filtered {
+    let mut out = Filtered::default();
+    for n in names {
+        match ledger.node(n.as_ref()).map(|ns| fit_node(ns, req)) {
+            None => {
+                out.unregistered += 1;
+                out.never.push((n.into(), NOT_REGISTERED.to_string()));
+            }
+            Some(Fit::Fits) => out.fits.push(n.into()),
+            Some(Fit::Wait(why)) => out.wait.push((n.into(), why)),
+            Some(Fit::Never(why)) => out.never.push((n.into(), why)),
+        }
+    }
+    out
+}
+
+/// [`score_node`] for each named node, in order; None for a node the state does not know.
+pub fn score_nodes<'a>(
+    ledger: &'a Ledger,
+    names: impl IntoIterator<Item = &'a str> + 'a,
+    req: &'a PodRequest,
+) -> impl Iterator<Item = (&'a str, Option<u32>)> + 'a {
+    names
+        .into_iter()
+        .map(move |n| (n, ledger.node(n).map(|ns| score_node(ns, req))))
+}
+
 /// The node's CPU and host memory take the pod (the node-level checks of `evaluate`).
 fn node_has_room(node: &NodeState, req: &PodRequest) -> bool {
     (node.cpu_milli == 0 || node.cpu_used + req.cpu_milli <= node.cpu_milli)
@@ -750,7 +839,74 @@ fn utilization_after(node: &NodeState, before: &[Free], after: &[Free]) -> f64 {
 
 /// A node's score for the request, 0..=10 (kube-scheduler's extender range); 0 when it does not fit.
 pub fn score_node(node: &NodeState, req: &PodRequest) -> u32 {
-    match evaluate(node, req) {
+    score_one_slice(node, req).unwrap_or_else(|| score_of(evaluate(node, req), req))
+}
+
+/// [`score_node`] for the common one-container, one-slice pod under binpack or spread, without
+/// building a placement (Prioritize runs this for thousands of nodes per pod): the GPU and the
+/// utilization `evaluate` would choose and score. None = not such a request.
+fn score_one_slice(node: &NodeState, req: &PodRequest) -> Option<u32> {
+    let [c] = req.containers.as_slice() else {
+        return None;
+    };
+    let spread = match req.policy {
+        Policy::Binpack => false,
+        Policy::Spread => true,
+        _ => return None,
+    };
+    if c.slices != 1 {
+        return None;
+    }
+    if !node_has_room(node, req) {
+        return Some(0);
+    }
+    // The candidate `take_sorted` puts first: least (binpack) or most (spread) left over,
+    // ties to the lower index.
+    let mut best: Option<(f64, u64, u32)> = None;
+    for g in node
+        .gpus
+        .iter()
+        .filter(|g| g.healthy && req.selector.accepts(g))
+    {
+        let (mem, core) = c.slice_on(g);
+        let (free_mem, free_core) = (g.mem_free(), g.core_free());
+        if free_mem < mem || free_core < core {
+            continue;
+        }
+        let left = (free_mem - mem) as f64 / g.memory_mib.max(1) as f64
+            + f64::from(free_core - core) / f64::from(CORE_MILLI_PER_GPU);
+        let better = best.is_none_or(|(b, _, _)| {
+            let o = left.total_cmp(&b);
+            if spread { o.is_gt() } else { o.is_lt() }
+        });
+        if better {
+            best = Some((left, mem, core));
+        }
+    }
+    let Some((_, mem, core)) = best else {
+        return Some(0);
+    };
+    let mem_cap: u64 = node.gpus.iter().map(|g| g.memory_mib).sum();
+    let used = if mem_cap == 0 {
+        0.0
+    } else {
+        let core_cap = u64::from(CORE_MILLI_PER_GPU) * node.gpus.len() as u64;
+        let mem_used = node.gpus.iter().map(|g| g.mem_used).sum::<u64>() + mem;
+        let core_used = node
+            .gpus
+            .iter()
+            .map(|g| u64::from(g.core_used))
+            .sum::<u64>()
+            + u64::from(core);
+        (mem_used as f64 / mem_cap as f64 + core_used as f64 / core_cap as f64) / 2.0
+    };
+    let s = if spread { 1.0 - used } else { used };
+    Some(((s * 10.0).round() as u32).clamp(1, 10))
+}
+
+/// The 0..=10 score of an evaluation.
+fn score_of(evaluated: Result<Candidate, Fit>, req: &PodRequest) -> u32 {
+    match evaluated {
         Err(_) => 0,
         Ok(c) => {
             let s = match req.policy {

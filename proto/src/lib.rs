@@ -16,6 +16,8 @@ pub mod allocator {
     /// Version 1 of the allocator API.
     pub mod v1 {
         include!(concat!(env!("OUT_DIR"), "/gpuledger.allocator.v1.rs"));
+        // Defined in the ledger package (wire-compatible move); named here as they always were.
+        pub use crate::ledger::v1::{ContainerRequest, Placement, PodRequest};
     }
 }
 

@@ -166,12 +166,16 @@ impl ExtenderClient {
     }
 
     /// ExtenderArgs for `pod` and `nodes`.
-    pub fn args(&self, pod: &Pod, nodes: &[Node]) -> Result<Value> {
+    pub fn args<N: std::borrow::Borrow<Node> + k8s_openapi::serde::Serialize>(
+        &self,
+        pod: &Pod,
+        nodes: &[N],
+    ) -> Result<Value> {
         let pod = serde_json::to_value(pod)?;
         Ok(if self.cfg.node_cache_capable {
             let names: Vec<&str> = nodes
                 .iter()
-                .filter_map(|n| n.metadata.name.as_deref())
+                .filter_map(|n| n.borrow().metadata.name.as_deref())
                 .collect();
             json!({"Pod": pod, "Nodes": null, "NodeNames": names})
         } else {
@@ -214,34 +218,19 @@ fn unreachable(e: &anyhow::Error) -> bool {
     })
 }
 
-/// One scheduling attempt of `pod` through extender `exts[rr % n]`, moving on to the next
-/// replica when one cannot be reached (as a Service in front of the replicas would): the node
-/// and the index of the extender that placed it on success.
-async fn schedule_any(
-    kube: kube::Client,
-    exts: Arc<Vec<ExtenderClient>>,
-    nodes: Arc<Vec<Node>>,
-    pod: Pod,
-    stats: Arc<Stats>,
-    rr: usize,
-    start: usize,
-) -> Result<(String, usize)> {
+/// Run `f` against extender `first` of `n`, moving on to the next replica when one cannot be
+/// reached (as a Service in front of the replicas would): the answer and the index that gave it.
+async fn failover<T, F, Fut>(n: usize, first: usize, stats: &Stats, mut f: F) -> Result<(T, usize)>
+where
+    F: FnMut(usize) -> Fut,
+    Fut: std::future::Future<Output = Result<T>>,
+{
     let mut last = None;
-    for k in 0..exts.len() {
-        let i = (rr + k) % exts.len();
-        match schedule_one(
-            kube.clone(),
-            exts[i].clone(),
-            nodes.clone(),
-            pod.clone(),
-            stats.clone(),
-            rr,
-            start,
-        )
-        .await
-        {
-            Ok(node) => return Ok((node, i)),
-            Err(e) if unreachable(&e) && k + 1 < exts.len() => {
+    for k in 0..n {
+        let i = (first + k) % n;
+        match f(i).await {
+            Ok(v) => return Ok((v, i)),
+            Err(e) if unreachable(&e) && k + 1 < n => {
                 stats.extender_failovers.fetch_add(1, Ordering::Relaxed);
                 last = Some(e);
             }
@@ -251,48 +240,32 @@ async fn schedule_any(
     Err(last.unwrap_or_else(|| anyhow::anyhow!("no extender configured")))
 }
 
-/// One scheduling attempt of `pod`: the chosen node on success.
-async fn schedule_one(
-    kube: kube::Client,
-    ext: ExtenderClient,
-    nodes: Arc<Vec<Node>>,
-    pod: Pod,
-    stats: Arc<Stats>,
+/// One scheduling cycle of `pod`: filter and prioritize, the chosen node on success.
+async fn decide(
+    ext: &ExtenderClient,
+    nodes: &[Node],
+    pod: &Pod,
+    stats: &Stats,
     rr: usize,
     start: usize,
 ) -> Result<String> {
     if nodes.is_empty() {
         bail!("0/0 nodes are available");
     }
-    let ns = pod
-        .metadata
-        .namespace
-        .clone()
-        .unwrap_or_else(|| "default".into());
-    let name = pod.metadata.name.clone().unwrap_or_default();
-    let uid = pod.metadata.uid.clone().unwrap_or_default();
-    if !ext.interested(&pod) {
-        let node = nodes[rr % nodes.len()]
+    if !ext.interested(pod) {
+        return Ok(nodes[rr % nodes.len()]
             .metadata
             .name
             .clone()
-            .unwrap_or_default();
-        let pods: Api<Pod> = Api::namespaced(kube, &ns);
-        let b = json!({"apiVersion": "v1", "kind": "Binding",
-                       "metadata": {"name": name, "namespace": ns, "uid": uid},
-                       "target": {"apiVersion": "v1", "kind": "Node", "name": node}});
-        let _: Value = pods
-            .create_subresource("binding", &name, &PostParams::default(), &b)
-            .await?;
-        return Ok(node);
+            .unwrap_or_default());
     }
     // kube-scheduler's own filters pass every node here (the emulator models no CPU or
     // memory); it stops after numFeasibleNodesToFind, starting where the last pod stopped.
     let want = num_feasible_nodes_to_find(nodes.len(), ext.cfg.percentage_of_nodes_to_score);
-    let window: Vec<Node> = (0..want)
-        .map(|k| nodes[(start + k) % nodes.len()].clone())
+    let window: Vec<&Node> = (0..want)
+        .map(|k| &nodes[(start + k) % nodes.len()])
         .collect();
-    let args = ext.args(&pod, &window)?;
+    let args = ext.args(pod, &window)?;
     let t = Instant::now();
     let f = ext.post("filter", &args).await?;
     stats
@@ -333,38 +306,64 @@ async fn schedule_one(
             f.get("FailedNodes").cloned().unwrap_or_default()
         );
     }
-    let node = if feasible.len() == 1 {
-        feasible[0].clone()
-    } else {
-        let keep: HashSet<&str> = feasible.iter().map(String::as_str).collect();
-        let chosen: Vec<Node> = window
-            .iter()
-            .filter(|n| n.metadata.name.as_deref().is_some_and(|x| keep.contains(x)))
-            .cloned()
-            .collect();
-        let t = Instant::now();
-        let p = ext.post("prioritize", &ext.args(&pod, &chosen)?).await?;
-        stats
-            .prioritize_us
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(micros(t));
-        let best = p
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|h| {
-                Some((
-                    h.get("Host")?.as_str()?.to_string(),
-                    h.get("Score")?.as_i64()?,
-                ))
-            })
-            .fold(None::<(String, i64)>, |acc, (h, s)| match acc {
-                Some((_, bs)) if bs >= s => acc,
-                _ => Some((h, s)),
-            });
-        best.map_or_else(|| feasible[rr % feasible.len()].clone(), |(h, _)| h)
-    };
+    if feasible.len() == 1 {
+        return Ok(feasible[0].clone());
+    }
+    let keep: HashSet<&str> = feasible.iter().map(String::as_str).collect();
+    let chosen: Vec<&Node> = window
+        .into_iter()
+        .filter(|n| n.metadata.name.as_deref().is_some_and(|x| keep.contains(x)))
+        .collect();
+    let t = Instant::now();
+    let p = ext.post("prioritize", &ext.args(pod, &chosen)?).await?;
+    stats
+        .prioritize_us
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push(micros(t));
+    let best = p
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|h| {
+            Some((
+                h.get("Host")?.as_str()?.to_string(),
+                h.get("Score")?.as_i64()?,
+            ))
+        })
+        .fold(None::<(String, i64)>, |acc, (h, s)| match acc {
+            Some((_, bs)) if bs >= s => acc,
+            _ => Some((h, s)),
+        });
+    Ok(best.map_or_else(|| feasible[rr % feasible.len()].clone(), |(h, _)| h))
+}
+
+/// Bind `pod` to `node`: through the extender's bind verb when it manages the pod, else
+/// with a Binding as kube-scheduler's default binder makes it.
+async fn bind(
+    kube: kube::Client,
+    ext: &ExtenderClient,
+    pod: &Pod,
+    node: &str,
+    stats: &Stats,
+) -> Result<()> {
+    let ns = pod
+        .metadata
+        .namespace
+        .clone()
+        .unwrap_or_else(|| "default".into());
+    let name = pod.metadata.name.clone().unwrap_or_default();
+    let uid = pod.metadata.uid.clone().unwrap_or_default();
+    if !ext.interested(pod) {
+        let pods: Api<Pod> = Api::namespaced(kube, &ns);
+        let b = json!({"apiVersion": "v1", "kind": "Binding",
+                       "metadata": {"name": name, "namespace": ns, "uid": uid},
+                       "target": {"apiVersion": "v1", "kind": "Node", "name": node}});
+        let _: Value = pods
+            .create_subresource("binding", &name, &PostParams::default(), &b)
+            .await?;
+        return Ok(());
+    }
     if !ext.cfg.bind {
         bail!("extender without bindVerb is not emulated");
     }
@@ -417,12 +416,62 @@ async fn schedule_one(
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .push((t, Instant::now()));
-    Ok(node)
+    Ok(())
+}
+
+/// Record how one pod's attempt ended and let the loop take it again (after `backoff` when it
+/// failed).
+fn finish(
+    st: &Stats,
+    in_flight: &Mutex<HashSet<String>>,
+    retry_at: &Mutex<HashMap<String, Instant>>,
+    k: &str,
+    res: Result<usize>,
+    backoff: Duration,
+) {
+    match res {
+        Ok(i) => {
+            st.bound.fetch_add(1, Ordering::Relaxed);
+            if let Some(n) = st
+                .bound_by_extender
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get_mut(i)
+            {
+                *n += 1;
+            }
+            // A list taken before the bind may still show it pending.
+            retry_at
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(k.to_string(), Instant::now() + Duration::from_secs(5));
+            st.last_error
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(k);
+        }
+        Err(e) => {
+            st.failed.fetch_add(1, Ordering::Relaxed);
+            retry_at
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(k.to_string(), Instant::now() + backoff);
+            st.last_error
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(k.to_string(), format!("{e:#}"));
+        }
+    }
+    in_flight
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .remove(k);
 }
 
 impl SchedulerEmulator {
-    /// Schedule pods with `spec.schedulerName == scheduler_name` through `ext`, with up to
-    /// `parallel` pods in flight. Failed pods are retried after `backoff`.
+    /// Schedule pods with `spec.schedulerName == scheduler_name` through `ext` as kube-scheduler
+    /// does: filter and prioritize one pod at a time, then bind in the background, with up to
+    /// `parallel` binds in flight. Failed pods are retried after `backoff`.
     pub fn start(
         kube: kube::Client,
         scheduler_name: &str,
@@ -511,53 +560,34 @@ impl SchedulerEmulator {
                         let want = num_feasible_nodes_to_find(nodes.len(), pct);
                         next_start = (next_start + want) % nodes.len();
                     }
-                    let (kube, exts, nodes, st, in_flight, retry_at) = (
+                    // The scheduling cycle runs one pod at a time, as kube-scheduler's
+                    // does; only the binding cycle runs in the background.
+                    let decided = failover(exts.len(), rr, &st, |i| {
+                        decide(&exts[i], &nodes, &pod, &st, rr, start)
+                    })
+                    .await;
+                    let (node, i) = match decided {
+                        Ok(d) => d,
+                        Err(e) => {
+                            finish(&st, &in_flight, &retry_at, &k, Err(e), backoff);
+                            drop(permit);
+                            continue;
+                        }
+                    };
+                    let (kube, exts, st, in_flight, retry_at) = (
                         kube.clone(),
                         exts.clone(),
-                        nodes.clone(),
                         st.clone(),
                         in_flight.clone(),
                         retry_at.clone(),
                     );
                     tokio::spawn(async move {
-                        let res = schedule_any(kube, exts, nodes, pod, st.clone(), rr, start).await;
-                        match res {
-                            Ok((_, i)) => {
-                                st.bound.fetch_add(1, Ordering::Relaxed);
-                                if let Some(n) = st
-                                    .bound_by_extender
-                                    .lock()
-                                    .unwrap_or_else(|p| p.into_inner())
-                                    .get_mut(i)
-                                {
-                                    *n += 1;
-                                }
-                                // A list taken before the bind may still show it pending.
-                                retry_at
-                                    .lock()
-                                    .unwrap_or_else(|p| p.into_inner())
-                                    .insert(k.clone(), Instant::now() + Duration::from_secs(5));
-                                st.last_error
-                                    .lock()
-                                    .unwrap_or_else(|p| p.into_inner())
-                                    .remove(&k);
-                            }
-                            Err(e) => {
-                                st.failed.fetch_add(1, Ordering::Relaxed);
-                                retry_at
-                                    .lock()
-                                    .unwrap_or_else(|p| p.into_inner())
-                                    .insert(k.clone(), Instant::now() + backoff);
-                                st.last_error
-                                    .lock()
-                                    .unwrap_or_else(|p| p.into_inner())
-                                    .insert(k.clone(), format!("{e:#}"));
-                            }
-                        }
-                        in_flight
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .remove(&k);
+                        let res = failover(exts.len(), i, &st, |j| {
+                            bind(kube.clone(), &exts[j], &pod, &node, &st)
+                        })
+                        .await
+                        .map(|((), j)| j);
+                        finish(&st, &in_flight, &retry_at, &k, res, backoff);
                         drop(permit);
                     });
                 }

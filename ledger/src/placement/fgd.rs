@@ -149,6 +149,12 @@ impl Workload {
         self.shapes.iter().zip(self.probs.iter().copied())
     }
 
+    /// The typical shapes with the pod counts they were built from. `from_counts(counts, 1.0)`
+    /// gives this very workload back (how a replica receives the allocator's).
+    pub fn counts(&self) -> impl Iterator<Item = (&PodShape, u64)> {
+        self.shapes.iter().zip(self.counts.iter().copied())
+    }
+
     /// Whether no shape is known.
     pub fn is_empty(&self) -> bool {
         self.shapes.is_empty()

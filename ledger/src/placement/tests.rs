@@ -347,10 +347,11 @@ fn workload_keeps_the_most_frequent_shapes() {
 }
 
 proptest::proptest! {
-    /// Filter's fast path says "fits" exactly when the full evaluation does.
+    /// Filter's and Prioritize's fast paths for one-slice pods answer exactly as the full
+    /// evaluation does: "fits" when it accepts, and the same score.
     #[test]
-    fn fit_node_agrees_with_evaluate(
-        used in proptest::collection::vec((0u64..=16_000, 0u32..=1000, proptest::bool::ANY), 1..5),
+    fn fast_paths_agree_with_evaluate(
+        used in proptest::collection::vec((0u64..=16_000, 0u32..=1000, proptest::bool::ANY), 1..6),
         mem in 0u64..=17_000,
         percent in proptest::prop_oneof![proptest::strategy::Just(0u32), 1u32..=100],
         core in 0u32..=1000,
@@ -358,12 +359,14 @@ proptest::proptest! {
         node_cpu in proptest::prop_oneof![proptest::strategy::Just(0u64), 1_000u64..=8_000],
         cpu_used in 0u64..=4_000,
         typed in proptest::bool::ANY,
+        spread in proptest::bool::ANY,
     ) {
         let mut n = node(
             used.iter()
                 .enumerate()
                 .map(|(i, (m, c, healthy))| {
-                    let mut g = gpu(i as u32, 16_000);
+                    // Two sizes, so that a percent of memory depends on the GPU chosen.
+                    let mut g = gpu(i as u32, if i % 3 == 2 { 24_000 } else { 16_000 });
                     g.mem_used = *m;
                     g.core_used = *c;
                     g.healthy = *healthy;
@@ -376,7 +379,8 @@ proptest::proptest! {
         );
         n.cpu_milli = node_cpu;
         n.cpu_used = cpu_used.min(node_cpu);
-        let mut r = req(1, if percent > 0 { 0 } else { mem }, Policy::Binpack);
+        let policy = if spread { Policy::Spread } else { Policy::Binpack };
+        let mut r = req(1, if percent > 0 { 0 } else { mem }, policy);
         r.containers[0].mem_percent = percent;
         r.containers[0].core_milli = core;
         r.cpu_milli = cpu;
@@ -385,5 +389,6 @@ proptest::proptest! {
         }
         let fast = matches!(fit_node(&n, &r), Fit::Fits);
         proptest::prop_assert_eq!(fast, evaluate(&n, &r).is_ok());
+        proptest::prop_assert_eq!(score_node(&n, &r), score_of(evaluate(&n, &r), &r));
     }
 }
