@@ -372,7 +372,7 @@ async fn bind(
     let at = PodAt {
         pod: &pod_key,
         uid: &uid,
-        node: &node,
+        node,
     };
     let r = match ext
         .post(
