@@ -92,16 +92,7 @@ pub async fn run(mut a: DemoArgs) -> Result<()> {
         a.pods = a.pods.min(60);
     }
     let t0 = Instant::now();
-    let tmp = tempfile::Builder::new()
-        .prefix("gpuledger-demo-")
-        .tempdir()?;
-    let dir = tmp.path().to_path_buf();
-    let _keep = if a.keep {
-        let _ = tmp.keep();
-        None
-    } else {
-        Some(tmp)
-    };
+    let (dir, _tmp) = crate::process::run_dir("gpuledger-demo-", a.keep)?;
     println!(
         "gpuledger demo — run directory {} (logs of every process{})",
         dir.display(),

@@ -26,6 +26,22 @@ pub fn free_port() -> Result<u16> {
     anyhow::bail!("no loopback port not handed out before, after 1000 tries")
 }
 
+/// A new run directory under the temp dir: deleted when the returned guard drops, unless
+/// `keep` (then the guard is `None` and the directory stays for its logs).
+pub fn run_dir(prefix: &str, keep: bool) -> Result<(PathBuf, Option<tempfile::TempDir>)> {
+    let tmp = tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir()
+        .context("creating a run directory")?;
+    let dir = tmp.path().to_path_buf();
+    if keep {
+        let _ = tmp.keep();
+        Ok((dir, None))
+    } else {
+        Ok((dir, Some(tmp)))
+    }
+}
+
 /// Path of a workspace binary built next to the running executable (tests run from
 /// `target/<profile>/deps`, binaries from `target/<profile>`).
 pub fn bin_path(name: &str) -> Result<PathBuf> {

@@ -175,16 +175,7 @@ pub async fn run(a: RunArgs) -> Result<()> {
     }
     let partitions = netns.is_some();
 
-    let tmp = tempfile::Builder::new()
-        .prefix("gpuledger-chaos-")
-        .tempdir()?;
-    let dir = tmp.path().to_path_buf();
-    let _keep = if a.keep {
-        let _ = tmp.keep();
-        None
-    } else {
-        Some(tmp)
-    };
+    let (dir, _tmp) = crate::process::run_dir("gpuledger-chaos-", a.keep)?;
     println!(
         "chaos run seed={} pods={} faults={} — {} nodes x {} GPUs, {} allocators, {} extenders{} — run directory {}",
         a.seed,
