@@ -4,7 +4,6 @@
 
 SHELL := /bin/bash
 CARGO ?= cargo
-APT_PACKAGES := protobuf-compiler etcd-server
 DEMO_FLAGS ?=
 # CI runs the demo on the debug build it already has (saves a second, release, build).
 DEMO_PROFILE ?= release
@@ -15,32 +14,27 @@ IMAGE ?= gpuledger:0.1.0
 
 all: build
 
+# $(call apt_install,command:package ...): apt-get install the packages whose command is missing
+# (with sudo when not root), then fail with a clear message if one is still missing.
+define apt_install
+missing=""; \
+for pair in $(1); do command -v $${pair%%:*} >/dev/null 2>&1 || missing="$$missing $${pair#*:}"; done; \
+if [ -n "$$missing" ]; then \
+  echo "installing:$$missing"; \
+  SUDO=""; [ "$$(id -u)" -ne 0 ] && SUDO=sudo; \
+  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
+fi; \
+for pair in $(1); do command -v $${pair%%:*} >/dev/null 2>&1 || { echo "could not install: $${pair#*:}" >&2; exit 1; }; done
+endef
+
 ## Install the system packages the build and the tests need, when they are missing.
 deps:
-	@missing=""; \
-	command -v protoc >/dev/null 2>&1 || missing="$$missing protobuf-compiler"; \
-	command -v etcd >/dev/null 2>&1 || missing="$$missing etcd-server"; \
-	if [ -n "$$missing" ]; then \
-	  echo "installing:$$missing"; \
-	  SUDO=""; [ "$$(id -u)" -ne 0 ] && SUDO=sudo; \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
-	fi; \
-	command -v protoc >/dev/null && command -v etcd >/dev/null || { echo "could not install:$$missing" >&2; exit 1; }
+	@$(call apt_install,protoc:protobuf-compiler etcd:etcd-server)
 
 ## What only the tests need: Chromium for the browser test of the allocator's /ui; iproute2
 ## and iptables for the chaos run's partitions (it makes a network namespace of its own).
 test-deps: deps
-	@missing=""; \
-	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
-	command -v ip >/dev/null 2>&1 || missing="$$missing iproute2"; \
-	command -v iptables >/dev/null 2>&1 || missing="$$missing iptables"; \
-	if [ -n "$$missing" ]; then \
-	  echo "installing:$$missing"; \
-	  SUDO=""; [ "$$(id -u)" -ne 0 ] && SUDO=sudo; \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
-	fi; \
-	command -v chromium >/dev/null && command -v ip >/dev/null && command -v iptables >/dev/null \
-	  || { echo "could not install:$$missing" >&2; exit 1; }
+	@$(call apt_install,chromium:chromium ip:iproute2 iptables:iptables)
 
 build: deps
 	$(CARGO) build --workspace

@@ -172,6 +172,15 @@ impl Allocators {
         bail!("replicas did not reach seq {seq} within {timeout:?}")
     }
 
+    /// Wait for a leader, then until every running replica has applied the leader's seq.
+    pub async fn wait_caught_up(&self, timeout: Duration) -> Result<()> {
+        let leader = self.wait_leader(timeout).await?;
+        if let Some(s) = self.status(leader).await {
+            self.wait_seq(s.seq, timeout).await?;
+        }
+        Ok(())
+    }
+
     /// A client to replica `i`.
     pub fn client(&self, i: usize) -> Result<AllocatorClient<Channel>> {
         client(&self.addrs[i]).context("allocator client")

@@ -622,6 +622,13 @@ pub fn compare_view(node: &str, text: &str, snap: &pb::Snapshot) -> Result<usize
     }
 }
 
+/// A pod's `status.phase` in the API server (`Pending` until the kubelet sets one).
+pub fn pod_phase(p: &Value) -> &str {
+    p.pointer("/status/phase")
+        .and_then(Value::as_str)
+        .unwrap_or("Pending")
+}
+
 /// A pod for the cluster: one container `main` running `sleep <secs>` with `resources` as
 /// limits, scheduled by gpuledger.
 pub fn pod_json(name: &str, resources: &[(&str, String)], secs: f64) -> Value {

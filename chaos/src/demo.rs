@@ -11,9 +11,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
-use serde_json::Value;
 
-use crate::cluster::{ClusterOptions, LocalCluster, RunOutcome};
+use crate::cluster::{ClusterOptions, LocalCluster, RunOutcome, pod_phase};
 use crate::process::bin_path;
 use crate::workload::{feed, mixed_pods};
 
@@ -57,12 +56,6 @@ pub struct DemoArgs {
     pub keep: bool,
 }
 
-fn phase(p: &Value) -> &str {
-    p.pointer("/status/phase")
-        .and_then(Value::as_str)
-        .unwrap_or("Pending")
-}
-
 /// Pods of the demo by phase, from the API server.
 fn phases(c: &LocalCluster) -> HashMap<String, (String, bool)> {
     c.api
@@ -73,7 +66,7 @@ fn phases(c: &LocalCluster) -> HashMap<String, (String, bool)> {
         .map(|p| {
             (
                 p["metadata"]["name"].as_str().unwrap_or("").to_string(),
-                (phase(p).to_string(), p["spec"]["nodeName"].is_string()),
+                (pod_phase(p).to_string(), p["spec"]["nodeName"].is_string()),
             )
         })
         .collect()
@@ -227,10 +220,7 @@ async fn drive(c: &mut LocalCluster, a: &DemoArgs, t0: Instant) -> Result<()> {
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let leader = c.allocs.wait_leader(Duration::from_secs(30)).await?;
-    if let Some(s) = c.allocs.status(leader).await {
-        c.allocs.wait_seq(s.seq, Duration::from_secs(30)).await?;
-    }
+    c.allocs.wait_caught_up(Duration::from_secs(30)).await?;
 
     let mut problems: Vec<String> = Vec::new();
     println!("\n== gpuledger inspect, mid-run (just before the leader was killed)");

@@ -33,7 +33,7 @@ use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use serde_json::Value;
 
-use crate::cluster::{ClusterOptions, LocalCluster, allocator_etcd_host};
+use crate::cluster::{ClusterOptions, LocalCluster, allocator_etcd_host, pod_phase};
 use crate::history::{Op, Outcome};
 use crate::workload::{PodSpec, feed, mixed_pods, trace_pods};
 
@@ -334,20 +334,14 @@ fn heal_all() {
     let _ = sh(&["iptables", "-w", "-F", "INPUT"]);
 }
 
-fn phase(p: &Value) -> &str {
-    p.pointer("/status/phase")
-        .and_then(Value::as_str)
-        .unwrap_or("Pending")
-}
-
 /// Pods of the workload: (ended, running, created and not bound yet, bound).
 fn progress(c: &LocalCluster) -> (usize, usize, usize, usize) {
     let pods = c.api.store.objects("v1", "pods");
     let ended = pods
         .iter()
-        .filter(|p| matches!(phase(p), "Succeeded" | "Failed"))
+        .filter(|p| matches!(pod_phase(p), "Succeeded" | "Failed"))
         .count();
-    let running = pods.iter().filter(|p| phase(p) == "Running").count();
+    let running = pods.iter().filter(|p| pod_phase(p) == "Running").count();
     let bound = pods
         .iter()
         .filter(|p| p["spec"]["nodeName"].is_string())
@@ -461,10 +455,7 @@ async fn drive(c: &mut LocalCluster, a: &RunArgs, partitions: bool) -> Result<()
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let leader = c.allocs.wait_leader(Duration::from_secs(30)).await?;
-    if let Some(s) = c.allocs.status(leader).await {
-        c.allocs.wait_seq(s.seq, Duration::from_secs(30)).await?;
-    }
+    c.allocs.wait_caught_up(Duration::from_secs(30)).await?;
     check(c, a, &injected, started, workload, converged_s).await
 }
 
@@ -474,7 +465,7 @@ fn live_pod_uids(c: &LocalCluster) -> BTreeSet<String> {
         .store
         .objects("v1", "pods")
         .iter()
-        .filter(|p| !matches!(phase(p), "Succeeded" | "Failed"))
+        .filter(|p| !matches!(pod_phase(p), "Succeeded" | "Failed"))
         .filter_map(|p| p.pointer("/metadata/uid").and_then(Value::as_str))
         .map(String::from)
         .collect()
@@ -879,7 +870,7 @@ async fn check(
     let mut by_uid: HashMap<String, (&Value, &str)> = HashMap::new();
     for p in &pods {
         if let Some(uid) = p.pointer("/metadata/uid").and_then(Value::as_str) {
-            by_uid.insert(uid.to_string(), (p, phase(p)));
+            by_uid.insert(uid.to_string(), (p, pod_phase(p)));
         }
     }
     let mut failed: BTreeMap<String, usize> = BTreeMap::new();
