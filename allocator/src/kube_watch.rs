@@ -3,7 +3,7 @@
 //! the leader writes (`Service::local` is None elsewhere), and a periodic pass on the leader
 //! catches up with whatever happened while another replica led or the watch was down.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -48,6 +48,9 @@ pub struct KubeArgs {
 /// How long a fresh reservation may be missing from the pod cache before it counts as gone
 /// (the watch may simply not have delivered the pod yet).
 const YOUNG_MS: i64 = 5_000;
+
+/// Node capacity updates submitted at once by one reconcile pass.
+const SYNC_CONCURRENCY: usize = 64;
 
 fn now_ms() -> i64 {
     SystemTime::now()
@@ -280,12 +283,14 @@ impl Watch {
                     .map(|n| (n.name.clone(), (n.cpu_milli, n.memory_mib)))
                     .collect()
             });
-            node_missing.retain(|n, _| ledger_nodes.iter().any(|(m, _)| m == n));
-            for (n, capacity) in ledger_nodes {
-                if let Some(k) = self.nodes.get(&ObjectRef::new(&n)) {
-                    node_missing.remove(&n);
-                    if let Some(a) = allocatable(&k).filter(|a| *a != capacity) {
-                        self.sync_capacity(&n, a).await;
+            let known: HashSet<&str> = ledger_nodes.iter().map(|(n, _)| n.as_str()).collect();
+            node_missing.retain(|n, _| known.contains(n.as_str()));
+            let mut syncs = Vec::new();
+            for (n, capacity) in &ledger_nodes {
+                if let Some(k) = self.nodes.get(&ObjectRef::new(n)) {
+                    node_missing.remove(n);
+                    if let Some(a) = allocatable(&k).filter(|a| a != capacity) {
+                        syncs.push((n.as_str(), a));
                     }
                     continue;
                 }
@@ -299,9 +304,14 @@ impl Watch {
                         &format!("remove node {n}"),
                     )
                     .await;
-                    node_missing.remove(&n);
+                    node_missing.remove(n);
                 }
             }
+            // Many at once (a fresh allocator in a large cluster), so that group commit puts
+            // them in few etcd transactions instead of one transaction per node.
+            futures::stream::iter(syncs)
+                .for_each_concurrent(SYNC_CONCURRENCY, |(n, a)| self.sync_capacity(n, a))
+                .await;
         }
     }
 
