@@ -8,6 +8,9 @@ use crate::CORE_MILLI_PER_GPU;
 use crate::pb;
 use crate::pb::event::Body;
 
+mod nodes;
+pub use nodes::Nodes;
+
 /// An event that would break an invariant. Meeting one is a bug in whoever wrote the event:
 /// the leader refuses to write it, a follower or a replay reports it.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -249,7 +252,7 @@ pub struct Ledger {
     seq: u64,
     epoch: u64,
     time_ms: i64,
-    nodes: BTreeMap<String, NodeState>,
+    nodes: Nodes,
     allocs: FxHashMap<u64, Alloc>,
     /// pod uid → container → live allocation id.
     by_pod: FxHashMap<String, Containers>,
@@ -277,7 +280,7 @@ impl Ledger {
         self.time_ms
     }
     /// Nodes by name.
-    pub fn nodes(&self) -> &BTreeMap<String, NodeState> {
+    pub fn nodes(&self) -> &Nodes {
         &self.nodes
     }
     /// One node.
