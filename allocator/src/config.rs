@@ -70,6 +70,13 @@ pub struct Config {
     #[arg(long, env = "GPULEDGER_MAX_BATCH_BYTES", default_value_t = 1024 * 1024)]
     pub max_batch_bytes: usize,
 
+    /// How long a bind confirmation may wait for other writes to share its etcd transaction,
+    /// in milliseconds (0 = write at once). Nothing waits on confirmations: the extender
+    /// sends them after the scheduler has its answer, and the pod watch would record the
+    /// binding anyway. Sharing transactions saves etcd CPU when many pods bind.
+    #[arg(long, env = "GPULEDGER_CONFIRM_LINGER_MS", default_value_t = 5)]
+    pub confirm_linger_ms: u64,
+
     /// Write a snapshot of the folded state every this many events (0 = never).
     #[arg(long, env = "GPULEDGER_SNAPSHOT_EVERY", default_value_t = 10_000)]
     pub snapshot_every: u64,

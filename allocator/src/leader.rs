@@ -27,6 +27,10 @@ pub struct BatchLimits {
     pub max_events: usize,
     /// Most encoded bytes in one batch.
     pub max_bytes: usize,
+    /// How long a batch of nothing but bind confirmations may wait for other writes to share
+    /// its etcd transaction (nobody waits on a confirmation; every transaction costs etcd CPU
+    /// on each member).
+    pub confirm_linger: Duration,
 }
 
 /// Why leadership ended.
@@ -72,6 +76,10 @@ struct Batch {
     waiters: Vec<Waiter>,
     /// When the first command of this batch was decided (how long it waited for the txn).
     opened: Option<std::time::Instant>,
+    /// Someone waits for an event of this batch: write it as soon as etcd is free.
+    urgent: bool,
+    /// When the first event that may wait (a bind confirmation) joined.
+    lingering: Option<tokio::time::Instant>,
 }
 
 impl Batch {
@@ -81,7 +89,24 @@ impl Batch {
             bytes: 0,
             waiters: Vec::new(),
             opened: None,
+            urgent: false,
+            lingering: None,
         }
+    }
+
+    /// Whether to hand the batch to etcd now (when no transaction is in flight).
+    fn due(&self, limits: &BatchLimits, now: tokio::time::Instant) -> bool {
+        !self.waiters.is_empty()
+            && (self.urgent
+                || self.events.is_empty()
+                || self.full(limits)
+                || self
+                    .lingering
+                    .is_none_or(|t| now >= t + limits.confirm_linger))
+    }
+
+    fn full(&self, limits: &BatchLimits) -> bool {
+        self.events.len() >= limits.max_events || self.bytes >= limits.max_bytes
     }
 }
 
@@ -161,8 +186,11 @@ impl Leader {
         let mut inflight: Option<InFlight> = None;
         let mut last_snap = spec.seq();
         let reason = loop {
-            let full = pending.events.len() >= self.limits.max_events
-                || pending.bytes >= self.limits.max_bytes;
+            let full = pending.full(&self.limits);
+            let linger_until = pending
+                .lingering
+                .filter(|_| inflight.is_none() && !pending.urgent)
+                .map(|t| t + self.limits.confirm_linger);
             tokio::select! {
                 biased;
                 _ = shutdown.changed() => break StepDown::Shutdown,
@@ -195,6 +223,7 @@ impl Leader {
                         }
                     }
                 }
+                _ = async { tokio::time::sleep_until(linger_until.expect("guarded")).await }, if linger_until.is_some() => {}
                 req = inbox.recv(), if !full => {
                     let Some(req) = req else { break StepDown::Shutdown };
                     if let Err(stop) = decide(&mut spec, &mut pending, req, epoch) {
@@ -202,7 +231,7 @@ impl Leader {
                     }
                     // Take whatever else is already queued into the same batch.
                     let mut stop = None;
-                    while pending.events.len() < self.limits.max_events && pending.bytes < self.limits.max_bytes {
+                    while !pending.full(&self.limits) {
                         let Ok(req) = inbox.try_recv() else { break };
                         if let Err(s) = decide(&mut spec, &mut pending, req, epoch) {
                             stop = Some(s);
@@ -215,7 +244,7 @@ impl Leader {
                 }
             }
             // Nothing in flight: launch the pending batch (or answer waiters that wrote nothing).
-            if inflight.is_none() && !pending.waiters.is_empty() {
+            if inflight.is_none() && pending.due(&self.limits, tokio::time::Instant::now()) {
                 if !session.alive() {
                     fail(
                         std::mem::replace(&mut pending, Batch::new()),
@@ -309,10 +338,20 @@ fn decide(
     req: Request,
     epoch: u64,
 ) -> Result<(), StepDown> {
+    let may_wait = matches!(req.cmd, Command::ConfirmBound { .. });
     match spec.execute(req.cmd, epoch, now_ms()) {
         Ok((events, reply)) => {
             let seq = spec.seq();
             pending.opened.get_or_insert_with(std::time::Instant::now);
+            if events.is_empty() {
+                // Answered from the state: nothing to wait for.
+            } else if may_wait {
+                pending
+                    .lingering
+                    .get_or_insert_with(tokio::time::Instant::now);
+            } else {
+                pending.urgent = true;
+            }
             for e in &events {
                 pending.bytes += e.encoded_len() + 4;
             }
@@ -349,6 +388,7 @@ impl Default for BatchLimits {
         BatchLimits {
             max_events: 128,
             max_bytes: MAX_VALUE_BYTES,
+            confirm_linger: Duration::from_millis(5),
         }
     }
 }
