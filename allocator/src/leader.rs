@@ -392,3 +392,38 @@ impl Default for BatchLimits {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn waiter() -> Waiter {
+        Waiter {
+            tx: oneshot::channel().0,
+            reply: gpuledger_ledger::Reply::Done { changed: true },
+            seq: 1,
+        }
+    }
+
+    #[test]
+    fn only_confirmations_wait_and_only_for_the_linger() {
+        let limits = BatchLimits::default();
+        let t0 = tokio::time::Instant::now();
+        let mut b = Batch::new();
+        assert!(!b.due(&limits, t0), "an empty batch has nothing to write");
+        b.waiters.push(waiter());
+        assert!(
+            b.due(&limits, t0),
+            "a waiter answered from the state goes at once"
+        );
+        b.events.push(pb::Event::default());
+        b.lingering = Some(t0);
+        assert!(!b.due(&limits, t0 + Duration::from_millis(4)));
+        assert!(b.due(&limits, t0 + limits.confirm_linger));
+        b.urgent = true;
+        assert!(b.due(&limits, t0), "someone waits: no linger");
+        b.urgent = false;
+        b.events = vec![pb::Event::default(); limits.max_events];
+        assert!(b.due(&limits, t0), "a full batch goes at once");
+    }
+}
