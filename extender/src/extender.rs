@@ -4,6 +4,7 @@
 //! (see [`crate::replica`]), otherwise by an allocator replica; bind always goes through the
 //! allocator's `Reserve` and the API server.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
@@ -12,6 +13,7 @@ use axum::Router;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::StatusCode;
+use axum::http::header::CONTENT_TYPE;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use gpuledger_ledger::placement;
@@ -26,6 +28,7 @@ use tracing::{debug, info, warn};
 
 use crate::allocator::Allocators;
 use crate::metrics::{Metrics, Outcome};
+use crate::parallel;
 use crate::replica::Replica;
 use crate::resources::{self, ANN_ALLOCATION};
 
@@ -59,13 +62,41 @@ pub struct App {
 /// `ExtenderArgs`: the body of filter, prioritize (and the pod of preempt).
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "PascalCase")]
-pub struct ExtenderArgs {
+pub struct ExtenderArgs<'a> {
     /// The pod being scheduled.
     pub pod: Option<Pod>,
     /// Full nodes (extender not nodeCacheCapable).
     pub nodes: Option<NodeList>,
-    /// Node names (nodeCacheCapable).
-    pub node_names: Option<Vec<String>>,
+    /// Node names (nodeCacheCapable), borrowed from the request body.
+    #[serde(borrow)]
+    pub node_names: Option<Vec<Name<'a>>>,
+}
+
+/// A node name as the request spells it: borrowed from the body (thousands per request),
+/// copied only when JSON escapes make that necessary.
+#[derive(Debug, Clone)]
+pub struct Name<'a>(pub Cow<'a, str>);
+
+impl<'de: 'a, 'a> Deserialize<'de> for Name<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Str;
+        impl<'de> serde::de::Visitor<'de> for Str {
+            type Value = Cow<'de, str>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a node name")
+            }
+            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
+                Ok(Cow::Borrowed(v))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(Cow::Owned(v.to_owned()))
+            }
+            fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
+                Ok(Cow::Owned(v))
+            }
+        }
+        d.deserialize_str(Str).map(Name)
+    }
 }
 
 /// A `v1.NodeList` kept as raw JSON so that filter hands back exactly what it got.
@@ -100,9 +131,9 @@ pub struct FilterResult {
 /// One entry of `HostPriorityList`.
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(rename_all = "PascalCase")]
-pub struct HostPriority {
+pub struct HostPriority<'a> {
     /// Node name.
-    pub host: String,
+    pub host: Cow<'a, str>,
     /// 0..10.
     pub score: i64,
 }
@@ -204,19 +235,35 @@ fn failed(mut resp: Response) -> Response {
     resp
 }
 
+/// `v` as a JSON response, serialized into one buffer of about `hint` bytes (axum's `Json`
+/// grows its buffer from 128 bytes: a dozen copies for 5,000 nodes).
+fn json_sized<T: Serialize>(v: &T, hint: usize) -> Response {
+    let mut buf = Vec::with_capacity(hint);
+    match serde_json::to_writer(&mut buf, v) {
+        Ok(()) => ([(CONTENT_TYPE, "application/json")], buf).into_response(),
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+    }
+}
+
 fn bad_request(what: &str, e: impl std::fmt::Display) -> Response {
     let body = json!({ "Error": format!("malformed {what} request: {e}") });
     (StatusCode::BAD_REQUEST, axum::Json(body)).into_response()
 }
 
 /// The node names of the request, taken out of it (names, or the names of full nodes).
-fn take_node_names(args: &mut ExtenderArgs) -> Vec<String> {
+fn take_node_names<'a>(args: &mut ExtenderArgs<'a>) -> Vec<Cow<'a, str>> {
     if let Some(n) = args.node_names.take() {
-        return n;
+        return n.into_iter().map(|n| n.0).collect();
     }
     args.nodes
         .as_ref()
-        .map(|l| l.items.iter().filter_map(node_name).collect())
+        .map(|l| {
+            l.items
+                .iter()
+                .filter_map(node_name)
+                .map(Cow::Owned)
+                .collect()
+        })
         .unwrap_or_default()
 }
 
@@ -253,7 +300,7 @@ fn answer_nodes(nodes: Option<NodeList>, keep: Vec<String>, out: &mut FilterResu
 
 async fn filter(State(app): State<App>, body: Bytes) -> Response {
     let t0 = Instant::now();
-    let mut args: ExtenderArgs = match serde_json::from_slice(&body) {
+    let mut args: ExtenderArgs<'_> = match serde_json::from_slice(&body) {
         Ok(a) => a,
         Err(e) => return bad_request("filter", e),
     };
@@ -266,10 +313,13 @@ async fn filter(State(app): State<App>, body: Bytes) -> Response {
     } else {
         None
     };
-    let names = if let Some(l) = &full {
+    let names: Vec<String> = if let Some(l) = &full {
         l.items.iter().filter_map(node_name).collect()
     } else {
         take_node_names(&mut args)
+            .into_iter()
+            .map(Cow::into_owned)
+            .collect()
     };
     let Some(pod) = args.pod.as_ref() else {
         return bad_request("filter", "Pod is missing");
@@ -299,7 +349,7 @@ async fn filter(State(app): State<App>, body: Bytes) -> Response {
         Some(r) => {
             r.read("filter", |l, d| match d.request(req.clone()) {
                 Ok(pr) => {
-                    let f = placement::filter_nodes(l, &names, &pr);
+                    let f = parallel::filter_nodes(l, &names, &pr);
                     // A node the replica does not know yet may be registered by now: ask.
                     (f.unregistered == 0).then(|| Ok((f, l.seq())))
                 }
@@ -355,7 +405,9 @@ async fn filter(State(app): State<App>, body: Bytes) -> Response {
             return failed(axum::Json(out).into_response());
         }
     }
-    axum::Json(out).into_response()
+    let hint = out.node_names.as_ref().map_or(0, Vec::len) * 24
+        + (out.failed_nodes.len() + out.failed_and_unresolvable_nodes.len()) * 64;
+    json_sized(&out, hint.max(128))
 }
 
 fn unresolvable_everywhere(names: &[String], why: &str, out: &mut FilterResult) {
@@ -366,7 +418,7 @@ fn unresolvable_everywhere(names: &[String], why: &str, out: &mut FilterResult) 
 }
 
 async fn prioritize(State(app): State<App>, body: Bytes) -> Response {
-    let mut args: ExtenderArgs = match serde_json::from_slice(&body) {
+    let mut args: ExtenderArgs<'_> = match serde_json::from_slice(&body) {
         Ok(a) => a,
         Err(e) => return bad_request("prioritize", e),
     };
@@ -374,12 +426,12 @@ async fn prioritize(State(app): State<App>, body: Bytes) -> Response {
     let Some(pod) = args.pod.as_ref() else {
         return bad_request("prioritize", "Pod is missing");
     };
-    let zero = |names: Vec<String>| {
+    fn zero(names: Vec<Cow<'_, str>>) -> Vec<HostPriority<'_>> {
         names
             .into_iter()
             .map(|host| HostPriority { host, score: 0 })
-            .collect::<Vec<_>>()
-    };
+            .collect()
+    }
     let req = match resources::pod_request(pod) {
         Ok(Some(r)) => r,
         Ok(None) | Err(_) => return axum::Json(zero(names)).into_response(),
@@ -389,10 +441,12 @@ async fn prioritize(State(app): State<App>, body: Bytes) -> Response {
         Some(r) => {
             r.read("prioritize", |l, d| match d.request(req.clone()) {
                 // A node the replica does not know yet may be registered by now: ask.
-                Ok(pr) => placement::score_nodes(l, names.iter().map(String::as_str), &pr)
+                Ok(pr) => names
+                    .iter()
+                    .zip(parallel::score_nodes(l, &names, &pr))
                     .map(|(n, s)| {
                         Some(HostPriority {
-                            host: n.to_string(),
+                            host: Cow::Borrowed(n.as_ref()),
                             score: i64::from(s?.min(10)),
                         })
                     })
@@ -404,12 +458,12 @@ async fn prioritize(State(app): State<App>, body: Bytes) -> Response {
         }
     };
     let res = match local {
-        Some(Ok(list)) => return axum::Json(list).into_response(),
+        Some(Ok(list)) => return json_sized(&list, names.len() * 40),
         Some(Err(why)) => Err(tonic::Status::invalid_argument(why)),
         None => {
             let sr = api::ScoreRequest {
                 request: Some(req),
-                nodes: names,
+                nodes: names.iter().map(|n| n.to_string()).collect(),
             };
             app.allocators
                 .call(|mut c| {
@@ -421,11 +475,11 @@ async fn prioritize(State(app): State<App>, body: Bytes) -> Response {
     };
     match res {
         Ok(r) => {
-            let list: Vec<HostPriority> = r
+            let list: Vec<HostPriority<'_>> = r
                 .scores
                 .into_iter()
                 .map(|s| HostPriority {
-                    host: s.node,
+                    host: s.node.into(),
                     score: i64::from(s.score.min(10)),
                 })
                 .collect();

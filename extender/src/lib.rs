@@ -5,6 +5,7 @@
 pub mod allocator;
 pub mod extender;
 pub mod metrics;
+pub mod parallel;
 pub mod replica;
 pub mod resources;
 pub mod webhook;
