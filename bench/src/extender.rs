@@ -70,13 +70,56 @@ fn api_pod(uid: &str) -> api::PodRequest {
     }
 }
 
+/// Wait until the leader's seq has not moved for a second; the seq then.
+async fn settle(allocs: &gpuledger_chaos::Allocators, timeout: Duration) -> Result<u64> {
+    let deadline = Instant::now() + timeout;
+    let (mut last, mut since) = (u64::MAX, Instant::now());
+    loop {
+        let seq = allocs.status(0).await.map_or(u64::MAX, |s| s.seq);
+        if seq != last {
+            (last, since) = (seq, Instant::now());
+        } else if since.elapsed() >= Duration::from_secs(1) {
+            return Ok(seq);
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the ledger kept changing for {timeout:?} after setup (seq {seq})"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Ledger batches (etcd transactions) whose first seq is after `seq`.
+async fn log_batches_after(endpoints: &[String], seq: u64) -> Result<usize> {
+    let mut kv = etcd_client::Client::connect(endpoints, None).await?;
+    let r = kv
+        .get(
+            "/",
+            Some(
+                etcd_client::GetOptions::new()
+                    .with_from_key()
+                    .with_keys_only(),
+            ),
+        )
+        .await?;
+    Ok(r.kvs()
+        .iter()
+        .filter_map(|kv| {
+            let k = kv.key_str().ok()?;
+            let (_, first) = k.rsplit_once("/log/")?;
+            first.parse::<u64>().ok()
+        })
+        .filter(|first| *first > seq)
+        .count())
+}
+
 /// Run the benchmark.
 pub async fn run(a: Args) -> Result<()> {
     title(&format!(
         "extender: {} nodes x {} GPUs, {} samples, {} pods end to end ({} binds in flight)",
         a.nodes, a.gpus_per_node, a.samples, a.pods, a.parallel
     ));
-    let stack = KubeStack::start(StackOptions {
+    let mut stack = KubeStack::start(StackOptions {
         etcd_members: a.etcd_members,
         allocators: 1,
         allocator_flags: vec![],
@@ -112,6 +155,14 @@ pub async fn run(a: Args) -> Result<()> {
         a.nodes,
         t.elapsed().as_secs_f64()
     );
+    // The allocator now copies each node's allocatable CPU and memory from the API server
+    // into the ledger; measure after that, not while it runs.
+    let t = Instant::now();
+    let seq = settle(&stack.allocs, Duration::from_secs(120)).await?;
+    println!(
+        "setup: ledger settled at seq {seq} in {:.1} s (node CPU and memory from the API server)",
+        t.elapsed().as_secs_f64()
+    );
 
     let ext = ExtenderClient::new(ExtenderConfig::gpuledger(&stack.extender_url));
     let probe = stack.api.add_pod(gpu_pod("probe", "nobody"))?;
@@ -123,6 +174,10 @@ pub async fn run(a: Args) -> Result<()> {
     for _ in 0..10 {
         ext.post_raw("filter", body_bytes.clone()).await?;
     }
+    println!(
+        "measuring: {} x filter + prioritize with {} NodeNames",
+        a.samples, a.nodes
+    );
     let (mut hf, mut hp, mut gf, mut gs) = (histogram(), histogram(), histogram(), histogram());
     let mut feasible = 0;
     for _ in 0..a.samples {
@@ -163,6 +218,7 @@ pub async fn run(a: Args) -> Result<()> {
     }
 
     // Bind, one at a time: Reserve + annotate + Binding + ConfirmBound.
+    println!("measuring: {} binds, one at a time", a.samples);
     let mut hb = histogram();
     for i in 0..a.samples {
         let name = format!("seq-{i}");
@@ -181,6 +237,12 @@ pub async fn run(a: Args) -> Result<()> {
             .api
             .add_pod(gpu_pod(&format!("e2e-{i}"), "gpuledger-scheduler"))?;
     }
+    let etcd_endpoints = stack.etcd().endpoints();
+    println!(
+        "measuring: {} pods end to end through the scheduler emulator",
+        a.pods
+    );
+    let seq_before = settle(&stack.allocs, Duration::from_secs(30)).await?;
     let t = Instant::now();
     let mut cfg = ExtenderConfig::gpuledger(&stack.extender_url);
     cfg.percentage_of_nodes_to_score = a.percentage_of_nodes_to_score;
@@ -235,6 +297,8 @@ pub async fn run(a: Args) -> Result<()> {
         record(&mut ef, Duration::from_micros(us));
     }
     drop(sched);
+    let seq_after = settle(&stack.allocs, Duration::from_secs(30)).await?;
+    let txns = log_batches_after(&etcd_endpoints, seq_before).await?;
 
     println!(
         "\n{:<44} {:>9} {:>9} {:>9}",
@@ -269,6 +333,11 @@ pub async fn run(a: Args) -> Result<()> {
          filter ({failed} retried attempts)",
         a.pods,
         e2e.as_secs_f64()
+    );
+    println!(
+        "ledger during the e2e run: {} events ({:.1} per pod) in {txns} etcd transactions",
+        seq_after - seq_before,
+        (seq_after - seq_before) as f64 / a.pods as f64
     );
     println!(
         "filter_p99_ms={:.2} prioritize_p99_ms={:.2} bind_p99_ms={:.2} pods_per_s={:.0}",

@@ -141,11 +141,20 @@ impl ExtenderClient {
 
     /// POST JSON and parse the JSON answer; non-200 is an error, as for kube-scheduler.
     pub async fn post(&self, verb: &str, body: &Value) -> Result<Value> {
+        self.post_as(verb, body).await
+    }
+
+    /// POST JSON and decode the answer into `T` (kube-scheduler decodes into its own types).
+    pub async fn post_as<T: serde::de::DeserializeOwned>(
+        &self,
+        verb: &str,
+        body: &Value,
+    ) -> Result<T> {
         let (status, b) = self.post_raw(verb, serde_json::to_vec(body)?).await?;
         if status != 200 {
             bail!("{verb}: HTTP {status}: {}", String::from_utf8_lossy(&b));
         }
-        Ok(serde_json::from_slice(&b)?)
+        serde_json::from_slice(&b).with_context(|| format!("{verb}: decoding the answer"))
     }
 
     /// Whether kube-scheduler would send this pod to the extender.
@@ -240,6 +249,40 @@ where
     Err(last.unwrap_or_else(|| anyhow::anyhow!("no extender configured")))
 }
 
+/// `ExtenderFilterResult` as kube-scheduler decodes it.
+#[derive(serde::Deserialize)]
+#[serde(rename_all = "PascalCase")]
+struct FilterAnswer {
+    #[serde(default)]
+    node_names: Option<Vec<String>>,
+    #[serde(default)]
+    nodes: Option<NodeItems>,
+    #[serde(default)]
+    failed_nodes: Value,
+    #[serde(default)]
+    error: String,
+}
+
+#[derive(serde::Deserialize)]
+struct NodeItems {
+    #[serde(default)]
+    items: Vec<NamedObject>,
+}
+
+#[derive(serde::Deserialize)]
+struct NamedObject {
+    #[serde(default)]
+    metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+}
+
+/// One entry of `HostPriorityList`.
+#[derive(serde::Deserialize)]
+#[serde(rename_all = "PascalCase")]
+struct HostScore {
+    host: String,
+    score: i64,
+}
+
 /// One scheduling cycle of `pod`: filter and prioritize, the chosen node on success.
 async fn decide(
     ext: &ExtenderClient,
@@ -267,44 +310,29 @@ async fn decide(
         .collect();
     let args = ext.args(pod, &window)?;
     let t = Instant::now();
-    let f = ext.post("filter", &args).await?;
+    let f: FilterAnswer = ext.post_as("filter", &args).await?;
     stats
         .filter_us
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .push(micros(t));
-    if let Some(e) = f
-        .get("Error")
-        .and_then(Value::as_str)
-        .filter(|e| !e.is_empty())
-    {
-        bail!("filter: {e}");
+    if !f.error.is_empty() {
+        bail!("filter: {}", f.error);
     }
-    let feasible: Vec<String> = match f.get("NodeNames").and_then(Value::as_array) {
-        Some(a) => a
-            .iter()
-            .filter_map(|v| v.as_str().map(String::from))
-            .collect(),
+    let feasible: Vec<String> = match f.node_names {
+        Some(a) => a,
         None => f
-            .pointer("/Nodes/items")
-            .and_then(Value::as_array)
-            .map(|a| {
-                a.iter()
-                    .filter_map(|n| {
-                        n.pointer("/metadata/name")
-                            .and_then(Value::as_str)
-                            .map(String::from)
-                    })
+            .nodes
+            .map(|l| {
+                l.items
+                    .into_iter()
+                    .filter_map(|n| n.metadata.name)
                     .collect()
             })
             .unwrap_or_default(),
     };
     if feasible.is_empty() {
-        bail!(
-            "0/{} nodes are available: {}",
-            nodes.len(),
-            f.get("FailedNodes").cloned().unwrap_or_default()
-        );
+        bail!("0/{} nodes are available: {}", nodes.len(), f.failed_nodes);
     }
     if feasible.len() == 1 {
         return Ok(feasible[0].clone());
@@ -315,26 +343,19 @@ async fn decide(
         .filter(|n| n.metadata.name.as_deref().is_some_and(|x| keep.contains(x)))
         .collect();
     let t = Instant::now();
-    let p = ext.post("prioritize", &ext.args(pod, &chosen)?).await?;
+    let p: Vec<HostScore> = ext.post_as("prioritize", &ext.args(pod, &chosen)?).await?;
     stats
         .prioritize_us
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .push(micros(t));
-    let best = p
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|h| {
-            Some((
-                h.get("Host")?.as_str()?.to_string(),
-                h.get("Score")?.as_i64()?,
-            ))
-        })
-        .fold(None::<(String, i64)>, |acc, (h, s)| match acc {
+    let best = p.into_iter().map(|h| (h.host, h.score)).fold(
+        None::<(String, i64)>,
+        |acc, (h, s)| match acc {
             Some((_, bs)) if bs >= s => acc,
             _ => Some((h, s)),
-        });
+        },
+    );
     Ok(best.map_or_else(|| feasible[rr % feasible.len()].clone(), |(h, _)| h))
 }
 
