@@ -49,3 +49,22 @@ pub fn run_dir(name: &str) -> Result<tempfile::TempDir> {
 pub fn title(s: &str) {
     println!("\n== {s}");
 }
+
+/// Milliseconds one core takes for a fixed loop of arithmetic and random reads over 32 MiB:
+/// how fast this machine is right now. Shared and virtual machines change speed from hour to
+/// hour (seen here: 1.0x to 1.8x), which moves every latency; compare runs at similar values.
+pub fn machine_reference_ms() -> f64 {
+    let mem: Vec<u64> = (0..4u64 << 20)
+        .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+        .collect();
+    let t = std::time::Instant::now();
+    let (mut x, mut acc) = (1u64, 0u64);
+    for _ in 0..3_000_000 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        acc = acc.wrapping_add(mem[(x as usize) & (mem.len() - 1)]);
+    }
+    std::hint::black_box(acc);
+    t.elapsed().as_secs_f64() * 1e3
+}

@@ -15,7 +15,7 @@ use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
 use serde_json::{Value, json};
 
-use crate::common::{histogram, q_ms, record, title};
+use crate::common::{histogram, machine_reference_ms, q_ms, record, title};
 
 /// Flags.
 #[derive(clap::Args)]
@@ -119,6 +119,7 @@ pub async fn run(a: Args) -> Result<()> {
         "extender: {} nodes x {} GPUs, {} samples, {} pods end to end ({} binds in flight)",
         a.nodes, a.gpus_per_node, a.samples, a.pods, a.parallel
     ));
+    let reference_before = machine_reference_ms();
     let mut stack = KubeStack::start(StackOptions {
         etcd_members: a.etcd_members,
         allocators: 1,
@@ -338,6 +339,10 @@ pub async fn run(a: Args) -> Result<()> {
         "ledger during the e2e run: {} events ({:.1} per pod) in {txns} etcd transactions",
         seq_after - seq_before,
         (seq_after - seq_before) as f64 / a.pods as f64
+    );
+    println!(
+        "machine reference loop: {reference_before:.0} ms before, {:.0} ms after (lower is faster)",
+        machine_reference_ms()
     );
     println!(
         "filter_p99_ms={:.2} prioritize_p99_ms={:.2} bind_p99_ms={:.2} pods_per_s={:.0}",
