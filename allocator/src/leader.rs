@@ -31,6 +31,26 @@ pub struct BatchLimits {
     /// its etcd transaction (nobody waits on a confirmation; every transaction costs etcd CPU
     /// on each member).
     pub confirm_linger: Duration,
+    /// Under load (the last transaction answered at least [`LOAD_WAITERS`] requests), how
+    /// long after a commit the next batch may wait for more requests to share its
+    /// transaction. etcd's CPU per transaction hardly depends on its size, so on a busy
+    /// machine fuller batches leave more CPU to everything else; a lone client never waits.
+    pub load_linger: Duration,
+}
+
+/// Waiters in the last committed batch from which the sequencer counts as loaded.
+pub const LOAD_WAITERS: usize = 8;
+
+impl BatchLimits {
+    /// Until when the next batch may wait for company, given when the last transaction
+    /// committed and how many requests it answered (None: no wait).
+    fn hold_until(
+        &self,
+        (committed, waiters): (tokio::time::Instant, usize),
+    ) -> Option<tokio::time::Instant> {
+        (!self.load_linger.is_zero() && waiters >= LOAD_WAITERS)
+            .then_some(committed + self.load_linger)
+    }
 }
 
 /// Why leadership ended.
@@ -185,12 +205,19 @@ impl Leader {
         let mut pending = Batch::new();
         let mut inflight: Option<InFlight> = None;
         let mut last_snap = spec.seq();
+        // When the last transaction committed and how many requests it answered.
+        let mut last_commit = (tokio::time::Instant::now(), 0usize);
         let reason = loop {
             let full = pending.full(&self.limits);
+            let hold = self.limits.hold_until(last_commit);
             let linger_until = pending
                 .lingering
-                .filter(|_| inflight.is_none() && !pending.urgent)
-                .map(|t| t + self.limits.confirm_linger);
+                .filter(|_| !pending.urgent)
+                .map(|t| t + self.limits.confirm_linger)
+                .into_iter()
+                .chain(hold.filter(|_| !pending.waiters.is_empty() && !full))
+                .min()
+                .filter(|_| inflight.is_none());
             tokio::select! {
                 biased;
                 _ = shutdown.changed() => break StepDown::Shutdown,
@@ -206,6 +233,7 @@ impl Leader {
                             let (events, waiters) = (eb.events.len(), batch.waiters.len());
                             let queued = batch.opened.map(|o| sent.saturating_duration_since(o));
                             self.shared.apply_committed(eb);
+                            last_commit = (tokio::time::Instant::now(), batch.waiters.len());
                             for w in batch.waiters {
                                 let _ = w.tx.send(Ok(Committed { reply: w.reply, seq: w.seq, epoch }));
                             }
@@ -244,7 +272,12 @@ impl Leader {
                 }
             }
             // Nothing in flight: launch the pending batch (or answer waiters that wrote nothing).
-            if inflight.is_none() && pending.due(&self.limits, tokio::time::Instant::now()) {
+            let now = tokio::time::Instant::now();
+            if inflight.is_none()
+                && pending.due(&self.limits, now)
+                && (pending.full(&self.limits)
+                    || self.limits.hold_until(last_commit).is_none_or(|h| now >= h))
+            {
                 if !session.alive() {
                     fail(
                         std::mem::replace(&mut pending, Batch::new()),
@@ -389,6 +422,7 @@ impl Default for BatchLimits {
             max_events: 128,
             max_bytes: MAX_VALUE_BYTES,
             confirm_linger: Duration::from_millis(5),
+            load_linger: Duration::ZERO,
         }
     }
 }
@@ -425,5 +459,25 @@ mod tests {
         b.urgent = false;
         b.events = vec![pb::Event::default(); limits.max_events];
         assert!(b.due(&limits, t0), "a full batch goes at once");
+    }
+
+    #[test]
+    fn only_a_loaded_sequencer_holds_a_batch_and_only_for_the_linger() {
+        let t0 = tokio::time::Instant::now();
+        let off = BatchLimits::default();
+        assert_eq!(off.hold_until((t0, 64)), None, "no linger configured");
+        let on = BatchLimits {
+            load_linger: Duration::from_millis(2),
+            ..BatchLimits::default()
+        };
+        assert_eq!(
+            on.hold_until((t0, LOAD_WAITERS - 1)),
+            None,
+            "a lightly loaded leader never delays a write"
+        );
+        assert_eq!(
+            on.hold_until((t0, LOAD_WAITERS)),
+            Some(t0 + Duration::from_millis(2))
+        );
     }
 }

@@ -215,6 +215,7 @@ async fn lifecycle(
         max_events: cfg.max_txn_ops.max(1),
         max_bytes: cfg.max_batch_bytes.clamp(4096, crate::log::MAX_VALUE_BYTES),
         confirm_linger: Duration::from_millis(cfg.confirm_linger_ms),
+        load_linger: Duration::from_micros(cfg.commit_linger_us),
     };
     loop {
         if *stop.borrow() {

@@ -32,6 +32,9 @@ pub struct Args {
     /// Live allocations for the memory phase.
     #[arg(long, default_value_t = 100_000)]
     rss_allocs: usize,
+    /// The allocator's `--commit-linger-us` (0 = its default: no linger).
+    #[arg(long, default_value_t = 0)]
+    commit_linger_us: u64,
 }
 
 async fn raw_etcd(
@@ -108,6 +111,14 @@ async fn register(addr: &str, nodes: usize, prefix: &str) -> Result<()> {
         t.await??;
     }
     Ok(())
+}
+
+/// Batches (etcd transactions) in the bench cluster's log.
+async fn log_batches(kv: &mut Client) -> Result<i64> {
+    let opts = etcd_client::GetOptions::new()
+        .with_prefix()
+        .with_count_only();
+    Ok(kv.get("/gpuledger/bench/log/", Some(opts)).await?.count())
 }
 
 /// Reserve from `clients` tasks until `dur` passes or `limit` reservations are made.
@@ -192,10 +203,17 @@ pub async fn run(a: Args) -> Result<()> {
     let (raw1, raw1_h) = raw_etcd(&endpoints, "one", 1, Duration::from_secs(3)).await?;
 
     title(&format!(
-        "gpuledger: 1 allocator replica, {} nodes x 8 GPUs",
-        a.nodes
+        "gpuledger: 1 allocator replica, {} nodes x 8 GPUs, commit linger {} µs",
+        a.nodes, a.commit_linger_us
     ));
-    let allocs = Allocators::start(dir.path(), &etcd.endpoints_flag(), 1, "bench", &[])?;
+    let linger = format!("--commit-linger-us={}", a.commit_linger_us);
+    let allocs = Allocators::start(
+        dir.path(),
+        &etcd.endpoints_flag(),
+        1,
+        "bench",
+        &[linger.as_str()],
+    )?;
     allocs.wait_leader(Duration::from_secs(30)).await?;
     let addr = allocs.addrs[0].clone();
     register(&addr, a.nodes, "node").await?;
@@ -210,9 +228,18 @@ pub async fn run(a: Args) -> Result<()> {
             )))
             .filter_map(|(n, p)| p.map(|p| (n, p)))
             .collect();
+    let mut kv = Client::connect(&endpoints, None).await?;
+    let log_before = (
+        log_batches(&mut kv).await?,
+        allocs.status(0).await.map_or(0, |s| s.seq),
+    );
     let cpu_before: Vec<f64> = pids.iter().map(|(_, p)| cpu_seconds(*p)).collect();
     let (rps, h, made) =
         reserve_load(&addr, a.clients, dur, usize::MAX, a.nodes, "node", "load").await?;
+    let log_after = (
+        log_batches(&mut kv).await?,
+        allocs.status(0).await.map_or(0, |s| s.seq),
+    );
     let cpu_used: Vec<(String, f64)> = pids
         .iter()
         .zip(cpu_before)
@@ -233,20 +260,6 @@ pub async fn run(a: Args) -> Result<()> {
         .map(rss_mib)
         .transpose()?
         .unwrap_or(0.0);
-    // How well group commit batched: etcd transactions (log keys) per event.
-    let mut kv = Client::connect(&endpoints, None).await?;
-    let batches = kv
-        .get(
-            "/gpuledger/bench/log/",
-            Some(
-                etcd_client::GetOptions::new()
-                    .with_prefix()
-                    .with_count_only(),
-            ),
-        )
-        .await?
-        .count();
-    let seq = allocs.status(0).await.map_or(0, |s| s.seq);
 
     println!();
     println!(
@@ -284,9 +297,11 @@ pub async fn run(a: Args) -> Result<()> {
         println!("  {n:<14} {:>7.1} µs", c * 1e6 / made.max(1) as f64);
     }
     println!("allocator RSS after the throughput phase: {rss_bench:.1} MiB");
+    let (batches, events) = (log_after.0 - log_before.0, log_after.1 - log_before.1);
     println!(
-        "group commit: {seq} events in {batches} etcd transactions ({:.1} events per transaction)",
-        seq as f64 / batches.max(1) as f64
+        "group commit in the {}-client phase: {events} events in {batches} etcd transactions ({:.1} events per transaction)",
+        a.clients,
+        events as f64 / batches.max(1) as f64
     );
 
     let mut rss_line = String::new();
