@@ -4,6 +4,7 @@
 //! cluster-trace-gpu-v2023: see `../shared/traces/README.md`.
 
 mod engine;
+mod gorand;
 mod plot;
 
 use std::io::IsTerminal;
@@ -15,7 +16,9 @@ use anyhow::{Context, bail};
 use gpuledger_ledger::Policy;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use engine::{POINTS, RunResult, Setup, Ties, trace_workload};
+use engine::{
+    GO_INFORMER_DRAWS, POINTS, Procedure, RunResult, Setup, Streams, Ties, trace_workload,
+};
 use gpuledger_ops::trace::{NodeRow, PodRow, read_nodes, read_pods};
 
 /// Arguments of `gpuledger simulate`.
@@ -80,6 +83,17 @@ pub struct SimulateArgs {
     /// Among nodes the policy scores equally: the first in the shuffled node order, or a random one.
     #[arg(long, value_enum, default_value = "first")]
     pub ties: Ties,
+
+    /// Random streams for the pod and node orders: `go` draws them from Go's math/rand exactly as
+    /// the paper's simulator does (same orders as its published runs, seed by seed); `chacha` is
+    /// gpuledger's earlier procedure.
+    #[arg(long, value_enum, default_value = "go")]
+    pub rng: Streams,
+
+    /// With `--rng go`: draws client-go makes on Go's global source between the pod sampling and
+    /// the node shuffle (calibrated on the published runs).
+    #[arg(long, value_name = "K", default_value_t = GO_INFORMER_DRAWS, hide = true)]
+    pub go_informer_draws: usize,
 
     /// Write the plot of allocation ratio vs arrived workload (SVG) to this file.
     #[arg(long, value_name = "SVG", default_value = "gpuledger-simulate.svg")]
@@ -174,7 +188,11 @@ pub fn simulate(
                 .iter()
                 .map(|&seed| {
                     progress.set_message(format!("{policy} seed {seed}"));
-                    let r = setup.run(pods, policy, args.tune, seed, args.ties);
+                    let procedure = Procedure {
+                        streams: args.rng,
+                        informer_draws: args.go_informer_draws,
+                    };
+                    let r = setup.run(pods, policy, args.tune, seed, args.ties, procedure);
                     progress.inc(1);
                     r
                 })
@@ -218,14 +236,18 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
     progress.finish_and_clear();
 
     println!(
-        "trace: {} ({} pods), {} ({} nodes, {} GPUs); seeds {}; tune {}",
+        "trace: {} ({} pods), {} ({} nodes, {} GPUs); seeds {}; tune {}; rng {}",
         args.pods.display(),
         pods.len(),
         args.nodes.display(),
         nodes.len(),
         gpus,
         describe_seeds(&args.seeds),
-        args.tune
+        args.tune,
+        match args.rng {
+            Streams::Go => format!("go (informer draws {})", args.go_informer_draws),
+            Streams::Chacha => "chacha".to_string(),
+        }
     );
     println!(
         "Method and trace: Weng et al., USENIX ATC '23; Alibaba cluster-trace-gpu-v2023 (openb)."
@@ -326,6 +348,7 @@ fn json(reports: &[PolicyReport]) -> serde_json::Value {
                     "frag_rate_at_100": x.frag_rate_at_100,
                     "pods": x.pods,
                     "failed": x.failed,
+                    "paper_columns": x.paper_columns,
                 })).collect::<Vec<_>>(),
             }))
             .collect::<Vec<_>>()
