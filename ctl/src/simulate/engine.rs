@@ -161,8 +161,10 @@ pub fn go_workload(
 
 /// The paper's per-seed columns from a run's per-pod counters, computed as
 /// `merge_alloc_discrete.py` does: arrived % rounded half-to-even to an integer, allocation %
-/// rounded to 2 decimals, the mean over the pods of each column (or of the columns ±1 when it
-/// has none), rounded to 2 decimals.
+/// rounded to 2 decimals (Python's `round` on a float), the mean over the pods of each column
+/// (or of the columns ±1 when it has none), and that mean rounded as `round` does on the
+/// numpy float pandas returns: `rint(x · 100) / 100`. The sum and that last rounding follow numpy
+/// exactly because the mean of ~100 two-decimal values often is an exact decimal tie.
 pub fn paper_columns(milli: &[(u64, u64)], gpus: u64) -> Vec<Option<f64>> {
     let pct = |x: u64| x as f64 / gpus as f64 / 10.0;
     let round2 = |x: f64| -> f64 { format!("{x:.2}").parse().expect("a number") };
@@ -181,7 +183,10 @@ pub fn paper_columns(milli: &[(u64, u64)], gpus: u64) -> Vec<Option<f64>> {
                     .map(|r| r.1)
                     .collect();
             }
-            (!vals.is_empty()).then(|| round2(pairwise_sum(&vals) / vals.len() as f64))
+            (!vals.is_empty()).then(|| {
+                let mean = pairwise_sum(&vals) / vals.len() as f64;
+                (mean * 100.0).round_ties_even() / 100.0
+            })
         })
         .collect()
 }
