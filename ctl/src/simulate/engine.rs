@@ -498,3 +498,125 @@ pub fn trace_workload(pods: &[PodRow], coverage: f64, with_memory: bool) -> Work
         coverage,
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(name: &str, num_gpu: u32, gpu_milli: u32) -> PodRow {
+        PodRow {
+            name: name.into(),
+            cpu_milli: 1000,
+            memory_mib: 1024,
+            num_gpu,
+            gpu_milli,
+            gpu_spec: Vec::new(),
+            created_s: 0,
+            lifetime_s: None,
+        }
+    }
+
+    fn node(name: &str) -> NodeRow {
+        NodeRow {
+            name: name.into(),
+            cpu_milli: 96_000,
+            memory_mib: 786_432,
+            gpus: 8,
+            model: "V100M16".into(),
+        }
+    }
+
+    /// Expected orders printed by a Go 1.19 program that makes the paper simulator's calls on
+    /// Go's math/rand for this toy trace: `rand.Seed`, `rand.Int`, `sort.Slice` by name +
+    /// `rand.Shuffle`, the `tuneUpPods` loop over the name-sorted pods, 10 × `rand.Float64`,
+    /// `sort` of the nodes + `rand.Perm` (node i prefixed with `perm[i]`, smallest name first).
+    #[test]
+    fn go_workload_matches_go() {
+        // Unsorted on purpose: both lists are sorted by name first.
+        let pods = [
+            pod("p07", 1, 500),
+            pod("p03", 2, 1000),
+            pod("p10", 0, 0),
+            pod("p01", 1, 250),
+            pod("p05", 1, 1000),
+            pod("p00", 1, 100),
+            pod("p09", 4, 1000),
+            pod("p02", 0, 0),
+            pod("p08", 1, 750),
+            pod("p04", 1, 500),
+            pod("p06", 8, 1000),
+            pod("p11", 1, 300),
+        ];
+        let nodes: Vec<NodeRow> = ["n4", "n0", "n3", "n1", "n2", "n5"]
+            .iter()
+            .map(|n| node(n))
+            .collect();
+        let capacity = 6 * 8 * 1000;
+        let names = |order: &[usize]| -> Vec<String> {
+            order.iter().map(|&i| pods[i].name.clone()).collect()
+        };
+        let node_names = |order: &[usize]| -> Vec<String> {
+            order.iter().map(|&i| nodes[i].name.clone()).collect()
+        };
+        let total = |order: &[usize]| order.iter().map(|&i| pods[i].gpu_request()).sum::<u64>();
+
+        let (order, node_order) = go_workload(&pods, &nodes, capacity, 1.3, 42, 10);
+        let want = "p04 p08 p07 p10 p01 p09 p05 p03 p11 p02 p06 p00 p03 p04 p08 p09 p08 p05 p11 \
+                    p08 p10 p06 p04 p03 p04 p05 p02 p07 p07 p11 p06 p02 p07 p06 p05 p10 p06";
+        assert_eq!(names(&order).join(" "), want);
+        // Above 1.3 × 48000 = 62400: the rule looks at one GPU's share only, so an 8-GPU pod
+        // can cross the target.
+        assert_eq!(total(&order), 66_250);
+        assert_eq!(
+            node_names(&node_order),
+            ["n5", "n2", "n1", "n0", "n4", "n3"]
+        );
+
+        let (order, node_order) = go_workload(&pods, &nodes, capacity, 1.3, 7, 10);
+        assert_eq!(order.len(), 49);
+        assert_eq!(total(&order), 64_050);
+        assert_eq!(
+            names(&order)[..12].join(" "),
+            "p03 p04 p07 p05 p00 p08 p10 p01 p06 p09 p11 p02"
+        );
+        assert_eq!(
+            node_names(&node_order),
+            ["n4", "n0", "n5", "n1", "n3", "n2"]
+        );
+    }
+
+    #[test]
+    fn pairwise_sum_adds_up() {
+        for n in [0, 1, 7, 8, 9, 127, 128, 129, 300, 1000] {
+            let v: Vec<f64> = (0..n).map(|i| f64::from(i % 7)).collect();
+            assert_eq!(pairwise_sum(&v), v.iter().sum::<f64>(), "n = {n}");
+        }
+        // Not a left-to-right sum: eight running sums, one per position modulo 8.
+        let mut v = vec![1e16];
+        v.extend([1.0; 7]);
+        v.push(-1e16);
+        v.extend([1.0; 7]);
+        assert_eq!(pairwise_sum(&v), 14.0);
+        assert_eq!(v.iter().sum::<f64>(), 7.0);
+    }
+
+    #[test]
+    fn paper_columns_follow_merge_alloc_discrete() {
+        // One GPU. Pods of 10, 20, 40 milli: arrived 1 %, 3 %, 7 %; the second one fails.
+        let rows = [(10, 10), (30, 10), (70, 50)];
+        let cols = paper_columns(&rows, 1);
+        assert_eq!(cols[1], Some(1.0));
+        assert_eq!(cols[3], Some(1.0));
+        assert_eq!(cols[7], Some(5.0));
+        // No pod at 2 %: the pods at 1..=3 %.
+        assert_eq!(cols[2], Some(1.0));
+        // No pod at 5 % nor at 4..=6 %.
+        assert_eq!(cols[5], None);
+        assert_eq!(cols[0], Some(1.0));
+        assert_eq!(cols.len(), 131);
+        // Arrived 0.5 % rounds half to even: column 0; 1.5 % to column 2.
+        let cols = paper_columns(&[(5, 5), (15, 15)], 1);
+        assert_eq!(cols[0], Some(0.5));
+        assert_eq!(cols[2], Some(1.5));
+    }
+}
