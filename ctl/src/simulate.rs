@@ -4,6 +4,7 @@
 //! cluster-trace-gpu-v2023: see `../shared/traces/README.md`.
 
 mod engine;
+mod gorand;
 mod plot;
 
 use std::io::IsTerminal;
@@ -15,7 +16,9 @@ use anyhow::{Context, bail};
 use gpuledger_ledger::Policy;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use engine::{POINTS, RunResult, Setup, Ties, trace_workload};
+use engine::{
+    GO_INFORMER_DRAWS, POINTS, Procedure, RunResult, Setup, Streams, Ties, trace_workload,
+};
 use gpuledger_ops::trace::{NodeRow, PodRow, read_nodes, read_pods};
 
 /// Arguments of `gpuledger simulate`.
@@ -25,9 +28,12 @@ use gpuledger_ops::trace::{NodeRow, PodRow, read_nodes, read_pods};
     long_about = "Replay a production GPU trace through the ledger's placement policies, with the \
 procedure of Weng et al., USENIX ATC '23 (Alibaba cluster-trace-gpu-v2023, openb): pods sorted by \
 name and shuffled by seed, sampled with replacement up to --tune x the cluster's GPU capacity, node \
-order shuffled by seed, ties to the first node, pure fill (no pod ends). Prints, per policy, the GPU \
-allocation ratio and the unallocated share at 50/80/90/100/130 % arrived workload (mean ± sd over \
-seeds), the fragmentation rate, and a last line `policy=<p> unallocated_pct_at_100=<x>` per policy."
+order shuffled by seed, ties to the first node, pure fill (no pod ends). With --rng go (the default) \
+the shuffles and samples are drawn from Go's math/rand exactly as the paper's simulator draws them, \
+so each seed gives the pod and node orders of the published run with that seed. Prints, per policy, \
+the GPU allocation ratio and the unallocated share at 50/80/90/100/130 % arrived workload (mean ± sd \
+over seeds), the unallocated share at 100 % as the paper's table computes it, the fragmentation \
+rate, and a last line `policy=<p> unallocated_pct_at_100=<x>` per policy."
 )]
 pub struct SimulateArgs {
     /// Node list CSV; columns by header name: sn, cpu_milli, memory_mib, gpu, model.
@@ -80,6 +86,17 @@ pub struct SimulateArgs {
     /// Among nodes the policy scores equally: the first in the shuffled node order, or a random one.
     #[arg(long, value_enum, default_value = "first")]
     pub ties: Ties,
+
+    /// Random streams for the pod and node orders: `go` draws them from Go's math/rand exactly as
+    /// the paper's simulator does (same orders as its published runs, seed by seed); `chacha` is
+    /// gpuledger's earlier procedure.
+    #[arg(long, value_enum, default_value = "go")]
+    pub rng: Streams,
+
+    /// With `--rng go`: draws client-go makes on Go's global source between the pod sampling and
+    /// the node shuffle (calibrated on the published runs).
+    #[arg(long, value_name = "K", default_value_t = GO_INFORMER_DRAWS, hide = true)]
+    pub go_informer_draws: usize,
 
     /// Write the plot of allocation ratio vs arrived workload (SVG) to this file.
     #[arg(long, value_name = "SVG", default_value = "gpuledger-simulate.svg")]
@@ -142,6 +159,14 @@ impl PolicyReport {
             .expect("100 % is a point");
         self.stat(|r| 100.0 * (1.0 - r.alloc_at[k])).0
     }
+
+    /// The same as the paper's table states it: 100 − the mean over seeds of column 100 of
+    /// [`RunResult::paper_columns`] (the mean allocation of the pods whose arrived workload rounds
+    /// to 100 %). `None` if a run has no pod near 100 %.
+    pub fn paper_unallocated_at_100(&self) -> Option<f64> {
+        let cols: Option<Vec<f64>> = self.runs.iter().map(|r| r.paper_columns[100]).collect();
+        cols.map(|c| 100.0 - c.iter().sum::<f64>() / c.len() as f64)
+    }
 }
 
 fn mean_sd(xs: &[f64]) -> (f64, f64) {
@@ -174,7 +199,11 @@ pub fn simulate(
                 .iter()
                 .map(|&seed| {
                     progress.set_message(format!("{policy} seed {seed}"));
-                    let r = setup.run(pods, policy, args.tune, seed, args.ties);
+                    let procedure = Procedure {
+                        streams: args.rng,
+                        informer_draws: args.go_informer_draws,
+                    };
+                    let r = setup.run(pods, policy, args.tune, seed, args.ties, procedure);
                     progress.inc(1);
                     r
                 })
@@ -218,14 +247,18 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
     progress.finish_and_clear();
 
     println!(
-        "trace: {} ({} pods), {} ({} nodes, {} GPUs); seeds {}; tune {}",
+        "trace: {} ({} pods), {} ({} nodes, {} GPUs); seeds {}; tune {}; rng {}",
         args.pods.display(),
         pods.len(),
         args.nodes.display(),
         nodes.len(),
         gpus,
         describe_seeds(&args.seeds),
-        args.tune
+        args.tune,
+        match args.rng {
+            Streams::Go => format!("go (informer draws {})", args.go_informer_draws),
+            Streams::Chacha => "chacha".to_string(),
+        }
     );
     println!(
         "Method and trace: Weng et al., USENIX ATC '23; Alibaba cluster-trace-gpu-v2023 (openb)."
@@ -235,8 +268,8 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
     }
     println!();
     println!(
-        "{:<12} {:>22} {:>16} {:>10}",
-        "policy", "unallocated @100% (%)", "frag rate (%)", "time (s)"
+        "{:<12} {:>22} {:>14} {:>16} {:>10}",
+        "policy", "unallocated @100% (%)", "as published", "frag rate (%)", "time (s)"
     );
     for r in &reports {
         let k = POINTS
@@ -245,11 +278,15 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
             .expect("100 % is a point");
         let (m, sd) = r.stat(|x| 100.0 * (1.0 - x.alloc_at[k]));
         let (fm, fsd) = r.stat(|x| 100.0 * x.frag_rate_at_100);
+        let published = r
+            .paper_unallocated_at_100()
+            .map_or_else(|| "-".to_string(), |x| format!("{x:.2}"));
         println!(
-            "{:<12} {:>13.2} ± {:<6.2} {:>8.2} ± {:<5.2} {:>10.1}",
+            "{:<12} {:>13.2} ± {:<6.2} {:>14} {:>8.2} ± {:<5.2} {:>10.1}",
             r.policy.to_string(),
             m,
             sd,
+            published,
             fm,
             fsd,
             r.seconds
@@ -326,6 +363,7 @@ fn json(reports: &[PolicyReport]) -> serde_json::Value {
                     "frag_rate_at_100": x.frag_rate_at_100,
                     "pods": x.pods,
                     "failed": x.failed,
+                    "paper_columns": x.paper_columns,
                 })).collect::<Vec<_>>(),
             }))
             .collect::<Vec<_>>()
