@@ -199,7 +199,16 @@ pub async fn run(a: Args) -> Result<()> {
         "raw etcd: single-key compare-and-put txns, {} concurrent clients, {}s",
         a.clients, a.seconds
     ));
+    // CPU of the etcd members and of this process (the raw clients) per raw transaction: the
+    // same-run yardstick for the CPU a reservation costs below.
+    let raw_pids: Vec<u32> = (0..etcd.len())
+        .filter_map(|i| etcd.member(i).and_then(|p| p.pid()))
+        .chain(std::iter::once(std::process::id()))
+        .collect();
+    let raw_cpu = || raw_pids.iter().map(|p| cpu_seconds(*p)).sum::<f64>();
+    let (cpu0, t0) = (raw_cpu(), Instant::now());
     let (raw, raw_h) = raw_etcd(&endpoints, "many", a.clients, dur).await?;
+    let raw_cpu_per_txn = (raw_cpu() - cpu0) / (raw * t0.elapsed().as_secs_f64()).max(1.0);
     let (raw1, raw1_h) = raw_etcd(&endpoints, "one", 1, Duration::from_secs(3)).await?;
 
     title(&format!(
@@ -296,6 +305,13 @@ pub async fn run(a: Args) -> Result<()> {
     for (n, c) in &cpu_used {
         println!("  {n:<14} {:>7.1} µs", c * 1e6 / made.max(1) as f64);
     }
+    let per_reservation = cpu_used.iter().map(|(_, c)| c).sum::<f64>() / made.max(1) as f64;
+    println!(
+        "  in all         {:>7.1} µs, against {:.1} µs per raw etcd txn (etcd + clients): at equal CPU use the ratio could be at most {:.2}x",
+        per_reservation * 1e6,
+        raw_cpu_per_txn * 1e6,
+        raw_cpu_per_txn / per_reservation.max(1e-9)
+    );
     println!("allocator RSS after the throughput phase: {rss_bench:.1} MiB");
     let (batches, events) = (log_after.0 - log_before.0, log_after.1 - log_before.1);
     println!(
