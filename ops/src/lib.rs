@@ -1,7 +1,8 @@
 //! What every gpuledger binary shares to be operated: log setup, the Kubernetes client, pod
 //! Events for users, the Prometheus `/metrics` route, and the reader of the openb trace files
-//! the simulator and the chaos workloads share.
+//! the simulator and the chaos workloads share, and the ledger's audit archive.
 
+pub mod archive;
 pub mod events;
 pub mod kube_client;
 pub mod logging;

@@ -1,0 +1,335 @@
+//! The append-only audit archive of the ledger: batches moved out of etcd so that etcd's size
+//! stays bounded under constant churn, while audit and replay still read the whole history.
+//!
+//! The archive is a directory (in Kubernetes a volume every allocator replica mounts) of
+//! segment files `batches-<first seq>-<last seq>.pb`, each holding length-delimited
+//! `EventBatch` messages, gapless from seq 1. A segment is written to a temporary file,
+//! fsynced and renamed into place, so a reader never sees half a segment and two leaders
+//! archiving the same range (a paused one and its successor) write the same file twice,
+//! harmlessly. The allocator leader fills it and trims etcd behind it; the allocator's
+//! `ReadLog` and the chaos checker read archive and etcd as one.
+
+use std::path::{Path, PathBuf};
+
+use gpuledger_proto::ledger::v1 as pb;
+use prost::Message;
+
+/// Errors of the archive.
+#[derive(Debug, thiserror::Error)]
+pub enum ArchiveError {
+    /// The directory or a file in it could not be read or written; retrying may work (a
+    /// volume that was not mounted yet, a full disk).
+    #[error("archive {path}: {source}")]
+    Io {
+        /// The file or directory.
+        path: PathBuf,
+        /// What the OS said.
+        source: std::io::Error,
+    },
+    /// A segment does not decode or does not hold what its name says. Not retryable: an
+    /// operator must look.
+    #[error("archive segment {path} is corrupt: {why}")]
+    Corrupt {
+        /// The segment.
+        path: PathBuf,
+        /// What is wrong.
+        why: String,
+    },
+    /// Batches to archive do not follow the archive's last seq: history would have a hole.
+    /// Not retryable: etcd no longer holds what the archive lacks.
+    #[error("archive ends at seq {archived} but the next batch starts at seq {next}")]
+    Gap {
+        /// Last seq in the archive.
+        archived: u64,
+        /// First seq offered.
+        next: u64,
+    },
+}
+
+/// One segment: the seqs it holds and its file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Segment {
+    /// First seq in the segment.
+    pub first: u64,
+    /// Last seq in the segment.
+    pub last: u64,
+    /// The file.
+    pub path: PathBuf,
+}
+
+/// Handle on an archive directory.
+#[derive(Debug, Clone)]
+pub struct Archive {
+    dir: PathBuf,
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> ArchiveError + '_ {
+    move |source| ArchiveError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// The last seq of a batch (its first seq − 1 when empty).
+pub fn last_seq(b: &pb::EventBatch) -> u64 {
+    b.events
+        .last()
+        .map_or(b.first_seq.saturating_sub(1), |e| e.seq)
+}
+
+impl Archive {
+    /// The archive in `dir` (created when missing).
+    pub fn open(dir: &Path) -> Result<Archive, ArchiveError> {
+        std::fs::create_dir_all(dir).map_err(io(dir))?;
+        Ok(Archive {
+            dir: dir.to_path_buf(),
+        })
+    }
+
+    /// The archive's directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Segments in seq order, checked to follow each other without a gap from seq 1.
+    pub fn segments(&self) -> Result<Vec<Segment>, ArchiveError> {
+        let mut segs = Vec::new();
+        for entry in std::fs::read_dir(&self.dir).map_err(io(&self.dir))? {
+            let entry = entry.map_err(io(&self.dir))?;
+            let name = entry.file_name();
+            let Some(range) = name
+                .to_str()
+                .and_then(|n| n.strip_prefix("batches-"))
+                .and_then(|n| n.strip_suffix(".pb"))
+            else {
+                continue;
+            };
+            let parsed = range
+                .split_once('-')
+                .and_then(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?)));
+            let Some((first, last)) = parsed else {
+                return Err(ArchiveError::Corrupt {
+                    path: entry.path(),
+                    why: "the name is not batches-<first>-<last>.pb".into(),
+                });
+            };
+            segs.push(Segment {
+                first,
+                last,
+                path: entry.path(),
+            });
+        }
+        segs.sort_by_key(|s| s.first);
+        let mut next = 1;
+        for s in &segs {
+            if s.first != next || s.last < s.first {
+                return Err(ArchiveError::Corrupt {
+                    path: s.path.clone(),
+                    why: format!("expected a segment starting at seq {next}"),
+                });
+            }
+            next = s.last + 1;
+        }
+        Ok(segs)
+    }
+
+    /// The last archived seq (0 = nothing archived).
+    pub fn last_seq(&self) -> Result<u64, ArchiveError> {
+        Ok(self.segments()?.last().map_or(0, |s| s.last))
+    }
+
+    /// Append whole batches as one segment. Batches already archived are skipped (another
+    /// leader got there first); the rest must follow the archive without a gap. Durable when
+    /// this returns.
+    pub fn append(&self, batches: &[pb::EventBatch]) -> Result<u64, ArchiveError> {
+        let archived = self.last_seq()?;
+        let fresh: Vec<&pb::EventBatch> =
+            batches.iter().filter(|b| last_seq(b) > archived).collect();
+        let (Some(first), Some(last)) = (fresh.first(), fresh.last()) else {
+            return Ok(archived);
+        };
+        let mut expect = archived + 1;
+        for b in &fresh {
+            if b.first_seq != expect {
+                return Err(ArchiveError::Gap {
+                    archived: expect - 1,
+                    next: b.first_seq,
+                });
+            }
+            expect = last_seq(b) + 1;
+        }
+        let (first, last) = (first.first_seq, last_seq(last));
+        let mut bytes = Vec::new();
+        for b in &fresh {
+            b.encode_length_delimited(&mut bytes)
+                .expect("a Vec grows as needed");
+        }
+        let path = self.dir.join(format!("batches-{first:020}-{last:020}.pb"));
+        let tmp = self.dir.join(format!(
+            ".batches-{first:020}-{last:020}.{}.tmp",
+            std::process::id()
+        ));
+        {
+            use std::io::Write;
+            let mut f = std::fs::File::create(&tmp).map_err(io(&tmp))?;
+            f.write_all(&bytes).map_err(io(&tmp))?;
+            f.sync_all().map_err(io(&tmp))?;
+        }
+        std::fs::rename(&tmp, &path).map_err(io(&path))?;
+        std::fs::File::open(&self.dir)
+            .and_then(|d| d.sync_all())
+            .map_err(io(&self.dir))?;
+        Ok(last)
+    }
+
+    /// Hand the archived batches holding seqs `from..=to` (`to` = 0: to the end) to `f`, in
+    /// order, until it returns false. Returns the last seq handed over (0 = none).
+    pub fn read(
+        &self,
+        from: u64,
+        to: u64,
+        mut f: impl FnMut(pb::EventBatch) -> bool,
+    ) -> Result<u64, ArchiveError> {
+        let mut handed = 0;
+        for s in self.segments()? {
+            if s.last < from {
+                continue;
+            }
+            if to > 0 && s.first > to {
+                break;
+            }
+            let bytes = std::fs::read(&s.path).map_err(io(&s.path))?;
+            let mut buf = bytes.as_slice();
+            let mut expect = s.first;
+            while !buf.is_empty() {
+                let b = pb::EventBatch::decode_length_delimited(&mut buf).map_err(|e| {
+                    ArchiveError::Corrupt {
+                        path: s.path.clone(),
+                        why: e.to_string(),
+                    }
+                })?;
+                if b.first_seq != expect {
+                    return Err(ArchiveError::Corrupt {
+                        path: s.path.clone(),
+                        why: format!("batch at seq {} where {expect} was due", b.first_seq),
+                    });
+                }
+                expect = last_seq(&b) + 1;
+                let last = last_seq(&b);
+                if last < from {
+                    continue;
+                }
+                if to > 0 && b.first_seq > to {
+                    return Ok(handed);
+                }
+                handed = last;
+                if !f(b) {
+                    return Ok(handed);
+                }
+            }
+            if expect != s.last + 1 {
+                return Err(ArchiveError::Corrupt {
+                    path: s.path.clone(),
+                    why: format!("ends at seq {} but its name says {}", expect - 1, s.last),
+                });
+            }
+        }
+        Ok(handed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn batch(first: u64, n: u64) -> pb::EventBatch {
+        pb::EventBatch {
+            version: 1,
+            first_seq: first,
+            epoch: 7,
+            events: (first..first + n)
+                .map(|seq| pb::Event {
+                    seq,
+                    epoch: 7,
+                    ..Default::default()
+                })
+                .collect(),
+        }
+    }
+
+    fn seqs(a: &Archive, from: u64, to: u64) -> Vec<u64> {
+        let mut out = Vec::new();
+        a.read(from, to, |b| {
+            out.extend(b.events.iter().map(|e| e.seq));
+            true
+        })
+        .expect("read");
+        out
+    }
+
+    #[test]
+    fn appends_gaplessly_and_reads_ranges_back() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let a = Archive::open(dir.path()).expect("open");
+        assert_eq!(a.last_seq().expect("last"), 0);
+        assert_eq!(a.append(&[batch(1, 3), batch(4, 2)]).expect("append"), 5);
+        assert_eq!(a.append(&[batch(6, 4)]).expect("append"), 9);
+        assert_eq!(seqs(&a, 1, 0), (1..=9).collect::<Vec<_>>());
+        // The batch holding `from` comes whole; `to` stops after the batch holding it.
+        assert_eq!(seqs(&a, 5, 6), vec![4, 5, 6, 7, 8, 9]);
+        assert_eq!(a.segments().expect("segments").len(), 2);
+    }
+
+    #[test]
+    fn appending_what_is_archived_again_is_harmless() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let a = Archive::open(dir.path()).expect("open");
+        a.append(&[batch(1, 3), batch(4, 2)]).expect("append");
+        // A second leader archiving the same range, then a little more.
+        assert_eq!(a.append(&[batch(1, 3), batch(4, 2)]).expect("again"), 5);
+        assert_eq!(a.append(&[batch(4, 2), batch(6, 1)]).expect("more"), 6);
+        assert_eq!(seqs(&a, 1, 0), (1..=6).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn refuses_a_hole_in_history() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let a = Archive::open(dir.path()).expect("open");
+        a.append(&[batch(1, 3)]).expect("append");
+        assert!(matches!(
+            a.append(&[batch(5, 1)]),
+            Err(ArchiveError::Gap {
+                archived: 3,
+                next: 5
+            })
+        ));
+        assert!(matches!(
+            a.append(&[batch(4, 1), batch(6, 1)]),
+            Err(ArchiveError::Gap {
+                archived: 4,
+                next: 6
+            })
+        ));
+        assert_eq!(
+            a.last_seq().expect("last"),
+            3,
+            "nothing of a refused append is written"
+        );
+    }
+
+    #[test]
+    fn a_damaged_segment_is_reported_not_skipped() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let a = Archive::open(dir.path()).expect("open");
+        a.append(&[batch(1, 3)]).expect("append");
+        a.append(&[batch(4, 3)]).expect("append");
+        let segs = a.segments().expect("segments");
+        let bytes = std::fs::read(&segs[1].path).expect("read");
+        std::fs::write(&segs[1].path, &bytes[..bytes.len() - 2]).expect("truncate");
+        let err = a.read(1, 0, |_| true).expect_err("a truncated segment");
+        assert!(matches!(err, ArchiveError::Corrupt { .. }), "{err}");
+        std::fs::remove_file(&segs[0].path).expect("remove");
+        let err = a.segments().expect_err("a missing first segment");
+        assert!(err.to_string().contains("starting at seq 1"), "{err}");
+    }
+}
