@@ -1,49 +1,13 @@
 //! A new replica starts from the newest snapshot plus the log tail, even after etcd compacted
 //! its history; a follower that was paused through a compaction catches up by itself.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use gpuledger_allocator::log::EtcdLog;
-use gpuledger_chaos::workload::{inventory, pod, reserve_retry};
+use gpuledger_chaos::workload::{churn, inventory};
 use gpuledger_chaos::{Allocators, EtcdCluster};
-use gpuledger_ledger::Ledger;
 use gpuledger_proto::allocator::v1 as api;
 use nix::sys::signal::Signal;
-
-async fn reserve_n(allocs: &Allocators, via: usize, from: usize, n: usize) -> anyhow::Result<()> {
-    for i in from..from + n {
-        let req = api::ReserveRequest {
-            request: Some(pod(&format!("p{i}"), 100, 0)),
-            node: "n1".into(),
-            ttl_ms: 0,
-        };
-        reserve_retry(
-            &allocs.addrs,
-            via,
-            req,
-            Instant::now() + Duration::from_secs(10),
-        )
-        .await?;
-        // Pods come and go: the state stays small, so snapshots follow --snapshot-every.
-        if i % 4 != 0 {
-            let rel = api::ReleaseRequest {
-                pod_uid: format!("p{i}"),
-                ..Default::default()
-            };
-            allocs.client(via)?.release(rel).await?;
-        }
-    }
-    Ok(())
-}
-
-async fn state(allocs: &Allocators, i: usize) -> anyhow::Result<Ledger> {
-    let d = allocs
-        .client(i)?
-        .dump(api::DumpRequest {})
-        .await?
-        .into_inner();
-    Ledger::from_snapshot(&d.snapshot.expect("snapshot")).map_err(anyhow::Error::msg)
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cold_start_from_snapshot_and_recovery_after_compaction() -> anyhow::Result<()> {
@@ -64,10 +28,10 @@ async fn cold_start_from_snapshot_and_recovery_after_compaction() -> anyhow::Res
             inventory: Some(inventory("n1", 8, 80_000, "A100")),
         })
         .await?;
-    reserve_n(&allocs, leader, 0, 60).await?;
+    churn(&allocs, leader, "n1", 0, 60).await?;
     // Pause the follower, write more, compact all history, resume.
     allocs.procs[follower].signal(Signal::SIGSTOP)?;
-    reserve_n(&allocs, leader, 60, 60).await?;
+    churn(&allocs, leader, "n1", 60, 60).await?;
     let mut client = etcd.client().await?;
     let rev = client
         .get("x", None)
@@ -77,13 +41,14 @@ async fn cold_start_from_snapshot_and_recovery_after_compaction() -> anyhow::Res
         .revision();
     client.compact(rev, None).await?;
     allocs.procs[follower].signal(Signal::SIGCONT)?;
-    reserve_n(&allocs, follower, 120, 10).await?;
+    churn(&allocs, follower, "n1", 120, 10).await?;
     let head = allocs.status(leader).await.expect("leader").seq;
     allocs.wait_seq(head, Duration::from_secs(20)).await?;
     assert!(
-        state(&allocs, follower)
+        allocs
+            .ledger(follower)
             .await?
-            .same_state(&state(&allocs, leader).await?)
+            .same_state(&allocs.ledger(leader).await?)
     );
 
     let log = EtcdLog::new(&client, "snap", Duration::from_secs(5));
@@ -95,9 +60,10 @@ async fn cold_start_from_snapshot_and_recovery_after_compaction() -> anyhow::Res
     let fresh = Allocators::start(dir2.path(), &etcd.endpoints_flag(), 1, "snap", &[])?;
     fresh.wait_seq(head, Duration::from_secs(20)).await?;
     assert!(
-        state(&fresh, 0)
+        fresh
+            .ledger(0)
             .await?
-            .same_state(&state(&allocs, leader).await?)
+            .same_state(&allocs.ledger(leader).await?)
     );
     let logtext = std::fs::read_to_string(fresh.procs[0].log_path())?;
     assert!(

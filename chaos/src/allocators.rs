@@ -185,4 +185,15 @@ impl Allocators {
     pub fn client(&self, i: usize) -> Result<AllocatorClient<Channel>> {
         client(&self.addrs[i]).context("allocator client")
     }
+
+    /// Replica `i`'s folded state, from its dump.
+    pub async fn ledger(&self, i: usize) -> Result<gpuledger_ledger::Ledger> {
+        let d = self
+            .client(i)?
+            .dump(api::DumpRequest {})
+            .await?
+            .into_inner();
+        let snap = d.snapshot.context("the dump holds no snapshot")?;
+        gpuledger_ledger::Ledger::from_snapshot(&snap).map_err(anyhow::Error::msg)
+    }
 }

@@ -22,3 +22,23 @@ pub use allocators::Allocators;
 pub use cluster::{ClusterOptions, LocalCluster};
 pub use etcd::EtcdCluster;
 pub use process::{Proc, bin_path, free_port};
+
+/// Poll `f` every 100 ms until it says true; fail with `what` after `timeout`.
+pub async fn eventually<F, Fut>(
+    what: &str,
+    timeout: std::time::Duration,
+    mut f: F,
+) -> anyhow::Result<()>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<bool>>,
+{
+    let deadline = std::time::Instant::now() + timeout;
+    while std::time::Instant::now() < deadline {
+        if f().await? {
+            return Ok(());
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    anyhow::bail!("{what}: not within {timeout:?}")
+}

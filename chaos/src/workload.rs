@@ -92,6 +92,40 @@ pub async fn reserve_retry(
     }
 }
 
+/// Churn on node `node` through replica `via`: pods `p<from>`..`p<from + n>`, each reserved
+/// (100 MiB, no compute); three in four released again, so the state stays small while the
+/// log grows.
+pub async fn churn(
+    allocs: &crate::Allocators,
+    via: usize,
+    node: &str,
+    from: usize,
+    n: usize,
+) -> anyhow::Result<()> {
+    for i in from..from + n {
+        let req = api::ReserveRequest {
+            request: Some(pod(&format!("p{i}"), 100, 0)),
+            node: node.into(),
+            ttl_ms: 0,
+        };
+        reserve_retry(
+            &allocs.addrs,
+            via,
+            req,
+            Instant::now() + Duration::from_secs(10),
+        )
+        .await?;
+        if i % 4 != 0 {
+            let rel = api::ReleaseRequest {
+                pod_uid: format!("p{i}"),
+                ..Default::default()
+            };
+            allocs.client(via)?.release(rel).await?;
+        }
+    }
+    Ok(())
+}
+
 /// One pod of a local-cluster workload.
 #[derive(Debug, Clone)]
 pub struct PodSpec {

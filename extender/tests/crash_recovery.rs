@@ -3,8 +3,9 @@
 
 mod kit;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use gpuledger_chaos::eventually;
 use gpuledger_chaos::kube::{ExtenderConfig, KubeStack, SchedulerEmulator, StackOptions};
 use gpuledger_chaos::workload::inventory;
 use gpuledger_proto::allocator::v1 as api;
@@ -51,21 +52,6 @@ async fn released_reasons(stack: &KubeStack) -> anyhow::Result<Vec<String>> {
         }
     }
     Ok(out)
-}
-
-async fn eventually<F, Fut>(what: &str, timeout: Duration, mut f: F) -> anyhow::Result<()>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = anyhow::Result<bool>>,
-{
-    let deadline = Instant::now() + timeout;
-    while Instant::now() < deadline {
-        if f().await? {
-            return Ok(());
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    anyhow::bail!("{what}: not within {timeout:?}")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
