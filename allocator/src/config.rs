@@ -85,6 +85,22 @@ pub struct Config {
     #[arg(long, env = "GPULEDGER_COMMIT_LINGER_US", default_value_t = 0)]
     pub commit_linger_us: u64,
 
+    /// The audit archive: a directory every replica mounts (a shared volume), where the leader
+    /// moves old ledger batches before deleting them from etcd, so etcd's size stays bounded;
+    /// `audit`, `replay`, `usage` and `verify` read archive and etcd as one. Without it the
+    /// whole log stays in etcd and grows with every event.
+    #[arg(long, env = "GPULEDGER_ARCHIVE_DIR")]
+    pub archive_dir: Option<std::path::PathBuf>,
+
+    /// Events kept in etcd behind the head when archiving (for replicas that lag). Only
+    /// batches older than the newest snapshot are ever archived.
+    #[arg(long, env = "GPULEDGER_LOG_RETAIN_EVENTS", default_value_t = 100_000)]
+    pub log_retain_events: u64,
+
+    /// How often the leader moves old batches to the archive, in milliseconds.
+    #[arg(long, env = "GPULEDGER_ARCHIVE_INTERVAL_MS", default_value_t = 30_000)]
+    pub archive_interval_ms: u64,
+
     /// Write a snapshot of the folded state every this many events (0 = never).
     #[arg(long, env = "GPULEDGER_SNAPSHOT_EVERY", default_value_t = 10_000)]
     pub snapshot_every: u64,

@@ -142,6 +142,8 @@ pub struct Leader {
     pub limits: BatchLimits,
     /// Snapshot every this many events (0 = never).
     pub snapshot_every: u64,
+    /// Where history etcd no longer holds is read from (catching up at election).
+    pub archive: Option<crate::archive::Archive>,
 }
 
 impl Leader {
@@ -157,7 +159,8 @@ impl Leader {
             Ok(h) => h,
             Err(e) => return StepDown::Etcd(e),
         };
-        if let Err(e) = crate::tail::catch_up(&self.shared, &self.log).await {
+        if let Err(e) = crate::tail::catch_up(&self.shared, &self.log, self.archive.as_ref()).await
+        {
             return StepDown::Etcd(e);
         }
         let mut spec: Ledger = self.shared.read(|l| l.clone());

@@ -4,6 +4,7 @@
 //! leader decides writes, batches their events and appends them to etcd in one fenced
 //! transaction per batch. See `DESIGN.md` ("The ledger", "etcd layout and the write protocol").
 
+pub mod archive;
 pub mod config;
 pub mod election;
 pub mod http;

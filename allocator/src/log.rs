@@ -27,6 +27,20 @@ pub enum LogError {
     /// An etcd call took longer than allowed; retrying may work.
     #[error("etcd did not answer within {0:?}")]
     Timeout(Duration),
+    /// etcd's log starts after the seq this replica needs next: the batches between were
+    /// archived while it lagged. Recovered by loading the newest snapshot again.
+    #[error(
+        "etcd's log starts at seq {first} but this replica needs seq {needed}: the seqs between were archived"
+    )]
+    Archived {
+        /// The seq needed next.
+        needed: u64,
+        /// The first seq etcd still holds.
+        first: u64,
+    },
+    /// The archive could not be read (see [`crate::archive::ArchiveError`]).
+    #[error(transparent)]
+    Archive(#[from] crate::archive::ArchiveError),
     /// A stored value does not decode: the log is corrupt. Not retryable.
     #[error("corrupt value at {key}: {why}")]
     Corrupt {
@@ -205,6 +219,54 @@ impl EtcdLog {
         } else {
             Ok(Commit::Fenced)
         }
+    }
+
+    /// Delete the batches that start before `before_seq` (they are archived), in one
+    /// transaction fenced on the leader key's create_revision: only the leader trims. False
+    /// when the fence failed.
+    pub async fn trim_before(
+        &self,
+        leader_key: &[u8],
+        epoch: i64,
+        before_seq: u64,
+    ) -> Result<bool, LogError> {
+        let txn = Txn::new()
+            .when([Compare::create_revision(
+                leader_key.to_vec(),
+                CompareOp::Equal,
+                epoch,
+            )])
+            .and_then([TxnOp::delete(
+                self.log_prefix(),
+                Some(etcd_client::DeleteOptions::new().with_range(self.log_key(before_seq))),
+            )]);
+        let mut kv = self.writer.clone();
+        Ok(self.timed(kv.txn(txn)).await?.succeeded())
+    }
+
+    /// First seq still in etcd's log (None = the log is empty).
+    pub async fn first_seq(&self) -> Result<Option<u64>, LogError> {
+        let mut kv = self.kv.clone();
+        let end = format!("{}log0", self.prefix);
+        let resp = self
+            .timed(
+                kv.get(
+                    self.log_prefix(),
+                    Some(
+                        GetOptions::new()
+                            .with_range(end)
+                            .with_limit(1)
+                            .with_keys_only(),
+                    ),
+                ),
+            )
+            .await?;
+        Ok(resp.kvs().first().and_then(|k| {
+            String::from_utf8_lossy(k.key())
+                .rsplit('/')
+                .next()
+                .and_then(|s| s.parse().ok())
+        }))
     }
 
     /// Batches holding seqs `from..=to` (`to` = 0: to the end), in order, read at one revision.

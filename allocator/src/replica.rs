@@ -93,6 +93,18 @@ pub async fn run_until(cfg: Config, stop: watch::Receiver<bool>) -> anyhow::Resu
         cluster = %cfg.cluster,
         "gpuledger-allocator starting"
     );
+    let archive = match &cfg.archive_dir {
+        Some(dir) => Some(
+            crate::archive::Archive::open(dir)
+                .with_context(|| format!("opening --archive-dir {}", dir.display()))?,
+        ),
+        None => {
+            warn!(
+                "no --archive-dir: the ledger's whole log stays in etcd and grows with every event"
+            );
+            None
+        }
+    };
     let learned = Learned::new(cfg.fgd_window, cfg.fgd_min_samples);
     let service = Service::new(
         shared.clone(),
@@ -103,7 +115,8 @@ pub async fn run_until(cfg: Config, stop: watch::Receiver<bool>) -> anyhow::Resu
             default_policy: cfg.default_policy,
             learned: learned.clone(),
         },
-    );
+    )
+    .with_archive(archive.clone());
     tokio::spawn(crate::workload::follow(shared.clone(), learned));
     let http = tokio::net::TcpListener::bind(cfg.http_listen)
         .await
@@ -135,7 +148,7 @@ pub async fn run_until(cfg: Config, stop: watch::Receiver<bool>) -> anyhow::Resu
     );
     tokio::spawn(health_loop(shared.clone(), client.clone(), log.clone()));
 
-    let result = lifecycle(&cfg, &shared, &client, &log, stop.clone()).await;
+    let result = lifecycle(&cfg, &shared, &client, &log, archive, stop.clone()).await;
     // Give in-flight RPCs a moment, then stop serving.
     let _ = tokio::time::timeout(Duration::from_secs(2), server).await;
     result
@@ -185,6 +198,7 @@ async fn lifecycle(
     shared: &Arc<Shared>,
     client: &Client,
     log: &EtcdLog,
+    archive: Option<crate::archive::Archive>,
     mut stop: watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
     // Load the ledger (retry until etcd answers).
@@ -192,7 +206,7 @@ async fn lifecycle(
         if *stop.borrow() {
             return Ok(());
         }
-        match tail::load(shared, log, !cfg.ignore_snapshots).await {
+        match tail::load(shared, log, !cfg.ignore_snapshots, archive.as_ref()).await {
             Ok(()) => break,
             Err(e @ crate::log::LogError::Corrupt { .. }) => {
                 shared
@@ -227,6 +241,7 @@ async fn lifecycle(
             client.clone(),
             log.clone(),
             cfg.snapshot_every,
+            archive.clone(),
         ));
         let session = match Session::start(client, cfg.lease_ttl()).await {
             Ok(s) => s,
@@ -264,16 +279,35 @@ async fn lifecycle(
         };
         info!(epoch = key.rev(), "elected");
         let writer = etcd_leader_client(cfg, client).await;
+        let leader_log = writer
+            .as_ref()
+            .map_or_else(|| log.clone(), |w| log.with_writer(w));
+        // While leading: move what etcd no longer needs to the archive.
+        let trimmer = archive.clone().map(|a| {
+            tokio::spawn(crate::archive::trim_loop(
+                a,
+                leader_log.clone(),
+                key.key().to_vec(),
+                key.rev(),
+                shared.clone(),
+                crate::archive::TrimPolicy {
+                    retain_events: cfg.log_retain_events,
+                    interval: Duration::from_millis(cfg.archive_interval_ms.max(10)),
+                },
+            ))
+        });
         let leader = Leader {
             shared: shared.clone(),
-            log: writer
-                .as_ref()
-                .map_or_else(|| log.clone(), |w| log.with_writer(w)),
+            log: leader_log,
             key,
             limits,
             snapshot_every: cfg.snapshot_every,
+            archive: archive.clone(),
         };
         let why = leader.run(&session, stop.clone()).await;
+        if let Some(t) = trimmer {
+            t.abort();
+        }
         let epoch = shared.role_info().epoch;
         shared.set_role(Role::Follower, epoch, String::new());
         // Resign by revoking the lease: the election key goes at once, so a follower takes
@@ -281,7 +315,7 @@ async fn lifecycle(
         session.revoke(client).await;
         if let StepDown::Bug(b) = &why {
             warn!(bug = %b, "reloading the ledger from etcd after an internal error");
-            let _ = tail::load(shared, log, !cfg.ignore_snapshots).await;
+            let _ = tail::load(shared, log, !cfg.ignore_snapshots, archive.as_ref()).await;
         }
         if matches!(why, StepDown::Shutdown) {
             return Ok(());

@@ -68,6 +68,7 @@ pub struct Service {
     reserve_ttl: Duration,
     channels: Arc<Mutex<HashMap<String, Channel>>>,
     placement: Placement,
+    archive: Option<crate::archive::Archive>,
 }
 
 /// How requests that name no policy are placed, and the workload FGD learns.
@@ -97,7 +98,14 @@ impl Service {
             reserve_ttl,
             channels: Arc::new(Mutex::new(HashMap::new())),
             placement,
+            archive: None,
         }
+    }
+
+    /// The same service, reading history older than etcd's log from `archive`.
+    pub fn with_archive(mut self, archive: Option<crate::archive::Archive>) -> Self {
+        self.archive = archive;
+        self
     }
 
     /// A request as the ledger evaluates it: the default policy when it names none, and the
@@ -841,40 +849,103 @@ impl Allocator for Service {
         req: Request<api::ReadLogRequest>,
     ) -> Result<Response<Self::ReadLogStream>, Status> {
         let r = req.into_inner();
-        let log = self.log.clone();
+        let (log, archive) = (self.log.clone(), self.archive.clone());
         let (tx, out) = mpsc::channel(64);
         tokio::spawn(async move {
-            let tx2 = tx.clone();
-            // Batches are handed over synchronously; a bounded channel with blocking_send would
-            // stall the runtime, so collect a page at a time.
+            let to = r.to_seq;
             let mut from = r.from_seq.max(1);
             loop {
-                let mut page = Vec::new();
-                let res = log
-                    .read_with(from, r.to_seq, 0, |b| {
-                        page.push(b);
-                        page.len() < 256
+                // The archive first, while it holds `from` (files: off the runtime's threads).
+                if let Some(a) = archive.clone() {
+                    let tx2 = tx.clone();
+                    let read = tokio::task::spawn_blocking(move || {
+                        a.read(from, to, |b| tx2.blocking_send(Ok(b)).is_ok())
                     })
                     .await;
-                if let Err(e) = res {
-                    let _ = tx2
-                        .send(Err(Status::unavailable(format!("reading the log: {e}"))))
+                    match read {
+                        Ok(Ok(0)) => {}
+                        Ok(Ok(last)) => {
+                            if tx.is_closed() || (to > 0 && last >= to) {
+                                return;
+                            }
+                            from = last + 1;
+                        }
+                        Ok(Err(e)) => {
+                            let _ = tx
+                                .send(Err(Status::data_loss(format!("reading the archive: {e}"))))
+                                .await;
+                            return;
+                        }
+                        Err(e) => {
+                            let _ = tx
+                                .send(Err(Status::internal(format!("reading the archive: {e}"))))
+                                .await;
+                            return;
+                        }
+                    }
+                }
+                // Then etcd, a page at a time. Batches are handed over synchronously; a
+                // bounded channel with blocking_send would stall the runtime.
+                let first_in_etcd = loop {
+                    let mut page = Vec::new();
+                    let res = log
+                        .read_with(from, to, 0, |b| {
+                            page.push(b);
+                            page.len() < 256
+                        })
+                        .await;
+                    if let Err(e) = res {
+                        let _ = tx
+                            .send(Err(Status::unavailable(format!("reading the log: {e}"))))
+                            .await;
+                        return;
+                    }
+                    if let Some(first) = page.first()
+                        && first.first_seq > from
+                    {
+                        break first.first_seq;
+                    }
+                    let Some(last) = page.last().and_then(|b| b.events.last()).map(|e| e.seq)
+                    else {
+                        return;
+                    };
+                    let n = page.len();
+                    for b in page {
+                        if tx.send(Ok(b)).await.is_err() {
+                            return;
+                        }
+                    }
+                    if n < 256 || (to > 0 && last >= to) {
+                        return;
+                    }
+                    from = last + 1;
+                };
+                // etcd no longer holds `from`: archived, perhaps since the archive was read.
+                let archived = match &archive {
+                    Some(a) => {
+                        let a = a.clone();
+                        tokio::task::spawn_blocking(move || a.last_seq())
+                            .await
+                            .ok()
+                            .and_then(Result::ok)
+                            .unwrap_or(0)
+                    }
+                    None => 0,
+                };
+                if archived < from {
+                    let why = if archive.is_some() {
+                        "and the archive does not hold them"
+                    } else {
+                        "and this replica has no --archive-dir to read them from"
+                    };
+                    let _ = tx
+                        .send(Err(Status::failed_precondition(format!(
+                            "seqs {from}..{} are no longer in etcd (archived) {why}",
+                            first_in_etcd - 1
+                        ))))
                         .await;
                     return;
                 }
-                let Some(last) = page.last().and_then(|b| b.events.last()).map(|e| e.seq) else {
-                    return;
-                };
-                let n = page.len();
-                for b in page {
-                    if tx.send(Ok(b)).await.is_err() {
-                        return;
-                    }
-                }
-                if n < 256 || (r.to_seq > 0 && last >= r.to_seq) {
-                    return;
-                }
-                from = last + 1;
             }
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(out))))

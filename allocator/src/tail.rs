@@ -9,11 +9,18 @@ use etcd_client::{Client, EventType, WatchOptions};
 use gpuledger_ledger::Ledger;
 use tracing::{debug, info, warn};
 
+use crate::archive::{Archive, ArchiveError};
 use crate::log::{EtcdLog, LogError, decode_batch};
 use crate::shared::Shared;
 
-/// Build the state from the newest snapshot plus the log after it.
-pub async fn load(shared: &Shared, log: &EtcdLog, use_snapshots: bool) -> Result<(), LogError> {
+/// Build the state from the newest snapshot plus the log after it (and, for history etcd no
+/// longer holds, the archive).
+pub async fn load(
+    shared: &Arc<Shared>,
+    log: &EtcdLog,
+    use_snapshots: bool,
+    archive: Option<&Archive>,
+) -> Result<(), LogError> {
     let started = std::time::Instant::now();
     let mut ledger = Ledger::new();
     let snap = if use_snapshots {
@@ -29,7 +36,7 @@ pub async fn load(shared: &Shared, log: &EtcdLog, use_snapshots: bool) -> Result
         info!(seq = snap.seq, "loaded snapshot");
     }
     shared.reset(ledger);
-    catch_up(shared, log).await?;
+    catch_up(shared, log, archive).await?;
     let seq = shared.read(|l| l.seq());
     info!(
         seq,
@@ -39,31 +46,85 @@ pub async fn load(shared: &Shared, log: &EtcdLog, use_snapshots: bool) -> Result
     Ok(())
 }
 
-/// Range-read and apply every batch after the applied seq. Returns the revision read at.
-pub async fn catch_up(shared: &Shared, log: &EtcdLog) -> Result<i64, LogError> {
-    let from = shared.read(|l| l.seq()) + 1;
-    let mut broken = false;
-    let rev = log
-        .read_with(from, 0, 0, |b| {
-            if shared.apply_committed(b) {
-                true
-            } else {
-                broken = true;
-                false
-            }
-        })
-        .await?;
-    if broken {
-        return Err(LogError::Corrupt {
+/// Range-read and apply every batch after the applied seq. Seqs that etcd no longer holds
+/// (archived while this replica lagged) come from `archive`; without one that is
+/// [`LogError::Archived`]. Returns the revision of the last etcd read.
+pub async fn catch_up(
+    shared: &Arc<Shared>,
+    log: &EtcdLog,
+    archive: Option<&Archive>,
+) -> Result<i64, LogError> {
+    loop {
+        let from = shared.read(|l| l.seq()) + 1;
+        let mut broken = false;
+        let mut gap = None;
+        let rev = log
+            .read_with(from, 0, 0, |b| {
+                if b.first_seq > shared.read(|l| l.seq()) + 1 {
+                    // Trimmed away while this replica lagged: folding on would skip events.
+                    gap = Some(b.first_seq);
+                    return false;
+                }
+                if shared.apply_committed(b) {
+                    true
+                } else {
+                    broken = true;
+                    false
+                }
+            })
+            .await?;
+        let broken_err = || LogError::Corrupt {
             key: log.log_prefix(),
             why: "an event breaks an invariant (see the log above)".into(),
-        });
+        };
+        if broken {
+            return Err(broken_err());
+        }
+        let Some(first) = gap else { return Ok(rev) };
+        let needed = shared.read(|l| l.seq()) + 1;
+        let Some(archive) = archive else {
+            return Err(LogError::Archived { needed, first });
+        };
+        let (a, sh) = (archive.clone(), shared.clone());
+        let filled = tokio::task::spawn_blocking(move || {
+            let mut ok = true;
+            a.read(needed, 0, |b| {
+                ok = sh.apply_committed(b);
+                ok
+            })
+            .map(|_| ok)
+        })
+        .await;
+        match filled {
+            Ok(Ok(true)) => {}
+            Ok(Ok(false)) => return Err(broken_err()),
+            Ok(Err(e)) => return Err(LogError::Archive(e)),
+            Err(e) => {
+                return Err(LogError::Archive(ArchiveError::Io {
+                    path: archive.dir().to_path_buf(),
+                    source: std::io::Error::other(e.to_string()),
+                }));
+            }
+        }
+        if shared.read(|l| l.seq()) + 1 == needed {
+            return Err(LogError::Archived { needed, first });
+        }
+        info!(
+            from = needed,
+            to = shared.read(|l| l.seq()),
+            "filled from the archive what etcd no longer holds"
+        );
     }
-    Ok(rev)
 }
 
 /// Follow the log until cancelled. Every error is retried; a broken state stops applying.
-pub async fn follow(shared: Arc<Shared>, client: Client, log: EtcdLog, snapshot_every: u64) {
+pub async fn follow(
+    shared: Arc<Shared>,
+    client: Client,
+    log: EtcdLog,
+    snapshot_every: u64,
+    archive: Option<Archive>,
+) {
     let mut last_snap = shared.read(|l| l.seq());
     loop {
         if shared
@@ -76,8 +137,16 @@ pub async fn follow(shared: Arc<Shared>, client: Client, log: EtcdLog, snapshot_
             tokio::time::sleep(Duration::from_secs(1)).await;
             continue;
         }
-        let rev = match catch_up(&shared, &log).await {
+        let rev = match catch_up(&shared, &log, archive.as_ref()).await {
             Ok(r) => r,
+            Err(e @ LogError::Archived { .. }) => {
+                warn!(error = %e, "this replica fell behind the archived log; reloading from the newest snapshot");
+                if let Err(e) = load(&shared, &log, true, archive.as_ref()).await {
+                    warn!(error = %e, "reloading the ledger failed; retrying");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                continue;
+            }
             Err(e) => {
                 warn!(error = %e, "catching up with the log failed; retrying");
                 tokio::time::sleep(Duration::from_millis(200)).await;
