@@ -195,12 +195,22 @@ impl LocalCluster {
             api.add_node(&node_name(i), opts.gpus * slots)?;
         }
         let kflag = format!("--kubeconfig={kubeconfig}");
+        // Archive the log as production should: etcd keeps a short tail, so the chaos checker
+        // and `verify` read archive + etcd, and faults hit the archiving too.
+        let archive = format!("--archive-dir={}", dir.join("archive").display());
+        let archiving = [
+            archive.as_str(),
+            "--snapshot-every=200",
+            "--log-retain-events=100",
+            "--archive-interval-ms=1000",
+        ];
         let etcd_flags: Vec<String> = if aliases.is_empty() {
             vec![etcd.endpoints_flag(); n_alloc]
         } else {
             aliases.iter().map(|h| etcd.endpoints_flag_via(h)).collect()
         };
-        let allocs = Allocators::start_each(&dir, &etcd_flags, "local", &[kflag.as_str()])?;
+        let flags: Vec<&str> = std::iter::once(kflag.as_str()).chain(archiving).collect();
+        let allocs = Allocators::start_each(&dir, &etcd_flags, "local", &flags)?;
         allocs.wait_leader(Duration::from_secs(30)).await?;
 
         let ext_bin = bin_path("gpuledger-extender")?;

@@ -642,6 +642,9 @@ pub struct Replay {
     double: usize,
 }
 
+/// The whole log: etcd's tail, then the archive (read second: whatever was trimmed from etcd
+/// before the first read is in the archive by then, because batches leave etcd only after
+/// they are archived).
 async fn replay_log(c: &mut LocalCluster) -> Result<Replay> {
     let client = c.etcd().client().await?;
     let mut kv = client
@@ -654,10 +657,23 @@ async fn replay_log(c: &mut LocalCluster) -> Result<Replay> {
         )
         .await
         .context("reading the ledger log from etcd")?;
-    let mut batches = Vec::with_capacity(resp.kvs().len());
+    let mut tail = Vec::with_capacity(resp.kvs().len());
     for kvp in resp.kvs() {
-        batches.push(pb::EventBatch::decode(kvp.value()).context("decoding a log batch")?);
+        tail.push(pb::EventBatch::decode(kvp.value()).context("decoding a log batch")?);
     }
+    let archive = gpuledger_ops::archive::Archive::open(&c.dir.join("archive"))?;
+    let mut batches = Vec::new();
+    archive
+        .read(1, 0, |b| {
+            batches.push(b);
+            true
+        })
+        .context("reading the log archive")?;
+    let archived = batches.last().map_or(0, gpuledger_ops::archive::last_seq);
+    batches.extend(
+        tail.into_iter()
+            .filter(|b| gpuledger_ops::archive::last_seq(b) > archived),
+    );
     Ok(Replay::from_batches(batches))
 }
 
