@@ -28,7 +28,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
-OVERLAYS = ["bundled-etcd", "external-etcd", "default-scheduler"]
+OVERLAYS = ["bundled-etcd", "external-etcd", "default-scheduler", "archive"]
 # Oldest Kubernetes the manifests claim (webhook matchConditions) and a current one.
 K8S_VERSIONS = ["1.28.0", "1.33.0"]
 NS = "gpuledger-system"
@@ -728,6 +728,7 @@ def main():
         "defaults": [],
         "external-etcd": ["etcd.bundled=false", "etcd.tlsSecret=gpuledger-etcd-client", "etcd.endpoints=https://etcd-0.etcd.example.svc:2379\\,https://etcd-1.etcd.example.svc:2379\\,https://etcd-2.etcd.example.svc:2379"],
         "default-scheduler": ["scheduler.mode=default"],
+        "archive": ["archive.enabled=true"],
     }
     if a.helm and chart.exists():
         rendered.update(render_helm(c, a.helm, chart, helm_sets))
@@ -748,7 +749,8 @@ def main():
     helm_only = {k: v for k, v in rendered.items() if k.startswith("helm:")}
     check_rbac(c, {**overlays_only, **helm_only}, a.rbac_usage, DEPLOY / "test/rbac-pending.txt")
     check_helm_equals_kustomize(c, rendered, {"defaults": "bundled-etcd", "external-etcd": "external-etcd",
-                                              "default-scheduler": "default-scheduler"})
+                                              "default-scheduler": "default-scheduler",
+                                              "archive": "archive"})
     check_dockerfile(c, a.hadolint, overlays_only)
 
     for msg in c.pending:
