@@ -79,13 +79,14 @@ fn one_seed_is_deterministic_and_fgd_beats_best_fit() {
 /// Expected values: the published per-seed curves of the paper's artifact,
 /// hkust-adsl/kubernetes-scheduler-simulator, experiments/analysis/expected_results/
 /// analysis_allo_discrete.csv (rows openb_pod_list_default / openb_pod_list_gpushare100,
-/// 05-BestFit and 06-FGD, tune 1.3, seed 42; columns = arrived workload in %). With Go's
+/// 03-GpuClustering, 05-BestFit and 06-FGD, tune 1.3, seed 42; columns = arrived workload in
+/// %). With Go's
 /// streams the whole run is the published run: columns 0..92 check the pod shuffle and sampling
 /// (every pod still fits, so they do not depend on the policy), the later ones the node order
 /// and the placement.
 #[test]
 fn seed_42_reproduces_the_published_curves() {
-    let (_, v) = run("openb_pod_list_default.csv", "bestfit,fgd", &[]);
+    let (_, v) = run("openb_pod_list_default.csv", "bestfit,fgd,clustering", &[]);
     for (col, want) in [(0, 0.25), (1, 1.04), (22, 21.9), (50, 49.95), (92, 92.02)] {
         assert_eq!(column(&v, 0, col), want, "pod order, column {col}");
         assert_eq!(column(&v, 1, col), want, "pod order, column {col}");
@@ -95,6 +96,16 @@ fn seed_42_reproduces_the_published_curves() {
     }
     for (col, want) in [(93, 92.96), (96, 95.1), (100, 95.14), (130, 95.29)] {
         assert_eq!(column(&v, 1, col), want, "FGD, column {col}");
+    }
+    // Clustering tags nodes by the kinds of pods on them (a share, or k whole GPUs).
+    for (col, want) in [
+        (91, 90.95),
+        (92, 91.25),
+        (96, 91.28),
+        (100, 91.33),
+        (130, 91.53),
+    ] {
+        assert_eq!(column(&v, 2, col), want, "clustering, column {col}");
     }
 
     let (_, v) = run("openb_pod_list_gpushare100.csv", "bestfit,fgd", &[]);

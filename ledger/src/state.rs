@@ -97,9 +97,36 @@ pub struct NodeState {
     pub allocs: BTreeSet<u64>,
     /// Device IDs held by assigned allocations here → the allocation holding each.
     pub devices: FxHashMap<String, u64>,
+    /// Live allocations here by kind ([`pod_kind`]), the tags the clustering policy reads;
+    /// never a zero count.
+    pub pod_kinds: BTreeMap<u32, u32>,
+}
+
+/// The kind of a grant of `gpus` GPUs with `core_milli` of each: 0 for a share of one GPU,
+/// else its GPU count (the pod tags of Weng et al.'s clustering baseline).
+pub fn pod_kind(gpus: usize, core_milli: u32) -> u32 {
+    if gpus == 1 && core_milli < CORE_MILLI_PER_GPU {
+        0
+    } else {
+        gpus as u32
+    }
 }
 
 impl NodeState {
+    /// Count a grant of `kind` ([`pod_kind`]) here.
+    pub fn add_pod_kind(&mut self, kind: u32) {
+        *self.pod_kinds.entry(kind).or_insert(0) += 1;
+    }
+
+    fn remove_pod_kind(&mut self, kind: u32) {
+        if let std::collections::btree_map::Entry::Occupied(mut e) = self.pod_kinds.entry(kind) {
+            *e.get_mut() -= 1;
+            if *e.get() == 0 {
+                e.remove();
+            }
+        }
+    }
+
     /// The GPU with this UUID.
     pub fn gpu(&self, uuid: &str) -> Option<&GpuState> {
         self.gpus.iter().find(|g| g.uuid == uuid)
@@ -513,15 +540,18 @@ impl Ledger {
             self.gpu_owner.insert(g.uuid.clone(), inv.node.clone());
         }
         let old = self.nodes.get(&inv.node);
-        let (cpu_used, memory_used, allocs, devices) =
-            old.map_or((0, 0, BTreeSet::new(), FxHashMap::default()), |o| {
+        let (cpu_used, memory_used, allocs, devices, pod_kinds) = old.map_or(
+            (0, 0, BTreeSet::new(), FxHashMap::default(), BTreeMap::new()),
+            |o| {
                 (
                     o.cpu_used,
                     o.memory_used,
                     o.allocs.clone(),
                     o.devices.clone(),
+                    o.pod_kinds.clone(),
                 )
-            });
+            },
+        );
         self.nodes.insert(
             inv.node.clone(),
             NodeState {
@@ -533,6 +563,7 @@ impl Ledger {
                 memory_used,
                 allocs,
                 devices,
+                pod_kinds,
             },
         );
         Ok(())
@@ -604,6 +635,7 @@ impl Ledger {
         }
         node.cpu_used += r.cpu_milli;
         node.memory_used += r.memory_mib;
+        node.add_pod_kind(pod_kind(r.shares.len(), r.shares[0].core_milli));
         node.allocs.insert(r.allocation_id);
         self.index_insert(&pod.uid, &r.container, r.allocation_id);
         self.allocs.insert(
@@ -755,6 +787,10 @@ impl Ledger {
         }
         node.cpu_used -= a.cpu_milli;
         node.memory_used -= a.memory_mib;
+        node.remove_pod_kind(pod_kind(
+            a.shares.len(),
+            a.shares.first().map_or(0, |s| s.core_milli),
+        ));
         node.allocs.remove(&id);
         for d in &a.device_ids {
             node.devices.remove(d);
@@ -931,6 +967,14 @@ impl Ledger {
                 })
             {
                 return Err(format!("node {} device index is off", n.name));
+            }
+            let mut kinds: BTreeMap<u32, u32> = BTreeMap::new();
+            for a in n.allocs.iter().filter_map(|id| self.allocs.get(id)) {
+                let core = a.shares.first().map_or(0, |s| s.core_milli);
+                *kinds.entry(pod_kind(a.shares.len(), core)).or_insert(0) += 1;
+            }
+            if kinds != n.pod_kinds {
+                return Err(format!("node {} pod kind counts are off", n.name));
             }
             if cpu.get(n.name.as_str()).copied().unwrap_or(0) != n.cpu_used
                 || hmem.get(n.name.as_str()).copied().unwrap_or(0) != n.memory_used

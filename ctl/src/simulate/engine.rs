@@ -413,6 +413,9 @@ fn frag_rate(nodes: &[NodeState], w: &Workload) -> f64 {
 fn commit(node: &mut NodeState, req: &PodRequest, c: &Candidate) {
     for (cr, gpus) in req.containers.iter().zip(&c.gpus) {
         let cr = cr.normalized();
+        if !gpus.is_empty() {
+            node.add_pod_kind(gpuledger_ledger::state::pod_kind(gpus.len(), cr.core_milli));
+        }
         for &i in gpus {
             let g = &mut node.gpus[i];
             g.mem_used += cr.mem_on(g);
@@ -446,6 +449,7 @@ fn node_state(n: &NodeRow) -> NodeState {
         memory_used: 0,
         allocs: Default::default(),
         devices: Default::default(),
+        pod_kinds: Default::default(),
     }
 }
 

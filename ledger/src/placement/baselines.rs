@@ -62,22 +62,17 @@ pub(crate) fn packing(b: &Before<'_>, gpus: u32, chosen: &[usize]) -> f64 {
     (100 - free_pct / 10).max(100 / 2) as f64
 }
 
-/// The clustering tag of a used GPU: the average compute of its holders (1000 = whole GPUs).
-fn tag(g: &crate::state::GpuState) -> Option<u32> {
-    (g.holders > 0).then(|| g.core_used / g.holders)
-}
-
-/// Clustering: put pods next to pods of the same GPU request. The tags of a node are read off its
-/// GPUs (the average share per holder), which is what the ledger's state records.
+/// Clustering: put pods next to pods of the same kind (a share of one GPU, or k whole GPUs;
+/// [`crate::state::pod_kind`]), the tags Weng et al.'s simulator gives nodes by the pods on
+/// them. Higher is better.
 pub(crate) fn clustering(b: &Before<'_>, gpus: u32, core_milli: u32) -> f64 {
     if gpus == 0 {
         return 0.0;
     }
-    let mut tags: Vec<u32> = b.node.gpus.iter().filter_map(tag).collect();
-    tags.sort_unstable();
-    tags.dedup();
+    let kind = crate::state::pod_kind(gpus as usize, core_milli);
+    let tags = &b.node.pod_kinds;
     let fill = 25 * (MAX_SPEC_GPU as i64 - b.gpu_left() as i64) / MAX_SPEC_GPU as i64;
-    let base = if tags.contains(&core_milli) {
+    let base = if tags.contains_key(&kind) {
         if tags.len() == 1 { 75 } else { 50 }
     } else if tags.is_empty() {
         25

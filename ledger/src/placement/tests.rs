@@ -25,6 +25,7 @@ fn node(gpus: Vec<GpuState>) -> NodeState {
         memory_used: 0,
         allocs: Default::default(),
         devices: Default::default(),
+        pod_kinds: Default::default(),
     }
 }
 

@@ -82,6 +82,7 @@ mod tests {
             memory_used: 0,
             allocs: Default::default(),
             devices: Default::default(),
+            pod_kinds: Default::default(),
         }
     }
 
