@@ -51,15 +51,14 @@ pub async fn trim_once(
         return Ok(0);
     };
     let cut = snap.min(head.saturating_sub(policy.retain_events));
-    let archived = archive.last_seq()?;
+    let mut archived = archive.off_thread(Archive::last_seq).await?;
     if cut > archived {
         let (batches, _) = log.read(archived + 1, cut).await?;
         // Only whole batches: the one holding `cut` may run past it.
         let whole: Vec<pb::EventBatch> =
             batches.into_iter().filter(|b| last_seq(b) <= cut).collect();
-        archive.append(&whole)?;
+        archived = archive.off_thread(move |a| a.append(&whole)).await?;
     }
-    let archived = archive.last_seq()?;
     if archived == 0 {
         return Ok(0);
     }

@@ -856,29 +856,22 @@ impl Allocator for Service {
             let mut from = r.from_seq.max(1);
             loop {
                 // The archive first, while it holds `from` (files: off the runtime's threads).
-                if let Some(a) = archive.clone() {
+                if let Some(a) = &archive {
                     let tx2 = tx.clone();
-                    let read = tokio::task::spawn_blocking(move || {
-                        a.read(from, to, |b| tx2.blocking_send(Ok(b)).is_ok())
-                    })
-                    .await;
+                    let read = a
+                        .off_thread(move |a| a.read(from, to, |b| tx2.blocking_send(Ok(b)).is_ok()))
+                        .await;
                     match read {
-                        Ok(Ok(0)) => {}
-                        Ok(Ok(last)) => {
+                        Ok(0) => {}
+                        Ok(last) => {
                             if tx.is_closed() || (to > 0 && last >= to) {
                                 return;
                             }
                             from = last + 1;
                         }
-                        Ok(Err(e)) => {
-                            let _ = tx
-                                .send(Err(Status::data_loss(format!("reading the archive: {e}"))))
-                                .await;
-                            return;
-                        }
                         Err(e) => {
                             let _ = tx
-                                .send(Err(Status::internal(format!("reading the archive: {e}"))))
+                                .send(Err(Status::data_loss(format!("reading the archive: {e}"))))
                                 .await;
                             return;
                         }
@@ -922,14 +915,10 @@ impl Allocator for Service {
                 };
                 // etcd no longer holds `from`: archived, perhaps since the archive was read.
                 let archived = match &archive {
-                    Some(a) => {
-                        let a = a.clone();
-                        tokio::task::spawn_blocking(move || a.last_seq())
-                            .await
-                            .ok()
-                            .and_then(Result::ok)
-                            .unwrap_or(0)
-                    }
+                    Some(a) => a
+                        .off_thread(crate::archive::Archive::last_seq)
+                        .await
+                        .unwrap_or(0),
                     None => 0,
                 };
                 if archived < from {

@@ -9,7 +9,7 @@ use etcd_client::{Client, EventType, WatchOptions};
 use gpuledger_ledger::Ledger;
 use tracing::{debug, info, warn};
 
-use crate::archive::{Archive, ArchiveError};
+use crate::archive::Archive;
 use crate::log::{EtcdLog, LogError, decode_batch};
 use crate::shared::Shared;
 
@@ -85,26 +85,19 @@ pub async fn catch_up(
         let Some(archive) = archive else {
             return Err(LogError::Archived { needed, first });
         };
-        let (a, sh) = (archive.clone(), shared.clone());
-        let filled = tokio::task::spawn_blocking(move || {
-            let mut ok = true;
-            a.read(needed, 0, |b| {
-                ok = sh.apply_committed(b);
-                ok
+        let sh = shared.clone();
+        let filled = archive
+            .off_thread(move |a| {
+                let mut ok = true;
+                a.read(needed, 0, |b| {
+                    ok = sh.apply_committed(b);
+                    ok
+                })
+                .map(|_| ok)
             })
-            .map(|_| ok)
-        })
-        .await;
-        match filled {
-            Ok(Ok(true)) => {}
-            Ok(Ok(false)) => return Err(broken_err()),
-            Ok(Err(e)) => return Err(LogError::Archive(e)),
-            Err(e) => {
-                return Err(LogError::Archive(ArchiveError::Io {
-                    path: archive.dir().to_path_buf(),
-                    source: std::io::Error::other(e.to_string()),
-                }));
-            }
+            .await?;
+        if !filled {
+            return Err(broken_err());
         }
         if shared.read(|l| l.seq()) + 1 == needed {
             return Err(LogError::Archived { needed, first });

@@ -182,6 +182,19 @@ impl EtcdCluster {
             .context("connecting to etcd")
     }
 
+    /// Compact all history up to now: a watcher that slept through it cannot replay it.
+    pub async fn compact_all(&self) -> Result<()> {
+        let mut c = self.client().await?;
+        let rev = c
+            .get("compact-probe", None)
+            .await?
+            .header()
+            .context("etcd answered without a header")?
+            .revision();
+        c.compact(rev, None).await.context("compacting etcd")?;
+        Ok(())
+    }
+
     /// Wait until a linearizable read succeeds (the cluster has a leader and quorum).
     pub async fn wait_ready(&self, timeout: Duration) -> Result<()> {
         let deadline = Instant::now() + timeout;

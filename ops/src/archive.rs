@@ -91,6 +91,21 @@ impl Archive {
         &self.dir
     }
 
+    /// Run `f` on this archive on tokio's blocking pool: its reads, writes and fsyncs must not
+    /// hold up an async worker (the leader's sequencer shares them).
+    pub async fn off_thread<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Archive) -> Result<T, ArchiveError> + Send + 'static,
+    ) -> Result<T, ArchiveError> {
+        let a = self.clone();
+        tokio::task::spawn_blocking(move || f(&a))
+            .await
+            .map_err(|e| ArchiveError::Io {
+                path: self.dir.clone(),
+                source: std::io::Error::other(format!("the archive task failed: {e}")),
+            })?
+    }
+
     /// Segments in seq order, checked to follow each other without a gap from seq 1.
     pub fn segments(&self) -> Result<Vec<Segment>, ArchiveError> {
         let mut segs = Vec::new();
