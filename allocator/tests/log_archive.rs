@@ -66,7 +66,7 @@ async fn the_archive_bounds_etcd_and_history_stays_whole() -> anyhow::Result<()>
     let paused_at = allocs.status(follower).await.expect("follower").seq;
     allocs.procs[follower].signal(Signal::SIGSTOP)?;
     churn(&allocs, leader, "n1", 40, 120).await?;
-    let mut client = etcd.client().await?;
+    let client = etcd.client().await?;
     let log = EtcdLog::new(&client, "arch", Duration::from_secs(5));
     eventually(
         "etcd's log is trimmed past the paused follower",
@@ -74,13 +74,7 @@ async fn the_archive_bounds_etcd_and_history_stays_whole() -> anyhow::Result<()>
         || async { Ok(log.first_seq().await?.is_some_and(|f| f > paused_at + 1)) },
     )
     .await?;
-    let rev = client
-        .get("x", None)
-        .await?
-        .header()
-        .expect("header")
-        .revision();
-    client.compact(rev, None).await?;
+    etcd.compact_all().await?;
     allocs.procs[follower].signal(Signal::SIGCONT)?;
     churn(&allocs, leader, "n1", 160, 20).await?;
     let head = allocs.status(leader).await.expect("leader").seq;
@@ -88,14 +82,15 @@ async fn the_archive_bounds_etcd_and_history_stays_whole() -> anyhow::Result<()>
     let live = allocs.ledger(leader).await?;
     assert!(allocs.ledger(follower).await?.same_state(&live));
 
-    // etcd keeps a bounded tail; the archive holds the rest, gapless, with nothing twice.
+    // etcd keeps a bounded tail; the archive holds the rest, gapless. The leader goes on
+    // trimming meanwhile, so read etcd's first seq before the archive's last (batches leave
+    // etcd only after they are archived): no seq may fall between the two.
     let archive = Archive::open(&archive_dir)?;
-    let archived = archive.last_seq()?;
     let first = log.first_seq().await?.expect("etcd keeps the tail");
-    assert_eq!(
-        first,
-        archived + 1,
-        "etcd's log starts where the archive ends"
+    let archived = archive.last_seq()?;
+    assert!(
+        first <= archived + 1,
+        "etcd's log starts at {first}, but the archive ends at {archived}"
     );
     assert!(
         head - archived < head / 2,
@@ -133,10 +128,11 @@ async fn the_archive_bounds_etcd_and_history_stays_whole() -> anyhow::Result<()>
     // the archive it says so; with it, it fills the hole from there.
     let shared = Shared::new("probe".into(), "127.0.0.1:1".into());
     match tail::catch_up(&shared, &log, None).await {
+        // etcd's log only moves forward while the leader trims.
         Err(LogError::Archived {
             needed: 1,
             first: f,
-        }) => assert_eq!(f, first),
+        }) => assert!(f >= first, "{f} < {first}"),
         other => panic!("expected LogError::Archived, got {other:?}"),
     }
     assert_eq!(
