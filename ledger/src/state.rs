@@ -97,34 +97,33 @@ pub struct NodeState {
     pub allocs: BTreeSet<u64>,
     /// Device IDs held by assigned allocations here → the allocation holding each.
     pub devices: FxHashMap<String, u64>,
-    /// Live allocations here by kind ([`pod_kind`]), the tags the clustering policy reads;
-    /// never a zero count.
-    pub pod_kinds: BTreeMap<u32, u32>,
+    /// Live allocations here by kind ([`pod_kind`]), the tags the clustering policy reads.
+    /// A fixed array: the fold updates it on every grant and release without allocating.
+    pub pod_kinds: [u32; POD_KINDS],
 }
 
+/// Kinds of grant told apart: a share of one GPU, then 1 to 7 whole GPUs, then 8 or more.
+pub const POD_KINDS: usize = 9;
+
 /// The kind of a grant of `gpus` GPUs with `core_milli` of each: 0 for a share of one GPU,
-/// else its GPU count (the pod tags of Weng et al.'s clustering baseline).
-pub fn pod_kind(gpus: usize, core_milli: u32) -> u32 {
+/// else its GPU count, 8 and more counting as 8 (the pod tags of Weng et al.'s clustering
+/// baseline, whose nodes have at most 8 GPUs).
+pub fn pod_kind(gpus: usize, core_milli: u32) -> usize {
     if gpus == 1 && core_milli < CORE_MILLI_PER_GPU {
         0
     } else {
-        gpus as u32
+        gpus.min(POD_KINDS - 1)
     }
 }
 
 impl NodeState {
     /// Count a grant of `kind` ([`pod_kind`]) here.
-    pub fn add_pod_kind(&mut self, kind: u32) {
-        *self.pod_kinds.entry(kind).or_insert(0) += 1;
+    pub fn add_pod_kind(&mut self, kind: usize) {
+        self.pod_kinds[kind] += 1;
     }
 
-    fn remove_pod_kind(&mut self, kind: u32) {
-        if let std::collections::btree_map::Entry::Occupied(mut e) = self.pod_kinds.entry(kind) {
-            *e.get_mut() -= 1;
-            if *e.get() == 0 {
-                e.remove();
-            }
-        }
+    fn remove_pod_kind(&mut self, kind: usize) {
+        self.pod_kinds[kind] = self.pod_kinds[kind].saturating_sub(1);
     }
 
     /// The GPU with this UUID.
@@ -541,14 +540,14 @@ impl Ledger {
         }
         let old = self.nodes.get(&inv.node);
         let (cpu_used, memory_used, allocs, devices, pod_kinds) = old.map_or(
-            (0, 0, BTreeSet::new(), FxHashMap::default(), BTreeMap::new()),
+            (0, 0, BTreeSet::new(), FxHashMap::default(), [0; POD_KINDS]),
             |o| {
                 (
                     o.cpu_used,
                     o.memory_used,
                     o.allocs.clone(),
                     o.devices.clone(),
-                    o.pod_kinds.clone(),
+                    o.pod_kinds,
                 )
             },
         );
@@ -968,10 +967,10 @@ impl Ledger {
             {
                 return Err(format!("node {} device index is off", n.name));
             }
-            let mut kinds: BTreeMap<u32, u32> = BTreeMap::new();
+            let mut kinds = [0u32; POD_KINDS];
             for a in n.allocs.iter().filter_map(|id| self.allocs.get(id)) {
                 let core = a.shares.first().map_or(0, |s| s.core_milli);
-                *kinds.entry(pod_kind(a.shares.len(), core)).or_insert(0) += 1;
+                kinds[pod_kind(a.shares.len(), core)] += 1;
             }
             if kinds != n.pod_kinds {
                 return Err(format!("node {} pod kind counts are off", n.name));

@@ -69,12 +69,12 @@ pub(crate) fn clustering(b: &Before<'_>, gpus: u32, core_milli: u32) -> f64 {
     if gpus == 0 {
         return 0.0;
     }
-    let kind = crate::state::pod_kind(gpus as usize, core_milli);
-    let tags = &b.node.pod_kinds;
+    let kinds = &b.node.pod_kinds;
+    let tags = kinds.iter().filter(|&&n| n > 0).count();
     let fill = 25 * (MAX_SPEC_GPU as i64 - b.gpu_left() as i64) / MAX_SPEC_GPU as i64;
-    let base = if tags.contains_key(&kind) {
-        if tags.len() == 1 { 75 } else { 50 }
-    } else if tags.is_empty() {
+    let base = if kinds[crate::state::pod_kind(gpus as usize, core_milli)] > 0 {
+        if tags == 1 { 75 } else { 50 }
+    } else if tags == 0 {
         25
     } else {
         0
