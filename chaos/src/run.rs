@@ -83,7 +83,7 @@ pub struct RunArgs {
     /// The openb pod list for `--workload openb`.
     #[arg(
         long,
-        default_value = "../shared/traces/openb/openb_pod_list_default.csv"
+        default_value = "testdata/traces/openb/openb_pod_list_default.csv"
     )]
     pub trace: PathBuf,
     /// Trace seconds per second of run for `--workload openb` (lifetimes kept within 0.5–12 s).

@@ -1,7 +1,7 @@
 //! `gpuledger simulate`: replays the openb trace experiment through the ledger's placement code.
 //!
 //! The procedure is the one published by Weng et al. (USENIX ATC '23) on Alibaba's
-//! cluster-trace-gpu-v2023: see `../shared/traces/README.md`.
+//! cluster-trace-gpu-v2023: see `testdata/traces/README.md`.
 
 mod engine;
 mod gorand;
@@ -40,7 +40,7 @@ pub struct SimulateArgs {
     #[arg(
         long,
         value_name = "CSV",
-        default_value = "../shared/traces/openb/openb_node_list_gpu_node.csv"
+        default_value = "testdata/traces/openb/openb_node_list_gpu_node.csv"
     )]
     pub nodes: PathBuf,
 
@@ -49,7 +49,7 @@ pub struct SimulateArgs {
     #[arg(
         long,
         value_name = "CSV",
-        default_value = "../shared/traces/openb/openb_pod_list_default.csv"
+        default_value = "testdata/traces/openb/openb_pod_list_default.csv"
     )]
     pub pods: PathBuf,
 

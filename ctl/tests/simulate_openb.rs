@@ -5,12 +5,12 @@ use std::process::Command;
 
 fn trace(file: &str) -> PathBuf {
     let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/traces/openb")
+        .join("../testdata/traces/openb")
         .join(file);
     assert!(
         p.exists(),
         "{} is missing: the openb trace (Alibaba cluster-trace-gpu-v2023) must be in \
-         ../shared/traces/openb next to the workspace",
+         testdata/traces/openb in the repository",
         p.display()
     );
     p

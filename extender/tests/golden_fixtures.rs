@@ -1,5 +1,5 @@
 //! Every request body captured from a real kube-scheduler and kube-apiserver v1.20.2
-//! (`shared/fixtures/kube-1.20/`) is sent to a real extender process over HTTP/HTTPS, backed by
+//! (`testdata/fixtures/kube-1.20/`) is sent to a real extender process over HTTP/HTTPS, backed by
 //! a real allocator on etcd and the fake API server, and answered correctly in the shapes the
 //! real components accepted.
 

@@ -1,4 +1,4 @@
-//! The openb trace files (`../shared/traces/openb/`): node and pod lists, read by header name.
+//! The openb trace files (`testdata/traces/openb/`): node and pod lists, read by header name.
 //! `gpuledger simulate` replays them through the placement policies; `gpuledger-chaos run
 //! --workload openb` runs their pod sizes and lifetimes on the local cluster.
 

@@ -11,13 +11,13 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use serde_json::{Value, json};
 
-/// `shared/fixtures/kube-1.20` beside the checkout; panics with the reason when missing.
+/// `testdata/fixtures/kube-1.20` in the repository; panics with the reason when missing.
 pub fn fixtures() -> PathBuf {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/kube-1.20");
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata/fixtures/kube-1.20");
     assert!(
         p.join("extender").is_dir() && p.join("webhook").is_dir(),
-        "golden fixtures missing: expected {} (the shared/ folder beside the checkout, with \
-         extender/ and webhook/ captured from kube 1.20)",
+        "golden fixtures missing: expected {} (testdata/fixtures/kube-1.20 in the repository, \
+         with extender/ and webhook/ captured from kube 1.20)",
         p.display()
     );
     p
