@@ -1,9 +1,11 @@
-//! Reaching the allocator: any of several replica addresses.
+//! Reaching the allocator (any of several replica addresses) and reading its log and state.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
+use gpuledger_ledger::pb;
+use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::allocator::v1::allocator_client::AllocatorClient;
 use tokio::sync::OnceCell;
 use tonic::transport::{Channel, Endpoint};
@@ -91,4 +93,46 @@ pub async fn connect(t: &Target) -> Result<AllocatorClient<Channel>> {
         "no allocator replica answered ({}); set --allocator or GPULEDGER_ALLOCATOR",
         errs.join("; ")
     )
+}
+
+/// One replica's name and its whole state.
+pub async fn dump_of(c: &mut AllocatorClient<Channel>) -> Result<(String, pb::Snapshot)> {
+    let d = c
+        .dump(api::DumpRequest {})
+        .await
+        .map_err(|s| anyhow::anyhow!("dump failed: {}", s.message()))?
+        .into_inner();
+    Ok((d.replica, d.snapshot.context("dump without a snapshot")?))
+}
+
+/// Read the log from seq 1 to `to` (0 = the end), handing each event to `f` (false = stop).
+pub async fn read_log(
+    t: &Target,
+    to: u64,
+    mut f: impl FnMut(&pb::Event) -> Result<bool>,
+) -> Result<()> {
+    let mut c = connect(t).await?;
+    let mut stream = c
+        .read_log(api::ReadLogRequest {
+            from_seq: 1,
+            to_seq: to,
+        })
+        .await
+        .map_err(|s| anyhow::anyhow!("reading the log: {}", s.message()))?
+        .into_inner();
+    while let Some(b) = stream
+        .message()
+        .await
+        .map_err(|s| anyhow::anyhow!("reading the log: {}", s.message()))?
+    {
+        for e in &b.events {
+            if to > 0 && e.seq > to {
+                return Ok(());
+            }
+            if !f(e)? {
+                return Ok(());
+            }
+        }
+    }
+    Ok(())
 }

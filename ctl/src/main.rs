@@ -6,6 +6,7 @@ mod ledger_cmds;
 mod simulate;
 mod table;
 mod usage;
+mod when;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
