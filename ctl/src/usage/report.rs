@@ -40,14 +40,6 @@ pub(super) fn core_hours(a: &Acc) -> String {
     )
 }
 
-fn csv_field(s: &str) -> String {
-    if s.contains([',', '"', '\n', '\r']) {
-        format!("\"{}\"", s.replace('"', "\"\""))
-    } else {
-        s.to_string()
-    }
-}
-
 #[derive(Serialize)]
 struct JsonRow {
     #[serde(flatten)]
@@ -139,21 +131,29 @@ impl Report {
     }
 
     fn csv(&self) -> String {
-        let mut out = self.by.columns().join(",");
-        out.push_str(",allocations,gpu_mib_hours,gpu_core_hours,gpu_mib_ms,gpu_core_milli_ms\n");
+        let mut w = csv::Writer::from_writer(Vec::new());
+        let header = self.by.columns().iter().copied().chain([
+            "allocations",
+            "gpu_mib_hours",
+            "gpu_core_hours",
+            "gpu_mib_ms",
+            "gpu_core_milli_ms",
+        ]);
+        w.write_record(header)
+            .expect("writing to memory does not fail");
         for (key, a) in &self.rows {
-            let cells: Vec<String> = key.iter().map(|k| csv_field(k)).collect();
-            out.push_str(&format!(
-                "{},{},{},{},{},{}\n",
-                cells.join(","),
-                a.allocations,
+            let figures = [
+                a.allocations.to_string(),
                 mib_hours(a),
                 core_hours(a),
-                a.mib_ms,
-                a.core_milli_ms
-            ));
+                a.mib_ms.to_string(),
+                a.core_milli_ms.to_string(),
+            ];
+            w.write_record(key.iter().chain(&figures))
+                .expect("writing to memory does not fail");
         }
-        out
+        let bytes = w.into_inner().expect("flushing to memory does not fail");
+        String::from_utf8(bytes).expect("CSV of UTF-8 strings is UTF-8")
     }
 
     fn json(&self) -> String {
@@ -199,7 +199,29 @@ mod tests {
 
     #[test]
     fn csv_quotes_what_needs_it() {
-        assert_eq!(csv_field("a,b"), "\"a,b\"");
-        assert_eq!(csv_field("plain"), "plain");
+        let acc = Acc {
+            allocations: 1,
+            mib_ms: 3_600_000,
+            core_milli_ms: 0,
+        };
+        let rows = [
+            (vec!["a,b".to_string(), "say \"hi\"".to_string()], acc),
+            (vec!["plain".to_string(), "p".to_string()], acc),
+        ];
+        let r = Report {
+            by: By::Pod,
+            since_ms: 0,
+            until_ms: 1,
+            seq: 1,
+            first_ms: Some(0),
+            rows: rows.into_iter().collect(),
+            total: acc,
+        };
+        assert_eq!(
+            r.render(Format::Csv),
+            "namespace,pod,allocations,gpu_mib_hours,gpu_core_hours,gpu_mib_ms,gpu_core_milli_ms\n\
+             \"a,b\",\"say \"\"hi\"\"\",1,1.000000,0.000000,3600000,0\n\
+             plain,p,1,1.000000,0.000000,3600000,0\n"
+        );
     }
 }
