@@ -1,8 +1,7 @@
 //! Times on the command line and in the output: RFC 3339 and times relative to now in,
 //! RFC 3339 in UTC out, at the ledger's millisecond resolution.
 
-use time::OffsetDateTime;
-use time::format_description::well_known::Rfc3339;
+use jiff::{Span, SpanRelativeTo, Timestamp};
 
 /// A time as given on the command line, resolved against one `now`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,81 +36,53 @@ pub fn parse_time(s: &str) -> Result<TimeArg, String> {
             .map(|ms| TimeArg::FromNow(-ms))
             .map_err(|e| format!("{e}; {help}"));
     }
-    match OffsetDateTime::parse(t, &Rfc3339) {
-        Ok(at) => i64::try_from(at.unix_timestamp_nanos().div_euclid(1_000_000))
-            .map(TimeArg::At)
-            .map_err(|_| format!("{t:?} is out of range")),
+    match t.parse::<Timestamp>() {
+        // Floor, not truncation: a time a fraction of a millisecond before the epoch is -1.
+        Ok(at) => Ok(TimeArg::At(
+            i64::try_from(at.as_nanosecond().div_euclid(1_000_000))
+                .expect("jiff's range is within i64 milliseconds"),
+        )),
         Err(e) => Err(format!("{t:?} is not a time ({e}); {help}")),
     }
 }
 
-/// `1h30m` → milliseconds. Units: s, m, h, d.
+/// A duration before now in milliseconds: whole numbers of s, m, h and d (24 hours), largest
+/// unit first, such as `90s` or `1h30m`.
 fn parse_duration_ms(s: &str) -> Result<i64, String> {
-    if s.is_empty() {
-        return Err("a duration is missing after '-'".into());
+    // jiff's friendly format also takes `3 hours`, `1.5h` and `1h ago`; the flag's form is the
+    // compact one it has always been, and the rest is jiff's.
+    if let Some(c) = s
+        .chars()
+        .find(|c| !c.is_ascii_digit() && !"smhd".contains(*c))
+    {
+        return Err(format!("unknown unit {c:?} in duration {s:?}"));
     }
-    let mut total: i64 = 0;
-    let mut num = String::new();
-    for c in s.chars() {
-        if c.is_ascii_digit() {
-            num.push(c);
-            continue;
-        }
-        let unit: i64 = match c {
-            's' => 1_000,
-            'm' => 60_000,
-            'h' => 3_600_000,
-            'd' => 86_400_000,
-            other => return Err(format!("unknown unit {other:?} in duration {s:?}")),
-        };
-        if num.is_empty() {
-            return Err(format!(
-                "a number is missing before {c:?} in duration {s:?}"
-            ));
-        }
-        let n: i64 = num
-            .parse()
-            .map_err(|_| format!("duration {s:?} is too large"))?;
-        total = n
-            .checked_mul(unit)
-            .and_then(|v| total.checked_add(v))
-            .ok_or_else(|| format!("duration {s:?} is too large"))?;
-        num.clear();
-    }
-    if !num.is_empty() {
-        return Err(format!("duration {s:?} ends without a unit (s, m, h or d)"));
-    }
-    Ok(total)
+    let span: Span = s.parse().map_err(|e| format!("duration {s:?}: {e}"))?;
+    let d = span
+        .to_duration(SpanRelativeTo::days_are_24_hours())
+        .map_err(|e| format!("duration {s:?}: {e}"))?;
+    i64::try_from(d.as_millis()).map_err(|_| format!("duration {s:?} is too large"))
 }
 
-/// An RFC 3339 time as milliseconds since the Unix epoch.
-pub fn parse_rfc3339(s: &str) -> Result<i64, time::error::Parse> {
-    OffsetDateTime::parse(s, &Rfc3339).map(|t| (t.unix_timestamp_nanos() / 1_000_000) as i64)
+/// An RFC 3339 time (or an ISO 8601 relative of it, such as a space for the `T`) as
+/// milliseconds since the Unix epoch.
+pub fn parse_rfc3339(s: &str) -> Result<i64, jiff::Error> {
+    s.parse::<Timestamp>().map(|t| t.as_millisecond())
 }
 
 /// RFC 3339 in UTC, with as many fractional digits as the time has (none for whole seconds).
 pub fn fmt_time(ms: i64) -> String {
-    OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000)
-        .ok()
-        .and_then(|t| t.format(&Rfc3339).ok())
-        .unwrap_or_else(|| ms.to_string())
+    Timestamp::from_millisecond(ms).map_or_else(|_| ms.to_string(), |t| t.to_string())
 }
 
 /// RFC 3339 in UTC with milliseconds always shown: the ledger's resolution, in a fixed width.
 pub fn fmt_ms(ms: i64) -> String {
-    let f = time::macros::format_description!(
-        "[year]-[month]-[day]T[hour]:[minute]:[second].[subsecond digits:3]Z"
-    );
-    OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000)
-        .ok()
-        .and_then(|t| t.format(&f).ok())
-        .unwrap_or_else(|| ms.to_string())
+    Timestamp::from_millisecond(ms).map_or_else(|_| ms.to_string(), |t| format!("{t:.3}"))
 }
 
 /// The wall clock now, in milliseconds since the Unix epoch.
 pub fn now_ms() -> i64 {
-    i64::try_from(OffsetDateTime::now_utc().unix_timestamp_nanos() / 1_000_000)
-        .expect("the clock is within i64 milliseconds")
+    Timestamp::now().as_millisecond()
 }
 
 #[cfg(test)]
@@ -129,5 +100,23 @@ mod tests {
             assert!(parse_time(bad).is_err(), "{bad:?} parsed");
         }
         assert!(parse_time("-99999999999999999999d").is_err());
+        for other_form in ["-3 hours", "-1.5h", "-1h ago", "now--1h", "-1mo", "-1w"] {
+            let e = parse_time(other_form).expect_err(other_form);
+            assert!(e.contains("unknown unit"), "{other_form:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn times_print_in_utc_at_the_ledgers_resolution() {
+        assert_eq!(fmt_time(0), "1970-01-01T00:00:00Z");
+        assert_eq!(fmt_time(1_500), "1970-01-01T00:00:01.5Z");
+        assert_eq!(fmt_time(-1), "1969-12-31T23:59:59.999Z");
+        assert_eq!(fmt_ms(1_700_000_000_000), "2023-11-14T22:13:20.000Z");
+        assert_eq!(fmt_ms(1_500), "1970-01-01T00:00:01.500Z");
+        assert_eq!(fmt_ms(i64::MAX), i64::MAX.to_string());
+        assert_eq!(
+            parse_rfc3339("2023-11-14T23:13:20.1+01:00").ok(),
+            Some(1_700_000_000_100)
+        );
     }
 }
