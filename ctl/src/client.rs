@@ -9,6 +9,7 @@ use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::allocator::v1::allocator_client::AllocatorClient;
 use tokio::sync::OnceCell;
 use tonic::transport::{Channel, Endpoint};
+use tracing::{Instrument, debug, debug_span};
 
 use crate::discover;
 
@@ -84,9 +85,16 @@ pub async fn connect_one(addr: &str) -> Result<AllocatorClient<Channel>> {
 pub async fn connect(t: &Target) -> Result<AllocatorClient<Channel>> {
     let mut errs = Vec::new();
     for a in &t.addrs().await? {
-        match connect_one(a).await {
-            Ok(c) => return Ok(c),
-            Err(e) => errs.push(format!("{e:#}")),
+        let span = debug_span!("connect", allocator = %a);
+        match connect_one(a).instrument(span.clone()).await {
+            Ok(c) => {
+                span.in_scope(|| debug!("connected"));
+                return Ok(c);
+            }
+            Err(e) => {
+                span.in_scope(|| debug!("no answer, trying the next replica: {e:#}"));
+                errs.push(format!("{e:#}"));
+            }
         }
     }
     bail!(
@@ -106,6 +114,7 @@ pub async fn dump_of(c: &mut AllocatorClient<Channel>) -> Result<(String, pb::Sn
 }
 
 /// Read the log from seq 1 to `to` (0 = the end), handing each event to `f` (false = stop).
+#[tracing::instrument(name = "read_log", skip_all, fields(from_seq = 1, to_seq = to))]
 pub async fn read_log(
     t: &Target,
     to: u64,
@@ -120,19 +129,20 @@ pub async fn read_log(
         .await
         .map_err(|s| anyhow::anyhow!("reading the log: {}", s.message()))?
         .into_inner();
+    let mut last = 0;
     while let Some(b) = stream
         .message()
         .await
         .map_err(|s| anyhow::anyhow!("reading the log: {}", s.message()))?
     {
         for e in &b.events {
-            if to > 0 && e.seq > to {
-                return Ok(());
-            }
-            if !f(e)? {
+            if to > 0 && e.seq > to || !f(e)? {
+                debug!(seq = e.seq, "stopped at this event");
                 return Ok(());
             }
         }
+        last = b.events.last().map_or(last, |e| e.seq);
     }
+    debug!(seq = last, "read to the end of the log");
     Ok(())
 }
