@@ -16,17 +16,8 @@ use tracing::{info, warn};
 use crate::allocator::Pool;
 use crate::config::Config;
 use crate::metrics::Metrics;
-use crate::nvml::{GpuInfo, NvmlBackend, XidEvent, is_critical_xid};
+use crate::nvml::{GpuInfo, GpuState, NvmlBackend, XidEvent, is_critical_xid};
 use crate::view::{EnvOptions, View};
-
-/// One GPU and whether it is fit to be handed out.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct GpuState {
-    /// What NVML says about it.
-    pub info: GpuInfo,
-    /// False after a critical Xid (or when the ledger already had it unhealthy).
-    pub healthy: bool,
-}
 
 /// Everything the agent's tasks and gRPC handlers share.
 pub struct Agent {
@@ -110,6 +101,20 @@ impl Agent {
     pub fn update_view(&self, f: impl FnOnce(&mut View)) {
         f(&mut self.view.lock().unwrap_or_else(|e| e.into_inner()));
         self.view_rev.send_modify(|r| *r += 1);
+    }
+
+    /// Bring the metrics' state gauges up to date (called on each scrape).
+    pub fn refresh_metrics(&self) {
+        // View, then GPUs: the order every other reader takes them in.
+        self.with_view(|v| {
+            let gpus = self.gpus.borrow();
+            self.metrics.refresh(
+                &gpus,
+                v,
+                self.kubelet_registered.load(Ordering::Acquire),
+                self.synced(),
+            );
+        });
     }
 
     /// Whether the first view arrived.

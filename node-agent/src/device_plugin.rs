@@ -16,7 +16,8 @@ use tokio_stream::wrappers::WatchStream;
 use tonic::{Request, Response, Status};
 use tracing::{info, warn};
 
-use crate::agent::{Agent, GpuState};
+use crate::agent::Agent;
+use crate::nvml::GpuState;
 use crate::view::{container_response, device_id, parse_device_id};
 
 /// The resource this plugin advertises.

@@ -25,6 +25,15 @@ pub struct GpuInfo {
     pub memory_mib: u64,
 }
 
+/// One GPU and whether it is fit to be handed out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuState {
+    /// What NVML says about it.
+    pub info: GpuInfo,
+    /// False after a critical Xid (or when the ledger already had it unhealthy).
+    pub healthy: bool,
+}
+
 /// A process with a compute context on a GPU.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GpuProcess {
