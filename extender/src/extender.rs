@@ -28,7 +28,6 @@ use crate::allocator::Allocators;
 use crate::metrics::{Metrics, Outcome};
 use crate::replica::Replica;
 
-pub use bind::CrashAt;
 pub use wire::{
     BindingArgs, BindingResult, ExtenderArgs, FilterResult, HostPriority, Name, NodeList,
     PreemptionArgs, PreemptionResult,
@@ -41,8 +40,9 @@ pub struct App {
     pub allocators: Allocators,
     /// API server client (bind needs it).
     pub kube: Option<kube::Client>,
-    /// Test-only crash point.
-    pub crash_at: Option<CrashAt>,
+    /// Where a test asks the process to die mid-bind.
+    #[cfg(feature = "test-hooks")]
+    pub crash_at: Option<crate::test_hooks::CrashAt>,
     /// Pod Events (placed on GPU …); None without a Kubernetes client.
     pub events: Option<Recorder>,
     /// Verb latencies and outcomes, served at /metrics.

@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 use gpuledger_extender::allocator::Allocators;
-use gpuledger_extender::extender::{self, App, CrashAt};
+use gpuledger_extender::extender::{self, App};
 use gpuledger_extender::metrics::Metrics;
 use gpuledger_extender::replica::Replica;
 use gpuledger_extender::webhook;
@@ -75,9 +75,11 @@ struct Args {
     #[arg(long, env = "GPULEDGER_LOG_FORMAT", default_value = "human", value_parser = ["human", "json"])]
     log_format: String,
 
-    /// Test only: exit at this point of a bind, as if killed.
+    /// Test only: exit at this point of a bind, as if killed (built with the `test-hooks`
+    /// feature only).
+    #[cfg(feature = "test-hooks")]
     #[arg(long, env = "GPULEDGER_CRASH_AT", hide = true)]
-    crash_at: Option<CrashAt>,
+    crash_at: Option<gpuledger_extender::test_hooks::CrashAt>,
 }
 
 async fn run(a: Args) -> anyhow::Result<()> {
@@ -126,6 +128,7 @@ async fn run(a: Args) -> anyhow::Result<()> {
     let app = extender::router(App {
         allocators,
         kube,
+        #[cfg(feature = "test-hooks")]
         crash_at: a.crash_at,
         events,
         metrics,

@@ -17,15 +17,6 @@ use super::wire::{BindingArgs, BindingResult};
 use super::{App, bad_request, failed};
 use crate::resources::{self, ANN_ALLOCATION};
 
-/// Where a test asks the process to die (a stand-in for a crash at the worst moment).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum CrashAt {
-    /// After the reservation, before the Binding is created.
-    BeforeBinding,
-    /// After the Binding is created, before the allocator is told.
-    AfterBinding,
-}
-
 /// "placed on node-3: container main on GPU-… (3072 MiB, 30% compute), …" for the pod's Event.
 fn placed_message(node: &str, r: &api::ReserveResponse) -> String {
     let parts: Vec<String> = r
@@ -163,9 +154,8 @@ async fn do_bind(app: &App, a: &BindingArgs) -> Result<(), String> {
             Some(r)
         }
     };
-    if app.crash_at == Some(CrashAt::BeforeBinding) {
-        std::process::exit(99);
-    }
+    #[cfg(feature = "test-hooks")]
+    crate::test_hooks::crash_if(app.crash_at, crate::test_hooks::CrashAt::BeforeBinding);
     let binding = json!({
         "apiVersion": "v1",
         "kind": "Binding",
@@ -189,9 +179,8 @@ async fn do_bind(app: &App, a: &BindingArgs) -> Result<(), String> {
             return Err(format!("creating the Binding to {}: {msg}", a.node));
         }
     }
-    if app.crash_at == Some(CrashAt::AfterBinding) {
-        std::process::exit(99);
-    }
+    #[cfg(feature = "test-hooks")]
+    crate::test_hooks::crash_if(app.crash_at, crate::test_hooks::CrashAt::AfterBinding);
     info!(pod = %format!("{}/{}", a.pod_namespace, a.pod_name), uid, node = %a.node,
           ms = t0.elapsed().as_secs_f64() * 1e3, "bound");
     if let Some(r) = reserved {
