@@ -1,11 +1,11 @@
-//! Helpers shared by the extender's integration tests: fixtures, TLS, an HTTPS client, JSON
-//! Patch, and admission as the API server does it.
+//! Helpers shared by the extender's integration tests: fixtures, TLS, an HTTPS client, and
+//! admission as the API server does it.
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use gpuledger_chaos::kube::{ExtenderClient, ExtenderConfig, KubeStack};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
@@ -117,37 +117,10 @@ impl Https {
     }
 }
 
-fn unescape(seg: &str) -> String {
-    seg.replace("~1", "/").replace("~0", "~")
-}
-
-/// Apply an RFC 6902 JSON Patch (add, replace, remove), as the API server does.
+/// Apply an RFC 6902 JSON Patch, as the API server does.
 pub fn apply_patch(mut doc: Value, patch: &Value) -> Result<Value> {
-    for op in patch.as_array().context("a patch is a list")? {
-        let path = op["path"].as_str().context("op without path")?;
-        let segs: Vec<String> = path.split('/').skip(1).map(unescape).collect();
-        let (last, parents) = segs.split_last().context("empty path")?;
-        let mut cur = &mut doc;
-        for s in parents {
-            cur = match cur {
-                Value::Object(m) => m.get_mut(s).with_context(|| format!("{path}: no {s}"))?,
-                Value::Array(a) => a
-                    .get_mut(s.parse::<usize>()?)
-                    .with_context(|| format!("{path}: no index {s}"))?,
-                _ => bail!("{path}: {s} is not a container"),
-            };
-        }
-        match (op["op"].as_str(), cur) {
-            (Some("add" | "replace"), Value::Object(m)) => {
-                m.insert(last.clone(), op["value"].clone());
-            }
-            (Some("remove"), Value::Object(m)) => {
-                m.remove(last);
-            }
-            (Some("add"), Value::Array(a)) if last == "-" => a.push(op["value"].clone()),
-            (o, _) => bail!("unsupported op {o:?} at {path}"),
-        }
-    }
+    let p: json_patch::Patch = serde_json::from_value(patch.clone()).context("not a JSON Patch")?;
+    json_patch::patch(&mut doc, &p)?;
     Ok(doc)
 }
 
@@ -158,7 +131,8 @@ pub async fn admit(hook: &Https, pod: Value) -> Result<std::result::Result<Value
         json!({"kind": "AdmissionReview", "apiVersion": "admission.k8s.io/v1",
                "request": {"uid": uid, "kind": {"group": "", "version": "v1", "kind": "Pod"},
                            "resource": {"group": "", "version": "v1", "resource": "pods"},
-                           "operation": "CREATE", "object": obj}})
+                           "operation": "CREATE", "userInfo": {"username": "system:admin"},
+                           "object": obj}})
     };
     let (s, m) = hook.post("/mutate", &review(&pod, "m-1")).await?;
     anyhow::ensure!(s == 200, "mutate answered {s}: {m}");
