@@ -8,8 +8,10 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use gpuledger_ops::events::{Kind, PodEvent};
 use gpuledger_proto::allocator::v1 as api;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Binding, ObjectReference, Pod};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, Patch, PatchParams, PostParams};
+use serde::de::IgnoredAny;
 use serde_json::{Value, json};
 use tracing::{info, warn};
 
@@ -156,13 +158,22 @@ async fn do_bind(app: &App, a: &BindingArgs) -> Result<(), String> {
     };
     #[cfg(feature = "test-hooks")]
     crate::test_hooks::crash_if(app.crash_at, crate::test_hooks::CrashAt::BeforeBinding);
-    let binding = json!({
-        "apiVersion": "v1",
-        "kind": "Binding",
-        "metadata": {"name": a.pod_name, "namespace": a.pod_namespace, "uid": uid},
-        "target": {"apiVersion": "v1", "kind": "Node", "name": a.node},
-    });
-    let created: Result<Value, kube::Error> = pods
+    let binding = Binding {
+        metadata: ObjectMeta {
+            name: Some(a.pod_name.clone()),
+            namespace: Some(a.pod_namespace.clone()),
+            uid: Some(uid.clone()),
+            ..Default::default()
+        },
+        target: ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Node".into()),
+            name: Some(a.node.clone()),
+            ..Default::default()
+        },
+    };
+    // The API server answers with a Status; only whether it succeeded matters.
+    let created: Result<IgnoredAny, kube::Error> = pods
         .create_subresource("binding", &a.pod_name, &PostParams::default(), &binding)
         .await;
     if let Err(e) = created {
