@@ -14,6 +14,7 @@ use gpuledger_extender::metrics::Metrics;
 use gpuledger_extender::replica::Replica;
 use gpuledger_extender::webhook;
 use gpuledger_ops::events::Recorder;
+use tokio_util::sync::CancellationToken;
 use tracing::info;
 
 /// gpuledger-extender: kube-scheduler extender (filter, prioritize, bind, preempt) and
@@ -66,6 +67,11 @@ struct Args {
     #[arg(long, env = "GPULEDGER_TLS_KEY")]
     tls_key: Option<PathBuf>,
 
+    /// How often the webhook reads --tls-cert and --tls-key again, in milliseconds; a changed
+    /// pair (cert-manager renewed it) is served to new connections without a restart.
+    #[arg(long, env = "GPULEDGER_TLS_RELOAD_MS", default_value_t = 10_000)]
+    tls_reload_ms: u64,
+
     /// Scheduler name the webhook sets on GPU pods that use the default scheduler (off when
     /// not set).
     #[arg(long, env = "GPULEDGER_SCHEDULER_NAME")]
@@ -83,6 +89,17 @@ struct Args {
 }
 
 async fn run(a: Args) -> anyhow::Result<()> {
+    let shutdown = CancellationToken::new();
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("installing a SIGTERM handler")?;
+    let on_signal = shutdown.clone();
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+        on_signal.cancel();
+    });
     let allocators = Allocators::new(&a.allocator, Duration::from_millis(a.allocator_timeout_ms))?;
     let kube = gpuledger_ops::kube_client::client(a.kubeconfig.as_deref()).await?;
     if kube.is_none() {
@@ -107,7 +124,7 @@ async fn run(a: Args) -> anyhow::Result<()> {
                 .clone()
                 .context("--tls-key is required with --webhook-listen")?,
         );
-        let tls = webhook::tls_config(&cert, &key)?;
+        let tls = webhook::tls::tls_config(&cert, &key)?;
         let l = tokio::net::TcpListener::bind(addr)
             .await
             .with_context(|| format!("listening on {addr}"))?;
@@ -120,7 +137,18 @@ async fn run(a: Args) -> anyhow::Result<()> {
             gpuledger_extender::metrics::track,
         ));
         info!(%addr, "admission webhook listening (HTTPS)");
-        tokio::spawn(webhook::serve_tls(l, tls, app));
+        let files = webhook::tls::CertFiles {
+            cert,
+            key,
+            reload_every: Duration::from_millis(a.tls_reload_ms),
+        };
+        let limits = webhook::tls::Limits::default();
+        let stop = shutdown.clone();
+        tokio::spawn(async move {
+            if let Err(e) = webhook::tls::serve(l, tls, files, limits, app, stop).await {
+                tracing::error!("the admission webhook stopped: {e:#}");
+            }
+        });
     }
     let events = kube
         .clone()
@@ -138,22 +166,15 @@ async fn run(a: Args) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("listening on {}", a.listen))?;
     info!(addr = %a.listen, allocators = ?a.allocator, "scheduler extender listening");
-    let shutdown = async {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .expect("installing a SIGTERM handler");
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = tokio::signal::ctrl_c() => {}
-        }
-    };
     // Answers of thousands of node names span many segments: no Nagle delay.
     let l = axum::serve::ListenerExt::tap_io(l, |tcp: &mut tokio::net::TcpStream| {
         let _ = tcp.set_nodelay(true);
     });
     axum::serve(l, app)
-        .with_graceful_shutdown(shutdown)
+        .with_graceful_shutdown(shutdown.clone().cancelled_owned())
         .await
         .context("serving the extender")?;
+    shutdown.cancel();
     Ok(())
 }
 

@@ -1,10 +1,9 @@
 //! The admission webhook (AdmissionReview v1, HTTPS only): `mutate` completes and translates
 //! GPU requests, `validate` rejects what can never run with a message a user understands.
 
+pub mod tls;
+
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
-use std::path::Path;
-use std::sync::Arc;
 
 use axum::Router;
 use axum::body::Bytes;
@@ -288,59 +287,5 @@ async fn validate(State(w): State<Webhook>, body: Bytes) -> Response {
             denied.result.code = 422;
             answer(denied)
         }
-    }
-}
-
-/// TLS settings from PEM files.
-pub fn tls_config(cert: &Path, key: &Path) -> anyhow::Result<rustls::ServerConfig> {
-    use rustls::pki_types::pem::PemObject;
-    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
-        .map_err(|e| anyhow::anyhow!("reading {}: {e}", cert.display()))?
-        .collect::<Result<_, _>>()
-        .map_err(|e| anyhow::anyhow!("reading {}: {e}", cert.display()))?;
-    anyhow::ensure!(!certs.is_empty(), "{} holds no certificate", cert.display());
-    let key = PrivateKeyDer::from_pem_file(key)
-        .map_err(|e| anyhow::anyhow!("reading {}: {e}", key.display()))?;
-    let mut cfg = rustls::ServerConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()?
-    .with_no_client_auth()
-    .with_single_cert(certs, key)?;
-    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
-    Ok(cfg)
-}
-
-/// Serve `app` over HTTPS on `listener` until the process ends.
-pub async fn serve_tls(listener: tokio::net::TcpListener, tls: rustls::ServerConfig, app: Router) {
-    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(tls));
-    loop {
-        let (tcp, peer): (tokio::net::TcpStream, SocketAddr) = match listener.accept().await {
-            Ok(x) => x,
-            Err(e) => {
-                warn!(error = %e, "webhook accept failed");
-                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                continue;
-            }
-        };
-        let _ = tcp.set_nodelay(true);
-        let acceptor = acceptor.clone();
-        let app = app.clone();
-        tokio::spawn(async move {
-            let stream = match acceptor.accept(tcp).await {
-                Ok(s) => s,
-                Err(e) => {
-                    warn!(%peer, error = %e, "TLS handshake failed");
-                    return;
-                }
-            };
-            let svc = hyper_util::service::TowerToHyperService::new(app);
-            let conn = hyper::server::conn::http1::Builder::new()
-                .serve_connection(hyper_util::rt::TokioIo::new(stream), svc);
-            if let Err(e) = conn.await {
-                warn!(%peer, error = %e, "webhook connection ended with an error");
-            }
-        });
     }
 }
