@@ -23,6 +23,7 @@ use gpuledger_proto::allocator::v1 as api;
 use k8s_openapi::api::core::v1::Pod;
 use serde::Serialize;
 use serde_json::json;
+use tokio_util::task::TaskTracker;
 
 use crate::allocator::Allocators;
 use crate::metrics::{Metrics, Outcome};
@@ -50,6 +51,8 @@ pub struct App {
     /// The local replica of the ledger filter and prioritize read (None = always ask the
     /// allocator).
     pub replica: Option<Arc<Replica>>,
+    /// The work that follows a bind off the scheduler's path, waited for at shutdown.
+    pub tasks: TaskTracker,
 }
 
 /// The extender's routes, served at the root and under `/gpuledger`.

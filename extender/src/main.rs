@@ -15,7 +15,11 @@ use gpuledger_extender::replica::Replica;
 use gpuledger_extender::webhook;
 use gpuledger_ops::events::Recorder;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tracing::info;
+
+/// How long shutdown waits for the webhook to drain and the work after binds to finish.
+const SHUTDOWN_WAIT: Duration = Duration::from_secs(10);
 
 /// gpuledger-extender: kube-scheduler extender (filter, prioritize, bind, preempt) and
 /// admission webhook for fractional GPUs.
@@ -90,6 +94,7 @@ struct Args {
 
 async fn run(a: Args) -> anyhow::Result<()> {
     let shutdown = CancellationToken::new();
+    let tasks = TaskTracker::new();
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .context("installing a SIGTERM handler")?;
     let on_signal = shutdown.clone();
@@ -113,7 +118,7 @@ async fn run(a: Args) -> anyhow::Result<()> {
         }
     }));
     if let Some(rep) = &replica {
-        tokio::spawn(rep.clone().follow(allocators.clone()));
+        tasks.spawn(rep.clone().follow(allocators.clone(), shutdown.clone()));
     }
     if let Some(addr) = a.webhook_listen {
         let (cert, key) = (
@@ -144,7 +149,7 @@ async fn run(a: Args) -> anyhow::Result<()> {
         };
         let limits = webhook::tls::Limits::default();
         let stop = shutdown.clone();
-        tokio::spawn(async move {
+        tasks.spawn(async move {
             if let Err(e) = webhook::tls::serve(l, tls, files, limits, app, stop).await {
                 tracing::error!("the admission webhook stopped: {e:#}");
             }
@@ -161,6 +166,7 @@ async fn run(a: Args) -> anyhow::Result<()> {
         events,
         metrics,
         replica,
+        tasks: tasks.clone(),
     });
     let l = tokio::net::TcpListener::bind(a.listen)
         .await
@@ -175,6 +181,15 @@ async fn run(a: Args) -> anyhow::Result<()> {
         .await
         .context("serving the extender")?;
     shutdown.cancel();
+    tasks.close();
+    if tokio::time::timeout(SHUTDOWN_WAIT, tasks.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            "stopping with work after binds still running (the allocator's reconcile finishes it)"
+        );
+    }
     Ok(())
 }
 

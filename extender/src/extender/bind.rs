@@ -198,7 +198,8 @@ async fn do_bind(app: &App, a: &BindingArgs) -> Result<(), String> {
         // The pod is bound: the scheduler may go on. Recording it (ConfirmBound, one more etcd
         // commit), the annotation for humans and the Event follow off the scheduler's path. If
         // this extender dies first, the allocator's pod watch sees the binding and records it.
-        tokio::spawn(after_bind(app.clone(), pods, a.clone(), uid, r));
+        app.tasks
+            .spawn(after_bind(app.clone(), pods, a.clone(), uid, r));
     }
     Ok(())
 }
