@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use backon::{ConstantBuilder, Retryable};
 use gpuledger_ops::events::{PodEvent, Recorder};
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
@@ -18,6 +19,13 @@ use crate::config::Config;
 use crate::metrics::Metrics;
 use crate::nvml::{GpuInfo, GpuState, NvmlBackend, XidEvent, is_critical_xid};
 use crate::view::{EnvOptions, View};
+
+/// Retry a call to the allocator every second until it is accepted.
+fn every_second() -> ConstantBuilder {
+    ConstantBuilder::new()
+        .with_delay(Duration::from_secs(1))
+        .without_max_times()
+}
 
 /// Everything the agent's tasks and gRPC handlers share.
 pub struct Agent {
@@ -193,12 +201,12 @@ impl Agent {
         }
     }
 
-    /// Register the inventory with the allocator now (retrying until it is accepted).
+    /// Register the inventory with the allocator now (retrying every second until it is
+    /// accepted).
     async fn register(&self) {
         let inv = self.inventory();
-        loop {
-            let r = self
-                .pool
+        let r = (|| async {
+            self.pool
                 .call(Duration::from_secs(30), |mut c| {
                     let inv = inv.clone();
                     async move {
@@ -208,17 +216,13 @@ impl Agent {
                         .await
                     }
                 })
-                .await;
-            match r {
-                Ok(w) => {
-                    info!(node = %inv.node, seq = w.seq, changed = w.changed, "inventory registered");
-                    return;
-                }
-                Err(e) => {
-                    warn!(node = %inv.node, "registering the inventory failed, retrying: {e}");
-                    tokio::time::sleep(Duration::from_secs(1)).await;
-                }
-            }
+                .await
+        })
+        .retry(every_second())
+        .notify(|e, _| warn!(node = %inv.node, "registering the inventory failed, retrying: {e}"))
+        .await;
+        if let Ok(w) = r {
+            info!(node = %inv.node, seq = w.seq, changed = w.changed, "inventory registered");
         }
     }
 
@@ -296,26 +300,21 @@ impl Agent {
                 reason: format!("critical Xid {}", x.xid),
                 xid: x.xid as u32,
             };
-            loop {
-                match self
-                    .pool
+            let r = (|| async {
+                self.pool
                     .call(Duration::from_secs(30), |mut c| {
                         let r = req.clone();
                         async move { c.set_device_health(r).await }
                     })
                     .await
-                {
-                    Ok(_) => break,
-                    Err(e) if e.code() == tonic::Code::NotFound => {
-                        // Not registered yet: the registration carries the health mark.
-                        warn!(gpu = %x.gpu, "SetDeviceHealth: {e}");
-                        break;
-                    }
-                    Err(e) => {
-                        warn!(gpu = %x.gpu, "SetDeviceHealth failed, retrying: {e}");
-                        tokio::time::sleep(Duration::from_secs(1)).await;
-                    }
-                }
+            })
+            .retry(every_second())
+            // Not registered yet: the registration carries the health mark.
+            .when(|e| e.code() != tonic::Code::NotFound)
+            .notify(|e, _| warn!(gpu = %x.gpu, "SetDeviceHealth failed, retrying: {e}"))
+            .await;
+            if let Err(e) = r {
+                warn!(gpu = %x.gpu, "SetDeviceHealth: {e}");
             }
         }
     }
