@@ -24,6 +24,7 @@ use k8s_openapi::api::core::v1::Pod;
 use serde::Serialize;
 use serde_json::json;
 use tokio_util::task::TaskTracker;
+use tracing::Span;
 
 use crate::allocator::Allocators;
 use crate::metrics::{Metrics, Outcome};
@@ -81,7 +82,9 @@ pub fn router(app: App) -> Router {
 async fn readyz(State(app): State<App>) -> Response {
     let st = app
         .allocators
-        .call(|mut c| async move { c.status(api::StatusRequest {}).await })
+        .call("Status", |mut c| async move {
+            c.status(api::StatusRequest {}).await
+        })
         .await;
     match st {
         Ok(s) if s.ready => (StatusCode::OK, "ready\n".to_string()).into_response(),
@@ -120,6 +123,13 @@ fn json_sized<T: Serialize>(v: &T, hint: usize) -> Response {
 fn bad_request(what: &str, e: impl std::fmt::Display) -> Response {
     let body = json!({ "Error": format!("malformed {what} request: {e}") });
     (StatusCode::BAD_REQUEST, axum::Json(body)).into_response()
+}
+
+/// Name the pod on the current request's span (its `pod_uid` and `pod` fields).
+fn record_pod(pod: &Pod) {
+    let span = Span::current();
+    span.record("pod_uid", pod.metadata.uid.as_deref().unwrap_or(""));
+    span.record("pod", tracing::field::display(pod_id(pod)));
 }
 
 fn pod_id(pod: &Pod) -> String {

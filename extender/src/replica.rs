@@ -27,7 +27,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{info, instrument, warn};
 
 use crate::allocator::Allocators;
 
@@ -193,6 +193,7 @@ impl Replica {
             .await;
     }
 
+    #[instrument(name = "ledger_replica", skip_all)]
     async fn follow_forever(&self, allocators: Allocators) {
         // 100 ms after a stream that ended cleanly, doubling to 2 s while they keep breaking.
         let backoff = ExponentialBuilder::new()
@@ -229,9 +230,9 @@ impl Replica {
     ) -> Result<(), StreamEnd> {
         use api::replicate_response::Body;
         let mut s = allocators
-            .call(
-                |mut c| async move { c.replicate(api::ReplicateRequest { from_seq: from }).await },
-            )
+            .call("Replicate", |mut c| async move {
+                c.replicate(api::ReplicateRequest { from_seq: from }).await
+            })
             .await
             .map_err(|s| StreamEnd::Broken(s.message().to_string()))?;
         // Heartbeats come twice a second; silence this long means a dead peer.

@@ -21,7 +21,8 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::core::DynamicObject;
 use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview};
 use serde_json::{Value, json};
-use tracing::{info, warn};
+use tracing::field::{self, Empty};
+use tracing::{Span, info, instrument, warn};
 
 use crate::allocator::Allocators;
 use crate::resources::{self, ContainerGpu};
@@ -177,11 +178,33 @@ pub fn mutation(pod: &Pod, scheduler_name: Option<&str>) -> Result<Patch, String
     Ok(Patch(ops))
 }
 
+/// Name the review and its pod on the current request's span.
+fn record_review(req: &AdmissionRequest<DynamicObject>, pod: Option<&Pod>) {
+    let span = Span::current();
+    span.record("review", req.uid.as_str());
+    if let Some(p) = pod {
+        let m = &p.metadata;
+        let name = m
+            .name
+            .as_deref()
+            .or(m.generate_name.as_deref())
+            .unwrap_or("");
+        let ns = m
+            .namespace
+            .as_deref()
+            .or(req.namespace.as_deref())
+            .unwrap_or("");
+        span.record("pod", field::display(format_args!("{ns}/{name}")));
+    }
+}
+
+#[instrument(name = "mutate", skip_all, fields(review = Empty, pod = Empty))]
 async fn mutate(State(w): State<Webhook>, body: Bytes) -> Response {
     let (req, pod) = match parse(&body) {
         Ok(x) => x,
         Err(e) => return (StatusCode::BAD_REQUEST, e).into_response(),
     };
+    record_review(&req, pod.as_ref());
     let allowed = AdmissionResponse::from(&req);
     let Some(pod) = pod else {
         return answer(allowed);
@@ -194,7 +217,7 @@ async fn mutate(State(w): State<Webhook>, body: Bytes) -> Response {
             let n = ops.len();
             match allowed.with_patch(ops) {
                 Ok(r) => {
-                    info!(pod = ?pod.metadata.name, ns = ?pod.metadata.namespace, ops = n, "mutated");
+                    info!(ops = n, "mutated");
                     answer(r)
                 }
                 Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
@@ -244,7 +267,7 @@ pub async fn check(allocators: &Allocators, pod: &Pod) -> Option<String> {
         nodes: Vec::new(),
     };
     match allocators
-        .call(|mut c| {
+        .call("Filter", |mut c| {
             let p = probe.clone();
             async move { c.filter(p).await }
         })
@@ -270,11 +293,13 @@ pub async fn check(allocators: &Allocators, pod: &Pod) -> Option<String> {
     }
 }
 
+#[instrument(name = "validate", skip_all, fields(review = Empty, pod = Empty))]
 async fn validate(State(w): State<Webhook>, body: Bytes) -> Response {
     let (req, pod) = match parse(&body) {
         Ok(x) => x,
         Err(e) => return (StatusCode::BAD_REQUEST, e).into_response(),
     };
+    record_review(&req, pod.as_ref());
     let allowed = AdmissionResponse::from(&req);
     let Some(pod) = pod else {
         return answer(allowed);
@@ -282,7 +307,7 @@ async fn validate(State(w): State<Webhook>, body: Bytes) -> Response {
     match check(&w.allocators, &pod).await {
         None => answer(allowed),
         Some(m) => {
-            info!(pod = ?pod.metadata.name, ns = ?pod.metadata.namespace, reason = %m, "denied");
+            info!(reason = %m, "denied");
             let mut denied = allowed.deny(m);
             denied.result.code = 422;
             answer(denied)

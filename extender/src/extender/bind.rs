@@ -13,7 +13,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use serde::de::IgnoredAny;
 use serde_json::{Value, json};
-use tracing::{info, warn};
+use tracing::field::{self, Empty};
+use tracing::{Instrument, Span, info, instrument, warn};
 
 use super::wire::{BindingArgs, BindingResult};
 use super::{App, bad_request, failed};
@@ -74,16 +75,24 @@ fn kube_error(e: &kube::Error) -> (Option<u16>, String) {
     }
 }
 
+#[instrument(name = "bind", skip_all, fields(pod_uid = Empty, pod = Empty, node = Empty,
+    allocations = Empty, seq = Empty, epoch = Empty))]
 pub(super) async fn bind(State(app): State<App>, body: Bytes) -> Response {
     let args: BindingArgs = match serde_json::from_slice(&body) {
         Ok(a) => a,
         Err(e) => return bad_request("bind", e),
     };
+    let span = Span::current();
+    span.record("pod_uid", args.pod_uid.as_str());
+    span.record(
+        "pod",
+        field::display(format_args!("{}/{}", args.pod_namespace, args.pod_name)),
+    );
+    span.record("node", args.node.as_str());
     match do_bind(&app, &args).await {
         Ok(()) => axum::Json(BindingResult::default()).into_response(),
         Err(error) => {
-            warn!(pod = %format!("{}/{}", args.pod_namespace, args.pod_name), uid = %args.pod_uid,
-                  node = %args.node, error = %error, "bind failed");
+            warn!(error = %error, "bind failed");
             failed(axum::Json(BindingResult { error }).into_response())
         }
     }
@@ -97,7 +106,7 @@ async fn release(app: &App, uid: &str, why: &str) {
     };
     let res = app
         .allocators
-        .call(|mut c| {
+        .call("Release", |mut c| {
             let rr = rr.clone();
             async move { c.release(rr).await }
         })
@@ -107,7 +116,7 @@ async fn release(app: &App, uid: &str, why: &str) {
     }
     if let Err(s) = res {
         // The reservation expires by itself (--reserve-ttl) if this fails.
-        warn!(uid, error = %s.message(), "releasing the reservation failed; it will expire");
+        warn!(error = %s.message(), "releasing the reservation failed; it will expire");
     }
 }
 
@@ -133,6 +142,7 @@ async fn do_bind(app: &App, a: &BindingArgs) -> Result<(), String> {
         ));
     }
     let uid = pod.metadata.uid.clone().unwrap_or_default();
+    Span::current().record("pod_uid", uid.as_str());
     let req = resources::pod_request(&pod).map_err(|e| e.to_string())?;
     let reserved = match req {
         None => None,
@@ -144,7 +154,7 @@ async fn do_bind(app: &App, a: &BindingArgs) -> Result<(), String> {
             };
             let r = app
                 .allocators
-                .call(|mut c| {
+                .call("Reserve", |mut c| {
                     let rr = rr.clone();
                     async move { c.reserve(rr).await }
                 })
@@ -153,6 +163,11 @@ async fn do_bind(app: &App, a: &BindingArgs) -> Result<(), String> {
             if let Some(rep) = &app.replica {
                 rep.note_write(r.seq);
             }
+            let span = Span::current();
+            let ids: Vec<u64> = r.allocations.iter().map(|x| x.id).collect();
+            span.record("allocations", field::debug(ids));
+            span.record("seq", r.seq);
+            span.record("epoch", r.epoch);
             Some(r)
         }
     };
@@ -192,14 +207,13 @@ async fn do_bind(app: &App, a: &BindingArgs) -> Result<(), String> {
     }
     #[cfg(feature = "test-hooks")]
     crate::test_hooks::crash_if(app.crash_at, crate::test_hooks::CrashAt::AfterBinding);
-    info!(pod = %format!("{}/{}", a.pod_namespace, a.pod_name), uid, node = %a.node,
-          ms = t0.elapsed().as_secs_f64() * 1e3, "bound");
+    info!(ms = t0.elapsed().as_secs_f64() * 1e3, "bound");
     if let Some(r) = reserved {
         // The pod is bound: the scheduler may go on. Recording it (ConfirmBound, one more etcd
         // commit), the annotation for humans and the Event follow off the scheduler's path. If
         // this extender dies first, the allocator's pod watch sees the binding and records it.
         app.tasks
-            .spawn(after_bind(app.clone(), pods, a.clone(), uid, r));
+            .spawn(after_bind(app.clone(), pods, a.clone(), uid, r).in_current_span());
     }
     Ok(())
 }
@@ -216,7 +230,7 @@ async fn after_bind(
         pod_uid: uid.clone(),
         node: a.node.clone(),
     };
-    let confirm = app.allocators.call(|mut c| {
+    let confirm = app.allocators.call("ConfirmBound", |mut c| {
         let cb = cb.clone();
         async move { c.confirm_bound(cb).await }
     });
@@ -227,10 +241,10 @@ async fn after_bind(
     if let Err(s) = confirmed {
         // A failed confirm is left to the allocator's reconcile, which sees the binding;
         // releasing would leave a running pod without its GPU.
-        warn!(uid, error = %s.message(), "confirming the binding failed; the allocator's reconcile will");
+        warn!(error = %s.message(), "confirming the binding failed; the allocator's reconcile will");
     }
     if let Err(e) = annotated {
-        warn!(uid, error = %kube_error(&e).1, "writing the allocation annotation failed (it is informational)");
+        warn!(error = %kube_error(&e).1, "writing the allocation annotation failed (it is informational)");
     }
     if let Some(events) = &app.events {
         events.emit(PodEvent {

@@ -10,10 +10,11 @@ use axum::response::{IntoResponse, Response};
 use gpuledger_ledger::placement;
 use gpuledger_proto::allocator::v1 as api;
 use tonic::Code;
-use tracing::{debug, warn};
+use tracing::field::Empty;
+use tracing::{Span, debug, instrument, warn};
 
 use super::wire::{ExtenderArgs, FilterResult, NodeList, node_name, take_node_names};
-use super::{App, bad_request, failed, json_sized, pod_id};
+use super::{App, bad_request, failed, json_sized, record_pod};
 use crate::{parallel, resources};
 
 /// Keep the nodes named in `keep`, in the request's form: full nodes when it carried them
@@ -35,6 +36,7 @@ fn answer_nodes(nodes: Option<NodeList>, keep: Vec<String>, out: &mut FilterResu
     }
 }
 
+#[instrument(name = "filter", skip_all, fields(pod_uid = Empty, pod = Empty, nodes = Empty, seq = Empty))]
 pub(super) async fn filter(State(app): State<App>, body: Bytes) -> Response {
     let t0 = Instant::now();
     let mut args: ExtenderArgs<'_> = match serde_json::from_slice(&body) {
@@ -61,7 +63,8 @@ pub(super) async fn filter(State(app): State<App>, body: Bytes) -> Response {
     let Some(pod) = args.pod.as_ref() else {
         return bad_request("filter", "Pod is missing");
     };
-    let id = pod_id(pod);
+    record_pod(pod);
+    Span::current().record("nodes", names.len());
     let mut out = FilterResult::default();
     if names.is_empty() {
         // The allocator reads "no nodes" as "all nodes"; the scheduler means none.
@@ -105,7 +108,7 @@ pub(super) async fn filter(State(app): State<App>, body: Bytes) -> Response {
             };
             let res = app
                 .allocators
-                .call(|mut c| {
+                .call("Filter", |mut c| {
                     let fr = fr.clone();
                     async move { c.filter(fr).await }
                 })
@@ -126,8 +129,12 @@ pub(super) async fn filter(State(app): State<App>, body: Bytes) -> Response {
     };
     match answer {
         Ok((f, seq)) => {
-            debug!(pod = %id, feasible = f.fits.len(), seq,
-                   ms = t0.elapsed().as_secs_f64() * 1e3, "filter");
+            Span::current().record("seq", seq);
+            debug!(
+                feasible = f.fits.len(),
+                ms = t0.elapsed().as_secs_f64() * 1e3,
+                "filter"
+            );
             out.failed_nodes = f.wait.into_iter().collect();
             out.failed_and_unresolvable_nodes = f.never.into_iter().collect();
             answer_nodes(full, f.fits, &mut out);
@@ -137,7 +144,7 @@ pub(super) async fn filter(State(app): State<App>, body: Bytes) -> Response {
             answer_nodes(full, Vec::new(), &mut out);
         }
         Err((_, s)) => {
-            warn!(pod = %id, error = %s.message(), "filter failed");
+            warn!(error = %s.message(), "filter failed");
             out.error = s.message().to_string();
             return failed(axum::Json(out).into_response());
         }

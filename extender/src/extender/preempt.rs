@@ -9,16 +9,22 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use gpuledger_proto::allocator::v1 as api;
 use serde_json::{Value, json};
+use tracing::field::Empty;
+use tracing::instrument;
 
 use super::wire::{PreemptionArgs, PreemptionResult};
-use super::{App, bad_request};
+use super::{App, bad_request, record_pod};
 use crate::resources;
 
+#[instrument(name = "preempt", skip_all, fields(pod_uid = Empty, pod = Empty))]
 pub(super) async fn preempt(State(app): State<App>, body: Bytes) -> Response {
     let args: PreemptionArgs = match serde_json::from_slice(&body) {
         Ok(a) => a,
         Err(e) => return bad_request("preempt", e),
     };
+    if let Some(pod) = &args.pod {
+        record_pod(pod);
+    }
     let mut candidates: BTreeMap<String, Value> =
         args.node_name_to_meta_victims.unwrap_or_default();
     for (node, v) in args.node_name_to_victims.unwrap_or_default() {
@@ -55,7 +61,7 @@ pub(super) async fn preempt(State(app): State<App>, body: Bytes) -> Response {
     };
     match app
         .allocators
-        .call(|mut c| {
+        .call("Filter", |mut c| {
             let fr = fr.clone();
             async move { c.filter(fr).await }
         })

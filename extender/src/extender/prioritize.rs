@@ -8,12 +8,14 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use gpuledger_proto::allocator::v1 as api;
 use serde_json::json;
-use tracing::warn;
+use tracing::field::Empty;
+use tracing::{Span, instrument, warn};
 
 use super::wire::{ExtenderArgs, HostPriority, take_node_names};
-use super::{App, bad_request, json_sized, pod_id};
+use super::{App, bad_request, json_sized, record_pod};
 use crate::{parallel, resources};
 
+#[instrument(name = "prioritize", skip_all, fields(pod_uid = Empty, pod = Empty, nodes = Empty))]
 pub(super) async fn prioritize(State(app): State<App>, body: Bytes) -> Response {
     let mut args: ExtenderArgs<'_> = match serde_json::from_slice(&body) {
         Ok(a) => a,
@@ -23,6 +25,8 @@ pub(super) async fn prioritize(State(app): State<App>, body: Bytes) -> Response 
     let Some(pod) = args.pod.as_ref() else {
         return bad_request("prioritize", "Pod is missing");
     };
+    record_pod(pod);
+    Span::current().record("nodes", names.len());
     fn zero(names: Vec<Cow<'_, str>>) -> Vec<HostPriority<'_>> {
         names
             .into_iter()
@@ -63,7 +67,7 @@ pub(super) async fn prioritize(State(app): State<App>, body: Bytes) -> Response 
                 nodes: names.iter().map(|n| n.to_string()).collect(),
             };
             app.allocators
-                .call(|mut c| {
+                .call("Score", |mut c| {
                     let sr = sr.clone();
                     async move { c.score(sr).await }
                 })
@@ -83,7 +87,7 @@ pub(super) async fn prioritize(State(app): State<App>, body: Bytes) -> Response 
             axum::Json(list).into_response()
         }
         Err(s) => {
-            warn!(pod = %pod_id(pod), error = %s.message(), "prioritize failed");
+            warn!(error = %s.message(), "prioritize failed");
             (
                 StatusCode::SERVICE_UNAVAILABLE,
                 axum::Json(json!({"Error": s.message()})),
