@@ -207,7 +207,7 @@ impl Agent {
         let inv = self.inventory();
         let r = (|| async {
             self.pool
-                .call(Duration::from_secs(30), |mut c| {
+                .call("RegisterNode", Duration::from_secs(30), |mut c| {
                     let inv = inv.clone();
                     async move {
                         c.register_node(api::RegisterNodeRequest {
@@ -302,7 +302,7 @@ impl Agent {
             };
             let r = (|| async {
                 self.pool
-                    .call(Duration::from_secs(30), |mut c| {
+                    .call("SetDeviceHealth", Duration::from_secs(30), |mut c| {
                         let r = req.clone();
                         async move { c.set_device_health(r).await }
                     })

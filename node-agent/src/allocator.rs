@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use gpuledger_proto::allocator::v1::allocator_client::AllocatorClient;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Status};
+use tracing::{Instrument, info_span};
 
 /// The allocator replicas this agent may talk to.
 pub struct Pool {
@@ -85,9 +86,15 @@ impl Pool {
         (self.clients[n].0.clone(), self.streams[n].clone())
     }
 
-    /// Call `f` on a replica, moving to the next one on retryable errors until `budget` has
-    /// passed. The replica that answered stays the first choice for the next call.
-    pub async fn call<T, F, Fut>(&self, budget: Duration, f: F) -> Result<T, Status>
+    /// Call `f` (the allocator RPC `rpc`) on a replica, moving to the next one on retryable
+    /// errors until `budget` has passed; each attempt runs in an `allocator` span naming the
+    /// RPC and the replica. The replica that answered stays the first choice for the next call.
+    pub async fn call<T, F, Fut>(
+        &self,
+        rpc: &'static str,
+        budget: Duration,
+        f: F,
+    ) -> Result<T, Status>
     where
         F: Fn(AllocatorClient<Channel>) -> Fut,
         Fut: Future<Output = Result<tonic::Response<T>, Status>>,
@@ -97,7 +104,8 @@ impl Pool {
         let mut pause = Duration::from_millis(20);
         loop {
             let (addr, c) = self.at(i);
-            match f(c).await {
+            let span = info_span!("allocator", rpc, replica = %addr);
+            match f(c).instrument(span).await {
                 Ok(r) => {
                     self.next.store(i % self.clients.len(), Ordering::Relaxed);
                     return Ok(r.into_inner());

@@ -348,7 +348,7 @@ fn tell_pod(
 async fn report(agent: &Agent, v: pb::LimitViolated) {
     let r = agent
         .pool
-        .call(Duration::from_secs(10), |mut c| {
+        .call("ReportViolation", Duration::from_secs(10), |mut c| {
             let v = v.clone();
             async move {
                 c.report_violation(api::ReportViolationRequest { violation: Some(v) })
