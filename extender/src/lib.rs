@@ -8,4 +8,6 @@ pub mod metrics;
 pub mod parallel;
 pub mod replica;
 pub mod resources;
+#[cfg(feature = "test-hooks")]
+pub mod test_hooks;
 pub mod webhook;

@@ -33,6 +33,25 @@ async fn allocs_of(stack: &KubeStack, uid: &str) -> anyhow::Result<Vec<pb::Alloc
         .collect())
 }
 
+/// The extender binary the stack starts must carry the `test-hooks` feature (this crate's
+/// dev-dependency on itself turns it on for `cargo test`); without it `--crash-at` is unknown
+/// and the test would only see an extender that never came up.
+fn require_crash_hooks() -> anyhow::Result<()> {
+    let bin = gpuledger_chaos::bin_path("gpuledger-extender")?;
+    let out = std::process::Command::new(&bin)
+        .args(["--crash-at=before-binding", "--version"])
+        .output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "{} has no --crash-at: it was built without the `test-hooks` feature. Run this test \
+         through `cargo test` (which builds the binary with the feature), or build it with \
+         `cargo build -p gpuledger-extender --features test-hooks`.\n{}",
+        bin.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(())
+}
+
 async fn released_reasons(stack: &KubeStack) -> anyhow::Result<Vec<String>> {
     let mut s = stack
         .allocs
@@ -56,6 +75,7 @@ async fn released_reasons(stack: &KubeStack) -> anyhow::Result<Vec<String>> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crash_after_binding_is_confirmed_and_before_binding_expires() -> anyhow::Result<()> {
+    require_crash_hooks()?;
     let mut stack = KubeStack::start(StackOptions {
         allocators: 1,
         allocator_flags: vec![

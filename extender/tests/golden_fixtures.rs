@@ -303,6 +303,18 @@ async fn webhook_answers_every_captured_review() -> anyhow::Result<()> {
         let (status, r) = hook.post(path, &req).await?;
         assert_eq!(status, 200, "{file}: {r}");
         assert_eq!(keys(&r), keys(&accepted), "{file}: {r}");
+        // No field the accepted answer lacks (no empty status on an allowed answer), and the
+        // patch a base64 string, as the API server writes a Go []byte.
+        assert!(
+            keys(&r["response"]).is_subset(&keys(&accepted["response"])),
+            "{file}: {r}"
+        );
+        if let (Some(ours), Some(p)) = (
+            r["response"].get("patch"),
+            accepted["response"].get("patch"),
+        ) {
+            assert!(same_type(ours, p), "{file}: {r}");
+        }
         assert_eq!(r["apiVersion"], "admission.k8s.io/v1");
         assert_eq!(r["kind"], "AdmissionReview");
         assert_eq!(r["response"]["uid"], req["request"]["uid"], "{file}");

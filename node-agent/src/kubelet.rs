@@ -10,6 +10,7 @@ use std::time::Duration;
 use gpuledger_proto::deviceplugin::v1beta1 as dp;
 use tokio::net::UnixListener;
 use tokio_stream::wrappers::UnixListenerStream;
+use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::agent::Agent;
@@ -36,8 +37,8 @@ async fn register(kubelet_sock: &Path, endpoint: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Serve the plugin and keep it registered until the process ends.
-pub async fn serve_and_register(agent: Arc<Agent>) {
+/// Serve the plugin and keep it registered until `shutdown`.
+pub async fn serve_and_register(agent: Arc<Agent>, shutdown: CancellationToken) {
     let dir = agent.cfg.kubelet_dir.clone();
     let sock: PathBuf = dir.join(&agent.cfg.plugin_socket);
     let kubelet_sock = dir.join("kubelet.sock");
@@ -57,10 +58,15 @@ pub async fn serve_and_register(agent: Arc<Agent>) {
         };
         let my_inode = inode(&sock);
         let svc = dp::device_plugin_server::DevicePluginServer::new(Plugin::new(agent.clone()));
+        // Each socket gets its own server, dropped with its connections (ListAndWatch streams
+        // never end by themselves) when the socket is replaced or the agent stops.
+        let stop_server = shutdown.child_token();
         let server = tokio::spawn(
-            tonic::transport::Server::builder()
-                .add_service(svc)
-                .serve_with_incoming(UnixListenerStream::new(listener)),
+            stop_server.clone().run_until_cancelled_owned(
+                tonic::transport::Server::builder()
+                    .add_service(svc)
+                    .serve_with_incoming(UnixListenerStream::new(listener)),
+            ),
         );
         // Register (retrying until the kubelet is there), then watch both sockets.
         let mut kubelet_inode;
@@ -100,7 +106,8 @@ pub async fn serve_and_register(agent: Arc<Agent>) {
                 break;
             }
         }
-        server.abort();
+        stop_server.cancel();
+        let _ = server.await;
     }
 }
 
