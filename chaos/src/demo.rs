@@ -12,9 +12,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::cluster::{ClusterOptions, LocalCluster, RunOutcome, pod_phase};
-use crate::process::bin_path;
 use crate::workload::{feed, mixed_pods};
+use gpuledger_testkit::cluster::{ClusterOptions, LocalCluster, RunOutcome, pod_phase};
+use gpuledger_testkit::process::bin_path;
 
 /// Flags of `gpuledger-chaos demo`.
 #[derive(clap::Args, Debug, Clone)]
@@ -85,7 +85,7 @@ pub async fn run(mut a: DemoArgs) -> Result<()> {
         a.pods = a.pods.min(60);
     }
     let t0 = Instant::now();
-    let (dir, _tmp) = crate::process::run_dir("gpuledger-demo-", a.keep)?;
+    let (dir, _tmp) = gpuledger_testkit::process::run_dir("gpuledger-demo-", a.keep)?;
     println!(
         "gpuledger demo — run directory {} (logs of every process{})",
         dir.display(),
@@ -306,7 +306,9 @@ async fn drive(c: &mut LocalCluster, a: &DemoArgs, t0: Instant) -> Result<()> {
     );
     let mut violations = 0.0;
     for n in &c.nodes {
-        if let Ok((200, t)) = crate::http::get(&format!("{}/metrics", n.health_url())).await {
+        if let Ok((200, t)) =
+            gpuledger_testkit::http::get(&format!("{}/metrics", n.health_url())).await
+        {
             violations += t
                 .lines()
                 .filter(|l| l.starts_with("gpuledger_node_agent_violations_total"))

@@ -33,9 +33,9 @@ use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use serde_json::Value;
 
-use crate::cluster::{ClusterOptions, LocalCluster, allocator_etcd_host, pod_phase};
-use crate::history::{Op, Outcome};
 use crate::workload::{PodSpec, feed, mixed_pods, trace_pods};
+use gpuledger_testkit::cluster::{ClusterOptions, LocalCluster, allocator_etcd_host, pod_phase};
+use gpuledger_testkit::history::{Op, Outcome};
 
 /// Set inside the network namespace a run created for itself (its name).
 const NETNS_ENV: &str = "GPULEDGER_CHAOS_NETNS";
@@ -175,7 +175,7 @@ pub async fn run(a: RunArgs) -> Result<()> {
     }
     let partitions = netns.is_some();
 
-    let (dir, _tmp) = crate::process::run_dir("gpuledger-chaos-", a.keep)?;
+    let (dir, _tmp) = gpuledger_testkit::process::run_dir("gpuledger-chaos-", a.keep)?;
     println!(
         "chaos run seed={} pods={} faults={} — {} nodes x {} GPUs, {} allocators, {} extenders{} — run directory {}",
         a.seed,
@@ -510,7 +510,7 @@ async fn not_healthy(c: &mut LocalCluster) -> Option<String> {
         return Some(format!("alloc{i} at seq {}, the leader at {head}", seqs[i]));
     }
     for i in 0..c.extenders.len() {
-        let ok = crate::http::get(&format!("{}/readyz", c.extender_url(i)))
+        let ok = gpuledger_testkit::http::get(&format!("{}/readyz", c.extender_url(i)))
             .await
             .is_ok_and(|(code, _)| code == 200);
         if !ok {
@@ -518,7 +518,7 @@ async fn not_healthy(c: &mut LocalCluster) -> Option<String> {
         }
     }
     for n in &c.nodes {
-        let ok = crate::http::get(&format!("{}/readyz", n.health_url()))
+        let ok = gpuledger_testkit::http::get(&format!("{}/readyz", n.health_url()))
             .await
             .is_ok_and(|(code, _)| code == 200);
         if !ok {
@@ -1032,8 +1032,8 @@ fn print_phases(c: &LocalCluster, injected: &[Injected], started: Instant, workl
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::history::now_ms;
     use gpuledger_ledger::{Command, ContainerRequest, Ledger, PodRequest, Reply};
+    use gpuledger_testkit::history::now_ms;
 
     /// A log written by a real ledger: node n1 (2 GPUs), pods a and b reserved on it, a's
     /// allocation claimed by the agent. Each command is one batch of `epoch`.
@@ -1052,7 +1052,9 @@ mod tests {
         };
         run(
             &mut l,
-            Command::RegisterNode(crate::workload::inventory("n1", 2, 16_000, "T4")),
+            Command::RegisterNode(gpuledger_testkit::workload::inventory(
+                "n1", 2, 16_000, "T4",
+            )),
         );
         let mut reserve = |l: &mut Ledger, uid: &str| {
             let request = PodRequest {

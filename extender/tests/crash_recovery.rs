@@ -5,11 +5,11 @@ mod kit;
 
 use std::time::Duration;
 
-use gpuledger_chaos::eventually;
-use gpuledger_chaos::kube::{ExtenderConfig, KubeStack, SchedulerEmulator, StackOptions};
-use gpuledger_chaos::workload::inventory;
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
+use gpuledger_testkit::eventually;
+use gpuledger_testkit::kube::{ExtenderConfig, KubeStack, SchedulerEmulator, StackOptions};
+use gpuledger_testkit::workload::inventory;
 use serde_json::{Value, json};
 
 fn gpu_pod(name: &str) -> Value {
