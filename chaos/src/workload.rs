@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use gpuledger_testkit::cluster::pod_json;
-use gpuledger_testkit::kube::apiserver::Store;
+use gpuledger_testkit::kube::store::Store;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 

@@ -24,7 +24,7 @@ use tokio::sync::watch;
 
 use super::ANN_MEM_USED_PERCENT;
 use crate::history::{History, Outcome, PodAt};
-use crate::kube::apiserver::Store;
+use crate::kube::store::{ApiError, Store};
 use crate::kubelet::node::FakeNvml;
 use crate::kubelet::{Allocated, Kubelet};
 
@@ -156,7 +156,7 @@ impl NodeCtx {
     fn set_phase(&self, ns: &str, name: &str, uid: &str, phase: &str, message: Option<&str>) {
         let r = self.store.update("v1", "pods", ns, name, |p| {
             if p.pointer("/metadata/uid").and_then(|v| v.as_str()) != Some(uid) {
-                return Err(crate::kube::apiserver::ApiError::new(
+                return Err(ApiError::new(
                     409,
                     "Conflict",
                     "a different pod of that name",

@@ -30,7 +30,7 @@ use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
 use tokio_tungstenite::tungstenite::protocol::Role;
 
-use super::apiserver::Store;
+use super::store::Store;
 
 /// The websocket subprotocol served (kube-rs offers v5 and v4; v5 only adds stream close,
 /// which port-forward does not use).
