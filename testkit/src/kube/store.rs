@@ -182,7 +182,8 @@ pub(crate) fn kind_of(resource: &str) -> String {
     }
 }
 
-fn now_rfc3339() -> String {
+/// Now, as Kubernetes timestamps are written (RFC 3339, whole seconds, UTC).
+pub(crate) fn now_rfc3339() -> String {
     let ts = k8s_openapi::jiff::Timestamp::now();
     format!(
         "{}",
