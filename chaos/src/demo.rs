@@ -13,8 +13,8 @@ use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::workload::{feed, mixed_pods};
+use gpuledger_testkit::bin_path;
 use gpuledger_testkit::cluster::{ClusterOptions, LocalCluster, RunOutcome, pod_phase};
-use gpuledger_testkit::process::bin_path;
 
 /// Flags of `gpuledger-chaos demo`.
 #[derive(clap::Args, Debug, Clone)]

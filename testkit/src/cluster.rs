@@ -23,11 +23,12 @@ use serde_json::{Value, json};
 pub use kubelet_loop::{PodRun, RunOutcome, Runs};
 pub use views::{ViewCheck, compare_view, metric};
 
+use crate::bins::bin_path;
 use crate::kube::stack::wait_http;
 use crate::kube::{ExtenderConfig, FakeApiServer, SchedulerEmulator};
 use crate::kubelet::Kubelet;
 use crate::kubelet::node::{FakeNvml, NodeAgent};
-use crate::process::{Proc, bin_path, free_port};
+use crate::process::{Proc, free_port};
 use crate::{Allocators, EtcdCluster};
 
 /// The scheduler name pods use to reach gpuledger (as in `scheduler-config.yaml`).

@@ -8,6 +8,7 @@
 //! here is a mock of etcd or of a gpuledger component.
 
 pub mod allocators;
+pub mod bins;
 pub mod cluster;
 pub mod etcd;
 pub mod history;
@@ -19,9 +20,10 @@ pub mod promtext;
 pub mod workload;
 
 pub use allocators::Allocators;
+pub use bins::bin_path;
 pub use cluster::{ClusterOptions, LocalCluster};
 pub use etcd::EtcdCluster;
-pub use process::{Proc, bin_path, free_port};
+pub use process::{Proc, free_port};
 
 /// Poll `f` every 100 ms until it says true; fail with `what` after `timeout`.
 pub async fn eventually<F, Fut>(
