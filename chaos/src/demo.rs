@@ -206,7 +206,7 @@ async fn drive(c: &mut LocalCluster, a: &DemoArgs, t0: Instant) -> Result<()> {
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    feeder.abort();
+    drop(feeder);
     let workload_secs = started.elapsed().as_secs_f64();
     bar.finish_with_message(format!("workload done in {workload_secs:.1}s"));
 

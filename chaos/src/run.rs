@@ -272,7 +272,7 @@ async fn drive(c: &mut LocalCluster, a: &RunArgs, partitions: bool) -> Result<()
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    feeder.abort();
+    drop(feeder);
     let workload = started.elapsed();
     println!(
         "  {:>7.1}s  workload over; quiet phase",

@@ -8,6 +8,7 @@ use gpuledger_testkit::cluster::pod_json;
 use gpuledger_testkit::kube::store::Store;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use tokio_util::sync::{CancellationToken, DropGuard};
 
 /// One pod of a local-cluster workload.
 #[derive(Debug, Clone)]
@@ -85,14 +86,12 @@ pub fn mixed_pods(n: usize, seed: u64) -> Vec<PodSpec> {
 }
 
 /// The arrival stream: create `pods` in the API server (namespace `default`) in order, while
-/// fewer than `max_pending` pods wait to be scheduled. Ends when all are created.
-pub fn feed(
-    store: Arc<Store>,
-    pods: Vec<PodSpec>,
-    max_pending: usize,
-) -> tokio::task::JoinHandle<anyhow::Result<()>> {
+/// fewer than `max_pending` pods wait to be scheduled, until all are created or the returned
+/// guard is dropped.
+pub fn feed(store: Arc<Store>, pods: Vec<PodSpec>, max_pending: usize) -> DropGuard {
     let max_pending = max_pending.max(1);
-    tokio::spawn(async move {
+    let stop = CancellationToken::new();
+    tokio::spawn(stop.clone().run_until_cancelled_owned(async move {
         for p in pods {
             loop {
                 let pending = store
@@ -111,7 +110,8 @@ pub fn feed(
             }
         }
         Ok(())
-    })
+    }));
+    stop.drop_guard()
 }
 
 /// Pods of the openb trace file `path` (`openb_pod_list_*.csv`): `n` GPU pods in creation

@@ -19,6 +19,7 @@ use anyhow::{Context, Result, bail};
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
 use serde_json::{Value, json};
+use tokio_util::sync::{CancellationToken, DropGuard};
 
 pub use kubelet_loop::{PodRun, RunOutcome, Runs};
 pub use views::{ViewCheck, compare_view, metric};
@@ -122,20 +123,14 @@ pub struct SimNode {
     pub agent: NodeAgent,
     /// The agent's `/metrics`, `/healthz`, `/readyz` port.
     pub health_port: u16,
-    task: tokio::task::JoinHandle<()>,
+    /// Stops the kubelet loop, and with it every pod on the node, when the node is dropped.
+    _stop: DropGuard,
 }
 
 impl SimNode {
     /// `http://127.0.0.1:<port>` of the agent's health server.
     pub fn health_url(&self) -> String {
         format!("http://127.0.0.1:{}", self.health_port)
-    }
-}
-
-impl Drop for SimNode {
-    fn drop(&mut self) {
-        // Dropping the loop drops every pod task, whose children are killed on drop.
-        self.task.abort();
     }
 }
 
@@ -350,7 +345,8 @@ impl LocalCluster {
             &dir.join(format!("kubelet-{name}.log")),
         )?);
         let client = api.client().await?;
-        let task = tokio::spawn(kubelet_loop::run(ctx, client));
+        let stop = CancellationToken::new();
+        tokio::spawn(kubelet_loop::run(ctx, client, stop.clone()));
         Ok(SimNode {
             name,
             model: model.to_string(),
@@ -359,7 +355,7 @@ impl LocalCluster {
             nvml,
             agent,
             health_port,
-            task,
+            _stop: stop.drop_guard(),
         })
     }
 

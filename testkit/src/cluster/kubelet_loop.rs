@@ -23,7 +23,8 @@ use k8s_openapi::api::core::v1::{Container, Pod};
 use kube::api::Api;
 use kube::runtime::{WatchStreamExt, watcher};
 use serde_json::json;
-use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 pub use admit::gpu_count;
 pub use runs::{PodRun, RunOutcome, Runs};
@@ -119,16 +120,18 @@ impl NodeCtx {
     }
 }
 
-/// Follow the pods bound to the node until aborted.
-pub async fn run(ctx: Arc<NodeCtx>, client: kube::Client) {
+/// Follow the pods bound to the node until `stop` is cancelled (or the watch ends); then stop
+/// every pod and wait until each has left NVML and the kubelet.
+pub async fn run(ctx: Arc<NodeCtx>, client: kube::Client, stop: CancellationToken) {
     let api: Api<Pod> = Api::all(client);
     let cfg = watcher::Config::default().fields(&format!("spec.nodeName={}", ctx.node));
     let mut stream = watcher(api, cfg).default_backoff().boxed();
     let mut seen: HashSet<String> = HashSet::new();
-    let mut stops: HashMap<String, watch::Sender<bool>> = HashMap::new();
+    let mut stops: HashMap<String, CancellationToken> = HashMap::new();
+    let pods = TaskTracker::new();
     let mut listing: Option<HashSet<String>> = None;
     ctx.log(&format!("kubelet loop of {} watching its pods", ctx.node));
-    while let Some(ev) = stream.next().await {
+    while let Some(Some(ev)) = stop.run_until_cancelled(stream.next()).await {
         let pod = match ev {
             Ok(watcher::Event::Apply(p)) => p,
             Ok(watcher::Event::InitApply(p)) => {
@@ -139,7 +142,7 @@ pub async fn run(ctx: Arc<NodeCtx>, client: kube::Client) {
             }
             Ok(watcher::Event::Delete(p)) => {
                 if let Some(s) = p.metadata.uid.as_ref().and_then(|u| stops.get(u)) {
-                    let _ = s.send(true);
+                    s.cancel();
                 }
                 continue;
             }
@@ -152,7 +155,7 @@ pub async fn run(ctx: Arc<NodeCtx>, client: kube::Client) {
                 if let Some(l) = listing.take() {
                     for (uid, s) in &stops {
                         if !l.contains(uid) {
-                            let _ = s.send(true);
+                            s.cancel();
                         }
                     }
                 }
@@ -175,14 +178,19 @@ pub async fn run(ctx: Arc<NodeCtx>, client: kube::Client) {
             continue;
         }
         seen.insert(uid.clone());
-        let (tx, rx) = watch::channel(false);
-        stops.insert(uid, tx);
-        tokio::spawn(run_pod(ctx.clone(), pod, rx));
+        let pod_stop = stop.child_token();
+        stops.insert(uid, pod_stop.clone());
+        pods.spawn(run_pod(ctx.clone(), pod, pod_stop));
     }
+    for s in stops.values() {
+        s.cancel();
+    }
+    pods.close();
+    pods.wait().await;
 }
 
 /// One pod's life on the node.
-async fn run_pod(ctx: Arc<NodeCtx>, pod: Pod, mut stop: watch::Receiver<bool>) {
+async fn run_pod(ctx: Arc<NodeCtx>, pod: Pod, stop: CancellationToken) {
     let ns = pod
         .metadata
         .namespace
@@ -371,7 +379,7 @@ async fn run_pod(ctx: Arc<NodeCtx>, pod: Pod, mut stop: watch::Receiver<bool>) {
                     failure.get_or_insert(format!("container {cname}: wait: {e}"));
                 }
             },
-            _ = async { stop.wait_for(|s| *s).await.is_ok() } => {
+            () = stop.cancelled() => {
                 deleted = true;
                 let _ = child.kill().await;
             }

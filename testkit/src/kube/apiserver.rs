@@ -27,6 +27,7 @@
 mod rest;
 mod watch;
 
+use std::future::IntoFuture;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -35,6 +36,7 @@ use axum::Router;
 use axum::body::Bytes;
 use axum::http::{HeaderMap, Method, Uri};
 use serde_json::{Value, json};
+use tokio_util::sync::{CancellationToken, DropGuard};
 
 pub use super::store::{ApiError, ApiRequest, Store};
 
@@ -45,7 +47,8 @@ pub struct FakeApiServer {
     url: String,
     kubeconfig: PathBuf,
     dir: PathBuf,
-    task: tokio::task::JoinHandle<()>,
+    /// Stops serving when the server is dropped.
+    _stop: DropGuard,
 }
 
 impl FakeApiServer {
@@ -68,8 +71,12 @@ impl FakeApiServer {
         let l = axum::serve::ListenerExt::tap_io(l, |tcp: &mut tokio::net::TcpStream| {
             let _ = tcp.set_nodelay(true);
         });
-        let task = tokio::spawn(async move {
-            let _ = axum::serve(l, app).await;
+        let stop = CancellationToken::new();
+        let serving = stop.clone();
+        tokio::spawn(async move {
+            serving
+                .run_until_cancelled(axum::serve(l, app).into_future())
+                .await
         });
         std::fs::create_dir_all(dir)?;
         let kubeconfig = dir.join("kubeconfig");
@@ -86,7 +93,7 @@ impl FakeApiServer {
             url,
             kubeconfig,
             dir: dir.to_path_buf(),
-            task,
+            _stop: stop.drop_guard(),
         })
     }
 
@@ -187,11 +194,5 @@ impl FakeApiServer {
             })
             .map(|_| ())
             .map_err(|e| anyhow::anyhow!("{}", e.message()))
-    }
-}
-
-impl Drop for FakeApiServer {
-    fn drop(&mut self) {
-        self.task.abort();
     }
 }

@@ -14,6 +14,7 @@ use anyhow::{Result, bail};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, ListParams, PostParams};
 use serde_json::{Value, json};
+use tokio_util::sync::{CancellationToken, DropGuard};
 
 pub use extender::{ExtenderClient, ExtenderConfig};
 
@@ -64,13 +65,8 @@ pub fn num_feasible_nodes_to_find(all: usize, percentage: u32) -> usize {
 pub struct SchedulerEmulator {
     /// What it did.
     pub stats: Arc<Stats>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Drop for SchedulerEmulator {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
+    /// Stops scheduling when the emulator is dropped (binds in flight finish).
+    _stop: DropGuard,
 }
 
 fn key(p: &Pod) -> String {
@@ -347,7 +343,9 @@ impl SchedulerEmulator {
         let pct = exts
             .first()
             .map_or(100, |e| e.cfg.percentage_of_nodes_to_score);
-        let task = tokio::spawn(async move {
+        let stop = CancellationToken::new();
+        let running = stop.clone();
+        let schedule = async move {
             let pods_api: Api<Pod> = Api::all(kube.clone());
             let nodes_api: Api<Node> = Api::all(kube.clone());
             let sem = Arc::new(tokio::sync::Semaphore::new(parallel.max(1)));
@@ -440,8 +438,12 @@ impl SchedulerEmulator {
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }
             }
-        });
-        SchedulerEmulator { stats, task }
+        };
+        tokio::spawn(async move { running.run_until_cancelled(schedule).await });
+        SchedulerEmulator {
+            stats,
+            _stop: stop.drop_guard(),
+        }
     }
 }
 

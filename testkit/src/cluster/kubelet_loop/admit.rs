@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use k8s_openapi::api::core::v1::Container;
-use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
 
 use super::NodeCtx;
 use crate::history::{Outcome, PodAt};
@@ -56,7 +56,7 @@ pub(super) async fn device_step(
     (ns, name, uid): (&str, &str, &str),
     container: &str,
     step: Step<'_>,
-    stop: &watch::Receiver<bool>,
+    stop: &CancellationToken,
 ) -> Result<Option<Allocated>> {
     let deadline = Instant::now() + ctx.admit_timeout;
     let mut attempt = 0u32;
@@ -100,7 +100,7 @@ pub(super) async fn device_step(
                 Err(e) => e.context("PreStartContainer"),
             },
         };
-        if Instant::now() > deadline || *stop.borrow() {
+        if Instant::now() > deadline || stop.is_cancelled() {
             return Err(e.context(format!("gave up after {attempt} attempts")));
         }
         if attempt == 1 || attempt.is_multiple_of(20) {
