@@ -1,7 +1,9 @@
 //! Building blocks for driving the allocator: inventories, pod requests, retrying clients.
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+use backon::{ConstantBuilder, Retryable};
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
 use tonic::{Code, Status};
@@ -55,35 +57,33 @@ pub fn retryable(s: &Status) -> bool {
     )
 }
 
-/// Reserve through any of `addrs`, starting at `start`, retrying retryable errors until
-/// `deadline`. Returns the response and how many attempts it took.
+/// Reserve through any of `addrs`, starting at `start` and moving to the next address after
+/// each retryable error, every 20 ms until `deadline`. Returns the response and how many
+/// attempts it took.
 pub async fn reserve_retry(
     addrs: &[String],
     start: usize,
     req: api::ReserveRequest,
     deadline: Instant,
 ) -> Result<(api::ReserveResponse, u32), Status> {
-    let mut i = start;
-    let mut attempts = 0;
-    loop {
-        attempts += 1;
-        let addr = &addrs[i % addrs.len()];
-        let res = match client(addr) {
-            Ok(mut c) => c
-                .reserve(req.clone())
-                .await
-                .map(tonic::Response::into_inner),
-            Err(e) => Err(Status::unavailable(e.to_string())),
-        };
-        match res {
-            Ok(r) => return Ok((r, attempts)),
-            Err(s) if retryable(&s) && Instant::now() < deadline => {
-                i += 1;
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            Err(s) => return Err(s),
+    let attempts = AtomicU32::new(0);
+    let attempt = || {
+        let n = attempts.fetch_add(1, Ordering::Relaxed) as usize;
+        let addr = addrs[(start + n) % addrs.len()].clone();
+        let req = req.clone();
+        async move {
+            let mut c = client(&addr).map_err(|e| Status::unavailable(e.to_string()))?;
+            c.reserve(req).await.map(tonic::Response::into_inner)
         }
-    }
+    };
+    let every_20ms = ConstantBuilder::default()
+        .with_delay(Duration::from_millis(20))
+        .without_max_times();
+    let r = attempt
+        .retry(every_20ms)
+        .when(|s| retryable(s) && Instant::now() < deadline)
+        .await?;
+    Ok((r, attempts.load(Ordering::Relaxed)))
 }
 
 /// Churn on node `node` through replica `via`: pods `p<from>`..`p<from + n>`, each reserved
