@@ -15,6 +15,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use crate::workload::{feed, mixed_pods};
 use gpuledger_testkit::bin_path;
 use gpuledger_testkit::cluster::{ClusterOptions, LocalCluster, RunOutcome, pod_phase};
+use gpuledger_testkit::promtext::total;
 
 /// Flags of `gpuledger-chaos demo`.
 #[derive(clap::Args, Debug, Clone)]
@@ -309,11 +310,7 @@ async fn drive(c: &mut LocalCluster, a: &DemoArgs, t0: Instant) -> Result<()> {
         if let Ok((200, t)) =
             gpuledger_testkit::http::get(&format!("{}/metrics", n.health_url())).await
         {
-            violations += t
-                .lines()
-                .filter(|l| l.starts_with("gpuledger_node_agent_violations_total"))
-                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-                .sum::<f64>();
+            violations += total(&t, "gpuledger_node_agent_violations_total");
         }
     }
     println!(

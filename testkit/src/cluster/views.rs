@@ -67,12 +67,10 @@ pub struct ViewCheck {
     pub detail: String,
 }
 
-/// The value of the series whose line starts with `series` (name and labels) in a Prometheus
-/// text exposition.
+/// The value of `series` (a metric name, with its labels in key order when it has any) in a
+/// Prometheus text exposition.
 pub fn metric(text: &str, series: &str) -> Option<f64> {
-    text.lines()
-        .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
-        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+    crate::promtext::value(text, series)
 }
 
 /// Compare an agent's `/metrics` text with the ledger: the allocation count on `node` and the
