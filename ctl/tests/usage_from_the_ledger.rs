@@ -7,10 +7,10 @@ use std::process::Command;
 use std::time::Duration;
 
 use gpuledger_allocator::log::EtcdLog;
-use gpuledger_chaos::workload::inventory;
-use gpuledger_chaos::{Allocators, EtcdCluster};
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
+use gpuledger_testkit::workload::inventory;
+use gpuledger_testkit::{Allocators, EtcdCluster};
 use jiff::Timestamp;
 use serde_json::Value;
 

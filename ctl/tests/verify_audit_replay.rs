@@ -5,10 +5,10 @@ use std::process::Command;
 use std::time::Duration;
 
 use gpuledger_allocator::log::EtcdLog;
-use gpuledger_chaos::workload::{inventory, pod};
-use gpuledger_chaos::{Allocators, EtcdCluster};
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
+use gpuledger_testkit::workload::{inventory, pod};
+use gpuledger_testkit::{Allocators, EtcdCluster};
 use prost::Message;
 
 fn ctl(args: &[&str]) -> (bool, String) {

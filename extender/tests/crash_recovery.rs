@@ -5,11 +5,11 @@ mod kit;
 
 use std::time::Duration;
 
-use gpuledger_chaos::eventually;
-use gpuledger_chaos::kube::{ExtenderConfig, KubeStack, SchedulerEmulator, StackOptions};
-use gpuledger_chaos::workload::inventory;
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
+use gpuledger_testkit::eventually;
+use gpuledger_testkit::kube::{ExtenderConfig, KubeStack, SchedulerEmulator, StackOptions};
+use gpuledger_testkit::workload::inventory;
 use serde_json::{Value, json};
 
 fn gpu_pod(name: &str) -> Value {
@@ -37,7 +37,7 @@ async fn allocs_of(stack: &KubeStack, uid: &str) -> anyhow::Result<Vec<pb::Alloc
 /// dev-dependency on itself turns it on for `cargo test`); without it `--crash-at` is unknown
 /// and the test would only see an extender that never came up.
 fn require_crash_hooks() -> anyhow::Result<()> {
-    let bin = gpuledger_chaos::bin_path("gpuledger-extender")?;
+    let bin = gpuledger_testkit::bin_path("gpuledger-extender")?;
     let out = std::process::Command::new(&bin)
         .args(["--crash-at=before-binding", "--version"])
         .output()?;

@@ -9,10 +9,10 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use base64::Engine;
-use gpuledger_chaos::kube::{KubeStack, StackOptions};
-use gpuledger_chaos::workload::inventory;
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
+use gpuledger_testkit::kube::{KubeStack, StackOptions};
+use gpuledger_testkit::workload::inventory;
 use serde_json::Value;
 
 fn keys(v: &Value) -> BTreeSet<String> {
@@ -276,14 +276,14 @@ async fn extender_answers_every_captured_request() -> anyhow::Result<()> {
 async fn webhook_answers_every_captured_review() -> anyhow::Result<()> {
     let fx = kit::fixtures();
     let tls = kit::TestTls::new()?;
-    let port = gpuledger_chaos::free_port()?;
+    let port = gpuledger_testkit::free_port()?;
     let stack = KubeStack::start(StackOptions {
         allocators: 1,
         extender_flags: Some(tls.flags(port)),
         ..Default::default()
     })
     .await?;
-    gpuledger_chaos::kube::stack::wait_http(port, Duration::from_secs(10)).await?;
+    gpuledger_testkit::kube::stack::wait_http(port, Duration::from_secs(10)).await?;
     let _ = &stack;
     let hook = kit::Https::new(&tls, port)?;
 

@@ -7,9 +7,9 @@ mod kit;
 
 use std::time::{Duration, Instant};
 
-use gpuledger_chaos::kube::{ExtenderClient, KubeStack, StackOptions};
-use gpuledger_chaos::workload::inventory;
 use gpuledger_proto::allocator::v1 as api;
+use gpuledger_testkit::kube::{ExtenderClient, KubeStack, StackOptions};
+use gpuledger_testkit::workload::inventory;
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::{Value, json};
 
@@ -70,7 +70,7 @@ async fn extender_answer(ext: &ExtenderClient, p: &Value) -> anyhow::Result<(Val
 
 async fn metric(stack: &KubeStack, line: &str) -> anyhow::Result<f64> {
     let base = stack.extender_url.trim_end_matches("/gpuledger");
-    let (_, text) = gpuledger_chaos::http::get(&format!("{base}/metrics")).await?;
+    let (_, text) = gpuledger_testkit::http::get(&format!("{base}/metrics")).await?;
     Ok(text
         .lines()
         .find_map(|l| l.strip_prefix(line)?.trim().parse().ok())

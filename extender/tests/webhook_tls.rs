@@ -6,10 +6,10 @@ mod kit;
 
 use std::time::{Duration, Instant};
 
-use gpuledger_chaos::kube::stack::wait_http;
-use gpuledger_chaos::{Proc, bin_path, eventually, free_port};
 use gpuledger_extender::allocator::Allocators;
 use gpuledger_extender::webhook::{self, tls};
+use gpuledger_testkit::kube::stack::wait_http;
+use gpuledger_testkit::{Proc, bin_path, eventually, free_port};
 use serde_json::json;
 use tokio::io::AsyncReadExt;
 use tokio_util::sync::CancellationToken;

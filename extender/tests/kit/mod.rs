@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use gpuledger_chaos::kube::{ExtenderClient, ExtenderConfig, KubeStack};
+use gpuledger_testkit::kube::{ExtenderClient, ExtenderConfig, KubeStack};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use serde_json::{Value, json};

@@ -7,7 +7,8 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use serde_json::json;
 
-use crate::process::{Proc, bin_path};
+use crate::bins::bin_path;
+use crate::process::Proc;
 
 /// One fake GPU.
 #[derive(Debug, Clone)]

@@ -5,7 +5,7 @@ use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
@@ -40,29 +40,6 @@ pub fn run_dir(prefix: &str, keep: bool) -> Result<(PathBuf, Option<tempfile::Te
     } else {
         Ok((dir, Some(tmp)))
     }
-}
-
-/// Path of a workspace binary built next to the running executable (tests run from
-/// `target/<profile>/deps`, binaries from `target/<profile>`).
-pub fn bin_path(name: &str) -> Result<PathBuf> {
-    let exe = std::env::current_exe().context("locating the running executable")?;
-    let mut dirs = Vec::new();
-    if let Some(d) = exe.parent() {
-        dirs.push(d.to_path_buf());
-        if let Some(p) = d.parent() {
-            dirs.push(p.to_path_buf());
-        }
-    }
-    for d in &dirs {
-        let p = d.join(name);
-        if p.is_file() {
-            return Ok(p);
-        }
-    }
-    bail!(
-        "binary {name} not found next to {} (build it first: cargo build --workspace)",
-        exe.display()
-    )
 }
 
 /// A running child process whose stdout and stderr go to `<dir>/<name>.log`.

@@ -9,8 +9,8 @@
 //! `kubeconfig`, and `nodes/<node>/` (kubelet sockets, fake NVML state).
 
 pub mod kubelet_loop;
+mod views;
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -19,14 +19,17 @@ use anyhow::{Context, Result, bail};
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
 use serde_json::{Value, json};
+use tokio_util::sync::{CancellationToken, DropGuard};
 
 pub use kubelet_loop::{PodRun, RunOutcome, Runs};
+pub use views::{ViewCheck, compare_view, metric};
 
+use crate::bins::bin_path;
 use crate::kube::stack::wait_http;
 use crate::kube::{ExtenderConfig, FakeApiServer, SchedulerEmulator};
 use crate::kubelet::Kubelet;
 use crate::kubelet::node::{FakeNvml, NodeAgent};
-use crate::process::{Proc, bin_path, free_port};
+use crate::process::{Proc, free_port};
 use crate::{Allocators, EtcdCluster};
 
 /// The scheduler name pods use to reach gpuledger (as in `scheduler-config.yaml`).
@@ -34,7 +37,6 @@ pub const SCHEDULER_NAME: &str = "gpuledger-scheduler";
 /// Pod annotation: percent of its GPU memory limit a container uses, as the fake NVML reports
 /// it (default 75).
 pub const ANN_MEM_USED_PERCENT: &str = "chaos.gpuledger.io/gpu-mem-used-percent";
-const MIB: f64 = 1_048_576.0;
 
 /// What to start.
 #[derive(Debug, Clone)]
@@ -121,20 +123,14 @@ pub struct SimNode {
     pub agent: NodeAgent,
     /// The agent's `/metrics`, `/healthz`, `/readyz` port.
     pub health_port: u16,
-    task: tokio::task::JoinHandle<()>,
+    /// Stops the kubelet loop, and with it every pod on the node, when the node is dropped.
+    _stop: DropGuard,
 }
 
 impl SimNode {
     /// `http://127.0.0.1:<port>` of the agent's health server.
     pub fn health_url(&self) -> String {
         format!("http://127.0.0.1:{}", self.health_port)
-    }
-}
-
-impl Drop for SimNode {
-    fn drop(&mut self) {
-        // Dropping the loop drops every pod task, whose children are killed on drop.
-        self.task.abort();
     }
 }
 
@@ -349,7 +345,8 @@ impl LocalCluster {
             &dir.join(format!("kubelet-{name}.log")),
         )?);
         let client = api.client().await?;
-        let task = tokio::spawn(kubelet_loop::run(ctx, client));
+        let stop = CancellationToken::new();
+        tokio::spawn(kubelet_loop::run(ctx, client, stop.clone()));
         Ok(SimNode {
             name,
             model: model.to_string(),
@@ -358,7 +355,7 @@ impl LocalCluster {
             nvml,
             agent,
             health_port,
-            task,
+            _stop: stop.drop_guard(),
         })
     }
 
@@ -525,110 +522,6 @@ impl LocalCluster {
     /// Create a pod in the API server.
     pub fn add_pod(&self, pod: Value) -> Result<Value> {
         self.api.add_pod(pod)
-    }
-
-    /// Compare every node agent's view (its `/metrics`) with the ledger's part for its node;
-    /// retried until they agree or `timeout` passes (both move while pods come and go).
-    pub async fn check_agent_views(&self, timeout: Duration) -> Vec<ViewCheck> {
-        let mut out = Vec::new();
-        for n in &self.nodes {
-            out.push(self.check_agent_view(n, timeout).await);
-        }
-        out
-    }
-
-    async fn check_agent_view(&self, n: &SimNode, timeout: Duration) -> ViewCheck {
-        let deadline = Instant::now() + timeout;
-        let mut tries = 0;
-        loop {
-            tries += 1;
-            let r = async {
-                let (code, text) = crate::http::get(&format!("{}/metrics", n.health_url())).await?;
-                anyhow::ensure!(code == 200, "/metrics answered {code}");
-                let snap = self.dump().await?;
-                Ok::<_, anyhow::Error>(compare_view(&n.name, &text, &snap))
-            }
-            .await;
-            let (agree, detail, allocations) = match r {
-                Ok(Ok(allocs)) => (true, String::new(), allocs),
-                Ok(Err(d)) => (false, d, 0),
-                Err(e) => (false, format!("{e:#}"), 0),
-            };
-            if agree || Instant::now() > deadline {
-                return ViewCheck {
-                    node: n.name.clone(),
-                    agree,
-                    allocations,
-                    tries,
-                    detail,
-                };
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    }
-}
-
-/// One node's comparison of its agent's view with the ledger.
-#[derive(Debug, Clone)]
-pub struct ViewCheck {
-    /// The node.
-    pub node: String,
-    /// Whether the agent's view equals the ledger's part for the node.
-    pub agree: bool,
-    /// Allocations on the node (when they agree).
-    pub allocations: usize,
-    /// Comparisons made.
-    pub tries: u32,
-    /// What differed, the last time.
-    pub detail: String,
-}
-
-/// The value of the series whose line starts with `series` (name and labels) in a Prometheus
-/// text exposition.
-pub fn metric(text: &str, series: &str) -> Option<f64> {
-    text.lines()
-        .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
-        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
-}
-
-/// Compare an agent's `/metrics` text with the ledger: the allocation count on `node` and the
-/// memory allocated on each of its GPUs. `Ok(count)` when they agree, else what differs.
-pub fn compare_view(node: &str, text: &str, snap: &pb::Snapshot) -> Result<usize, String> {
-    let mine: Vec<&pb::Allocation> = snap.allocations.iter().filter(|a| a.node == node).collect();
-    let mut diffs = Vec::new();
-    let agent_allocs = metric(text, "gpuledger_node_agent_allocations");
-    if agent_allocs != Some(mine.len() as f64) {
-        diffs.push(format!(
-            "allocations: agent {agent_allocs:?}, ledger {} (seq {})",
-            mine.len(),
-            snap.seq
-        ));
-    }
-    let mut per_gpu: BTreeMap<String, u64> = BTreeMap::new();
-    if let Some(inv) = snap.nodes.iter().find(|x| x.node == node) {
-        for g in &inv.gpus {
-            per_gpu.insert(g.uuid.clone(), 0);
-        }
-    }
-    for a in &mine {
-        for s in &a.shares {
-            *per_gpu.entry(s.gpu_uuid.clone()).or_default() += s.mem_mib;
-        }
-    }
-    for (gpu, mib) in &per_gpu {
-        let series = format!("gpuledger_node_agent_gpu_memory_allocated_bytes{{gpu=\"{gpu}\"}}");
-        let agent = metric(text, &series);
-        if agent != Some(*mib as f64 * MIB) {
-            diffs.push(format!(
-                "{gpu}: agent {} MiB, ledger {mib} MiB",
-                agent.map_or("none".into(), |b| format!("{:.0}", b / MIB))
-            ));
-        }
-    }
-    if diffs.is_empty() {
-        Ok(mine.len())
-    } else {
-        Err(diffs.join("; "))
     }
 }
 

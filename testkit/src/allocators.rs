@@ -8,7 +8,8 @@ use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::allocator::v1::allocator_client::AllocatorClient;
 use tonic::transport::{Channel, Endpoint};
 
-use crate::process::{Proc, bin_path, free_port};
+use crate::bins::bin_path;
+use crate::process::{Proc, free_port};
 
 /// A gRPC client to one allocator address (connects lazily).
 pub fn client(addr: &str) -> Result<AllocatorClient<Channel>> {

@@ -6,13 +6,16 @@
 //! process exits (or the pod is deleted) takes it out of NVML, sets the phase Succeeded or
 //! Failed and forgets its devices. The allocator's pod watcher then releases the allocation.
 
+mod admit;
+mod runs;
+
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::io::Write;
 use std::path::Path;
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use futures::StreamExt;
@@ -20,83 +23,18 @@ use k8s_openapi::api::core::v1::{Container, Pod};
 use kube::api::Api;
 use kube::runtime::{WatchStreamExt, watcher};
 use serde_json::json;
-use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+pub use admit::gpu_count;
+pub use runs::{PodRun, RunOutcome, Runs};
 
 use super::ANN_MEM_USED_PERCENT;
-use crate::history::{History, Outcome, PodAt};
-use crate::kube::apiserver::Store;
+use crate::history::{Outcome, PodAt};
+use crate::kube::store::{ApiError, Store, now_rfc3339};
 use crate::kubelet::node::FakeNvml;
 use crate::kubelet::{Allocated, Kubelet};
-
-/// How a pod run ended.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum RunOutcome {
-    /// Being admitted or running.
-    Running,
-    /// The container exited 0.
-    Succeeded,
-    /// Admission failed, or the container failed or was killed: why.
-    Failed(String),
-    /// The pod was deleted while it ran.
-    Deleted,
-}
-
-/// What the kubelet loop did with one pod.
-#[derive(Debug, Clone)]
-pub struct PodRun {
-    /// Namespace.
-    pub namespace: String,
-    /// Name.
-    pub name: String,
-    /// Node.
-    pub node: String,
-    /// `(GPU UUID, memory limit MiB, GPU memory MiB)` per GPU the container got.
-    pub shares: Vec<(String, u64, u64)>,
-    /// `GPULEDGER_ALLOCATION_ID` the agent returned.
-    pub allocation_id: Option<u64>,
-    /// When the kubelet saw the pod.
-    pub seen: Instant,
-    /// When its container started.
-    pub started: Option<Instant>,
-    /// When it ended.
-    pub ended: Option<Instant>,
-    /// How.
-    pub outcome: RunOutcome,
-}
-
-/// Every pod run of the cluster, by pod UID.
-#[derive(Default)]
-pub struct Runs {
-    runs: Mutex<HashMap<String, PodRun>>,
-    /// Every Allocate call the kubelets made, and how every pod ended.
-    pub history: History,
-}
-
-impl Runs {
-    /// A copy of every run.
-    pub fn all(&self) -> Vec<PodRun> {
-        self.lock().values().cloned().collect()
-    }
-
-    /// Runs whose container is running now.
-    pub fn running(&self) -> Vec<PodRun> {
-        self.lock()
-            .values()
-            .filter(|r| r.outcome == RunOutcome::Running && r.started.is_some())
-            .cloned()
-            .collect()
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, PodRun>> {
-        self.runs.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn update(&self, uid: &str, f: impl FnOnce(&mut PodRun)) {
-        if let Some(r) = self.lock().get_mut(uid) {
-            f(r);
-        }
-    }
-}
+use admit::{Step, device_step};
 
 /// What one node's loop and its pod tasks share.
 pub struct NodeCtx {
@@ -156,7 +94,7 @@ impl NodeCtx {
     fn set_phase(&self, ns: &str, name: &str, uid: &str, phase: &str, message: Option<&str>) {
         let r = self.store.update("v1", "pods", ns, name, |p| {
             if p.pointer("/metadata/uid").and_then(|v| v.as_str()) != Some(uid) {
-                return Err(crate::kube::apiserver::ApiError::new(
+                return Err(ApiError::new(
                     409,
                     "Conflict",
                     "a different pod of that name",
@@ -182,68 +120,18 @@ impl NodeCtx {
     }
 }
 
-fn now_rfc3339() -> String {
-    let secs = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    // Civil date from days since the epoch (Howard Hinnant's algorithm).
-    let days = (secs / 86_400) as i64;
-    let rem = secs % 86_400;
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
-}
-
-/// Device count a container asks of the device plugin: `gpuledger.io/gpu`, or 1 when it asks
-/// for GPU memory or compute without a count (what the admission webhook adds).
-pub fn gpu_count(c: &Container) -> usize {
-    let Some(r) = c.resources.as_ref() else {
-        return 0;
-    };
-    let maps = [r.limits.as_ref(), r.requests.as_ref()];
-    let get = |k: &str| {
-        maps.iter()
-            .flatten()
-            .find_map(|m| m.get(k))
-            .map(|q| q.0.clone())
-    };
-    if let Some(n) = get("gpuledger.io/gpu") {
-        return n.trim().parse().unwrap_or(1);
-    }
-    let gpuish = [
-        "gpuledger.io/gpu-mem",
-        "gpuledger.io/gpu-mem-percent",
-        "gpuledger.io/gpu-core",
-        "aliyun.com/gpu-mem",
-        "nvidia.com/gpumem",
-        "nvidia.com/gpumem-percentage",
-        "nvidia.com/gpucores",
-    ];
-    usize::from(gpuish.iter().any(|k| get(k).is_some()))
-}
-
-/// Follow the pods bound to the node until aborted.
-pub async fn run(ctx: Arc<NodeCtx>, client: kube::Client) {
+/// Follow the pods bound to the node until `stop` is cancelled (or the watch ends); then stop
+/// every pod and wait until each has left NVML and the kubelet.
+pub async fn run(ctx: Arc<NodeCtx>, client: kube::Client, stop: CancellationToken) {
     let api: Api<Pod> = Api::all(client);
     let cfg = watcher::Config::default().fields(&format!("spec.nodeName={}", ctx.node));
     let mut stream = watcher(api, cfg).default_backoff().boxed();
     let mut seen: HashSet<String> = HashSet::new();
-    let mut stops: HashMap<String, watch::Sender<bool>> = HashMap::new();
+    let mut stops: HashMap<String, CancellationToken> = HashMap::new();
+    let pods = TaskTracker::new();
     let mut listing: Option<HashSet<String>> = None;
     ctx.log(&format!("kubelet loop of {} watching its pods", ctx.node));
-    while let Some(ev) = stream.next().await {
+    while let Some(Some(ev)) = stop.run_until_cancelled(stream.next()).await {
         let pod = match ev {
             Ok(watcher::Event::Apply(p)) => p,
             Ok(watcher::Event::InitApply(p)) => {
@@ -254,7 +142,7 @@ pub async fn run(ctx: Arc<NodeCtx>, client: kube::Client) {
             }
             Ok(watcher::Event::Delete(p)) => {
                 if let Some(s) = p.metadata.uid.as_ref().and_then(|u| stops.get(u)) {
-                    let _ = s.send(true);
+                    s.cancel();
                 }
                 continue;
             }
@@ -267,7 +155,7 @@ pub async fn run(ctx: Arc<NodeCtx>, client: kube::Client) {
                 if let Some(l) = listing.take() {
                     for (uid, s) in &stops {
                         if !l.contains(uid) {
-                            let _ = s.send(true);
+                            s.cancel();
                         }
                     }
                 }
@@ -290,99 +178,19 @@ pub async fn run(ctx: Arc<NodeCtx>, client: kube::Client) {
             continue;
         }
         seen.insert(uid.clone());
-        let (tx, rx) = watch::channel(false);
-        stops.insert(uid, tx);
-        tokio::spawn(run_pod(ctx.clone(), pod, rx));
+        let pod_stop = stop.child_token();
+        stops.insert(uid, pod_stop.clone());
+        pods.spawn(run_pod(ctx.clone(), pod, pod_stop));
     }
-}
-
-/// Which step of starting a GPU container.
-#[derive(Clone, Copy)]
-enum Step<'a> {
-    /// Allocate this many devices at admission (the device manager, one pod at a time).
-    Allocate(usize),
-    /// PreStartContainer of these devices when the container starts (each pod's own worker).
-    PreStart(&'a [String]),
-}
-
-/// Allocate devices for one container, or PreStartContainer the devices it got, retried
-/// (the agent may be restarting) until the admission timeout.
-async fn device_step(
-    ctx: &NodeCtx,
-    (ns, name, uid): (&str, &str, &str),
-    container: &str,
-    step: Step<'_>,
-    stop: &watch::Receiver<bool>,
-) -> Result<Option<Allocated>> {
-    let deadline = Instant::now() + ctx.admit_timeout;
-    let mut attempt = 0u32;
-    let pod_key = format!("{ns}/{name}");
-    let at = PodAt {
-        pod: &pod_key,
-        uid,
-        node: &ctx.node,
-    };
-    loop {
-        attempt += 1;
-        let e: anyhow::Error = match step {
-            Step::Allocate(n) => match ctx.kubelet.allocate(ns, name, container, n).await {
-                Ok(a) => {
-                    ctx.log(&format!(
-                        "{ns}/{name}/{container}: Allocate {:?} in {} ms",
-                        a.device_ids,
-                        a.elapsed.as_millis()
-                    ));
-                    let id = a
-                        .response
-                        .envs
-                        .get("GPULEDGER_ALLOCATION_ID")
-                        .and_then(|v| v.parse().ok());
-                    let devices = a.device_ids.join(",");
-                    ctx.runs
-                        .history
-                        .record("allocate", at, Outcome::Ok, id, devices);
-                    return Ok(Some(a));
-                }
-                Err(e) => {
-                    let outcome = allocate_outcome(&e);
-                    ctx.runs
-                        .history
-                        .record("allocate", at, outcome, None, format!("{e:#}"));
-                    e.context("Allocate")
-                }
-            },
-            Step::PreStart(ids) => match ctx.kubelet.pre_start(ids).await {
-                Ok(()) => return Ok(None),
-                Err(e) => e.context("PreStartContainer"),
-            },
-        };
-        if Instant::now() > deadline || *stop.borrow() {
-            return Err(e.context(format!("gave up after {attempt} attempts")));
-        }
-        if attempt == 1 || attempt.is_multiple_of(20) {
-            ctx.log(&format!(
-                "{ns}/{name}/{container}: {e:#} (attempt {attempt}; retrying)"
-            ));
-        }
-        tokio::time::sleep(Duration::from_millis(250)).await;
+    for s in stops.values() {
+        s.cancel();
     }
-}
-
-/// What a failed Allocate tells the kubelet: the agent refused (or was not there to ask),
-/// or the call may have reached it and nobody knows what it did.
-fn allocate_outcome(e: &anyhow::Error) -> Outcome {
-    let status = e.chain().find_map(|c| c.downcast_ref::<tonic::Status>());
-    match status.map(tonic::Status::code) {
-        Some(tonic::Code::DeadlineExceeded | tonic::Code::Cancelled | tonic::Code::Unknown) => {
-            Outcome::Unknown
-        }
-        Some(tonic::Code::Unavailable) if !format!("{e:#}").contains("connect") => Outcome::Unknown,
-        _ => Outcome::Fail,
-    }
+    pods.close();
+    pods.wait().await;
 }
 
 /// One pod's life on the node.
-async fn run_pod(ctx: Arc<NodeCtx>, pod: Pod, mut stop: watch::Receiver<bool>) {
+async fn run_pod(ctx: Arc<NodeCtx>, pod: Pod, stop: CancellationToken) {
     let ns = pod
         .metadata
         .namespace
@@ -571,7 +379,7 @@ async fn run_pod(ctx: Arc<NodeCtx>, pod: Pod, mut stop: watch::Receiver<bool>) {
                     failure.get_or_insert(format!("container {cname}: wait: {e}"));
                 }
             },
-            _ = async { stop.wait_for(|s| *s).await.is_ok() } => {
+            () = stop.cancelled() => {
                 deleted = true;
                 let _ = child.kill().await;
             }

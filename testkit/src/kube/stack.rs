@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Result, bail};
 
 use super::FakeApiServer;
-use crate::process::{Proc, bin_path, free_port};
+use crate::bins::bin_path;
+use crate::process::{Proc, free_port};
 use crate::{Allocators, EtcdCluster};
 
 /// What to start.

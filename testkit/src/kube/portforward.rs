@@ -25,12 +25,13 @@ use hyper_util::rt::TokioIo;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+use tokio::task::JoinSet;
 use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
 use tokio_tungstenite::tungstenite::protocol::Role;
 
-use super::apiserver::Store;
+use super::store::Store;
 
 /// The websocket subprotocol served (kube-rs offers v5 and v4; v5 only adds stream close,
 /// which port-forward does not use).
@@ -159,7 +160,7 @@ where
     let (mut sink, mut stream) = ws.split();
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Message>(64);
     let mut writers = Vec::with_capacity(ports.len());
-    let mut readers = Vec::new();
+    let mut readers = JoinSet::new();
     for (i, &port) in ports.iter().enumerate() {
         let data = (2 * i) as u8;
         let [lo, hi] = port.to_le_bytes();
@@ -175,7 +176,7 @@ where
                 let (mut r, w) = conn.into_split();
                 writers.push(Some(w));
                 let tx = tx.clone();
-                readers.push(tokio::spawn(async move {
+                readers.spawn(async move {
                     let mut buf = vec![0u8; 32 * 1024];
                     buf[0] = data;
                     loop {
@@ -188,7 +189,7 @@ where
                             }
                         }
                     }
-                }));
+                });
             }
             Err(e) => {
                 writers.push(None);
@@ -234,9 +235,7 @@ where
     for w in writers.iter_mut().flatten() {
         let _ = w.shutdown().await;
     }
-    for r in readers {
-        r.abort();
-    }
+    readers.shutdown().await;
     let _ = tokio::time::timeout(std::time::Duration::from_secs(2), writer).await;
 }
 

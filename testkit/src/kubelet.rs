@@ -21,8 +21,8 @@ use gpuledger_proto::podresources::v1 as podres;
 use hyper_util::rt::TokioIo;
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::watch;
-use tokio::task::JoinHandle;
 use tokio_stream::wrappers::UnixListenerStream;
+use tokio_util::sync::{CancellationToken, DropGuard};
 use tonic::transport::{Channel, Endpoint, Server, Uri};
 use tonic::{Request, Response, Status};
 
@@ -70,14 +70,19 @@ struct Inner {
     plugin: Mutex<Option<dp::device_plugin_client::DevicePluginClient<Channel>>>,
     devices: watch::Sender<Vec<dp::Device>>,
     assignments: Mutex<Vec<Assignment>>,
-    watch_task: Mutex<Option<JoinHandle<()>>>,
+    /// Cancelled when the kubelet is dropped: every server and watch of it stops.
+    stop: CancellationToken,
+    /// Following the registered plugin's ListAndWatch; cancelled when another registers.
+    plugin_watch: Mutex<CancellationToken>,
 }
 
 /// The emulated kubelet.
 pub struct Kubelet {
     inner: Arc<Inner>,
     pod_resources: PathBuf,
-    servers: Vec<JoinHandle<()>>,
+    /// Serving `kubelet.sock`; cancelled by a restart.
+    registration: CancellationToken,
+    _stop: DropGuard,
 }
 
 struct RegistrationSvc(Arc<Inner>);
@@ -111,14 +116,17 @@ impl dp::registration_server::Registration for RegistrationSvc {
             .map_err(|e| Status::unavailable(format!("ListAndWatch: {e}")))?
             .into_inner();
         let inner = self.0.clone();
-        let task = tokio::spawn(async move {
+        let watching = self.0.stop.child_token();
+        let old = std::mem::replace(
+            &mut *self.0.plugin_watch.lock().expect("lock"),
+            watching.clone(),
+        );
+        old.cancel();
+        tokio::spawn(watching.run_until_cancelled_owned(async move {
             while let Ok(Some(m)) = stream.message().await {
                 inner.devices.send_replace(m.devices);
             }
-        });
-        if let Some(old) = self.0.watch_task.lock().expect("lock").replace(task) {
-            old.abort();
-        }
+        }));
         *self.0.plugin.lock().expect("lock") = Some(client);
         *self.0.last.lock().expect("lock") = Some(r);
         self.0.registrations.send_modify(|n| *n += 1);
@@ -208,16 +216,17 @@ impl podres::pod_resources_lister_server::PodResourcesLister for PodResourcesSvc
 
 type Served = Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
 
-fn serve_registration(inner: Arc<Inner>) -> Result<Served> {
+/// Serve `Registration` on `kubelet.sock` until `stop` is cancelled.
+fn serve_registration(inner: Arc<Inner>, stop: CancellationToken) -> Result<Served> {
     let sock = inner.dir.join("kubelet.sock");
     let _ = std::fs::remove_file(&sock);
     let l = UnixListener::bind(&sock).with_context(|| format!("binding {}", sock.display()))?;
     let svc = dp::registration_server::RegistrationServer::new(RegistrationSvc(inner));
+    let serve = Server::builder()
+        .add_service(svc)
+        .serve_with_incoming(UnixListenerStream::new(l));
     Ok(Box::pin(async move {
-        let _ = Server::builder()
-            .add_service(svc)
-            .serve_with_incoming(UnixListenerStream::new(l))
-            .await;
+        let _ = stop.run_until_cancelled(serve).await;
     }))
 }
 
@@ -229,6 +238,7 @@ impl Kubelet {
         let pr_dir = dir.join("pod-resources");
         std::fs::create_dir_all(&dp_dir)?;
         std::fs::create_dir_all(&pr_dir)?;
+        let stop = CancellationToken::new();
         let inner = Arc::new(Inner {
             dir: dp_dir,
             registrations: watch::Sender::new(0),
@@ -236,7 +246,8 @@ impl Kubelet {
             plugin: Mutex::new(None),
             devices: watch::Sender::new(Vec::new()),
             assignments: Mutex::new(Vec::new()),
-            watch_task: Mutex::new(None),
+            stop: stop.clone(),
+            plugin_watch: Mutex::new(stop.child_token()),
         });
         let pod_resources = pr_dir.join("kubelet.sock");
         let _ = std::fs::remove_file(&pod_resources);
@@ -244,17 +255,17 @@ impl Kubelet {
         let pr = podres::pod_resources_lister_server::PodResourcesListerServer::new(
             PodResourcesSvc(inner.clone()),
         );
-        let pr_task = tokio::spawn(async move {
-            let _ = Server::builder()
-                .add_service(pr)
-                .serve_with_incoming(UnixListenerStream::new(l))
-                .await;
-        });
-        let reg_task = tokio::spawn(serve_registration(inner.clone())?);
+        let serve = Server::builder()
+            .add_service(pr)
+            .serve_with_incoming(UnixListenerStream::new(l));
+        tokio::spawn(stop.clone().run_until_cancelled_owned(serve));
+        let registration = stop.child_token();
+        tokio::spawn(serve_registration(inner.clone(), registration.clone())?);
         Ok(Kubelet {
             inner,
             pod_resources,
-            servers: vec![reg_task, pr_task],
+            registration,
+            _stop: stop.drop_guard(),
         })
     }
 
@@ -490,12 +501,8 @@ impl Kubelet {
     /// plugin's too), drop the plugin connection, serve a new `kubelet.sock`. Assignments are
     /// kept (checkpoint). The plugin must notice and register again.
     pub async fn restart(&mut self) -> Result<()> {
-        if let Some(t) = self.servers.first() {
-            t.abort();
-        }
-        if let Some(t) = self.inner.watch_task.lock().expect("lock").take() {
-            t.abort();
-        }
+        self.registration.cancel();
+        self.inner.plugin_watch.lock().expect("lock").cancel();
         *self.inner.plugin.lock().expect("lock") = None;
         for e in std::fs::read_dir(&self.inner.dir)?.flatten() {
             let p = e.path();
@@ -504,20 +511,11 @@ impl Kubelet {
             }
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
-        self.servers[0] = tokio::spawn(serve_registration(self.inner.clone())?);
+        self.registration = self.inner.stop.child_token();
+        tokio::spawn(serve_registration(
+            self.inner.clone(),
+            self.registration.clone(),
+        )?);
         Ok(())
-    }
-}
-
-impl Drop for Kubelet {
-    fn drop(&mut self) {
-        for t in &self.servers {
-            t.abort();
-        }
-        if let Ok(mut w) = self.inner.watch_task.lock()
-            && let Some(t) = w.take()
-        {
-            t.abort();
-        }
     }
 }

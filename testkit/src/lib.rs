@@ -1,12 +1,15 @@
-//! gpuledger's test kit and local cluster harness.
+//! gpuledger's test kit: what every crate's integration tests, the benchmarks and
+//! `gpuledger-chaos` start and drive.
 //!
-//! Starts real `etcd` processes and gpuledger components as separate OS processes on
-//! 127.0.0.1, with their logs in one run directory, and kills, pauses and restarts them.
-//! Integration tests of every crate and the benchmarks use it; nothing here is a mock.
+//! Real `etcd` processes and gpuledger components as separate OS processes on 127.0.0.1, with
+//! their logs in one run directory, killed, paused and restarted at will; the fakes that stand
+//! in for Kubernetes (a small kube-apiserver, the kube-scheduler emulator, the kubelet
+//! emulator, the fake NVML state) and the local cluster that wires them all together. Nothing
+//! here is a mock of etcd or of a gpuledger component.
 
 pub mod allocators;
+pub mod bins;
 pub mod cluster;
-pub mod demo;
 pub mod etcd;
 pub mod history;
 pub mod http;
@@ -14,14 +17,13 @@ pub mod kube;
 pub mod kubelet;
 pub mod process;
 pub mod promtext;
-pub mod run;
-pub mod up;
 pub mod workload;
 
 pub use allocators::Allocators;
+pub use bins::bin_path;
 pub use cluster::{ClusterOptions, LocalCluster};
 pub use etcd::EtcdCluster;
-pub use process::{Proc, bin_path, free_port};
+pub use process::{Proc, free_port};
 
 /// Poll `f` every 100 ms until it says true; fail with `what` after `timeout`.
 pub async fn eventually<F, Fut>(

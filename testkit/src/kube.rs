@@ -5,11 +5,14 @@
 //! resource (pods, nodes, events, leases…), `resourceVersion` semantics, field selectors such
 //! as `spec.nodeName` and `spec.schedulerName`, label selectors, JSON merge patch, and pod
 //! bindings (409 on a second bind). Components reach it through an ordinary kubeconfig file.
+//! [`store`] holds the objects; [`apiserver`] serves them over HTTP and says where it differs
+//! from a real kube-apiserver; [`portforward`] adds `pods/{name}/portforward`.
 
 pub mod apiserver;
 pub mod portforward;
 pub mod scheduler;
 pub mod stack;
+pub mod store;
 
 pub use apiserver::FakeApiServer;
 pub use scheduler::{ExtenderClient, ExtenderConfig, SchedulerEmulator};
