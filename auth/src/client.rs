@@ -110,6 +110,10 @@ pub struct CredentialArgs {
         requires = "client_cert"
     )]
     pub client_key: Option<PathBuf>,
+    /// The name the allocator's certificate must carry, when it is not the host dialled (a
+    /// port-forward dials 127.0.0.1; the certificate names the Service).
+    #[arg(long = "tls-server-name", env = "GPULEDGER_TLS_SERVER_NAME")]
+    pub server_name: Option<String>,
 }
 
 /// Why a client's credentials cannot be used.
@@ -134,6 +138,7 @@ pub enum CredentialError {
 pub struct Credentials {
     tls: Arc<Reloading<ClientConfig>>,
     token: Option<Arc<TokenFile>>,
+    server_name: Option<String>,
 }
 
 impl Credentials {
@@ -151,6 +156,7 @@ impl Credentials {
                 .as_deref()
                 .map(TokenFile::open)
                 .transpose()?,
+            server_name: args.server_name.clone(),
         })
     }
 
@@ -183,6 +189,7 @@ impl Credentials {
     pub fn channel(&self, endpoint: Endpoint) -> AuthChannel {
         let connector = Connector {
             tls: self.tls.clone(),
+            server_name: self.server_name.clone(),
         };
         InterceptedService::new(
             endpoint.connect_with_connector_lazy(connector),
@@ -205,6 +212,7 @@ pub fn endpoint(addr: &str) -> Result<Endpoint, tonic::transport::Error> {
 #[derive(Clone)]
 struct Connector {
     tls: Arc<Reloading<ClientConfig>>,
+    server_name: Option<String>,
 }
 
 impl tower::Service<Uri> for Connector {
@@ -221,6 +229,7 @@ impl tower::Service<Uri> for Connector {
 
     fn call(&mut self, uri: Uri) -> Self::Future {
         let cfg = self.tls.current();
+        let name_override = self.server_name.clone();
         Box::pin(async move {
             let bad = |why: &str| std::io::Error::new(std::io::ErrorKind::InvalidInput, why);
             let host = uri.host().ok_or_else(|| bad("no host in the address"))?;
@@ -231,7 +240,8 @@ impl tower::Service<Uri> for Connector {
             let port = uri.port_u16().unwrap_or(443);
             let tcp = TcpStream::connect((host.as_str(), port)).await?;
             tcp.set_nodelay(true)?;
-            let name = ServerName::try_from(host).map_err(|_| bad("not a host name or IP"))?;
+            let name = ServerName::try_from(name_override.unwrap_or(host))
+                .map_err(|_| bad("not a host name or IP"))?;
             let tls = tokio_rustls::TlsConnector::from(cfg)
                 .connect(name, tcp)
                 .await?;

@@ -9,7 +9,9 @@
 
 #![warn(missing_docs)]
 
+pub mod args;
 pub mod client;
+pub mod https;
 pub mod identity;
 #[cfg(feature = "pki")]
 pub mod pki;
@@ -18,7 +20,8 @@ pub mod server;
 pub mod tls;
 pub mod token;
 
-pub use client::{AuthChannel, CredentialArgs, Credentials};
+pub use args::ServerTlsArgs;
+pub use client::{AuthChannel, CredentialArgs, Credentials, endpoint};
 pub use identity::{Caller, Role};
 pub use rules::{Call, Denied, Facts, PodFacts, authorize};
 pub use server::{AuthLayer, Authenticated, Authenticator, Refusal};

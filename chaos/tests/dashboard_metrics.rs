@@ -54,8 +54,7 @@ async fn every_dashboard_expression_names_an_exported_metric() -> anyhow::Result
     }
 
     let mut exported = scrape(&format!("http://{}/metrics", stack.allocs.http[0])).await?;
-    let ext = stack.extender_url.trim_end_matches("/gpuledger");
-    exported.extend(scrape(&format!("{ext}/metrics")).await?);
+    exported.extend(scrape(&format!("{}/metrics", stack.extender_http_url)).await?);
     exported.extend(scrape(&format!("http://127.0.0.1:{port}/metrics")).await?);
     for component in ["allocator", "extender", "node_agent"] {
         assert!(

@@ -162,10 +162,10 @@ async fn crash_after_binding_is_confirmed_and_before_binding_expires() -> anyhow
     let sched = SchedulerEmulator::start(
         stack.api.client().await?,
         "gpuledger-scheduler",
-        ExtenderConfig::gpuledger(&stack.extender_url),
+        stack.extender_config()?,
         4,
         Duration::from_millis(200),
-    );
+    )?;
     eventually("p2 is bound again", Duration::from_secs(15), || async {
         Ok(stack.api.pod("default", "p2").expect("pod")["spec"]["nodeName"] == "n1")
     })

@@ -71,10 +71,10 @@ async fn gpushare_and_hami_pods_run_as_written() -> anyhow::Result<()> {
     let sched = SchedulerEmulator::start(
         stack.api.client().await?,
         "gpuledger-scheduler",
-        ExtenderConfig::gpuledger(&stack.extender_url),
+        stack.extender_config()?,
         4,
         Duration::from_millis(200),
-    );
+    )?;
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let bound = ["gpushare-0", "hami-0"].iter().all(|n| {
@@ -146,12 +146,8 @@ async fn gpushare_and_hami_pods_run_as_written() -> anyhow::Result<()> {
     }
 
     // The extender's own metrics count the binds and time every verb.
-    let port = stack
-        .extender_url
-        .trim_start_matches("http://127.0.0.1:")
-        .trim_end_matches("/gpuledger");
     let (code, text) =
-        gpuledger_testkit::http::get(&format!("http://127.0.0.1:{port}/metrics")).await?;
+        gpuledger_testkit::http::get(&format!("{}/metrics", stack.extender_http_url)).await?;
     assert_eq!(code, 200);
     let (ready, why) =
         gpuledger_testkit::http::get(&format!("http://127.0.0.1:{port}/readyz")).await?;

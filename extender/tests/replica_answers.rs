@@ -69,8 +69,8 @@ async fn extender_answer(ext: &ExtenderClient, p: &Value) -> anyhow::Result<(Val
 }
 
 async fn metric(stack: &KubeStack, line: &str) -> anyhow::Result<f64> {
-    let base = stack.extender_url.trim_end_matches("/gpuledger");
-    let (_, text) = gpuledger_testkit::http::get(&format!("{base}/metrics")).await?;
+    let (_, text) =
+        gpuledger_testkit::http::get(&format!("{}/metrics", stack.extender_http_url)).await?;
     Ok(text
         .lines()
         .find_map(|l| l.strip_prefix(line)?.trim().parse().ok())

@@ -59,10 +59,14 @@ pub struct Agent {
 
 impl Agent {
     /// The agent for `cfg`, with NVML loaded and the GPUs discovered.
-    pub fn new(cfg: Config, nvml: NvmlBackend) -> anyhow::Result<Arc<Agent>> {
+    pub fn new(
+        cfg: Config,
+        nvml: NvmlBackend,
+        creds: &gpuledger_auth::Credentials,
+    ) -> anyhow::Result<Arc<Agent>> {
         let gpus = nvml.gpus().context("discovering GPUs")?;
         info!(node = %cfg.node_name, gpus = gpus.len(), "discovered GPUs: {:?}", gpus.iter().map(|g| &g.uuid).collect::<Vec<_>>());
-        let pool = Pool::new(&cfg.allocator)?;
+        let pool = Pool::new(&cfg.allocator, creds)?;
         let mut registry = Registry::with_prefix("gpuledger_node_agent");
         let metrics = Metrics::new(&mut registry);
         let env = EnvOptions {

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use gpuledger_testkit::kube::{ExtenderClient, ExtenderConfig, KubeStack};
+use gpuledger_testkit::kube::{ExtenderClient, KubeStack};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use serde_json::{Value, json};
@@ -29,9 +29,10 @@ pub fn read_json(p: &Path) -> Result<Value> {
     serde_json::from_slice(&b).with_context(|| format!("parsing {}", p.display()))
 }
 
-/// A client that speaks to the stack's extender like kube-scheduler.
-pub fn extender(stack: &KubeStack) -> ExtenderClient {
-    ExtenderClient::new(ExtenderConfig::gpuledger(&stack.extender_url))
+/// A client that speaks to the stack's extender like kube-scheduler (HTTPS, with the
+/// scheduler's client certificate).
+pub fn extender(stack: &KubeStack) -> Result<ExtenderClient> {
+    ExtenderClient::new(stack.extender_config()?)
 }
 
 /// A self-signed certificate for 127.0.0.1/localhost in a temp dir.
@@ -85,12 +86,22 @@ impl TestTls {
         self.dir.path().join("tls.key")
     }
 
-    /// Extender flags serving the webhook on `port`.
+    /// Extender flags serving the webhook on `port` with this certificate (it also stands in
+    /// for the scheduler's CA and the allocator credentials: these tests reach no allocator).
     pub fn flags(&self, port: u16) -> Vec<String> {
+        let (crt, key) = (self.cert_path(), self.key_path());
         vec![
             format!("--webhook-listen=127.0.0.1:{port}"),
-            format!("--tls-cert={}", self.dir.path().join("tls.crt").display()),
-            format!("--tls-key={}", self.dir.path().join("tls.key").display()),
+            format!("--tls-cert={}", crt.display()),
+            format!("--tls-key={}", key.display()),
+            format!("--client-ca={}", crt.display()),
+            format!("--allocator-ca={}", crt.display()),
+            format!("--client-cert={}", crt.display()),
+            format!("--client-key={}", key.display()),
+            format!(
+                "--http-listen=127.0.0.1:{}",
+                gpuledger_testkit::free_port().unwrap_or(0)
+            ),
         ]
     }
 }
