@@ -144,6 +144,7 @@ impl Identities {
                     token_file: None,
                     cert: Some(cert),
                     client_key: Some(key),
+                    server_name: None,
                 })
             }
             Issuer::Tokens(store) => {
@@ -177,6 +178,7 @@ impl Identities {
                     token_file: Some(file),
                     cert: None,
                     client_key: None,
+                    server_name: None,
                 })
             }
         }
