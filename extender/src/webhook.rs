@@ -76,23 +76,34 @@ fn fmt_num(v: f64) -> String {
 }
 
 /// The container's resources with aliases replaced by gpuledger names and the slice count
-/// made explicit; None when nothing changes.
+/// made explicit; None when nothing changes. No name a node does not advertise is left.
 fn translate(raw: &Value, g: &ContainerGpu) -> Option<Value> {
-    let aliases = [
-        resources::ALIYUN_GPU_MEM,
+    let hami = [
         resources::HAMI_GPU_MEM,
         resources::HAMI_GPU_MEM_PERCENT,
         resources::HAMI_GPU_CORES,
     ];
     let mut res = raw.get("resources").cloned().unwrap_or_else(|| json!({}));
+    // nvidia.com/gpu is HAMi's GPU count only beside HAMi's other names (as `ContainerGpu::of`
+    // reads it); otherwise it stays for NVIDIA's device plugin.
+    let hami_count = ["limits", "requests"].iter().any(|part| {
+        res.get(part)
+            .and_then(Value::as_object)
+            .is_some_and(|m| hami.iter().any(|k| m.contains_key(*k)))
+    });
+    let mut aliases = vec![resources::ALIYUN_GPU_MEM];
+    aliases.extend(hami);
+    if hami_count {
+        aliases.push(resources::HAMI_GPU);
+    }
     let mut changed = false;
     for part in ["limits", "requests"] {
         let Some(map) = res.get_mut(part).and_then(Value::as_object_mut) else {
             continue;
         };
         let had_alias = aliases.iter().any(|a| map.contains_key(*a));
-        for a in aliases {
-            map.remove(a);
+        for a in &aliases {
+            map.remove(*a);
         }
         let mut set = |map: &mut Map<String, Value>, k: &str, v: Option<String>| {
             if let Some(v) = v
@@ -102,7 +113,12 @@ fn translate(raw: &Value, g: &ContainerGpu) -> Option<Value> {
                 changed = true;
             }
         };
-        set(map, resources::GPU, Some("1".into()));
+        // The count as written (a fraction stays one, for the API server to refuse).
+        set(
+            map,
+            resources::GPU,
+            Some(g.slices.unwrap_or(1.0).to_string()),
+        );
         set(map, resources::GPU_MEM, g.mem_mib.map(fmt_num));
         set(map, resources::GPU_MEM_PERCENT, g.mem_percent.map(fmt_num));
         set(map, resources::GPU_CORE, g.core_percent.map(fmt_num));
