@@ -120,9 +120,11 @@ pub struct FilterResult {
     /// Feasible node names, when the request carried names.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub node_names: Option<Vec<String>>,
-    /// Node → why the pod does not fit now.
+    /// Node → why the pod does not fit, for every node it does not fit on: kube-scheduler 1.20
+    /// reads only this map.
     pub failed_nodes: BTreeMap<String, String>,
-    /// Node → why the pod can never fit (preemption will not help).
+    /// Node → why the pod can never fit (preemption will not help). Newer schedulers read it
+    /// too, and let it win for a node that is in both maps.
     pub failed_and_unresolvable_nodes: BTreeMap<String, String>,
     /// Set when the extender could not decide.
     pub error: String,
@@ -391,7 +393,7 @@ async fn filter(State(app): State<App>, body: Bytes) -> Response {
         Ok((f, seq)) => {
             debug!(pod = %id, feasible = f.fits.len(), seq,
                    ms = t0.elapsed().as_secs_f64() * 1e3, "filter");
-            out.failed_nodes = f.wait.into_iter().collect();
+            out.failed_nodes = f.wait.into_iter().chain(f.never.clone()).collect();
             out.failed_and_unresolvable_nodes = f.never.into_iter().collect();
             answer_nodes(full, f.fits, &mut out);
         }
@@ -414,6 +416,7 @@ fn unresolvable_everywhere(names: &[String], why: &str, out: &mut FilterResult) 
     for n in names {
         out.failed_and_unresolvable_nodes
             .insert(n.clone(), why.to_string());
+        out.failed_nodes.insert(n.clone(), why.to_string());
     }
 }
 

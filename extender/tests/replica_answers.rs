@@ -50,7 +50,10 @@ async fn allocator_answer(stack: &KubeStack, p: &Value) -> anyhow::Result<(Value
         })
         .await?
         .into_inner();
-    let filter = json!({"NodeNames": f.nodes, "FailedNodes": f.failed,
+    // Every failed node is in FailedNodes (what kube-scheduler 1.20 reads).
+    let failed: std::collections::BTreeMap<_, _> =
+        f.failed.into_iter().chain(f.unresolvable.clone()).collect();
+    let filter = json!({"NodeNames": f.nodes, "FailedNodes": failed,
                         "FailedAndUnresolvableNodes": f.unresolvable, "Error": ""});
     let scores: Vec<Value> = s
         .scores
