@@ -31,6 +31,7 @@ use crate::metrics::{Metrics, Outcome};
 use crate::parallel;
 use crate::replica::Replica;
 use crate::resources::{self, ANN_ALLOCATION};
+use crate::scheduler_text;
 
 /// Where a test asks the process to die (a stand-in for a crash at the worst moment).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -122,11 +123,14 @@ pub struct FilterResult {
     pub node_names: Option<Vec<String>>,
     /// Node → why the pod does not fit, for every node it does not fit on: kube-scheduler 1.20
     /// reads only this map.
+    #[serde(serialize_with = "scheduler_text::reasons")]
     pub failed_nodes: BTreeMap<String, String>,
     /// Node → why the pod can never fit (preemption will not help). Newer schedulers read it
     /// too, and let it win for a node that is in both maps.
+    #[serde(serialize_with = "scheduler_text::reasons")]
     pub failed_and_unresolvable_nodes: BTreeMap<String, String>,
     /// Set when the extender could not decide.
+    #[serde(serialize_with = "scheduler_text::text")]
     pub error: String,
 }
 
@@ -160,6 +164,7 @@ pub struct BindingArgs {
 #[serde(rename_all = "PascalCase")]
 pub struct BindingResult {
     /// Empty on success.
+    #[serde(serialize_with = "scheduler_text::text")]
     pub error: String,
 }
 
@@ -248,7 +253,7 @@ fn json_sized<T: Serialize>(v: &T, hint: usize) -> Response {
 }
 
 fn bad_request(what: &str, e: impl std::fmt::Display) -> Response {
-    let body = json!({ "Error": format!("malformed {what} request: {e}") });
+    let body = json!({ "Error": scheduler_text::without_percent(&format!("malformed {what} request: {e}")) });
     (StatusCode::BAD_REQUEST, axum::Json(body)).into_response()
 }
 
@@ -492,7 +497,7 @@ async fn prioritize(State(app): State<App>, body: Bytes) -> Response {
             warn!(pod = %pod_id(pod), error = %s.message(), "prioritize failed");
             (
                 StatusCode::SERVICE_UNAVAILABLE,
-                axum::Json(json!({"Error": s.message()})),
+                axum::Json(json!({"Error": scheduler_text::without_percent(s.message())})),
             )
                 .into_response()
         }
@@ -772,7 +777,7 @@ async fn preempt(State(app): State<App>, body: Bytes) -> Response {
         }
         Err(s) => (
             StatusCode::SERVICE_UNAVAILABLE,
-            axum::Json(json!({"Error": s.message()})),
+            axum::Json(json!({"Error": scheduler_text::without_percent(s.message())})),
         )
             .into_response(),
     }

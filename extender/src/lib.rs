@@ -8,4 +8,5 @@ pub mod metrics;
 pub mod parallel;
 pub mod replica;
 pub mod resources;
+pub mod scheduler_text;
 pub mod webhook;
