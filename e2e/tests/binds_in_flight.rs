@@ -50,9 +50,13 @@ async fn pods_created_together_are_bound_without_a_rejected_bind() -> Result<()>
         "gpuledger_extender_requests_total",
         &[("verb", "bind"), ("outcome", "error")],
     );
+    let answers: Vec<&str> = m
+        .lines()
+        .filter(|l| l.starts_with("gpuledger_extender_answers_total"))
+        .collect();
     ensure!(
         refused == 0.0,
-        "{refused} of {binds} binds were refused for {} pods (capacity already promised to a bind in flight)\n{}",
+        "{refused} of {binds} binds were refused for {} pods (capacity already promised to a bind in flight)\n{answers:?}\n{}",
         names.len(),
         e.log_tails(30)
     );

@@ -356,7 +356,9 @@ async fn filter(State(app): State<App>, body: Bytes) -> Response {
         Some(r) => {
             r.read("filter", |l, d| match d.request(req.clone()) {
                 Ok(pr) => {
-                    let f = parallel::filter_nodes(l, &names, &pr);
+                    r.in_flight.saw(&req);
+                    let mut f = parallel::filter_nodes(l, &names, &pr);
+                    r.in_flight.filter(l, d, &pr, &mut f);
                     // A node the replica does not know yet may be registered by now: ask.
                     (f.unregistered == 0).then(|| Ok((f, l.seq())))
                 }
@@ -449,17 +451,21 @@ async fn prioritize(State(app): State<App>, body: Bytes) -> Response {
         Some(r) => {
             r.read("prioritize", |l, d| match d.request(req.clone()) {
                 // A node the replica does not know yet may be registered by now: ask.
-                Ok(pr) => names
-                    .iter()
-                    .zip(parallel::score_nodes(l, &names, &pr))
-                    .map(|(n, s)| {
-                        Some(HostPriority {
-                            host: Cow::Borrowed(n.as_ref()),
-                            score: i64::from(s?.min(10)),
+                Ok(pr) => {
+                    let mut scores = parallel::score_nodes(l, &names, &pr);
+                    r.in_flight.scores(l, d, &pr, &names, &mut scores);
+                    names
+                        .iter()
+                        .zip(scores)
+                        .map(|(n, s)| {
+                            Some(HostPriority {
+                                host: Cow::Borrowed(n.as_ref()),
+                                score: i64::from(s?.min(10)),
+                            })
                         })
-                    })
-                    .collect::<Option<Vec<_>>>()
-                    .map(Ok),
+                        .collect::<Option<Vec<_>>>()
+                        .map(Ok)
+                }
                 Err(why) => Some(Err(why)),
             })
             .await
@@ -598,6 +604,9 @@ async fn release(app: &App, uid: &str, why: &str) {
 
 async fn do_bind(app: &App, a: &BindingArgs) -> Result<(), String> {
     let t0 = Instant::now();
+    // Counted by filter and prioritize from now on, as the scheduler's next pod is.
+    let early =
+        (app.replica.as_ref()).and_then(|rep| rep.in_flight.assume_seen(&a.pod_uid, &a.node));
     let kube = app
         .kube
         .clone()
@@ -622,6 +631,9 @@ async fn do_bind(app: &App, a: &BindingArgs) -> Result<(), String> {
     let reserved = match req {
         None => None,
         Some(req) => {
+            let assumed = early.or_else(|| {
+                (app.replica.as_ref()).map(|rep| rep.in_flight.assume(&uid, &a.node, req.clone()))
+            });
             let rr = api::ReserveRequest {
                 request: Some(req),
                 node: a.node.clone(),
@@ -637,6 +649,9 @@ async fn do_bind(app: &App, a: &BindingArgs) -> Result<(), String> {
                 .map_err(|s| format!("reserving GPUs on {}: {}", a.node, s.message()))?;
             if let Some(rep) = &app.replica {
                 rep.note_write(r.seq);
+            }
+            if let Some(x) = assumed {
+                x.landed(r.seq);
             }
             Some(r)
         }

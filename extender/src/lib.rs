@@ -3,6 +3,7 @@
 //! prioritize read a replica of the allocator's ledger, every write is the allocator's.
 
 pub mod allocator;
+pub mod assume;
 pub mod extender;
 pub mod metrics;
 pub mod parallel;

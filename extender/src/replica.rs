@@ -28,6 +28,7 @@ use tokio::sync::watch;
 use tracing::{info, warn};
 
 use crate::allocator::Allocators;
+use crate::assume::InFlight;
 
 /// How long an answer waits for the replica to fold this extender's own last write before it
 /// asks the allocator instead (the stream delivers a commit within a millisecond or two).
@@ -71,6 +72,8 @@ pub struct Replica {
     written: AtomicU64,
     stale_after: Duration,
     metrics: ReplicaMetrics,
+    /// Binds in flight, which filter and prioritize count as placed.
+    pub in_flight: Arc<InFlight>,
 }
 
 #[derive(Default)]
@@ -105,6 +108,7 @@ impl Replica {
             written: AtomicU64::new(0),
             stale_after,
             metrics: ReplicaMetrics::default(),
+            in_flight: InFlight::new(),
         })
     }
 
