@@ -66,6 +66,9 @@ pub struct RealNode {
     pub agent: Proc,
     containerd: Proc,
     sysctls: Vec<(&'static str, String)>,
+    kubelet_args: Vec<String>,
+    bins: KubeBins,
+    dir: PathBuf,
 }
 
 impl RealNode {
@@ -165,7 +168,13 @@ impl RealNode {
             ),
             "--v=2".into(),
         ];
-        let kubelet = Proc::spawn(&dir, "kubelet", &bins.path(kubelet.program()), args, vec![])?;
+        let kubelet = Proc::spawn(
+            &dir,
+            "kubelet",
+            &bins.path(kubelet.program()),
+            args.clone(),
+            vec![],
+        )?;
         let node = RealNode {
             name: name.to_string(),
             nvml,
@@ -176,6 +185,9 @@ impl RealNode {
             agent,
             containerd,
             sysctls,
+            kubelet_args: args,
+            bins: bins.clone(),
+            dir,
         };
         node.wait_ready(client, Duration::from_secs(90)).await?;
         Ok(node)
@@ -211,6 +223,19 @@ impl RealNode {
     pub fn restart_kubelet(&mut self) -> Result<()> {
         self.kubelet.terminate(Duration::from_secs(10));
         self.kubelet.start()
+    }
+
+    /// Stop the kubelet and start the `build` one with the same flags (an upgrade).
+    pub fn replace_kubelet(&mut self, build: KubeletBuild) -> Result<()> {
+        self.kubelet.terminate(Duration::from_secs(10));
+        self.kubelet = Proc::spawn(
+            &self.dir,
+            "kubelet",
+            &self.bins.path(build.program()),
+            self.kubelet_args.clone(),
+            vec![],
+        )?;
+        Ok(())
     }
 }
 
