@@ -29,6 +29,8 @@ pub struct Options {
     pub real_node_gpus: (u32, u64),
     /// Extra extender flags.
     pub extender_flags: Vec<String>,
+    /// kube-scheduler's client QPS (None: the shipped configuration's, i.e. the default 50).
+    pub scheduler_qps: Option<u32>,
 }
 
 impl Default for Options {
@@ -38,6 +40,7 @@ impl Default for Options {
             real_node: None,
             real_node_gpus: (2, 16_384),
             extender_flags: Vec::new(),
+            scheduler_qps: None,
         }
     }
 }
@@ -93,7 +96,8 @@ impl E2e {
             &o.extender_flags,
         )
         .await?;
-        cp.start_scheduler(&gl.extender_url).await?;
+        cp.start_scheduler(&gl.extender_url, o.scheduler_qps)
+            .await?;
         let client = cp.client().await?;
         let node = match o.real_node {
             None => None,

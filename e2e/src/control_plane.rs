@@ -128,13 +128,25 @@ impl ControlPlane {
     }
 
     /// Start kube-scheduler with the shipped configuration, its extender at `extender_url`
-    /// (`http://127.0.0.1:<port>/gpuledger`); wait until it holds its leader lease.
-    pub async fn start_scheduler(&mut self, extender_url: &str) -> Result<()> {
-        let config = scheduler_config(
+    /// (`http://127.0.0.1:<port>/gpuledger`) and, if given, a client QPS of its own instead of
+    /// the default 50; wait until it holds its leader lease.
+    pub async fn start_scheduler(&mut self, extender_url: &str, qps: Option<u32>) -> Result<()> {
+        let mut config = scheduler_config(
             &crate::repo_root().join(SCHEDULER_CONFIG),
             &self.pki.kubeconfig(&self.server, &Identity::Scheduler)?,
             extender_url,
         )?;
+        if let Some(q) = qps {
+            anyhow::ensure!(
+                config.contains("\nclientConnection:\n"),
+                "{SCHEDULER_CONFIG} has no clientConnection section to set the QPS in"
+            );
+            config = config.replacen(
+                "\nclientConnection:\n",
+                &format!("\nclientConnection:\n  qps: {q}\n  burst: {}\n", 2 * q),
+                1,
+            );
+        }
         let path = self.dir.join("kube-scheduler.yaml");
         std::fs::write(&path, config)?;
         let args = vec![
