@@ -1,8 +1,10 @@
 //! One real GPU node: Debian's containerd and runc, a real kubelet (1.20.2) and a
 //! `gpuledger-node-agent` on the fake NVML library, all as processes of this run.
 //!
-//! Two paths are the host's and not the run directory's, because kubelet 1.20 fixes them:
-//! `/var/lib/kubelet/device-plugins/` (where the agent registers) whatever `--root-dir` says.
+//! Some paths are the host's and not the run directory's, because kubelet 1.20 fixes them
+//! whatever `--root-dir` says: `/var/lib/kubelet/device-plugins/` (where the agent registers)
+//! and `/var/log/pods/`, `/var/log/containers/` (container logs); what this node adds there is
+//! removed when it stops.
 //! Only one real node can run on a machine at a time. The kubelet sets three kernel tunables at
 //! start (`vm.overcommit_memory`, `kernel.panic`, `kernel.panic_on_oops`); they are put back
 //! when the node stops.
@@ -69,6 +71,8 @@ pub struct RealNode {
     kubelet_args: Vec<String>,
     bins: KubeBins,
     dir: PathBuf,
+    /// What the kubelet's fixed log directories held before this node started.
+    logs_before: Vec<PathBuf>,
 }
 
 impl RealNode {
@@ -91,6 +95,7 @@ impl RealNode {
         }
         let dir = dir.join(format!("node-{name}"));
         std::fs::create_dir_all(&dir)?;
+        let logs_before = host_logs();
         let sysctls = SYSCTLS
             .iter()
             .map(|p| Ok((*p, std::fs::read_to_string(p)?.trim().to_string())))
@@ -188,6 +193,7 @@ impl RealNode {
             kubelet_args: args,
             bins: bins.clone(),
             dir,
+            logs_before,
         };
         node.wait_ready(client, Duration::from_secs(90)).await?;
         Ok(node)
@@ -299,10 +305,47 @@ impl Drop for RealNode {
             }
         }
         self.containerd.terminate(Duration::from_secs(5));
+        // The kubelet bind-mounts its root directory and containerd mounts a shm per sandbox;
+        // neither unmounts them on exit, and the run directory could not be removed.
+        unmount_under(&self.dir);
+        // The pods' logs under /var/log are this run's: remove them with it.
+        for p in host_logs() {
+            if !self.logs_before.contains(&p) {
+                let _ = std::fs::remove_dir_all(&p).or_else(|_| std::fs::remove_file(&p));
+            }
+        }
         for (p, v) in &self.sysctls {
             let _ = std::fs::write(p, v);
         }
         let _ = clean_device_plugin_dir();
+    }
+}
+
+/// The entries of the kubelet's fixed log directories, `/var/log/pods` and `/var/log/containers`.
+fn host_logs() -> Vec<PathBuf> {
+    ["/var/log/pods", "/var/log/containers"]
+        .iter()
+        .filter_map(|d| std::fs::read_dir(d).ok())
+        .flatten()
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .collect()
+}
+
+/// Detach every mount at or below `dir`, deepest first.
+fn unmount_under(dir: &Path) {
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return;
+    };
+    // The fifth field is the mount point (spaces escaped as \040).
+    let mut points: Vec<PathBuf> = info
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(|p| PathBuf::from(p.replace("\\040", " ")))
+        .filter(|p| p.starts_with(dir))
+        .collect();
+    points.sort_by_key(|p| std::cmp::Reverse(p.as_os_str().len()));
+    for p in points {
+        let _ = nix::mount::umount2(&p, nix::mount::MntFlags::MNT_DETACH);
     }
 }
 
