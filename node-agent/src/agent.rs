@@ -45,8 +45,11 @@ pub struct Agent {
     pub gpus: watch::Sender<Vec<GpuState>>,
     /// Serializes Allocate and PreStartContainer decisions (the guess and its correction).
     pub decide: tokio::sync::Mutex<()>,
-    /// Set while the device plugin is registered with the current kubelet.
+    /// Set while the device plugin is registered with the current kubelet and it watches
+    /// the devices.
     pub kubelet_registered: AtomicBool,
+    /// ListAndWatch streams open: the kubelet reads the device list only through one.
+    pub watchers: watch::Sender<usize>,
     /// How containers' limits are exported.
     pub env: EnvOptions,
     /// Metrics, served at /metrics with the probes.
@@ -90,6 +93,7 @@ impl Agent {
             ),
             decide: tokio::sync::Mutex::new(()),
             kubelet_registered: AtomicBool::new(false),
+            watchers: watch::Sender::new(0),
             env,
             metrics,
             registry,
