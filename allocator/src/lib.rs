@@ -11,6 +11,7 @@ pub mod http;
 pub mod kube_watch;
 pub mod leader;
 pub mod log;
+pub mod metrics;
 pub mod replica;
 pub mod service;
 pub mod shared;

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use etcd_client::{Compare, CompareOp, GetOptions, KvClient, SortOrder, SortTarget, Txn, TxnOp};
 use gpuledger_ledger::pb;
+use gpuledger_ops::archive::ArchiveError;
 use prost::Message;
 
 /// Largest value written in one etcd key (etcd's default request limit is 1.5 MiB).
@@ -38,9 +39,9 @@ pub enum LogError {
         /// The first seq etcd still holds.
         first: u64,
     },
-    /// The archive could not be read (see [`crate::archive::ArchiveError`]).
+    /// The archive could not be read (see [`ArchiveError`]).
     #[error(transparent)]
-    Archive(#[from] crate::archive::ArchiveError),
+    Archive(#[from] ArchiveError),
     /// A stored value does not decode: the log is corrupt. Not retryable.
     #[error("corrupt value at {key}: {why}")]
     Corrupt {

@@ -83,7 +83,7 @@ pub struct Shared {
     /// Advertised address (what followers forward to).
     pub address: String,
     /// Prometheus metrics.
-    pub metrics: crate::http::Metrics,
+    pub metrics: crate::metrics::Metrics,
     /// The highest seq folded into `state`, for waiters.
     pub applied: watch::Sender<u64>,
 }
@@ -117,7 +117,7 @@ impl Shared {
             health: Mutex::new(Health::default()),
             replica,
             address,
-            metrics: crate::http::Metrics::default(),
+            metrics: crate::metrics::Metrics::default(),
             applied: watch::channel(0).0,
         })
     }
@@ -210,6 +210,28 @@ impl Shared {
     /// Current role information.
     pub fn role_info(&self) -> RoleInfo {
         self.role.borrow().clone()
+    }
+
+    /// Whether this replica is ready to serve (`/readyz`), and why not: serving, a leader
+    /// known, and caught up with the head seq last seen in etcd.
+    pub fn readiness(&self) -> Result<(), String> {
+        self.serving()?;
+        let role = self.role_info();
+        if role.role != Role::Leader && role.leader.is_empty() {
+            return Err("no allocator leader is elected right now".into());
+        }
+        let head = self
+            .health
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .head_seq;
+        let seq = self.read(|l| l.seq());
+        if seq < head {
+            return Err(format!(
+                "catching up with the ledger: at seq {seq}, head is {head}"
+            ));
+        }
+        Ok(())
     }
 
     /// Whether reads and grants may be served, and if not why.

@@ -128,7 +128,7 @@ const STATE_MAX_AGE: std::time::Duration = std::time::Duration::from_millis(1000
 
 fn build_state_json(shared: &Shared) -> String {
     let role = shared.role_info();
-    let why = super::readiness(shared).err().unwrap_or_default();
+    let why = shared.readiness().err().unwrap_or_default();
     let mut out = String::with_capacity(1 << 16);
     out.push_str("{\"replica\":");
     json_str(&mut out, &shared.replica);
