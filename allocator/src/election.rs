@@ -5,6 +5,9 @@
 //! (see `log.rs`). The session also keeps a conservative local deadline: the lease cannot have
 //! been renewed past `sent + ttl` of the last acknowledged keep-alive, so once that passes the
 //! leader stops granting without waiting for etcd to say so.
+//!
+//! The lease's local deadlines are tokio instants — the monotonic reading of
+//! [`gpuledger_ops::clock::Clock`] — so a test runtime with paused time drives them.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use futures::StreamExt;
 use gpuledger_ledger::Command;
@@ -17,6 +17,7 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::Api;
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
+use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
 use crate::service::Service;
@@ -51,12 +52,6 @@ const YOUNG_MS: i64 = 5_000;
 
 /// Node capacity updates submitted at once by one reconcile pass.
 const SYNC_CONCURRENCY: usize = 64;
-
-fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64)
-}
 
 /// Start the watchers, if configured.
 pub fn spawn(service: Service, args: &KubeArgs) {
@@ -227,7 +222,8 @@ impl Watch {
             }
             m
         });
-        let now = now_ms();
+        let clock = self.service.shared().clock.clone();
+        let now = clock.now_ms();
         for (uid, list) in allocs {
             let a = &list[0];
             let cached = self
@@ -294,8 +290,8 @@ impl Watch {
                     }
                     continue;
                 }
-                let since = *node_missing.entry(n.clone()).or_insert_with(Instant::now);
-                if since.elapsed() >= grace {
+                let since = *node_missing.entry(n.clone()).or_insert_with(|| clock.now());
+                if clock.now().saturating_duration_since(since) >= grace {
                     self.act(
                         Command::RemoveNode {
                             node: n.clone(),

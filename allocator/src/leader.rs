@@ -7,7 +7,7 @@
 //! and the replica falls back to follower.
 
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use etcd_client::LeaderKey;
 use gpuledger_ledger::{Command, CommandError, Ledger, pb};
@@ -66,12 +66,6 @@ pub enum StepDown {
     Shutdown,
     /// A decided event broke an invariant (a bug): the state is reloaded.
     Bug(String),
-}
-
-fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64)
 }
 
 struct Waiter {
@@ -177,7 +171,7 @@ impl Leader {
             replica: self.shared.replica.clone(),
             address: self.shared.address.clone(),
         });
-        let events = match spec.execute(elected, epoch, now_ms()) {
+        let events = match spec.execute(elected, epoch, self.shared.clock.now_ms()) {
             Ok((ev, _)) => ev,
             Err(e) => return StepDown::Bug(e.to_string()),
         };
@@ -209,7 +203,8 @@ impl Leader {
         let mut inflight: Option<InFlight> = None;
         let mut last_snap = spec.seq();
         // When the last transaction committed and how many requests it answered.
-        let mut last_commit = (tokio::time::Instant::now(), 0usize);
+        let clock = self.shared.clock.clone();
+        let mut last_commit = (clock.now(), 0usize);
         let reason = loop {
             let full = pending.full(&self.limits);
             let hold = self.limits.hold_until(last_commit);
@@ -236,7 +231,7 @@ impl Leader {
                             let (events, waiters) = (eb.events.len(), batch.waiters.len());
                             let queued = batch.opened.map(|o| sent.saturating_duration_since(o));
                             self.shared.apply_committed(eb);
-                            last_commit = (tokio::time::Instant::now(), batch.waiters.len());
+                            last_commit = (clock.now(), batch.waiters.len());
                             for w in batch.waiters {
                                 let _ = w.tx.send(Ok(Committed { reply: w.reply, seq: w.seq, epoch }));
                             }
@@ -257,14 +252,14 @@ impl Leader {
                 _ = async { tokio::time::sleep_until(linger_until.expect("guarded")).await }, if linger_until.is_some() => {}
                 req = inbox.recv(), if !full => {
                     let Some(req) = req else { break StepDown::Shutdown };
-                    if let Err(stop) = decide(&mut spec, &mut pending, req, epoch) {
+                    if let Err(stop) = decide(&mut spec, &mut pending, req, epoch, clock.as_ref()) {
                         break stop;
                     }
                     // Take whatever else is already queued into the same batch.
                     let mut stop = None;
                     while !pending.full(&self.limits) {
                         let Ok(req) = inbox.try_recv() else { break };
-                        if let Err(s) = decide(&mut spec, &mut pending, req, epoch) {
+                        if let Err(s) = decide(&mut spec, &mut pending, req, epoch, clock.as_ref()) {
                             stop = Some(s);
                             break;
                         }
@@ -275,7 +270,7 @@ impl Leader {
                 }
             }
             // Nothing in flight: launch the pending batch (or answer waiters that wrote nothing).
-            let now = tokio::time::Instant::now();
+            let now = clock.now();
             if inflight.is_none()
                 && pending.due(&self.limits, now)
                 && (pending.full(&self.limits)
@@ -373,18 +368,17 @@ fn decide(
     pending: &mut Batch,
     req: Request,
     epoch: u64,
+    clock: &dyn gpuledger_ops::clock::Clock,
 ) -> Result<(), StepDown> {
     let may_wait = matches!(req.cmd, Command::ConfirmBound { .. });
-    match spec.execute(req.cmd, epoch, now_ms()) {
+    match spec.execute(req.cmd, epoch, clock.now_ms()) {
         Ok((events, reply)) => {
             let seq = spec.seq();
             pending.opened.get_or_insert_with(std::time::Instant::now);
             if events.is_empty() {
                 // Answered from the state: nothing to wait for.
             } else if may_wait {
-                pending
-                    .lingering
-                    .get_or_insert_with(tokio::time::Instant::now);
+                pending.lingering.get_or_insert_with(|| clock.now());
             } else {
                 pending.urgent = true;
             }

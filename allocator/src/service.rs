@@ -15,7 +15,7 @@ mod writes;
 use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use futures::Stream;
 use gpuledger_ledger::{CommandError, PodRequest, pb};
@@ -39,12 +39,6 @@ pub fn status_of(e: &CommandError) -> Status {
         CommandError::Conflict(m) => Status::already_exists(m.clone()),
         CommandError::Bug(m) => Status::internal(m.to_string()),
     }
-}
-
-fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64)
 }
 
 /// Convert an API pod request into the ledger's form (no policy = binpack), rejecting what is

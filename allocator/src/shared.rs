@@ -4,6 +4,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, RwLock};
 
 use gpuledger_ledger::{Command, Ledger, Reply, pb};
+use gpuledger_ops::clock::{Clock, SystemClock};
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
 use tonic::Status;
 use tracing::error;
@@ -86,6 +87,8 @@ pub struct Shared {
     pub metrics: crate::metrics::Metrics,
     /// The highest seq folded into `state`, for waiters.
     pub applied: watch::Sender<u64>,
+    /// Where every time-based decision of the replica reads the time.
+    pub clock: Arc<dyn Clock>,
 }
 
 /// Role plus what goes with it.
@@ -100,8 +103,13 @@ pub struct RoleInfo {
 }
 
 impl Shared {
-    /// A replica with an empty state.
+    /// A replica with an empty state, on the system clock.
     pub fn new(replica: String, address: String) -> Arc<Shared> {
+        Self::with_clock(replica, address, Arc::new(SystemClock))
+    }
+
+    /// A replica with an empty state whose decisions read `clock`.
+    pub fn with_clock(replica: String, address: String, clock: Arc<dyn Clock>) -> Arc<Shared> {
         let (role, _) = watch::channel(RoleInfo {
             role: Role::Starting,
             epoch: 0,
@@ -119,6 +127,7 @@ impl Shared {
             address,
             metrics: crate::metrics::Metrics::default(),
             applied: watch::channel(0).0,
+            clock,
         })
     }
 

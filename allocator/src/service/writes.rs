@@ -6,7 +6,7 @@ use gpuledger_ledger::{Command, Reply, pb};
 use gpuledger_proto::allocator::v1 as api;
 use tonic::{Request, Response, Status};
 
-use super::{Service, now_ms};
+use super::Service;
 use crate::shared::Committed;
 
 fn done(c: Committed) -> Result<api::WriteResponse, Status> {
@@ -88,6 +88,7 @@ pub(super) async fn reserve(
         ));
     }
     let pr = svc.request(r.request.clone())?;
+    let clock = svc.shared.clock.clone();
     let ttl = if r.ttl_ms > 0 {
         Duration::from_millis(r.ttl_ms)
     } else {
@@ -99,7 +100,7 @@ pub(super) async fn reserve(
             Ok(Command::Reserve {
                 request: pr.clone(),
                 node: r.node.clone(),
-                deadline_ms: now_ms() + ttl.as_millis() as i64,
+                deadline_ms: clock.now_ms() + ttl.as_millis() as i64,
             })
         },
         |c| match c.reply {
