@@ -12,7 +12,7 @@ use tracing::{info, warn};
 use crate::config::{Config, EtcdTls};
 use crate::election::{self, Session};
 use crate::leader::{BatchLimits, Leader, StepDown};
-use crate::log::EtcdLog;
+use crate::log::{EtcdLog, Fence};
 use crate::service::Placement;
 use crate::service::Service;
 use crate::shared::{Role, Shared};
@@ -299,12 +299,12 @@ async fn lifecycle(
         let leader = Leader {
             shared: shared.clone(),
             log: leader_log,
-            key,
+            fence: Fence::from(&key),
             limits,
             snapshot_every: cfg.snapshot_every,
             archive: archive.clone(),
         };
-        let why = leader.run(&session, stop.clone()).await;
+        let why = leader.run(session.lease(), stop.clone()).await;
         if let Some(t) = trimmer {
             t.abort();
         }

@@ -10,7 +10,7 @@ use gpuledger_ledger::Ledger;
 use tracing::{debug, info, warn};
 
 use crate::archive::Archive;
-use crate::log::{EtcdLog, LogError, decode_batch};
+use crate::log::{EtcdLog, LedgerLog, LogError, decode_batch};
 use crate::shared::Shared;
 
 /// Build the state from the newest snapshot plus the log after it (and, for history etcd no
@@ -49,9 +49,9 @@ pub async fn load(
 /// Range-read and apply every batch after the applied seq. Seqs that etcd no longer holds
 /// (archived while this replica lagged) come from `archive`; without one that is
 /// [`LogError::Archived`]. Returns the revision of the last etcd read.
-pub async fn catch_up(
+pub async fn catch_up<L: LedgerLog>(
     shared: &Arc<Shared>,
-    log: &EtcdLog,
+    log: &L,
     archive: Option<&Archive>,
 ) -> Result<i64, LogError> {
     loop {
@@ -59,7 +59,7 @@ pub async fn catch_up(
         let mut broken = false;
         let mut gap = None;
         let rev = log
-            .read_with(from, 0, 0, |b| {
+            .read_with(from, 0, |b| {
                 if b.first_seq > shared.read(|l| l.seq()) + 1 {
                     // Trimmed away while this replica lagged: folding on would skip events.
                     gap = Some(b.first_seq);
@@ -74,7 +74,7 @@ pub async fn catch_up(
             })
             .await?;
         let broken_err = || LogError::Corrupt {
-            key: log.log_prefix(),
+            key: log.location(),
             why: "an event breaks an invariant (see the log above)".into(),
         };
         if broken {
@@ -238,7 +238,7 @@ pub fn snapshot_due(l: &Ledger, last_snap: u64, every: u64) -> bool {
 }
 
 /// Write a snapshot of the committed state in the background and prune old ones.
-pub fn spawn_snapshot(shared: Arc<Shared>, log: EtcdLog) {
+pub fn spawn_snapshot<L: LedgerLog>(shared: Arc<Shared>, log: L) {
     let snap = shared.read(|l| l.to_snapshot());
     tokio::spawn(async move {
         let seq = snap.seq;
