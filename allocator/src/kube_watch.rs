@@ -10,8 +10,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use futures::StreamExt;
-use gpuledger_ledger::Command;
 use gpuledger_ledger::state::AllocState;
+use gpuledger_ledger::{Command, Ledger};
 use gpuledger_ops::events::{Kind, PodEvent, Recorder};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::Api;
@@ -124,14 +124,17 @@ impl Watch {
         }
     }
 
-    fn holds(&self, uid: &str) -> bool {
-        self.service
-            .shared()
-            .read(|l| !l.allocs_of_pod(uid).is_empty())
+    /// Read a view of the committed state.
+    async fn read<T>(&self, f: impl FnOnce(&Ledger) -> T) -> T {
+        f(&*self.service.shared().view().await)
+    }
+
+    async fn holds(&self, uid: &str) -> bool {
+        self.read(|l| !l.allocs_of_pod(uid).is_empty()).await
     }
 
     async fn release(&self, uid: &str, reason: &str) -> bool {
-        if !self.holds(uid) {
+        if !self.holds(uid).await {
             return false;
         }
         self.act(
@@ -192,11 +195,13 @@ impl Watch {
         let Some(node) = pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) else {
             return;
         };
-        let reserved_here = self.service.shared().read(|l| {
-            l.allocs_of_pod(uid)
-                .iter()
-                .any(|a| a.state == AllocState::Reserved && a.node == node)
-        });
+        let reserved_here = self
+            .read(|l| {
+                l.allocs_of_pod(uid)
+                    .iter()
+                    .any(|a| a.state == AllocState::Reserved && a.node == node)
+            })
+            .await;
         if reserved_here {
             self.confirm(uid, node, "reconcile: the pod is bound to this node")
                 .await;
@@ -208,20 +213,22 @@ impl Watch {
         if !self.leading() || !self.pods_ready.load(Ordering::Relaxed) {
             return;
         }
-        let allocs: BTreeMap<String, Vec<Held>> = self.service.shared().read(|l| {
-            let mut m: BTreeMap<String, Vec<Held>> = BTreeMap::new();
-            for a in l.allocs().values() {
-                m.entry(a.pod.uid.clone()).or_default().push(Held {
-                    ns: a.pod.namespace.clone(),
-                    name: a.pod.name.clone(),
-                    node: a.node.clone(),
-                    reserved: a.state == AllocState::Reserved,
-                    deadline_ms: a.deadline_ms,
-                    reserved_ms: a.reserved_ms,
-                });
-            }
-            m
-        });
+        let allocs: BTreeMap<String, Vec<Held>> = self
+            .read(|l| {
+                let mut m: BTreeMap<String, Vec<Held>> = BTreeMap::new();
+                for a in l.allocs().values() {
+                    m.entry(a.pod.uid.clone()).or_default().push(Held {
+                        ns: a.pod.namespace.clone(),
+                        name: a.pod.name.clone(),
+                        node: a.node.clone(),
+                        reserved: a.state == AllocState::Reserved,
+                        deadline_ms: a.deadline_ms,
+                        reserved_ms: a.reserved_ms,
+                    });
+                }
+                m
+            })
+            .await;
         let clock = self.service.shared().clock.clone();
         let now = clock.now_ms();
         for (uid, list) in allocs {
@@ -273,12 +280,14 @@ impl Watch {
         }
         if self.nodes_ready.load(Ordering::Relaxed) {
             // One read for every node: its name and the CPU/memory the ledger has for it.
-            let ledger_nodes: Vec<(String, (u64, u64))> = self.service.shared().read(|l| {
-                l.nodes()
-                    .values()
-                    .map(|n| (n.name.clone(), (n.cpu_milli, n.memory_mib)))
-                    .collect()
-            });
+            let ledger_nodes: Vec<(String, (u64, u64))> = self
+                .read(|l| {
+                    l.nodes()
+                        .values()
+                        .map(|n| (n.name.clone(), (n.cpu_milli, n.memory_mib)))
+                        .collect()
+                })
+                .await;
             let known: HashSet<&str> = ledger_nodes.iter().map(|(n, _)| n.as_str()).collect();
             node_missing.retain(|n, _| known.contains(n.as_str()));
             let mut syncs = Vec::new();
@@ -314,11 +323,7 @@ impl Watch {
     /// Set the ledger's CPU and host memory of `name` to the node's allocatable (for node-level
     /// fit and FGD). GPUs stay as the node agent registered them.
     async fn sync_capacity(&self, name: &str, (cpu_milli, memory_mib): (u64, u64)) {
-        let Some(mut inv) = self
-            .service
-            .shared()
-            .read(|l| l.node(name).map(|n| n.inventory()))
-        else {
+        let Some(mut inv) = self.read(|l| l.node(name).map(|n| n.inventory())).await else {
             return;
         };
         inv.cpu_milli = cpu_milli;
@@ -436,7 +441,7 @@ async fn run(service: Service, client: kube::Client, args: KubeArgs) {
                     let Some(name) = n.metadata.name.clone() else {
                         continue;
                     };
-                    let known = wn.service.shared().read(|l| l.node(&name).is_some());
+                    let known = wn.read(|l| l.node(&name).is_some()).await;
                     if known && wn.leading() {
                         wn.act(
                             Command::RemoveNode {

@@ -205,7 +205,7 @@ async fn announce<L: LedgerLog>(
     crate::tail::catch_up(shared, log, archive)
         .await
         .map_err(StepDown::Etcd)?;
-    let mut spec: Ledger = shared.read(|l| l.clone());
+    let mut spec: Ledger = shared.with_live(Ledger::clone);
     if spec.seq() != head.seq {
         return Err(StepDown::Bug(format!(
             "caught up to seq {} but head says {}",

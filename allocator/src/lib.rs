@@ -16,6 +16,7 @@ pub mod replica;
 pub mod service;
 pub mod shared;
 pub mod tail;
+pub mod views;
 pub mod workload;
 
 pub use config::Config;

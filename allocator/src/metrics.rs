@@ -39,7 +39,7 @@ pub struct Metrics {
     /// Times this replica became leader.
     pub leaderships: Counter,
     /// Events folded, by type (index into [`EVENT_TYPES`]): a fixed array, so counting an
-    /// event under the state's write lock neither allocates nor hashes.
+    /// event in the fold neither allocates nor hashes.
     events: [AtomicU64; EVENT_TYPES.len()],
 }
 

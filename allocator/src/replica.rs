@@ -118,6 +118,8 @@ pub async fn run_until(cfg: Config, stop: watch::Receiver<bool>) -> anyhow::Resu
     )
     .with_archive(archive.clone());
     tokio::spawn(crate::workload::follow(shared.clone(), learned));
+    let views = shared.clone();
+    tokio::spawn(async move { views.maintain_views().await });
     let http = tokio::net::TcpListener::bind(cfg.http_listen)
         .await
         .with_context(|| format!("listening on --http-listen {}", cfg.http_listen))?;
@@ -224,7 +226,8 @@ async fn lifecycle(
             }
         }
     }
-    shared.set_role(Role::Follower, shared.read(|l| l.epoch()), String::new());
+    let epoch = shared.view().await.epoch();
+    shared.set_role(Role::Follower, epoch, String::new());
     let limits = BatchLimits {
         max_events: cfg.max_txn_ops.max(1),
         max_bytes: cfg.max_batch_bytes.clamp(4096, crate::log::MAX_VALUE_BYTES),

@@ -36,7 +36,7 @@ pub fn render(shared: &Arc<Shared>) -> String {
     shared.metrics.encode_with(&per_scrape)
 }
 
-/// The numbers one scrape reports, copied out of the state under its read lock.
+/// The numbers one scrape reports, copied out of a view of the state.
 #[derive(Debug, Default)]
 struct View {
     seq: u64,
@@ -75,7 +75,7 @@ impl View {
     fn of(shared: &Shared) -> View {
         let role = shared.role_info();
         let ready = shared.readiness().is_ok();
-        let mut v = shared.read(View::of_ledger);
+        let mut v = View::of_ledger(&shared.view_blocking());
         v.epoch = role.epoch.max(v.epoch);
         v.leader = role.role == Role::Leader;
         v.ready = ready;

@@ -127,18 +127,14 @@ async fn a_lone_confirmation_lingers_and_a_reservation_does_not() {
         "stamped when decided, by a wall clock that moved with the paused time"
     );
     assert!(t - origin >= Duration::from_millis(40));
-    assert_eq!(
-        rig.shared.read(|l| l.seq()),
-        bound.seq,
-        "folded before the ack"
-    );
+    assert_eq!(rig.shared.seq(), bound.seq, "folded before the ack");
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_deposed_leader_acks_nothing_and_steps_down() {
     let rig = lead(BatchLimits::default(), Duration::from_secs(3600)).await;
     write(&rig.shared, node()).await.expect("registered");
-    let seq = rig.shared.read(|l| l.seq());
+    let seq = rig.shared.seq();
     rig.log.set_latency(Duration::from_millis(10));
     let pending = submit(&rig.shared, reserve("p1")).await;
     tokio::time::sleep(Duration::from_millis(1)).await;
@@ -147,7 +143,7 @@ async fn a_deposed_leader_acks_nothing_and_steps_down() {
     let why = unavailable(pending.await.expect("an answer"));
     assert!(why.contains("before the write committed"), "{why}");
     assert!(matches!(rig.leader.await.expect("joins"), StepDown::Fenced));
-    assert_eq!(rig.shared.read(|l| l.seq()), seq, "nothing folded");
+    assert_eq!(rig.shared.seq(), seq, "nothing folded");
     assert!(
         rig.shared
             .sequencer
@@ -211,7 +207,7 @@ async fn shutdown_lets_the_write_in_flight_finish_and_acks_it() {
         .await
         .expect("an answer")
         .expect("committed during the grace");
-    assert_eq!(rig.shared.read(|l| l.seq()), acked.seq);
+    assert_eq!(rig.shared.seq(), acked.seq);
     assert!(matches!(
         rig.leader.await.expect("joins"),
         StepDown::Shutdown

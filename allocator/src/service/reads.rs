@@ -14,7 +14,8 @@ pub(super) async fn filter(
     svc.check_serving()?;
     let r = req.into_inner();
     let pr = svc.request(r.request)?;
-    let resp = svc.shared.read(|l| {
+    let resp = {
+        let l = &*svc.shared.view().await;
         let names: Vec<String> = if r.nodes.is_empty() {
             l.nodes().keys().cloned().collect()
         } else {
@@ -27,7 +28,7 @@ pub(super) async fn filter(
             unresolvable: f.never.into_iter().collect(),
             seq: l.seq(),
         }
-    });
+    };
     Ok(Response::new(resp))
 }
 
@@ -38,15 +39,16 @@ pub(super) async fn score(
     svc.check_serving()?;
     let r = req.into_inner();
     let pr = svc.request(r.request)?;
-    let resp = svc.shared.read(|l| api::ScoreResponse {
+    let l = svc.shared.view().await;
+    let resp = api::ScoreResponse {
         seq: l.seq(),
-        scores: placement::score_nodes(l, r.nodes.iter().map(String::as_str), &pr)
+        scores: placement::score_nodes(&l, r.nodes.iter().map(String::as_str), &pr)
             .map(|(n, score)| api::NodeScore {
                 node: n.to_string(),
                 score: score.unwrap_or(0),
             })
             .collect(),
-    });
+    };
     Ok(Response::new(resp))
 }
 
@@ -55,9 +57,10 @@ pub(super) async fn status(
     _req: Request<api::StatusRequest>,
 ) -> Result<Response<api::StatusResponse>, Status> {
     let role = svc.shared.role_info();
-    let (seq, nodes, allocations) = svc
-        .shared
-        .read(|l| (l.seq(), l.nodes().len() as u64, l.allocs().len() as u64));
+    let (seq, nodes, allocations) = {
+        let l = svc.shared.view().await;
+        (l.seq(), l.nodes().len() as u64, l.allocs().len() as u64)
+    };
     let serving = svc.shared.serving();
     let leader_known = role.role == Role::Leader || !role.leader.is_empty();
     let not_ready = match (&serving, leader_known) {
@@ -83,7 +86,7 @@ pub(super) async fn dump(
     svc: &Service,
     _req: Request<api::DumpRequest>,
 ) -> Result<Response<api::DumpResponse>, Status> {
-    let snapshot = svc.shared.read(|l| l.to_snapshot());
+    let snapshot = svc.shared.view().await.to_snapshot();
     Ok(Response::new(api::DumpResponse {
         snapshot: Some(snapshot),
         replica: svc.shared.replica.clone(),

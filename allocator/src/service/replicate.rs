@@ -15,6 +15,11 @@ use crate::shared::Shared;
 /// How often Replicate tells a replica that the stream is alive.
 const REPLICATE_HEARTBEAT: Duration = Duration::from_millis(500);
 
+/// The newest epoch known here: the ledger's or the role's.
+async fn epoch_now(s: &Shared) -> u64 {
+    s.view().await.epoch().max(s.role_info().epoch)
+}
+
 /// What a replica of the ledger needs to place requests as this replica does.
 fn placement_defaults(
     policy: gpuledger_ledger::Policy,
@@ -48,17 +53,16 @@ pub(super) async fn replicate(
     let mut rx = shared.batches.subscribe();
     let mut learned = svc.placement.learned.watch();
     let default_policy = svc.placement.default_policy;
-    if from > 0 && shared.read(|l| l.seq()) < from {
+    if from > 0 && shared.seq() < from {
         // The receiver saw more than this replica folded: give it a moment to catch up.
         shared.wait_applied(from, Duration::from_secs(2)).await;
-        if shared.read(|l| l.seq()) < from {
+        if shared.seq() < from {
             return Err(Status::unavailable(format!(
                 "this replica is behind seq {from}; try another"
             )));
         }
     }
-    let epoch_now = |s: &Shared| s.read(|l| l.epoch()).max(s.role_info().epoch);
-    let epoch = epoch_now(&shared);
+    let epoch = epoch_now(&shared).await;
     let placement = placement_defaults(default_policy, &learned.borrow_and_update());
     let mut first = vec![api::ReplicateResponse {
         epoch,
@@ -80,13 +84,14 @@ pub(super) async fn replicate(
                 .and_then(|b| b.events.last())
                 .map_or(from, |e| e.seq)
         }
-        None => shared.read(|l| {
+        None => {
+            let l = shared.view().await;
             first.push(api::ReplicateResponse {
                 epoch,
                 body: Some(Body::Snapshot(l.to_snapshot())),
             });
             l.seq()
-        }),
+        }
     };
     let (tx, out) = mpsc::channel(256);
     tokio::spawn(async move {
@@ -121,7 +126,7 @@ pub(super) async fn replicate(
                     }
                     let p = placement_defaults(default_policy, &learned.borrow_and_update());
                     Ok(api::ReplicateResponse {
-                        epoch: epoch_now(&shared),
+                        epoch: epoch_now(&shared).await,
                         body: Some(Body::Placement(p)),
                     })
                 }
@@ -129,7 +134,7 @@ pub(super) async fn replicate(
                     // A replica that cannot serve must not keep a cache looking fresh.
                     Err(why) => Err(Status::unavailable(why)),
                     Ok(()) => Ok(api::ReplicateResponse {
-                        epoch: epoch_now(&shared),
+                        epoch: epoch_now(&shared).await,
                         body: Some(Body::Heartbeat(api::Heartbeat {
                             seq: *shared.applied.borrow(),
                         })),

@@ -30,7 +30,7 @@ pub(super) async fn subscribe(
         };
         let epoch = shared.role_info().epoch;
         match resume {
-            Some(batches) if shared.read(|l| l.seq()) >= r.from_seq => {
+            Some(batches) if shared.seq() >= r.from_seq => {
                 let msgs: Vec<api::SubscribeResponse> = batches
                     .iter()
                     .flat_map(|b| b.events.iter())
@@ -46,7 +46,8 @@ pub(super) async fn subscribe(
                     .map_or(r.from_seq, |e| e.seq);
                 (msgs, last)
             }
-            _ => shared.read(|l| {
+            _ => {
+                let l = shared.view().await;
                 let mut allocations: Vec<pb::Allocation> = l
                     .node(&node)
                     .map(|n| {
@@ -70,7 +71,7 @@ pub(super) async fn subscribe(
                     }],
                     l.seq(),
                 )
-            }),
+            }
         }
     };
     tokio::spawn(async move {
