@@ -13,9 +13,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use backon::{ConstantBuilder, Retryable};
 use etcd_client::{Client, LeaderKey};
 use tokio::sync::watch;
 use tokio::time::Instant;
+use tokio_util::sync::{CancellationToken, DropGuard};
 use tracing::{info, warn};
 
 /// What this process knows of its lease: until when it may still be valid, and whether the
@@ -109,7 +111,8 @@ pub struct Session {
     /// The lease TTL.
     pub ttl: Duration,
     lease: Lease,
-    task: tokio::task::JoinHandle<()>,
+    /// Ends the keep-alive when the session goes.
+    _keep_alive: DropGuard,
 }
 
 impl Session {
@@ -127,12 +130,18 @@ impl Session {
         let granted_ttl = Duration::from_secs(grant.ttl().max(1) as u64);
         let (keeper, lease) = lease(sent + granted_ttl);
         let client = client.clone();
-        let task = tokio::spawn(keep_alive(client, lease_id, granted_ttl, keeper));
+        let stop = CancellationToken::new();
+        tokio::spawn(stop.clone().run_until_cancelled_owned(keep_alive(
+            client,
+            lease_id,
+            granted_ttl,
+            keeper,
+        )));
         Ok(Session {
             lease_id,
             ttl: granted_ttl,
             lease,
-            task,
+            _keep_alive: stop.drop_guard(),
         })
     }
 
@@ -159,41 +168,40 @@ impl Session {
     /// Stop keeping the lease alive and revoke it (deletes the election key at once, so a
     /// follower takes over without waiting for the TTL).
     pub async fn revoke(self, client: &Client) {
-        self.task.abort();
+        let lease_id = self.lease_id;
+        drop(self);
         let mut lease = client.lease_client();
-        match tokio::time::timeout(Duration::from_secs(1), lease.revoke(self.lease_id)).await {
-            Ok(Ok(_)) => info!(lease = self.lease_id, "lease revoked"),
+        match tokio::time::timeout(Duration::from_secs(1), lease.revoke(lease_id)).await {
+            Ok(Ok(_)) => info!(lease = lease_id, "lease revoked"),
             Ok(Err(e)) => {
-                warn!(lease = self.lease_id, error = %e, "lease revoke failed; it expires by itself")
+                warn!(lease = lease_id, error = %e, "lease revoke failed; it expires by itself")
             }
             Err(_) => warn!(
-                lease = self.lease_id,
+                lease = lease_id,
                 "lease revoke timed out; it expires by itself"
             ),
         }
     }
 }
 
-impl Drop for Session {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
 async fn keep_alive(client: Client, id: i64, ttl: Duration, keeper: LeaseKeeper) {
     let every = ttl / 3;
-    let mut lease = client.lease_client();
+    let lease = client.lease_client();
     'outer: loop {
-        let (mut keeper_tx, mut stream) = match lease.keep_alive(id).await {
-            Ok(x) => x,
-            Err(e) => {
-                warn!(lease = id, error = %e, "lease keep-alive stream failed");
-                if Instant::now() >= keeper.deadline() {
-                    return;
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
+        // (Re)open the keep-alive stream, while the lease may still be valid.
+        let open = (|| {
+            let mut lease = lease.clone();
+            async move { lease.keep_alive(id).await }
+        })
+        .retry(
+            ConstantBuilder::default()
+                .with_delay(Duration::from_millis(100))
+                .without_max_times(),
+        )
+        .when(|_| Instant::now() < keeper.deadline())
+        .notify(|e, _| warn!(lease = id, error = %e, "lease keep-alive stream failed"));
+        let Ok((mut keeper_tx, mut stream)) = open.await else {
+            return;
         };
         loop {
             let sent = Instant::now();

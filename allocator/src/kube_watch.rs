@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use backon::{ExponentialBuilder, Retryable};
 use futures::StreamExt;
 use gpuledger_ledger::state::AllocState;
 use gpuledger_ledger::{Command, Ledger};
@@ -17,7 +18,10 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::Api;
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
+use tokio::task::JoinSet;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
 use crate::service::Service;
@@ -53,8 +57,8 @@ const YOUNG_MS: i64 = 5_000;
 /// Node capacity updates submitted at once by one reconcile pass.
 const SYNC_CONCURRENCY: usize = 64;
 
-/// Start the watchers, if configured.
-pub fn spawn(service: Service, args: &KubeArgs) {
+/// Start the watchers, if configured, as tasks of `tasks` that end when `stop` is cancelled.
+pub fn spawn(service: Service, args: &KubeArgs, tasks: &TaskTracker, stop: &CancellationToken) {
     if args.no_kube {
         return;
     }
@@ -63,20 +67,21 @@ pub fn spawn(service: Service, args: &KubeArgs) {
         return;
     }
     let args = args.clone();
-    tokio::spawn(async move {
-        let mut delay = Duration::from_millis(200);
-        let client = loop {
-            match client(&args).await {
-                Ok(c) => break c,
-                Err(e) => {
-                    warn!(error = %format!("{e:#}"), "Kubernetes client not ready; retrying");
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(Duration::from_secs(10));
-                }
-            }
-        };
-        run(service, client, args).await;
-    });
+    tasks.spawn(stop.clone().run_until_cancelled_owned(async move {
+        let backoff = ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(200))
+            .with_max_delay(Duration::from_secs(10))
+            .without_max_times();
+        let connected = (|| client(&args))
+            .retry(backoff)
+            .notify(
+                |e, _| warn!(error = %format!("{e:#}"), "Kubernetes client not ready; retrying"),
+            )
+            .await;
+        if let Ok(client) = connected {
+            run(service, client, args).await;
+        }
+    }));
 }
 
 async fn client(args: &KubeArgs) -> anyhow::Result<kube::Client> {
@@ -401,6 +406,8 @@ async fn run(service: Service, client: kube::Client, args: KubeArgs) {
         events: Recorder::new(client.clone(), "gpuledger-allocator", None),
     });
     info!("Kubernetes watchers started (pods, nodes)");
+    // The watchers live as long as this task: dropping the set ends them.
+    let mut watchers = JoinSet::new();
 
     let wp = w.clone();
     let pod_stream = reflector::reflector(
@@ -408,7 +415,7 @@ async fn run(service: Service, client: kube::Client, args: KubeArgs) {
         watcher(Api::<Pod>::all(client.clone()), watcher::Config::default()),
     )
     .default_backoff();
-    tokio::spawn(async move {
+    watchers.spawn(async move {
         let mut s = std::pin::pin!(pod_stream);
         while let Some(ev) = s.next().await {
             match ev {
@@ -433,7 +440,7 @@ async fn run(service: Service, client: kube::Client, args: KubeArgs) {
         watcher(Api::<Node>::all(client), watcher::Config::default()),
     )
     .default_backoff();
-    tokio::spawn(async move {
+    watchers.spawn(async move {
         let mut s = std::pin::pin!(node_stream);
         while let Some(ev) = s.next().await {
             match ev {

@@ -18,6 +18,7 @@ use gpuledger_ledger::{Command, CommandError, Ledger, pb};
 use gpuledger_ops::clock::Clock;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 use tonic::Status;
 use tracing::{debug, info, warn};
 
@@ -62,12 +63,8 @@ pub struct Leader<L> {
 
 impl<L: LedgerLog> Leader<L> {
     /// Lead until leadership ends: the lease is lost, a write is fenced or fails, a bug, or
-    /// `shutdown` turns true (SIGTERM).
-    pub async fn run(
-        self,
-        lease: &Lease,
-        mut shutdown: tokio::sync::watch::Receiver<bool>,
-    ) -> StepDown {
+    /// `shutdown` is cancelled (SIGTERM).
+    pub async fn run(self, lease: &Lease, shutdown: CancellationToken) -> StepDown {
         let Leader {
             shared,
             log,
@@ -135,7 +132,7 @@ impl<L: LedgerLog> Leader<L> {
             let accepting = policy.accepting();
             tokio::select! {
                 biased;
-                _ = shutdown.changed() => policy.stop(StepDown::Shutdown),
+                _ = shutdown.cancelled() => policy.stop(StepDown::Shutdown),
                 _ = lease.lost() => policy.stop(StepDown::LeaseLost),
                 done = async { in_flight.as_mut().expect("guarded").commit.as_mut().await }, if in_flight.is_some() => {
                     let f = in_flight.take().expect("guarded");

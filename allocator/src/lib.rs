@@ -7,6 +7,7 @@
 pub mod archive;
 pub mod config;
 pub mod election;
+pub mod grpc;
 pub mod http;
 pub mod kube_watch;
 pub mod leader;

@@ -13,6 +13,7 @@ mod subscribe;
 mod writes;
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -23,8 +24,10 @@ use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::allocator::v1::allocator_server::Allocator;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
+use tracing::Span;
 
 pub use self::forward::HasSeq;
+use crate::grpc::Ids;
 use crate::log::EtcdLog;
 use crate::shared::Shared;
 use crate::workload::Learned;
@@ -78,6 +81,25 @@ pub struct Placement {
 
 type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
 
+impl<T> Ids for BoxStream<T> {}
+
+/// Run an RPC's handler with the ids of its request, then of its answer, in its span.
+async fn traced<Q: Ids, R: Ids, Fut>(
+    req: Request<Q>,
+    handler: impl FnOnce(Request<Q>) -> Fut,
+) -> Result<Response<R>, Status>
+where
+    Fut: Future<Output = Result<Response<R>, Status>>,
+{
+    let span = Span::current();
+    req.get_ref().record(&span);
+    let answer = handler(req).await;
+    if let Ok(a) = &answer {
+        a.get_ref().record(&span);
+    }
+    answer
+}
+
 impl Service {
     /// A service over `shared`.
     pub fn new(
@@ -128,77 +150,77 @@ impl Allocator for Service {
         &self,
         req: Request<api::RegisterNodeRequest>,
     ) -> Result<Response<api::WriteResponse>, Status> {
-        writes::register_node(self, req).await
+        traced(req, |req| writes::register_node(self, req)).await
     }
 
     async fn remove_node(
         &self,
         req: Request<api::RemoveNodeRequest>,
     ) -> Result<Response<api::WriteResponse>, Status> {
-        writes::remove_node(self, req).await
+        traced(req, |req| writes::remove_node(self, req)).await
     }
 
     async fn set_device_health(
         &self,
         req: Request<api::SetDeviceHealthRequest>,
     ) -> Result<Response<api::WriteResponse>, Status> {
-        writes::set_device_health(self, req).await
+        traced(req, |req| writes::set_device_health(self, req)).await
     }
 
     async fn filter(
         &self,
         req: Request<api::FilterRequest>,
     ) -> Result<Response<api::FilterResponse>, Status> {
-        reads::filter(self, req).await
+        traced(req, |req| reads::filter(self, req)).await
     }
 
     async fn score(
         &self,
         req: Request<api::ScoreRequest>,
     ) -> Result<Response<api::ScoreResponse>, Status> {
-        reads::score(self, req).await
+        traced(req, |req| reads::score(self, req)).await
     }
 
     async fn reserve(
         &self,
         req: Request<api::ReserveRequest>,
     ) -> Result<Response<api::ReserveResponse>, Status> {
-        writes::reserve(self, req).await
+        traced(req, |req| writes::reserve(self, req)).await
     }
 
     async fn confirm_bound(
         &self,
         req: Request<api::ConfirmBoundRequest>,
     ) -> Result<Response<api::WriteResponse>, Status> {
-        writes::confirm_bound(self, req).await
+        traced(req, |req| writes::confirm_bound(self, req)).await
     }
 
     async fn assign(
         &self,
         req: Request<api::AssignRequest>,
     ) -> Result<Response<api::AssignResponse>, Status> {
-        writes::assign(self, req).await
+        traced(req, |req| writes::assign(self, req)).await
     }
 
     async fn correct_identity(
         &self,
         req: Request<api::CorrectIdentityRequest>,
     ) -> Result<Response<api::WriteResponse>, Status> {
-        writes::correct_identity(self, req).await
+        traced(req, |req| writes::correct_identity(self, req)).await
     }
 
     async fn release(
         &self,
         req: Request<api::ReleaseRequest>,
     ) -> Result<Response<api::WriteResponse>, Status> {
-        writes::release(self, req).await
+        traced(req, |req| writes::release(self, req)).await
     }
 
     async fn report_violation(
         &self,
         req: Request<api::ReportViolationRequest>,
     ) -> Result<Response<api::WriteResponse>, Status> {
-        writes::report_violation(self, req).await
+        traced(req, |req| writes::report_violation(self, req)).await
     }
 
     type SubscribeStream = BoxStream<api::SubscribeResponse>;
@@ -207,7 +229,7 @@ impl Allocator for Service {
         &self,
         req: Request<api::SubscribeRequest>,
     ) -> Result<Response<Self::SubscribeStream>, Status> {
-        subscribe::subscribe(self, req).await
+        traced(req, |req| subscribe::subscribe(self, req)).await
     }
 
     type ReplicateStream = BoxStream<api::ReplicateResponse>;
@@ -216,21 +238,21 @@ impl Allocator for Service {
         &self,
         req: Request<api::ReplicateRequest>,
     ) -> Result<Response<Self::ReplicateStream>, Status> {
-        replicate::replicate(self, req).await
+        traced(req, |req| replicate::replicate(self, req)).await
     }
 
     async fn status(
         &self,
         req: Request<api::StatusRequest>,
     ) -> Result<Response<api::StatusResponse>, Status> {
-        reads::status(self, req).await
+        traced(req, |req| reads::status(self, req)).await
     }
 
     async fn dump(
         &self,
         req: Request<api::DumpRequest>,
     ) -> Result<Response<api::DumpResponse>, Status> {
-        reads::dump(self, req).await
+        traced(req, |req| reads::dump(self, req)).await
     }
 
     type ReadLogStream = BoxStream<pb::EventBatch>;
@@ -239,6 +261,6 @@ impl Allocator for Service {
         &self,
         req: Request<api::ReadLogRequest>,
     ) -> Result<Response<Self::ReadLogStream>, Status> {
-        read_log::read_log(self, req).await
+        traced(req, |req| read_log::read_log(self, req)).await
     }
 }

@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use backon::Retryable;
 use etcd_client::{Client, EventType, WatchOptions};
 use gpuledger_ledger::Ledger;
 use tracing::{debug, info, warn};
@@ -110,6 +111,32 @@ pub async fn catch_up<L: LedgerLog>(
     }
 }
 
+fn is_broken(shared: &Shared) -> bool {
+    shared
+        .health
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .broken
+        .is_some()
+}
+
+/// [`catch_up`]; when etcd no longer holds what this replica needs next (it lagged past the
+/// archived part of the log), load the newest snapshot first.
+async fn catch_up_or_reload(
+    shared: &Arc<Shared>,
+    log: &EtcdLog,
+    archive: Option<&Archive>,
+) -> Result<i64, LogError> {
+    match catch_up(shared, log, archive).await {
+        Err(e @ LogError::Archived { .. }) => {
+            warn!(error = %e, "this replica fell behind the archived log; reloading from the newest snapshot");
+            load(shared, log, true, archive).await?;
+            catch_up(shared, log, archive).await
+        }
+        other => other,
+    }
+}
+
 /// Follow the log until cancelled. Every error is retried; a broken state stops applying.
 pub async fn follow(
     shared: Arc<Shared>,
@@ -120,31 +147,17 @@ pub async fn follow(
 ) {
     let mut last_snap = shared.seq();
     loop {
-        if shared
-            .health
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .broken
-            .is_some()
-        {
+        if is_broken(&shared) {
+            // Nothing to retry: an operator has to look at the log.
             tokio::time::sleep(Duration::from_secs(1)).await;
             continue;
         }
-        let rev = match catch_up(&shared, &log, archive.as_ref()).await {
-            Ok(r) => r,
-            Err(e @ LogError::Archived { .. }) => {
-                warn!(error = %e, "this replica fell behind the archived log; reloading from the newest snapshot");
-                if let Err(e) = load(&shared, &log, true, archive.as_ref()).await {
-                    warn!(error = %e, "reloading the ledger failed; retrying");
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                }
-                continue;
-            }
-            Err(e) => {
-                warn!(error = %e, "catching up with the log failed; retrying");
-                tokio::time::sleep(Duration::from_millis(200)).await;
-                continue;
-            }
+        let caught_up = (|| catch_up_or_reload(&shared, &log, archive.as_ref()))
+            .retry(crate::replica::forever(Duration::from_millis(200)))
+            .when(|_| !is_broken(&shared))
+            .notify(|e, _| warn!(error = %e, "catching up with the log failed; retrying"));
+        let Ok(rev) = caught_up.await else {
+            continue;
         };
         if let Err(e) = watch_from(
             &shared,

@@ -5,7 +5,6 @@
 use gpuledger_chaos::workload::{inventory, pod};
 use gpuledger_ledger::Reply;
 use gpuledger_ops::clock::TestClock;
-use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use super::*;
@@ -18,7 +17,7 @@ struct Rig {
     shared: Arc<Shared>,
     log: MemLog,
     keeper: LeaseKeeper,
-    stop: watch::Sender<bool>,
+    stop: CancellationToken,
     leader: JoinHandle<StepDown>,
 }
 
@@ -28,7 +27,8 @@ async fn lead(limits: BatchLimits, lease_for: Duration) -> Rig {
     let shared = Shared::with_clock("r1".into(), "127.0.0.1:1".into(), clock);
     let log = MemLog::new();
     let (keeper, lease) = lease(Instant::now() + lease_for);
-    let (stop, stopped) = watch::channel(false);
+    let stop = CancellationToken::new();
+    let stopped = stop.clone();
     let l = Leader {
         shared: shared.clone(),
         log: log.clone(),
@@ -202,7 +202,7 @@ async fn shutdown_lets_the_write_in_flight_finish_and_acks_it() {
     rig.log.set_latency(Duration::from_millis(50));
     let pending = submit(&rig.shared, reserve("p1")).await;
     tokio::time::sleep(Duration::from_millis(1)).await;
-    rig.stop.send_replace(true);
+    rig.stop.cancel();
     let acked = pending
         .await
         .expect("an answer")

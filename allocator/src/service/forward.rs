@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use backon::{ConstantBuilder, Retryable};
 use gpuledger_ledger::Command;
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::allocator::v1::allocator_client::AllocatorClient;
@@ -18,6 +19,12 @@ use crate::shared::Committed;
 const FORWARDED: &str = "x-gpuledger-forwarded";
 /// How long a write may wait for a leader to appear (covers a failover).
 const FORWARD_WINDOW: Duration = Duration::from_secs(6);
+
+/// How one attempt at a write failed: worth another try (no leader reachable yet), or not.
+enum Attempt {
+    Again(Status),
+    Final(Status),
+}
 
 impl Service {
     /// Submit to the local sequencer when leading; None when not leading (only the leader
@@ -98,44 +105,56 @@ impl Service {
         let forwarded = req.metadata().get(FORWARDED).is_some();
         let inner = req.into_inner();
         let started = tokio::time::Instant::now();
-        let mut refresh = false;
-        loop {
-            if let Some(r) = self.local(cmd()?).await {
-                return r.and_then(local_reply).map(Response::new);
-            }
-            if forwarded {
-                return Err(Status::unavailable("not the leader (forwarded request)"));
-            }
-            let last = match self.leader_channel(refresh).await {
-                Ok((addr, ch)) => {
-                    let mut r = Request::new(inner.clone());
-                    r.metadata_mut()
-                        .insert(FORWARDED, tonic::metadata::MetadataValue::from_static("1"));
-                    r.set_timeout(Duration::from_secs(10));
-                    match call(AllocatorClient::new(ch), r).await {
-                        Ok(resp) => {
-                            // Read-your-writes through this replica: answer once the write is
-                            // folded here too (bounded; the leader has it durably either way).
-                            self.shared
-                                .wait_applied(resp.get_ref().seq(), Duration::from_secs(2))
-                                .await;
-                            return Ok(resp);
-                        }
-                        Err(s) if s.code() == tonic::Code::Unavailable => {
-                            debug!(leader = %addr, error = %s.message(), "forward failed; looking for the leader again");
-                            s
-                        }
-                        Err(s) => return Err(s),
-                    }
+        let mut attempts = 0u32;
+        let attempt = || {
+            attempts += 1;
+            // After a failed forward the leader may have changed: look it up again.
+            let refresh = attempts > 1;
+            let inner = inner.clone();
+            let (cmd, local_reply, call) = (&cmd, &local_reply, &call);
+            async move {
+                if let Some(r) = self.local(cmd().map_err(Attempt::Final)?).await {
+                    return r
+                        .and_then(local_reply)
+                        .map(Response::new)
+                        .map_err(Attempt::Final);
                 }
-                Err(s) => s,
-            };
-            if started.elapsed() > FORWARD_WINDOW {
-                return Err(last);
+                if forwarded {
+                    return Err(Attempt::Final(Status::unavailable(
+                        "not the leader (forwarded request)",
+                    )));
+                }
+                let (addr, ch) = self.leader_channel(refresh).await.map_err(Attempt::Again)?;
+                let mut r = Request::new(inner);
+                r.metadata_mut()
+                    .insert(FORWARDED, tonic::metadata::MetadataValue::from_static("1"));
+                r.set_timeout(Duration::from_secs(10));
+                match call(AllocatorClient::new(ch), r).await {
+                    Ok(resp) => {
+                        // Read-your-writes through this replica: answer once the write is
+                        // folded here too (bounded; the leader has it durably either way).
+                        self.shared
+                            .wait_applied(resp.get_ref().seq(), Duration::from_secs(2))
+                            .await;
+                        Ok(resp)
+                    }
+                    Err(s) if s.code() == tonic::Code::Unavailable => {
+                        debug!(leader = %addr, error = %s.message(), "forward failed; looking for the leader again");
+                        Err(Attempt::Again(s))
+                    }
+                    Err(s) => Err(Attempt::Final(s)),
+                }
             }
-            refresh = true;
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        };
+        attempt
+            .retry(
+                ConstantBuilder::default()
+                    .with_delay(Duration::from_millis(50))
+                    .without_max_times(),
+            )
+            .when(|e| matches!(e, Attempt::Again(_)) && started.elapsed() <= FORWARD_WINDOW)
+            .await
+            .map_err(|(Attempt::Again(s) | Attempt::Final(s))| s)
     }
 }
 

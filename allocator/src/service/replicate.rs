@@ -8,6 +8,7 @@ use gpuledger_proto::allocator::v1 as api;
 use tokio::sync::{broadcast, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 
 use super::{BoxStream, Service};
 use crate::shared::Shared;
@@ -146,6 +147,7 @@ pub(super) async fn replicate(
                 return;
             }
         }
-    });
+    }
+    .in_current_span());
     Ok(Response::new(Box::pin(ReceiverStream::new(out))))
 }

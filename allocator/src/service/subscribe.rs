@@ -5,6 +5,7 @@ use gpuledger_proto::allocator::v1 as api;
 use tokio::sync::{broadcast, mpsc};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 
 use super::{BoxStream, Service};
 
@@ -74,44 +75,47 @@ pub(super) async fn subscribe(
             }
         }
     };
-    tokio::spawn(async move {
-        for m in first {
-            if tx.send(Ok(m)).await.is_err() {
-                return;
-            }
-        }
-        loop {
-            match rx.recv().await {
-                Ok(b) => {
-                    for e in &b.events {
-                        if e.seq <= last {
-                            continue;
-                        }
-                        last = e.seq;
-                        if !for_node(e, &node) {
-                            continue;
-                        }
-                        let m = api::SubscribeResponse {
-                            epoch: e.epoch,
-                            body: Some(api::subscribe_response::Body::Event(e.clone())),
-                        };
-                        if tx.send(Ok(m)).await.is_err() {
-                            return;
-                        }
-                    }
-                }
-                Err(broadcast::error::RecvError::Lagged(n)) => {
-                    let _ = tx
-                        .send(Err(Status::resource_exhausted(format!(
-                            "subscriber fell {n} batches behind; resubscribe from seq {last}"
-                        ))))
-                        .await;
+    tokio::spawn(
+        async move {
+            for m in first {
+                if tx.send(Ok(m)).await.is_err() {
                     return;
                 }
-                Err(broadcast::error::RecvError::Closed) => return,
+            }
+            loop {
+                match rx.recv().await {
+                    Ok(b) => {
+                        for e in &b.events {
+                            if e.seq <= last {
+                                continue;
+                            }
+                            last = e.seq;
+                            if !for_node(e, &node) {
+                                continue;
+                            }
+                            let m = api::SubscribeResponse {
+                                epoch: e.epoch,
+                                body: Some(api::subscribe_response::Body::Event(e.clone())),
+                            };
+                            if tx.send(Ok(m)).await.is_err() {
+                                return;
+                            }
+                        }
+                    }
+                    Err(broadcast::error::RecvError::Lagged(n)) => {
+                        let _ = tx
+                            .send(Err(Status::resource_exhausted(format!(
+                                "subscriber fell {n} batches behind; resubscribe from seq {last}"
+                            ))))
+                            .await;
+                        return;
+                    }
+                    Err(broadcast::error::RecvError::Closed) => return,
+                }
             }
         }
-    });
+        .in_current_span(),
+    );
     Ok(Response::new(Box::pin(ReceiverStream::new(out))))
 }
 
