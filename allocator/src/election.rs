@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use backon::{ConstantBuilder, Retryable};
+use backon::Retryable;
 use etcd_client::{Client, LeaderKey};
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -193,11 +193,7 @@ async fn keep_alive(client: Client, id: i64, ttl: Duration, keeper: LeaseKeeper)
             let mut lease = lease.clone();
             async move { lease.keep_alive(id).await }
         })
-        .retry(
-            ConstantBuilder::default()
-                .with_delay(Duration::from_millis(100))
-                .without_max_times(),
-        )
+        .retry(crate::retry::forever(Duration::from_millis(100)))
         .when(|_| Instant::now() < keeper.deadline())
         .notify(|e, _| warn!(lease = id, error = %e, "lease keep-alive stream failed"));
         let Ok((mut keeper_tx, mut stream)) = open.await else {

@@ -14,6 +14,7 @@ pub mod leader;
 pub mod log;
 pub mod metrics;
 pub mod replica;
+mod retry;
 pub mod service;
 pub mod shared;
 pub mod tail;

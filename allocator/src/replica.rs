@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use backon::{ConstantBuilder, Retryable};
+use backon::Retryable;
 use etcd_client::{Certificate, Client, ConnectOptions, Identity, TlsOptions};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -14,6 +14,7 @@ use crate::config::{Config, EtcdTls};
 use crate::election::{self, Session};
 use crate::leader::{BatchLimits, Leader, StepDown};
 use crate::log::{EtcdLog, Fence, LogError};
+use crate::retry::forever;
 use crate::service::Placement;
 use crate::service::Service;
 use crate::shared::{Role, Shared};
@@ -378,11 +379,4 @@ async fn health_loop(shared: Arc<Shared>, client: Client, log: EtcdLog) {
         }
         tokio::time::sleep(Duration::from_millis(if head.is_ok() { 1000 } else { 250 })).await;
     }
-}
-
-/// Retry every `delay`, for as long as it takes (the caller cancels).
-pub(crate) fn forever(delay: Duration) -> ConstantBuilder {
-    ConstantBuilder::default()
-        .with_delay(delay)
-        .without_max_times()
 }

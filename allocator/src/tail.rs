@@ -153,7 +153,7 @@ pub async fn follow(
             continue;
         }
         let caught_up = (|| catch_up_or_reload(&shared, &log, archive.as_ref()))
-            .retry(crate::replica::forever(Duration::from_millis(200)))
+            .retry(crate::retry::forever(Duration::from_millis(200)))
             .when(|_| !is_broken(&shared))
             .notify(|e, _| warn!(error = %e, "catching up with the log failed; retrying"));
         let Ok(rev) = caught_up.await else {

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use backon::{ConstantBuilder, Retryable};
+use backon::Retryable;
 use gpuledger_ledger::Command;
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::allocator::v1::allocator_client::AllocatorClient;
@@ -147,11 +147,7 @@ impl Service {
             }
         };
         attempt
-            .retry(
-                ConstantBuilder::default()
-                    .with_delay(Duration::from_millis(50))
-                    .without_max_times(),
-            )
+            .retry(crate::retry::forever(Duration::from_millis(50)))
             .when(|e| matches!(e, Attempt::Again(_)) && started.elapsed() <= FORWARD_WINDOW)
             .await
             .map_err(|(Attempt::Again(s) | Attempt::Final(s))| s)
