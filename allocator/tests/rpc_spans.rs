@@ -3,10 +3,10 @@
 
 use std::time::{Duration, Instant};
 
-use gpuledger_chaos::allocators::client;
-use gpuledger_chaos::workload::{inventory, pod};
-use gpuledger_chaos::{EtcdCluster, Proc, bin_path, free_port};
 use gpuledger_proto::allocator::v1 as api;
+use gpuledger_testkit::allocators::client;
+use gpuledger_testkit::workload::{inventory, pod};
+use gpuledger_testkit::{EtcdCluster, Proc, bin_path, free_port};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_rpcs_log_lines_carry_its_ids() -> anyhow::Result<()> {

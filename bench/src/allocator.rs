@@ -7,10 +7,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use etcd_client::{Client, Compare, CompareOp, Txn, TxnOp};
-use gpuledger_chaos::allocators::client;
-use gpuledger_chaos::workload::{inventory, pod};
-use gpuledger_chaos::{Allocators, EtcdCluster, Proc, bin_path, free_port};
 use gpuledger_proto::allocator::v1 as api;
+use gpuledger_testkit::allocators::client;
+use gpuledger_testkit::workload::{inventory, pod};
+use gpuledger_testkit::{Allocators, EtcdCluster, Proc, bin_path, free_port};
 use hdrhistogram::Histogram;
 use tokio::sync::Mutex;
 
@@ -327,17 +327,19 @@ async fn ui_phase(a: &Args, dir: &Path, etcd: &EtcdCluster) -> Result<Vec<UiResu
     let this = bin_path("gpuledger-allocator")?;
     let mut cands = vec![("this build".to_string(), this.clone())];
     if let Some(b) = &a.baseline_allocator {
-        cands.push((format!("baseline {}", b.display()), b.clone()));
+        cands.push(("baseline".to_string(), b.clone()));
     }
     title(&format!(
         "{} reservations/s while a poller reads /ui's state twice a second: {} nodes x 8 GPUs, {} allocations; {}",
         a.ui_rate,
         a.ui_nodes,
         a.ui_allocs,
-        if cands.len() > 1 {
-            "this build and the baseline alternating (ABBA)"
-        } else {
-            "this build only (no --baseline-allocator)"
+        match &a.baseline_allocator {
+            Some(b) => format!(
+                "this build and the baseline {} alternating (ABBA)",
+                b.display()
+            ),
+            None => "this build only (no --baseline-allocator)".to_string(),
         }
     ));
     let flag = etcd.endpoints_flag();
@@ -388,7 +390,7 @@ async fn ui_phase(a: &Args, dir: &Path, etcd: &EtcdCluster) -> Result<Vec<UiResu
                     let mut every = tokio::time::interval(Duration::from_millis(500));
                     while !stop.load(Ordering::Relaxed) {
                         every.tick().await;
-                        if matches!(gpuledger_chaos::http::get(&url).await, Ok((200, _))) {
+                        if matches!(gpuledger_testkit::http::get(&url).await, Ok((200, _))) {
                             polls.fetch_add(1, Ordering::Relaxed);
                         }
                     }
@@ -435,7 +437,7 @@ async fn ui_phase(a: &Args, dir: &Path, etcd: &EtcdCluster) -> Result<Vec<UiResu
     }
     println!();
     println!(
-        "{:<46} {:>10} {:>9} {:>9} {:>9} {:>9} {:>7} {:>9}",
+        "{:<24} {:>10} {:>9} {:>9} {:>9} {:>9} {:>7} {:>9}",
         "allocator", "reserve/s", "p50 ms", "p99 ms", "p99.9 ms", "max ms", "polls", "RSS MiB"
     );
     for r in &results {
@@ -444,7 +446,7 @@ async fn ui_phase(a: &Args, dir: &Path, etcd: &EtcdCluster) -> Result<Vec<UiResu
             ("not polled", &r.quiet, 0),
         ] {
             println!(
-                "{:<46} {:>10.0} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>7} {:>9.1}",
+                "{:<24} {:>10.0} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>7} {:>9.1}",
                 format!("{}, {what}", r.name),
                 r.reservations as f64 / r.seconds.max(1e-9),
                 q_ms(h, 0.5),

@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use backon::{ConstantBuilder, Retryable};
 use gpuledger_ops::events::{PodEvent, Recorder};
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
@@ -16,16 +17,14 @@ use tracing::{info, warn};
 use crate::allocator::Pool;
 use crate::config::Config;
 use crate::metrics::Metrics;
-use crate::nvml::{GpuInfo, NvmlBackend, XidEvent, is_critical_xid};
+use crate::nvml::{GpuInfo, GpuState, NvmlBackend, XidEvent, is_critical_xid};
 use crate::view::{EnvOptions, View};
 
-/// One GPU and whether it is fit to be handed out.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct GpuState {
-    /// What NVML says about it.
-    pub info: GpuInfo,
-    /// False after a critical Xid (or when the ledger already had it unhealthy).
-    pub healthy: bool,
+/// Retry a call to the allocator every second until it is accepted.
+fn every_second() -> ConstantBuilder {
+    ConstantBuilder::new()
+        .with_delay(Duration::from_secs(1))
+        .without_max_times()
 }
 
 /// Everything the agent's tasks and gRPC handlers share.
@@ -46,8 +45,11 @@ pub struct Agent {
     pub gpus: watch::Sender<Vec<GpuState>>,
     /// Serializes Allocate and PreStartContainer decisions (the guess and its correction).
     pub decide: tokio::sync::Mutex<()>,
-    /// Set while the device plugin is registered with the current kubelet.
+    /// Set while the device plugin is registered with the current kubelet and it watches
+    /// the devices.
     pub kubelet_registered: AtomicBool,
+    /// ListAndWatch streams open: the kubelet reads the device list only through one.
+    pub watchers: watch::Sender<usize>,
     /// How containers' limits are exported.
     pub env: EnvOptions,
     /// Metrics, served at /metrics with the probes.
@@ -87,6 +89,7 @@ impl Agent {
             ),
             decide: tokio::sync::Mutex::new(()),
             kubelet_registered: AtomicBool::new(false),
+            watchers: watch::Sender::new(0),
             env,
             metrics,
             registry,
@@ -110,6 +113,20 @@ impl Agent {
     pub fn update_view(&self, f: impl FnOnce(&mut View)) {
         f(&mut self.view.lock().unwrap_or_else(|e| e.into_inner()));
         self.view_rev.send_modify(|r| *r += 1);
+    }
+
+    /// Bring the metrics' state gauges up to date (called on each scrape).
+    pub fn refresh_metrics(&self) {
+        // View, then GPUs: the order every other reader takes them in.
+        self.with_view(|v| {
+            let gpus = self.gpus.borrow();
+            self.metrics.refresh(
+                &gpus,
+                v,
+                self.kubelet_registered.load(Ordering::Acquire),
+                self.synced(),
+            );
+        });
     }
 
     /// Whether the first view arrived.
@@ -188,13 +205,13 @@ impl Agent {
         }
     }
 
-    /// Register the inventory with the allocator now (retrying until it is accepted).
+    /// Register the inventory with the allocator now (retrying every second until it is
+    /// accepted).
     async fn register(&self) {
         let inv = self.inventory();
-        loop {
-            let r = self
-                .pool
-                .call(Duration::from_secs(30), |mut c| {
+        let r = (|| async {
+            self.pool
+                .call("RegisterNode", Duration::from_secs(30), |mut c| {
                     let inv = inv.clone();
                     async move {
                         c.register_node(api::RegisterNodeRequest {
@@ -203,17 +220,13 @@ impl Agent {
                         .await
                     }
                 })
-                .await;
-            match r {
-                Ok(w) => {
-                    info!(node = %inv.node, seq = w.seq, changed = w.changed, "inventory registered");
-                    return;
-                }
-                Err(e) => {
-                    warn!(node = %inv.node, "registering the inventory failed, retrying: {e}");
-                    tokio::time::sleep(Duration::from_secs(1)).await;
-                }
-            }
+                .await
+        })
+        .retry(every_second())
+        .notify(|e, _| warn!(node = %inv.node, "registering the inventory failed, retrying: {e}"))
+        .await;
+        if let Ok(w) = r {
+            info!(node = %inv.node, seq = w.seq, changed = w.changed, "inventory registered");
         }
     }
 
@@ -291,26 +304,21 @@ impl Agent {
                 reason: format!("critical Xid {}", x.xid),
                 xid: x.xid as u32,
             };
-            loop {
-                match self
-                    .pool
-                    .call(Duration::from_secs(30), |mut c| {
+            let r = (|| async {
+                self.pool
+                    .call("SetDeviceHealth", Duration::from_secs(30), |mut c| {
                         let r = req.clone();
                         async move { c.set_device_health(r).await }
                     })
                     .await
-                {
-                    Ok(_) => break,
-                    Err(e) if e.code() == tonic::Code::NotFound => {
-                        // Not registered yet: the registration carries the health mark.
-                        warn!(gpu = %x.gpu, "SetDeviceHealth: {e}");
-                        break;
-                    }
-                    Err(e) => {
-                        warn!(gpu = %x.gpu, "SetDeviceHealth failed, retrying: {e}");
-                        tokio::time::sleep(Duration::from_secs(1)).await;
-                    }
-                }
+            })
+            .retry(every_second())
+            // Not registered yet: the registration carries the health mark.
+            .when(|e| e.code() != tonic::Code::NotFound)
+            .notify(|e, _| warn!(gpu = %x.gpu, "SetDeviceHealth failed, retrying: {e}"))
+            .await;
+            if let Err(e) = r {
+                warn!(gpu = %x.gpu, "SetDeviceHealth: {e}");
             }
         }
     }

@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 use gpuledger_ops::events::{Kind, PodEvent};
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
-use tracing::{info, warn};
+use tracing::field::{self, Empty};
+use tracing::{Instrument, info, info_span, warn};
 
 use crate::agent::Agent;
 use crate::config::OnViolation;
@@ -194,99 +195,135 @@ impl Enforcer {
         let now = Instant::now();
         let mut still_over = HashSet::new();
         for f in findings {
-            match f {
+            let span = match &f {
                 Finding::Over {
-                    allocation_id,
-                    gpu,
-                    pids,
-                    used_mib,
-                    limit_mib,
+                    allocation_id, gpu, ..
                 } => {
-                    let key = (allocation_id, gpu.clone());
-                    still_over.insert(key.clone());
-                    let since = *self.over_since.entry(key).or_insert(now);
-                    if now.duration_since(since) < agent.cfg.grace {
-                        continue;
+                    let span = info_span!("violation", allocation = allocation_id, %gpu,
+                        pod_uid = Empty, pod = Empty);
+                    if let Some(p) = agent.with_view(|v| v.allocs.get(allocation_id)?.pod.clone()) {
+                        span.record("pod_uid", p.uid.as_str());
+                        span.record(
+                            "pod",
+                            field::display(format_args!("{}/{}", p.namespace, p.name)),
+                        );
                     }
-                    let top = pids[0];
-                    if !self.reported.insert((allocation_id, gpu.clone(), top)) {
-                        continue;
-                    }
-                    let action = agent.cfg.on_violation;
-                    warn!(allocation = allocation_id, %gpu, ?pids, used_mib, limit_mib, action = action.as_str(), "memory limit exceeded");
-                    if action == OnViolation::Kill {
-                        for pid in &pids {
-                            if let Ok(pid_i) = i32::try_from(*pid) {
-                                match nix::sys::signal::kill(
-                                    nix::unistd::Pid::from_raw(pid_i),
-                                    nix::sys::signal::Signal::SIGKILL,
-                                ) {
-                                    Ok(()) => {
-                                        self.killed.insert(*pid);
-                                    }
-                                    Err(e) => warn!(pid, "SIGKILL failed: {e}"),
-                                }
-                            }
-                        }
-                    }
-                    agent
-                        .metrics
-                        .violations
-                        .get_or_create(&vec![("action", action.as_str().to_string())])
-                        .inc();
-                    tell_pod(
-                        agent,
-                        allocation_id,
-                        &gpu,
-                        &pids,
-                        used_mib,
-                        limit_mib,
-                        action,
-                    );
-                    report(
-                        agent,
-                        pb::LimitViolated {
-                            allocation_id,
-                            node: agent.cfg.node_name.clone(),
-                            gpu_uuid: gpu,
-                            pid: top,
-                            used_mib,
-                            limit_mib,
-                            action: action.as_str().into(),
-                        },
-                    )
-                    .await;
+                    span
                 }
-                Finding::Rogue { gpu, pid, used_mib } => {
-                    if !self.reported.insert((0, gpu.clone(), pid)) {
-                        continue;
-                    }
-                    warn!(%gpu, pid, used_mib, "GPU process on no allocation (rogue)");
-                    agent
-                        .metrics
-                        .violations
-                        .get_or_create(&vec![("action", "rogue".to_string())])
-                        .inc();
-                    report(
-                        agent,
-                        pb::LimitViolated {
-                            allocation_id: 0,
-                            node: agent.cfg.node_name.clone(),
-                            gpu_uuid: gpu,
-                            pid,
-                            used_mib,
-                            limit_mib: 0,
-                            action: "rogue".into(),
-                        },
-                    )
-                    .await;
-                }
-            }
+                Finding::Rogue { gpu, pid, .. } => info_span!("rogue", %gpu, pid),
+            };
+            self.act(agent, f, now, &mut still_over)
+                .instrument(span)
+                .await;
         }
         self.over_since.retain(|k, _| still_over.contains(k));
         let live: HashSet<u32> = procs.iter().map(|(p, _)| p.pid).collect();
         self.reported.retain(|(_, _, pid)| live.contains(pid));
         self.killed.retain(|pid| alive(*pid));
+    }
+
+    /// Act on one finding: past the grace period, kill or report, tell the pod and the ledger.
+    async fn act(
+        &mut self,
+        agent: &Agent,
+        f: Finding,
+        now: Instant,
+        still_over: &mut HashSet<(u64, String)>,
+    ) {
+        match f {
+            Finding::Over {
+                allocation_id,
+                gpu,
+                pids,
+                used_mib,
+                limit_mib,
+            } => {
+                let key = (allocation_id, gpu.clone());
+                still_over.insert(key.clone());
+                let since = *self.over_since.entry(key).or_insert(now);
+                if now.duration_since(since) < agent.cfg.grace {
+                    return;
+                }
+                let top = pids[0];
+                if !self.reported.insert((allocation_id, gpu.clone(), top)) {
+                    return;
+                }
+                let action = agent.cfg.on_violation;
+                warn!(
+                    ?pids,
+                    used_mib,
+                    limit_mib,
+                    action = action.as_str(),
+                    "memory limit exceeded"
+                );
+                if action == OnViolation::Kill {
+                    for pid in &pids {
+                        if let Ok(pid_i) = i32::try_from(*pid) {
+                            match nix::sys::signal::kill(
+                                nix::unistd::Pid::from_raw(pid_i),
+                                nix::sys::signal::Signal::SIGKILL,
+                            ) {
+                                Ok(()) => {
+                                    self.killed.insert(*pid);
+                                }
+                                Err(e) => warn!(pid, "SIGKILL failed: {e}"),
+                            }
+                        }
+                    }
+                }
+                agent
+                    .metrics
+                    .violations
+                    .get_or_create(&vec![("action", action.as_str().to_string())])
+                    .inc();
+                tell_pod(
+                    agent,
+                    allocation_id,
+                    &gpu,
+                    &pids,
+                    used_mib,
+                    limit_mib,
+                    action,
+                );
+                report(
+                    agent,
+                    pb::LimitViolated {
+                        allocation_id,
+                        node: agent.cfg.node_name.clone(),
+                        gpu_uuid: gpu,
+                        pid: top,
+                        used_mib,
+                        limit_mib,
+                        action: action.as_str().into(),
+                    },
+                )
+                .await;
+            }
+            Finding::Rogue { gpu, pid, used_mib } => {
+                if !self.reported.insert((0, gpu.clone(), pid)) {
+                    return;
+                }
+                warn!(used_mib, "GPU process on no allocation (rogue)");
+                agent
+                    .metrics
+                    .violations
+                    .get_or_create(&vec![("action", "rogue".to_string())])
+                    .inc();
+                report(
+                    agent,
+                    pb::LimitViolated {
+                        allocation_id: 0,
+                        node: agent.cfg.node_name.clone(),
+                        gpu_uuid: gpu,
+                        pid,
+                        used_mib,
+                        limit_mib: 0,
+                        action: "rogue".into(),
+                    },
+                )
+                .await;
+            }
+        }
     }
 }
 
@@ -348,7 +385,7 @@ fn tell_pod(
 async fn report(agent: &Agent, v: pb::LimitViolated) {
     let r = agent
         .pool
-        .call(Duration::from_secs(10), |mut c| {
+        .call("ReportViolation", Duration::from_secs(10), |mut c| {
             let v = v.clone();
             async move {
                 c.report_violation(api::ReportViolationRequest { violation: Some(v) })

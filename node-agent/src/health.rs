@@ -36,7 +36,7 @@ fn probe(agent: &Agent, path: &str) -> (StatusCode, String) {
 }
 
 async fn metrics(State(agent): State<Arc<Agent>>) -> Response {
-    agent.metrics.refresh(&agent);
+    agent.refresh_metrics();
     match gpuledger_ops::metrics::encode(&agent.registry) {
         Ok(body) => (
             [(header::CONTENT_TYPE, gpuledger_ops::metrics::CONTENT_TYPE)],

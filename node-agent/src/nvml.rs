@@ -2,7 +2,6 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use nvml_wrapper::Nvml;
@@ -11,6 +10,7 @@ use nvml_wrapper::enums::device::UsedGpuMemory;
 use nvml_wrapper::enums::event::XidError;
 use nvml_wrapper::error::NvmlError;
 use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
 
 /// One GPU as NVML reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -23,6 +23,15 @@ pub struct GpuInfo {
     pub model: String,
     /// Total memory in MiB.
     pub memory_mib: u64,
+}
+
+/// One GPU and whether it is fit to be handed out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuState {
+    /// What NVML says about it.
+    pub info: GpuInfo,
+    /// False after a critical Xid (or when the ledger already had it unhealthy).
+    pub healthy: bool,
 }
 
 /// A process with a compute context on a GPU.
@@ -157,26 +166,20 @@ impl NvmlBackend {
         Ok(out)
     }
 
-    /// Watch Xid errors on every GPU on a dedicated thread (NVML's wait blocks) until `stop`.
-    /// Events go to `tx`; the thread ends when `stop` is set or `tx` closes.
-    pub fn watch_xids(
-        &self,
-        tx: mpsc::Sender<XidEvent>,
-        stop: Arc<AtomicBool>,
-    ) -> std::thread::JoinHandle<()> {
-        let nvml = self.nvml.clone();
-        std::thread::Builder::new()
-            .name("nvml-xid".into())
-            .spawn(move || {
-                if let Err(e) = xid_loop(&nvml, &tx, &stop) {
-                    tracing::warn!("Xid events unavailable, GPU health is not watched: {e}");
-                }
-            })
-            .expect("spawning a thread")
+    /// Watch Xid errors on every GPU until `stop` is cancelled or `tx` closes; events go to
+    /// `tx`. Blocks (NVML's event wait does): run it with `spawn_blocking`.
+    pub fn watch_xids(&self, tx: mpsc::Sender<XidEvent>, stop: &CancellationToken) {
+        if let Err(e) = xid_loop(&self.nvml, &tx, stop) {
+            tracing::warn!("Xid events unavailable, GPU health is not watched: {e}");
+        }
     }
 }
 
-fn xid_loop(nvml: &Nvml, tx: &mpsc::Sender<XidEvent>, stop: &AtomicBool) -> Result<(), Error> {
+fn xid_loop(
+    nvml: &Nvml,
+    tx: &mpsc::Sender<XidEvent>,
+    stop: &CancellationToken,
+) -> Result<(), Error> {
     let mut set = call("event set create", nvml.create_event_set())?;
     let n = call("device count", nvml.device_count())?;
     for i in 0..n {
@@ -188,7 +191,7 @@ fn xid_loop(nvml: &Nvml, tx: &mpsc::Sender<XidEvent>, stop: &AtomicBool) -> Resu
                 source: e.error,
             })?;
     }
-    while !stop.load(Ordering::Relaxed) && !tx.is_closed() {
+    while !stop.is_cancelled() && !tx.is_closed() {
         match set.wait(500) {
             Ok(ev) => {
                 let xid = match ev.event_data {

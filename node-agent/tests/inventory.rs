@@ -5,12 +5,12 @@ mod support;
 
 use std::time::Duration;
 
-use gpuledger_chaos::kubelet::node::FakeGpu;
+use gpuledger_testkit::kubelet::node::FakeGpu;
 use support::{Cluster, NODE, SLOTS};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nvml_inventory_is_registered_and_reregistered_on_change() -> anyhow::Result<()> {
-    let port = gpuledger_chaos::free_port()?;
+    let port = gpuledger_testkit::free_port()?;
     let health = format!("--health-listen=127.0.0.1:{port}");
     let mut c = Cluster::start(2, &["--rediscover-interval=200ms", &health]).await?;
     assert!(

@@ -2,9 +2,9 @@
 //! loss, etcd errors and shutdown as the waiters and the log see them. The same behaviours
 //! against a real etcd are in `allocator/tests/` (leader_fencing, no_lost_grant, ...).
 
-use gpuledger_chaos::workload::{inventory, pod};
 use gpuledger_ledger::Reply;
 use gpuledger_ops::clock::TestClock;
+use gpuledger_testkit::workload::{inventory, pod};
 use tokio::task::JoinHandle;
 
 use super::*;

@@ -1,5 +1,5 @@
-use gpuledger_chaos::workload::inventory;
 use gpuledger_ledger::Command;
+use gpuledger_testkit::workload::inventory;
 
 use super::*;
 use crate::shared::Shared;
