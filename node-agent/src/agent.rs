@@ -18,7 +18,7 @@ use crate::allocator::Pool;
 use crate::config::Config;
 use crate::metrics::Metrics;
 use crate::nvml::{GpuInfo, GpuState, NvmlBackend, XidEvent, is_critical_xid};
-use crate::view::{EnvOptions, View};
+use crate::view::{AllocateOptions, View};
 
 /// Retry a call to the allocator every second until it is accepted.
 fn every_second() -> ConstantBuilder {
@@ -47,8 +47,8 @@ pub struct Agent {
     pub decide: tokio::sync::Mutex<()>,
     /// Set while the device plugin is registered with the current kubelet.
     pub kubelet_registered: AtomicBool,
-    /// How containers' limits are exported.
-    pub env: EnvOptions,
+    /// What Allocate answers besides the devices' identity: device list, limit variables.
+    pub env: AllocateOptions,
     /// Metrics, served at /metrics with the probes.
     pub metrics: Metrics,
     /// The registry `metrics` live in.
@@ -65,9 +65,11 @@ impl Agent {
         let pool = Pool::new(&cfg.allocator)?;
         let mut registry = Registry::with_prefix("gpuledger_node_agent");
         let metrics = Metrics::new(&mut registry);
-        let env = EnvOptions {
+        let env = AllocateOptions {
             mps: cfg.mps,
             mps_pipe_dir: cfg.mps_pipe_dir.display().to_string(),
+            strategies: cfg.device_list_strategy.clone(),
+            cdi_kind: cfg.cdi_kind.clone(),
         };
         Ok(Arc::new(Agent {
             cfg,

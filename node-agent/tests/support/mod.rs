@@ -196,3 +196,17 @@ pub fn alloc_of<'a>(s: &'a pb::Snapshot, uid: &str) -> Option<&'a pb::Allocation
 pub fn gpu_of(device: &str) -> &str {
     device.rsplit_once("::").map_or(device, |(g, _)| g)
 }
+
+/// The GPU UUIDs an Allocate answer grants, from its CDI devices (the default device list
+/// strategy), comma-joined as NVIDIA_VISIBLE_DEVICES would list them.
+pub fn granted(r: &gpuledger_proto::deviceplugin::v1beta1::ContainerAllocateResponse) -> String {
+    r.cdi_devices
+        .iter()
+        .map(|d| {
+            d.name
+                .split_once('=')
+                .map_or(d.name.as_str(), |(_, uuid)| uuid)
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
