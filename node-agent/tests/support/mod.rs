@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -12,6 +13,7 @@ use gpuledger_testkit::kubelet::Kubelet;
 use gpuledger_testkit::kubelet::node::{FakeNvml, NodeAgent};
 use gpuledger_testkit::workload::pod;
 use gpuledger_testkit::{Allocators, EtcdCluster};
+use nvidia_ml::FakeConfig;
 
 pub const NODE: &str = "gpu-node-1";
 pub const SLOTS: u32 = 4;
@@ -26,6 +28,32 @@ pub struct Cluster {
     pub agent: NodeAgent,
 }
 
+/// A change to the fake NVML state.
+pub type NvmlEdit = Box<dyn FnOnce(&mut FakeConfig)>;
+
+/// A test cluster beyond the defaults of [`Cluster::start`].
+pub struct Options {
+    /// Allocator replicas (the agent gets all).
+    pub replicas: usize,
+    /// GPUs of the node.
+    pub gpus: u32,
+    /// Extra agent flags.
+    pub flags: Vec<String>,
+    /// Edits the fake NVML state before the agent starts.
+    pub nvml: Option<NvmlEdit>,
+}
+
+impl Default for Options {
+    fn default() -> Options {
+        Options {
+            replicas: 1,
+            gpus: 1,
+            flags: Vec::new(),
+            nvml: None,
+        }
+    }
+}
+
 impl Cluster {
     /// Everything up, the agent registered with the kubelet and its GPUs in the ledger.
     pub async fn start(gpus: u32, agent_flags: &[&str]) -> Result<Cluster> {
@@ -34,6 +62,23 @@ impl Cluster {
 
     /// Like [`Cluster::start`] with `replicas` allocator replicas (the agent gets all).
     pub async fn start_with(replicas: usize, gpus: u32, agent_flags: &[&str]) -> Result<Cluster> {
+        Self::start_opts(Options {
+            replicas,
+            gpus,
+            flags: agent_flags.iter().map(|f| f.to_string()).collect(),
+            ..Options::default()
+        })
+        .await
+    }
+
+    /// Like [`Cluster::start`], as `o` says.
+    pub async fn start_opts(o: Options) -> Result<Cluster> {
+        let Options {
+            replicas,
+            gpus,
+            flags: agent_flags,
+            nvml: edit_nvml,
+        } = o;
         let dir = tempfile::tempdir()?;
         let etcd = EtcdCluster::start(1).await?;
         let allocs = Allocators::start(
@@ -46,9 +91,12 @@ impl Cluster {
         allocs.wait_leader(Duration::from_secs(30)).await?;
         let kubelet = Kubelet::start(&dir.path().join("kubelet")).await?;
         let nvml = FakeNvml::new(dir.path(), NODE, gpus, GPU_MIB)?;
+        if let Some(f) = edit_nvml {
+            edit_fake_nvml(nvml.path(), f)?;
+        }
         let slots = format!("--slots-per-gpu={SLOTS}");
         let mut flags = vec![slots.as_str(), "--enforce-interval=200ms"];
-        flags.extend_from_slice(agent_flags);
+        flags.extend(agent_flags.iter().map(String::as_str));
         let agent = NodeAgent::start(dir.path(), NODE, &allocs.addrs, &nvml, &kubelet, &flags)?;
         let c = Cluster {
             dir,
@@ -74,6 +122,12 @@ impl Cluster {
         .await
         .with_context(|| c.agent_log())?;
         Ok(c)
+    }
+
+    /// Change the fake NVML state in place (what the test kit's `FakeNvml` does not model:
+    /// the driver's reserve, CUDA contexts). Its later writes start from its own copy.
+    pub fn edit_nvml(&self, f: impl FnOnce(&mut FakeConfig)) -> Result<()> {
+        edit_fake_nvml(self.nvml.path(), f)
     }
 
     pub fn agent_log(&self) -> String {
@@ -183,6 +237,15 @@ impl Cluster {
             })
             .collect())
     }
+}
+
+/// Read the fake NVML state at `path`, apply `f`, write it back atomically.
+fn edit_fake_nvml(path: &Path, f: impl FnOnce(&mut FakeConfig)) -> Result<()> {
+    let mut cfg: FakeConfig = serde_json::from_slice(&std::fs::read(path)?)
+        .with_context(|| format!("reading the fake NVML state {}", path.display()))?;
+    f(&mut cfg);
+    cfg.write_to(path)?;
+    Ok(())
 }
 
 /// The live allocation of pod `uid`.
