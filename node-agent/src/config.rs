@@ -80,6 +80,24 @@ pub struct Config {
     #[arg(long, env = "GPULEDGER_ON_VIOLATION", value_enum, default_value_t = OnViolation::Kill)]
     pub on_violation: OnViolation,
 
+    /// What to do with GPU processes that belong to no allocation: a pod whose cgroup names
+    /// no allocation on that GPU, or a process outside any pod. `report` (LimitViolated
+    /// "rogue") or `kill` (SIGKILL, recorded as "rogue-kill"). The default is `report` because
+    /// such processes include the node's own GPU software (the MPS server, DCGM diagnostics,
+    /// jobs the node's administrators run), which a kill would break; choose `kill` only on
+    /// nodes where nothing but gpuledger pods may use the GPUs.
+    #[arg(long, env = "GPULEDGER_ROGUE_POLICY", value_enum, default_value_t = RoguePolicy::Report)]
+    pub rogue_policy: RoguePolicy,
+
+    /// GPU memory in MiB that each process may use beyond its container's share before
+    /// enforcement counts it. NVML charges a process's CUDA context to the process: on an
+    /// H100 80GB HBM3 (driver 580) a process that allocated 4096 MiB showed 4614 MiB, so
+    /// without this a container given 4096 MiB that fills them would be killed. The default
+    /// is that measured 518 MiB rounded up; 0 counts the context against the share (users
+    /// must then request it).
+    #[arg(long, env = "GPULEDGER_CONTEXT_ALLOWANCE_MIB", default_value_t = 520)]
+    pub context_allowance_mib: u64,
+
     /// How Allocate tells the container runtime which GPUs a container gets, like NVIDIA's
     /// device plugin; a comma list, several may be combined. `cdi-cri`: CDI device names
     /// (`<--cdi-kind>=<GPU-UUID>`) in the kubelet's CDI field (Kubernetes 1.28+, containerd
@@ -157,6 +175,25 @@ impl OnViolation {
         match self {
             OnViolation::Kill => "kill",
             OnViolation::Report => "report",
+        }
+    }
+}
+
+/// What enforcement does to a GPU process that belongs to no allocation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum RoguePolicy {
+    /// Only report.
+    Report,
+    /// SIGKILL it and report.
+    Kill,
+}
+
+impl RoguePolicy {
+    /// The `action` string of the LimitViolated event.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RoguePolicy::Report => "rogue",
+            RoguePolicy::Kill => "rogue-kill",
         }
     }
 }
@@ -267,6 +304,7 @@ mod tests {
                 DeviceListStrategy::CdiCri
             ]
         );
+        assert_eq!(cfg.rogue_policy, RoguePolicy::Report);
         let cfg = Config::try_parse_from([
             "agent",
             "--node-name=n",

@@ -20,7 +20,7 @@ type Labels = Vec<(&'static str, String)>;
 pub struct Metrics {
     /// Time to answer one device-plugin Allocate, claim through the allocator included.
     pub allocate_latency: Family<Labels, Histogram>,
-    /// Violations found, by action (kill, report, rogue).
+    /// Violations found, by action (kill, report, rogue, rogue-kill).
     pub violations: Family<Labels, Counter>,
     /// GPU memory in use per GPU as NVML measures it (sum over its processes), in bytes.
     pub memory_used: Family<Labels, Gauge<i64, AtomicI64>>,
@@ -74,7 +74,7 @@ impl Metrics {
         );
         registry.register_with_unit(
             "gpu_memory_total",
-            "GPU memory per GPU as NVML reports it",
+            "GPU memory per GPU that processes can use: NVML's total less the driver's reserve (the capacity in the ledger)",
             Unit::Bytes,
             m.memory_total.clone(),
         );
@@ -120,7 +120,7 @@ impl Metrics {
                 .allocate_latency
                 .get_or_create(&vec![("outcome", outcome.to_string())]);
         }
-        for action in ["kill", "report", "rogue"] {
+        for action in ["kill", "report", "rogue", "rogue-kill"] {
             let _ = m
                 .violations
                 .get_or_create(&vec![("action", action.to_string())]);
