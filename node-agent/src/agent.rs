@@ -55,6 +55,9 @@ pub struct Agent {
     pub registry: Registry,
     /// Pod Events (limit exceeded, identity corrected); unset without a Kubernetes client.
     pub events: OnceLock<Recorder>,
+    /// Why enforcement cannot run on this node (the agent is not in the host pid namespace);
+    /// `/readyz` says so.
+    pub enforcement_refused: Option<String>,
 }
 
 impl Agent {
@@ -74,6 +77,10 @@ impl Agent {
             strategies: cfg.device_list_strategy.clone(),
             cdi_kind: cfg.cdi_kind.clone(),
         };
+        let enforcement_refused = crate::procs::host_pid_namespace_problem();
+        metrics
+            .enforcing
+            .set(i64::from(enforcement_refused.is_none()));
         Ok(Arc::new(Agent {
             cfg,
             pool,
@@ -95,6 +102,7 @@ impl Agent {
             metrics,
             registry,
             events: OnceLock::new(),
+            enforcement_refused,
         }))
     }
 

@@ -12,7 +12,7 @@ use gpuledger_ops::events::{Kind, PodEvent};
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
 use tracing::field::{self, Empty};
-use tracing::{Instrument, info, info_span, warn};
+use tracing::{Instrument, error, info, info_span, warn};
 
 use crate::agent::Agent;
 use crate::cgroup::PodCgroup;
@@ -201,6 +201,11 @@ impl Enforcer {
             }
             Err(_) => return,
         };
+        if agent.enforcement_refused.is_some() {
+            // NVML's pids name nothing this agent can see: measure, never attribute.
+            record_memory_used(agent, procs.iter());
+            return;
+        }
         let mut pinned: HashMap<u32, Sampled> = HashMap::new();
         let mut sampled: Vec<(GpuProcess, ProcOwner)> = Vec::with_capacity(procs.len());
         for p in procs {
@@ -460,6 +465,9 @@ async fn report(agent: &Agent, v: pb::LimitViolated) {
 
 /// Enforce every --enforce-interval, forever.
 pub async fn run(agent: Arc<Agent>) {
+    if let Some(why) = &agent.enforcement_refused {
+        error!("ENFORCEMENT REFUSED, memory limits are not enforced on this node: {why}");
+    }
     let mut e = Enforcer::default();
     let mut t = tokio::time::interval(agent.cfg.enforce_interval.max(Duration::from_millis(50)));
     t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

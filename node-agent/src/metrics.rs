@@ -22,6 +22,9 @@ pub struct Metrics {
     pub allocate_latency: Family<Labels, Histogram>,
     /// Violations found, by action (kill, report, rogue, rogue-kill).
     pub violations: Family<Labels, Counter>,
+    /// 1 while memory limits are enforced (0 when the agent refuses, e.g. outside the host pid
+    /// namespace).
+    pub enforcing: Gauge,
     /// GPU memory in use per GPU as NVML measures it (sum over its processes), in bytes.
     pub memory_used: Family<Labels, Gauge<i64, AtomicI64>>,
     memory_total: Family<Labels, Gauge<i64, AtomicI64>>,
@@ -45,6 +48,7 @@ impl Metrics {
         let m = Metrics {
             allocate_latency: Family::new_with_constructor(allocate_histogram as fn() -> _),
             violations: Family::default(),
+            enforcing: Gauge::default(),
             memory_used: Family::default(),
             memory_total: Family::default(),
             memory_allocated: Family::default(),
@@ -65,6 +69,11 @@ impl Metrics {
             "violations",
             "Processes found over their memory limit or on no allocation, by action",
             m.violations.clone(),
+        );
+        registry.register(
+            "enforcing",
+            "1 while memory limits are enforced on this node (0: refused, /readyz says why)",
+            m.enforcing.clone(),
         );
         registry.register_with_unit(
             "gpu_memory_used",

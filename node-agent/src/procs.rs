@@ -8,6 +8,10 @@ use rustix::process::{Pid, Signal, pidfd_open, pidfd_send_signal};
 
 use crate::cgroup::{PodCgroup, pod_of};
 
+/// The inode of the kernel's initial pid namespace (`PROC_PID_INIT_INO`), the one whose pids
+/// NVML reports.
+const INIT_PID_NS_INODE: u64 = 0xEFFF_FFFC;
+
 /// A process identity that survives pid reuse: its pid and its start time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ProcKey {
@@ -149,6 +153,30 @@ pub fn allocation_from_environ(env: &[u8]) -> Option<u64> {
         .and_then(|v| std::str::from_utf8(v).ok()?.parse().ok())
 }
 
+/// Whether a `/proc/<pid>/ns/pid` link target (`pid:[<inode>]`) is the initial pid namespace.
+pub fn is_init_pid_ns(link: &str) -> bool {
+    link.strip_prefix("pid:[")
+        .and_then(|r| r.strip_suffix(']'))
+        .and_then(|n| n.parse::<u64>().ok())
+        == Some(INIT_PID_NS_INODE)
+}
+
+/// Why this agent cannot map NVML's pids to processes, if it can see that: NVML reports pids
+/// in the initial (host) pid namespace, and a pid read there means another process, or none,
+/// in any other namespace. `None` when the agent is in the host's.
+pub fn host_pid_namespace_problem() -> Option<String> {
+    match std::fs::read_link("/proc/self/ns/pid") {
+        Ok(link) if is_init_pid_ns(&link.to_string_lossy()) => None,
+        Ok(link) => Some(format!(
+            "the agent is not in the host pid namespace (it is in {}): NVML's pids would name other processes here; run the DaemonSet with hostPID: true",
+            link.display()
+        )),
+        Err(e) => Some(format!(
+            "cannot read /proc/self/ns/pid ({e}), so the agent cannot tell whether NVML's pids are its own; run the DaemonSet with hostPID: true and /proc mounted"
+        )),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -172,6 +200,14 @@ mod tests {
             allocation_from_environ(b"GPULEDGER_ALLOCATION_ID=4x2\0"),
             None
         );
+    }
+
+    #[test]
+    fn only_the_initial_pid_namespace_is_the_host_one() {
+        assert!(is_init_pid_ns("pid:[4026531836]"));
+        assert!(!is_init_pid_ns("pid:[4026532512]"));
+        assert!(!is_init_pid_ns("net:[4026531836]"));
+        assert!(!is_init_pid_ns("garbage"));
     }
 
     #[test]

@@ -3,16 +3,16 @@
 
 #![allow(dead_code)]
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
 use gpuledger_testkit::kubelet::Kubelet;
-use gpuledger_testkit::kubelet::node::{FakeNvml, NodeAgent};
+use gpuledger_testkit::kubelet::node::{FakeNvml, NodeAgent, fake_nvml_lib};
 use gpuledger_testkit::workload::pod;
-use gpuledger_testkit::{Allocators, EtcdCluster};
+use gpuledger_testkit::{Allocators, EtcdCluster, Proc, bin_path};
 use nvidia_ml::FakeConfig;
 
 pub const NODE: &str = "gpu-node-1";
@@ -41,6 +41,21 @@ pub struct Options {
     pub flags: Vec<String>,
     /// Edits the fake NVML state before the agent starts.
     pub nvml: Option<NvmlEdit>,
+    /// Namespaces the agent runs in.
+    pub agent_in: AgentIn,
+}
+
+/// Where the agent process runs.
+#[derive(Debug, Clone, Default)]
+pub enum AgentIn {
+    /// Beside the test, in the host's namespaces.
+    #[default]
+    Host,
+    /// In a pid namespace of its own (`unshare --pid`), as a DaemonSet without hostPID.
+    OwnPidNamespace,
+    /// In a private cgroup namespace rooted at this cgroup directory, as a container on cgroup
+    /// v2: it reads every other cgroup as a path relative to that one.
+    CgroupNamespace(PathBuf),
 }
 
 impl Default for Options {
@@ -50,6 +65,7 @@ impl Default for Options {
             gpus: 1,
             flags: Vec::new(),
             nvml: None,
+            agent_in: AgentIn::Host,
         }
     }
 }
@@ -78,6 +94,7 @@ impl Cluster {
             gpus,
             flags: agent_flags,
             nvml: edit_nvml,
+            agent_in,
         } = o;
         let dir = tempfile::tempdir()?;
         let etcd = EtcdCluster::start(1).await?;
@@ -97,7 +114,12 @@ impl Cluster {
         let slots = format!("--slots-per-gpu={SLOTS}");
         let mut flags = vec![slots.as_str(), "--enforce-interval=200ms"];
         flags.extend(agent_flags.iter().map(String::as_str));
-        let agent = NodeAgent::start(dir.path(), NODE, &allocs.addrs, &nvml, &kubelet, &flags)?;
+        let agent = match agent_in {
+            AgentIn::Host => {
+                NodeAgent::start(dir.path(), NODE, &allocs.addrs, &nvml, &kubelet, &flags)?
+            }
+            wrapped => start_wrapped(dir.path(), &allocs, &nvml, &kubelet, &flags, &wrapped)?,
+        };
         let c = Cluster {
             dir,
             etcd,
@@ -237,6 +259,59 @@ impl Cluster {
             })
             .collect())
     }
+}
+
+/// The agent as [`NodeAgent::start`] runs it, inside the namespaces `wrap` names.
+fn start_wrapped(
+    dir: &Path,
+    allocs: &Allocators,
+    nvml: &FakeNvml,
+    kubelet: &Kubelet,
+    flags: &[&str],
+    wrap: &AgentIn,
+) -> Result<NodeAgent> {
+    let mut agent = vec![
+        bin_path("gpuledger-node-agent")?.display().to_string(),
+        format!("--node-name={NODE}"),
+        format!("--allocator={}", allocs.addrs.join(",")),
+        format!("--nvml-lib={}", fake_nvml_lib()?.display()),
+        format!("--kubelet-dir={}", kubelet.device_plugin_dir().display()),
+        format!(
+            "--pod-resources-socket={}",
+            kubelet.pod_resources_socket().display()
+        ),
+    ];
+    agent.extend(flags.iter().map(|f| f.to_string()));
+    let (program, mut args): (&str, Vec<String>) = match wrap {
+        AgentIn::Host => bail!("not a wrapped agent"),
+        // --kill-child: the agent dies with the unshare process the test kit kills.
+        AgentIn::OwnPidNamespace => (
+            "unshare",
+            ["--pid", "--fork", "--kill-child"]
+                .map(String::from)
+                .to_vec(),
+        ),
+        AgentIn::CgroupNamespace(cg) => (
+            "sh",
+            vec![
+                "-c".into(),
+                r#"echo $$ > "$0" && exec unshare --cgroup "$@""#.into(),
+                cg.join("cgroup.procs").display().to_string(),
+            ],
+        ),
+    };
+    args.extend(agent);
+    let proc = Proc::spawn(
+        dir,
+        &format!("agent-{NODE}"),
+        Path::new(program),
+        args,
+        vec![
+            ("FAKE_NVML_CONFIG".into(), nvml.path().display().to_string()),
+            ("GPULEDGER_LOG".into(), "info".into()),
+        ],
+    )?;
+    Ok(NodeAgent { proc })
 }
 
 /// Read the fake NVML state at `path`, apply `f`, write it back atomically.
