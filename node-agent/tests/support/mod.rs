@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod cgroups;
+
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -184,6 +186,12 @@ impl Cluster {
                 ..Default::default()
             });
         }
+        self.reserve_request(req).await
+    }
+
+    /// Reserve `req` on the node and confirm its pod bound.
+    pub async fn reserve_request(&self, req: api::PodRequest) -> Result<pb::Allocation> {
+        let uid = req.pod.as_ref().map(|p| p.uid.clone()).unwrap_or_default();
         let mut c = self.client()?;
         let r = c
             .reserve(api::ReserveRequest {
@@ -194,11 +202,21 @@ impl Cluster {
             .await?
             .into_inner();
         c.confirm_bound(api::ConfirmBoundRequest {
-            pod_uid: uid.into(),
+            pod_uid: uid,
             node: NODE.into(),
         })
         .await?;
         r.allocations.into_iter().next().context("no allocation")
+    }
+
+    /// Fail unless `p` (`what`) ends by SIGKILL within 10 s.
+    pub async fn killed(&self, p: &mut cgroups::Sleeper, what: &str) -> Result<()> {
+        use std::os::unix::process::ExitStatusExt;
+        let st = p.ended(Duration::from_secs(10)).await;
+        if st.and_then(|st| st.signal()) != Some(9) {
+            bail!("{what} was not SIGKILLed ({st:?})\n{}", self.agent_log());
+        }
+        Ok(())
     }
 
     pub async fn dump(&self) -> Result<pb::Snapshot> {
@@ -245,6 +263,32 @@ impl Cluster {
             out.extend(b.events);
         }
         Ok(out)
+    }
+
+    /// Wait until there is a LimitViolated for each of `pids`; they are returned in that order.
+    pub async fn wait_violations(
+        &self,
+        pids: &[u32],
+        timeout: Duration,
+    ) -> Result<Vec<pb::LimitViolated>> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let all = self.violations().await?;
+            let found: Vec<pb::LimitViolated> = pids
+                .iter()
+                .filter_map(|pid| all.iter().find(|v| v.pid == *pid).cloned())
+                .collect();
+            if found.len() == pids.len() {
+                return Ok(found);
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "LimitViolated for {pids:?} not all in {timeout:?}: {all:?}\n{}",
+                    self.agent_log()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 
     /// The LimitViolated events so far.
