@@ -75,7 +75,8 @@ pub struct Config {
     #[arg(long, env = "GPULEDGER_GRACE", default_value = "0s", value_parser = parse_duration)]
     pub grace: Duration,
 
-    /// What to do with the processes of a container over its memory limit: `kill` (SIGKILL)
+    /// What to do with the processes of a container over its memory limit: `kill` (SIGKILL,
+    /// through the pidfd opened when each process was sampled, so a reused pid is never hit)
     /// or `report` (only the LimitViolated event). Both write LimitViolated to the ledger.
     #[arg(long, env = "GPULEDGER_ON_VIOLATION", value_enum, default_value_t = OnViolation::Kill)]
     pub on_violation: OnViolation,
@@ -314,6 +315,18 @@ mod tests {
         assert_eq!(
             cfg.device_list_strategy,
             [DeviceListStrategy::Envvar, DeviceListStrategy::CdiCri]
+        );
+        // Repeated, as the manifests give it (one value per flag).
+        let cfg = Config::try_parse_from([
+            "agent",
+            "--node-name=n",
+            "--device-list-strategy=cdi-cri",
+            "--device-list-strategy=envvar",
+        ])
+        .expect("a repeated flag parses");
+        assert_eq!(
+            cfg.device_list_strategy,
+            [DeviceListStrategy::CdiCri, DeviceListStrategy::Envvar]
         );
         assert!(
             Config::try_parse_from([
