@@ -15,7 +15,7 @@ CARGO_DENY_VERSION := 0.20.2
 # Where cargo-deny keeps the RustSec advisory database (its default; it follows CARGO_HOME).
 ADVISORY_DBS := $(or $(CARGO_HOME),$(HOME)/.cargo)/advisory-dbs
 
-.PHONY: all deps build release test fmt-check clippy dev-tools machete deny demo chaos bench bench-allocator bench-failover bench-replay clean deploy-check image install-plugin test-deps
+.PHONY: all deps build release test fmt-check clippy dev-tools machete deny demo chaos bench bench-allocator bench-failover bench-replay clean deploy-check image install-plugin test-deps test-e2e e2e-deps
 
 all: build
 
@@ -96,6 +96,17 @@ test: test-deps fmt-check clippy machete deny
 	$(CARGO) test --workspace -- --test-threads=2
 	./target/debug/gpuledger-chaos run --seed 1 --pods 150 --faults 7
 	./deploy/test/deploy-check.sh
+
+## The real-Kubernetes tier (docs/e2e.md): kube-apiserver, kube-scheduler, kubelet and kubectl
+## 1.20.2 built from Debian's source package by e2e/kube/build.sh (~25 min once, then cached in
+## ~/.cache/gpuledger), Debian's containerd and runc, pods that really run. Needs root, and a
+## kubectl with kustomize v5 (`make deploy-check` installs one) to render the shipped overlay.
+e2e-deps: deps
+	@$(call apt_install,go:golang-go rsync:rsync dpkg-source:dpkg-dev patch:patch containerd:containerd runc:runc umoci:umoci skopeo:skopeo /bin/busybox:busybox-static /usr/lib/cni/loopback:containernetworking-plugins)
+
+test-e2e: e2e-deps
+	$(CARGO) build --workspace
+	bin="$$(./e2e/kube/build.sh)" && GPULEDGER_KUBE_BIN="$$bin" $(CARGO) test -p gpuledger-e2e -- --ignored --test-threads=1
 
 ## deploy/: render the kustomize overlays and the Helm chart, validate them offline against the
 ## Kubernetes schemas, check flags, wiring and RBAC against the code (installs its tools).

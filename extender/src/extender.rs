@@ -121,7 +121,7 @@ fn json_sized<T: Serialize>(v: &T, hint: usize) -> Response {
 }
 
 fn bad_request(what: &str, e: impl std::fmt::Display) -> Response {
-    let body = json!({ "Error": format!("malformed {what} request: {e}") });
+    let body = json!({ "Error": crate::scheduler_text::without_percent(&format!("malformed {what} request: {e}")) });
     (StatusCode::BAD_REQUEST, axum::Json(body)).into_response()
 }
 

@@ -30,6 +30,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, instrument, warn};
 
 use crate::allocator::Allocators;
+use crate::assume::InFlight;
 
 /// How long an answer waits for the replica to fold this extender's own last write before it
 /// asks the allocator instead (the stream delivers a commit within a millisecond or two).
@@ -73,6 +74,8 @@ pub struct Replica {
     written: AtomicU64,
     stale_after: Duration,
     metrics: ReplicaMetrics,
+    /// Binds in flight, which filter and prioritize count as placed.
+    pub in_flight: Arc<InFlight>,
 }
 
 #[derive(Default)]
@@ -107,6 +110,7 @@ impl Replica {
             written: AtomicU64::new(0),
             stale_after,
             metrics: ReplicaMetrics::default(),
+            in_flight: InFlight::new(),
         })
     }
 

@@ -90,23 +90,33 @@ fn fmt_num(v: f64) -> Quantity {
 }
 
 /// The container's resources with aliases replaced by gpuledger names and the slice count
-/// made explicit; None when nothing changes.
+/// made explicit; None when nothing changes. No name a node does not advertise is left.
 fn translate(res: Option<&ResourceRequirements>, g: &ContainerGpu) -> Option<ResourceRequirements> {
-    let aliases = [
-        resources::ALIYUN_GPU_MEM,
+    let hami = [
         resources::HAMI_GPU_MEM,
         resources::HAMI_GPU_MEM_PERCENT,
         resources::HAMI_GPU_CORES,
     ];
     let mut res = res.cloned().unwrap_or_default();
+    // nvidia.com/gpu is HAMi's GPU count only beside HAMi's other names (as `ContainerGpu::of`
+    // reads it); otherwise it stays for NVIDIA's device plugin.
+    let hami_count = [res.limits.as_ref(), res.requests.as_ref()]
+        .into_iter()
+        .flatten()
+        .any(|m| hami.iter().any(|k| m.contains_key(*k)));
+    let mut aliases = vec![resources::ALIYUN_GPU_MEM];
+    aliases.extend(hami);
+    if hami_count {
+        aliases.push(resources::HAMI_GPU);
+    }
     let mut changed = false;
     for map in [res.limits.as_mut(), res.requests.as_mut()]
         .into_iter()
         .flatten()
     {
         let had_alias = aliases.iter().any(|a| map.contains_key(*a));
-        for a in aliases {
-            map.remove(a);
+        for a in &aliases {
+            map.remove(*a);
         }
         let mut set = |map: &mut BTreeMap<String, Quantity>, k: &str, v: Option<Quantity>| {
             if let Some(v) = v
@@ -116,7 +126,12 @@ fn translate(res: Option<&ResourceRequirements>, g: &ContainerGpu) -> Option<Res
                 changed = true;
             }
         };
-        set(map, resources::GPU, Some(Quantity("1".into())));
+        // The count as written (a fraction stays one, for the API server to refuse).
+        set(
+            map,
+            resources::GPU,
+            Some(Quantity(g.slices.unwrap_or(1.0).to_string())),
+        );
         set(map, resources::GPU_MEM, g.mem_mib.map(fmt_num));
         set(map, resources::GPU_MEM_PERCENT, g.mem_percent.map(fmt_num));
         set(map, resources::GPU_CORE, g.core_percent.map(fmt_num));

@@ -50,8 +50,15 @@ async fn allocator_answer(stack: &KubeStack, p: &Value) -> anyhow::Result<(Value
         })
         .await?
         .into_inner();
-    let filter = json!({"NodeNames": f.nodes, "FailedNodes": f.failed,
-                        "FailedAndUnresolvableNodes": f.unresolvable, "Error": ""});
+    // Every failed node is in FailedNodes (what kube-scheduler 1.20 reads), and no text the
+    // scheduler sees has a `%`.
+    let text = |m: std::collections::HashMap<String, String>| -> std::collections::BTreeMap<String, String> {
+        let no_pct = gpuledger_extender::scheduler_text::without_percent;
+        m.into_iter().map(|(n, why)| (n, no_pct(&why).into_owned())).collect()
+    };
+    let failed = text(f.failed.into_iter().chain(f.unresolvable.clone()).collect());
+    let filter = json!({"NodeNames": f.nodes, "FailedNodes": failed,
+                        "FailedAndUnresolvableNodes": text(f.unresolvable), "Error": ""});
     let scores: Vec<Value> = s
         .scores
         .iter()

@@ -45,8 +45,11 @@ pub struct Agent {
     pub gpus: watch::Sender<Vec<GpuState>>,
     /// Serializes Allocate and PreStartContainer decisions (the guess and its correction).
     pub decide: tokio::sync::Mutex<()>,
-    /// Set while the device plugin is registered with the current kubelet.
+    /// Set while the device plugin is registered with the current kubelet and it watches
+    /// the devices.
     pub kubelet_registered: AtomicBool,
+    /// ListAndWatch streams open: the kubelet reads the device list only through one.
+    pub watchers: watch::Sender<usize>,
     /// What Allocate answers besides the devices' identity: device list, limit variables.
     pub env: AllocateOptions,
     /// Metrics, served at /metrics with the probes.
@@ -98,6 +101,7 @@ impl Agent {
             ),
             decide: tokio::sync::Mutex::new(()),
             kubelet_registered: AtomicBool::new(false),
+            watchers: watch::Sender::new(0),
             env,
             metrics,
             registry,

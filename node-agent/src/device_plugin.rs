@@ -335,6 +335,22 @@ pub fn prefer(
 
 type DeviceStream = Pin<Box<dyn Stream<Item = Result<dp::ListAndWatchResponse, Status>> + Send>>;
 
+/// One open ListAndWatch stream, counted in `Agent::watchers` until dropped.
+struct Watching(tokio::sync::watch::Sender<usize>);
+
+impl Watching {
+    fn new(count: &tokio::sync::watch::Sender<usize>) -> Watching {
+        count.send_modify(|n| *n += 1);
+        Watching(count.clone())
+    }
+}
+
+impl Drop for Watching {
+    fn drop(&mut self) {
+        self.0.send_modify(|n| *n = n.saturating_sub(1));
+    }
+}
+
 #[tonic::async_trait]
 impl dp::device_plugin_server::DevicePlugin for Plugin {
     type ListAndWatchStream = DeviceStream;
@@ -355,7 +371,10 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
         let _span = info_span!("ListAndWatch", node = %self.agent.cfg.node_name).entered();
         info!("the kubelet watches the devices");
         let me = self.clone();
+        // Counted open while the kubelet holds the stream (kubelet.rs checks that it does).
+        let open = Watching::new(&self.agent.watchers);
         let s = WatchStream::new(self.agent.gpus.subscribe()).map(move |gpus| {
+            let _ = &open;
             Ok(dp::ListAndWatchResponse {
                 devices: me.devices(&gpus),
             })

@@ -19,6 +19,11 @@ use crate::device_plugin::{Plugin, RESOURCE, options};
 /// The device-plugin API version the kubelet expects.
 pub const VERSION: &str = "v1beta1";
 
+/// How long a registered plugin waits for the kubelet to watch its devices (ListAndWatch)
+/// before it registers again. A kubelet that never does advertises none of them (kubelets
+/// before 1.26 send the socket path as `:authority`, which this server refuses).
+pub const WATCH_WAIT: Duration = Duration::from_secs(10);
+
 fn inode(p: &Path) -> Option<u64> {
     std::fs::metadata(p).ok().map(|m| m.ino())
 }
@@ -78,7 +83,6 @@ pub async fn serve_and_register(agent: Arc<Agent>, shutdown: CancellationToken) 
             match register(&kubelet_sock, &agent.cfg.plugin_socket).await {
                 Ok(()) => {
                     info!(socket = %sock.display(), resource = RESOURCE, "registered with the kubelet");
-                    agent.kubelet_registered.store(true, Ordering::Release);
                     break;
                 }
                 Err(e) => {
@@ -87,8 +91,28 @@ pub async fn serve_and_register(agent: Arc<Agent>, shutdown: CancellationToken) 
                 }
             }
         }
+        // Ready only while the kubelet watches the devices: registered alone, it may advertise
+        // none of them.
+        let mut unwatched = Some(std::time::Instant::now());
+        let mut watchers = agent.watchers.subscribe();
         loop {
-            tokio::time::sleep(Duration::from_millis(500)).await;
+            if *watchers.borrow_and_update() > 0 {
+                if unwatched.take().is_some() {
+                    info!("the kubelet watches the devices (ListAndWatch)");
+                }
+                agent.kubelet_registered.store(true, Ordering::Release);
+            } else {
+                agent.kubelet_registered.store(false, Ordering::Release);
+                let since = *unwatched.get_or_insert_with(std::time::Instant::now);
+                if since.elapsed() >= WATCH_WAIT {
+                    warn!(
+                        "the kubelet is not watching the devices (no ListAndWatch for {WATCH_WAIT:?}): it advertises none; \
+                         registering again (kubelets before 1.26 cannot reach this plugin: they send the socket path as :authority)"
+                    );
+                    break;
+                }
+            }
+            let _ = tokio::time::timeout(Duration::from_millis(500), watchers.changed()).await;
             let mine = inode(&sock);
             let kubelet = inode(&kubelet_sock);
             if mine != my_inode {

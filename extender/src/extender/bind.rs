@@ -122,6 +122,9 @@ async fn release(app: &App, uid: &str, why: &str) {
 
 async fn do_bind(app: &App, a: &BindingArgs) -> Result<(), String> {
     let t0 = Instant::now();
+    // Counted by filter and prioritize from now on, as the scheduler's next pod is.
+    let early =
+        (app.replica.as_ref()).and_then(|rep| rep.in_flight.assume_seen(&a.pod_uid, &a.node));
     let kube = app
         .kube
         .clone()
@@ -147,6 +150,9 @@ async fn do_bind(app: &App, a: &BindingArgs) -> Result<(), String> {
     let reserved = match req {
         None => None,
         Some(req) => {
+            let assumed = early.or_else(|| {
+                (app.replica.as_ref()).map(|rep| rep.in_flight.assume(&uid, &a.node, req.clone()))
+            });
             let rr = api::ReserveRequest {
                 request: Some(req),
                 node: a.node.clone(),
@@ -162,6 +168,9 @@ async fn do_bind(app: &App, a: &BindingArgs) -> Result<(), String> {
                 .map_err(|s| format!("reserving GPUs on {}: {}", a.node, s.message()))?;
             if let Some(rep) = &app.replica {
                 rep.note_write(r.seq);
+            }
+            if let Some(x) = assumed {
+                x.landed(r.seq);
             }
             let span = Span::current();
             let ids: Vec<u64> = r.allocations.iter().map(|x| x.id).collect();

@@ -89,7 +89,9 @@ pub(super) async fn filter(State(app): State<App>, body: Bytes) -> Response {
         Some(r) => {
             r.read("filter", |l, d| match d.request(req.clone()) {
                 Ok(pr) => {
-                    let f = parallel::filter_nodes(l, &names, &pr);
+                    r.in_flight.saw(&req);
+                    let mut f = parallel::filter_nodes(l, &names, &pr);
+                    r.in_flight.filter(l, d, &pr, &mut f);
                     // A node the replica does not know yet may be registered by now: ask.
                     (f.unregistered == 0).then(|| Ok((f, l.seq())))
                 }
@@ -135,7 +137,7 @@ pub(super) async fn filter(State(app): State<App>, body: Bytes) -> Response {
                 ms = t0.elapsed().as_secs_f64() * 1e3,
                 "filter"
             );
-            out.failed_nodes = f.wait.into_iter().collect();
+            out.failed_nodes = f.wait.into_iter().chain(f.never.clone()).collect();
             out.failed_and_unresolvable_nodes = f.never.into_iter().collect();
             answer_nodes(full, f.fits, &mut out);
         }
@@ -158,5 +160,6 @@ fn unresolvable_everywhere(names: &[String], why: &str, out: &mut FilterResult) 
     for n in names {
         out.failed_and_unresolvable_nodes
             .insert(n.clone(), why.to_string());
+        out.failed_nodes.insert(n.clone(), why.to_string());
     }
 }

@@ -76,7 +76,7 @@ pub(super) async fn preempt(State(app): State<App>, body: Bytes) -> Response {
         }
         Err(s) => (
             StatusCode::SERVICE_UNAVAILABLE,
-            axum::Json(json!({"Error": s.message()})),
+            axum::Json(json!({"Error": crate::scheduler_text::without_percent(s.message())})),
         )
             .into_response(),
     }

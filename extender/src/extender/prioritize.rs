@@ -42,17 +42,21 @@ pub(super) async fn prioritize(State(app): State<App>, body: Bytes) -> Response 
         Some(r) => {
             r.read("prioritize", |l, d| match d.request(req.clone()) {
                 // A node the replica does not know yet may be registered by now: ask.
-                Ok(pr) => names
-                    .iter()
-                    .zip(parallel::score_nodes(l, &names, &pr))
-                    .map(|(n, s)| {
-                        Some(HostPriority {
-                            host: Cow::Borrowed(n.as_ref()),
-                            score: i64::from(s?.min(10)),
+                Ok(pr) => {
+                    let mut scores = parallel::score_nodes(l, &names, &pr);
+                    r.in_flight.scores(l, d, &pr, &names, &mut scores);
+                    names
+                        .iter()
+                        .zip(scores)
+                        .map(|(n, s)| {
+                            Some(HostPriority {
+                                host: Cow::Borrowed(n.as_ref()),
+                                score: i64::from(s?.min(10)),
+                            })
                         })
-                    })
-                    .collect::<Option<Vec<_>>>()
-                    .map(Ok),
+                        .collect::<Option<Vec<_>>>()
+                        .map(Ok)
+                }
                 Err(why) => Some(Err(why)),
             })
             .await
@@ -90,7 +94,7 @@ pub(super) async fn prioritize(State(app): State<App>, body: Bytes) -> Response 
             warn!(error = %s.message(), "prioritize failed");
             (
                 StatusCode::SERVICE_UNAVAILABLE,
-                axum::Json(json!({"Error": s.message()})),
+                axum::Json(json!({"Error": crate::scheduler_text::without_percent(s.message())})),
             )
                 .into_response()
         }

@@ -4,6 +4,8 @@
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 
+use crate::scheduler_text;
+
 use k8s_openapi::api::core::v1::Pod;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -69,11 +71,16 @@ pub struct FilterResult {
     /// Feasible node names, when the request carried names.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub node_names: Option<Vec<String>>,
-    /// Node → why the pod does not fit now.
+    /// Node → why the pod does not fit, for every node it does not fit on: kube-scheduler 1.20
+    /// reads only this map.
+    #[serde(serialize_with = "scheduler_text::reasons")]
     pub failed_nodes: BTreeMap<String, String>,
-    /// Node → why the pod can never fit (preemption will not help).
+    /// Node → why the pod can never fit (preemption will not help). Newer schedulers read it
+    /// too, and let it win for a node that is in both maps.
+    #[serde(serialize_with = "scheduler_text::reasons")]
     pub failed_and_unresolvable_nodes: BTreeMap<String, String>,
     /// Set when the extender could not decide.
+    #[serde(serialize_with = "scheduler_text::text")]
     pub error: String,
 }
 
@@ -107,6 +114,7 @@ pub struct BindingArgs {
 #[serde(rename_all = "PascalCase")]
 pub struct BindingResult {
     /// Empty on success.
+    #[serde(serialize_with = "scheduler_text::text")]
     pub error: String,
 }
 
