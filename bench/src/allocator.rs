@@ -8,7 +8,11 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use etcd_client::{Client, Compare, CompareOp, Txn, TxnOp};
 use gpuledger_proto::allocator::v1 as api;
-use gpuledger_testkit::allocators::client;
+use gpuledger_auth::identity::Role;
+use gpuledger_proto::allocator::v1::allocator_client::AllocatorClient;
+use gpuledger_testkit::allocators;
+use gpuledger_testkit::pki::{Identities, Pki};
+use tonic::service::interceptor::InterceptedService;
 use gpuledger_testkit::workload::{inventory, pod};
 use gpuledger_testkit::{Allocators, EtcdCluster, Proc, bin_path, free_port};
 use hdrhistogram::Histogram;
@@ -61,14 +65,14 @@ pub struct Args {
 }
 
 async fn raw_etcd(
-    endpoints: &[String],
+    etcd: &EtcdCluster,
     tag: &str,
     clients: usize,
     dur: Duration,
 ) -> Result<(f64, Histogram<u64>)> {
     let mut conns = Vec::new();
     for _ in 0..4 {
-        conns.push(Client::connect(endpoints, None).await?);
+        conns.push(etcd.client().await?);
     }
     let hist = Arc::new(Mutex::new(histogram()));
     let deadline = Instant::now() + dur;
@@ -110,7 +114,42 @@ async fn raw_etcd(
     Ok((total as f64 / started.elapsed().as_secs_f64(), h))
 }
 
-async fn register(addr: &str, nodes: usize, prefix: &str) -> Result<()> {
+/// How the bench reaches one allocator: over TLS with the run's credentials, or in plain text
+/// (a `--baseline-allocator` built before the API was authenticated).
+#[derive(Clone)]
+struct Target {
+    addr: String,
+    ids: Option<Identities>,
+}
+
+impl Target {
+    /// Replica `i` of `allocs`, with its run's credentials.
+    fn of(allocs: &Allocators, i: usize) -> Self {
+        Target {
+            addr: allocs.addrs[i].clone(),
+            ids: Some(allocs.ids.clone()),
+        }
+    }
+
+    /// A client calling as `role`.
+    fn client(&self, role: &Role) -> Result<allocators::Client> {
+        match &self.ids {
+            Some(ids) => allocators::connect(&self.addr, &ids.credentials(role)?),
+            None => {
+                let ch = tonic::transport::Endpoint::from_shared(format!("http://{}", self.addr))?
+                    .tcp_nodelay(true)
+                    .connect_lazy();
+                Ok(AllocatorClient::new(InterceptedService::new(
+                    ch,
+                    gpuledger_auth::client::Bearer::default(),
+                )))
+            }
+        }
+    }
+}
+
+/// Register `nodes` nodes named `<prefix>NNNNN`, as an operator (admin) would.
+async fn register(t: &Target, nodes: usize, prefix: &str) -> Result<()> {
     let names: Vec<String> = (0..nodes).map(|i| format!("{prefix}{i:05}")).collect();
     let chunks: Vec<Vec<String>> = names
         .chunks(nodes.div_ceil(32).max(1))
@@ -118,7 +157,7 @@ async fn register(addr: &str, nodes: usize, prefix: &str) -> Result<()> {
         .collect();
     let mut tasks = Vec::new();
     for chunk in chunks {
-        let mut c = client(addr)?;
+        let mut c = t.client(&Role::Admin)?;
         tasks.push(tokio::spawn(async move {
             for n in chunk {
                 c.register_node(api::RegisterNodeRequest {
@@ -146,7 +185,7 @@ async fn log_batches(kv: &mut Client) -> Result<i64> {
 
 /// Reserve from `clients` tasks until `dur` passes or `limit` reservations are made.
 async fn reserve_load(
-    addr: &str,
+    t: &Target,
     clients: usize,
     dur: Duration,
     limit: usize,
@@ -154,7 +193,9 @@ async fn reserve_load(
     prefix: &str,
     tag: &str,
 ) -> Result<(f64, Histogram<u64>, usize)> {
-    let channels: Vec<_> = (0..8).map(|_| client(addr)).collect::<Result<_>>()?;
+    let channels: Vec<_> = (0..8)
+        .map(|_| t.client(&Role::Extender))
+        .collect::<Result<_>>()?;
     let hist = Arc::new(Mutex::new(histogram()));
     let count = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let deadline = Instant::now() + dur;
@@ -201,13 +242,15 @@ async fn reserve_load(
 /// the earlier ones were answered; latency counts from the scheduled time (no coordinated
 /// omission). Returns the latencies and how many were made.
 async fn reserve_at_rate(
-    addr: &str,
+    t: &Target,
     rate: u32,
     dur: Duration,
     nodes: usize,
     tag: &str,
 ) -> Result<(Histogram<u64>, usize)> {
-    let channels: Vec<_> = (0..8).map(|_| client(addr)).collect::<Result<_>>()?;
+    let channels: Vec<_> = (0..8)
+        .map(|_| t.client(&Role::Extender))
+        .collect::<Result<_>>()?;
     let every = Duration::from_secs(1) / rate.max(1);
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
@@ -258,22 +301,41 @@ fn cpu_seconds(pid: u32) -> f64 {
 /// One allocator replica started from a given binary.
 struct Replica {
     proc: Proc,
-    addr: String,
+    target: Target,
     http: String,
 }
 
 impl Replica {
-    /// Start `bin` as the single replica of `cluster` (the flags `Allocators` gives).
-    fn start(dir: &Path, bin: &Path, etcd: &str, cluster: &str, name: &str) -> Result<Replica> {
+    /// Start `bin` as the single replica of `cluster` on `etcd` (the flags `Allocators` gives:
+    /// TLS and client certificates of `ids`, unless the binary predates them).
+    fn start(
+        dir: &Path,
+        bin: &Path,
+        etcd: &EtcdCluster,
+        ids: &Identities,
+        cluster: &str,
+        name: &str,
+    ) -> Result<Replica> {
         let addr = format!("127.0.0.1:{}", free_port()?);
         let http = format!("127.0.0.1:{}", free_port()?);
-        let args = vec![
+        let mut args = vec![
             format!("--http-listen={http}"),
-            format!("--etcd-endpoints={etcd}"),
+            format!("--etcd-endpoints={}", etcd.endpoints_flag()),
             format!("--cluster={cluster}"),
             format!("--listen={addr}"),
             format!("--replica={name}"),
         ];
+        args.extend(etcd.tls_flags());
+        let authenticated = speaks_tls(bin)?;
+        if authenticated {
+            let (cert, key) = ids.pki.server("allocator")?;
+            args.extend([
+                format!("--tls-cert={}", cert.display()),
+                format!("--tls-key={}", key.display()),
+                format!("--client-ca={}", ids.pki.ca_file().display()),
+            ]);
+            args.extend(ids.flags(&Role::Allocator)?);
+        }
         let proc = Proc::spawn(
             dir,
             name,
@@ -281,13 +343,17 @@ impl Replica {
             args,
             vec![("GPULEDGER_LOG".into(), "info".into())],
         )?;
-        Ok(Replica { proc, addr, http })
+        let target = Target {
+            addr,
+            ids: authenticated.then(|| ids.clone()),
+        };
+        Ok(Replica { proc, target, http })
     }
 
     /// Wait until the replica leads and is ready.
     async fn wait_ready(&self, timeout: Duration) -> Result<()> {
         let deadline = Instant::now() + timeout;
-        let mut c = client(&self.addr)?;
+        let mut c = self.target.client(&Role::Viewer)?;
         while Instant::now() < deadline {
             if let Ok(Ok(s)) =
                 tokio::time::timeout(Duration::from_millis(500), c.status(api::StatusRequest {}))
@@ -306,6 +372,16 @@ impl Replica {
             self.proc.log_tail(15)
         )
     }
+}
+
+/// Whether the allocator binary `bin` serves its API over TLS (every build since the API was
+/// authenticated; a baseline built before speaks plain gRPC).
+fn speaks_tls(bin: &Path) -> Result<bool> {
+    let out = std::process::Command::new(bin)
+        .arg("--help")
+        .output()
+        .with_context(|| format!("running {} --help", bin.display()))?;
+    Ok(String::from_utf8_lossy(&out.stdout).contains("--tls-cert"))
 }
 
 /// What one allocator did in the /ui phase, all rounds together.
@@ -342,12 +418,12 @@ async fn ui_phase(a: &Args, dir: &Path, etcd: &EtcdCluster) -> Result<Vec<UiResu
             None => "this build only (no --baseline-allocator)".to_string(),
         }
     ));
-    let flag = etcd.endpoints_flag();
-    let seed = Replica::start(dir, &this, &flag, "ui", "ui-seed")?;
+    let ids = Identities::certs(Pki::new(&dir.join("ui-pki"))?);
+    let seed = Replica::start(dir, &this, etcd, &ids, "ui", "ui-seed")?;
     seed.wait_ready(Duration::from_secs(30)).await?;
-    register(&seed.addr, a.ui_nodes, "ui").await?;
+    register(&seed.target, a.ui_nodes, "ui").await?;
     reserve_load(
-        &seed.addr,
+        &seed.target,
         a.clients,
         Duration::from_secs(600),
         a.ui_allocs,
@@ -377,7 +453,7 @@ async fn ui_phase(a: &Args, dir: &Path, etcd: &EtcdCluster) -> Result<Vec<UiResu
         };
         for i in order {
             let (name, bin) = &cands[i];
-            let rep = Replica::start(dir, bin, &flag, "ui", &format!("ui-{i}-{round}"))?;
+            let rep = Replica::start(dir, bin, etcd, &ids, "ui", &format!("ui-{i}-{round}"))?;
             rep.wait_ready(Duration::from_secs(60)).await?;
             let stop = Arc::new(AtomicBool::new(false));
             let polls = Arc::new(AtomicUsize::new(0));
@@ -399,7 +475,7 @@ async fn ui_phase(a: &Args, dir: &Path, etcd: &EtcdCluster) -> Result<Vec<UiResu
             tokio::time::sleep(Duration::from_secs(1)).await;
             let t = Instant::now();
             let (h, made) = reserve_at_rate(
-                &rep.addr,
+                &rep.target,
                 a.ui_rate,
                 Duration::from_secs(a.ui_seconds),
                 a.ui_nodes,
@@ -411,7 +487,7 @@ async fn ui_phase(a: &Args, dir: &Path, etcd: &EtcdCluster) -> Result<Vec<UiResu
             let _ = poller.await;
             tokio::time::sleep(Duration::from_secs(1)).await;
             let (quiet, _) = reserve_at_rate(
-                &rep.addr,
+                &rep.target,
                 a.ui_rate,
                 Duration::from_secs(a.ui_seconds),
                 a.ui_nodes,
@@ -472,7 +548,6 @@ pub async fn run(a: Args) -> Result<()> {
     let dir = run_dir("allocator")?;
     title("starting a 3-member etcd");
     let etcd = EtcdCluster::start_in(&dir.path().join("etcd"), 3).await?;
-    let endpoints = etcd.endpoints();
     let dur = Duration::from_secs(a.seconds);
 
     title(&format!(
@@ -487,9 +562,9 @@ pub async fn run(a: Args) -> Result<()> {
         .collect();
     let raw_cpu = || raw_pids.iter().map(|p| cpu_seconds(*p)).sum::<f64>();
     let (cpu0, t0) = (raw_cpu(), Instant::now());
-    let (raw, raw_h) = raw_etcd(&endpoints, "many", a.clients, dur).await?;
+    let (raw, raw_h) = raw_etcd(&etcd, "many", a.clients, dur).await?;
     let raw_cpu_per_txn = (raw_cpu() - cpu0) / (raw * t0.elapsed().as_secs_f64()).max(1.0);
-    let (raw1, raw1_h) = raw_etcd(&endpoints, "one", 1, Duration::from_secs(3)).await?;
+    let (raw1, raw1_h) = raw_etcd(&etcd, "one", 1, Duration::from_secs(3)).await?;
 
     title(&format!(
         "gpuledger: 1 allocator replica, {} nodes x 8 GPUs, commit linger {} µs",
@@ -498,14 +573,14 @@ pub async fn run(a: Args) -> Result<()> {
     let linger = format!("--commit-linger-us={}", a.commit_linger_us);
     let allocs = Allocators::start(
         dir.path(),
-        &etcd.endpoints_flag(),
+        &etcd,
         1,
         "bench",
         &[linger.as_str()],
     )?;
     allocs.wait_leader(Duration::from_secs(30)).await?;
-    let addr = allocs.addrs[0].clone();
-    register(&addr, a.nodes, "node").await?;
+    let target = Target::of(&allocs, 0);
+    register(&target, a.nodes, "node").await?;
     let pids: Vec<(String, u32)> =
         std::iter::once(("allocator".to_string(), allocs.procs[0].pid()))
             .chain(
@@ -517,14 +592,14 @@ pub async fn run(a: Args) -> Result<()> {
             )))
             .filter_map(|(n, p)| p.map(|p| (n, p)))
             .collect();
-    let mut kv = Client::connect(&endpoints, None).await?;
+    let mut kv = etcd.client().await?;
     let log_before = (
         log_batches(&mut kv).await?,
         allocs.status(0).await.map_or(0, |s| s.seq),
     );
     let cpu_before: Vec<f64> = pids.iter().map(|(_, p)| cpu_seconds(*p)).collect();
     let (rps, h, made) =
-        reserve_load(&addr, a.clients, dur, usize::MAX, a.nodes, "node", "load").await?;
+        reserve_load(&target, a.clients, dur, usize::MAX, a.nodes, "node", "load").await?;
     let log_after = (
         log_batches(&mut kv).await?,
         allocs.status(0).await.map_or(0, |s| s.seq),
@@ -535,7 +610,7 @@ pub async fn run(a: Args) -> Result<()> {
         .map(|((n, p), b)| (n.clone(), cpu_seconds(*p) - b))
         .collect();
     let (rps1, h1, _) = reserve_load(
-        &addr,
+        &target,
         1,
         Duration::from_secs(3),
         usize::MAX,
@@ -606,9 +681,9 @@ pub async fn run(a: Args) -> Result<()> {
             "memory: fresh ledger with {} nodes x 8 GPUs and {} live allocations",
             a.rss_nodes, a.rss_allocs
         ));
-        let big = Allocators::start(dir.path(), &etcd.endpoints_flag(), 1, "rss", &[])?;
+        let big = Allocators::start(dir.path(), &etcd, 1, "rss", &[])?;
         big.wait_leader(Duration::from_secs(30)).await?;
-        let baddr = big.addrs[0].clone();
+        let baddr = Target::of(&big, 0);
         let t = Instant::now();
         register(&baddr, a.rss_nodes, "big").await?;
         let (_, _, made) = reserve_load(

@@ -132,7 +132,7 @@ pub async fn run(a: Args) -> Result<()> {
     let etcd = EtcdCluster::start_in(&dir.path().join("etcd"), 3).await?;
     let allocs = Allocators::start(
         &dir.path().join("alloc"),
-        &etcd.endpoints_flag(),
+        &etcd,
         1,
         "bench",
         &["--no-kube"],
@@ -157,7 +157,7 @@ pub async fn run(a: Args) -> Result<()> {
     kubelet
         .wait_devices(Duration::from_secs(10), |d| d.len() == want)
         .await?;
-    let mut c = allocs.client(0)?;
+    let mut c = allocs.viewer(0)?;
     let deadline = Instant::now() + Duration::from_secs(20);
     while c
         .dump(api::DumpRequest {})

@@ -108,7 +108,7 @@ impl E2e {
                     &cp.pki,
                     &cp.server,
                     &client,
-                    &gl.allocs.addrs,
+                    &gl.allocs,
                     REAL_NODE,
                     build,
                     o.real_node_gpus,
@@ -160,7 +160,7 @@ impl E2e {
 
     /// Add kubelet-less GPU nodes.
     pub async fn add_nodes(&self, names: &[String], shape: &NodeShape) -> Result<()> {
-        crate::nodes::add(&self.client, &self.gl.allocs.addrs[0], names, shape).await
+        crate::nodes::add(&self.client, &self.gl.allocs, names, shape).await
     }
 
     /// The run directory (every process's log is `<name>.log` there).

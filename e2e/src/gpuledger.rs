@@ -5,6 +5,7 @@
 use std::path::Path;
 use std::time::Duration;
 
+use gpuledger_auth::identity::Role;
 use anyhow::Result;
 use gpuledger_testkit::kube::stack::wait_http;
 use gpuledger_testkit::{Allocators, EtcdCluster, Proc, bin_path, free_port};
@@ -51,13 +52,7 @@ impl Gpuledger {
         let kc = pki.kubeconfig(server, &Identity::ServiceAccount(ALLOCATOR_SA.into()))?;
         let flags = [format!("--kubeconfig={}", kc.display())];
         let refs: Vec<&str> = flags.iter().map(String::as_str).collect();
-        let allocs = Allocators::start(
-            dir,
-            &etcd.endpoints_flag(),
-            allocators.max(1),
-            CLUSTER,
-            &refs,
-        )?;
+        let allocs = Allocators::start(dir, &etcd, allocators.max(1), CLUSTER, &refs)?;
         allocs.wait_leader(Duration::from_secs(30)).await?;
         let port = free_port()?;
         let kc = pki.kubeconfig(server, &Identity::ServiceAccount(EXTENDER_SA.into()))?;
@@ -69,6 +64,7 @@ impl Gpuledger {
             format!("--tls-cert={}", pki.webhook.cert.display()),
             format!("--tls-key={}", pki.webhook.key.display()),
         ];
+        args.extend(allocs.ids.flags(&Role::Extender)?);
         args.extend(extra.iter().cloned());
         let extender = Proc::spawn(
             dir,
@@ -122,11 +118,13 @@ pub fn counter(metrics: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
         .sum()
 }
 
-/// `gpuledger verify` against the allocator replicas at `addrs`: its output, or why it failed.
-pub fn verify(addrs: &[String]) -> Result<String> {
+/// `gpuledger verify`, as a viewer of `allocs`, against the replicas at `addrs`: its output,
+/// or why it failed.
+pub fn verify(allocs: &Allocators, addrs: &[String]) -> Result<String> {
     let out = std::process::Command::new(bin_path("gpuledger")?)
         .arg("verify")
         .arg(format!("--allocator={}", addrs.join(",")))
+        .args(allocs.ids.flags(&Role::Viewer)?)
         .output()?;
     let text = format!(
         "{}{}",

@@ -9,6 +9,7 @@ use gpuledger_proto::ledger::v1 as pb;
 use tonic::{Code, Status};
 
 use crate::Allocators;
+use crate::allocators::Client;
 
 /// An inventory of `gpus` identical GPUs of `mem_mib` on node `name`.
 pub fn inventory(name: &str, gpus: u32, mem_mib: u64, model: &str) -> pb::NodeInventory {
@@ -66,16 +67,26 @@ pub async fn reserve_retry(
     req: api::ReserveRequest,
     deadline: Instant,
 ) -> Result<(api::ReserveResponse, u32), Status> {
+    let clients = (0..allocs.addrs.len())
+        .map(|i| allocs.extender(i))
+        .collect::<anyhow::Result<Vec<_>>>()
+        .map_err(|e| Status::unavailable(e.to_string()))?;
+    reserve_retry_via(&clients, start, req, deadline).await
+}
+
+/// [`reserve_retry`] through `clients`, one per replica (connected once, reused).
+pub async fn reserve_retry_via(
+    clients: &[Client],
+    start: usize,
+    req: api::ReserveRequest,
+    deadline: Instant,
+) -> Result<(api::ReserveResponse, u32), Status> {
     let attempts = AtomicU32::new(0);
     let attempt = || {
         let n = attempts.fetch_add(1, Ordering::Relaxed) as usize;
-        let i = (start + n) % allocs.addrs.len();
+        let mut c = clients[(start + n) % clients.len()].clone();
         let req = req.clone();
-        let c = allocs.extender(i);
-        async move {
-            let mut c = c.map_err(|e| Status::unavailable(e.to_string()))?;
-            c.reserve(req).await.map(tonic::Response::into_inner)
-        }
+        async move { c.reserve(req).await.map(tonic::Response::into_inner) }
     };
     let every_20ms = ConstantBuilder::default()
         .with_delay(Duration::from_millis(20))

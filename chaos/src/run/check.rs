@@ -63,7 +63,7 @@ pub(super) async fn verdict(c: &mut LocalCluster, a: &RunArgs) -> Result<Verdict
     for i in 0..c.allocs.addrs.len() {
         let d = c
             .allocs
-            .client(i)?
+            .viewer(i)?
             .dump(api::DumpRequest {})
             .await
             .with_context(|| format!("Dump of alloc{i}"))?
