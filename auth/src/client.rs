@@ -102,7 +102,7 @@ pub struct CredentialArgs {
         env = "GPULEDGER_CLIENT_CERT",
         requires = "client_key"
     )]
-    pub cert: Option<PathBuf>,
+    pub client_cert: Option<PathBuf>,
     /// PEM private key of --client-cert.
     #[arg(
         long = "client-key",
@@ -145,7 +145,7 @@ impl Credentials {
     /// Load what `args` names.
     pub fn load(args: &CredentialArgs) -> Result<Self, CredentialError> {
         let ca = args.ca.as_deref().ok_or(CredentialError::NoCa)?;
-        let identity = args.cert.as_deref().zip(args.client_key.as_deref());
+        let identity = args.client_cert.as_deref().zip(args.client_key.as_deref());
         if identity.is_none() && args.token_file.is_none() {
             return Err(CredentialError::NoIdentity);
         }

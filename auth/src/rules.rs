@@ -225,7 +225,12 @@ pub fn authorize(
     let Some(r) = rule_for(&caller.role, call) else {
         return Err(Denied {
             rule: "no-rule",
-            why: format!("a {} may not call {}", caller.role.kind(), call.name()),
+            why: format!(
+                "{} {} may not call {}",
+                if caller.role.kind().starts_with(['a', 'e', 'i', 'o', 'u']) { "an" } else { "a" },
+                caller.role.kind(),
+                call.name()
+            ),
         });
     };
     let deny = |why: String| Err(Denied { rule: r.name, why });

@@ -9,6 +9,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use gpuledger_auth::identity::Role;
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -189,6 +190,7 @@ async fn drive(c: &mut LocalCluster, a: &DemoArgs, t0: Instant) -> Result<()> {
             let leader = c.allocs.wait_leader(Duration::from_secs(30)).await?;
             let out = tokio::process::Command::new(&ctl)
                 .args(["inspect", &alloc_flag])
+                .args(c.ids.flags(&Role::Viewer)?)
                 .output()
                 .await
                 .context("running gpuledger inspect")?;
@@ -367,6 +369,7 @@ async fn drive(c: &mut LocalCluster, a: &DemoArgs, t0: Instant) -> Result<()> {
     println!("\n== gpuledger verify");
     let out = tokio::process::Command::new(&ctl)
         .args(["verify", &alloc_flag])
+        .args(c.ids.flags(&Role::Viewer)?)
         .output()
         .await
         .context("running gpuledger verify")?;
@@ -384,6 +387,14 @@ async fn drive(c: &mut LocalCluster, a: &DemoArgs, t0: Instant) -> Result<()> {
                 left.to_string()
             }
         ));
+    }
+
+    println!("\n== forged calls (every call carries a verified identity; one table decides)");
+    for line in forged_calls(c).await? {
+        if line.starts_with("ACCEPTED") {
+            problems.push(format!("a forged call was accepted: {line}"));
+        }
+        println!("  {line}");
     }
 
     println!("\n== node agents vs ledger (agent /metrics vs the ledger's Dump, per node)");
@@ -540,4 +551,62 @@ async fn kill_agent(c: &mut LocalCluster, bar: &ProgressBar) -> Result<(Failover
         },
         check,
     ))
+}
+
+/// Calls a tenant who stole one component's credentials would try, each against the leader:
+/// every one must be refused, and the refusal says which rule refused it.
+async fn forged_calls(c: &LocalCluster) -> Result<Vec<String>> {
+    use gpuledger_proto::allocator::v1 as api;
+    let leader = c.allocs.wait_leader(Duration::from_secs(30)).await?;
+    let nodes: Vec<String> = c.nodes.iter().map(|n| n.name.clone()).collect();
+    let (own, other) = match nodes.as_slice() {
+        [a, b, ..] => (a.clone(), b.clone()),
+        _ => return Ok(vec!["(fewer than two nodes: skipped)".into()]),
+    };
+    let mut out = Vec::new();
+    let mut say = |what: &str, r: Result<(), tonic::Status>| {
+        out.push(match r {
+            Ok(()) => format!("ACCEPTED: {what}"),
+            Err(s) => format!("refused ({:?}): {what}: {}", s.code(), s.message()),
+        });
+    };
+    let mut agent = c.allocs.node_agent(leader, &own)?;
+    let r = agent
+        .set_device_health(api::SetDeviceHealthRequest {
+            node: other.clone(),
+            gpu_uuid: "GPU-forged".into(),
+            healthy: false,
+            reason: "forged".into(),
+            xid: 79,
+        })
+        .await
+        .map(|_| ());
+    say(&format!("the node agent of {own} marks a GPU of {other} unhealthy"), r);
+    let r = agent
+        .subscribe(api::SubscribeRequest {
+            node: other.clone(),
+            from_seq: 0,
+        })
+        .await
+        .map(|_| ());
+    say(&format!("the node agent of {own} follows {other}'s allocations"), r);
+    let mut viewer = c.allocs.viewer(leader)?;
+    let r = viewer
+        .release(api::ReleaseRequest {
+            pod_uid: "any".into(),
+            ..Default::default()
+        })
+        .await
+        .map(|_| ());
+    say("a viewer releases a pod's GPUs", r);
+    let mut ext = c.allocs.extender(leader)?;
+    let r = ext
+        .remove_node(api::RemoveNodeRequest {
+            node: other.clone(),
+            reason: "forged".into(),
+        })
+        .await
+        .map(|_| ());
+    say(&format!("the extender removes node {other}"), r);
+    Ok(out)
 }

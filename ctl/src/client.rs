@@ -76,7 +76,7 @@ impl Target {
     /// token and the cluster's CA.
     pub async fn credentials(&self) -> Result<Credentials> {
         let mut args = self.credentials.clone();
-        if (args.ca.is_none() || (args.token_file.is_none() && args.cert.is_none()))
+        if (args.ca.is_none() || (args.token_file.is_none() && args.client_cert.is_none()))
             && self.allocator.is_empty()
             && (discover::is_plugin() || self.kube.given())
         {

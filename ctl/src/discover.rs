@@ -277,7 +277,7 @@ pub async fn fill_credentials(
         std::fs::write(&path, pem)?;
         args.ca = Some(path);
     }
-    if args.token_file.is_none() && args.cert.is_none() {
+    if args.token_file.is_none() && args.client_cert.is_none() {
         let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), ns);
         let req = TokenRequest {
             spec: TokenRequestSpec {

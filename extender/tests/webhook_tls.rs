@@ -86,8 +86,9 @@ async fn stalled_handshakes_and_headers_and_large_bodies_are_cut_off() -> anyhow
     let creds = gpuledger_auth::Credentials::load(&gpuledger_auth::CredentialArgs {
         ca: Some(certs.cert_path()),
         token_file: None,
-        cert: Some(certs.cert_path()),
+        client_cert: Some(certs.cert_path()),
         client_key: Some(certs.key_path()),
+        server_name: None,
     })?;
     let app = webhook::router(webhook::Webhook {
         allocators: Allocators::new(

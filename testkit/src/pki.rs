@@ -142,7 +142,7 @@ impl Identities {
                 Ok(CredentialArgs {
                     ca,
                     token_file: None,
-                    cert: Some(cert),
+                    client_cert: Some(cert),
                     client_key: Some(key),
                     server_name: None,
                 })
@@ -176,7 +176,7 @@ impl Identities {
                 Ok(CredentialArgs {
                     ca,
                     token_file: Some(file),
-                    cert: None,
+                    client_cert: None,
                     client_key: None,
                     server_name: None,
                 })
@@ -200,7 +200,7 @@ pub fn credential_flags(c: &CredentialArgs) -> Vec<String> {
     };
     push("allocator-ca", &c.ca);
     push("token-file", &c.token_file);
-    push("client-cert", &c.cert);
+    push("client-cert", &c.client_cert);
     push("client-key", &c.client_key);
     f
 }

@@ -86,7 +86,8 @@ impl ExtenderClient {
                 let tls = gpuledger_auth::tls::client_config(
                     &t.ca,
                     Some((&t.cert, &t.key)),
-                    &[b"http/1.1"],
+                    // hyper-rustls offers the protocols it enables itself.
+                    &[],
                 )?;
                 hyper_rustls::HttpsConnectorBuilder::new()
                     .with_tls_config((*tls.current()).clone())
