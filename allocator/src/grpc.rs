@@ -1,4 +1,4 @@
-//! The gRPC server, built in this one place with the layers every RPC passes through: today a
+//! The gRPC server, built in this one place with the layers every RPC passes through: a
 //! `tracing` span per RPC that carries the ids that matter, and authentication (TLS, then the
 //! caller's certificate or token) in front of the service, which authorizes each call.
 //!
@@ -22,8 +22,9 @@ use tracing::{Level, Span, info_span, warn};
 
 use crate::service::Service;
 
-/// Largest request accepted (a node registration with many GPUs, a large filter).
-const MAX_REQUEST: usize = 64 * 1024 * 1024;
+/// Largest request accepted (a filter over tens of thousands of nodes; writes are held to far
+/// less by the service).
+const MAX_REQUEST: usize = 4 * 1024 * 1024;
 /// Largest answer sent (a dump of a large ledger).
 const MAX_ANSWER: usize = 256 * 1024 * 1024;
 

@@ -87,9 +87,13 @@ type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'stati
 
 impl<T> Ids for BoxStream<T> {}
 
+/// Largest write request: a node of 64 GPUs or a pod of 64 containers is a few KiB, and each
+/// write's events must fit one etcd transaction (1.5 MiB) with room to spare.
+const MAX_WRITE_BYTES: usize = 256 * 1024;
+
 /// Run an RPC's handler, if its caller may make `call`, with the ids of its request, then of
 /// its answer, in its span.
-async fn traced<Q: Ids + Touches, R: Ids, Fut>(
+async fn traced<Q: Ids + Touches + prost::Message, R: Ids, Fut>(
     svc: &Service,
     call: Call,
     req: Request<Q>,
@@ -101,6 +105,15 @@ where
     let span = Span::current();
     req.get_ref().record(&span);
     let caller = svc.authz.check(&req, call, &svc.shared).await?;
+    if call.writes() && req.get_ref().encoded_len() > MAX_WRITE_BYTES {
+        // A larger event could not fit one etcd transaction: refused here, it never reaches
+        // the sequencer (where a failed commit would end the leadership).
+        return Err(Status::invalid_argument(format!(
+            "{} request of {} bytes: writes are limited to {MAX_WRITE_BYTES} bytes",
+            call.name(),
+            req.get_ref().encoded_len()
+        )));
+    }
     span.record("caller", tracing::field::display(&caller));
     let answer = handler(req).await;
     if let Ok(a) = &answer {

@@ -70,6 +70,22 @@ impl Call {
         Call::HttpState,
     ];
 
+    /// Whether the call changes the ledger.
+    pub fn writes(self) -> bool {
+        matches!(
+            self,
+            Call::RegisterNode
+                | Call::RemoveNode
+                | Call::SetDeviceHealth
+                | Call::Reserve
+                | Call::ConfirmBound
+                | Call::Assign
+                | Call::CorrectIdentity
+                | Call::Release
+                | Call::ReportViolation
+        )
+    }
+
     /// The RPC's name as in the proto (and the gRPC path's last segment).
     pub fn name(self) -> &'static str {
         match self {

@@ -99,7 +99,7 @@ fn a_call_no_rule_allows_names_the_role_and_the_call() {
     )
     .unwrap_err();
     assert_eq!(e.rule, "no-rule");
-    assert_eq!(e.why, "a extender may not call RegisterNode");
+    assert_eq!(e.why, "an extender may not call RegisterNode");
     let e = authorize(
         &caller(Role::Viewer),
         Call::Release,
