@@ -25,7 +25,7 @@ const PODS_READY_WAIT: Duration = Duration::from_secs(5);
 pub struct Authz {
     /// Whether this replica has a Kubernetes API (its pod watch sets `pods`).
     kube: bool,
-    pods: OnceLock<Store<Pod>>,
+    pods: OnceLock<(Store<Pod>, kube::Client)>,
     scheduler_names: Vec<String>,
     denied: AtomicU64,
 }
@@ -42,9 +42,10 @@ impl Authz {
         }
     }
 
-    /// The pod watch's store, once it runs.
-    pub fn set_pods(&self, pods: Store<Pod>) {
-        let _ = self.pods.set(pods);
+    /// The pod watch's store, once it runs, and the client that reads a pod the watch has not
+    /// delivered yet.
+    pub fn set_pods(&self, pods: Store<Pod>, client: kube::Client) {
+        let _ = self.pods.set((pods, client));
     }
 
     /// Calls refused so far.
@@ -97,7 +98,7 @@ impl Authz {
         if !self.kube {
             return Ok(PodFacts::NoApiServer);
         }
-        let Some(store) = self.pods.get() else {
+        let Some((store, client)) = self.pods.get() else {
             return Err(Status::unavailable(
                 "the pod watch has not started yet: cannot check the pod; retry",
             ));
@@ -113,9 +114,27 @@ impl Authz {
         let Some(key) = pod else {
             return Ok(PodFacts::Missing);
         };
-        let found = store
+        let same = |p: &Pod| p.metadata.uid.as_deref() == Some(key.uid.as_str());
+        let cached = store
             .get(&ObjectRef::new(&key.name).within(&key.namespace))
-            .filter(|p| p.metadata.uid.as_deref() == Some(key.uid.as_str()));
+            .filter(|p| same(p))
+            .map(|p| (*p).clone());
+        let found = match cached {
+            Some(p) => Some(p),
+            // The scheduler may have seen the pod before this replica's watch did: ask.
+            None => {
+                let api: kube::Api<Pod> = kube::Api::namespaced(client.clone(), &key.namespace);
+                match api.get_opt(&key.name).await {
+                    Ok(p) => p.filter(same),
+                    Err(e) => {
+                        return Err(Status::unavailable(format!(
+                            "cannot read pod {}/{} from the API server: {e}",
+                            key.namespace, key.name
+                        )));
+                    }
+                }
+            }
+        };
         Ok(match found {
             None => PodFacts::Missing,
             Some(p) => {

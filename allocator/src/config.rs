@@ -146,6 +146,13 @@ pub struct Config {
     #[command(flatten)]
     pub peer: gpuledger_auth::CredentialArgs,
 
+    /// Serve the live GPU map (`/ui`) and its JSON (`/api/v1/state`, `/api/v1/events`) on
+    /// --http-listen. Off by default: they name every tenant's pods and that port has no
+    /// authentication; turn it on where only operators reach the port (`kubectl port-forward`
+    /// with a NetworkPolicy that admits nobody else).
+    #[arg(long, env = "GPULEDGER_HTTP_STATE_API")]
+    pub http_state_api: bool,
+
     /// The namespace of gpuledger's ServiceAccounts: a token's role is its account's name there.
     #[arg(long, env = "GPULEDGER_AUTH_NAMESPACE", default_value = "gpuledger-system")]
     pub auth_namespace: String,

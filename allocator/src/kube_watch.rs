@@ -402,7 +402,7 @@ async fn run(service: Service, client: kube::Client, args: KubeArgs) {
     let (pods, pod_writer) = reflector::store::<Pod>();
     let (nodes, node_writer) = reflector::store::<Node>();
     // The extender's writes are checked against the same pods.
-    service.authz().set_pods(pods.clone());
+    service.authz().set_pods(pods.clone(), client.clone());
     let w = Arc::new(Watch {
         service,
         pods_api: Api::all(client.clone()),

@@ -143,7 +143,7 @@ pub async fn run_until(cfg: Config, stop: CancellationToken) -> anyhow::Result<(
         stop.clone()
             .run_until_cancelled_owned(async move { views.maintain_views().await }),
     );
-    let router = crate::http::router(shared.clone());
+    let router = crate::http::router(shared.clone(), cfg.http_state_api);
     let http_stop = stop.clone();
     tasks.spawn(async move {
         let served = axum::serve(http, router)

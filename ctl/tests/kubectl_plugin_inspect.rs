@@ -133,8 +133,16 @@ async fn kubectl_gpuledger_inspect_equals_gpuledger_inspect() -> anyhow::Result<
     let viewer: Vec<&str> = viewer.iter().map(String::as_str).collect();
 
     // The cluster as kubectl sees it: the Service, one ready allocator pod whose container port
-    // named grpc is the real process's port, one pod that is not ready (never used), and the
-    // ConfigMap with the allocator's CA.
+    // named grpc is the real process's port, one pod that is not ready (never used), the
+    // ConfigMap with the allocator's CA and the viewers' ServiceAccount, as the install has them.
+    kube.store
+        .create(
+            "v1",
+            "serviceaccounts",
+            NAMESPACE,
+            json!({"metadata": {"name": "gpuledger-viewer", "namespace": NAMESPACE}}),
+        )
+        .map_err(|e| anyhow::anyhow!("{e:?}"))?;
     kube.store
         .create(
             "v1",

@@ -4,8 +4,11 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
+use gpuledger_proto::allocator::v1 as api;
+use gpuledger_testkit::allocators::Client;
 use gpuledger_testkit::kube::{ExtenderClient, KubeStack};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
@@ -33,6 +36,41 @@ pub fn read_json(p: &Path) -> Result<Value> {
 /// scheduler's client certificate).
 pub fn extender(stack: &KubeStack) -> Result<ExtenderClient> {
     ExtenderClient::new(stack.extender_config()?)
+}
+
+/// The stack's extender flag serving the webhook on `port` (with the extender's certificate).
+pub fn webhook_flag(port: u16) -> String {
+    format!("--webhook-listen=127.0.0.1:{port}")
+}
+
+/// A client of the stack's webhook on `port`, trusting the stack's CA as the API server
+/// trusts the webhook's caBundle.
+pub fn webhook_client(stack: &KubeStack, port: u16) -> Result<Https> {
+    let ca = stack.ids.pki.ca_file();
+    let pem = std::fs::read_to_string(ca).with_context(|| format!("reading {}", ca.display()))?;
+    Https::trusting(&pem, port)
+}
+
+/// Reserve as the extender, retrying for a few seconds while the allocator's pod watch has
+/// not yet seen a pod the test just created in the API server (the allocator admits the
+/// extender's Reserve only for a pod it has); every other answer is returned at once.
+pub async fn reserve_admitted(
+    c: &mut Client,
+    req: api::ReserveRequest,
+) -> std::result::Result<api::ReserveResponse, tonic::Status> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match c.reserve(req.clone()).await {
+            Err(s)
+                if s.code() == tonic::Code::PermissionDenied
+                    && s.message().contains("has no pod with this UID")
+                    && Instant::now() < deadline =>
+            {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            r => return r.map(tonic::Response::into_inner),
+        }
+    }
 }
 
 /// A self-signed certificate for 127.0.0.1/localhost in a temp dir.
