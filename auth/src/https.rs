@@ -82,7 +82,8 @@ pub async fn serve(
     let mut server = axum_server::Server::from_listener(listener)
         .acceptor(acceptor)
         .handle(handle.clone())
-        .http1_only()
+        // Protocol detection, not http1_only(): only it serves upgrades (the fake API
+        // server's port-forward websocket). ALPN offers what the caller configured.
         .first_request_timeout(limits.header_read)
         .accept_error_handler(move |peer, e| {
             warn!(?peer, listener = what, error = %e, "connection refused (TLS handshake or accept)");

@@ -22,10 +22,8 @@ fn run(bin: &Path, args: &[&str], env: &[(&str, &str)]) -> (bool, String, String
     c.args(args)
         .env_remove("GPULEDGER_ALLOCATOR")
         .env_remove("KUBECONFIG")
-        .env("HOME", "/nonexistent-home")
-        // The test CA's server certificates name the loopback addresses, not the Service's
-        // DNS name the plugin expects behind a port-forward.
-        .env("GPULEDGER_TLS_SERVER_NAME", "localhost");
+        .env_remove("GPULEDGER_TLS_SERVER_NAME")
+        .env("HOME", "/nonexistent-home");
     for (k, v) in env {
         c.env(k, v);
     }

@@ -68,10 +68,13 @@ impl Pki {
         Ok(files)
     }
 
-    /// A server certificate (and key) for every loopback address, under `name`.
+    /// A server certificate (and key) for every loopback address and the in-cluster Service
+    /// name `gpuledger-<name>.gpuledger-system.svc` (what the kubectl plugin expects through a
+    /// port-forward), under `name`.
     pub fn server(&self, name: &str) -> Result<(PathBuf, PathBuf)> {
         self.issue(name, |ca| {
-            let hosts = loopback_hosts();
+            let mut hosts = loopback_hosts();
+            hosts.push(format!("gpuledger-{name}.{NAMESPACE}.svc"));
             let refs: Vec<&str> = hosts.iter().map(String::as_str).collect();
             ca.server(&refs)
         })
