@@ -792,3 +792,93 @@ async fn writes_through_a_follower_are_judged_as_their_sender() -> anyhow::Resul
     );
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_and_absurd_requests_are_refused_and_the_leader_stays() -> anyhow::Result<()> {
+    let run = start(1).await?;
+    let before = run.mark().await?;
+    let st = |s: tonic::Status| (s.code(), s.message().to_string());
+
+    // Past the gRPC limit (4 MiB): refused while decoding, before the service runs.
+    let mut agent = run.allocs.node_agent(run.leader, A)?;
+    let mut huge = inventory(A, 2, 16_000, "T4");
+    huge.gpus[0].model = "x".repeat(5 << 20);
+    let r = agent
+        .register_node(api::RegisterNodeRequest {
+            inventory: Some(huge),
+        })
+        .await
+        .map_err(st);
+    assert!(
+        matches!(
+            &r,
+            Err((
+                Code::OutOfRange | Code::ResourceExhausted | Code::InvalidArgument,
+                _
+            ))
+        ),
+        "a 5 MiB registration: {r:?}"
+    );
+    // Under it but larger than one write may be: INVALID_ARGUMENT, never a batch.
+    let mut big = inventory(A, 2, 16_000, "T4");
+    big.gpus[0].model = "x".repeat(300 << 10);
+    let r = agent
+        .register_node(api::RegisterNodeRequest {
+            inventory: Some(big),
+        })
+        .await
+        .map_err(st);
+    assert!(
+        matches!(&r, Err((Code::InvalidArgument, m)) if m.contains("writes are limited")),
+        "a 300 KiB registration: {r:?}"
+    );
+
+    let mut ext = run.allocs.extender(run.leader)?;
+    let mut many = pod("many", 100, 0);
+    many.containers = (0..10_000)
+        .map(|i| api::ContainerRequest {
+            name: format!("c{i}"),
+            slices: 1,
+            mem_mib: 1,
+            mem_percent: 0,
+            core_milli: 0,
+        })
+        .collect();
+    let r = ext
+        .reserve(api::ReserveRequest {
+            request: Some(many),
+            node: A.into(),
+            ttl_ms: 0,
+        })
+        .await
+        .map_err(st);
+    assert!(
+        matches!(&r, Err((Code::InvalidArgument, _))),
+        "a 10,000-container pod: {r:?}"
+    );
+    let r = ext
+        .reserve(api::ReserveRequest {
+            request: Some(pod("forever", 100, 0)),
+            node: A.into(),
+            ttl_ms: u64::MAX,
+        })
+        .await
+        .map_err(st);
+    assert!(
+        matches!(&r, Err((Code::InvalidArgument, m)) if m.contains("ttl_ms")),
+        "a reservation that never expires: {r:?}"
+    );
+
+    run.unchanged(&before, "oversized and absurd requests")
+        .await?;
+    let still = run.allocs.wait_leader(Duration::from_secs(5)).await?;
+    assert_eq!(still, run.leader, "the leader stepped down");
+    // And it still writes.
+    ext.reserve(api::ReserveRequest {
+        request: Some(pod("fine", 100, 0)),
+        node: A.into(),
+        ttl_ms: 0,
+    })
+    .await?;
+    Ok(())
+}
