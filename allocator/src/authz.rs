@@ -85,6 +85,7 @@ impl Authz {
             Ok(_) => Ok(caller),
             Err(d) => {
                 self.denied.fetch_add(1, Ordering::Relaxed);
+                shared.metrics.denied(d.rule, caller.role.kind());
                 warn!(caller = %caller, call = call.name(), rule = d.rule, why = %d.why, "call denied");
                 Err(Status::permission_denied(format!(
                     "{caller} may not call {}: {d}",
