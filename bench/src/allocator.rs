@@ -7,16 +7,16 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use etcd_client::{Client, Compare, CompareOp, Txn, TxnOp};
-use gpuledger_proto::allocator::v1 as api;
 use gpuledger_auth::identity::Role;
+use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::allocator::v1::allocator_client::AllocatorClient;
 use gpuledger_testkit::allocators;
 use gpuledger_testkit::pki::{Identities, Pki};
-use tonic::service::interceptor::InterceptedService;
 use gpuledger_testkit::workload::{inventory, pod};
 use gpuledger_testkit::{Allocators, EtcdCluster, Proc, bin_path, free_port};
 use hdrhistogram::Histogram;
 use tokio::sync::Mutex;
+use tonic::service::interceptor::InterceptedService;
 
 use crate::common::{histogram, q_ms, record, rss_mib, run_dir, title};
 
@@ -58,8 +58,9 @@ pub struct Args {
     /// Rounds of the /ui phase per allocator, alternating (ABBA) with the baseline.
     #[arg(long, default_value_t = 2)]
     ui_rounds: usize,
-    /// An allocator binary to measure beside this build in the /ui phase, in the same run
-    /// (e.g. one built from an earlier commit; its flags must match this build's).
+    /// An allocator binary built from an earlier commit, measured beside this build in the same
+    /// run: in the /ui phase, and, when it predates authentication (no --tls-cert), in a phase
+    /// that measures what TLS and authentication cost.
     #[arg(long)]
     baseline_allocator: Option<PathBuf>,
 }
@@ -384,6 +385,75 @@ fn speaks_tls(bin: &Path) -> Result<bool> {
     Ok(String::from_utf8_lossy(&out.stdout).contains("--tls-cert"))
 }
 
+/// What authentication costs: reservations/s at --clients and the single-client latency of this
+/// build (TLS, every call authenticated and authorized) against `--baseline-allocator` built
+/// before the API was authenticated (plain gRPC), each measured twice alternately in this run.
+/// Returns ((rps, 1-client latencies) with, (the same) without).
+async fn auth_phase(
+    a: &Args,
+    dir: &Path,
+    etcd: &EtcdCluster,
+    baseline: &Path,
+) -> Result<((f64, Histogram<u64>), (f64, Histogram<u64>))> {
+    title(&format!(
+        "authentication: this build (TLS + identities) against {} (plain gRPC), alternating",
+        baseline.display()
+    ));
+    let this = bin_path("gpuledger-allocator")?;
+    let ids = Identities::certs(Pki::new(&dir.join("auth-pki"))?);
+    let mut res = [(0.0, histogram()), (0.0, histogram())];
+    for round in 0..4 {
+        let which = if round % 3 == 0 { 0 } else { 1 };
+        let bin = if which == 0 {
+            &this
+        } else {
+            &baseline.to_path_buf()
+        };
+        let cluster = format!("auth{round}");
+        let rep = Replica::start(dir, bin, etcd, &ids, &cluster, &format!("auth-{round}"))?;
+        rep.wait_ready(Duration::from_secs(60)).await?;
+        let prefix = format!("a{round}n");
+        register(&rep.target, 100, &prefix).await?;
+        let (rps, _, _) = reserve_load(
+            &rep.target,
+            a.clients,
+            Duration::from_secs(a.seconds),
+            usize::MAX,
+            100,
+            &prefix,
+            "auth",
+        )
+        .await?;
+        let (_, h1, _) = reserve_load(
+            &rep.target,
+            1,
+            Duration::from_secs(3),
+            usize::MAX,
+            100,
+            &prefix,
+            "auth1",
+        )
+        .await?;
+        println!(
+            "  {:<10} {:>9.0} reservations/s at {} clients; 1 client p50 {:.2} ms, p99 {:.2} ms",
+            if which == 0 { "with auth" } else { "without" },
+            rps,
+            a.clients,
+            q_ms(&h1, 0.5),
+            q_ms(&h1, 0.99)
+        );
+        res[which].0 += rps / 2.0;
+        res[which].1.add(&h1).ok();
+    }
+    let [with, without] = res;
+    println!(
+        "with/without authentication: {:.2}x reservations/s; 1-client p50 {:+.2} ms",
+        with.0 / without.0.max(1e-9),
+        q_ms(&with.1, 0.5) - q_ms(&without.1, 0.5)
+    );
+    Ok((with, without))
+}
+
 /// What one allocator did in the /ui phase, all rounds together.
 struct UiResult {
     name: String,
@@ -571,13 +641,7 @@ pub async fn run(a: Args) -> Result<()> {
         a.nodes, a.commit_linger_us
     ));
     let linger = format!("--commit-linger-us={}", a.commit_linger_us);
-    let allocs = Allocators::start(
-        dir.path(),
-        &etcd,
-        1,
-        "bench",
-        &[linger.as_str()],
-    )?;
+    let allocs = Allocators::start(dir.path(), &etcd, 1, "bench", &[linger.as_str()])?;
     allocs.wait_leader(Duration::from_secs(30)).await?;
     let target = Target::of(&allocs, 0);
     register(&target, a.nodes, "node").await?;
@@ -706,6 +770,18 @@ pub async fn run(a: Args) -> Result<()> {
             st.seq
         );
         rss_line = format!(" rss_mib={rss:.0}");
+    }
+    if let Some(base) = a
+        .baseline_allocator
+        .as_ref()
+        .filter(|b| !speaks_tls(b).unwrap_or(true))
+    {
+        let (with, without) = auth_phase(&a, dir.path(), &etcd, base).await?;
+        rss_line.push_str(&format!(
+            " auth_ratio={:.2} auth_p50_delta_ms={:.2}",
+            with.0 / without.0.max(1e-9),
+            q_ms(&with.1, 0.5) - q_ms(&without.1, 0.5)
+        ));
     }
     if a.ui_nodes > 0 {
         let ui = ui_phase(&a, dir.path(), &etcd).await?;
