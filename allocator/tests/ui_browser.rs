@@ -90,14 +90,14 @@ fn gpu_row<'a>(dom: &'a str, uuid: &str) -> Option<&'a str> {
 }
 
 async fn build_cluster(allocs: &Allocators) -> Result<u64> {
+    // Every node registers itself, as its node agent does; then the pods are reserved (a pod
+    // may go to any node, so all are registered first).
     let mut tasks = Vec::new();
     for w in 0..16 {
-        // Each node registers itself, as its node agent does.
         let agents = (w..NODES)
             .step_by(16)
             .map(|i| Ok((node(i), allocs.node_agent(0, &node(i))?)))
             .collect::<Result<Vec<_>>>()?;
-        let mut c = allocs.extender(0)?;
         tasks.push(tokio::spawn(async move {
             for (name, mut agent) in agents {
                 agent
@@ -106,6 +106,15 @@ async fn build_cluster(allocs: &Allocators) -> Result<u64> {
                     })
                     .await?;
             }
+            anyhow::Ok(())
+        }));
+    }
+    for t in tasks.drain(..) {
+        t.await??;
+    }
+    for w in 0..16 {
+        let mut c = allocs.extender(0)?;
+        tasks.push(tokio::spawn(async move {
             for k in (w..PODS).step_by(16) {
                 c.reserve(api::ReserveRequest {
                     request: Some(pod(&format!("train-{k}"), 10_240, 20)),
@@ -157,7 +166,7 @@ async fn ui_draws_the_ledger_fast() -> Result<()> {
     let bin = chromium();
     let etcd = EtcdCluster::start(1).await?;
     let dir = tempfile::tempdir()?;
-    let allocs = Allocators::start(dir.path(), &etcd, 1, "ui", &[])?;
+    let allocs = Allocators::start(dir.path(), &etcd, 1, "ui", &["--http-state-api"])?;
     allocs.wait_leader(Duration::from_secs(20)).await?;
     let seq = build_cluster(&allocs).await?;
     let st = allocs.status(0).await.context("allocator status")?;

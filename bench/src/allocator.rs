@@ -334,6 +334,8 @@ impl Replica {
                 format!("--tls-cert={}", cert.display()),
                 format!("--tls-key={}", key.display()),
                 format!("--client-ca={}", ids.pki.ca_file().display()),
+                // The /ui phase polls the GPU map's JSON.
+                "--http-state-api".to_string(),
             ]);
             args.extend(ids.flags(&Role::Allocator)?);
         }

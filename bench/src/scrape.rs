@@ -136,7 +136,7 @@ pub async fn run(a: Args) -> Result<()> {
     let dir = run_dir("scrape")?;
     title("starting etcd and one allocator");
     let etcd = EtcdCluster::start_in(&dir.path().join("etcd"), 1).await?;
-    let allocs = Allocators::start(dir.path(), &etcd, 1, "scrape", &[])?;
+    let allocs = Allocators::start(dir.path(), &etcd, 1, "scrape", &["--http-state-api"])?;
     allocs.wait_leader(Duration::from_secs(30)).await?;
 
     title(&format!(

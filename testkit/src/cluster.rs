@@ -205,6 +205,8 @@ impl LocalCluster {
             "--snapshot-every=200",
             "--log-retain-events=100",
             "--archive-interval-ms=1000",
+            // A cluster on this machine's loopback: its GPU map is for whoever runs it.
+            "--http-state-api",
         ];
         let etcd_flags: Vec<String> = if aliases.is_empty() {
             vec![etcd.endpoints_flag(); n_alloc]
