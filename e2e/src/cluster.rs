@@ -88,17 +88,17 @@ impl E2e {
         let webhook_port = free_port()?;
         let installed =
             crate::manifests::install(&cp.kubectl(), webhook_port, &cp.pki.ca_bundle())?;
+        let client = cp.client().await?;
         let gl = Gpuledger::start(
             &dir,
             &cp.pki,
-            &cp.server,
+            (&cp.server, &client),
             (o.allocators, webhook_port),
             &o.extender_flags,
         )
         .await?;
         cp.start_scheduler(&gl.extender_url, o.scheduler_qps)
             .await?;
-        let client = cp.client().await?;
         let node = match o.real_node {
             None => None,
             Some(build) => Some(

@@ -139,9 +139,13 @@ impl RealNode {
                 "--device-list-strategy=envvar".into(),
             ]
             .into_iter()
-            .chain(allocators.ids.flags(&gpuledger_auth::identity::Role::NodeAgent {
-                node: name.to_string(),
-            })?)
+            .chain(
+                allocators
+                    .ids
+                    .flags(&gpuledger_auth::identity::Role::NodeAgent {
+                        node: name.to_string(),
+                    })?,
+            )
             .collect(),
             vec![
                 ("FAKE_NVML_CONFIG".into(), nvml.path().display().to_string()),
