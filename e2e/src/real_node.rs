@@ -134,6 +134,9 @@ impl RealNode {
                 format!("--pod-resources-socket={}", pod_resources_socket.display()),
                 format!("--health-listen={agent_http}"),
                 format!("--kubeconfig={}", agent_kc.display()),
+                // Debian's containerd 1.6 has no CDI and the fake GPUs no CDI spec: the
+                // NVIDIA runtime's variable is how this node names a container's GPUs.
+                "--device-list-strategy=envvar".into(),
             ],
             vec![
                 ("FAKE_NVML_CONFIG".into(), nvml.path().display().to_string()),

@@ -18,7 +18,7 @@ use crate::allocator::Pool;
 use crate::config::Config;
 use crate::metrics::Metrics;
 use crate::nvml::{GpuInfo, GpuState, NvmlBackend, XidEvent, is_critical_xid};
-use crate::view::{EnvOptions, View};
+use crate::view::{AllocateOptions, View};
 
 /// Retry a call to the allocator every second until it is accepted.
 fn every_second() -> ConstantBuilder {
@@ -50,28 +50,40 @@ pub struct Agent {
     pub kubelet_registered: AtomicBool,
     /// ListAndWatch streams open: the kubelet reads the device list only through one.
     pub watchers: watch::Sender<usize>,
-    /// How containers' limits are exported.
-    pub env: EnvOptions,
+    /// What Allocate answers besides the devices' identity: device list, limit variables.
+    pub env: AllocateOptions,
     /// Metrics, served at /metrics with the probes.
     pub metrics: Metrics,
     /// The registry `metrics` live in.
     pub registry: Registry,
     /// Pod Events (limit exceeded, identity corrected); unset without a Kubernetes client.
     pub events: OnceLock<Recorder>,
+    /// Why enforcement cannot run on this node (the agent is not in the host pid namespace);
+    /// `/readyz` says so.
+    pub enforcement_refused: Option<String>,
 }
 
 impl Agent {
     /// The agent for `cfg`, with NVML loaded and the GPUs discovered.
     pub fn new(cfg: Config, nvml: NvmlBackend) -> anyhow::Result<Arc<Agent>> {
         let gpus = nvml.gpus().context("discovering GPUs")?;
-        info!(node = %cfg.node_name, gpus = gpus.len(), "discovered GPUs: {:?}", gpus.iter().map(|g| &g.uuid).collect::<Vec<_>>());
+        for g in &gpus {
+            info!(node = %cfg.node_name, gpu = %g.uuid, model = %g.model, usable_mib = g.memory_mib,
+                reserved_mib = g.reserved_mib, "discovered a GPU");
+        }
         let pool = Pool::new(&cfg.allocator)?;
         let mut registry = Registry::with_prefix("gpuledger_node_agent");
         let metrics = Metrics::new(&mut registry);
-        let env = EnvOptions {
+        let env = AllocateOptions {
             mps: cfg.mps,
             mps_pipe_dir: cfg.mps_pipe_dir.display().to_string(),
+            strategies: cfg.device_list_strategy.clone(),
+            cdi_kind: cfg.cdi_kind.clone(),
         };
+        let enforcement_refused = crate::procs::host_pid_namespace_problem();
+        metrics
+            .enforcing
+            .set(i64::from(enforcement_refused.is_none()));
         Ok(Arc::new(Agent {
             cfg,
             pool,
@@ -94,6 +106,7 @@ impl Agent {
             metrics,
             registry,
             events: OnceLock::new(),
+            enforcement_refused,
         }))
     }
 

@@ -1,12 +1,14 @@
 //! gpuledger's node agent: NVML discovery, the kubelet device plugin, the node's ledger
 //! subscription, memory-limit enforcement and GPU health.
 //!
-//! The decisions (which reservation an Allocate is for, what env a container gets, who is over
-//! a limit) are pure functions in [`view`] and [`enforce`]; the rest are thin shells around
-//! NVML, the kubelet's unix sockets and the allocator's gRPC API.
+//! The decisions (which reservation an Allocate is for, what a container gets, which pod a
+//! process is in, who is over a limit) are pure functions in [`view`], [`cgroup`] and
+//! [`enforce`]; the rest are thin shells around NVML, /proc and pidfds ([`procs`]), the
+//! kubelet's unix sockets and the allocator's gRPC API.
 
 pub mod agent;
 pub mod allocator;
+pub mod cgroup;
 pub mod config;
 pub mod device_plugin;
 pub mod enforce;
@@ -14,6 +16,7 @@ pub mod health;
 pub mod kubelet;
 pub mod metrics;
 pub mod nvml;
+pub mod procs;
 pub mod subscribe;
 pub mod uds;
 pub mod view;

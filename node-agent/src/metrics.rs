@@ -20,8 +20,11 @@ type Labels = Vec<(&'static str, String)>;
 pub struct Metrics {
     /// Time to answer one device-plugin Allocate, claim through the allocator included.
     pub allocate_latency: Family<Labels, Histogram>,
-    /// Violations found, by action (kill, report, rogue).
+    /// Violations found, by action (kill, report, rogue, rogue-kill).
     pub violations: Family<Labels, Counter>,
+    /// 1 while memory limits are enforced (0 when the agent refuses, e.g. outside the host pid
+    /// namespace).
+    pub enforcing: Gauge,
     /// GPU memory in use per GPU as NVML measures it (sum over its processes), in bytes.
     pub memory_used: Family<Labels, Gauge<i64, AtomicI64>>,
     memory_total: Family<Labels, Gauge<i64, AtomicI64>>,
@@ -45,6 +48,7 @@ impl Metrics {
         let m = Metrics {
             allocate_latency: Family::new_with_constructor(allocate_histogram as fn() -> _),
             violations: Family::default(),
+            enforcing: Gauge::default(),
             memory_used: Family::default(),
             memory_total: Family::default(),
             memory_allocated: Family::default(),
@@ -66,6 +70,11 @@ impl Metrics {
             "Processes found over their memory limit or on no allocation, by action",
             m.violations.clone(),
         );
+        registry.register(
+            "enforcing",
+            "1 while memory limits are enforced on this node (0: refused, /readyz says why)",
+            m.enforcing.clone(),
+        );
         registry.register_with_unit(
             "gpu_memory_used",
             "GPU memory used per GPU as NVML measures it (sum over its processes)",
@@ -74,7 +83,7 @@ impl Metrics {
         );
         registry.register_with_unit(
             "gpu_memory_total",
-            "GPU memory per GPU as NVML reports it",
+            "GPU memory per GPU that processes can use: NVML's total less the driver's reserve (the capacity in the ledger)",
             Unit::Bytes,
             m.memory_total.clone(),
         );
@@ -120,7 +129,7 @@ impl Metrics {
                 .allocate_latency
                 .get_or_create(&vec![("outcome", outcome.to_string())]);
         }
-        for action in ["kill", "report", "rogue"] {
+        for action in ["kill", "report", "rogue", "rogue-kill"] {
             let _ = m
                 .violations
                 .get_or_create(&vec![("action", action.to_string())]);

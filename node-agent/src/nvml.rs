@@ -21,8 +21,12 @@ pub struct GpuInfo {
     pub index: u32,
     /// Model name.
     pub model: String,
-    /// Total memory in MiB.
+    /// Memory in MiB that processes can use: NVML's total less what the driver reserves (on an
+    /// idle H100 80GB HBM3: 81559 − 480). This is the capacity registered in the ledger, so
+    /// the allocator never hands out memory no process can ever get.
     pub memory_mib: u64,
+    /// What the driver reserves, in MiB (logged; not allocatable).
+    pub reserved_mib: u64,
 }
 
 /// One GPU and whether it is fit to be handed out.
@@ -134,11 +138,13 @@ impl NvmlBackend {
         let mut out = Vec::with_capacity(n as usize);
         for i in 0..n {
             let d = call("device by index", self.nvml.device_by_index(i))?;
+            let mem = call("memory info", d.memory_info())?;
             out.push(GpuInfo {
                 uuid: call("device uuid", d.uuid())?,
                 index: i,
                 model: call("device name", d.name())?,
-                memory_mib: call("memory info", d.memory_info())?.total >> 20,
+                memory_mib: mem.total.saturating_sub(mem.reserved) >> 20,
+                reserved_mib: mem.reserved >> 20,
             });
         }
         Ok(out)

@@ -140,6 +140,7 @@ async fn a_killed_container_gets_an_event_and_the_metrics_follow_nvml() -> anyho
         value(&text, "gpuledger_node_agent_kubelet_registered"),
         Some(1.0)
     );
+    assert_eq!(value(&text, "gpuledger_node_agent_enforcing"), Some(1.0));
     assert_eq!(value(&text, "gpuledger_node_agent_allocations"), Some(2.0));
     assert!(value(&text, "gpuledger_node_agent_ledger_seq").is_some_and(|s| s > 0.0));
     let (code, _) =

@@ -313,10 +313,21 @@ async fn run_pod(ctx: Arc<NodeCtx>, pod: Pod, stop: CancellationToken) {
         let pid = child.id().unwrap_or(0);
         if let Some(a) = a {
             let envs = &a.response.envs;
-            let gpus: Vec<String> = envs
-                .get("NVIDIA_VISIBLE_DEVICES")
-                .map(|v| v.split(',').map(String::from).collect())
-                .unwrap_or_default();
+            // The GPUs as a CDI-aware runtime resolves them (`<kind>=<UUID>`), else the
+            // NVIDIA runtime's variable.
+            let cdi: Vec<String> = a
+                .response
+                .cdi_devices
+                .iter()
+                .filter_map(|d| Some(d.name.split_once('=')?.1.to_string()))
+                .collect();
+            let gpus: Vec<String> = if cdi.is_empty() {
+                envs.get("NVIDIA_VISIBLE_DEVICES")
+                    .map(|v| v.split(',').map(String::from).collect())
+                    .unwrap_or_default()
+            } else {
+                cdi
+            };
             let mut shares = Vec::new();
             {
                 let mut nv = ctx.nvml();
