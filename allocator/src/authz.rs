@@ -63,7 +63,9 @@ impl Authz {
         shared: &Shared,
     ) -> Result<Caller, Status> {
         let Some(auth) = req.extensions().get::<Authenticated>() else {
-            return Err(Status::unauthenticated("no verified identity on this request"));
+            return Err(Status::unauthenticated(
+                "no verified identity on this request",
+            ));
         };
         let caller = auth.caller.clone();
         let q = req.get_ref();

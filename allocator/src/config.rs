@@ -154,7 +154,11 @@ pub struct Config {
     pub http_state_api: bool,
 
     /// The namespace of gpuledger's ServiceAccounts: a token's role is its account's name there.
-    #[arg(long, env = "GPULEDGER_AUTH_NAMESPACE", default_value = "gpuledger-system")]
+    #[arg(
+        long,
+        env = "GPULEDGER_AUTH_NAMESPACE",
+        default_value = "gpuledger-system"
+    )]
     pub auth_namespace: String,
 
     /// The scheduler names whose pods the extender may reserve GPUs for (comma-separated).

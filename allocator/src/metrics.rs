@@ -5,9 +5,9 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use gpuledger_ledger::pb::event::Body;
-use prometheus_client::metrics::family::Family;
 use prometheus_client::encoding::text::{encode_eof, encode_registry};
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
@@ -107,7 +107,10 @@ impl Metrics {
     /// Count a call refused by `rule` from a caller in `role`.
     pub fn denied(&self, rule: &str, role: &str) {
         self.denied
-            .get_or_create(&vec![("rule", rule.to_string()), ("role", role.to_string())])
+            .get_or_create(&vec![
+                ("rule", rule.to_string()),
+                ("role", role.to_string()),
+            ])
             .inc();
     }
 

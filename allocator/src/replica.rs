@@ -154,7 +154,12 @@ pub async fn run_until(cfg: Config, stop: CancellationToken) -> anyhow::Result<(
         }
     });
     crate::kube_watch::spawn(service.clone(), &cfg.kube, &tasks, &stop);
-    tasks.spawn(crate::grpc::serve(service, listener, security, stop.clone()));
+    tasks.spawn(crate::grpc::serve(
+        service,
+        listener,
+        security,
+        stop.clone(),
+    ));
     tasks.spawn(stop.clone().run_until_cancelled_owned(health_loop(
         shared.clone(),
         client.clone(),
@@ -200,7 +205,9 @@ async fn security(cfg: &Config, stop: &CancellationToken) -> anyhow::Result<crat
                 "no way to tell callers apart: without a Kubernetes API to review tokens, set --client-ca (client certificates)"
             );
         }
-        warn!("no Kubernetes API: callers authenticate with client certificates only, and the extender's pods cannot be checked");
+        warn!(
+            "no Kubernetes API: callers authenticate with client certificates only, and the extender's pods cannot be checked"
+        );
     }
     Ok(crate::grpc::Security {
         tls,

@@ -19,12 +19,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::Stream;
+use gpuledger_auth::rules::Call;
+use gpuledger_auth::{AuthChannel, Credentials};
 use gpuledger_ledger::{CommandError, PodRequest, pb};
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::allocator::v1::allocator_server::Allocator;
-use gpuledger_auth::{AuthChannel, Credentials};
 use tonic::{Request, Response, Status};
-use gpuledger_auth::rules::Call;
 use tracing::Span;
 
 pub use self::forward::HasSeq;
@@ -181,21 +181,30 @@ impl Allocator for Service {
         &self,
         req: Request<api::RegisterNodeRequest>,
     ) -> Result<Response<api::WriteResponse>, Status> {
-        traced(self, Call::RegisterNode, req, |req| writes::register_node(self, req)).await
+        traced(self, Call::RegisterNode, req, |req| {
+            writes::register_node(self, req)
+        })
+        .await
     }
 
     async fn remove_node(
         &self,
         req: Request<api::RemoveNodeRequest>,
     ) -> Result<Response<api::WriteResponse>, Status> {
-        traced(self, Call::RemoveNode, req, |req| writes::remove_node(self, req)).await
+        traced(self, Call::RemoveNode, req, |req| {
+            writes::remove_node(self, req)
+        })
+        .await
     }
 
     async fn set_device_health(
         &self,
         req: Request<api::SetDeviceHealthRequest>,
     ) -> Result<Response<api::WriteResponse>, Status> {
-        traced(self, Call::SetDeviceHealth, req, |req| writes::set_device_health(self, req)).await
+        traced(self, Call::SetDeviceHealth, req, |req| {
+            writes::set_device_health(self, req)
+        })
+        .await
     }
 
     async fn filter(
@@ -223,7 +232,10 @@ impl Allocator for Service {
         &self,
         req: Request<api::ConfirmBoundRequest>,
     ) -> Result<Response<api::WriteResponse>, Status> {
-        traced(self, Call::ConfirmBound, req, |req| writes::confirm_bound(self, req)).await
+        traced(self, Call::ConfirmBound, req, |req| {
+            writes::confirm_bound(self, req)
+        })
+        .await
     }
 
     async fn assign(
@@ -237,7 +249,10 @@ impl Allocator for Service {
         &self,
         req: Request<api::CorrectIdentityRequest>,
     ) -> Result<Response<api::WriteResponse>, Status> {
-        traced(self, Call::CorrectIdentity, req, |req| writes::correct_identity(self, req)).await
+        traced(self, Call::CorrectIdentity, req, |req| {
+            writes::correct_identity(self, req)
+        })
+        .await
     }
 
     async fn release(
@@ -251,7 +266,10 @@ impl Allocator for Service {
         &self,
         req: Request<api::ReportViolationRequest>,
     ) -> Result<Response<api::WriteResponse>, Status> {
-        traced(self, Call::ReportViolation, req, |req| writes::report_violation(self, req)).await
+        traced(self, Call::ReportViolation, req, |req| {
+            writes::report_violation(self, req)
+        })
+        .await
     }
 
     type SubscribeStream = BoxStream<api::SubscribeResponse>;
@@ -260,7 +278,10 @@ impl Allocator for Service {
         &self,
         req: Request<api::SubscribeRequest>,
     ) -> Result<Response<Self::SubscribeStream>, Status> {
-        traced(self, Call::Subscribe, req, |req| subscribe::subscribe(self, req)).await
+        traced(self, Call::Subscribe, req, |req| {
+            subscribe::subscribe(self, req)
+        })
+        .await
     }
 
     type ReplicateStream = BoxStream<api::ReplicateResponse>;
@@ -269,7 +290,10 @@ impl Allocator for Service {
         &self,
         req: Request<api::ReplicateRequest>,
     ) -> Result<Response<Self::ReplicateStream>, Status> {
-        traced(self, Call::Replicate, req, |req| replicate::replicate(self, req)).await
+        traced(self, Call::Replicate, req, |req| {
+            replicate::replicate(self, req)
+        })
+        .await
     }
 
     async fn status(
@@ -292,6 +316,9 @@ impl Allocator for Service {
         &self,
         req: Request<api::ReadLogRequest>,
     ) -> Result<Response<Self::ReadLogStream>, Status> {
-        traced(self, Call::ReadLog, req, |req| read_log::read_log(self, req)).await
+        traced(self, Call::ReadLog, req, |req| {
+            read_log::read_log(self, req)
+        })
+        .await
     }
 }

@@ -243,7 +243,11 @@ pub fn authorize(
             rule: "no-rule",
             why: format!(
                 "{} {} may not call {}",
-                if caller.role.kind().starts_with(['a', 'e', 'i', 'o', 'u']) { "an" } else { "a" },
+                if caller.role.kind().starts_with(['a', 'e', 'i', 'o', 'u']) {
+                    "an"
+                } else {
+                    "a"
+                },
                 caller.role.kind(),
                 call.name()
             ),

@@ -4,12 +4,12 @@
 use std::time::Duration;
 
 use backon::Retryable;
+use gpuledger_auth::AuthChannel;
+use gpuledger_auth::server::{self, Authenticated};
 use gpuledger_ledger::Command;
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::allocator::v1::allocator_client::AllocatorClient;
 use tokio::sync::oneshot;
-use gpuledger_auth::server::{self, Authenticated};
-use gpuledger_auth::AuthChannel;
 use tonic::{Request, Response, Status};
 use tracing::debug;
 
