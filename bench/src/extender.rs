@@ -10,9 +10,7 @@ use futures::StreamExt;
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
 use gpuledger_testkit::EtcdCluster;
-use gpuledger_testkit::kube::{
-    ExtenderClient, KubeStack, SchedulerEmulator, StackOptions,
-};
+use gpuledger_testkit::kube::{ExtenderClient, KubeStack, SchedulerEmulator, StackOptions};
 use gpuledger_testkit::workload::inventory;
 use serde_json::{Value, json};
 

@@ -32,13 +32,7 @@ pub async fn run(a: Args) -> Result<()> {
     title("starting a 3-member etcd and the allocators");
     let etcd = EtcdCluster::start_in(&dir.path().join("etcd"), 3).await?;
     let ttl = format!("--lease-ttl={}", a.lease_ttl);
-    let mut allocs = Allocators::start(
-        dir.path(),
-        &etcd,
-        a.replicas,
-        "failover",
-        &[&ttl],
-    )?;
+    let mut allocs = Allocators::start(dir.path(), &etcd, a.replicas, "failover", &[&ttl])?;
     let l = allocs.wait_leader(Duration::from_secs(30)).await?;
     allocs
         .node_agent(l, "n1")?

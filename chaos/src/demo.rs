@@ -9,8 +9,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use gpuledger_auth::identity::Role;
 use anyhow::{Context, Result, bail};
+use gpuledger_auth::identity::Role;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::workload::{feed, mixed_pods};
@@ -581,7 +581,10 @@ async fn forged_calls(c: &LocalCluster) -> Result<Vec<String>> {
         })
         .await
         .map(|_| ());
-    say(&format!("the node agent of {own} marks a GPU of {other} unhealthy"), r);
+    say(
+        &format!("the node agent of {own} marks a GPU of {other} unhealthy"),
+        r,
+    );
     let r = agent
         .subscribe(api::SubscribeRequest {
             node: other.clone(),
@@ -589,7 +592,10 @@ async fn forged_calls(c: &LocalCluster) -> Result<Vec<String>> {
         })
         .await
         .map(|_| ());
-    say(&format!("the node agent of {own} follows {other}'s allocations"), r);
+    say(
+        &format!("the node agent of {own} follows {other}'s allocations"),
+        r,
+    );
     let mut viewer = c.allocs.viewer(leader)?;
     let r = viewer
         .release(api::ReleaseRequest {
