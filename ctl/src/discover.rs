@@ -218,24 +218,6 @@ async fn forward(pods: &Api<Pod>, pod: &str, port: u16, mut conn: TcpStream) -> 
     Ok(())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::ffi::OsStr;
-
-    #[test]
-    fn the_plugin_is_recognised_by_its_file_name() {
-        assert!(detect_plugin(Some(OsStr::new(
-            "/usr/local/bin/kubectl-gpuledger"
-        ))));
-        assert!(detect_plugin(Some(OsStr::new("kubectl-gpuledger"))));
-        assert!(!detect_plugin(Some(OsStr::new("/usr/bin/gpuledger"))));
-        assert!(!detect_plugin(Some(OsStr::new("kubectl-gpuledger-extra"))));
-        assert!(!detect_plugin(None));
-        assert!(!is_plugin());
-    }
-}
-
 /// The ServiceAccount whose token `kubectl gpuledger` requests for reading the ledger.
 pub const VIEWER_ACCOUNT: &str = "gpuledger-viewer";
 /// The ConfigMap (in the allocator's namespace) that holds the CA of the allocator's
@@ -306,4 +288,22 @@ pub async fn fill_credentials(
         args.server_name = Some(format!("{}.{ns}.svc", k.allocator_service));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::ffi::OsStr;
+
+    #[test]
+    fn the_plugin_is_recognised_by_its_file_name() {
+        assert!(detect_plugin(Some(OsStr::new(
+            "/usr/local/bin/kubectl-gpuledger"
+        ))));
+        assert!(detect_plugin(Some(OsStr::new("kubectl-gpuledger"))));
+        assert!(!detect_plugin(Some(OsStr::new("/usr/bin/gpuledger"))));
+        assert!(!detect_plugin(Some(OsStr::new("kubectl-gpuledger-extra"))));
+        assert!(!detect_plugin(None));
+        assert!(!is_plugin());
+    }
 }
