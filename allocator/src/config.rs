@@ -136,6 +136,44 @@ pub struct Config {
     #[arg(long, env = "GPULEDGER_FGD_MIN_SAMPLES", default_value_t = 100)]
     pub fgd_min_samples: usize,
 
+    /// The gRPC API's TLS: this replica's certificate, and the CA of client certificates.
+    #[command(flatten)]
+    pub tls: gpuledger_auth::ServerTlsArgs,
+
+    /// How this replica calls the others (writes forwarded to the leader): the CA of their
+    /// certificates and its own identity (a token of the allocator's ServiceAccount or an
+    /// allocator client certificate).
+    #[command(flatten)]
+    pub peer: gpuledger_auth::CredentialArgs,
+
+    /// Serve the live GPU map (`/ui`) and its JSON (`/api/v1/state`, `/api/v1/events`) on
+    /// --http-listen. Off by default: they name every tenant's pods and that port has no
+    /// authentication; turn it on where only operators reach the port (`kubectl port-forward`
+    /// with a NetworkPolicy that admits nobody else).
+    #[arg(long, env = "GPULEDGER_HTTP_STATE_API")]
+    pub http_state_api: bool,
+
+    /// The namespace of gpuledger's ServiceAccounts: a token's role is its account's name there.
+    #[arg(
+        long,
+        env = "GPULEDGER_AUTH_NAMESPACE",
+        default_value = "gpuledger-system"
+    )]
+    pub auth_namespace: String,
+
+    /// The scheduler names whose pods the extender may reserve GPUs for (comma-separated).
+    #[arg(
+        long,
+        env = "GPULEDGER_SCHEDULER_NAMES",
+        value_delimiter = ',',
+        default_value = "gpuledger-scheduler,default-scheduler"
+    )]
+    pub scheduler_names: Vec<String>,
+
+    /// The longest a token's verdict is cached, in seconds (never past the token's expiry).
+    #[arg(long, env = "GPULEDGER_TOKEN_CACHE_MAX_S", default_value_t = 300)]
+    pub token_cache_max_s: u64,
+
     /// Log format: "human" or "json".
     #[arg(long, env = "GPULEDGER_LOG_FORMAT", default_value = "human", value_parser = ["human", "json"])]
     pub log_format: String,

@@ -1,6 +1,6 @@
-//! The gRPC server, built in this one place with the layers every RPC passes through: today a
-//! `tracing` span per RPC that carries the ids that matter (authentication and authorization
-//! belong next to it).
+//! The gRPC server, built in this one place with the layers every RPC passes through: a
+//! `tracing` span per RPC that carries the ids that matter, and authentication (TLS, then the
+//! caller's certificate or token) in front of the service, which authorizes each call.
 //!
 //! The span is opened by a tower layer for every call, named after the method, with the ids
 //! left empty; [`Ids`] says which ids each request and response holds, and the service records
@@ -8,6 +8,12 @@
 
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::allocator::v1::allocator_server::AllocatorServer;
+use std::sync::Arc;
+use std::time::Duration;
+
+use gpuledger_auth::tls::Reloading;
+use gpuledger_auth::{AuthLayer, Authenticator};
+use rustls::ServerConfig;
 use tokio_util::sync::CancellationToken;
 use tonic::codegen::http;
 use tower_http::trace::{DefaultOnFailure, DefaultOnResponse, TraceLayer};
@@ -16,8 +22,9 @@ use tracing::{Level, Span, info_span, warn};
 
 use crate::service::Service;
 
-/// Largest request accepted (a node registration with many GPUs, a large filter).
-const MAX_REQUEST: usize = 64 * 1024 * 1024;
+/// Largest request accepted (a filter over tens of thousands of nodes; writes are held to far
+/// less by the service).
+const MAX_REQUEST: usize = 4 * 1024 * 1024;
 /// Largest answer sent (a dump of a large ledger).
 const MAX_ANSWER: usize = 256 * 1024 * 1024;
 
@@ -31,30 +38,52 @@ fn rpc_span<B>(req: &http::Request<B>) -> Span {
         node = Empty,
         seq = Empty,
         epoch = Empty,
+        caller = Empty,
     )
 }
 
-/// Serve `service` on `listener` until `stop` is cancelled (then finish the calls in flight).
-pub async fn serve(service: Service, listener: tokio::net::TcpListener, stop: CancellationToken) {
+/// How the gRPC endpoint proves itself and learns who calls it.
+pub struct Security {
+    /// The server certificate (reloaded when its files change).
+    pub tls: Arc<Reloading<ServerConfig>>,
+    /// A TLS handshake not finished by then is cut.
+    pub handshake_timeout: Duration,
+    /// Who each request is from (client certificate or ServiceAccount token).
+    pub authenticator: Arc<Authenticator>,
+}
+
+/// Serve `service` on `listener` over TLS, every request authenticated by `security` before
+/// the service sees it (and authorized by the service), until `stop` is cancelled (then finish
+/// the calls in flight).
+pub async fn serve(
+    service: Service,
+    listener: tokio::net::TcpListener,
+    security: Security,
+    stop: CancellationToken,
+) {
     let spans = TraceLayer::new_for_grpc()
         .make_span_with(rpc_span as fn(&http::Request<_>) -> Span)
         // A refused request is an answer, not a server failure: no error line for it.
         .on_response(DefaultOnResponse::new().level(Level::DEBUG))
         .on_failure(DefaultOnFailure::new().level(Level::DEBUG));
+    // Each accepted socket gets TCP_NODELAY before its handshake: without it Nagle + delayed
+    // ACK add ~40 ms to large answers.
+    let incoming = gpuledger_auth::tls::incoming(
+        listener,
+        security.tls,
+        security.handshake_timeout,
+        stop.clone(),
+    );
     let served = tonic::transport::Server::builder()
         .tcp_nodelay(true)
         .layer(spans)
+        .layer(AuthLayer(security.authenticator))
         .add_service(
             AllocatorServer::new(service)
                 .max_decoding_message_size(MAX_REQUEST)
                 .max_encoding_message_size(MAX_ANSWER),
         )
-        // TcpIncoming sets TCP_NODELAY on accepted sockets (Server::tcp_nodelay does not apply
-        // to serve_with_incoming): without it Nagle + delayed ACK add ~40 ms to large answers.
-        .serve_with_incoming_shutdown(
-            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
-            stop.cancelled_owned(),
-        )
+        .serve_with_incoming_shutdown(incoming, stop.cancelled_owned())
         .await;
     if let Err(e) = served {
         warn!(error = %e, "the gRPC endpoint stopped");

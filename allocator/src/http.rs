@@ -1,5 +1,6 @@
 //! The allocator's HTTP side: `/metrics` (OpenMetrics text), `/healthz`, `/readyz`, and the
-//! live GPU map `/ui` with its JSON endpoints `/api/v1/state` and `/api/v1/events`.
+//! live GPU map `/ui` with its JSON endpoints `/api/v1/state` and `/api/v1/events` (only with
+//! `--http-state-api`: they show every tenant's pods to whoever reaches the port).
 //!
 //! `/healthz` answers while the process runs. `/readyz` answers 200 only when this replica can
 //! serve: etcd reachable, the ledger loaded and caught up with `head`, and a leader known.
@@ -39,9 +40,10 @@ fn bad_request(e: ui::BadQuery) -> Response {
     (StatusCode::BAD_REQUEST, format!("bad request: {e}\n")).into_response()
 }
 
-/// The HTTP router.
-pub fn router(shared: Arc<Shared>) -> Router {
-    Router::new()
+/// The HTTP router: health and metrics always; the GPU map and its JSON when `state_api`
+/// (they name every tenant's pods, and this port has no authentication).
+pub fn router(shared: Arc<Shared>, state_api: bool) -> Router {
+    let r = Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route(
             "/readyz",
@@ -65,37 +67,40 @@ pub fn router(shared: Arc<Shared>) -> Router {
                     metrics::render,
                 )
             }),
-        )
-        .route(
-            "/ui",
-            get(|| async {
-                (
-                    [(header::CONTENT_TYPE, "text/html; charset=utf-8")],
-                    ui::PAGE,
-                )
-            }),
-        )
-        .route(
-            "/api/v1/state",
-            get(
-                |State(s): State<Arc<Shared>>, RawQuery(q): RawQuery| async move {
-                    match ui::no_params(q.as_deref()) {
-                        Ok(()) => blocking(s, JSON, |s| ui::state_json(s)).await,
-                        Err(e) => bad_request(e),
-                    }
-                },
-            ),
-        )
-        .route(
-            "/api/v1/events",
-            get(
-                |State(s): State<Arc<Shared>>, RawQuery(q): RawQuery| async move {
-                    match ui::events_limit(q.as_deref()) {
-                        Ok(limit) => blocking(s, JSON, move |s| ui::events_json(s, limit)).await,
-                        Err(e) => bad_request(e),
-                    }
-                },
-            ),
-        )
-        .with_state(shared)
+        );
+    if !state_api {
+        return r.with_state(shared);
+    }
+    r.route(
+        "/ui",
+        get(|| async {
+            (
+                [(header::CONTENT_TYPE, "text/html; charset=utf-8")],
+                ui::PAGE,
+            )
+        }),
+    )
+    .route(
+        "/api/v1/state",
+        get(
+            |State(s): State<Arc<Shared>>, RawQuery(q): RawQuery| async move {
+                match ui::no_params(q.as_deref()) {
+                    Ok(()) => blocking(s, JSON, |s| ui::state_json(s)).await,
+                    Err(e) => bad_request(e),
+                }
+            },
+        ),
+    )
+    .route(
+        "/api/v1/events",
+        get(
+            |State(s): State<Arc<Shared>>, RawQuery(q): RawQuery| async move {
+                match ui::events_limit(q.as_deref()) {
+                    Ok(limit) => blocking(s, JSON, move |s| ui::events_json(s, limit)).await,
+                    Err(e) => bad_request(e),
+                }
+            },
+        ),
+    )
+    .with_state(shared)
 }

@@ -57,6 +57,11 @@ const YOUNG_MS: i64 = 5_000;
 /// Node capacity updates submitted at once by one reconcile pass.
 const SYNC_CONCURRENCY: usize = 64;
 
+/// Whether the watchers run (a kubeconfig, or in a cluster, and not --no-kube).
+pub fn enabled(args: &KubeArgs) -> bool {
+    !args.no_kube && (args.kubeconfig.is_some() || gpuledger_ops::kube_client::in_cluster())
+}
+
 /// Start the watchers, if configured, as tasks of `tasks` that end when `stop` is cancelled.
 pub fn spawn(service: Service, args: &KubeArgs, tasks: &TaskTracker, stop: &CancellationToken) {
     if args.no_kube {
@@ -396,6 +401,8 @@ struct Held {
 async fn run(service: Service, client: kube::Client, args: KubeArgs) {
     let (pods, pod_writer) = reflector::store::<Pod>();
     let (nodes, node_writer) = reflector::store::<Node>();
+    // The extender's writes are checked against the same pods.
+    service.authz().set_pods(pods.clone(), client.clone());
     let w = Arc::new(Watch {
         service,
         pods_api: Api::all(client.clone()),

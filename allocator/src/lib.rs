@@ -5,6 +5,7 @@
 //! transaction per batch. See `DESIGN.md` ("The ledger", "etcd layout and the write protocol").
 
 pub mod archive;
+pub mod authz;
 pub mod config;
 pub mod election;
 pub mod grpc;

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use gpuledger_ledger::pb::event::Body;
 use prometheus_client::encoding::text::{encode_eof, encode_registry};
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
@@ -38,6 +39,8 @@ pub struct Metrics {
     pub batch_events: Histogram,
     /// Times this replica became leader.
     pub leaderships: Counter,
+    /// Calls refused by the authorization table, by rule and caller role.
+    denied: Family<Vec<(&'static str, String)>, Counter>,
     /// Events folded, by type (index into [`EVENT_TYPES`]): a fixed array, so counting an
     /// event in the fold neither allocates nor hashes.
     events: [AtomicU64; EVENT_TYPES.len()],
@@ -64,11 +67,18 @@ impl Default for Metrics {
             "Times this replica became the leader (failovers it took over)",
             leaderships.clone(),
         );
+        let denied = Family::<Vec<(&'static str, String)>, Counter>::default();
+        registry.register(
+            "calls_denied",
+            "Calls refused by the authorization table, by the rule that refused and the caller's role",
+            denied.clone(),
+        );
         Metrics {
             registry,
             commit_latency,
             batch_events,
             leaderships,
+            denied,
             events: Default::default(),
         }
     }
@@ -92,6 +102,16 @@ impl Metrics {
             None => 11,
         };
         self.events[i].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Count a call refused by `rule` from a caller in `role`.
+    pub fn denied(&self, rule: &str, role: &str) {
+        self.denied
+            .get_or_create(&vec![
+                ("rule", rule.to_string()),
+                ("role", role.to_string()),
+            ])
+            .inc();
     }
 
     /// Events folded so far, by type (in the order of [`EVENT_TYPES`]).

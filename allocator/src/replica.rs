@@ -108,6 +108,12 @@ pub async fn run_until(cfg: Config, stop: CancellationToken) -> anyhow::Result<(
             None
         }
     };
+    let security = security(&cfg, &stop).await?;
+    let peers = gpuledger_auth::Credentials::load(&cfg.peer)
+        .context("this replica's credentials for calling the other replicas (--allocator-ca and --token-file or --client-cert/--client-key)")?;
+    peers.spawn_reloader(cfg.tls.reload_every(), stop.clone());
+    let kube = crate::kube_watch::enabled(&cfg.kube);
+    let authz = Arc::new(crate::authz::Authz::new(kube, cfg.scheduler_names.clone()));
     let learned = Learned::new(cfg.fgd_window, cfg.fgd_min_samples);
     let service = Service::new(
         shared.clone(),
@@ -118,6 +124,8 @@ pub async fn run_until(cfg: Config, stop: CancellationToken) -> anyhow::Result<(
             default_policy: cfg.default_policy,
             learned: learned.clone(),
         },
+        authz,
+        peers,
     )
     .with_archive(archive.clone());
     let http = tokio::net::TcpListener::bind(cfg.http_listen)
@@ -135,7 +143,7 @@ pub async fn run_until(cfg: Config, stop: CancellationToken) -> anyhow::Result<(
         stop.clone()
             .run_until_cancelled_owned(async move { views.maintain_views().await }),
     );
-    let router = crate::http::router(shared.clone());
+    let router = crate::http::router(shared.clone(), cfg.http_state_api);
     let http_stop = stop.clone();
     tasks.spawn(async move {
         let served = axum::serve(http, router)
@@ -146,7 +154,12 @@ pub async fn run_until(cfg: Config, stop: CancellationToken) -> anyhow::Result<(
         }
     });
     crate::kube_watch::spawn(service.clone(), &cfg.kube, &tasks, &stop);
-    tasks.spawn(crate::grpc::serve(service, listener, stop.clone()));
+    tasks.spawn(crate::grpc::serve(
+        service,
+        listener,
+        security,
+        stop.clone(),
+    ));
     tasks.spawn(stop.clone().run_until_cancelled_owned(health_loop(
         shared.clone(),
         client.clone(),
@@ -159,6 +172,48 @@ pub async fn run_until(cfg: Config, stop: CancellationToken) -> anyhow::Result<(
     // Give in-flight RPCs a moment, then stop serving.
     let _ = tokio::time::timeout(Duration::from_secs(2), tasks.wait()).await;
     result
+}
+
+/// The gRPC endpoint's certificate and authenticator: client certificates from --client-ca,
+/// and ServiceAccount tokens reviewed by the API server when this replica has one.
+async fn security(cfg: &Config, stop: &CancellationToken) -> anyhow::Result<crate::grpc::Security> {
+    use gpuledger_auth::token::{KubeApi, ServiceAccounts, TokenAuthenticator};
+    let tls = cfg
+        .tls
+        .load(&[b"h2"])
+        .context("loading the gRPC API's certificate (--tls-cert, --tls-key, --client-ca)")?;
+    tls.spawn_reloader(cfg.tls.reload_every(), stop.clone());
+    let tokens = if crate::kube_watch::enabled(&cfg.kube) {
+        let client = gpuledger_ops::kube_client::client(cfg.kube.kubeconfig.as_deref())
+            .await
+            .context("the Kubernetes client that reviews callers' tokens")?;
+        client.map(|c| {
+            let api = Arc::new(KubeApi(c));
+            Arc::new(TokenAuthenticator::new(
+                api.clone(),
+                api,
+                ServiceAccounts::in_namespace(&cfg.auth_namespace),
+                Duration::from_secs(cfg.token_cache_max_s.max(1)),
+            ))
+        })
+    } else {
+        None
+    };
+    if tokens.is_none() {
+        if cfg.tls.client_ca.is_none() {
+            anyhow::bail!(
+                "no way to tell callers apart: without a Kubernetes API to review tokens, set --client-ca (client certificates)"
+            );
+        }
+        warn!(
+            "no Kubernetes API: callers authenticate with client certificates only, and the extender's pods cannot be checked"
+        );
+    }
+    Ok(crate::grpc::Security {
+        tls,
+        handshake_timeout: cfg.tls.handshake_timeout(),
+        authenticator: gpuledger_auth::Authenticator::new(tokens),
+    })
 }
 
 /// `scheme://host:port` without the scheme and a trailing slash, to compare etcd URLs.

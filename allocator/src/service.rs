@@ -19,14 +19,16 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::Stream;
+use gpuledger_auth::rules::Call;
+use gpuledger_auth::{AuthChannel, Credentials};
 use gpuledger_ledger::{CommandError, PodRequest, pb};
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::allocator::v1::allocator_server::Allocator;
-use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 use tracing::Span;
 
 pub use self::forward::HasSeq;
+use crate::authz::{Authz, Touches};
 use crate::grpc::Ids;
 use crate::log::EtcdLog;
 use crate::shared::Shared;
@@ -65,9 +67,11 @@ pub struct Service {
     etcd: etcd_client::Client,
     log: EtcdLog,
     reserve_ttl: Duration,
-    channels: Arc<Mutex<HashMap<String, Channel>>>,
+    channels: Arc<Mutex<HashMap<String, AuthChannel>>>,
+    peers: Credentials,
     placement: Placement,
     archive: Option<crate::archive::Archive>,
+    authz: Arc<Authz>,
 }
 
 /// How requests that name no policy are placed, and the workload FGD learns.
@@ -83,8 +87,15 @@ type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'stati
 
 impl<T> Ids for BoxStream<T> {}
 
-/// Run an RPC's handler with the ids of its request, then of its answer, in its span.
-async fn traced<Q: Ids, R: Ids, Fut>(
+/// Largest write request: a node of 64 GPUs or a pod of 64 containers is a few KiB, and each
+/// write's events must fit one etcd transaction (1.5 MiB) with room to spare.
+const MAX_WRITE_BYTES: usize = 256 * 1024;
+
+/// Run an RPC's handler, if its caller may make `call`, with the ids of its request, then of
+/// its answer, in its span.
+async fn traced<Q: Ids + Touches + prost::Message, R: Ids, Fut>(
+    svc: &Service,
+    call: Call,
     req: Request<Q>,
     handler: impl FnOnce(Request<Q>) -> Fut,
 ) -> Result<Response<R>, Status>
@@ -93,6 +104,17 @@ where
 {
     let span = Span::current();
     req.get_ref().record(&span);
+    let caller = svc.authz.check(&req, call, &svc.shared).await?;
+    if call.writes() && req.get_ref().encoded_len() > MAX_WRITE_BYTES {
+        // A larger event could not fit one etcd transaction: refused here, it never reaches
+        // the sequencer (where a failed commit would end the leadership).
+        return Err(Status::invalid_argument(format!(
+            "{} request of {} bytes: writes are limited to {MAX_WRITE_BYTES} bytes",
+            call.name(),
+            req.get_ref().encoded_len()
+        )));
+    }
+    span.record("caller", tracing::field::display(&caller));
     let answer = handler(req).await;
     if let Ok(a) = &answer {
         a.get_ref().record(&span);
@@ -108,6 +130,8 @@ impl Service {
         log: EtcdLog,
         reserve_ttl: Duration,
         placement: Placement,
+        authz: Arc<Authz>,
+        peers: Credentials,
     ) -> Self {
         Service {
             shared,
@@ -115,8 +139,10 @@ impl Service {
             log,
             reserve_ttl,
             channels: Arc::new(Mutex::new(HashMap::new())),
+            peers,
             placement,
             archive: None,
+            authz,
         }
     }
 
@@ -142,6 +168,11 @@ impl Service {
     pub fn shared(&self) -> &Arc<Shared> {
         &self.shared
     }
+
+    /// Who may call what.
+    pub fn authz(&self) -> &Arc<Authz> {
+        &self.authz
+    }
 }
 
 #[tonic::async_trait]
@@ -150,77 +181,95 @@ impl Allocator for Service {
         &self,
         req: Request<api::RegisterNodeRequest>,
     ) -> Result<Response<api::WriteResponse>, Status> {
-        traced(req, |req| writes::register_node(self, req)).await
+        traced(self, Call::RegisterNode, req, |req| {
+            writes::register_node(self, req)
+        })
+        .await
     }
 
     async fn remove_node(
         &self,
         req: Request<api::RemoveNodeRequest>,
     ) -> Result<Response<api::WriteResponse>, Status> {
-        traced(req, |req| writes::remove_node(self, req)).await
+        traced(self, Call::RemoveNode, req, |req| {
+            writes::remove_node(self, req)
+        })
+        .await
     }
 
     async fn set_device_health(
         &self,
         req: Request<api::SetDeviceHealthRequest>,
     ) -> Result<Response<api::WriteResponse>, Status> {
-        traced(req, |req| writes::set_device_health(self, req)).await
+        traced(self, Call::SetDeviceHealth, req, |req| {
+            writes::set_device_health(self, req)
+        })
+        .await
     }
 
     async fn filter(
         &self,
         req: Request<api::FilterRequest>,
     ) -> Result<Response<api::FilterResponse>, Status> {
-        traced(req, |req| reads::filter(self, req)).await
+        traced(self, Call::Filter, req, |req| reads::filter(self, req)).await
     }
 
     async fn score(
         &self,
         req: Request<api::ScoreRequest>,
     ) -> Result<Response<api::ScoreResponse>, Status> {
-        traced(req, |req| reads::score(self, req)).await
+        traced(self, Call::Score, req, |req| reads::score(self, req)).await
     }
 
     async fn reserve(
         &self,
         req: Request<api::ReserveRequest>,
     ) -> Result<Response<api::ReserveResponse>, Status> {
-        traced(req, |req| writes::reserve(self, req)).await
+        traced(self, Call::Reserve, req, |req| writes::reserve(self, req)).await
     }
 
     async fn confirm_bound(
         &self,
         req: Request<api::ConfirmBoundRequest>,
     ) -> Result<Response<api::WriteResponse>, Status> {
-        traced(req, |req| writes::confirm_bound(self, req)).await
+        traced(self, Call::ConfirmBound, req, |req| {
+            writes::confirm_bound(self, req)
+        })
+        .await
     }
 
     async fn assign(
         &self,
         req: Request<api::AssignRequest>,
     ) -> Result<Response<api::AssignResponse>, Status> {
-        traced(req, |req| writes::assign(self, req)).await
+        traced(self, Call::Assign, req, |req| writes::assign(self, req)).await
     }
 
     async fn correct_identity(
         &self,
         req: Request<api::CorrectIdentityRequest>,
     ) -> Result<Response<api::WriteResponse>, Status> {
-        traced(req, |req| writes::correct_identity(self, req)).await
+        traced(self, Call::CorrectIdentity, req, |req| {
+            writes::correct_identity(self, req)
+        })
+        .await
     }
 
     async fn release(
         &self,
         req: Request<api::ReleaseRequest>,
     ) -> Result<Response<api::WriteResponse>, Status> {
-        traced(req, |req| writes::release(self, req)).await
+        traced(self, Call::Release, req, |req| writes::release(self, req)).await
     }
 
     async fn report_violation(
         &self,
         req: Request<api::ReportViolationRequest>,
     ) -> Result<Response<api::WriteResponse>, Status> {
-        traced(req, |req| writes::report_violation(self, req)).await
+        traced(self, Call::ReportViolation, req, |req| {
+            writes::report_violation(self, req)
+        })
+        .await
     }
 
     type SubscribeStream = BoxStream<api::SubscribeResponse>;
@@ -229,7 +278,10 @@ impl Allocator for Service {
         &self,
         req: Request<api::SubscribeRequest>,
     ) -> Result<Response<Self::SubscribeStream>, Status> {
-        traced(req, |req| subscribe::subscribe(self, req)).await
+        traced(self, Call::Subscribe, req, |req| {
+            subscribe::subscribe(self, req)
+        })
+        .await
     }
 
     type ReplicateStream = BoxStream<api::ReplicateResponse>;
@@ -238,21 +290,24 @@ impl Allocator for Service {
         &self,
         req: Request<api::ReplicateRequest>,
     ) -> Result<Response<Self::ReplicateStream>, Status> {
-        traced(req, |req| replicate::replicate(self, req)).await
+        traced(self, Call::Replicate, req, |req| {
+            replicate::replicate(self, req)
+        })
+        .await
     }
 
     async fn status(
         &self,
         req: Request<api::StatusRequest>,
     ) -> Result<Response<api::StatusResponse>, Status> {
-        traced(req, |req| reads::status(self, req)).await
+        traced(self, Call::Status, req, |req| reads::status(self, req)).await
     }
 
     async fn dump(
         &self,
         req: Request<api::DumpRequest>,
     ) -> Result<Response<api::DumpResponse>, Status> {
-        traced(req, |req| reads::dump(self, req)).await
+        traced(self, Call::Dump, req, |req| reads::dump(self, req)).await
     }
 
     type ReadLogStream = BoxStream<pb::EventBatch>;
@@ -261,6 +316,9 @@ impl Allocator for Service {
         &self,
         req: Request<api::ReadLogRequest>,
     ) -> Result<Response<Self::ReadLogStream>, Status> {
-        traced(req, |req| read_log::read_log(self, req)).await
+        traced(self, Call::ReadLog, req, |req| {
+            read_log::read_log(self, req)
+        })
+        .await
     }
 }

@@ -11,15 +11,17 @@ use tonic::Code;
 async fn grants_are_idempotent_forwarded_and_bad_input_writes_nothing() -> anyhow::Result<()> {
     let etcd = EtcdCluster::start(1).await?;
     let dir = tempfile::tempdir()?;
-    let allocs = Allocators::start(dir.path(), &etcd.endpoints_flag(), 2, "t", &[])?;
+    let allocs = Allocators::start(dir.path(), &etcd, 2, "t", &[])?;
     let leader = allocs.wait_leader(Duration::from_secs(20)).await?;
     let follower = 1 - leader;
     // Writes sent to the follower are forwarded to the leader.
-    let mut f = allocs.client(follower)?;
-    f.register_node(api::RegisterNodeRequest {
-        inventory: Some(inventory("n1", 2, 16_000, "NVIDIA A100")),
-    })
-    .await?;
+    allocs
+        .node_agent(follower, "n1")?
+        .register_node(api::RegisterNodeRequest {
+            inventory: Some(inventory("n1", 2, 16_000, "NVIDIA A100")),
+        })
+        .await?;
+    let mut f = allocs.extender(follower)?;
     let req = api::ReserveRequest {
         request: Some(pod("uid-1", 6_000, 30)),
         node: "n1".into(),
@@ -31,7 +33,7 @@ async fn grants_are_idempotent_forwarded_and_bad_input_writes_nothing() -> anyho
     assert_eq!(first.allocations[0].shares[0].mem_mib, 6_000);
     // The same request again, through the leader this time: the same grant, nothing new.
     let again = allocs
-        .client(leader)?
+        .extender(leader)?
         .reserve(req.clone())
         .await?
         .into_inner();
@@ -105,13 +107,8 @@ async fn grants_are_idempotent_forwarded_and_bad_input_writes_nothing() -> anyho
         ..Default::default()
     })
     .await?;
-    let (third, _) = reserve_retry(
-        &allocs.addrs,
-        0,
-        req,
-        Instant::now() + Duration::from_secs(5),
-    )
-    .await?;
+    let (third, _) =
+        reserve_retry(&allocs, 0, req, Instant::now() + Duration::from_secs(5)).await?;
     assert!(third.created);
     assert_ne!(third.allocations[0].id, first.allocations[0].id);
     let st = allocs.status(follower).await.expect("follower");
@@ -123,13 +120,15 @@ async fn grants_are_idempotent_forwarded_and_bad_input_writes_nothing() -> anyho
 async fn fails_closed_without_etcd() -> anyhow::Result<()> {
     let mut etcd = EtcdCluster::start(1).await?;
     let dir = tempfile::tempdir()?;
-    let allocs = Allocators::start(dir.path(), &etcd.endpoints_flag(), 1, "t", &[])?;
+    let allocs = Allocators::start(dir.path(), &etcd, 1, "t", &[])?;
     allocs.wait_leader(Duration::from_secs(20)).await?;
-    let mut c = allocs.client(0)?;
-    c.register_node(api::RegisterNodeRequest {
-        inventory: Some(inventory("n1", 1, 16_000, "T4")),
-    })
-    .await?;
+    allocs
+        .node_agent(0, "n1")?
+        .register_node(api::RegisterNodeRequest {
+            inventory: Some(inventory("n1", 1, 16_000, "T4")),
+        })
+        .await?;
+    let mut c = allocs.extender(0)?;
     etcd.kill(0);
     let deadline = Instant::now() + Duration::from_secs(10);
     // Within a few seconds the replica stops granting and says why.
@@ -171,7 +170,7 @@ async fn fails_closed_without_etcd() -> anyhow::Result<()> {
     // etcd back: grants resume by themselves.
     etcd.restart(0)?;
     let (r, _) = reserve_retry(
-        &allocs.addrs,
+        &allocs,
         0,
         api::ReserveRequest {
             request: Some(pod("uid-z", 1_000, 0)),

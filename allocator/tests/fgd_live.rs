@@ -2,11 +2,14 @@
 //! the ledger's recent reservations (the prior until enough are in), and node CPU and memory come
 //! from Kubernetes' node allocatable.
 
+mod support;
+
 use std::time::{Duration, Instant};
 
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_testkit::kube::{KubeStack, StackOptions};
 use gpuledger_testkit::workload::{inventory, pod};
+use support::{add_api_pod, reserve_admitted};
 
 fn placed(mut r: api::PodRequest, policy: &str) -> api::PodRequest {
     r.placement = Some(api::Placement {
@@ -19,7 +22,7 @@ fn placed(mut r: api::PodRequest, policy: &str) -> api::PodRequest {
 async fn scores(stack: &KubeStack, req: &api::PodRequest) -> anyhow::Result<(u32, u32)> {
     let s = stack
         .allocs
-        .client(0)?
+        .extender(0)?
         .score(api::ScoreRequest {
             request: Some(req.clone()),
             nodes: vec!["x".into(), "y".into()],
@@ -39,7 +42,7 @@ async fn fgd_learns_the_workload_and_node_capacity_comes_from_kubernetes() -> an
         extender_flags: None,
     })
     .await?;
-    let mut c = stack.allocs.client(0)?;
+    let mut c = stack.allocs.extender(0)?;
     // x: one idle GPU. y: one GPU, half of it in use. w0..w9: room for the learning pods.
     for (n, gpus) in [("x", 1), ("y", 1)].into_iter().chain((0..10).map(|i| {
         (
@@ -47,17 +50,25 @@ async fn fgd_learns_the_workload_and_node_capacity_comes_from_kubernetes() -> an
             2,
         )
     })) {
-        c.register_node(api::RegisterNodeRequest {
-            inventory: Some(inventory(n, gpus, 16_000, "NVIDIA A10")),
-        })
-        .await?;
+        stack
+            .allocs
+            .node_agent(0, n)?
+            .register_node(api::RegisterNodeRequest {
+                inventory: Some(inventory(n, gpus, 16_000, "NVIDIA A10")),
+            })
+            .await?;
         stack.api.add_node(n, 8)?;
     }
-    c.reserve(api::ReserveRequest {
-        request: Some(pod("half-on-y", 4_000, 50)),
-        node: "y".into(),
-        ttl_ms: 600_000,
-    })
+    let half_on_y = pod("half-on-y", 4_000, 50);
+    add_api_pod(&stack.api, &half_on_y)?;
+    reserve_admitted(
+        &mut c,
+        api::ReserveRequest {
+            request: Some(half_on_y),
+            node: "y".into(),
+            ttl_ms: 600_000,
+        },
+    )
     .await?;
 
     // A quarter-GPU pod under the prior (whole GPUs, halves, quarters, tenths, multi-GPU):
@@ -69,11 +80,16 @@ async fn fgd_learns_the_workload_and_node_capacity_comes_from_kubernetes() -> an
     // The cluster turns out to run half-GPU pods only. Leaving y with a quarter would strand
     // it; x's idle GPU still takes two halves after a quarter lands there.
     for i in 0..24 {
-        c.reserve(api::ReserveRequest {
-            request: Some(pod(&format!("half-{i}"), 4_000, 50)),
-            node: format!("w{}", i % 10),
-            ttl_ms: 600_000,
-        })
+        let half = pod(&format!("half-{i}"), 4_000, 50);
+        add_api_pod(&stack.api, &half)?;
+        reserve_admitted(
+            &mut c,
+            api::ReserveRequest {
+                request: Some(half),
+                node: format!("w{}", i % 10),
+                ttl_ms: 600_000,
+            },
+        )
         .await?;
     }
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -95,7 +111,9 @@ async fn fgd_learns_the_workload_and_node_capacity_comes_from_kubernetes() -> an
     // Node CPU and memory: the fake API server's nodes have 64 CPUs and 512 GiB allocatable.
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let snap = c
+        let snap = stack
+            .allocs
+            .viewer(0)?
             .dump(api::DumpRequest {})
             .await?
             .into_inner()

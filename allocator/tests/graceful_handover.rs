@@ -11,16 +11,10 @@ async fn sigterm_hands_over_in_well_under_the_lease_ttl() -> anyhow::Result<()> 
     let etcd = EtcdCluster::start(1).await?;
     let dir = tempfile::tempdir()?;
     // A long lease makes the difference between resigning and expiring obvious.
-    let mut allocs = Allocators::start(
-        dir.path(),
-        &etcd.endpoints_flag(),
-        2,
-        "term",
-        &["--lease-ttl=10"],
-    )?;
+    let mut allocs = Allocators::start(dir.path(), &etcd, 2, "term", &["--lease-ttl=10"])?;
     let leader = allocs.wait_leader(Duration::from_secs(20)).await?;
     allocs
-        .client(leader)?
+        .node_agent(leader, "n1")?
         .register_node(api::RegisterNodeRequest {
             inventory: Some(inventory("n1", 1, 16_000, "T4")),
         })
@@ -35,13 +29,7 @@ async fn sigterm_hands_over_in_well_under_the_lease_ttl() -> anyhow::Result<()> 
         node: "n1".into(),
         ttl_ms: 0,
     };
-    reserve_retry(
-        &allocs.addrs,
-        new,
-        req,
-        Instant::now() + Duration::from_secs(10),
-    )
-    .await?;
+    reserve_retry(&allocs, new, req, Instant::now() + Duration::from_secs(10)).await?;
     let took = t.elapsed();
     assert!(
         took < Duration::from_secs(3),

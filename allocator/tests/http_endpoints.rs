@@ -19,7 +19,7 @@ fn metric(text: &str, name: &str) -> Option<f64> {
 async fn health_readiness_and_metrics() -> anyhow::Result<()> {
     let mut etcd = EtcdCluster::start(1).await?;
     let dir = tempfile::tempdir()?;
-    let allocs = Allocators::start(dir.path(), &etcd.endpoints_flag(), 2, "http", &[])?;
+    let allocs = Allocators::start(dir.path(), &etcd, 2, "http", &[])?;
     let leader = allocs.wait_leader(Duration::from_secs(20)).await?;
     let follower = 1 - leader;
     // A replica binds its HTTP port once it reached etcd: the follower may be a moment
@@ -47,17 +47,20 @@ async fn health_readiness_and_metrics() -> anyhow::Result<()> {
         assert!(Instant::now() < deadline, "follower never ready: {body}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let mut c = allocs.client(leader)?;
-    c.register_node(api::RegisterNodeRequest {
-        inventory: Some(inventory("n1", 2, 16_000, "T4")),
-    })
-    .await?;
-    c.reserve(api::ReserveRequest {
-        request: Some(pod("m1", 5_000, 25)),
-        node: "n1".into(),
-        ttl_ms: 0,
-    })
-    .await?;
+    allocs
+        .node_agent(leader, "n1")?
+        .register_node(api::RegisterNodeRequest {
+            inventory: Some(inventory("n1", 2, 16_000, "T4")),
+        })
+        .await?;
+    allocs
+        .extender(leader)?
+        .reserve(api::ReserveRequest {
+            request: Some(pod("m1", 5_000, 25)),
+            node: "n1".into(),
+            ttl_ms: 0,
+        })
+        .await?;
     let (code, text) = get(&format!("http://{}/metrics", allocs.http[leader])).await?;
     assert_eq!(code, 200);
     assert_eq!(

@@ -1,18 +1,22 @@
 //! The allocator watches Kubernetes: a deleted or finished pod frees its GPUs within 2 s, a
 //! deleted node frees everything on it.
 
+mod support;
+
 use std::time::{Duration, Instant};
 
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
+use gpuledger_testkit::cluster::SCHEDULER_NAME;
 use gpuledger_testkit::kube::{KubeStack, StackOptions};
 use gpuledger_testkit::workload::{inventory, pod};
 use k8s_openapi::serde_json::json;
+use support::reserve_admitted;
 
 async fn live(stack: &KubeStack) -> anyhow::Result<Vec<pb::Allocation>> {
     let d = stack
         .allocs
-        .client(0)?
+        .viewer(0)?
         .dump(api::DumpRequest {})
         .await?
         .into_inner();
@@ -39,21 +43,21 @@ async fn place(stack: &KubeStack, name: &str, node: &str) -> anyhow::Result<Stri
     let p = stack
         .api
         .add_pod(json!({"metadata": {"name": name, "namespace": "default"},
-        "spec": {"containers": [{"name": "main", "image": "x"}]}}))?;
+        "spec": {"schedulerName": SCHEDULER_NAME, "containers": [{"name": "main", "image": "x"}]}}))?;
     let uid = p["metadata"]["uid"].as_str().expect("uid").to_string();
     let mut req = pod(&uid, 2_000, 10);
     if let Some(r) = req.pod.as_mut() {
         r.name = name.into();
     }
-    stack
-        .allocs
-        .client(0)?
-        .reserve(api::ReserveRequest {
+    reserve_admitted(
+        &mut stack.allocs.extender(0)?,
+        api::ReserveRequest {
             request: Some(req),
             node: node.into(),
             ttl_ms: 0,
-        })
-        .await?;
+        },
+    )
+    .await?;
     stack
         .api
         .store
@@ -70,12 +74,14 @@ async fn deleted_pods_and_nodes_release() -> anyhow::Result<()> {
         ..Default::default()
     })
     .await?;
-    let mut c = stack.allocs.client(0)?;
     for n in ["n1", "n2"] {
-        c.register_node(api::RegisterNodeRequest {
-            inventory: Some(inventory(n, 2, 16_000, "T4")),
-        })
-        .await?;
+        stack
+            .allocs
+            .node_agent(0, n)?
+            .register_node(api::RegisterNodeRequest {
+                inventory: Some(inventory(n, 2, 16_000, "T4")),
+            })
+            .await?;
         stack.api.add_node(n, 128)?;
     }
     let a = place(&stack, "a", "n1").await?;
@@ -122,7 +128,7 @@ async fn deleted_pods_and_nodes_release() -> anyhow::Result<()> {
             let l = live(&stack).await?;
             let snap = stack
                 .allocs
-                .client(0)?
+                .viewer(0)?
                 .dump(api::DumpRequest {})
                 .await?
                 .into_inner()

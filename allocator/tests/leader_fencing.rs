@@ -14,20 +14,20 @@ use nix::sys::signal::Signal;
 async fn paused_leader_writes_nothing_after_takeover_and_steps_down() -> anyhow::Result<()> {
     let etcd = EtcdCluster::start(1).await?;
     let dir = tempfile::tempdir()?;
-    let allocs = Allocators::start(dir.path(), &etcd.endpoints_flag(), 2, "fence", &[])?;
+    let allocs = Allocators::start(dir.path(), &etcd, 2, "fence", &[])?;
     let old = allocs.wait_leader(Duration::from_secs(20)).await?;
     let old_epoch = allocs.status(old).await.expect("leader").epoch;
-    let mut c = allocs.client(old)?;
-    c.register_node(api::RegisterNodeRequest {
-        inventory: Some(inventory("n1", 4, 80_000, "A100")),
-    })
-    .await?;
+    allocs
+        .node_agent(old, "n1")?
+        .register_node(api::RegisterNodeRequest {
+            inventory: Some(inventory("n1", 4, 80_000, "A100")),
+        })
+        .await?;
 
     allocs.procs[old].signal(Signal::SIGSTOP)?;
     // A request reaches the paused leader's socket; it will only see it after SIGCONT.
-    let addr = allocs.addrs[old].clone();
+    let mut c = allocs.extender(old)?;
     let stale = tokio::spawn(async move {
-        let mut c = gpuledger_testkit::allocators::client(&addr)?;
         let r = c
             .reserve(api::ReserveRequest {
                 request: Some(pod("while-paused", 1_000, 0)),
@@ -52,7 +52,7 @@ async fn paused_leader_writes_nothing_after_takeover_and_steps_down() -> anyhow:
             node: "n1".into(),
             ttl_ms: 0,
         };
-        reserve_retry(&allocs.addrs, new, req, deadline).await?;
+        reserve_retry(&allocs, new, req, deadline).await?;
     }
     allocs.procs[old].signal(Signal::SIGCONT)?;
     // Whatever the resumed process answers, it must not be a grant from the old epoch.
@@ -81,13 +81,7 @@ async fn paused_leader_writes_nothing_after_takeover_and_steps_down() -> anyhow:
             node: "n1".into(),
             ttl_ms: 0,
         };
-        reserve_retry(
-            &allocs.addrs,
-            new,
-            req,
-            Instant::now() + Duration::from_secs(10),
-        )
-        .await?;
+        reserve_retry(&allocs, new, req, Instant::now() + Duration::from_secs(10)).await?;
     }
     let client = etcd.client().await?;
     let log = EtcdLog::new(&client, "fence", Duration::from_secs(5));

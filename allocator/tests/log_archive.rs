@@ -23,7 +23,7 @@ async fn read_log(
     to: u64,
 ) -> Result<Vec<pb::EventBatch>, tonic::Status> {
     let mut s = allocs
-        .client(i)
+        .viewer(i)
         .map_err(|e| tonic::Status::internal(e.to_string()))?
         .read_log(api::ReadLogRequest {
             from_seq: from,
@@ -50,11 +50,11 @@ async fn the_archive_bounds_etcd_and_history_stays_whole() -> anyhow::Result<()>
         "--archive-interval-ms=100",
         archive_flag.as_str(),
     ];
-    let allocs = Allocators::start(dir.path(), &etcd.endpoints_flag(), 2, "arch", &flags)?;
+    let allocs = Allocators::start(dir.path(), &etcd, 2, "arch", &flags)?;
     let leader = allocs.wait_leader(Duration::from_secs(20)).await?;
     let follower = 1 - leader;
     allocs
-        .client(leader)?
+        .node_agent(leader, "n1")?
         .register_node(api::RegisterNodeRequest {
             inventory: Some(inventory("n1", 8, 80_000, "A100")),
         })
@@ -145,7 +145,7 @@ async fn the_archive_bounds_etcd_and_history_stays_whole() -> anyhow::Result<()>
     let dir3 = tempfile::tempdir()?;
     let replayer = Allocators::start(
         dir3.path(),
-        &etcd.endpoints_flag(),
+        &etcd,
         1,
         "arch",
         &["--ignore-snapshots", archive_flag.as_str()],
@@ -155,7 +155,7 @@ async fn the_archive_bounds_etcd_and_history_stays_whole() -> anyhow::Result<()>
 
     // A replica without the archive says where the history went instead of skipping it.
     let dir2 = tempfile::tempdir()?;
-    let blind = Allocators::start(dir2.path(), &etcd.endpoints_flag(), 1, "arch", &[])?;
+    let blind = Allocators::start(dir2.path(), &etcd, 1, "arch", &[])?;
     blind.wait_seq(head, Duration::from_secs(20)).await?;
     let err = read_log(&blind, 0, 1, 0)
         .await

@@ -44,20 +44,22 @@ fn expect(s: &HashMap<String, f64>, series: &str, want: f64, text: &str) {
 async fn metrics_report_what_the_ledger_holds() -> anyhow::Result<()> {
     let etcd = EtcdCluster::start(1).await?;
     let dir = tempfile::tempdir()?;
-    let allocs = Allocators::start(dir.path(), &etcd.endpoints_flag(), 2, "metrics", &[])?;
+    let allocs = Allocators::start(dir.path(), &etcd, 2, "metrics", &[])?;
     let leader = allocs.wait_leader(Duration::from_secs(20)).await?;
     let follower = 1 - leader;
-    let mut c = allocs.client(leader)?;
-    c.register_node(api::RegisterNodeRequest {
+    let mut n1 = allocs.node_agent(leader, "n1")?;
+    n1.register_node(api::RegisterNodeRequest {
         inventory: Some(inventory("n1", 2, 16_000, "T4")),
     })
     .await?;
-    c.register_node(api::RegisterNodeRequest {
-        inventory: Some(inventory("n2", 4, 40_000, "A100")),
-    })
-    .await?;
+    allocs
+        .node_agent(leader, "n2")?
+        .register_node(api::RegisterNodeRequest {
+            inventory: Some(inventory("n2", 4, 40_000, "A100")),
+        })
+        .await?;
     // n1's GPU 1 goes bad first, so both reservations on n1 land on GPU 0.
-    c.set_device_health(api::SetDeviceHealthRequest {
+    n1.set_device_health(api::SetDeviceHealthRequest {
         node: "n1".into(),
         gpu_uuid: "GPU-n1-1".into(),
         healthy: false,
@@ -65,6 +67,7 @@ async fn metrics_report_what_the_ledger_holds() -> anyhow::Result<()> {
         xid: 79,
     })
     .await?;
+    let mut c = allocs.extender(leader)?;
     let a = c
         .reserve(api::ReserveRequest {
             request: Some(pod("p1", 5_000, 25)),
@@ -90,7 +93,7 @@ async fn metrics_report_what_the_ledger_holds() -> anyhow::Result<()> {
         node: "n1".into(),
     })
     .await?;
-    let last = c
+    let last = n1
         .report_violation(api::ReportViolationRequest {
             violation: Some(pb::LimitViolated {
                 allocation_id: a.allocations[0].id,

@@ -9,35 +9,57 @@ use gpuledger_allocator::log::EtcdLog;
 use gpuledger_ledger::Ledger;
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
-use gpuledger_testkit::workload::{inventory, pod, reserve_retry};
+use gpuledger_testkit::allocators::Client;
+use gpuledger_testkit::workload::{inventory, pod, reserve_retry, retryable};
 use gpuledger_testkit::{Allocators, EtcdCluster};
+use tonic::Status;
+
+/// Reserve through `clients` (one per replica), starting at `start` and moving to the next
+/// replica after each retryable error until `deadline`, as the extender does.
+async fn reserve_any(
+    clients: &[Client],
+    start: usize,
+    req: api::ReserveRequest,
+    deadline: Instant,
+) -> Result<api::ReserveResponse, Status> {
+    let mut n = start;
+    loop {
+        let mut c = clients[n % clients.len()].clone();
+        match c.reserve(req.clone()).await {
+            Ok(r) => return Ok(r.into_inner()),
+            Err(s) if retryable(&s) && Instant::now() < deadline => {
+                n += 1;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(s) => return Err(s),
+        }
+    }
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acked_grants_survive_leader_kills_and_replay_equals_live() -> anyhow::Result<()> {
     let etcd = EtcdCluster::start(3).await?;
     let dir = tempfile::tempdir()?;
     // A small snapshot interval so snapshots may be written while leaders change.
-    let mut allocs = Allocators::start(
-        dir.path(),
-        &etcd.endpoints_flag(),
-        3,
-        "nlg",
-        &["--snapshot-every=50"],
-    )?;
+    let mut allocs = Allocators::start(dir.path(), &etcd, 3, "nlg", &["--snapshot-every=50"])?;
     let leader = allocs.wait_leader(Duration::from_secs(20)).await?;
-    let mut c = allocs.client(leader)?;
     for n in 0..4 {
-        c.register_node(api::RegisterNodeRequest {
-            inventory: Some(inventory(&format!("n{n}"), 4, 80_000, "A100")),
-        })
-        .await?;
+        let node = format!("n{n}");
+        allocs
+            .node_agent(leader, &node)?
+            .register_node(api::RegisterNodeRequest {
+                inventory: Some(inventory(&node, 4, 80_000, "A100")),
+            })
+            .await?;
     }
     let acked: Arc<Mutex<BTreeMap<String, Vec<pb::Allocation>>>> = Arc::default();
-    let addrs = allocs.addrs.clone();
+    let clients = (0..allocs.addrs.len())
+        .map(|i| allocs.extender(i))
+        .collect::<anyhow::Result<Vec<_>>>()?;
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mut workers = Vec::new();
     for w in 0..8 {
-        let (acked, addrs, stop) = (acked.clone(), addrs.clone(), stop.clone());
+        let (acked, clients, stop) = (acked.clone(), clients.clone(), stop.clone());
         workers.push(tokio::spawn(async move {
             let mut i = 0;
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
@@ -47,9 +69,13 @@ async fn acked_grants_survive_leader_kills_and_replay_equals_live() -> anyhow::R
                     node: format!("n{}", i % 4),
                     ttl_ms: 0,
                 };
-                if let Ok((r, _)) =
-                    reserve_retry(&addrs, w + i, req, Instant::now() + Duration::from_secs(10))
-                        .await
+                if let Ok(r) = reserve_any(
+                    &clients,
+                    w + i,
+                    req,
+                    Instant::now() + Duration::from_secs(10),
+                )
+                .await
                 {
                     acked.lock().expect("lock").insert(uid, r.allocations);
                 }
@@ -86,7 +112,7 @@ async fn acked_grants_survive_leader_kills_and_replay_equals_live() -> anyhow::R
 
     // Every acked grant is in the ledger, exactly as acked; a retry returns it unchanged.
     let dump = allocs
-        .client(leader)?
+        .viewer(leader)?
         .dump(api::DumpRequest {})
         .await?
         .into_inner();
@@ -107,13 +133,8 @@ async fn acked_grants_survive_leader_kills_and_replay_equals_live() -> anyhow::R
             node: allocations[0].node.clone(),
             ttl_ms: 0,
         };
-        let (r, _) = reserve_retry(
-            &allocs.addrs,
-            0,
-            req,
-            Instant::now() + Duration::from_secs(10),
-        )
-        .await?;
+        let (r, _) =
+            reserve_retry(&allocs, 0, req, Instant::now() + Duration::from_secs(10)).await?;
         assert!(!r.created, "retry of {uid} made a second grant");
         assert_eq!(
             r.allocations.iter().map(|a| a.id).collect::<Vec<_>>(),
@@ -142,7 +163,7 @@ async fn acked_grants_survive_leader_kills_and_replay_equals_live() -> anyhow::R
     replayed.check().map_err(anyhow::Error::msg)?;
     for i in 0..allocs.addrs.len() {
         let d = allocs
-            .client(i)?
+            .viewer(i)?
             .dump(api::DumpRequest {})
             .await?
             .into_inner();

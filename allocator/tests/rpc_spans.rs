@@ -1,32 +1,33 @@
 //! Every RPC runs in a span that carries its ids: what a request names (pod uid, node,
 //! allocation) and what its answer says (seq, epoch) are on every log line of the call.
 
+mod support;
+
 use std::time::{Duration, Instant};
 
+use gpuledger_auth::identity::Role;
 use gpuledger_proto::allocator::v1 as api;
-use gpuledger_testkit::allocators::client;
+use gpuledger_testkit::allocators::connect;
 use gpuledger_testkit::workload::{inventory, pod};
-use gpuledger_testkit::{EtcdCluster, Proc, bin_path, free_port};
+use gpuledger_testkit::{EtcdCluster, Identities, Pki};
+use support::spawn_allocator;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_rpcs_log_lines_carry_its_ids() -> anyhow::Result<()> {
     let etcd = EtcdCluster::start(1).await?;
     let dir = tempfile::tempdir()?;
-    let addr = format!("127.0.0.1:{}", free_port()?);
-    let proc = Proc::spawn(
+    let ids = Identities::certs(Pki::new(dir.path())?);
+    let mut etcd_flags = vec![format!("--etcd-endpoints={}", etcd.endpoints_flag())];
+    etcd_flags.extend(etcd.tls_flags());
+    // The span layer's own line per call (at debug) shows the span with its fields.
+    let (proc, addr) = spawn_allocator(
         dir.path(),
-        "alloc0",
-        &bin_path("gpuledger-allocator")?,
-        vec![
-            format!("--http-listen=127.0.0.1:{}", free_port()?),
-            format!("--etcd-endpoints={}", etcd.endpoints_flag()),
-            "--cluster=spans".into(),
-            format!("--listen={addr}"),
-        ],
-        // The span layer's own line per call (at debug) shows the span with its fields.
-        vec![("GPULEDGER_LOG".into(), "info,tower_http=debug".into())],
+        &ids,
+        "spans",
+        etcd_flags,
+        "info,tower_http=debug",
     )?;
-    let mut c = client(&addr)?;
+    let mut c = connect(&addr, &ids.credentials(&Role::Extender)?)?;
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         if let Ok(s) = c.status(api::StatusRequest {}).await
@@ -42,7 +43,11 @@ async fn an_rpcs_log_lines_carry_its_ids() -> anyhow::Result<()> {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    c.register_node(api::RegisterNodeRequest {
+    connect(
+        &addr,
+        &ids.credentials(&Role::NodeAgent { node: "n1".into() })?,
+    )?
+    .register_node(api::RegisterNodeRequest {
         inventory: Some(inventory("n1", 1, 16_000, "T4")),
     })
     .await?;

@@ -13,17 +13,11 @@ use nix::sys::signal::Signal;
 async fn cold_start_from_snapshot_and_recovery_after_compaction() -> anyhow::Result<()> {
     let etcd = EtcdCluster::start(1).await?;
     let dir = tempfile::tempdir()?;
-    let allocs = Allocators::start(
-        dir.path(),
-        &etcd.endpoints_flag(),
-        2,
-        "snap",
-        &["--snapshot-every=25"],
-    )?;
+    let allocs = Allocators::start(dir.path(), &etcd, 2, "snap", &["--snapshot-every=25"])?;
     let leader = allocs.wait_leader(Duration::from_secs(20)).await?;
     let follower = 1 - leader;
     allocs
-        .client(leader)?
+        .node_agent(leader, "n1")?
         .register_node(api::RegisterNodeRequest {
             inventory: Some(inventory("n1", 8, 80_000, "A100")),
         })
@@ -57,7 +51,7 @@ async fn cold_start_from_snapshot_and_recovery_after_compaction() -> anyhow::Res
     .await?;
     // A brand-new replica loads the newest snapshot and the tail.
     let dir2 = tempfile::tempdir()?;
-    let fresh = Allocators::start(dir2.path(), &etcd.endpoints_flag(), 1, "snap", &[])?;
+    let fresh = Allocators::start(dir2.path(), &etcd, 1, "snap", &[])?;
     fresh.wait_seq(head, Duration::from_secs(20)).await?;
     assert!(
         fresh

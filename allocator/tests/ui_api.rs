@@ -13,15 +13,15 @@ use gpuledger_testkit::{Allocators, EtcdCluster};
 async fn state_and_events_json() -> anyhow::Result<()> {
     let etcd = EtcdCluster::start(1).await?;
     let dir = tempfile::tempdir()?;
-    let allocs = Allocators::start(dir.path(), &etcd.endpoints_flag(), 1, "uiapi", &[])?;
+    let allocs = Allocators::start(dir.path(), &etcd, 1, "uiapi", &["--http-state-api"])?;
     allocs.wait_leader(Duration::from_secs(20)).await?;
     let http = &allocs.http[0];
-    let mut c = allocs.client(0)?;
-    c.register_node(api::RegisterNodeRequest {
+    let mut n1 = allocs.node_agent(0, "n1")?;
+    n1.register_node(api::RegisterNodeRequest {
         inventory: Some(inventory("n1", 2, 16_000, "T4")),
     })
     .await?;
-    c.set_device_health(api::SetDeviceHealthRequest {
+    n1.set_device_health(api::SetDeviceHealthRequest {
         node: "n1".into(),
         gpu_uuid: "GPU-n1-1".into(),
         healthy: false,
@@ -29,7 +29,8 @@ async fn state_and_events_json() -> anyhow::Result<()> {
         xid: 48,
     })
     .await?;
-    let r = c
+    let r = allocs
+        .extender(0)?
         .reserve(api::ReserveRequest {
             request: Some(pod("p1", 5_000, 25)),
             node: "n1".into(),
@@ -108,5 +109,23 @@ async fn state_and_events_json() -> anyhow::Result<()> {
         page.contains("/api/v1/state"),
         "the page reads the state API"
     );
+    Ok(())
+}
+
+/// The GPU map names every tenant's pods: without `--http-state-api` the unauthenticated HTTP
+/// port serves none of it (health and metrics only).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gpu_map_is_off_unless_asked_for() -> anyhow::Result<()> {
+    let etcd = EtcdCluster::start(1).await?;
+    let dir = tempfile::tempdir()?;
+    let allocs = Allocators::start(dir.path(), &etcd, 1, "uioff", &[])?;
+    allocs.wait_leader(Duration::from_secs(20)).await?;
+    let http = &allocs.http[0];
+    for path in ["/ui", "/api/v1/state", "/api/v1/events"] {
+        let (code, _) = get(&format!("http://{http}{path}")).await?;
+        assert_eq!(code, 404, "{path} is served without --http-state-api");
+    }
+    let (code, _) = get(&format!("http://{http}/metrics")).await?;
+    assert_eq!(code, 200);
     Ok(())
 }

@@ -90,18 +90,31 @@ fn gpu_row<'a>(dom: &'a str, uuid: &str) -> Option<&'a str> {
 }
 
 async fn build_cluster(allocs: &Allocators) -> Result<u64> {
-    let addr = allocs.addrs[0].clone();
+    // Every node registers itself, as its node agent does; then the pods are reserved (a pod
+    // may go to any node, so all are registered first).
     let mut tasks = Vec::new();
     for w in 0..16 {
-        let addr = addr.clone();
+        let agents = (w..NODES)
+            .step_by(16)
+            .map(|i| Ok((node(i), allocs.node_agent(0, &node(i))?)))
+            .collect::<Result<Vec<_>>>()?;
         tasks.push(tokio::spawn(async move {
-            let mut c = gpuledger_testkit::allocators::client(&addr)?;
-            for i in (w..NODES).step_by(16) {
-                c.register_node(api::RegisterNodeRequest {
-                    inventory: Some(inventory(&node(i), GPUS, 81_920, "NVIDIA A100-SXM4-80GB")),
-                })
-                .await?;
+            for (name, mut agent) in agents {
+                agent
+                    .register_node(api::RegisterNodeRequest {
+                        inventory: Some(inventory(&name, GPUS, 81_920, "NVIDIA A100-SXM4-80GB")),
+                    })
+                    .await?;
             }
+            anyhow::Ok(())
+        }));
+    }
+    for t in tasks.drain(..) {
+        t.await??;
+    }
+    for w in 0..16 {
+        let mut c = allocs.extender(0)?;
+        tasks.push(tokio::spawn(async move {
             for k in (w..PODS).step_by(16) {
                 c.reserve(api::ReserveRequest {
                     request: Some(pod(&format!("train-{k}"), 10_240, 20)),
@@ -116,7 +129,7 @@ async fn build_cluster(allocs: &Allocators) -> Result<u64> {
     for t in tasks {
         t.await??;
     }
-    let mut c = allocs.client(0)?;
+    let mut c = allocs.extender(0)?;
     // A pod pinned to one GPU, bound, so the test knows where it must appear.
     let mut probe = pod("probe", 30_000, 40);
     probe.placement = Some(api::Placement {
@@ -134,7 +147,8 @@ async fn build_cluster(allocs: &Allocators) -> Result<u64> {
         node: node(2),
     })
     .await?;
-    let last = c
+    let last = allocs
+        .node_agent(0, &node(7))?
         .set_device_health(api::SetDeviceHealthRequest {
             node: node(7),
             gpu_uuid: "GPU-node-0007-3".into(),
@@ -152,7 +166,7 @@ async fn ui_draws_the_ledger_fast() -> Result<()> {
     let bin = chromium();
     let etcd = EtcdCluster::start(1).await?;
     let dir = tempfile::tempdir()?;
-    let allocs = Allocators::start(dir.path(), &etcd.endpoints_flag(), 1, "ui", &[])?;
+    let allocs = Allocators::start(dir.path(), &etcd, 1, "ui", &["--http-state-api"])?;
     allocs.wait_leader(Duration::from_secs(20)).await?;
     let seq = build_cluster(&allocs).await?;
     let st = allocs.status(0).await.context("allocator status")?;

@@ -7,7 +7,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use etcd_client::{Client, Compare, CompareOp, Txn, TxnOp};
+use etcd_client::{Compare, CompareOp, Txn, TxnOp};
 use gpuledger_testkit::EtcdCluster;
 
 /// CPU seconds (user + system) of a process, from /proc.
@@ -38,7 +38,7 @@ async fn main() -> Result<()> {
         .filter_map(|i| etcd.member(i).and_then(|p| p.pid()))
         .collect();
     let members_cpu = || -> Result<f64> { pids.iter().map(|p| cpu_seconds(*p)).sum() };
-    let mut c = Client::connect(etcd.endpoints(), None).await?;
+    let mut c = etcd.client().await?;
     c.put("leader", "me", None).await?;
     let resp = c.get("leader", None).await?;
     let epoch = resp.kvs().first().context("leader key")?.create_revision();

@@ -1,19 +1,25 @@
 //! `gpuledger-bench allocator`: reservation throughput and latency against raw etcd.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use etcd_client::{Client, Compare, CompareOp, Txn, TxnOp};
+use gpuledger_auth::identity::Role;
 use gpuledger_proto::allocator::v1 as api;
-use gpuledger_testkit::allocators::client;
+use gpuledger_proto::allocator::v1::allocator_client::AllocatorClient;
+use gpuledger_testkit::allocators;
+use gpuledger_testkit::pki::Identities;
 use gpuledger_testkit::workload::{inventory, pod};
-use gpuledger_testkit::{Allocators, EtcdCluster, Proc, bin_path, free_port};
+use gpuledger_testkit::{Allocators, EtcdCluster};
 use hdrhistogram::Histogram;
 use tokio::sync::Mutex;
+use tonic::service::interceptor::InterceptedService;
 
+mod baseline;
+
+use self::baseline::{auth_phase, speaks_tls, ui_phase};
 use crate::common::{histogram, q_ms, record, rss_mib, run_dir, title};
 
 /// Flags of `gpuledger-bench allocator`.
@@ -54,21 +60,22 @@ pub struct Args {
     /// Rounds of the /ui phase per allocator, alternating (ABBA) with the baseline.
     #[arg(long, default_value_t = 2)]
     ui_rounds: usize,
-    /// An allocator binary to measure beside this build in the /ui phase, in the same run
-    /// (e.g. one built from an earlier commit; its flags must match this build's).
+    /// An allocator binary built from an earlier commit, measured beside this build in the same
+    /// run: in the /ui phase, and, when it predates authentication (no --tls-cert), in a phase
+    /// that measures what TLS and authentication cost.
     #[arg(long)]
     baseline_allocator: Option<PathBuf>,
 }
 
 async fn raw_etcd(
-    endpoints: &[String],
+    etcd: &EtcdCluster,
     tag: &str,
     clients: usize,
     dur: Duration,
 ) -> Result<(f64, Histogram<u64>)> {
     let mut conns = Vec::new();
     for _ in 0..4 {
-        conns.push(Client::connect(endpoints, None).await?);
+        conns.push(etcd.client().await?);
     }
     let hist = Arc::new(Mutex::new(histogram()));
     let deadline = Instant::now() + dur;
@@ -110,7 +117,42 @@ async fn raw_etcd(
     Ok((total as f64 / started.elapsed().as_secs_f64(), h))
 }
 
-async fn register(addr: &str, nodes: usize, prefix: &str) -> Result<()> {
+/// How the bench reaches one allocator: over TLS with the run's credentials, or in plain text
+/// (a `--baseline-allocator` built before the API was authenticated).
+#[derive(Clone)]
+struct Target {
+    addr: String,
+    ids: Option<Identities>,
+}
+
+impl Target {
+    /// Replica `i` of `allocs`, with its run's credentials.
+    fn of(allocs: &Allocators, i: usize) -> Self {
+        Target {
+            addr: allocs.addrs[i].clone(),
+            ids: Some(allocs.ids.clone()),
+        }
+    }
+
+    /// A client calling as `role`.
+    fn client(&self, role: &Role) -> Result<allocators::Client> {
+        match &self.ids {
+            Some(ids) => allocators::connect(&self.addr, &ids.credentials(role)?),
+            None => {
+                let ch = tonic::transport::Endpoint::from_shared(format!("http://{}", self.addr))?
+                    .tcp_nodelay(true)
+                    .connect_lazy();
+                Ok(AllocatorClient::new(InterceptedService::new(
+                    ch,
+                    gpuledger_auth::client::Bearer::default(),
+                )))
+            }
+        }
+    }
+}
+
+/// Register `nodes` nodes named `<prefix>NNNNN`, as an operator (admin) would.
+async fn register(t: &Target, nodes: usize, prefix: &str) -> Result<()> {
     let names: Vec<String> = (0..nodes).map(|i| format!("{prefix}{i:05}")).collect();
     let chunks: Vec<Vec<String>> = names
         .chunks(nodes.div_ceil(32).max(1))
@@ -118,7 +160,7 @@ async fn register(addr: &str, nodes: usize, prefix: &str) -> Result<()> {
         .collect();
     let mut tasks = Vec::new();
     for chunk in chunks {
-        let mut c = client(addr)?;
+        let mut c = t.client(&Role::Admin)?;
         tasks.push(tokio::spawn(async move {
             for n in chunk {
                 c.register_node(api::RegisterNodeRequest {
@@ -146,7 +188,7 @@ async fn log_batches(kv: &mut Client) -> Result<i64> {
 
 /// Reserve from `clients` tasks until `dur` passes or `limit` reservations are made.
 async fn reserve_load(
-    addr: &str,
+    t: &Target,
     clients: usize,
     dur: Duration,
     limit: usize,
@@ -154,7 +196,9 @@ async fn reserve_load(
     prefix: &str,
     tag: &str,
 ) -> Result<(f64, Histogram<u64>, usize)> {
-    let channels: Vec<_> = (0..8).map(|_| client(addr)).collect::<Result<_>>()?;
+    let channels: Vec<_> = (0..8)
+        .map(|_| t.client(&Role::Extender))
+        .collect::<Result<_>>()?;
     let hist = Arc::new(Mutex::new(histogram()));
     let count = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let deadline = Instant::now() + dur;
@@ -201,13 +245,15 @@ async fn reserve_load(
 /// the earlier ones were answered; latency counts from the scheduled time (no coordinated
 /// omission). Returns the latencies and how many were made.
 async fn reserve_at_rate(
-    addr: &str,
+    t: &Target,
     rate: u32,
     dur: Duration,
     nodes: usize,
     tag: &str,
 ) -> Result<(Histogram<u64>, usize)> {
-    let channels: Vec<_> = (0..8).map(|_| client(addr)).collect::<Result<_>>()?;
+    let channels: Vec<_> = (0..8)
+        .map(|_| t.client(&Role::Extender))
+        .collect::<Result<_>>()?;
     let every = Duration::from_secs(1) / rate.max(1);
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
@@ -255,224 +301,11 @@ fn cpu_seconds(pid: u32) -> f64 {
     ticks / 100.0
 }
 
-/// One allocator replica started from a given binary.
-struct Replica {
-    proc: Proc,
-    addr: String,
-    http: String,
-}
-
-impl Replica {
-    /// Start `bin` as the single replica of `cluster` (the flags `Allocators` gives).
-    fn start(dir: &Path, bin: &Path, etcd: &str, cluster: &str, name: &str) -> Result<Replica> {
-        let addr = format!("127.0.0.1:{}", free_port()?);
-        let http = format!("127.0.0.1:{}", free_port()?);
-        let args = vec![
-            format!("--http-listen={http}"),
-            format!("--etcd-endpoints={etcd}"),
-            format!("--cluster={cluster}"),
-            format!("--listen={addr}"),
-            format!("--replica={name}"),
-        ];
-        let proc = Proc::spawn(
-            dir,
-            name,
-            bin,
-            args,
-            vec![("GPULEDGER_LOG".into(), "info".into())],
-        )?;
-        Ok(Replica { proc, addr, http })
-    }
-
-    /// Wait until the replica leads and is ready.
-    async fn wait_ready(&self, timeout: Duration) -> Result<()> {
-        let deadline = Instant::now() + timeout;
-        let mut c = client(&self.addr)?;
-        while Instant::now() < deadline {
-            if let Ok(Ok(s)) =
-                tokio::time::timeout(Duration::from_millis(500), c.status(api::StatusRequest {}))
-                    .await
-            {
-                let s = s.into_inner();
-                if s.role == "leader" && s.ready {
-                    return Ok(());
-                }
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        bail!(
-            "{} did not lead within {timeout:?}:\n{}",
-            self.proc.name,
-            self.proc.log_tail(15)
-        )
-    }
-}
-
-/// What one allocator did in the /ui phase, all rounds together.
-struct UiResult {
-    name: String,
-    /// Latencies while /ui is polled.
-    hist: Histogram<u64>,
-    /// Latencies of the same replica right after, not polled (the control).
-    quiet: Histogram<u64>,
-    reservations: usize,
-    seconds: f64,
-    polls: usize,
-    rss_mib: f64,
-}
-
-/// Reserve while a poller reads `/api/v1/state` of a large ledger without pause, for this
-/// build and, alternating in the same run, `--baseline-allocator`. Returns each one's result.
-async fn ui_phase(a: &Args, dir: &Path, etcd: &EtcdCluster) -> Result<Vec<UiResult>> {
-    let this = bin_path("gpuledger-allocator")?;
-    let mut cands = vec![("this build".to_string(), this.clone())];
-    if let Some(b) = &a.baseline_allocator {
-        cands.push(("baseline".to_string(), b.clone()));
-    }
-    title(&format!(
-        "{} reservations/s while a poller reads /ui's state twice a second: {} nodes x 8 GPUs, {} allocations; {}",
-        a.ui_rate,
-        a.ui_nodes,
-        a.ui_allocs,
-        match &a.baseline_allocator {
-            Some(b) => format!(
-                "this build and the baseline {} alternating (ABBA)",
-                b.display()
-            ),
-            None => "this build only (no --baseline-allocator)".to_string(),
-        }
-    ));
-    let flag = etcd.endpoints_flag();
-    let seed = Replica::start(dir, &this, &flag, "ui", "ui-seed")?;
-    seed.wait_ready(Duration::from_secs(30)).await?;
-    register(&seed.addr, a.ui_nodes, "ui").await?;
-    reserve_load(
-        &seed.addr,
-        a.clients,
-        Duration::from_secs(600),
-        a.ui_allocs,
-        a.ui_nodes,
-        "ui",
-        "seed",
-    )
-    .await?;
-    drop(seed);
-    let mut results: Vec<UiResult> = cands
-        .iter()
-        .map(|(n, _)| UiResult {
-            name: n.clone(),
-            hist: histogram(),
-            quiet: histogram(),
-            reservations: 0,
-            seconds: 0.0,
-            polls: 0,
-            rss_mib: 0.0,
-        })
-        .collect();
-    for round in 0..a.ui_rounds {
-        let order: Vec<usize> = if round % 2 == 0 {
-            (0..cands.len()).collect()
-        } else {
-            (0..cands.len()).rev().collect()
-        };
-        for i in order {
-            let (name, bin) = &cands[i];
-            let rep = Replica::start(dir, bin, &flag, "ui", &format!("ui-{i}-{round}"))?;
-            rep.wait_ready(Duration::from_secs(60)).await?;
-            let stop = Arc::new(AtomicBool::new(false));
-            let polls = Arc::new(AtomicUsize::new(0));
-            // Two browsers on the GPU map (the page polls every 2 s each, the replica builds
-            // the JSON at most once a second).
-            let poller = {
-                let (stop, polls) = (stop.clone(), polls.clone());
-                let url = format!("http://{}/api/v1/state", rep.http);
-                tokio::spawn(async move {
-                    let mut every = tokio::time::interval(Duration::from_millis(500));
-                    while !stop.load(Ordering::Relaxed) {
-                        every.tick().await;
-                        if matches!(gpuledger_testkit::http::get(&url).await, Ok((200, _))) {
-                            polls.fetch_add(1, Ordering::Relaxed);
-                        }
-                    }
-                })
-            };
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            let t = Instant::now();
-            let (h, made) = reserve_at_rate(
-                &rep.addr,
-                a.ui_rate,
-                Duration::from_secs(a.ui_seconds),
-                a.ui_nodes,
-                &format!("r{round}c{i}"),
-            )
-            .await?;
-            let secs = t.elapsed().as_secs_f64();
-            stop.store(true, Ordering::Relaxed);
-            let _ = poller.await;
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            let (quiet, _) = reserve_at_rate(
-                &rep.addr,
-                a.ui_rate,
-                Duration::from_secs(a.ui_seconds),
-                a.ui_nodes,
-                &format!("r{round}c{i}q"),
-            )
-            .await?;
-            let r = &mut results[i];
-            r.hist.add(&h).ok();
-            r.quiet.add(&quiet).ok();
-            r.reservations += made;
-            r.seconds += secs;
-            r.polls += polls.load(Ordering::Relaxed);
-            r.rss_mib = r
-                .rss_mib
-                .max(rep.proc.pid().map(rss_mib).transpose()?.unwrap_or(0.0));
-            println!(
-                "round {round}, {name}: p99 {:.2} ms polled ({made} reservations, {} polls), {:.2} ms not polled",
-                q_ms(&h, 0.99),
-                polls.load(Ordering::Relaxed),
-                q_ms(&quiet, 0.99)
-            );
-        }
-    }
-    println!();
-    println!(
-        "{:<24} {:>10} {:>9} {:>9} {:>9} {:>9} {:>7} {:>9}",
-        "allocator", "reserve/s", "p50 ms", "p99 ms", "p99.9 ms", "max ms", "polls", "RSS MiB"
-    );
-    for r in &results {
-        for (what, h, polls) in [
-            ("/ui polled", &r.hist, r.polls),
-            ("not polled", &r.quiet, 0),
-        ] {
-            println!(
-                "{:<24} {:>10.0} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>7} {:>9.1}",
-                format!("{}, {what}", r.name),
-                r.reservations as f64 / r.seconds.max(1e-9),
-                q_ms(h, 0.5),
-                q_ms(h, 0.99),
-                q_ms(h, 0.999),
-                h.max() as f64 / 1000.0,
-                polls,
-                r.rss_mib
-            );
-        }
-    }
-    if let [this, base] = results.as_slice() {
-        println!(
-            "reservation p99 under the /ui poller: baseline/this build = {:.2}x",
-            q_ms(&base.hist, 0.99) / q_ms(&this.hist, 0.99).max(1e-9)
-        );
-    }
-    Ok(results)
-}
-
 /// Run the benchmark.
 pub async fn run(a: Args) -> Result<()> {
     let dir = run_dir("allocator")?;
     title("starting a 3-member etcd");
     let etcd = EtcdCluster::start_in(&dir.path().join("etcd"), 3).await?;
-    let endpoints = etcd.endpoints();
     let dur = Duration::from_secs(a.seconds);
 
     title(&format!(
@@ -487,25 +320,19 @@ pub async fn run(a: Args) -> Result<()> {
         .collect();
     let raw_cpu = || raw_pids.iter().map(|p| cpu_seconds(*p)).sum::<f64>();
     let (cpu0, t0) = (raw_cpu(), Instant::now());
-    let (raw, raw_h) = raw_etcd(&endpoints, "many", a.clients, dur).await?;
+    let (raw, raw_h) = raw_etcd(&etcd, "many", a.clients, dur).await?;
     let raw_cpu_per_txn = (raw_cpu() - cpu0) / (raw * t0.elapsed().as_secs_f64()).max(1.0);
-    let (raw1, raw1_h) = raw_etcd(&endpoints, "one", 1, Duration::from_secs(3)).await?;
+    let (raw1, raw1_h) = raw_etcd(&etcd, "one", 1, Duration::from_secs(3)).await?;
 
     title(&format!(
         "gpuledger: 1 allocator replica, {} nodes x 8 GPUs, commit linger {} µs",
         a.nodes, a.commit_linger_us
     ));
     let linger = format!("--commit-linger-us={}", a.commit_linger_us);
-    let allocs = Allocators::start(
-        dir.path(),
-        &etcd.endpoints_flag(),
-        1,
-        "bench",
-        &[linger.as_str()],
-    )?;
+    let allocs = Allocators::start(dir.path(), &etcd, 1, "bench", &[linger.as_str()])?;
     allocs.wait_leader(Duration::from_secs(30)).await?;
-    let addr = allocs.addrs[0].clone();
-    register(&addr, a.nodes, "node").await?;
+    let target = Target::of(&allocs, 0);
+    register(&target, a.nodes, "node").await?;
     let pids: Vec<(String, u32)> =
         std::iter::once(("allocator".to_string(), allocs.procs[0].pid()))
             .chain(
@@ -517,14 +344,14 @@ pub async fn run(a: Args) -> Result<()> {
             )))
             .filter_map(|(n, p)| p.map(|p| (n, p)))
             .collect();
-    let mut kv = Client::connect(&endpoints, None).await?;
+    let mut kv = etcd.client().await?;
     let log_before = (
         log_batches(&mut kv).await?,
         allocs.status(0).await.map_or(0, |s| s.seq),
     );
     let cpu_before: Vec<f64> = pids.iter().map(|(_, p)| cpu_seconds(*p)).collect();
     let (rps, h, made) =
-        reserve_load(&addr, a.clients, dur, usize::MAX, a.nodes, "node", "load").await?;
+        reserve_load(&target, a.clients, dur, usize::MAX, a.nodes, "node", "load").await?;
     let log_after = (
         log_batches(&mut kv).await?,
         allocs.status(0).await.map_or(0, |s| s.seq),
@@ -535,7 +362,7 @@ pub async fn run(a: Args) -> Result<()> {
         .map(|((n, p), b)| (n.clone(), cpu_seconds(*p) - b))
         .collect();
     let (rps1, h1, _) = reserve_load(
-        &addr,
+        &target,
         1,
         Duration::from_secs(3),
         usize::MAX,
@@ -606,9 +433,9 @@ pub async fn run(a: Args) -> Result<()> {
             "memory: fresh ledger with {} nodes x 8 GPUs and {} live allocations",
             a.rss_nodes, a.rss_allocs
         ));
-        let big = Allocators::start(dir.path(), &etcd.endpoints_flag(), 1, "rss", &[])?;
+        let big = Allocators::start(dir.path(), &etcd, 1, "rss", &[])?;
         big.wait_leader(Duration::from_secs(30)).await?;
-        let baddr = big.addrs[0].clone();
+        let baddr = Target::of(&big, 0);
         let t = Instant::now();
         register(&baddr, a.rss_nodes, "big").await?;
         let (_, _, made) = reserve_load(
@@ -631,6 +458,18 @@ pub async fn run(a: Args) -> Result<()> {
             st.seq
         );
         rss_line = format!(" rss_mib={rss:.0}");
+    }
+    if let Some(base) = a
+        .baseline_allocator
+        .as_ref()
+        .filter(|b| !speaks_tls(b).unwrap_or(true))
+    {
+        let (with, without) = auth_phase(&a, dir.path(), &etcd, base).await?;
+        rss_line.push_str(&format!(
+            " auth_ratio={:.2} auth_p50_delta_ms={:.2}",
+            with.0 / without.0.max(1e-9),
+            q_ms(&with.1, 0.5) - q_ms(&without.1, 0.5)
+        ));
     }
     if a.ui_nodes > 0 {
         let ui = ui_phase(&a, dir.path(), &etcd).await?;

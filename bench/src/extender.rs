@@ -9,9 +9,8 @@ use anyhow::{Context, Result};
 use futures::StreamExt;
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
-use gpuledger_testkit::kube::{
-    ExtenderClient, ExtenderConfig, KubeStack, SchedulerEmulator, StackOptions,
-};
+use gpuledger_testkit::EtcdCluster;
+use gpuledger_testkit::kube::{ExtenderClient, KubeStack, SchedulerEmulator, StackOptions};
 use gpuledger_testkit::workload::inventory;
 use serde_json::{Value, json};
 
@@ -90,8 +89,8 @@ async fn settle(allocs: &gpuledger_testkit::Allocators, timeout: Duration) -> Re
 }
 
 /// Ledger batches (etcd transactions) whose first seq is after `seq`.
-async fn log_batches_after(endpoints: &[String], seq: u64) -> Result<usize> {
-    let mut kv = etcd_client::Client::connect(endpoints, None).await?;
+async fn log_batches_after(etcd: &EtcdCluster, seq: u64) -> Result<usize> {
+    let mut kv = etcd.client().await?;
     let r = kv
         .get(
             "/",
@@ -129,12 +128,12 @@ pub async fn run(a: Args) -> Result<()> {
     .await?;
     let names: Vec<String> = (0..a.nodes).map(|i| format!("node-{i:05}")).collect();
     let t = Instant::now();
-    let addr = stack.allocs.addrs[0].clone();
+    let allocs = &stack.allocs;
     let regs = futures::stream::iter(names.iter().cloned().map(|n| {
-        let addr = addr.clone();
         let gpus = a.gpus_per_node;
         async move {
-            let mut c = gpuledger_testkit::allocators::client(&addr)?;
+            // As the node's agent registers it.
+            let mut c = allocs.node_agent(0, &n)?;
             c.register_node(api::RegisterNodeRequest {
                 inventory: Some(inventory(&n, gpus, 24_000, "NVIDIA A10")),
             })
@@ -165,7 +164,7 @@ pub async fn run(a: Args) -> Result<()> {
         t.elapsed().as_secs_f64()
     );
 
-    let ext = ExtenderClient::new(ExtenderConfig::gpuledger(&stack.extender_url));
+    let ext = ExtenderClient::new(stack.extender_config()?)?;
     let probe = stack.api.add_pod(gpu_pod("probe", "nobody"))?;
     let uid = probe["metadata"]["uid"].as_str().unwrap_or("").to_string();
     let body = json!({"Pod": probe, "Nodes": null, "NodeNames": names});
@@ -201,8 +200,8 @@ pub async fn run(a: Args) -> Result<()> {
         "only {feasible} of {} nodes feasible",
         a.nodes
     );
-    // Baseline: the allocator's gRPC API alone.
-    let mut c = stack.allocs.client(0)?;
+    // Baseline: the allocator's gRPC API alone, called as the extender calls it.
+    let mut c = stack.allocs.extender(0)?;
     for _ in 0..a.samples {
         let t = Instant::now();
         c.filter(api::FilterRequest {
@@ -240,14 +239,13 @@ pub async fn run(a: Args) -> Result<()> {
             .api
             .add_pod(gpu_pod(&format!("e2e-{i}"), "gpuledger-scheduler"))?;
     }
-    let etcd_endpoints = stack.etcd().endpoints();
     println!(
         "measuring: {} pods end to end through the scheduler emulator",
         a.pods
     );
     let seq_before = settle(&stack.allocs, Duration::from_secs(30)).await?;
     let t = Instant::now();
-    let mut cfg = ExtenderConfig::gpuledger(&stack.extender_url);
+    let mut cfg = stack.extender_config()?;
     cfg.percentage_of_nodes_to_score = a.percentage_of_nodes_to_score;
     let window = gpuledger_testkit::kube::scheduler::num_feasible_nodes_to_find(
         a.nodes,
@@ -259,7 +257,7 @@ pub async fn run(a: Args) -> Result<()> {
         cfg,
         a.parallel,
         Duration::from_millis(100),
-    );
+    )?;
     let deadline = Instant::now() + Duration::from_secs(600);
     loop {
         let bound = sched.stats.bound.load(std::sync::atomic::Ordering::Relaxed) as usize;
@@ -301,7 +299,7 @@ pub async fn run(a: Args) -> Result<()> {
     }
     drop(sched);
     let seq_after = settle(&stack.allocs, Duration::from_secs(30)).await?;
-    let txns = log_batches_after(&etcd_endpoints, seq_before).await?;
+    let txns = log_batches_after(stack.etcd(), seq_before).await?;
 
     println!(
         "\n{:<44} {:>9} {:>9} {:>9}",

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use gpuledger_proto::allocator::v1 as api;
-use gpuledger_testkit::workload::{inventory, pod, reserve_retry};
+use gpuledger_testkit::workload::{inventory, pod, reserve_retry_via};
 use gpuledger_testkit::{Allocators, EtcdCluster};
 
 use crate::common::{run_dir, title};
@@ -32,16 +32,10 @@ pub async fn run(a: Args) -> Result<()> {
     title("starting a 3-member etcd and the allocators");
     let etcd = EtcdCluster::start_in(&dir.path().join("etcd"), 3).await?;
     let ttl = format!("--lease-ttl={}", a.lease_ttl);
-    let mut allocs = Allocators::start(
-        dir.path(),
-        &etcd.endpoints_flag(),
-        a.replicas,
-        "failover",
-        &[&ttl],
-    )?;
+    let mut allocs = Allocators::start(dir.path(), &etcd, a.replicas, "failover", &[&ttl])?;
     let l = allocs.wait_leader(Duration::from_secs(30)).await?;
     allocs
-        .client(l)?
+        .node_agent(l, "n1")?
         .register_node(api::RegisterNodeRequest {
             inventory: Some(inventory("n1", 8, 1 << 30, "A100")),
         })
@@ -53,8 +47,13 @@ pub async fn run(a: Args) -> Result<()> {
     let stop = Arc::new(AtomicBool::new(false));
     let last_ok_sent = Arc::new(AtomicU64::new(0));
     let mut workers = Vec::new();
+    let clients: Arc<Vec<_>> = Arc::new(
+        (0..allocs.addrs.len())
+            .map(|i| allocs.extender(i))
+            .collect::<Result<_>>()?,
+    );
     for w in 0..8usize {
-        let (stop, last, addrs) = (stop.clone(), last_ok_sent.clone(), allocs.addrs.clone());
+        let (stop, last, clients) = (stop.clone(), last_ok_sent.clone(), clients.clone());
         workers.push(tokio::spawn(async move {
             let mut i = 0usize;
             while !stop.load(Ordering::Relaxed) {
@@ -65,8 +64,8 @@ pub async fn run(a: Args) -> Result<()> {
                     ttl_ms: 0,
                 };
                 // Short per-try deadline: a client that waits on a dead replica retries elsewhere.
-                if reserve_retry(
-                    &addrs,
+                if reserve_retry_via(
+                    &clients,
                     w + i,
                     req,
                     Instant::now() + Duration::from_millis(200),

@@ -58,8 +58,9 @@ struct RawCommit {
 }
 
 impl RawCommit {
-    async fn new(endpoints: &[String], tag: &str) -> Result<RawCommit> {
-        let mut client = gpuledger_allocator::replica::connect(endpoints, None).await?;
+    async fn new(etcd: &EtcdCluster, endpoints: &[String], tag: &str) -> Result<RawCommit> {
+        let mut client =
+            gpuledger_allocator::replica::connect(endpoints, Some(&allocator_tls(etcd))).await?;
         let fence = format!("/bench/raw-commit-{tag}/fence").into_bytes();
         let put = client.put(fence.clone(), "x", None).await?;
         let epoch = put.header().context("no header")?.revision();
@@ -110,8 +111,19 @@ impl RawCommit {
 }
 
 /// The client URL of the etcd member that is raft leader now.
-async fn etcd_leader_url(endpoints: &[String]) -> Result<String> {
-    let mut c = gpuledger_allocator::replica::connect(endpoints, None).await?;
+/// TLS to the bench's etcd as an allocator has it.
+fn allocator_tls(etcd: &EtcdCluster) -> gpuledger_allocator::config::EtcdTls {
+    let (ca, identity) = etcd.client_tls_files();
+    gpuledger_allocator::config::EtcdTls {
+        ca: Some(ca),
+        identity: Some(identity),
+    }
+}
+
+async fn etcd_leader_url(etcd: &EtcdCluster) -> Result<String> {
+    let endpoints = etcd.endpoints();
+    let mut c =
+        gpuledger_allocator::replica::connect(&endpoints, Some(&allocator_tls(etcd))).await?;
     let leader = c.status().await?.leader();
     let members = c.member_list().await?;
     let m = members
@@ -130,25 +142,21 @@ pub async fn run(a: Args) -> Result<()> {
     let dir = run_dir("node-agent")?;
     title("starting a 3-member etcd, an allocator, the kubelet emulator and the node agent");
     let etcd = EtcdCluster::start_in(&dir.path().join("etcd"), 3).await?;
-    let allocs = Allocators::start(
-        &dir.path().join("alloc"),
-        &etcd.endpoints_flag(),
-        1,
-        "bench",
-        &["--no-kube"],
-    )?;
+    let allocs = Allocators::start(&dir.path().join("alloc"), &etcd, 1, "bench", &["--no-kube"])?;
     allocs.wait_leader(Duration::from_secs(30)).await?;
     let kubelet = Kubelet::start(&dir.path().join("kubelet")).await?;
     let nvml = FakeNvml::new(dir.path(), NODE, a.gpus, 40_960)?;
-    let slots = format!("--slots-per-gpu={}", a.slots);
-    let agent = NodeAgent::start(
-        dir.path(),
-        NODE,
-        &allocs.addrs,
-        &nvml,
-        &kubelet,
-        &[&slots, "--enforce-interval=1s"],
-    )?;
+    let mut flags = vec![
+        format!("--slots-per-gpu={}", a.slots),
+        "--enforce-interval=1s".to_string(),
+    ];
+    flags.extend(
+        allocs
+            .ids
+            .flags(&gpuledger_auth::identity::Role::NodeAgent { node: NODE.into() })?,
+    );
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let agent = NodeAgent::start(dir.path(), NODE, &allocs.addrs, &nvml, &kubelet, &flags)?;
     kubelet
         .wait_registrations(1, Duration::from_secs(30))
         .await
@@ -157,7 +165,10 @@ pub async fn run(a: Args) -> Result<()> {
     kubelet
         .wait_devices(Duration::from_secs(10), |d| d.len() == want)
         .await?;
-    let mut c = allocs.client(0)?;
+    let mut c = allocs.viewer(0)?;
+    // The extender reserves and confirms; the node's agent assigns (the baseline's claim).
+    let mut ext = allocs.extender(0)?;
+    let mut own = allocs.node_agent(0, NODE)?;
     let deadline = Instant::now() + Duration::from_secs(20);
     while c
         .dump(api::DumpRequest {})
@@ -178,9 +189,9 @@ pub async fn run(a: Args) -> Result<()> {
          (the claim alone, no device plugin)",
         a.pods
     ));
-    let mut raw = RawCommit::new(&etcd.endpoints(), "any").await?;
-    let leader_url = etcd_leader_url(&etcd.endpoints()).await?;
-    let mut raw_leader = RawCommit::new(std::slice::from_ref(&leader_url), "leader").await?;
+    let mut raw = RawCommit::new(&etcd, &etcd.endpoints(), "any").await?;
+    let leader_url = etcd_leader_url(&etcd).await?;
+    let mut raw_leader = RawCommit::new(&etcd, std::slice::from_ref(&leader_url), "leader").await?;
     let mut h_alloc = histogram();
     let mut h_assign = histogram();
     let mut h_raw = histogram();
@@ -196,7 +207,7 @@ pub async fn run(a: Args) -> Result<()> {
         // Baseline first, so that when the kubelet admits the pod its reservation is the only
         // pending one; interleaving exposes both to the same etcd and machine noise.
         let base = format!("base-{i}");
-        let r = c
+        let r = ext
             .reserve(api::ReserveRequest {
                 request: Some(pod(&base, 100, 1)),
                 node: NODE.into(),
@@ -206,7 +217,7 @@ pub async fn run(a: Args) -> Result<()> {
             .into_inner();
         let id = r.allocations.first().context("no allocation")?.id;
         let t = Instant::now();
-        c.assign(api::AssignRequest {
+        own.assign(api::AssignRequest {
             node: NODE.into(),
             allocation_id: id,
             device_ids: vec![format!("baseline-{i}")],
@@ -215,13 +226,13 @@ pub async fn run(a: Args) -> Result<()> {
         record(&mut h_assign, t.elapsed());
 
         let uid = format!("uid-{i}");
-        c.reserve(api::ReserveRequest {
+        ext.reserve(api::ReserveRequest {
             request: Some(pod(&uid, 100, 1)),
             node: NODE.into(),
             ttl_ms: 600_000,
         })
         .await?;
-        c.confirm_bound(api::ConfirmBoundRequest {
+        ext.confirm_bound(api::ConfirmBoundRequest {
             pod_uid: uid.clone(),
             node: NODE.into(),
         })

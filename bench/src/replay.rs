@@ -199,7 +199,7 @@ async fn cold_start(
     extra: &[&str],
 ) -> Result<(u128, String)> {
     let t = Instant::now();
-    let a = Allocators::start(dir, &etcd.endpoints_flag(), 1, cluster, extra)?;
+    let a = Allocators::start(dir, etcd, 1, cluster, extra)?;
     a.wait_seq(seq, Duration::from_secs(600)).await?;
     let ms = t.elapsed().as_millis();
     let log = std::fs::read_to_string(a.procs[0].log_path()).unwrap_or_default();

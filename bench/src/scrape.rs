@@ -6,7 +6,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use gpuledger_proto::allocator::v1 as api;
-use gpuledger_testkit::allocators::client;
 use gpuledger_testkit::http::get;
 use gpuledger_testkit::workload::{inventory, pod};
 use gpuledger_testkit::{Allocators, EtcdCluster};
@@ -38,12 +37,13 @@ fn node(i: usize) -> String {
     format!("node-{i:05}")
 }
 
-async fn fill(addr: &str, a: &Args) -> Result<usize> {
+async fn fill(allocs: &Allocators, a: &Args) -> Result<usize> {
     let mut tasks = Vec::new();
     for w in 0..a.clients {
-        let (addr, nodes, gpus, clients) = (addr.to_string(), a.nodes, a.gpus, a.clients);
+        let (nodes, gpus, clients) = (a.nodes, a.gpus, a.clients);
+        // Registered as an operator would (one certificate, not one per node agent).
+        let mut c = allocs.admin(0)?;
         tasks.push(tokio::spawn(async move {
-            let mut c = client(&addr)?;
             for i in (w..nodes).step_by(clients) {
                 c.register_node(api::RegisterNodeRequest {
                     inventory: Some(inventory(&node(i), gpus, 81_920, "NVIDIA A100-SXM4-80GB")),
@@ -59,9 +59,9 @@ async fn fill(addr: &str, a: &Args) -> Result<usize> {
     }
     let pods = a.nodes * a.gpus as usize * a.pods_per_gpu;
     for w in 0..a.clients {
-        let (addr, nodes, clients) = (addr.to_string(), a.nodes, a.clients);
+        let (nodes, clients) = (a.nodes, a.clients);
+        let mut c = allocs.extender(0)?;
         tasks.push(tokio::spawn(async move {
-            let mut c = client(&addr)?;
             for k in (w..pods).step_by(clients) {
                 c.reserve(api::ReserveRequest {
                     request: Some(pod(&format!("scrape-{k}"), 30_000, 30)),
@@ -136,9 +136,8 @@ pub async fn run(a: Args) -> Result<()> {
     let dir = run_dir("scrape")?;
     title("starting etcd and one allocator");
     let etcd = EtcdCluster::start_in(&dir.path().join("etcd"), 1).await?;
-    let allocs = Allocators::start(dir.path(), &etcd.endpoints_flag(), 1, "scrape", &[])?;
+    let allocs = Allocators::start(dir.path(), &etcd, 1, "scrape", &["--http-state-api"])?;
     allocs.wait_leader(Duration::from_secs(30)).await?;
-    let addr = allocs.addrs[0].clone();
 
     title(&format!(
         "filling the ledger: {} nodes x {} GPUs, {} pods of 30 GiB",
@@ -147,7 +146,7 @@ pub async fn run(a: Args) -> Result<()> {
         a.nodes * a.gpus as usize * a.pods_per_gpu
     ));
     let t = Instant::now();
-    let pods = fill(&addr, &a).await?;
+    let pods = fill(&allocs, &a).await?;
     let st = allocs.status(0).await.context("allocator status")?;
     println!(
         "{} nodes, {} live allocations (made {pods}) at seq {} in {:.1}s",

@@ -5,11 +5,14 @@
 //! SIGKILLed midway, then what an operator would look at: the inspect table, placements,
 //! failovers, utilization, `gpuledger verify`, and every agent's view against the ledger.
 
+mod forged;
+
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use gpuledger_auth::identity::Role;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::workload::{feed, mixed_pods};
@@ -189,6 +192,7 @@ async fn drive(c: &mut LocalCluster, a: &DemoArgs, t0: Instant) -> Result<()> {
             let leader = c.allocs.wait_leader(Duration::from_secs(30)).await?;
             let out = tokio::process::Command::new(&ctl)
                 .args(["inspect", &alloc_flag])
+                .args(c.ids.flags(&Role::Viewer)?)
                 .output()
                 .await
                 .context("running gpuledger inspect")?;
@@ -367,6 +371,7 @@ async fn drive(c: &mut LocalCluster, a: &DemoArgs, t0: Instant) -> Result<()> {
     println!("\n== gpuledger verify");
     let out = tokio::process::Command::new(&ctl)
         .args(["verify", &alloc_flag])
+        .args(c.ids.flags(&Role::Viewer)?)
         .output()
         .await
         .context("running gpuledger verify")?;
@@ -384,6 +389,14 @@ async fn drive(c: &mut LocalCluster, a: &DemoArgs, t0: Instant) -> Result<()> {
                 left.to_string()
             }
         ));
+    }
+
+    println!("\n== forged calls (every call carries a verified identity; one table decides)");
+    for line in forged::forged_calls(c).await? {
+        if line.starts_with("ACCEPTED") {
+            problems.push(format!("a forged call was accepted: {line}"));
+        }
+        println!("  {line}");
     }
 
     println!("\n== node agents vs ledger (agent /metrics vs the ledger's Dump, per node)");

@@ -355,7 +355,7 @@ async fn not_healthy(c: &mut LocalCluster) -> Option<String> {
         return Some(format!("alloc{i} at seq {}, the leader at {head}", seqs[i]));
     }
     for i in 0..c.extenders.len() {
-        let ok = gpuledger_testkit::http::get(&format!("{}/readyz", c.extender_url(i)))
+        let ok = gpuledger_testkit::http::get(&format!("{}/readyz", c.extender_http(i)))
             .await
             .is_ok_and(|(code, _)| code == 200);
         if !ok {

@@ -87,8 +87,8 @@ pub async fn run(a: UpArgs) -> Result<()> {
     }
     println!("  extenders (scheduler extender urlPrefix, /metrics /healthz /readyz):");
     for i in 0..c.extenders.len() {
-        let u = c.extender_url(i);
-        println!("    extender{i}: {u}/gpuledger   {u}/metrics");
+        let (u, h) = (c.extender_url(i), c.extender_http(i));
+        println!("    extender{i}: {u}/gpuledger (HTTPS, scheduler certificate)   {h}/metrics");
     }
     println!("  node agents (/metrics /healthz /readyz):");
     for n in &c.nodes {

@@ -70,7 +70,7 @@ async fn every_binary_exports_metrics_that_follow_the_pods() -> Result<()> {
         .iter()
         .map(|a| format!("http://{a}"))
         .collect();
-    let ext_urls: Vec<String> = (0..c.extenders.len()).map(|i| c.extender_url(i)).collect();
+    let ext_urls: Vec<String> = (0..c.extenders.len()).map(|i| c.extender_http(i)).collect();
     let agent_urls: Vec<String> = c.nodes.iter().map(|n| n.health_url()).collect();
     for u in alloc_urls.iter().chain(&ext_urls).chain(&agent_urls) {
         probes(u).await?;

@@ -30,14 +30,21 @@ async fn every_dashboard_expression_names_an_exported_metric() -> anyhow::Result
     let kubelet = Kubelet::start(&dir.path().join("kubelet")).await?;
     let nvml = FakeNvml::new(dir.path(), "n1", 2, 16_000)?;
     let port = free_port()?;
-    let health = format!("--health-listen=127.0.0.1:{port}");
+    let mut flags = vec![format!("--health-listen=127.0.0.1:{port}")];
+    flags.extend(
+        stack
+            .allocs
+            .ids
+            .flags(&gpuledger_auth::identity::Role::NodeAgent { node: "n1".into() })?,
+    );
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
     let _agent = NodeAgent::start(
         dir.path(),
         "n1",
         &stack.allocs.addrs,
         &nvml,
         &kubelet,
-        &[health.as_str()],
+        &flags,
     )?;
     wait_http(port, Duration::from_secs(20)).await?;
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
@@ -54,8 +61,7 @@ async fn every_dashboard_expression_names_an_exported_metric() -> anyhow::Result
     }
 
     let mut exported = scrape(&format!("http://{}/metrics", stack.allocs.http[0])).await?;
-    let ext = stack.extender_url.trim_end_matches("/gpuledger");
-    exported.extend(scrape(&format!("{ext}/metrics")).await?);
+    exported.extend(scrape(&format!("{}/metrics", stack.extender_http_url)).await?);
     exported.extend(scrape(&format!("http://127.0.0.1:{port}/metrics")).await?);
     for component in ["allocator", "extender", "node_agent"] {
         assert!(

@@ -9,10 +9,12 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use gpuledger_auth::identity::Role;
 use gpuledger_proto::allocator::v1 as api;
+use gpuledger_testkit::kube::stack::{extender_tls_flags, scheduler_tls};
 use gpuledger_testkit::kube::{ExtenderClient, ExtenderConfig, FakeApiServer};
 use gpuledger_testkit::workload::{inventory, pod};
-use gpuledger_testkit::{Allocators, EtcdCluster, Proc, bin_path, free_port};
+use gpuledger_testkit::{Allocators, EtcdCluster, Identities, Proc, bin_path, free_port};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use serde_json::{Value, json};
 
@@ -36,7 +38,7 @@ where
 
 async fn live_pods(allocs: &Allocators) -> Result<Vec<String>> {
     let d = allocs
-        .client(0)?
+        .viewer(0)?
         .dump(api::DumpRequest {})
         .await?
         .into_inner();
@@ -50,7 +52,7 @@ async fn live_pods(allocs: &Allocators) -> Result<Vec<String>> {
 
 fn gpu_pod(name: &str) -> Value {
     json!({"metadata": {"name": name, "namespace": "team-a"},
-           "spec": {"containers": [{"name": "main", "image": "x",
+           "spec": {"schedulerName": "gpuledger-scheduler", "containers": [{"name": "main", "image": "x",
                "resources": {"limits": {"gpuledger.io/gpu": "1", "gpuledger.io/gpu-mem": "2000"}}}]}})
 }
 
@@ -64,33 +66,41 @@ async fn components_api_requests() -> Result<()> {
     let apisrv = FakeApiServer::start(dir).await?;
     let alloc_kc = apisrv.kubeconfig_as(ALLOCATOR)?;
     let ext_kc = apisrv.kubeconfig_as(EXTENDER)?;
-    let allocs = Allocators::start(
+    // Callers of the allocator show ServiceAccount tokens, which it reviews with the API
+    // server: that request is part of its RBAC too.
+    let ids = Identities::tokens(apisrv.pki.clone(), apisrv.store.clone());
+    let allocs = Allocators::start_each(
         dir,
-        &etcd.endpoints_flag(),
-        1,
+        &etcd,
+        &[etcd.endpoints_flag()],
         "rbac",
         &[
             &format!("--kubeconfig={}", alloc_kc.display()),
             "--reconcile-interval-ms=100",
         ],
+        ids.clone(),
     )?;
     allocs.wait_leader(Duration::from_secs(30)).await?;
-    let port = free_port()?;
+    let (port, http_port) = (free_port()?, free_port()?);
+    let mut flags = vec![
+        format!("--listen=127.0.0.1:{port}"),
+        format!("--http-listen=127.0.0.1:{http_port}"),
+        format!("--allocator={}", allocs.addrs.join(",")),
+        format!("--kubeconfig={}", ext_kc.display()),
+    ];
+    flags.extend(extender_tls_flags(&ids.pki)?);
+    flags.extend(ids.flags(&Role::Extender)?);
     let _extender = Proc::spawn(
         dir,
         "extender",
         &bin_path("gpuledger-extender")?,
-        vec![
-            format!("--listen=127.0.0.1:{port}"),
-            format!("--allocator={}", allocs.addrs.join(",")),
-            format!("--kubeconfig={}", ext_kc.display()),
-        ],
+        flags,
         vec![],
     )?;
     gpuledger_testkit::kube::stack::wait_http(port, Duration::from_secs(20)).await?;
 
-    let mut c = allocs.client(0)?;
     for n in ["n1", "n2"] {
+        let mut c = allocs.node_agent(0, n)?;
         c.register_node(api::RegisterNodeRequest {
             inventory: Some(inventory(n, 2, 16_000, "T4")),
         })
@@ -99,9 +109,10 @@ async fn components_api_requests() -> Result<()> {
     }
 
     // Path 1, the extender's bind: read the pod, annotate it, create its Binding.
-    let ext = ExtenderClient::new(ExtenderConfig::gpuledger(&format!(
-        "http://127.0.0.1:{port}/gpuledger"
-    )));
+    let ext = ExtenderClient::new(ExtenderConfig::gpuledger(
+        &format!("https://127.0.0.1:{port}/gpuledger"),
+        Some(scheduler_tls(&ids.pki)?),
+    ))?;
     let a: Pod = serde_json::from_value(apisrv.add_pod(gpu_pod("a"))?)?;
     let nodes: Vec<Node> = ["n1", "n2"]
         .iter()
@@ -149,12 +160,14 @@ async fn components_api_requests() -> Result<()> {
         r.name = "b".into();
         r.namespace = "team-a".into();
     }
-    c.reserve(api::ReserveRequest {
-        request: Some(req),
-        node: "n1".into(),
-        ttl_ms: 300,
-    })
-    .await?;
+    allocs
+        .extender(0)?
+        .reserve(api::ReserveRequest {
+            request: Some(req),
+            node: "n1".into(),
+            ttl_ms: 300,
+        })
+        .await?;
     wait_until(
         "reservation of b expired",
         Duration::from_secs(10),
@@ -166,7 +179,7 @@ async fn components_api_requests() -> Result<()> {
     apisrv.delete_node("n2")?;
     wait_until("node n2 removed", Duration::from_secs(10), || async {
         let d = allocs
-            .client(0)?
+            .viewer(0)?
             .dump(api::DumpRequest {})
             .await?
             .into_inner();
@@ -199,6 +212,7 @@ async fn components_api_requests() -> Result<()> {
         (ALLOCATOR, "get", "pods"),
         (ALLOCATOR, "list", "nodes"),
         (ALLOCATOR, "watch", "nodes"),
+        (ALLOCATOR, "create", "tokenreviews"),
         (EXTENDER, "get", "pods"),
         (EXTENDER, "patch", "pods"),
         (EXTENDER, "create", "pods/binding"),

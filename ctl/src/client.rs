@@ -4,11 +4,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
+use gpuledger_auth::{AuthChannel, CredentialArgs, Credentials};
 use gpuledger_ledger::pb;
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::allocator::v1::allocator_client::AllocatorClient;
 use tokio::sync::OnceCell;
-use tonic::transport::{Channel, Endpoint};
 use tracing::{Instrument, debug, debug_span};
 
 use crate::discover;
@@ -24,6 +24,12 @@ pub struct Target {
     pub allocator: Vec<String>,
     #[command(flatten)]
     pub kube: discover::KubeArgs,
+    /// Who this operator is to the allocator: a token of the `gpuledger-viewer` (read) or
+    /// `gpuledger-admin` (write) ServiceAccount, or a client certificate. Through the
+    /// kubeconfig (`kubectl gpuledger`) both are found when not given: a short token is
+    /// requested for `gpuledger-viewer` and the CA is read from the ConfigMap `gpuledger-ca`.
+    #[command(flatten)]
+    pub credentials: CredentialArgs,
     /// The addresses once resolved: a command that connects several times sets up its
     /// port-forwards once.
     #[arg(skip)]
@@ -62,31 +68,53 @@ impl Target {
     }
 }
 
-/// A gRPC client to one address.
-pub async fn connect_one(addr: &str) -> Result<AllocatorClient<Channel>> {
-    let url = if addr.contains("://") {
-        addr.to_string()
-    } else {
-        format!("http://{addr}")
-    };
-    let ch = Endpoint::from_shared(url)
+/// A client of the allocator API, carrying the operator's credentials.
+pub type Client = AllocatorClient<AuthChannel>;
+
+impl Target {
+    /// The operator's credentials: as given, or (through the kubeconfig) a fresh viewer
+    /// token and the cluster's CA.
+    pub async fn credentials(&self) -> Result<Credentials> {
+        let mut args = self.credentials.clone();
+        if (args.ca.is_none() || (args.token_file.is_none() && args.client_cert.is_none()))
+            && self.allocator.is_empty()
+            && (discover::is_plugin() || self.kube.given())
+        {
+            discover::fill_credentials(&self.kube, &mut args)
+                .await
+                .context("getting credentials through the kubeconfig")?;
+        }
+        Credentials::load(&args).context(
+            "the allocator demands TLS and an identity: --allocator-ca with --token-file \
+             (e.g. kubectl create token gpuledger-viewer -n gpuledger-system --audience \
+             gpuledger) or --client-cert/--client-key",
+        )
+    }
+}
+
+/// A gRPC client to one address (checks that it answers).
+pub async fn connect_one(addr: &str, creds: &Credentials) -> Result<Client> {
+    let ep = gpuledger_auth::endpoint(addr)
         .with_context(|| format!("bad allocator address {addr:?}"))?
         .connect_timeout(Duration::from_secs(2))
-        .timeout(Duration::from_secs(60))
-        .connect()
-        .await
-        .with_context(|| format!("cannot reach the allocator at {addr}"))?;
-    Ok(AllocatorClient::new(ch)
+        .timeout(Duration::from_secs(60));
+    let mut c = AllocatorClient::new(creds.channel(ep))
         .max_decoding_message_size(512 * 1024 * 1024)
-        .max_encoding_message_size(64 * 1024 * 1024))
+        .max_encoding_message_size(64 * 1024 * 1024);
+    c.status(api::StatusRequest {})
+        .await
+        .map_err(|s| anyhow::anyhow!("{}", s.message()))
+        .with_context(|| format!("cannot reach the allocator at {addr}"))?;
+    Ok(c)
 }
 
 /// The first replica that answers.
-pub async fn connect(t: &Target) -> Result<AllocatorClient<Channel>> {
+pub async fn connect(t: &Target) -> Result<Client> {
     let mut errs = Vec::new();
+    let creds = t.credentials().await?;
     for a in &t.addrs().await? {
         let span = debug_span!("connect", allocator = %a);
-        match connect_one(a).instrument(span.clone()).await {
+        match connect_one(a, &creds).instrument(span.clone()).await {
             Ok(c) => {
                 span.in_scope(|| debug!("connected"));
                 return Ok(c);
@@ -104,7 +132,7 @@ pub async fn connect(t: &Target) -> Result<AllocatorClient<Channel>> {
 }
 
 /// One replica's name and its whole state.
-pub async fn dump_of(c: &mut AllocatorClient<Channel>) -> Result<(String, pb::Snapshot)> {
+pub async fn dump_of(c: &mut Client) -> Result<(String, pb::Snapshot)> {
     let d = c
         .dump(api::DumpRequest {})
         .await

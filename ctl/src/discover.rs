@@ -218,6 +218,78 @@ async fn forward(pods: &Api<Pod>, pod: &str, port: u16, mut conn: TcpStream) -> 
     Ok(())
 }
 
+/// The ServiceAccount whose token `kubectl gpuledger` requests for reading the ledger.
+pub const VIEWER_ACCOUNT: &str = "gpuledger-viewer";
+/// The ConfigMap (in the allocator's namespace) that holds the CA of the allocator's
+/// certificate, under `ca.crt`.
+pub const CA_CONFIGMAP: &str = "gpuledger-ca";
+/// How long the requested token lives (the API server's minimum is 10 minutes).
+const TOKEN_SECONDS: i64 = 600;
+
+/// Fill in what `args` lacks through the kubeconfig's cluster: a short-lived token of the
+/// `gpuledger-viewer` ServiceAccount for audience `gpuledger` (RBAC decides whether this user
+/// may have one: `create` on `serviceaccounts/token`), the CA from the ConfigMap
+/// `gpuledger-ca`, and the Service's DNS name as the TLS server name (a port-forward dials
+/// 127.0.0.1). The token and CA go to files in a private temporary directory.
+pub async fn fill_credentials(
+    k: &KubeArgs,
+    args: &mut gpuledger_auth::CredentialArgs,
+) -> Result<()> {
+    use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+    use k8s_openapi::api::core::v1::{ConfigMap, ServiceAccount};
+    let client = client(k).await?;
+    let ns = &k.allocator_namespace;
+    let dir = tempfile::Builder::new()
+        .prefix("gpuledger-cli-")
+        .tempdir()
+        .context("creating a directory for the credentials")?
+        .keep();
+    if args.ca.is_none() {
+        let cms: Api<ConfigMap> = Api::namespaced(client.clone(), ns);
+        let cm = cms.get(CA_CONFIGMAP).await.with_context(|| {
+            format!(
+                "reading ConfigMap {ns}/{CA_CONFIGMAP} (the allocator's CA; or give --allocator-ca)"
+            )
+        })?;
+        let pem = cm
+            .data
+            .and_then(|d| d.get("ca.crt").cloned())
+            .with_context(|| format!("ConfigMap {ns}/{CA_CONFIGMAP} has no ca.crt"))?;
+        let path = dir.join("ca.crt");
+        std::fs::write(&path, pem)?;
+        args.ca = Some(path);
+    }
+    if args.token_file.is_none() && args.client_cert.is_none() {
+        let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), ns);
+        let req = TokenRequest {
+            spec: TokenRequestSpec {
+                audiences: vec![gpuledger_auth::token::AUDIENCE.to_string()],
+                expiration_seconds: Some(TOKEN_SECONDS),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let answer = sas
+            .create_token_request(VIEWER_ACCOUNT, &kube::api::PostParams::default(), &req)
+            .await
+            .with_context(|| {
+                format!(
+                    "requesting a token of ServiceAccount {ns}/{VIEWER_ACCOUNT} (needs RBAC \
+                     `create` on serviceaccounts/token; or give --token-file)"
+                )
+            })?;
+        let token = answer.status.map(|s| s.token).unwrap_or_default();
+        anyhow::ensure!(!token.is_empty(), "the API server returned an empty token");
+        let path = dir.join("token");
+        std::fs::write(&path, token)?;
+        args.token_file = Some(path);
+    }
+    if args.server_name.is_none() {
+        args.server_name = Some(format!("{}.{ns}.svc", k.allocator_service));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

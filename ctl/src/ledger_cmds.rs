@@ -47,8 +47,9 @@ pub async fn status(t: Target) -> Result<()> {
         "REPLICA", "ADDRESS", "ROLE", "LEADER", "EPOCH", "SEQ", "NODES", "ALLOCS", "READY",
     ]);
     let mut any = false;
+    let creds = t.credentials().await?;
     for a in &t.addrs().await? {
-        match connect_one(a).await {
+        match connect_one(a, &creds).await {
             Ok(mut c) => match c.status(api::StatusRequest {}).await {
                 Ok(s) => {
                     any = true;

@@ -3,9 +3,12 @@
 
 use std::process::Command;
 
-fn ctl(log: Option<&str>, args: &[&str]) -> (bool, String) {
+use gpuledger_auth::identity::Role;
+use gpuledger_testkit::{Identities, Pki};
+
+fn ctl(log: Option<&str>, args: &[&str], who: &[String]) -> (bool, String) {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_gpuledger"));
-    cmd.args(args).env_remove("GPULEDGER_LOG");
+    cmd.args(args).args(who).env_remove("GPULEDGER_LOG");
     if let Some(l) = log {
         cmd.env("GPULEDGER_LOG", l);
     }
@@ -21,10 +24,13 @@ fn ctl(log: Option<&str>, args: &[&str]) -> (bool, String) {
 }
 
 #[test]
-fn each_replica_tried_is_named_in_its_span_and_only_at_debug() {
+fn each_replica_tried_is_named_in_its_span_and_only_at_debug() -> anyhow::Result<()> {
+    // An operator's credentials, so that the CLI goes on to try the replicas.
+    let dir = tempfile::tempdir()?;
+    let who = Identities::certs(Pki::new(dir.path())?).flags(&Role::Viewer)?;
     // Port 1 on loopback: nothing listens, the connection is refused at once.
     let target = "--allocator=127.0.0.1:1,127.0.0.1:2";
-    let (ok, quiet) = ctl(None, &["inspect", target]);
+    let (ok, quiet) = ctl(None, &["inspect", target], &who);
     assert!(!ok);
     assert_eq!(quiet.lines().count(), 1, "only the error line:\n{quiet}");
     assert!(
@@ -32,7 +38,7 @@ fn each_replica_tried_is_named_in_its_span_and_only_at_debug() {
         "{quiet}"
     );
 
-    let (ok, debug) = ctl(Some("gpuledger=debug"), &["inspect", target]);
+    let (ok, debug) = ctl(Some("gpuledger=debug"), &["inspect", target], &who);
     assert!(!ok);
     for addr in ["127.0.0.1:1", "127.0.0.1:2"] {
         assert!(
@@ -47,4 +53,5 @@ fn each_replica_tried_is_named_in_its_span_and_only_at_debug() {
         !debug.contains('\u{1b}'),
         "no colour codes off a terminal:\n{debug}"
     );
+    Ok(())
 }

@@ -4,13 +4,16 @@
 
 use std::path::Path;
 use std::process::Command;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use gpuledger_auth::identity::Role;
 use gpuledger_proto::allocator::v1 as api;
+use gpuledger_testkit::cluster::SCHEDULER_NAME;
 use gpuledger_testkit::kube::FakeApiServer;
 use gpuledger_testkit::kube::portforward::forwarded_connections;
+use gpuledger_testkit::pki::{NAMESPACE, credential_flags};
 use gpuledger_testkit::workload::{inventory, pod};
-use gpuledger_testkit::{Allocators, EtcdCluster};
+use gpuledger_testkit::{Allocators, EtcdCluster, Identities};
 use serde_json::json;
 
 /// Run `bin` with `args` and `env`, with no GPULEDGER_*/KUBECONFIG from the caller's environment.
@@ -19,6 +22,7 @@ fn run(bin: &Path, args: &[&str], env: &[(&str, &str)]) -> (bool, String, String
     c.args(args)
         .env_remove("GPULEDGER_ALLOCATOR")
         .env_remove("KUBECONFIG")
+        .env_remove("GPULEDGER_TLS_SERVER_NAME")
         .env("HOME", "/nonexistent-home");
     for (k, v) in env {
         c.env(k, v);
@@ -55,33 +59,99 @@ fn allocator_pod(name: &str, grpc_port: u16, ready: bool) -> serde_json::Value {
 async fn kubectl_gpuledger_inspect_equals_gpuledger_inspect() -> anyhow::Result<()> {
     let etcd = EtcdCluster::start(1).await?;
     let dir = tempfile::tempdir()?;
-    let allocs = Allocators::start(
+    // The cluster's API server reviews the operators' tokens for the allocator, and holds the
+    // pods the extender reserves for.
+    let kube = FakeApiServer::start(&dir.path().join("kube")).await?;
+    let ids = Identities::tokens(kube.pki.clone(), kube.store.clone());
+    let kubeconfig_flag = format!("--kubeconfig={}", kube.kubeconfig().display());
+    let allocs = Allocators::start_each(
         &dir.path().join("alloc"),
-        &etcd.endpoints_flag(),
-        1,
+        &etcd,
+        &[etcd.endpoints_flag()],
         "plugin",
-        &[],
+        &[&kubeconfig_flag],
+        ids.clone(),
     )?;
     let leader = allocs.wait_leader(Duration::from_secs(20)).await?;
-    let mut c = allocs.client(leader)?;
-    c.register_node(api::RegisterNodeRequest {
-        inventory: Some(inventory("node-a", 2, 16_000, "NVIDIA A100")),
-    })
-    .await?;
+    kube.add_node("node-a", 8)?;
+    allocs
+        .node_agent(leader, "node-a")?
+        .register_node(api::RegisterNodeRequest {
+            inventory: Some(inventory("node-a", 2, 16_000, "NVIDIA A100")),
+        })
+        .await?;
+    let mut ext = allocs.extender(leader)?;
     for (uid, mem) in [("u1", 4_000), ("u2", 6_000)] {
-        c.reserve(api::ReserveRequest {
+        kube.add_pod(json!({
+            "metadata": {"name": format!("pod-{uid}"), "namespace": "default", "uid": uid},
+            "spec": {"schedulerName": SCHEDULER_NAME, "containers": [{"name": "main", "image": "x"}]},
+        }))?;
+        let req = api::ReserveRequest {
             request: Some(pod(uid, mem, 20)),
             node: "node-a".into(),
             ttl_ms: 0,
-        })
-        .await?;
+        };
+        // The allocator admits the extender's Reserve once its pod watch has the pod.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match ext.reserve(req.clone()).await {
+                Err(s)
+                    if s.code() == tonic::Code::PermissionDenied && Instant::now() < deadline =>
+                {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                r => break r.map(|_| ())?,
+            }
+        }
+    }
+    // The node's allocatable comes from the API server: wait for it, so that every inspect
+    // below sees the same state.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let snap = allocs
+            .viewer(leader)?
+            .dump(api::DumpRequest {})
+            .await?
+            .into_inner()
+            .snapshot;
+        let nodes = snap.map(|s| s.nodes).unwrap_or_default();
+        if nodes.iter().any(|n| n.node == "node-a" && n.cpu_milli > 0) {
+            break;
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "node-a never got its allocatable"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let addr = allocs.addrs[leader].clone();
     let grpc_port: u16 = addr.rsplit(':').next().expect("port").parse()?;
+    // An operator's own credentials, for a run that names the allocator itself.
+    let viewer = credential_flags(&ids.credentials(&Role::Viewer)?);
+    let viewer: Vec<&str> = viewer.iter().map(String::as_str).collect();
 
     // The cluster as kubectl sees it: the Service, one ready allocator pod whose container port
-    // named grpc is the real process's port, and one pod that is not ready (never used).
-    let kube = FakeApiServer::start(&dir.path().join("kube")).await?;
+    // named grpc is the real process's port, one pod that is not ready (never used), the
+    // ConfigMap with the allocator's CA and the viewers' ServiceAccount, as the install has them.
+    kube.store
+        .create(
+            "v1",
+            "serviceaccounts",
+            NAMESPACE,
+            json!({"metadata": {"name": "gpuledger-viewer", "namespace": NAMESPACE}}),
+        )
+        .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    kube.store
+        .create(
+            "v1",
+            "configmaps",
+            NAMESPACE,
+            json!({
+                "metadata": {"name": "gpuledger-ca", "namespace": NAMESPACE},
+                "data": {"ca.crt": std::fs::read_to_string(ids.pki.ca_file())?},
+            }),
+        )
+        .map_err(|e| anyhow::anyhow!("{e:?}"))?;
     kube.store
         .create(
             "v1",
@@ -106,7 +176,7 @@ async fn kubectl_gpuledger_inspect_equals_gpuledger_inspect() -> anyhow::Result<
 
     let (ok, want, err) = run(
         gpuledger,
-        &["inspect", "--details", "--allocator", &addr],
+        &[&["inspect", "--details", "--allocator", &addr], &viewer[..]].concat(),
         &[],
     );
     assert!(ok, "{err}");
@@ -194,7 +264,7 @@ async fn kubectl_gpuledger_inspect_equals_gpuledger_inspect() -> anyhow::Result<
     // An explicit --allocator wins over the kubeconfig, which is then not even read.
     let (ok, got, err) = run(
         &plugin,
-        &["inspect", "--details", "--allocator", &addr],
+        &[&["inspect", "--details", "--allocator", &addr], &viewer[..]].concat(),
         &[("KUBECONFIG", "/nonexistent/kubeconfig")],
     );
     assert!(ok, "{err}");

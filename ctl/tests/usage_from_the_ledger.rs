@@ -7,8 +7,10 @@ use std::process::Command;
 use std::time::Duration;
 
 use gpuledger_allocator::log::EtcdLog;
+use gpuledger_auth::identity::Role;
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
+use gpuledger_testkit::pki::credential_flags;
 use gpuledger_testkit::workload::inventory;
 use gpuledger_testkit::{Allocators, EtcdCluster};
 use jiff::Timestamp;
@@ -16,9 +18,11 @@ use serde_json::Value;
 
 const MS_PER_HOUR: f64 = 3_600_000.0;
 
-fn ctl(args: &[&str]) -> (bool, String, String) {
+/// Run `gpuledger args…` as the operator whose credential flags are `who`.
+fn ctl(who: &[String], args: &[&str]) -> (bool, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_gpuledger"))
         .args(args)
+        .args(who)
         .env_remove("GPULEDGER_ALLOCATOR")
         .output()
         .expect("gpuledger runs");
@@ -70,15 +74,17 @@ fn assert_hours(shown: &str, exact_unit_ms: u128, per_hour: f64, what: &str) {
 async fn usage_matches_the_event_timestamps() -> anyhow::Result<()> {
     let etcd = EtcdCluster::start(1).await?;
     let dir = tempfile::tempdir()?;
-    let allocs = Allocators::start(dir.path(), &etcd.endpoints_flag(), 1, "usage", &[])?;
+    let allocs = Allocators::start(dir.path(), &etcd, 1, "usage", &[])?;
     let leader = allocs.wait_leader(Duration::from_secs(20)).await?;
-    let mut c = allocs.client(leader)?;
     for (node, gpus) in [("node-a", 2), ("node-b", 1)] {
-        c.register_node(api::RegisterNodeRequest {
-            inventory: Some(inventory(node, gpus, 16_000, "NVIDIA A100")),
-        })
-        .await?;
+        allocs
+            .node_agent(leader, node)?
+            .register_node(api::RegisterNodeRequest {
+                inventory: Some(inventory(node, gpus, 16_000, "NVIDIA A100")),
+            })
+            .await?;
     }
+    let mut c = allocs.extender(leader)?;
     let pause = || tokio::time::sleep(Duration::from_millis(250));
     let reserve = |node: &str, req: api::PodRequest| api::ReserveRequest {
         request: Some(req),
@@ -162,11 +168,15 @@ async fn usage_matches_the_event_timestamps() -> anyhow::Result<()> {
     let want_core: BTreeMap<&str, u128> =
         [("p1", 250 * p1), ("p2", 2 * 500 * p2), ("p3", 1_000 * p3)].into();
     let target = format!("--allocator={}", allocs.addrs[leader]);
+    let who = credential_flags(&allocs.ids.credentials(&Role::Viewer)?);
     let (s, u) = (rfc3339(since), rfc3339(until));
     let window = ["--since", s.as_str(), "--until", u.as_str()];
 
     // json, by namespace: exact integers.
-    let (ok, out, err) = ctl(&[&["usage", &target, "--format", "json"], &window[..]].concat());
+    let (ok, out, err) = ctl(
+        &who,
+        &[&["usage", &target, "--format", "json"], &window[..]].concat(),
+    );
     assert!(ok, "{out}{err}");
     let j: Value = serde_json::from_str(&out)?;
     assert_eq!(j["since_ms"], since, "{out}");
@@ -208,11 +218,14 @@ async fn usage_matches_the_event_timestamps() -> anyhow::Result<()> {
     );
 
     // csv, by pod.
-    let (ok, out, err) = ctl(&[
-        &["usage", &target, "--by", "pod", "--format", "csv"],
-        &window[..],
-    ]
-    .concat());
+    let (ok, out, err) = ctl(
+        &who,
+        &[
+            &["usage", &target, "--by", "pod", "--format", "csv"],
+            &window[..],
+        ]
+        .concat(),
+    );
     assert!(ok, "{out}{err}");
     let mut lines = out.lines();
     assert_eq!(
@@ -233,7 +246,10 @@ async fn usage_matches_the_event_timestamps() -> anyhow::Result<()> {
     }
 
     // table, by node.
-    let (ok, out, err) = ctl(&[&["usage", &target, "--by", "node"], &window[..]].concat());
+    let (ok, out, err) = ctl(
+        &who,
+        &[&["usage", &target, "--by", "node"], &window[..]].concat(),
+    );
     assert!(ok, "{out}{err}");
     println!("{out}");
     let table: Vec<Vec<&str>> = out
@@ -270,7 +286,7 @@ async fn usage_matches_the_event_timestamps() -> anyhow::Result<()> {
     );
 
     // Without --since the window starts at the ledger's beginning: p0 counts, whole.
-    let (ok, out, err) = ctl(&["usage", &target, "--until", &u, "--format", "json"]);
+    let (ok, out, err) = ctl(&who, &["usage", &target, "--until", &u, "--format", "json"]);
     assert!(ok, "{out}{err}");
     let j: Value = serde_json::from_str(&out)?;
     let team_c = j["rows"]
@@ -285,9 +301,12 @@ async fn usage_matches_the_event_timestamps() -> anyhow::Result<()> {
 
     // Until now (the default): p2 is still held, so it has grown past the window's figure.
     let before = Timestamp::now().as_millisecond();
-    let (ok, out, err) = ctl(&[
-        "usage", &target, "--since", &s, "--by", "pod", "--format", "json",
-    ]);
+    let (ok, out, err) = ctl(
+        &who,
+        &[
+            "usage", &target, "--since", &s, "--by", "pod", "--format", "json",
+        ],
+    );
     assert!(ok, "{out}{err}");
     let j: Value = serde_json::from_str(&out)?;
     let p2_now = j["rows"]
@@ -313,6 +332,7 @@ async fn usage_matches_the_event_timestamps() -> anyhow::Result<()> {
 fn bad_usage_input_is_refused_with_a_clear_error() {
     // None of these needs an allocator: they are refused before connecting.
     let target = "--allocator=127.0.0.1:1";
+    let who: &[String] = &[];
     let cases: &[(&[&str], &str)] = &[
         (&["--since", "yesterday"], "RFC 3339"),
         (&["--until", "-3 hours"], "--until"),
@@ -332,11 +352,11 @@ fn bad_usage_input_is_refused_with_a_clear_error() {
         (&["--format", "xml"], "invalid value 'xml'"),
     ];
     for (args, want) in cases {
-        let (ok, out, err) = ctl(&[&["usage", target][..], args].concat());
+        let (ok, out, err) = ctl(who, &[&["usage", target][..], args].concat());
         assert!(!ok, "{args:?} was accepted:\n{out}");
         assert!(err.contains(want), "{args:?}: expected {want:?} in:\n{err}");
     }
-    let (ok, out, _) = ctl(&["usage", "--help"]);
+    let (ok, out, _) = ctl(who, &["usage", "--help"]);
     assert!(ok);
     for flag in [
         "--since",

@@ -5,15 +5,19 @@ use std::process::Command;
 use std::time::Duration;
 
 use gpuledger_allocator::log::EtcdLog;
+use gpuledger_auth::identity::Role;
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
+use gpuledger_testkit::pki::credential_flags;
 use gpuledger_testkit::workload::{inventory, pod};
 use gpuledger_testkit::{Allocators, EtcdCluster};
 use prost::Message;
 
-fn ctl(args: &[&str]) -> (bool, String) {
+/// Run `gpuledger args…` as the operator whose credential flags are `who`.
+fn ctl(who: &[String], args: &[&str]) -> (bool, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_gpuledger"))
         .args(args)
+        .args(who)
         .output()
         .expect("gpuledger runs");
     let text = format!(
@@ -28,13 +32,15 @@ fn ctl(args: &[&str]) -> (bool, String) {
 async fn verify_audit_replay_inspect_and_a_corrupted_log() -> anyhow::Result<()> {
     let etcd = EtcdCluster::start(1).await?;
     let dir = tempfile::tempdir()?;
-    let allocs = Allocators::start(dir.path(), &etcd.endpoints_flag(), 2, "ctl", &[])?;
+    let allocs = Allocators::start(dir.path(), &etcd, 2, "ctl", &[])?;
     let leader = allocs.wait_leader(Duration::from_secs(20)).await?;
-    let mut c = allocs.client(leader)?;
-    c.register_node(api::RegisterNodeRequest {
-        inventory: Some(inventory("node-a", 2, 16_000, "NVIDIA A100")),
-    })
-    .await?;
+    allocs
+        .node_agent(leader, "node-a")?
+        .register_node(api::RegisterNodeRequest {
+            inventory: Some(inventory("node-a", 2, 16_000, "NVIDIA A100")),
+        })
+        .await?;
+    let mut c = allocs.extender(leader)?;
     for (uid, mem) in [("u1", 4_000), ("u2", 6_000), ("u3", 2_000)] {
         let req = api::ReserveRequest {
             request: Some(pod(uid, mem, 20)),
@@ -58,13 +64,14 @@ async fn verify_audit_replay_inspect_and_a_corrupted_log() -> anyhow::Result<()>
     let head = allocs.status(leader).await.expect("leader").seq;
     allocs.wait_seq(head, Duration::from_secs(10)).await?;
     let target = format!("--allocator={}", allocs.addrs.join(","));
+    let who = credential_flags(&allocs.ids.credentials(&Role::Viewer)?);
 
-    let (ok, out) = ctl(&["verify", &target]);
+    let (ok, out) = ctl(&who, &["verify", &target]);
     assert!(ok, "verify of an honest ledger failed:\n{out}");
     assert!(out.contains("verify: OK"), "{out}");
     assert!(out.contains("compared 2 replica(s)"), "{out}");
 
-    let (ok, out) = ctl(&["audit", &target, "--pod", "default/pod-u1"]);
+    let (ok, out) = ctl(&who, &["audit", &target, "--pod", "default/pod-u1"]);
     assert!(ok, "{out}");
     assert!(
         out.contains("reserved for default/pod-u1:main on node-a"),
@@ -75,6 +82,7 @@ async fn verify_audit_replay_inspect_and_a_corrupted_log() -> anyhow::Result<()>
     // At debug, the log read is a span, and its end names the seq it reached.
     let out = Command::new(env!("CARGO_BIN_EXE_gpuledger"))
         .args(["audit", &target, "--pod", "default/pod-u1"])
+        .args(&who)
         .env("GPULEDGER_LOG", "gpuledger=debug")
         .output()?;
     let err = String::from_utf8_lossy(&out.stderr);
@@ -86,10 +94,10 @@ async fn verify_audit_replay_inspect_and_a_corrupted_log() -> anyhow::Result<()>
     );
 
     // The state before the release has 3 allocations; at the end, 2.
-    let (ok, out) = ctl(&["replay", &target, "--at", &mid_seq.to_string()]);
+    let (ok, out) = ctl(&who, &["replay", &target, "--at", &mid_seq.to_string()]);
     assert!(ok, "{out}");
     assert!(out.contains("allocations=3"), "{out}");
-    let (ok, out) = ctl(&["inspect", &target, "--details"]);
+    let (ok, out) = ctl(&who, &["inspect", &target, "--details"]);
     assert!(ok, "{out}");
     assert!(out.contains("allocations=2"), "{out}");
     assert!(out.contains("default/pod-u2:main"), "{out}");
@@ -121,7 +129,7 @@ async fn verify_audit_replay_inspect_and_a_corrupted_log() -> anyhow::Result<()>
     let mut kv = client.kv_client();
     kv.put(log.log_key(victim.first_seq), victim.encode_to_vec(), None)
         .await?;
-    let (ok, out) = ctl(&["verify", &target]);
+    let (ok, out) = ctl(&who, &["verify", &target]);
     assert!(!ok, "verify passed on a corrupted log:\n{out}");
     assert!(out.contains("DIFFERENCE"), "{out}");
     Ok(())

@@ -3,8 +3,9 @@
 the Kubernetes OpenAPI schemas shipped in the kubernetes-validate package (offline), and check
 the manifests against the code: flags and env vars against each binary's --help, probe and
 scrape paths against the routes, the scheduler configuration against the extender's resource
-names and verbs, the webhook's CEL match condition on sample pods, the webhook certificate
-script against a real extender, and RBAC against the API requests each component made to the
+names and verbs, the webhook's CEL match condition on sample pods, every certificate, CA and
+token file a flag names against the volumes mounted there, the certificate script against a
+real extender, allocator and etcd, and RBAC against the API requests each component made to the
 fake kube-apiserver (chaos/tests/deploy_rbac_usage.rs).
 
 Run through `make deploy-check` (deploy/test/deploy-check.sh installs the tools first).
@@ -158,12 +159,16 @@ def check_schemas(c, rendered):
             c.check(f"schema {name} k8s {ver} (strict)", problems, f"{len(docs)} objects")
 
 
-def check_flags(c, rendered, bindir, etcd_bin):
+def load_helps(bindir, etcd_bin):
     helps = {}
     for b in ["gpuledger-allocator", "gpuledger-extender", "gpuledger-node-agent"]:
         helps[b] = help_of(bindir / b)
     if etcd_bin:
         helps["etcd"] = etcd_help(etcd_bin)
+    return helps
+
+
+def check_flags(c, rendered, helps, etcd_bin):
     for name, docs in rendered.items():
         problems, checked = [], 0
         for d in docs:
@@ -202,18 +207,37 @@ def check_flags(c, rendered, bindir, etcd_bin):
                         )
                         if allowed and "value" in e and e["value"] not in allowed:
                             problems.append(f"{key(d)}: {n}={e['value']} not one of {allowed}")
-                # Flags clap requires must be given (as a flag or its env var).
-                if binary == "gpuledger-node-agent":
-                    given = {x.split("=")[0] for x in (ct.get("args") or [])}
-                    names = {e["name"] for e in ct.get("env") or []}
-                    if "--node-name" not in given and "NODE_NAME" not in names:
-                        problems.append(f"{key(d)}: --node-name (or NODE_NAME) is required")
-                if binary == "gpuledger-extender":
-                    given = {x.split("=")[0] for x in (ct.get("args") or [])}
-                    if "--allocator" not in given:
-                        problems.append(f"{key(d)}: --allocator is required")
+                # Flags the binary requires must be given (as a flag or its env var).
+                given = given_flags(ct, values)
+                for need in REQUIRED_FLAGS.get(binary, ()):
+                    if not any(f in given for f in need.split("|")):
+                        problems.append(f"{key(d)}: {need.replace('|', ' or ')} is required")
         c.check(f"flags {name}", problems, f"{checked} flags/env vars exist in the binaries' --help"
                 + ("" if etcd_bin else " (etcd not found: etcd flags unchecked)"))
+
+
+# Flags each binary needs in a cluster: clap's required ones, and the TLS and identity flags
+# without which it cannot serve or cannot call the allocator (a|b: either).
+CLIENT_OF_ALLOCATOR = ("--allocator-ca", "--token-file|--client-cert")
+REQUIRED_FLAGS = {
+    "gpuledger-allocator": ("--tls-cert", "--tls-key", "--tls-server-name") + CLIENT_OF_ALLOCATOR,
+    "gpuledger-extender": ("--allocator", "--tls-cert", "--tls-key", "--client-ca", "--http-listen")
+    + CLIENT_OF_ALLOCATOR,
+    "gpuledger-node-agent": ("--node-name",) + CLIENT_OF_ALLOCATOR,
+}
+
+
+def given_flags(ct, values):
+    """flag -> value of a container, from its args and from the env vars that set flags."""
+    out = {}
+    for a in ct.get("args") or []:
+        f, _, v = a.partition("=")
+        out[f] = v
+    env_flag = {v["env"]: f for f, v in values.items() if "env" in v}
+    for e in ct.get("env") or []:
+        if e["name"] in env_flag:
+            out[env_flag[e["name"]]] = e.get("value")
+    return out
 
 
 def etcd_help(etcd_bin):
@@ -251,7 +275,7 @@ def check_wiring(c, rendered):
     # Which port serves which routes.
     http_flag = {
         "gpuledger-allocator": ("--http-listen", 7421),
-        "gpuledger-extender": ("--listen", 28888),
+        "gpuledger-extender": ("--http-listen", 28889),
         "gpuledger-node-agent": ("--health-listen", None),
     }
     for name, docs in rendered.items():
@@ -305,6 +329,101 @@ def check_wiring(c, rendered):
                 if not any(container_port(ct, tp) for ct in targets):
                     problems.append(f"{key(s)} port {p['name']}: no container port {tp}")
         c.check(f"wiring {name}", problems, "probes, scrape annotations and Services match the binaries")
+
+
+# Flags whose value is a file the binary reads (etcd's too).
+FILE_FLAGS = {"--tls-cert", "--tls-key", "--client-ca", "--allocator-ca", "--token-file",
+              "--client-cert", "--client-key", "--etcd-ca", "--etcd-cert", "--etcd-key",
+              "--cert-file", "--key-file", "--trusted-ca-file", "--peer-cert-file",
+              "--peer-key-file", "--peer-trusted-ca-file"}
+
+
+def cert_script_outputs():
+    """What deploy/scripts/gpuledger-certs.sh installs: Secret name -> keys, ConfigMap name ->
+    keys, read from the script itself (`secret NAME LEAF CA`, `create configmap NAME
+    --from-file=KEY=`), and the token audience the allocator demands."""
+    text = (DEPLOY / "scripts/gpuledger-certs.sh").read_text()
+    secrets = {n: {"tls.crt", "tls.key", "ca.crt"} for n in re.findall(r"^\s*secret (gpuledger-[a-z-]+) ", text, re.M)}
+    configmaps = {}
+    for n, k in re.findall(r"create configmap (gpuledger-[a-z-]+) --from-file=([a-z.]+)=", text):
+        configmaps.setdefault(n, set()).add(k)
+    audience = re.search(r'pub const AUDIENCE: &str = "([^"]+)";', (ROOT / "auth/src/token.rs").read_text()).group(1)
+    return {"secrets": secrets, "configmaps": configmaps, "audience": audience}
+
+
+def mounted_file(spec, ct, path):
+    """The volume behind `path` in container `ct` and the file name inside it: (volume, key),
+    or (None, why)."""
+    best = None
+    for m in ct.get("volumeMounts") or []:
+        mp = m["mountPath"].rstrip("/")
+        if path.startswith(mp + "/") and (best is None or len(mp) > len(best["mountPath"].rstrip("/"))):
+            best = m
+    if best is None:
+        return None, f"{path} is on no volumeMount"
+    vol = next((v for v in spec.get("volumes") or [] if v["name"] == best["name"]), None)
+    if vol is None:
+        return None, f"{path}: volumeMount {best['name']} has no volume"
+    return vol, path[len(best["mountPath"].rstrip("/")) + 1:]
+
+
+def file_problem(vol, key_, certs, want_token=False):
+    """Why the file `key_` of volume `vol` will not be there (None: it will)."""
+    if "secret" in vol:
+        name = vol["secret"]["secretName"]
+        items = vol["secret"].get("items")
+        keys = {i["path"]: i["key"] for i in items} if items else None
+        if want_token:
+            return f"Secret {name} is not a projected ServiceAccount token"
+        if name in certs["secrets"]:
+            k = keys.get(key_) if keys is not None else key_
+            if k not in certs["secrets"][name]:
+                return f"Secret {name} has no key {key_} (it has {sorted(certs['secrets'][name])})"
+        elif name != "gpuledger-etcd-client":
+            return f"Secret {name} is made by nobody (not by deploy/scripts/gpuledger-certs.sh)"
+        return None
+    if "configMap" in vol:
+        name = vol["configMap"]["name"]
+        if want_token:
+            return f"ConfigMap {name} is not a projected ServiceAccount token"
+        if key_ not in certs["configmaps"].get(name, set()):
+            return f"ConfigMap {name} key {key_}: deploy/scripts/gpuledger-certs.sh makes {sorted(certs['configmaps'].get(name, ()))}"
+        return None
+    if "projected" in vol:
+        for src in vol["projected"]["sources"]:
+            t = src.get("serviceAccountToken")
+            if t and t["path"] == key_:
+                if not want_token:
+                    return f"{key_} is a ServiceAccount token, not a certificate"
+                if t.get("audience") != certs["audience"]:
+                    return f"token {key_} has audience {t.get('audience')!r}, the allocator demands {certs['audience']!r}"
+                return None
+        return f"the projected volume {vol['name']} has no {key_}"
+    return f"volume {vol['name']} is neither a Secret, a ConfigMap nor a projected token"
+
+
+def check_mounts(c, rendered, helps, certs):
+    """Every certificate, key, CA and token file a flag names is in a volume mounted there, with
+    that key; a token file is a projected ServiceAccount token for the allocator's audience."""
+    for name, docs in rendered.items():
+        p, n = [], 0
+        for d in docs:
+            spec = pod_spec(d)
+            if not spec:
+                continue
+            for ct in spec["containers"]:
+                binary = Path((ct.get("command") or ["?"])[0]).name
+                if binary not in helps:
+                    continue
+                for flag, path in given_flags(ct, helps[binary][2]).items():
+                    if flag not in FILE_FLAGS or not path:
+                        continue
+                    n += 1
+                    vol, key_ = mounted_file(spec, ct, path)
+                    why = key_ if vol is None else file_problem(vol, key_, certs, flag == "--token-file")
+                    if why:
+                        p.append(f"{key(d)} {flag}: {why}")
+        c.check(f"mounts {name}", p, f"{n} certificate, key, CA and token files are mounted")
 
 
 def selects(selector, labels):
@@ -374,18 +493,20 @@ def check_network(c, rendered):
                         p.append(f"{key(n)}: port {q.get('port')} is on no selected pod")
         must = [("extender", "allocator", "grpc"), ("node-agent", "allocator", "grpc"),
                 ("allocator", "allocator", "grpc"), ("allocator", "etcd", "client"),
-                ("etcd", "etcd", "peer"), ("scheduler", "extender", "http"),
-                (None, "extender", "webhook"), (None, "allocator", "http"),
-                (None, "node-agent", "health")]
+                ("etcd", "etcd", "peer"), ("scheduler", "extender", "https"),
+                (None, "extender", "webhook"), (None, "extender", "http"),
+                (None, "allocator", "http"), (None, "node-agent", "health"),
+                (None, "etcd", "metrics")]
         if "scheduler" not in pods:
-            must.append((None, "extender", "http"))
+            must.append((None, "extender", "https"))
         for src, dst, port in must:
             if dst not in pods or (src is not None and src not in pods):
                 continue
             labels, ct = pods[dst]
             if not admitted(policies, src and pods[src][0], labels, ct, port):
                 p.append(f"{src or 'outside the namespace'} cannot reach {dst}:{port}")
-        for dst, port in (("allocator", "grpc"), ("etcd", "client"), ("extender", "http")):
+        for dst, port in (("allocator", "grpc"), ("etcd", "client"), ("etcd", "peer"),
+                          ("extender", "https")):
             if dst in pods and admitted(policies, None, pods[dst][0], pods[dst][1], port) \
                     and not (dst == "extender" and "scheduler" not in pods):
                 p.append(f"a tenant pod can reach {dst}:{port}")
@@ -433,7 +554,24 @@ def check_components(c, rendered):
                 p.append(f"{key(d)} is outside {NS}")
         if not find(docs, "ConfigMap", "gpuledger-etcd-endpoints"):
             p.append("no ConfigMap gpuledger-etcd-endpoints for the allocator")
+        # The allocator gives each caller the role its ServiceAccount's name says
+        # (auth/src/token.rs): each component runs as its own, and the operators' exist.
+        accounts = role_accounts()
+        for role, d in (("allocator", alloc), ("extender", ext), ("node_agent", agent)):
+            if pod_spec(d).get("serviceAccountName") != accounts[role]:
+                p.append(f"{key(d)} runs as {pod_spec(d).get('serviceAccountName')}, the allocator knows "
+                         f"its role as {accounts[role]}")
+        for role in ("viewer", "admin"):
+            sa = find(docs, "ServiceAccount", accounts[role])
+            if not sa or sa["metadata"].get("namespace") != NS:
+                p.append(f"no ServiceAccount {NS}/{accounts[role]} for the {role} role")
         c.check(f"components {name}", p)
+
+
+def role_accounts():
+    """role -> ServiceAccount name, from ServiceAccounts::in_namespace in auth/src/token.rs."""
+    text = (ROOT / "auth/src/token.rs").read_text()
+    return dict(re.findall(r'^\s+([a-z_]+): "(gpuledger-[a-z-]+)"\.into\(\),', text, re.M))
 
 
 KNOWN_SCHED = {
@@ -449,6 +587,9 @@ KNOWN_EXTENDER = {
 KNOWN_LEADER = {"leaderElect", "leaseDuration", "renewDeadline", "retryPeriod", "resourceLock",
                 "resourceName", "resourceNamespace"}
 KNOWN_CLIENT = {"kubeconfig", "acceptContentTypes", "contentType", "qps", "burst"}
+KNOWN_TLS = {"insecure", "serverName", "certFile", "keyFile", "caFile", "certData", "keyData",
+             "caData"}
+EXTENDER_HOST = f"gpuledger-extender.{NS}.svc"
 
 
 def check_scheduler_config(c, rendered):
@@ -458,8 +599,8 @@ def check_scheduler_config(c, rendered):
     default = yaml.safe_load((DEPLOY / "scheduler/default-scheduler-config.yaml").read_text())
     for label, cfg, sched, url_ok in [
         ("second-scheduler", second, "gpuledger-scheduler",
-         "http://gpuledger-extender.gpuledger-system.svc:28888/gpuledger"),
-        ("default-scheduler", default, "default-scheduler", "http://127.0.0.1:32788/gpuledger"),
+         f"https://{EXTENDER_HOST}:28888/gpuledger"),
+        ("default-scheduler", default, "default-scheduler", "https://127.0.0.1:32788/gpuledger"),
     ]:
         p = []
         if cfg.get("apiVersion") != "kubescheduler.config.k8s.io/v1" or cfg.get("kind") != "KubeSchedulerConfiguration":
@@ -483,6 +624,20 @@ def check_scheduler_config(c, rendered):
                     p.append(f"{v}: the extender serves no /{e[v]}")
             if not e.get("bindVerb"):
                 p.append("no bindVerb: the extender must bind (it reserves in the ledger)")
+            # The extender's scheduler port is HTTPS and demands a client certificate.
+            tls = e.get("tlsConfig") or {}
+            p += [f"unknown tlsConfig field {k}" for k in set(tls) - KNOWN_TLS]
+            if e.get("enableHTTPS") is not True or not e.get("urlPrefix", "").startswith("https://"):
+                p.append("the extender is not called over HTTPS (enableHTTPS: true, https:// urlPrefix)")
+            if tls.get("insecure"):
+                p.append("tlsConfig.insecure: the extender's certificate is not checked")
+            for f in ("certFile", "keyFile", "caFile"):
+                if not tls.get(f):
+                    p.append(f"tlsConfig has no {f}: the extender demands a client certificate and its CA must be known")
+            host = re.match(r"https?://([^:/]+)", e.get("urlPrefix", ""))
+            if tls.get("serverName", host and host.group(1)) != EXTENDER_HOST:
+                p.append(f"the scheduler checks the extender's certificate for {tls.get('serverName', host and host.group(1))}, "
+                         f"it names {EXTENDER_HOST} (set tlsConfig.serverName)")
             if e.get("nodeCacheCapable") is not True:
                 p.append("nodeCacheCapable is not true")
             mr = {m["name"]: m.get("ignoredByScheduler", False) for m in e.get("managedResources", [])}
@@ -498,9 +653,30 @@ def check_scheduler_config(c, rendered):
     same = cm and yaml.safe_load(cm["data"]["config.yaml"]) == second
     c.check("scheduler config deployed == deploy/scheduler/second-scheduler-config.yaml",
             [] if same else ["the ConfigMap differs from the file"])
+    # The second scheduler's tlsConfig files are mounted from the certificate Secret.
+    certs = cert_script_outputs()
+    for name, docs in rendered.items():
+        dep = find(docs, "Deployment", "gpuledger-scheduler")
+        if not dep:
+            continue
+        p = []
+        spec = pod_spec(dep)
+        ct = spec["containers"][0]
+        cfg_cm = find(docs, "ConfigMap", "gpuledger-scheduler-config")
+        cfg = yaml.safe_load(cfg_cm["data"]["config.yaml"]) if cfg_cm else {}
+        for e in cfg.get("extenders") or []:
+            for f in ("certFile", "keyFile", "caFile"):
+                path = (e.get("tlsConfig") or {}).get(f)
+                if not path:
+                    continue
+                vol, key_ = mounted_file(spec, ct, path)
+                why = key_ if vol is None else file_problem(vol, key_, certs)
+                if why:
+                    p.append(f"tlsConfig.{f}: {why}")
+        c.check(f"scheduler tls files {name}", p, "kube-scheduler's client certificate and CA are mounted")
     # The default-scheduler URL reaches the extender's NodePort.
     svc = find(rendered["default-scheduler"], "Service", "gpuledger-extender")
-    np = [p.get("nodePort") for p in svc["spec"]["ports"] if p["name"] == "http"]
+    np = [p.get("nodePort") for p in svc["spec"]["ports"] if p["name"] == "https"]
     c.check("default-scheduler NodePort", [] if svc["spec"].get("type") == "NodePort" and np == [32788]
             else [f"extender Service is {svc['spec'].get('type')} with nodePort {np}, the config uses 32788"])
 
@@ -561,44 +737,147 @@ def check_webhook(c, rendered):
         c.check(f"webhook {name}", p, f"CEL match condition right on {len(pods)} sample pods")
 
 
-def check_webhook_certs(c, bindir):
-    """The certificate script's output is served by a real extender and verifies for the
-    Service's DNS name against the CA, as the API server will check it."""
-    with tempfile.TemporaryDirectory() as d:
-        out = run([str(DEPLOY / "scripts/webhook-certs.sh"), "--no-apply", "--out-dir", d, "--days", "2"])
-        if out.returncode != 0:
-            c.fail("webhook certs", f"webhook-certs.sh failed: {out.stderr.strip()}")
-            return
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        proc = subprocess.Popen(
-            [str(bindir / "gpuledger-extender"), "--listen=127.0.0.1:0", "--allocator=127.0.0.1:1",
-             f"--webhook-listen=127.0.0.1:{port}", f"--tls-cert={d}/tls.crt", f"--tls-key={d}/tls.key"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tls_get(port, host, ca, path, client=None, alpn=None):
+    """GET `path` over TLS from 127.0.0.1:`port`, checking the server's certificate for `host`
+    against `ca`, presenting `client` (cert, key); the status line, or the TLS/OS error."""
+    ctx = ssl.create_default_context(cafile=ca)
+    if client:
+        ctx.load_cert_chain(*client)
+    if alpn:
+        ctx.set_alpn_protocols(alpn)
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+            with ctx.wrap_socket(raw, server_hostname=host) as tls:
+                if alpn == ["h2"]:
+                    return "TLS OK"
+                tls.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+                return tls.recv(4096).decode(errors="replace").split("\r\n")[0] or "closed"
+    except (ssl.SSLError, OSError) as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def wait_port(port, proc, what):
+    for _ in range(200):
         try:
-            ctx = ssl.create_default_context(cafile=f"{d}/ca.crt")
-            host = f"gpuledger-extender.{NS}.svc"
-            err = None
-            for _ in range(100):
-                try:
-                    with socket.create_connection(("127.0.0.1", port), timeout=2) as raw:
-                        with ctx.wrap_socket(raw, server_hostname=host) as tls:
-                            tls.sendall(f"GET /healthz HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
-                            body = tls.recv(4096).decode()
-                    ok = body.startswith("HTTP/1.1 200")
-                    c.check("webhook certs", [] if ok else [f"/healthz answered {body[:60]!r}"],
-                            f"extender serves the script's certificate, verified for {host}")
-                    return
-                except (ConnectionRefusedError, OSError) as e:
-                    err = e
-                    if proc.poll() is not None:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return None
+        except OSError:
+            if proc.poll() is not None:
+                return f"{what} exited: {proc.stderr.read()[-2000:]}"
+            time.sleep(0.05)
+    return f"{what} does not listen on {port}"
+
+
+def check_certs(c, bindir, etcd_bin):
+    """The certificate script's output works with the real servers as the cluster uses it: the
+    extender serves the webhook for its Service name and lets only kube-scheduler's client
+    certificate onto the scheduler port; the allocator's certificate verifies for its Service
+    name; the bundled etcd admits the allocators' client certificate and nothing from
+    gpuledger's own CA."""
+    ext_host, alloc_host = EXTENDER_HOST, f"gpuledger-allocator.{NS}.svc"
+    etcd_host = f"gpuledger-etcd-0.gpuledger-etcd.{NS}.svc"
+    with tempfile.TemporaryDirectory() as d:
+        out = run([str(DEPLOY / "scripts/gpuledger-certs.sh"), "--no-apply", "--out-dir", d, "--days", "2"])
+        if out.returncode != 0:
+            c.fail("certs", f"gpuledger-certs.sh failed: {out.stderr.strip()}")
+            return
+        f = lambda n: f"{d}/{n}"  # noqa: E731
+        Path(f("token")).write_text("not-a-token\n")
+        procs = []
+        try:
+            # The extender: webhook, scheduler port, plain probe port.
+            sp, hp, wp = free_port(), free_port(), free_port()
+            ext = subprocess.Popen(
+                [str(bindir / "gpuledger-extender"), f"--listen=127.0.0.1:{sp}", f"--http-listen=127.0.0.1:{hp}",
+                 f"--webhook-listen=127.0.0.1:{wp}", "--allocator=127.0.0.1:1",
+                 f"--allocator-ca={f('ca.crt')}", f"--token-file={f('token')}",
+                 f"--tls-cert={f('extender.crt')}", f"--tls-key={f('extender.key')}", f"--client-ca={f('ca.crt')}"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            procs.append(ext)
+            p = [w for w in (wait_port(wp, ext, "extender"), wait_port(sp, ext, "extender")) if w]
+            if not p:
+                sched = (f("scheduler.crt"), f("scheduler.key"))
+                r = tls_get(wp, ext_host, f("ca.crt"), "/healthz")
+                if not r.startswith("HTTP/1.1 200"):
+                    p.append(f"webhook /healthz for {ext_host}: {r}")
+                r = tls_get(sp, ext_host, f("ca.crt"), "/gpuledger/filter", client=sched)
+                if not r.startswith("HTTP/1.1"):
+                    p.append(f"scheduler port with kube-scheduler's certificate: {r}")
+                r = tls_get(sp, ext_host, f("ca.crt"), "/gpuledger/filter")
+                if r.startswith("HTTP/"):
+                    p.append(f"scheduler port without a client certificate answered {r}")
+                with socket.create_connection(("127.0.0.1", hp), timeout=5) as raw:
+                    raw.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                    r = raw.recv(4096).decode(errors="replace").split("\r\n")[0]
+                if not r.startswith("HTTP/1.1 200"):
+                    p.append(f"plain /healthz on --http-listen: {r}")
+            c.check("certs extender", p, f"webhook and scheduler port verified for {ext_host}; "
+                    "only kube-scheduler's client certificate gets onto the scheduler port")
+
+            # The allocator: its gRPC port's certificate, verified for the Service name (what
+            # the extender, the node agents and the peer replicas with --tls-server-name check).
+            gp = free_port()
+            alloc = subprocess.Popen(
+                [str(bindir / "gpuledger-allocator"), "--etcd-endpoints=https://127.0.0.1:1", "--no-kube",
+                 f"--listen=127.0.0.1:{gp}", f"--http-listen=127.0.0.1:{free_port()}",
+                 f"--tls-cert={f('allocator.crt')}", f"--tls-key={f('allocator.key')}",
+                 f"--client-ca={f('ca.crt')}", f"--allocator-ca={f('ca.crt')}", f"--token-file={f('token')}"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            procs.append(alloc)
+            why = wait_port(gp, alloc, "allocator")
+            p = [why] if why else []
+            if not why:
+                r = tls_get(gp, alloc_host, f("ca.crt"), "/", alpn=["h2"])
+                if r != "TLS OK":
+                    p.append(f"gRPC port for {alloc_host}: {r}")
+            c.check("certs allocator", p, f"gRPC port verified for {alloc_host}")
+
+            # The bundled etcd, with the manifest's TLS flags.
+            if not etcd_bin:
+                c.fail("certs etcd", "no etcd binary to check the etcd certificates with")
+                return
+            cp, pp, mp = free_port(), free_port(), free_port()
+            member = f("etcd-member.crt"), f("etcd-member.key"), f("etcd-ca.crt")
+            etcd = subprocess.Popen(
+                [etcd_bin, "--name=m0", f"--data-dir={d}/etcd", f"--listen-client-urls=https://127.0.0.1:{cp}",
+                 f"--advertise-client-urls=https://{etcd_host}:{cp}", f"--listen-peer-urls=https://127.0.0.1:{pp}",
+                 f"--initial-advertise-peer-urls=https://127.0.0.1:{pp}", f"--initial-cluster=m0=https://127.0.0.1:{pp}",
+                 f"--listen-metrics-urls=http://127.0.0.1:{mp}",
+                 f"--cert-file={member[0]}", f"--key-file={member[1]}", f"--trusted-ca-file={member[2]}",
+                 "--client-cert-auth=true", f"--peer-cert-file={member[0]}", f"--peer-key-file={member[1]}",
+                 f"--peer-trusted-ca-file={member[2]}", "--peer-client-cert-auth=true", "--log-level=error",
+                 "--logger=zap"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            procs.append(etcd)
+            why = wait_port(cp, etcd, "etcd")
+            p = [why] if why else []
+            if not why:
+                r = ""
+                for _ in range(100):
+                    r = tls_get(cp, etcd_host, f("etcd-ca.crt"), "/health",
+                                client=(f("etcd-client.crt"), f("etcd-client.key")))
+                    if r.startswith("HTTP/1.1 200"):
                         break
                     time.sleep(0.1)
-            c.fail("webhook certs", f"no TLS answer: {err}; extender: {proc.stderr.read() if proc.poll() is not None else ''}")
+                if not r.startswith("HTTP/1.1 200"):
+                    p.append(f"etcd /health with the allocators' client certificate: {r}")
+                for label, client in (("no client certificate", None),
+                                      ("kube-scheduler's certificate (gpuledger's CA)",
+                                       (f("scheduler.crt"), f("scheduler.key")))):
+                    r = tls_get(cp, etcd_host, f("etcd-ca.crt"), "/health", client=client)
+                    if r.startswith("HTTP/"):
+                        p.append(f"etcd answered a client with {label}: {r}")
+            c.check("certs etcd", p, f"{etcd_host} verified; only etcd's CA's client certificates get in")
         finally:
-            proc.terminate()
-            proc.wait()
+            for pr in procs:
+                pr.terminate()
+                pr.wait()
 
 
 def grants_by_user(docs):
@@ -808,6 +1087,10 @@ def main():
             continue
         rendered[o] = load_docs(r.stdout)
         c.ok(f"render {o}", f"{len(rendered[o])} objects")
+    # Kubernetes 1.20-1.27 (make test-e2e applies it): rendered here, validated there.
+    r = run([a.kubectl, "kustomize", str(DEPLOY / "kustomize/overlays/kube-1.20")])
+    c.check("render kube-1.20", [r.stderr.strip()] if r.returncode else [],
+            f"{len(load_docs(r.stdout)) if r.returncode == 0 else 0} objects")
     chart = DEPLOY / "helm/gpuledger"
     helm_sets = {
         "defaults": [],
@@ -824,13 +1107,16 @@ def main():
         sys.exit(1)
 
     check_schemas(c, rendered)
-    check_flags(c, rendered, a.bindir, a.etcd)
+    helps = load_helps(a.bindir, a.etcd)
+    certs = cert_script_outputs()
+    check_flags(c, rendered, helps, a.etcd)
     check_wiring(c, rendered)
+    check_mounts(c, rendered, helps, certs)
     check_components(c, rendered)
     check_network(c, rendered)
     check_scheduler_config(c, rendered)
     check_webhook(c, rendered)
-    check_webhook_certs(c, a.bindir)
+    check_certs(c, a.bindir, a.etcd)
     overlays_only = {k: v for k, v in rendered.items() if not k.startswith("helm:")}
     helm_only = {k: v for k, v in rendered.items() if k.startswith("helm:")}
     check_rbac(c, {**overlays_only, **helm_only}, a.rbac_usage, DEPLOY / "test/rbac-pending.txt")

@@ -88,17 +88,17 @@ impl E2e {
         let webhook_port = free_port()?;
         let installed =
             crate::manifests::install(&cp.kubectl(), webhook_port, &cp.pki.ca_bundle())?;
+        let client = cp.client().await?;
         let gl = Gpuledger::start(
             &dir,
             &cp.pki,
-            &cp.server,
+            (&cp.server, &client),
             (o.allocators, webhook_port),
             &o.extender_flags,
         )
         .await?;
         cp.start_scheduler(&gl.extender_url, o.scheduler_qps)
             .await?;
-        let client = cp.client().await?;
         let node = match o.real_node {
             None => None,
             Some(build) => Some(
@@ -108,7 +108,7 @@ impl E2e {
                     &cp.pki,
                     &cp.server,
                     &client,
-                    &gl.allocs.addrs,
+                    &gl.allocs,
                     REAL_NODE,
                     build,
                     o.real_node_gpus,
@@ -160,7 +160,7 @@ impl E2e {
 
     /// Add kubelet-less GPU nodes.
     pub async fn add_nodes(&self, names: &[String], shape: &NodeShape) -> Result<()> {
-        crate::nodes::add(&self.client, &self.gl.allocs.addrs[0], names, shape).await
+        crate::nodes::add(&self.client, &self.gl.allocs, names, shape).await
     }
 
     /// The run directory (every process's log is `<name>.log` there).

@@ -15,7 +15,7 @@ use gpuledger_testkit::{EtcdCluster, Proc, free_port};
 
 use crate::bins::KubeBins;
 use crate::kubectl::Kubectl;
-use crate::pki::{Identity, Pki};
+use crate::pki::{CertFiles, Identity, Pki};
 
 /// The shipped configuration of the cluster's default scheduler.
 pub const SCHEDULER_CONFIG: &str = "deploy/scheduler/default-scheduler-config.yaml";
@@ -45,11 +45,11 @@ impl ControlPlane {
         bins: &KubeBins,
         identities: &[Identity],
     ) -> Result<ControlPlane> {
-        let pki = Pki::create(&dir.join("pki"), identities)?;
+        let pki = Pki::create(dir, identities)?;
         let etcd = EtcdCluster::start_in(&dir.join("kube-etcd"), 1).await?;
         let port = free_port()?;
         let server = format!("https://127.0.0.1:{port}");
-        let args = vec![
+        let mut args = vec![
             format!("--etcd-servers={}", etcd.endpoints_flag()),
             "--bind-address=127.0.0.1".into(),
             "--advertise-address=127.0.0.1".into(),
@@ -75,6 +75,7 @@ impl ControlPlane {
             "--profiling=false".into(),
             "--v=1".into(),
         ];
+        args.extend(etcd_tls_flags(&etcd)?);
         let apiserver = Proc::spawn(
             dir,
             "kube-apiserver",
@@ -128,13 +129,19 @@ impl ControlPlane {
     }
 
     /// Start kube-scheduler with the shipped configuration, its extender at `extender_url`
-    /// (`http://127.0.0.1:<port>/gpuledger`) and, if given, a client QPS of its own instead of
-    /// the default 50; wait until it holds its leader lease.
+    /// (`https://127.0.0.1:<port>/gpuledger`, called with the run's scheduler client
+    /// certificate) and, if given, a client QPS of its own instead of the default 50; wait
+    /// until it holds its leader lease.
     pub async fn start_scheduler(&mut self, extender_url: &str, qps: Option<u32>) -> Result<()> {
         let mut config = scheduler_config(
             &crate::repo_root().join(SCHEDULER_CONFIG),
-            &self.pki.kubeconfig(&self.server, &Identity::Scheduler)?,
-            extender_url,
+            &Runnable {
+                kubeconfig: &self.pki.kubeconfig(&self.server, &Identity::Scheduler)?,
+                extender_url,
+                client: &self.pki.scheduler_client,
+                ca: &self.pki.ca_file,
+                server_name: EXTENDER_SERVER_NAME,
+            },
         )?;
         if let Some(q) = qps {
             anyhow::ensure!(
@@ -200,37 +207,199 @@ impl ControlPlane {
     }
 }
 
+/// kube-apiserver's flags for the test kit's etcd, which serves TLS and demands a client
+/// certificate: the files gpuledger's allocator is given, under the API server's flag names.
+fn etcd_tls_flags(etcd: &EtcdCluster) -> Result<Vec<String>> {
+    etcd.tls_flags()
+        .into_iter()
+        .map(|f| {
+            let (name, value) = f
+                .split_once('=')
+                .with_context(|| format!("etcd flag {f:?} has no value"))?;
+            let apiserver = match name {
+                "--etcd-ca" => "--etcd-cafile",
+                "--etcd-cert" => "--etcd-certfile",
+                "--etcd-key" => "--etcd-keyfile",
+                _ => bail!("no kube-apiserver flag for the etcd flag {name}"),
+            };
+            Ok(format!("{apiserver}={value}"))
+        })
+        .collect()
+}
+
+/// The name kube-scheduler checks the extender's certificate for when the shipped
+/// configuration sets `tlsConfig.serverName` (the run's extender certificate names it).
+pub const EXTENDER_SERVER_NAME: &str = "localhost";
+
+/// What [`scheduler_config`] puts into the shipped configuration.
+#[derive(Debug, Clone, Copy)]
+pub struct Runnable<'a> {
+    /// kube-scheduler's kubeconfig (`clientConnection.kubeconfig`).
+    pub kubeconfig: &'a Path,
+    /// The extender's `urlPrefix`.
+    pub extender_url: &'a str,
+    /// kube-scheduler's client certificate for the extender (`tlsConfig.certFile`, `keyFile`).
+    pub client: &'a CertFiles,
+    /// The CA of the extender's serving certificate (`tlsConfig.caFile`).
+    pub ca: &'a Path,
+    /// `tlsConfig.serverName`, where the shipped configuration sets one.
+    pub server_name: &'a str,
+}
+
 /// The shipped KubeSchedulerConfiguration made runnable here: the API version 1.20 reads
-/// (`v1beta1`; `v1` is 1.25+), this run's kubeconfig and extender address. Everything else is
-/// the file as shipped; a change to the lines replaced here fails loudly.
-pub fn scheduler_config(shipped: &Path, kubeconfig: &Path, extender_url: &str) -> Result<String> {
+/// (`v1beta1`; `v1` is 1.25+), this run's kubeconfig, extender address and the files of the
+/// extender's `tlsConfig`. Everything else is the file as shipped (HTTPS and a client
+/// certificate included); a change to the lines replaced here fails loudly.
+pub fn scheduler_config(shipped: &Path, run: &Runnable<'_>) -> Result<String> {
     let text = std::fs::read_to_string(shipped)
         .with_context(|| format!("reading {}", shipped.display()))?;
-    let swaps = [
-        (
-            "apiVersion: kubescheduler.config.k8s.io/v1\n",
-            "apiVersion: kubescheduler.config.k8s.io/v1beta1\n".to_string(),
-        ),
-        (
-            "kubeconfig: /etc/kubernetes/scheduler.conf\n",
-            format!("kubeconfig: {}\n", kubeconfig.display()),
-        ),
-        (
-            "urlPrefix: http://127.0.0.1:32788/gpuledger\n",
-            format!("urlPrefix: {extender_url}\n"),
-        ),
-    ];
-    let mut out = text;
-    for (from, to) in swaps {
-        let n = out.matches(from).count();
+    runnable(&text, run).with_context(|| {
+        format!(
+            "{}: the shipped configuration changed; update e2e/src/control_plane.rs",
+            shipped.display()
+        )
+    })
+}
+
+/// [`scheduler_config`] on the file's text.
+fn runnable(text: &str, run: &Runnable<'_>) -> Result<String> {
+    let mut out = Vec::new();
+    let mut seen: std::collections::BTreeMap<&str, usize> = Default::default();
+    // Indentation of the `tlsConfig:` line while inside that block.
+    let mut tls_block: Option<usize> = None;
+    for line in text.lines() {
+        let indent = line.len() - line.trim_start().len();
+        let body = line.trim_start().trim_start_matches("- ");
+        let key = body.split_once(':').map(|(k, _)| k.trim()).unwrap_or("");
+        if tls_block.is_some_and(|i| indent <= i && !body.is_empty() && !body.starts_with('#')) {
+            tls_block = None;
+        }
+        let lead = &line[..line.len() - body.len()];
+        let value = match (tls_block.is_some(), key) {
+            (false, "apiVersion") => {
+                if body.trim() != "apiVersion: kubescheduler.config.k8s.io/v1" {
+                    bail!("expected `apiVersion: kubescheduler.config.k8s.io/v1`, found {body:?}");
+                }
+                Some("kubescheduler.config.k8s.io/v1beta1".to_string())
+            }
+            (false, "kubeconfig") => Some(run.kubeconfig.display().to_string()),
+            (false, "urlPrefix") => Some(run.extender_url.to_string()),
+            (false, "enableHTTPS") => {
+                if body.trim() != "enableHTTPS: true" {
+                    bail!(
+                        "the extender is called without `enableHTTPS: true` ({body:?}), but its \
+                         scheduler-facing port serves HTTPS only"
+                    );
+                }
+                None
+            }
+            (false, "tlsConfig") => {
+                tls_block = Some(indent);
+                None
+            }
+            (true, "certFile") => Some(run.client.cert.display().to_string()),
+            (true, "keyFile") => Some(run.client.key.display().to_string()),
+            (true, "caFile") => Some(run.ca.display().to_string()),
+            (true, "serverName") => Some(run.server_name.to_string()),
+            (true, "insecure") if body.trim() != "insecure: false" => {
+                bail!("the extender's tlsConfig skips verification ({body:?})")
+            }
+            (true, k @ ("certData" | "keyData" | "caData")) => {
+                bail!("the extender's tlsConfig carries {k} inline; expected file paths")
+            }
+            _ => None,
+        };
+        match value {
+            Some(v) => {
+                *seen.entry(key).or_default() += 1;
+                out.push(format!("{lead}{key}: {v}"));
+            }
+            None => {
+                if matches!(key, "enableHTTPS" | "tlsConfig") {
+                    *seen.entry(key).or_default() += 1;
+                }
+                out.push(line.to_string());
+            }
+        }
+    }
+    for key in [
+        "apiVersion",
+        "kubeconfig",
+        "urlPrefix",
+        "enableHTTPS",
+        "tlsConfig",
+        "certFile",
+        "keyFile",
+        "caFile",
+    ] {
+        let n = seen.get(key).copied().unwrap_or(0);
         if n != 1 {
             bail!(
-                "{}: expected the line {:?} once, found it {n} times (the shipped configuration changed; update e2e/src/control_plane.rs)",
-                shipped.display(),
-                from.trim()
+                "expected `{key}:` once (one extender, called over HTTPS with a client certificate), found it {n} times"
             );
         }
-        out = out.replace(from, &to);
     }
-    Ok(out)
+    Ok(out.join("\n") + "\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run<'a>(client: &'a CertFiles) -> Runnable<'a> {
+        Runnable {
+            kubeconfig: Path::new("/run/scheduler.kubeconfig"),
+            extender_url: "https://127.0.0.1:4443/gpuledger",
+            client,
+            ca: Path::new("/run/ca.crt"),
+            server_name: EXTENDER_SERVER_NAME,
+        }
+    }
+
+    #[test]
+    fn the_shipped_configuration_calls_the_extender_with_this_runs_certificates() -> Result<()> {
+        let client = CertFiles {
+            cert: "/run/sched.crt".into(),
+            key: "/run/sched.key".into(),
+        };
+        let out = scheduler_config(&crate::repo_root().join(SCHEDULER_CONFIG), &run(&client))?;
+        for line in [
+            "apiVersion: kubescheduler.config.k8s.io/v1beta1",
+            "  kubeconfig: /run/scheduler.kubeconfig",
+            "  - urlPrefix: https://127.0.0.1:4443/gpuledger",
+            "    enableHTTPS: true",
+            "      certFile: /run/sched.crt",
+            "      keyFile: /run/sched.key",
+            "      caFile: /run/ca.crt",
+        ] {
+            assert!(out.lines().any(|l| l == line), "no {line:?} in:\n{out}");
+        }
+        let node_files = out
+            .lines()
+            .filter(|l| !l.trim_start().starts_with('#'))
+            .any(|l| l.contains("/etc/kubernetes"));
+        assert!(
+            !node_files,
+            "a path of the control-plane node is left:\n{out}"
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn a_configuration_that_calls_the_extender_over_plain_http_is_refused() {
+        let client = CertFiles {
+            cert: "/c".into(),
+            key: "/k".into(),
+        };
+        let plain = "apiVersion: kubescheduler.config.k8s.io/v1\nclientConnection:\n  kubeconfig: /k\n\
+                     extenders:\n  - urlPrefix: http://127.0.0.1:1/gpuledger\n    enableHTTPS: false\n";
+        let err = runnable(plain, &run(&client)).map(|_| ()).unwrap_err();
+        assert!(format!("{err:#}").contains("enableHTTPS"), "{err:#}");
+        let no_client_cert = "apiVersion: kubescheduler.config.k8s.io/v1\nclientConnection:\n  kubeconfig: /k\n\
+                     extenders:\n  - urlPrefix: https://127.0.0.1:1/gpuledger\n    enableHTTPS: true\n    tlsConfig:\n      caFile: /ca\n    weight: 1\n";
+        let err = runnable(no_client_cert, &run(&client))
+            .map(|_| ())
+            .unwrap_err();
+        assert!(format!("{err:#}").contains("certFile"), "{err:#}");
+    }
 }

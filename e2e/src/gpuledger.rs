@@ -1,6 +1,11 @@
 //! gpuledger's processes against the real API server: a ledger etcd of its own, allocator
 //! replicas and the extender (scheduler extender + admission webhook), each with the kubeconfig
-//! of its shipped ServiceAccount so that the shipped RBAC is what authorizes it.
+//! of its shipped ServiceAccount so that the shipped RBAC is what authorizes it. Every gRPC
+//! call is TLS and authenticated: the extender and `gpuledger verify` send ServiceAccount
+//! tokens the API server issued (audience `gpuledger`), which the allocator has the API server
+//! review; the allocator replicas and the node agents present client certificates of the run's
+//! CA. The extender's scheduler-facing port is HTTPS and demands kube-scheduler's client
+//! certificate.
 
 use std::path::Path;
 use std::time::Duration;
@@ -17,6 +22,8 @@ pub const ALLOCATOR_SA: &str = "gpuledger-allocator";
 pub const EXTENDER_SA: &str = "gpuledger-extender";
 /// ServiceAccount of the node agent.
 pub const NODE_AGENT_SA: &str = "gpuledger-node-agent";
+/// ServiceAccount whose tokens operators read the ledger with.
+pub const VIEWER_SA: &str = "gpuledger-viewer";
 
 /// The ledger's cluster prefix in etcd.
 pub const CLUSTER: &str = "e2e";
@@ -27,23 +34,26 @@ pub struct Gpuledger {
     pub allocs: Allocators,
     /// The extender process.
     pub extender: Proc,
-    /// `http://127.0.0.1:<port>/gpuledger`: what kube-scheduler calls.
+    /// `https://127.0.0.1:<port>/gpuledger`: what kube-scheduler calls.
     pub extender_url: String,
-    /// `http://127.0.0.1:<port>`: the extender's /metrics and probes.
+    /// `http://127.0.0.1:<port>`: the extender's /metrics and probes (plain HTTP).
     pub extender_http: String,
     /// Port of the admission webhook (HTTPS).
     pub webhook_port: u16,
     /// The ledger's etcd.
     pub etcd: EtcdCluster,
+    /// Flags of an operator's read-only CLI: the CA and a `gpuledger-viewer` token.
+    pub viewer_flags: Vec<String>,
 }
 
 impl Gpuledger {
     /// Start the ledger etcd, `allocators` replicas (leader elected) and the extender with its
-    /// webhook on `webhook_port`; `extra` flags go to the extender.
+    /// webhook on `webhook_port`; `extra` flags go to the extender. `client` (an admin) asks
+    /// the API server for the ServiceAccount tokens.
     pub async fn start(
         dir: &Path,
         pki: &Pki,
-        server: &str,
+        (server, client): (&str, &kube::Client),
         (allocators, webhook_port): (usize, u16),
         extra: &[String],
     ) -> Result<Gpuledger> {
@@ -51,24 +61,28 @@ impl Gpuledger {
         let kc = pki.kubeconfig(server, &Identity::ServiceAccount(ALLOCATOR_SA.into()))?;
         let flags = [format!("--kubeconfig={}", kc.display())];
         let refs: Vec<&str> = flags.iter().map(String::as_str).collect();
-        let allocs = Allocators::start(
+        let allocs = Allocators::start_each(
             dir,
-            &etcd.endpoints_flag(),
-            allocators.max(1),
+            &etcd,
+            &vec![etcd.endpoints_flag(); allocators.max(1)],
             CLUSTER,
             &refs,
+            pki.identities(),
         )?;
         allocs.wait_leader(Duration::from_secs(30)).await?;
-        let port = free_port()?;
+        let (port, http_port) = (free_port()?, free_port()?);
         let kc = pki.kubeconfig(server, &Identity::ServiceAccount(EXTENDER_SA.into()))?;
         let mut args = vec![
             format!("--listen=127.0.0.1:{port}"),
+            format!("--http-listen=127.0.0.1:{http_port}"),
             format!("--allocator={}", allocs.addrs.join(",")),
             format!("--kubeconfig={}", kc.display()),
             format!("--webhook-listen=127.0.0.1:{webhook_port}"),
-            format!("--tls-cert={}", pki.webhook.cert.display()),
-            format!("--tls-key={}", pki.webhook.key.display()),
+            format!("--tls-cert={}", pki.extender.cert.display()),
+            format!("--tls-key={}", pki.extender.key.display()),
+            format!("--client-ca={}", pki.ca_file.display()),
         ];
+        args.extend(pki.token_flags(&pki.request_token(client, EXTENDER_SA).await?));
         args.extend(extra.iter().cloned());
         let extender = Proc::spawn(
             dir,
@@ -77,15 +91,17 @@ impl Gpuledger {
             args,
             vec![("GPULEDGER_LOG".into(), "info".into())],
         )?;
-        wait_http(port, Duration::from_secs(20)).await?;
-        wait_http(webhook_port, Duration::from_secs(20)).await?;
+        for p in [http_port, webhook_port, port] {
+            wait_http(p, Duration::from_secs(20)).await?;
+        }
         Ok(Gpuledger {
             allocs,
             extender,
-            extender_url: format!("http://127.0.0.1:{port}/gpuledger"),
-            extender_http: format!("http://127.0.0.1:{port}"),
+            extender_url: format!("https://127.0.0.1:{port}/gpuledger"),
+            extender_http: format!("http://127.0.0.1:{http_port}"),
             webhook_port,
             etcd,
+            viewer_flags: pki.token_flags(&pki.request_token(client, VIEWER_SA).await?),
         })
     }
 
@@ -122,11 +138,13 @@ pub fn counter(metrics: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
         .sum()
 }
 
-/// `gpuledger verify` against the allocator replicas at `addrs`: its output, or why it failed.
-pub fn verify(addrs: &[String]) -> Result<String> {
+/// `gpuledger verify`, as the operator `gl.viewer_flags` name, against the replicas at
+/// `addrs`: its output, or why it failed.
+pub fn verify(gl: &Gpuledger, addrs: &[String]) -> Result<String> {
     let out = std::process::Command::new(bin_path("gpuledger")?)
         .arg("verify")
         .arg(format!("--allocator={}", addrs.join(",")))
+        .args(&gl.viewer_flags)
         .output()?;
     let text = format!(
         "{}{}",

@@ -87,25 +87,24 @@ pub fn node_object(name: &str, shape: &NodeShape) -> Result<Node> {
     }))?)
 }
 
-/// Create `names` as kubelet-less nodes of `shape` and register their GPUs with the allocator
-/// at `allocator` (up to 64 at a time).
+/// Create `names` as kubelet-less nodes of `shape` and register their GPUs with replica 0 of
+/// `allocs`, each as its node's agent would (up to 64 at a time).
 pub async fn add(
     client: &kube::Client,
-    allocator: &str,
+    allocs: &gpuledger_testkit::Allocators,
     names: &[String],
     shape: &NodeShape,
 ) -> Result<()> {
     let nodes: Api<Node> = Api::all(client.clone());
     let results = futures::stream::iter(names.iter().cloned().map(|n| {
         let nodes = nodes.clone();
-        let addr = allocator.to_string();
         let shape = shape.clone();
         async move {
             nodes
                 .create(&PostParams::default(), &node_object(&n, &shape)?)
                 .await
                 .with_context(|| format!("creating node {n}"))?;
-            let mut c = gpuledger_testkit::allocators::client(&addr)?;
+            let mut c = allocs.node_agent(0, &n)?;
             c.register_node(api::RegisterNodeRequest {
                 inventory: Some(inventory(&n, &shape)),
             })

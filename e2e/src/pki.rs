@@ -1,18 +1,21 @@
 //! Certificates, identities and kubeconfigs: the one place where the tier decides how every
-//! component proves who it is and whom it trusts. Today the API server serves TLS from a CA made
-//! here and authenticates static tokens (one per identity below, authorized by the real RBAC and
-//! Node authorizers); gpuledger's own listeners are plain HTTP and gRPC, except the webhook
-//! (HTTPS, as the API server demands). When gpuledger's listeners take TLS and tokens, their
-//! flags and certificates go here too.
+//! component proves who it is and whom it trusts. One CA per run (the test kit's) signs every
+//! certificate: the API server's and the extender's serving certificates, kube-scheduler's
+//! client certificate for the extender, and the allocator's server and callers' client
+//! certificates (`spiffe://gpuledger/<role>`). The API server authenticates static tokens, one
+//! per identity below, authorized by the real RBAC and Node authorizers, and issues the
+//! ServiceAccount tokens (audience `gpuledger`) that the extender and the operator's CLI call
+//! the allocator with; the allocator checks those with the API server's TokenReview.
 
 use std::path::{Path, PathBuf};
 
+use std::sync::Arc;
+
 use anyhow::{Context, Result};
 use base64::Engine;
+use gpuledger_testkit::pki::Identities;
 use rand::Rng;
-use rcgen::{
-    BasicConstraints, CertificateParams, CertifiedIssuer, ExtendedKeyUsagePurpose, IsCa, KeyPair,
-};
+use rcgen::KeyPair;
 
 /// The namespace of gpuledger's ServiceAccounts in the shipped manifests.
 pub const GPULEDGER_NAMESPACE: &str = "gpuledger-system";
@@ -70,14 +73,20 @@ pub struct CertFiles {
 /// The run's CA, serving certificates, ServiceAccount signing key and token file.
 pub struct Pki {
     dir: PathBuf,
+    /// The run's CA and the certificates gpuledger's components present.
+    pub tls: Arc<gpuledger_testkit::pki::Pki>,
     /// The CA certificate (PEM) every client trusts.
     pub ca_pem: String,
     /// The CA certificate file.
     pub ca_file: PathBuf,
     /// kube-apiserver's serving certificate (127.0.0.1, localhost).
     pub apiserver: CertFiles,
-    /// The admission webhook's serving certificate (127.0.0.1).
-    pub webhook: CertFiles,
+    /// The extender's serving certificate, of its scheduler-facing port and its admission
+    /// webhook (127.0.0.1, localhost).
+    pub extender: CertFiles,
+    /// kube-scheduler's client certificate, which the extender demands (the scheduler
+    /// configuration's `tlsConfig`).
+    pub scheduler_client: CertFiles,
     /// ServiceAccount token signing key (ECDSA P-256).
     pub sa_key: PathBuf,
     /// Its public half, which the API server verifies tokens with.
@@ -88,38 +97,19 @@ pub struct Pki {
 }
 
 impl Pki {
-    /// Make everything under `dir`, with a token for each of `identities` (and the admin).
-    pub fn create(dir: &Path, identities: &[Identity]) -> Result<Pki> {
-        std::fs::create_dir_all(dir)?;
+    /// Make everything under `<run>/pki`, with a token for each of `identities` (and the admin).
+    pub fn create(run: &Path, identities: &[Identity]) -> Result<Pki> {
+        let tls = gpuledger_testkit::pki::Pki::new(run)?;
+        let dir = run.join("pki");
         let write = |name: &str, text: &str| -> Result<PathBuf> {
             let p = dir.join(name);
             std::fs::write(&p, text).with_context(|| format!("writing {}", p.display()))?;
             Ok(p)
         };
-        let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
-        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate()?)?;
-        let leaf = |name: &str, sans: &[&str]| -> Result<CertFiles> {
-            let mut p =
-                CertificateParams::new(sans.iter().map(|s| s.to_string()).collect::<Vec<_>>())?;
-            p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
-            let key = KeyPair::generate()?;
-            let cert = p.signed_by(&key, &ca)?;
-            Ok(CertFiles {
-                cert: write(&format!("{name}.crt"), &cert.pem())?,
-                key: write(&format!("{name}.key"), &key.serialize_pem())?,
-            })
-        };
-        let apiserver = leaf(
-            "apiserver",
-            &[
-                "127.0.0.1",
-                "localhost",
-                "kubernetes",
-                "kubernetes.default.svc",
-            ],
-        )?;
-        let webhook = leaf("webhook", &["127.0.0.1", "localhost"])?;
+        let files = |(cert, key): (PathBuf, PathBuf)| CertFiles { cert, key };
+        let apiserver = files(tls.server("apiserver")?);
+        let extender = files(tls.server("extender")?);
+        let scheduler_client = files(tls.peer("kube-scheduler")?);
         let sa = KeyPair::generate()?;
         let sa_key = write("sa.key", &sa.serialize_pem())?;
         let sa_pub = write("sa.pub", &sa.public_key_pem())?;
@@ -149,18 +139,66 @@ impl Pki {
                 format!("{t},{user},{user},\"{}\"\n", groups.join(","))
             })
             .collect();
-        let ca_pem = ca.pem();
+        let ca_file = tls.ca_file().to_path_buf();
+        let ca_pem = std::fs::read_to_string(&ca_file)
+            .with_context(|| format!("reading {}", ca_file.display()))?;
         Ok(Pki {
-            dir: dir.to_path_buf(),
-            ca_file: write("ca.crt", &ca_pem)?,
+            dir: dir.clone(),
+            tls,
+            ca_file,
             ca_pem,
             apiserver,
-            webhook,
+            extender,
+            scheduler_client,
             sa_key,
             sa_pub,
             tokens_file: write("tokens.csv", &csv)?,
             tokens,
         })
+    }
+
+    /// How gpuledger's callers prove who they are to the allocator: client certificates of
+    /// this run's CA.
+    pub fn identities(&self) -> Identities {
+        Identities::certs(self.tls.clone())
+    }
+
+    /// Ask the API server for a token of gpuledger's ServiceAccount `account` with audience
+    /// `gpuledger` (TokenRequest, as `kubectl create token` does; a projected token in a pod is
+    /// the same thing) and write it to a file of its own; the file.
+    pub async fn request_token(&self, client: &kube::Client, account: &str) -> Result<PathBuf> {
+        use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+        use k8s_openapi::api::core::v1::ServiceAccount;
+        let accounts: kube::Api<ServiceAccount> =
+            kube::Api::namespaced(client.clone(), GPULEDGER_NAMESPACE);
+        let req = TokenRequest {
+            spec: TokenRequestSpec {
+                audiences: vec![gpuledger_auth::token::AUDIENCE.to_string()],
+                expiration_seconds: Some(24 * 3600),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let issued = accounts
+            .create_token_request(account, &Default::default(), &req)
+            .await
+            .with_context(|| format!("requesting a token of ServiceAccount {account}"))?;
+        let token = issued
+            .status
+            .map(|s| s.token)
+            .filter(|t| !t.is_empty())
+            .with_context(|| format!("the API server issued no token for {account}"))?;
+        let p = self.dir.join(format!("{account}.token"));
+        std::fs::write(&p, token).with_context(|| format!("writing {}", p.display()))?;
+        Ok(p)
+    }
+
+    /// The flags with which a gpuledger binary calls the allocator with the token in `file`.
+    pub fn token_flags(&self, file: &Path) -> Vec<String> {
+        vec![
+            format!("--allocator-ca={}", self.ca_file.display()),
+            format!("--token-file={}", file.display()),
+        ]
     }
 
     /// The bearer token of `who`.

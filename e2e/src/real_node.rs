@@ -85,7 +85,7 @@ impl RealNode {
         pki: &Pki,
         server: &str,
         client: &kube::Client,
-        allocators: &[String],
+        allocators: &gpuledger_testkit::Allocators,
         name: &str,
         kubelet: KubeletBuild,
         (gpus, gpu_mem_mib): (u32, u64),
@@ -128,7 +128,7 @@ impl RealNode {
             &bin_path("gpuledger-node-agent")?,
             vec![
                 format!("--node-name={name}"),
-                format!("--allocator={}", allocators.join(",")),
+                format!("--allocator={}", allocators.addrs.join(",")),
                 format!("--nvml-lib={}", fake_nvml_lib()?.display()),
                 format!("--kubelet-dir={DEVICE_PLUGIN_DIR}"),
                 format!("--pod-resources-socket={}", pod_resources_socket.display()),
@@ -137,7 +137,16 @@ impl RealNode {
                 // Debian's containerd 1.6 has no CDI and the fake GPUs no CDI spec: the
                 // NVIDIA runtime's variable is how this node names a container's GPUs.
                 "--device-list-strategy=envvar".into(),
-            ],
+            ]
+            .into_iter()
+            .chain(
+                allocators
+                    .ids
+                    .flags(&gpuledger_auth::identity::Role::NodeAgent {
+                        node: name.to_string(),
+                    })?,
+            )
+            .collect(),
             vec![
                 ("FAKE_NVML_CONFIG".into(), nvml.path().display().to_string()),
                 ("GPULEDGER_LOG".into(), "info".into()),

@@ -103,7 +103,7 @@ async fn every_pod_is_bound_once_across_a_leader_kill() -> Result<()> {
     );
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        match verify(&survivors) {
+        match verify(&e.gl, &survivors) {
             Ok(_) => break,
             // A follower may still be folding the new leader's last batch.
             Err(_) if Instant::now() < deadline => {

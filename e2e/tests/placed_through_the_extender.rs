@@ -109,7 +109,7 @@ async fn gpu_pods_land_where_the_ledger_reserved_and_come_back_when_deleted() ->
         },
     )
     .await?;
-    let out = verify(&e.gl.allocs.addrs)?;
+    let out = verify(&e.gl, &e.gl.allocs.addrs)?;
     ensure!(out.contains("compared 2 replica(s)"), "{out}");
     Ok(())
 }

@@ -4,15 +4,15 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use gpuledger_auth::{AuthChannel, Credentials};
 use gpuledger_proto::allocator::v1::allocator_client::AllocatorClient;
-use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Status};
 use tracing::{Instrument, info_span};
 
 /// Connections to every configured allocator replica.
 #[derive(Clone)]
 pub struct Allocators {
-    replicas: std::sync::Arc<Vec<(String, Channel)>>,
+    replicas: std::sync::Arc<Vec<(String, AuthChannel)>>,
     next: std::sync::Arc<AtomicUsize>,
 }
 
@@ -25,25 +25,24 @@ fn retry_elsewhere(s: &Status) -> bool {
 }
 
 impl Allocators {
-    /// Lazy connections to `addrs` (`host:port` or URLs).
-    pub fn new(addrs: &[String], timeout: Duration) -> anyhow::Result<Allocators> {
+    /// Lazy connections to `addrs` (`host:port` or URLs), over TLS, as the caller `creds`.
+    pub fn new(
+        addrs: &[String],
+        timeout: Duration,
+        creds: &Credentials,
+    ) -> anyhow::Result<Allocators> {
         anyhow::ensure!(
             !addrs.is_empty(),
             "no allocator address given (--allocator)"
         );
         let mut replicas = Vec::new();
         for a in addrs {
-            let url = if a.contains("://") {
-                a.clone()
-            } else {
-                format!("http://{a}")
-            };
-            let ch = Endpoint::from_shared(url.clone())?
+            let ep = gpuledger_auth::endpoint(a)?
                 .connect_timeout(Duration::from_millis(500))
                 .timeout(timeout)
                 .tcp_nodelay(true)
-                .http2_keep_alive_interval(Duration::from_secs(10))
-                .connect_lazy();
+                .http2_keep_alive_interval(Duration::from_secs(10));
+            let ch = creds.channel(ep);
             replicas.push((a.clone(), ch));
         }
         Ok(Allocators {
@@ -57,7 +56,7 @@ impl Allocators {
     /// replica. The final error of an unreachable ledger says so ("ledger unavailable").
     pub async fn call<T, F, Fut>(&self, rpc: &'static str, f: F) -> Result<T, Status>
     where
-        F: Fn(AllocatorClient<Channel>) -> Fut,
+        F: Fn(AllocatorClient<AuthChannel>) -> Fut,
         Fut: std::future::Future<Output = Result<tonic::Response<T>, Status>>,
     {
         let n = self.replicas.len();

@@ -56,7 +56,8 @@ pub struct App {
     pub tasks: TaskTracker,
 }
 
-/// The extender's routes, served at the root and under `/gpuledger`.
+/// The verbs kube-scheduler calls, served at the root and under `/gpuledger` (over HTTPS, to
+/// a scheduler that presents its client certificate).
 pub fn router(app: App) -> Router {
     let metrics = app.metrics.clone();
     let verbs = Router::new()
@@ -67,14 +68,22 @@ pub fn router(app: App) -> Router {
     Router::new()
         .merge(verbs.clone())
         .nest("/gpuledger", verbs)
-        .route("/healthz", get(|| async { "ok" }))
-        .route("/readyz", get(readyz))
         .with_state(app)
-        .merge(gpuledger_ops::metrics::router(metrics.registry.clone()))
         .layer(axum::middleware::from_fn_with_state(
             metrics,
             crate::metrics::track,
         ))
+}
+
+/// `/healthz`, `/readyz` and `/metrics`, on the plain probe port: the kubelet's probes and
+/// Prometheus present no certificate, and nothing here writes or names a tenant.
+pub fn probes(app: App) -> Router {
+    let metrics = app.metrics.clone();
+    Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(readyz))
+        .with_state(app)
+        .merge(gpuledger_ops::metrics::router(metrics.registry.clone()))
 }
 
 /// Ready when an allocator replica answers and can serve grants: without one every verb

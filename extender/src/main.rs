@@ -31,10 +31,16 @@ const SHUTDOWN_WAIT: Duration = Duration::from_secs(10);
 #[derive(Parser, Debug)]
 #[command(name = "gpuledger-extender", version, about, long_about)]
 struct Args {
-    /// Address of the extender's HTTP server (KubeSchedulerConfiguration urlPrefix points here,
-    /// with or without the /gpuledger path).
+    /// Address of the extender's HTTPS server for kube-scheduler (the KubeSchedulerConfiguration's
+    /// urlPrefix points here, with or without the /gpuledger path, with `enableHTTPS: true` and
+    /// a `tlsConfig` whose client certificate --client-ca signed).
     #[arg(long, env = "GPULEDGER_LISTEN", default_value = "0.0.0.0:28888")]
     listen: SocketAddr,
+
+    /// Address of the plain HTTP server of /healthz, /readyz and /metrics (for the kubelet's
+    /// probes and Prometheus; nothing there writes).
+    #[arg(long, env = "GPULEDGER_HTTP_LISTEN", default_value = "0.0.0.0:28889")]
+    http_listen: SocketAddr,
 
     /// Allocator replica addresses (host:port), comma-separated; any replica works.
     #[arg(
@@ -59,22 +65,19 @@ struct Args {
     #[arg(long, env = "GPULEDGER_KUBECONFIG")]
     kubeconfig: Option<PathBuf>,
 
-    /// Address of the admission webhook's HTTPS server (off when not set).
-    #[arg(long, env = "GPULEDGER_WEBHOOK_LISTEN", requires_all = ["tls_cert", "tls_key"])]
+    /// Address of the admission webhook's HTTPS server (off when not set); it presents
+    /// --tls-cert too, and asks for no client certificate (the API server sends none).
+    #[arg(long, env = "GPULEDGER_WEBHOOK_LISTEN")]
     webhook_listen: Option<SocketAddr>,
 
-    /// PEM certificate chain of the webhook.
-    #[arg(long, env = "GPULEDGER_TLS_CERT")]
-    tls_cert: Option<PathBuf>,
+    /// The serving certificate of both HTTPS servers, and (--client-ca, required) the CA of
+    /// kube-scheduler's client certificate.
+    #[command(flatten)]
+    tls: gpuledger_auth::ServerTlsArgs,
 
-    /// PEM private key of the webhook.
-    #[arg(long, env = "GPULEDGER_TLS_KEY")]
-    tls_key: Option<PathBuf>,
-
-    /// How often the webhook reads --tls-cert and --tls-key again, in milliseconds; a changed
-    /// pair (cert-manager renewed it) is served to new connections without a restart.
-    #[arg(long, env = "GPULEDGER_TLS_RELOAD_MS", default_value_t = 10_000)]
-    tls_reload_ms: u64,
+    /// How this extender proves who it is to the allocator.
+    #[command(flatten)]
+    credentials: gpuledger_auth::CredentialArgs,
 
     /// Scheduler name the webhook sets on GPU pods that use the default scheduler (off when
     /// not set).
@@ -105,7 +108,29 @@ async fn run(a: Args) -> anyhow::Result<()> {
         }
         on_signal.cancel();
     });
-    let allocators = Allocators::new(&a.allocator, Duration::from_millis(a.allocator_timeout_ms))?;
+    let scheduler_ca = a.tls.client_ca.clone().context(
+        "--client-ca is required: the CA that signed kube-scheduler's client certificate \
+         (the scheduler configuration's tlsConfig.certFile); the scheduler-facing port refuses \
+         callers without one",
+    )?;
+    let scheduler_tls = gpuledger_auth::tls::server_config(
+        &a.tls.cert,
+        &a.tls.key,
+        gpuledger_auth::tls::ClientCerts::Required(scheduler_ca),
+        &[b"http/1.1"],
+    )?;
+    scheduler_tls.spawn_reloader(a.tls.reload_every(), shutdown.clone());
+    let limits = gpuledger_auth::https::Limits {
+        handshake: a.tls.handshake_timeout(),
+        ..Default::default()
+    };
+    let creds = gpuledger_auth::Credentials::load(&a.credentials)?;
+    creds.spawn_reloader(a.tls.reload_every(), shutdown.clone());
+    let allocators = Allocators::new(
+        &a.allocator,
+        Duration::from_millis(a.allocator_timeout_ms),
+        &creds,
+    )?;
     let kube = gpuledger_ops::kube_client::client(a.kubeconfig.as_deref()).await?;
     if kube.is_none() {
         tracing::warn!("no --kubeconfig and not in a cluster: bind will fail");
@@ -121,15 +146,13 @@ async fn run(a: Args) -> anyhow::Result<()> {
         tasks.spawn(rep.clone().follow(allocators.clone(), shutdown.clone()));
     }
     if let Some(addr) = a.webhook_listen {
-        let (cert, key) = (
-            a.tls_cert
-                .clone()
-                .context("--tls-cert is required with --webhook-listen")?,
-            a.tls_key
-                .clone()
-                .context("--tls-key is required with --webhook-listen")?,
-        );
-        let tls = webhook::tls::tls_config(&cert, &key)?;
+        let tls = gpuledger_auth::tls::server_config(
+            &a.tls.cert,
+            &a.tls.key,
+            gpuledger_auth::tls::ClientCerts::None,
+            &[b"http/1.1"],
+        )?;
+        tls.spawn_reloader(a.tls.reload_every(), shutdown.clone());
         let l = tokio::net::TcpListener::bind(addr)
             .await
             .with_context(|| format!("listening on {addr}"))?;
@@ -142,15 +165,10 @@ async fn run(a: Args) -> anyhow::Result<()> {
             gpuledger_extender::metrics::track,
         ));
         info!(%addr, "admission webhook listening (HTTPS)");
-        let files = webhook::tls::CertFiles {
-            cert,
-            key,
-            reload_every: Duration::from_millis(a.tls_reload_ms),
-        };
-        let limits = webhook::tls::Limits::default();
         let stop = shutdown.clone();
         tasks.spawn(async move {
-            if let Err(e) = webhook::tls::serve(l, tls, files, limits, app, stop).await {
+            if let Err(e) = gpuledger_auth::https::serve("webhook", l, tls, limits, app, stop).await
+            {
                 tracing::error!("the admission webhook stopped: {e:#}");
             }
         });
@@ -158,7 +176,7 @@ async fn run(a: Args) -> anyhow::Result<()> {
     let events = kube
         .clone()
         .map(|k| Recorder::new(k, "gpuledger-extender", None));
-    let app = extender::router(App {
+    let app = App {
         allocators,
         kube,
         #[cfg(feature = "test-hooks")]
@@ -167,19 +185,34 @@ async fn run(a: Args) -> anyhow::Result<()> {
         metrics,
         replica,
         tasks: tasks.clone(),
+    };
+    let probes = tokio::net::TcpListener::bind(a.http_listen)
+        .await
+        .with_context(|| format!("listening on --http-listen {}", a.http_listen))?;
+    let probe_app = extender::probes(app.clone());
+    let stop = shutdown.clone();
+    tasks.spawn(async move {
+        if let Err(e) = axum::serve(probes, probe_app)
+            .with_graceful_shutdown(stop.cancelled_owned())
+            .await
+        {
+            tracing::error!("the probe endpoint stopped: {e}");
+        }
     });
     let l = tokio::net::TcpListener::bind(a.listen)
         .await
         .with_context(|| format!("listening on {}", a.listen))?;
-    info!(addr = %a.listen, allocators = ?a.allocator, "scheduler extender listening");
-    // Answers of thousands of node names span many segments: no Nagle delay.
-    let l = axum::serve::ListenerExt::tap_io(l, |tcp: &mut tokio::net::TcpStream| {
-        let _ = tcp.set_nodelay(true);
-    });
-    axum::serve(l, app)
-        .with_graceful_shutdown(shutdown.clone().cancelled_owned())
-        .await
-        .context("serving the extender")?;
+    info!(addr = %a.listen, allocators = ?a.allocator, "scheduler extender listening (HTTPS, client certificate required)");
+    gpuledger_auth::https::serve(
+        "scheduler",
+        l,
+        scheduler_tls,
+        limits,
+        extender::router(app),
+        shutdown.clone(),
+    )
+    .await
+    .context("serving the extender")?;
     shutdown.cancel();
     tasks.close();
     if tokio::time::timeout(SHUTDOWN_WAIT, tasks.wait())

@@ -1,8 +1,6 @@
 //! The admission webhook (AdmissionReview v1, HTTPS only): `mutate` completes and translates
 //! GPU requests, `validate` rejects what can never run with a message a user understands.
 
-pub mod tls;
-
 use std::collections::BTreeMap;
 
 use axum::Router;

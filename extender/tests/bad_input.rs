@@ -5,31 +5,38 @@ mod kit;
 
 use std::time::Duration;
 
-use gpuledger_testkit::kube::stack::wait_http;
+use gpuledger_auth::identity::Role;
+use gpuledger_testkit::kube::stack::{extender_tls_flags, scheduler_tls, wait_http};
 use gpuledger_testkit::kube::{ExtenderClient, ExtenderConfig};
-use gpuledger_testkit::{Proc, bin_path, free_port};
+use gpuledger_testkit::{Identities, Pki, Proc, bin_path, free_port};
 use serde_json::{Value, json};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_json_is_400_and_a_dead_ledger_is_named() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
-    let port = free_port()?;
+    let (port, http_port) = (free_port()?, free_port()?);
     // Two allocator addresses where nothing listens.
     let dead = format!("127.0.0.1:{},127.0.0.1:{}", free_port()?, free_port()?);
+    let pki = Pki::new(dir.path())?;
+    let mut flags = vec![
+        format!("--listen=127.0.0.1:{port}"),
+        format!("--http-listen=127.0.0.1:{http_port}"),
+        format!("--allocator={dead}"),
+    ];
+    flags.extend(extender_tls_flags(&pki)?);
+    flags.extend(Identities::certs(pki.clone()).flags(&Role::Extender)?);
     let mut p = Proc::spawn(
         dir.path(),
         "extender",
         &bin_path("gpuledger-extender")?,
-        vec![
-            format!("--listen=127.0.0.1:{port}"),
-            format!("--allocator={dead}"),
-        ],
+        flags,
         vec![],
     )?;
     wait_http(port, Duration::from_secs(20)).await?;
-    let ext = ExtenderClient::new(ExtenderConfig::gpuledger(&format!(
-        "http://127.0.0.1:{port}/gpuledger"
-    )));
+    let ext = ExtenderClient::new(ExtenderConfig::gpuledger(
+        &format!("https://127.0.0.1:{port}/gpuledger"),
+        Some(scheduler_tls(&pki)?),
+    ))?;
     for verb in ["filter", "prioritize", "bind", "preempt"] {
         for body in [&b"{not json"[..], b"", b"[1,2]", b"{\"Pod\": 7}"] {
             let (status, b) = ext.post_raw(verb, body.to_vec()).await?;
@@ -59,7 +66,7 @@ async fn malformed_json_is_400_and_a_dead_ledger_is_named() -> anyhow::Result<()
         .unwrap_or("");
     assert!(why.contains("between 0 and 100"), "{r}");
     // Alive but not ready without a ledger, and /readyz says why.
-    let base = format!("http://127.0.0.1:{port}");
+    let base = format!("http://127.0.0.1:{http_port}");
     let (code, _) = gpuledger_testkit::http::get(&format!("{base}/healthz")).await?;
     assert_eq!(code, 200);
     let (code, body) = gpuledger_testkit::http::get(&format!("{base}/readyz")).await?;

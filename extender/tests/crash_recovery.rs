@@ -8,7 +8,7 @@ use std::time::Duration;
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
 use gpuledger_testkit::eventually;
-use gpuledger_testkit::kube::{ExtenderConfig, KubeStack, SchedulerEmulator, StackOptions};
+use gpuledger_testkit::kube::{KubeStack, SchedulerEmulator, StackOptions};
 use gpuledger_testkit::workload::inventory;
 use serde_json::{Value, json};
 
@@ -21,7 +21,7 @@ fn gpu_pod(name: &str) -> Value {
 async fn allocs_of(stack: &KubeStack, uid: &str) -> anyhow::Result<Vec<pb::Allocation>> {
     let d = stack
         .allocs
-        .client(0)?
+        .viewer(0)?
         .dump(api::DumpRequest {})
         .await?
         .into_inner();
@@ -55,7 +55,7 @@ fn require_crash_hooks() -> anyhow::Result<()> {
 async fn released_reasons(stack: &KubeStack) -> anyhow::Result<Vec<String>> {
     let mut s = stack
         .allocs
-        .client(0)?
+        .viewer(0)?
         .read_log(api::ReadLogRequest {
             from_seq: 1,
             to_seq: 0,
@@ -88,13 +88,13 @@ async fn crash_after_binding_is_confirmed_and_before_binding_expires() -> anyhow
     .await?;
     stack
         .allocs
-        .client(0)?
+        .node_agent(0, "n1")?
         .register_node(api::RegisterNodeRequest {
             inventory: Some(inventory("n1", 2, 16_000, "NVIDIA L4")),
         })
         .await?;
     stack.api.add_node("n1", 128)?;
-    let ext = kit::extender(&stack);
+    let ext = kit::extender(&stack)?;
 
     // 1. Killed between the Binding and the confirm.
     let p1 = stack.api.add_pod(gpu_pod("p1"))?;
@@ -162,10 +162,10 @@ async fn crash_after_binding_is_confirmed_and_before_binding_expires() -> anyhow
     let sched = SchedulerEmulator::start(
         stack.api.client().await?,
         "gpuledger-scheduler",
-        ExtenderConfig::gpuledger(&stack.extender_url),
+        stack.extender_config()?,
         4,
         Duration::from_millis(200),
-    );
+    )?;
     eventually("p2 is bound again", Duration::from_secs(15), || async {
         Ok(stack.api.pod("default", "p2").expect("pod")["spec"]["nodeName"] == "n1")
     })

@@ -51,7 +51,7 @@ fn assert_shape(ours: &Value, accepted: &Value, what: &str) {
 async fn dump(stack: &KubeStack) -> anyhow::Result<Vec<pb::Allocation>> {
     let d = stack
         .allocs
-        .client(0)?
+        .viewer(0)?
         .dump(api::DumpRequest {})
         .await?
         .into_inner();
@@ -67,10 +67,11 @@ async fn extender_answers_every_captured_request() -> anyhow::Result<()> {
         ..Default::default()
     })
     .await?;
-    let mut alloc = stack.allocs.client(0)?;
     for i in 1..=3 {
         let n = format!("gpu-node-{i}");
-        alloc
+        stack
+            .allocs
+            .node_agent(0, &n)?
             .register_node(api::RegisterNodeRequest {
                 inventory: Some(inventory(&n, 4, 81_920, "NVIDIA A100-SXM4-80GB")),
             })
@@ -78,12 +79,14 @@ async fn extender_answers_every_captured_request() -> anyhow::Result<()> {
         stack.api.add_node(&n, 256)?;
     }
     // A node without the requested GPU type, to see a per-node reason.
-    alloc
+    stack
+        .allocs
+        .node_agent(0, "t4-node")?
         .register_node(api::RegisterNodeRequest {
             inventory: Some(inventory("t4-node", 4, 16_000, "Tesla T4")),
         })
         .await?;
-    let ext = kit::extender(&stack);
+    let ext = kit::extender(&stack)?;
 
     // 001 filter: trainer-0 wants an A100, 3k MiB ("3k" is a quantity), 30% compute.
     let req = kit::read_json(&fx.join("extender/001-filter.json"))?;
@@ -275,17 +278,15 @@ async fn extender_answers_every_captured_request() -> anyhow::Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn webhook_answers_every_captured_review() -> anyhow::Result<()> {
     let fx = kit::fixtures();
-    let tls = kit::TestTls::new()?;
     let port = gpuledger_testkit::free_port()?;
     let stack = KubeStack::start(StackOptions {
         allocators: 1,
-        extender_flags: Some(tls.flags(port)),
+        extender_flags: Some(vec![kit::webhook_flag(port)]),
         ..Default::default()
     })
     .await?;
     gpuledger_testkit::kube::stack::wait_http(port, Duration::from_secs(10)).await?;
-    let _ = &stack;
-    let hook = kit::Https::new(&tls, port)?;
+    let hook = kit::webhook_client(&stack, port)?;
 
     for (file, allowed) in [
         ("001-mutate", true),

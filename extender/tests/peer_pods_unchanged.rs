@@ -8,16 +8,17 @@ use std::time::{Duration, Instant};
 
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_testkit::free_port;
-use gpuledger_testkit::kube::{ExtenderConfig, KubeStack, SchedulerEmulator, StackOptions};
+use gpuledger_testkit::kube::{KubeStack, SchedulerEmulator, StackOptions};
 use gpuledger_testkit::workload::inventory;
 use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gpushare_and_hami_pods_run_as_written() -> anyhow::Result<()> {
-    let tls = kit::TestTls::new()?;
     let port = free_port()?;
-    let mut flags = tls.flags(port);
-    flags.push("--scheduler-name=gpuledger-scheduler".into());
+    let flags = vec![
+        kit::webhook_flag(port),
+        "--scheduler-name=gpuledger-scheduler".into(),
+    ];
     let stack = KubeStack::start(StackOptions {
         allocators: 1,
         extender_flags: Some(flags),
@@ -25,13 +26,15 @@ async fn gpushare_and_hami_pods_run_as_written() -> anyhow::Result<()> {
     })
     .await?;
     gpuledger_testkit::kube::stack::wait_http(port, Duration::from_secs(10)).await?;
-    let hook = kit::Https::new(&tls, port)?;
-    let mut c = stack.allocs.client(0)?;
+    let hook = kit::webhook_client(&stack, port)?;
     for n in ["n1", "n2"] {
-        c.register_node(api::RegisterNodeRequest {
-            inventory: Some(inventory(n, 2, 24_000, "NVIDIA A10")),
-        })
-        .await?;
+        stack
+            .allocs
+            .node_agent(0, n)?
+            .register_node(api::RegisterNodeRequest {
+                inventory: Some(inventory(n, 2, 24_000, "NVIDIA A10")),
+            })
+            .await?;
         stack.api.add_node(n, 128)?;
     }
     // As their users wrote them: no gpuledger names, default scheduler.
@@ -71,10 +74,10 @@ async fn gpushare_and_hami_pods_run_as_written() -> anyhow::Result<()> {
     let sched = SchedulerEmulator::start(
         stack.api.client().await?,
         "gpuledger-scheduler",
-        ExtenderConfig::gpuledger(&stack.extender_url),
+        stack.extender_config()?,
         4,
         Duration::from_millis(200),
-    );
+    )?;
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let bound = ["gpushare-0", "hami-0"].iter().all(|n| {
@@ -93,7 +96,9 @@ async fn gpushare_and_hami_pods_run_as_written() -> anyhow::Result<()> {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let snap = c
+    let snap = stack
+        .allocs
+        .viewer(0)?
         .dump(api::DumpRequest {})
         .await?
         .into_inner()
@@ -146,15 +151,11 @@ async fn gpushare_and_hami_pods_run_as_written() -> anyhow::Result<()> {
     }
 
     // The extender's own metrics count the binds and time every verb.
-    let port = stack
-        .extender_url
-        .trim_start_matches("http://127.0.0.1:")
-        .trim_end_matches("/gpuledger");
     let (code, text) =
-        gpuledger_testkit::http::get(&format!("http://127.0.0.1:{port}/metrics")).await?;
+        gpuledger_testkit::http::get(&format!("{}/metrics", stack.extender_http_url)).await?;
     assert_eq!(code, 200);
     let (ready, why) =
-        gpuledger_testkit::http::get(&format!("http://127.0.0.1:{port}/readyz")).await?;
+        gpuledger_testkit::http::get(&format!("{}/readyz", stack.extender_http_url)).await?;
     assert_eq!(ready, 200, "{why}");
     let binds_ok = text
         .lines()

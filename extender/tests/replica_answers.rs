@@ -34,7 +34,7 @@ const NODES: [&str; 3] = ["n-big", "n-small", "n-t4"];
 
 /// The allocator's Filter and Score, shaped as the extender answers.
 async fn allocator_answer(stack: &KubeStack, p: &Value) -> anyhow::Result<(Value, Value)> {
-    let mut c = stack.allocs.client(0)?;
+    let mut c = stack.allocs.extender(0)?;
     let nodes: Vec<String> = NODES.map(String::from).to_vec();
     let f = c
         .filter(api::FilterRequest {
@@ -76,8 +76,8 @@ async fn extender_answer(ext: &ExtenderClient, p: &Value) -> anyhow::Result<(Val
 }
 
 async fn metric(stack: &KubeStack, line: &str) -> anyhow::Result<f64> {
-    let base = stack.extender_url.trim_end_matches("/gpuledger");
-    let (_, text) = gpuledger_testkit::http::get(&format!("{base}/metrics")).await?;
+    let (_, text) =
+        gpuledger_testkit::http::get(&format!("{}/metrics", stack.extender_http_url)).await?;
     Ok(text
         .lines()
         .find_map(|l| l.strip_prefix(line)?.trim().parse().ok())
@@ -95,16 +95,18 @@ async fn caught_up(stack: &KubeStack) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Reserve `p` on `node` as the extender does, for a pod the API server has.
 async fn reserve(stack: &KubeStack, p: &Value, node: &str) -> anyhow::Result<()> {
-    stack
-        .allocs
-        .client(0)?
-        .reserve(api::ReserveRequest {
+    stack.api.add_pod(p.clone())?;
+    kit::reserve_admitted(
+        &mut stack.allocs.extender(0)?,
+        api::ReserveRequest {
             request: Some(request(p)?),
             node: node.into(),
             ttl_ms: 0,
-        })
-        .await?;
+        },
+    )
+    .await?;
     Ok(())
 }
 
@@ -118,18 +120,20 @@ async fn filter_and_prioritize_come_from_the_replica_and_equal_the_allocator() -
         ..Default::default()
     })
     .await?;
-    let mut c = stack.allocs.client(0)?;
     for (n, gpus, mem, model) in [
         ("n-big", 4, 81_920, "NVIDIA A100-SXM4-80GB"),
         ("n-small", 2, 24_000, "NVIDIA A10"),
         ("n-t4", 1, 16_000, "Tesla T4"),
     ] {
-        c.register_node(api::RegisterNodeRequest {
-            inventory: Some(inventory(n, gpus, mem, model)),
-        })
-        .await?;
+        stack
+            .allocs
+            .node_agent(0, n)?
+            .register_node(api::RegisterNodeRequest {
+                inventory: Some(inventory(n, gpus, mem, model)),
+            })
+            .await?;
     }
-    let ext = kit::extender(&stack);
+    let ext = kit::extender(&stack)?;
     let probes = [
         pod("probe-fgd", "10000", "30", None),
         pod("probe-binpack", "20000", "50", Some("binpack")),

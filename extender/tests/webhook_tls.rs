@@ -7,7 +7,7 @@ mod kit;
 use std::time::{Duration, Instant};
 
 use gpuledger_extender::allocator::Allocators;
-use gpuledger_extender::webhook::{self, tls};
+use gpuledger_extender::webhook;
 use gpuledger_testkit::kube::stack::wait_http;
 use gpuledger_testkit::{Proc, bin_path, eventually, free_port};
 use serde_json::json;
@@ -73,7 +73,7 @@ async fn a_rotated_certificate_is_served_without_a_restart() -> anyhow::Result<(
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(answered(&new, hook).await, "still the rotated certificate");
     let log = std::fs::read_to_string(p.log_path())?;
-    assert!(log.contains("does not load"), "{log}");
+    assert!(log.contains("do not load"), "{log}");
     assert!(p.exited().is_none(), "the extender never restarted");
     Ok(())
 }
@@ -83,29 +83,37 @@ async fn stalled_handshakes_and_headers_and_large_bodies_are_cut_off() -> anyhow
     let certs = kit::TestTls::new()?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let port = listener.local_addr()?.port();
+    let creds = gpuledger_auth::Credentials::load(&gpuledger_auth::CredentialArgs {
+        ca: Some(certs.cert_path()),
+        token_file: None,
+        client_cert: Some(certs.cert_path()),
+        client_key: Some(certs.key_path()),
+        server_name: None,
+    })?;
     let app = webhook::router(webhook::Webhook {
         allocators: Allocators::new(
             &[format!("127.0.0.1:{}", free_port()?)],
             Duration::from_millis(200),
+            &creds,
         )?,
         scheduler_name: None,
     });
-    let limits = tls::Limits {
+    let limits = gpuledger_auth::https::Limits {
         handshake: Duration::from_millis(300),
         header_read: Duration::from_millis(300),
         body_bytes: 64 << 10,
     };
-    let files = tls::CertFiles {
-        cert: certs.cert_path(),
-        key: certs.key_path(),
-        reload_every: Duration::from_secs(60),
-    };
-    let first = tls::tls_config(&files.cert, &files.key)?;
+    let tls = gpuledger_auth::tls::server_config(
+        &certs.cert_path(),
+        &certs.key_path(),
+        gpuledger_auth::tls::ClientCerts::None,
+        &[b"http/1.1"],
+    )?;
     let stop = CancellationToken::new();
-    let server = tokio::spawn(tls::serve(
+    let server = tokio::spawn(gpuledger_auth::https::serve(
+        "webhook",
         listener,
-        first,
-        files,
+        tls,
         limits,
         app,
         stop.clone(),

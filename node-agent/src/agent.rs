@@ -65,13 +65,17 @@ pub struct Agent {
 
 impl Agent {
     /// The agent for `cfg`, with NVML loaded and the GPUs discovered.
-    pub fn new(cfg: Config, nvml: NvmlBackend) -> anyhow::Result<Arc<Agent>> {
+    pub fn new(
+        cfg: Config,
+        nvml: NvmlBackend,
+        creds: &gpuledger_auth::Credentials,
+    ) -> anyhow::Result<Arc<Agent>> {
         let gpus = nvml.gpus().context("discovering GPUs")?;
         for g in &gpus {
             info!(node = %cfg.node_name, gpu = %g.uuid, model = %g.model, usable_mib = g.memory_mib,
                 reserved_mib = g.reserved_mib, "discovered a GPU");
         }
-        let pool = Pool::new(&cfg.allocator)?;
+        let pool = Pool::new(&cfg.allocator, creds)?;
         let mut registry = Registry::with_prefix("gpuledger_node_agent");
         let metrics = Metrics::new(&mut registry);
         let env = AllocateOptions {

@@ -6,16 +6,16 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use backon::{ExponentialBuilder, Retryable};
+use gpuledger_auth::{AuthChannel, Credentials};
 use gpuledger_proto::allocator::v1::allocator_client::AllocatorClient;
-use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Status};
 use tracing::{Instrument, info_span};
 
 /// The allocator replicas this agent may talk to.
 pub struct Pool {
-    clients: Vec<(String, AllocatorClient<Channel>)>,
+    clients: Vec<(String, AllocatorClient<AuthChannel>)>,
     /// Separate connections for the long-lived subscription stream.
-    streams: Vec<AllocatorClient<Channel>>,
+    streams: Vec<AllocatorClient<AuthChannel>>,
     next: AtomicUsize,
 }
 
@@ -32,8 +32,8 @@ pub fn retryable(s: &Status) -> bool {
 }
 
 impl Pool {
-    /// Lazy clients to `addrs` (host:port).
-    pub fn new(addrs: &[String]) -> anyhow::Result<Pool> {
+    /// Lazy clients to `addrs` (host:port), over TLS, as the caller `creds` names.
+    pub fn new(addrs: &[String], creds: &Credentials) -> anyhow::Result<Pool> {
         anyhow::ensure!(
             !addrs.is_empty(),
             "no allocator address given (--allocator)"
@@ -41,12 +41,7 @@ impl Pool {
         let mut clients = Vec::new();
         let mut streams = Vec::new();
         for a in addrs {
-            let url = if a.contains("://") {
-                a.clone()
-            } else {
-                format!("http://{a}")
-            };
-            let ep = Endpoint::from_shared(url)?
+            let ep = gpuledger_auth::endpoint(a)?
                 .connect_timeout(Duration::from_millis(500))
                 .tcp_nodelay(true)
                 .http2_keep_alive_interval(Duration::from_secs(5))
@@ -54,9 +49,9 @@ impl Pool {
                 .keep_alive_while_idle(true);
             clients.push((
                 a.clone(),
-                AllocatorClient::new(ep.clone().timeout(Duration::from_secs(10)).connect_lazy()),
+                AllocatorClient::new(creds.channel(ep.clone().timeout(Duration::from_secs(10)))),
             ));
-            streams.push(AllocatorClient::new(ep.connect_lazy()));
+            streams.push(AllocatorClient::new(creds.channel(ep)));
         }
         Ok(Pool {
             clients,
@@ -76,13 +71,13 @@ impl Pool {
     }
 
     /// The client and address at position `i` (modulo the count).
-    pub fn at(&self, i: usize) -> (String, AllocatorClient<Channel>) {
+    pub fn at(&self, i: usize) -> (String, AllocatorClient<AuthChannel>) {
         let (a, c) = &self.clients[i % self.clients.len()];
         (a.clone(), c.clone())
     }
 
     /// The subscription client and address at position `i` (modulo the count).
-    pub fn stream_at(&self, i: usize) -> (String, AllocatorClient<Channel>) {
+    pub fn stream_at(&self, i: usize) -> (String, AllocatorClient<AuthChannel>) {
         let n = i % self.clients.len();
         (self.clients[n].0.clone(), self.streams[n].clone())
     }
@@ -98,7 +93,7 @@ impl Pool {
         f: F,
     ) -> Result<T, Status>
     where
-        F: Fn(AllocatorClient<Channel>) -> Fut,
+        F: Fn(AllocatorClient<AuthChannel>) -> Fut,
         Fut: Future<Output = Result<tonic::Response<T>, Status>>,
     {
         let deadline = Instant::now() + budget;

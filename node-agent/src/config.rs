@@ -31,6 +31,12 @@ pub struct Config {
     )]
     pub allocator: Vec<String>,
 
+    /// How this agent proves to the allocator which node it runs on: the projected
+    /// ServiceAccount token of its pod (the kubelet binds it to the pod, and so to the node),
+    /// or a client certificate naming `spiffe://gpuledger/node-agent/<node>`.
+    #[command(flatten)]
+    pub credentials: gpuledger_auth::CredentialArgs,
+
     /// Path of the NVML library to load (default: the system's libnvidia-ml.so.1). Tests pass
     /// the fake library built in this workspace.
     #[arg(long, env = "GPULEDGER_NVML_LIB")]

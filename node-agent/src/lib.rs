@@ -49,7 +49,9 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
     );
     anyhow::ensure!(cfg.slots_per_gpu > 0, "--slots-per-gpu must be at least 1");
     let nvml = nvml::NvmlBackend::open(cfg.nvml_lib.as_deref())?;
-    let agent = agent::Agent::new(cfg, nvml).context("starting the agent")?;
+    let creds = gpuledger_auth::Credentials::load(&cfg.credentials)
+        .context("the agent's credentials for the allocator")?;
+    let agent = agent::Agent::new(cfg, nvml, &creds).context("starting the agent")?;
     match gpuledger_ops::kube_client::client(agent.cfg.kubeconfig.as_deref()).await {
         Ok(Some(client)) => {
             let rec = gpuledger_ops::events::Recorder::new(
@@ -66,6 +68,8 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
     let mut int = signal(SignalKind::interrupt())?;
 
     let shutdown = CancellationToken::new();
+    // A rotated projected token or certificate is read again without a restart.
+    creds.spawn_reloader(std::time::Duration::from_secs(10), shutdown.clone());
     let tasks = TaskTracker::new();
     let (xid_tx, xid_rx) = tokio::sync::mpsc::channel(64);
     let (nvml, stop) = (agent.nvml.clone(), shutdown.clone());

@@ -4,9 +4,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use gpuledger_auth::AuthChannel;
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::allocator::v1::allocator_client::AllocatorClient;
-use tonic::transport::Channel;
 use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::agent::Agent;
@@ -56,7 +56,7 @@ pub async fn follow(agent: Arc<Agent>) {
 /// One subscription at one replica, until it ends or breaks.
 async fn subscribe_once(
     agent: &Agent,
-    c: &mut AllocatorClient<Channel>,
+    c: &mut AllocatorClient<AuthChannel>,
     node: &str,
     from_seq: u64,
     max_epoch: &mut u64,

@@ -77,7 +77,7 @@ async fn the_memory_the_driver_reserves_is_not_registered_as_capacity() -> anyho
     let n = s.nodes.iter().find(|n| n.node == NODE).expect("registered");
     assert_eq!(n.gpus[0].memory_mib, 81_559 - 480, "what processes can use");
     // No reservation can take what no process will ever get.
-    let mut api = c.client()?;
+    let mut api = c.extender()?;
     let too_big = api
         .reserve(gpuledger_proto::allocator::v1::ReserveRequest {
             request: Some(gpuledger_testkit::workload::pod("big", 81_100, 10)),
@@ -85,7 +85,12 @@ async fn the_memory_the_driver_reserves_is_not_registered_as_capacity() -> anyho
             ttl_ms: 60_000,
         })
         .await;
-    assert!(too_big.is_err(), "81100 MiB fit on a GPU with 81079 usable");
+    let too_big = too_big.expect_err("81100 MiB fit on a GPU with 81079 usable");
+    assert_eq!(
+        too_big.code(),
+        tonic::Code::FailedPrecondition,
+        "{too_big:?}"
+    );
     c.reserve("fits", 81_079, None).await?;
     Ok(())
 }

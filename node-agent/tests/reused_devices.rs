@@ -26,7 +26,8 @@ async fn a_new_pod_on_a_finished_pods_devices_gets_its_own_allocation() -> anyho
     let b = c.reserve("uid-b", 8_000, None).await?;
     let release_a = async {
         tokio::time::sleep(Duration::from_millis(700)).await;
-        c.client()?
+        // What the allocator does when Kubernetes says the pod ended; no API server here.
+        c.admin()?
             .release(api::ReleaseRequest {
                 pod_uid: "uid-a".into(),
                 reason: "pod succeeded".into(),

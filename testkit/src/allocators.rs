@@ -1,24 +1,31 @@
-//! Allocator replicas as processes, and clients to them.
+//! Allocator replicas as processes, and clients to them: TLS and authentication on, as in a
+//! cluster (each caller in a test names the role it calls as).
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use gpuledger_auth::identity::Role;
+use gpuledger_auth::{AuthChannel, CredentialArgs, Credentials};
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::allocator::v1::allocator_client::AllocatorClient;
-use tonic::transport::{Channel, Endpoint};
 
 use crate::bins::bin_path;
+use crate::etcd::EtcdCluster;
+use crate::pki::{Identities, NAMESPACE, Pki};
 use crate::process::{Proc, free_port};
 
-/// A gRPC client to one allocator address (connects lazily).
-pub fn client(addr: &str) -> Result<AllocatorClient<Channel>> {
-    let ch = Endpoint::from_shared(format!("http://{addr}"))?
+/// A client of the allocator API, carrying its caller's credentials.
+pub type Client = AllocatorClient<AuthChannel>;
+
+/// A client to one allocator address as the caller `creds` names (connects lazily).
+pub fn connect(addr: &str, creds: &CredentialArgs) -> Result<Client> {
+    let creds = Credentials::load(creds).context("loading test credentials")?;
+    let ep = gpuledger_auth::endpoint(addr)?
         .connect_timeout(Duration::from_millis(500))
         .timeout(Duration::from_secs(10))
-        .tcp_nodelay(true)
-        .connect_lazy();
-    Ok(AllocatorClient::new(ch)
+        .tcp_nodelay(true);
+    Ok(AllocatorClient::new(creds.channel(ep))
         .max_decoding_message_size(512 * 1024 * 1024)
         .max_encoding_message_size(64 * 1024 * 1024))
 }
@@ -31,35 +38,57 @@ pub struct Allocators {
     pub addrs: Vec<String>,
     /// Their HTTP (metrics, health) addresses.
     pub http: Vec<String>,
+    /// How callers of this run prove who they are.
+    pub ids: Identities,
     dir: PathBuf,
 }
 
 impl Allocators {
-    /// Start `n` replicas on free ports with logs in `dir`. `extra` flags go to every replica.
+    /// Start `n` replicas on free ports with logs in `dir`, callers identified by client
+    /// certificates of a new CA. `extra` flags go to every replica.
     pub fn start(
         dir: &Path,
-        etcd: &str,
+        etcd: &EtcdCluster,
         n: usize,
         cluster: &str,
         extra: &[&str],
     ) -> Result<Allocators> {
-        Self::start_each(dir, &vec![etcd.to_string(); n], cluster, extra)
+        let ids = Identities::certs(Pki::new(dir)?);
+        Self::start_each(
+            dir,
+            etcd,
+            &vec![etcd.endpoints_flag(); n],
+            cluster,
+            extra,
+            ids,
+        )
     }
 
-    /// Start one replica per entry of `etcd`, replica `i` reaching etcd through `etcd[i]`
-    /// (its own `--etcd-endpoints`).
+    /// Start one replica per entry of `endpoints`, replica `i` reaching `etcd` through
+    /// `endpoints[i]` (its own `--etcd-endpoints`), callers identified by `ids`.
     pub fn start_each(
         dir: &Path,
-        etcd: &[String],
+        etcd: &EtcdCluster,
+        endpoints: &[String],
         cluster: &str,
         extra: &[&str],
+        ids: Identities,
     ) -> Result<Allocators> {
         let bin = bin_path("gpuledger-allocator")?;
         std::fs::create_dir_all(dir)?;
+        let (cert, key) = ids.pki.server("allocator")?;
+        let mut common = vec![
+            format!("--tls-cert={}", cert.display()),
+            format!("--tls-key={}", key.display()),
+            format!("--client-ca={}", ids.pki.ca_file().display()),
+            format!("--auth-namespace={NAMESPACE}"),
+        ];
+        common.extend(ids.flags(&Role::Allocator)?);
+        common.extend(etcd.tls_flags());
         let mut procs = Vec::new();
         let mut addrs = Vec::new();
         let mut http = Vec::new();
-        for (i, etcd) in etcd.iter().enumerate() {
+        for (i, etcd) in endpoints.iter().enumerate() {
             let port = free_port()?;
             let addr = format!("127.0.0.1:{port}");
             let http_addr = format!("127.0.0.1:{}", free_port()?);
@@ -70,6 +99,7 @@ impl Allocators {
                 format!("--listen={addr}"),
                 format!("--replica=alloc{i}"),
             ];
+            args.extend(common.iter().cloned());
             args.extend(extra.iter().map(|s| (*s).to_string()));
             procs.push(Proc::spawn(
                 dir,
@@ -90,6 +120,7 @@ impl Allocators {
             procs,
             addrs,
             http,
+            ids,
             dir: dir.to_path_buf(),
         })
     }
@@ -101,7 +132,7 @@ impl Allocators {
 
     /// Status of replica `i`, if it answers.
     pub async fn status(&self, i: usize) -> Option<api::StatusResponse> {
-        let mut c = client(&self.addrs[i]).ok()?;
+        let mut c = self.viewer(i).ok()?;
         let fut = c.status(api::StatusRequest {});
         match tokio::time::timeout(Duration::from_millis(500), fut).await {
             Ok(Ok(r)) => Some(r.into_inner()),
@@ -182,15 +213,41 @@ impl Allocators {
         Ok(())
     }
 
-    /// A client to replica `i`.
-    pub fn client(&self, i: usize) -> Result<AllocatorClient<Channel>> {
-        client(&self.addrs[i]).context("allocator client")
+    /// A client to replica `i` calling as `role`.
+    pub fn client_as(&self, i: usize, role: &Role) -> Result<Client> {
+        connect(&self.addrs[i], &self.ids.credentials(role)?).context("allocator client")
+    }
+
+    /// A client to replica `i` as the scheduler extender (filter, score, reserve, confirm).
+    pub fn extender(&self, i: usize) -> Result<Client> {
+        self.client_as(i, &Role::Extender)
+    }
+
+    /// A client to replica `i` as the node agent of `node`.
+    pub fn node_agent(&self, i: usize, node: &str) -> Result<Client> {
+        self.client_as(
+            i,
+            &Role::NodeAgent {
+                node: node.to_string(),
+            },
+        )
+    }
+
+    /// A client to replica `i` as an operator who may only read.
+    pub fn viewer(&self, i: usize) -> Result<Client> {
+        self.client_as(i, &Role::Viewer)
+    }
+
+    /// A client to replica `i` as an operator who may write (register and remove nodes,
+    /// release allocations).
+    pub fn admin(&self, i: usize) -> Result<Client> {
+        self.client_as(i, &Role::Admin)
     }
 
     /// Replica `i`'s folded state, from its dump.
     pub async fn ledger(&self, i: usize) -> Result<gpuledger_ledger::Ledger> {
         let d = self
-            .client(i)?
+            .viewer(i)?
             .dump(api::DumpRequest {})
             .await?
             .into_inner();

@@ -16,6 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use gpuledger_auth::identity::Role;
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
 use serde_json::{Value, json};
@@ -25,10 +26,11 @@ pub use kubelet_loop::{PodRun, RunOutcome, Runs};
 pub use views::{ViewCheck, compare_view, metric};
 
 use crate::bins::bin_path;
-use crate::kube::stack::wait_http;
+use crate::kube::stack::{extender_tls_flags, scheduler_tls, wait_http};
 use crate::kube::{ExtenderConfig, FakeApiServer, SchedulerEmulator};
 use crate::kubelet::Kubelet;
 use crate::kubelet::node::{FakeNvml, NodeAgent};
+use crate::pki::Identities;
 use crate::process::{Proc, free_port};
 use crate::{Allocators, EtcdCluster};
 
@@ -144,8 +146,12 @@ pub struct LocalCluster {
     pub scheduler: SchedulerEmulator,
     /// Extender processes.
     pub extenders: Vec<Proc>,
-    /// Their HTTP ports (`/filter`… under `/gpuledger`, `/metrics`, `/healthz`, `/readyz`).
+    /// Their HTTPS ports for the scheduler (`/filter`… under `/gpuledger`).
     pub extender_ports: Vec<u16>,
+    /// Their plain HTTP ports (`/metrics`, `/healthz`, `/readyz`).
+    pub extender_http_ports: Vec<u16>,
+    /// How callers of this cluster prove who they are (tokens of the fake API server).
+    pub ids: Identities,
     /// Allocator replicas.
     pub allocs: Allocators,
     /// The fake API server (in this process).
@@ -199,6 +205,8 @@ impl LocalCluster {
             "--snapshot-every=200",
             "--log-retain-events=100",
             "--archive-interval-ms=1000",
+            // A cluster on this machine's loopback: its GPU map is for whoever runs it.
+            "--http-state-api",
         ];
         let etcd_flags: Vec<String> = if aliases.is_empty() {
             vec![etcd.endpoints_flag(); n_alloc]
@@ -206,19 +214,25 @@ impl LocalCluster {
             aliases.iter().map(|h| etcd.endpoints_flag_via(h)).collect()
         };
         let flags: Vec<&str> = std::iter::once(kflag.as_str()).chain(archiving).collect();
-        let allocs = Allocators::start_each(&dir, &etcd_flags, "local", &flags)?;
+        let ids = Identities::tokens(api.pki.clone(), api.store.clone());
+        let allocs =
+            Allocators::start_each(&dir, &etcd, &etcd_flags, "local", &flags, ids.clone())?;
         allocs.wait_leader(Duration::from_secs(30)).await?;
 
         let ext_bin = bin_path("gpuledger-extender")?;
         let mut extenders = Vec::new();
         let mut extender_ports = Vec::new();
+        let mut extender_http_ports = Vec::new();
         for i in 0..opts.extenders.max(1) {
-            let port = free_port()?;
-            let args = vec![
+            let (port, http_port) = (free_port()?, free_port()?);
+            let mut args = vec![
                 format!("--listen=127.0.0.1:{port}"),
+                format!("--http-listen=127.0.0.1:{http_port}"),
                 format!("--allocator={}", allocs.addrs.join(",")),
                 kflag.clone(),
             ];
+            args.extend(extender_tls_flags(&ids.pki)?);
+            args.extend(ids.flags(&Role::Extender)?);
             extenders.push(Proc::spawn(
                 &dir,
                 &format!("extender{i}"),
@@ -227,15 +241,22 @@ impl LocalCluster {
                 vec![("GPULEDGER_LOG".into(), "info".into())],
             )?);
             extender_ports.push(port);
+            extender_http_ports.push(http_port);
         }
         for (p, port) in extenders.iter().zip(&extender_ports) {
             wait_http(*port, Duration::from_secs(20))
                 .await
                 .with_context(|| format!("{} log:\n{}", p.name, p.log_tail(20)))?;
         }
+        let tls = scheduler_tls(&ids.pki)?;
         let cfgs: Vec<ExtenderConfig> = extender_ports
             .iter()
-            .map(|p| ExtenderConfig::gpuledger(&format!("http://127.0.0.1:{p}/gpuledger")))
+            .map(|p| {
+                ExtenderConfig::gpuledger(
+                    &format!("https://127.0.0.1:{p}/gpuledger"),
+                    Some(tls.clone()),
+                )
+            })
             .collect();
         let scheduler = SchedulerEmulator::start_replicas(
             api.client().await?,
@@ -243,12 +264,12 @@ impl LocalCluster {
             cfgs,
             opts.scheduler_parallel,
             opts.scheduler_backoff,
-        );
+        )?;
 
         let runs = Arc::new(Runs::default());
         let mut nodes = Vec::new();
         for i in 0..opts.nodes {
-            nodes.push(Self::start_node(&dir, i, &opts, &allocs, &api, &runs).await?);
+            nodes.push(Self::start_node(&dir, i, &opts, &allocs, &api, &runs, &ids).await?);
         }
         let c = LocalCluster {
             dir,
@@ -256,6 +277,8 @@ impl LocalCluster {
             scheduler,
             extenders,
             extender_ports,
+            extender_http_ports,
+            ids,
             allocs,
             api,
             runs,
@@ -283,7 +306,7 @@ impl LocalCluster {
                     self.extenders
                         .iter()
                         .enumerate()
-                        .map(|(i, p)| (self.extender_url(i), p)),
+                        .map(|(i, p)| (self.extender_http(i), p)),
                 );
             for (u, p) in urls {
                 if p.pid().is_none() {
@@ -314,6 +337,7 @@ impl LocalCluster {
         allocs: &Allocators,
         api: &FakeApiServer,
         runs: &Arc<Runs>,
+        ids: &Identities,
     ) -> Result<SimNode> {
         let name = node_name(i);
         let (model, mem) = node_model(i);
@@ -326,12 +350,13 @@ impl LocalCluster {
         }
         nvml.write()?;
         let health_port = free_port()?;
-        let flags = [
+        let mut flags = vec![
             format!("--slots-per-gpu={}", opts.slots_per_gpu.max(1)),
             format!("--enforce-interval={}", opts.enforce_interval),
             format!("--health-listen=127.0.0.1:{health_port}"),
             format!("--kubeconfig={}", api.kubeconfig().display()),
         ];
+        flags.extend(ids.flags(&Role::NodeAgent { node: name.clone() })?);
         let refs: Vec<&str> = flags.iter().map(String::as_str).collect();
         let agent = NodeAgent::start(dir, &name, &allocs.addrs, &nvml, &kubelet, &refs)?;
         let nvml = Arc::new(Mutex::new(nvml));
@@ -462,9 +487,14 @@ impl LocalCluster {
         format!("--allocator={}", self.allocs.addrs.join(","))
     }
 
-    /// `http://127.0.0.1:<port>` of extender `i`.
+    /// `https://127.0.0.1:<port>` of extender `i`'s scheduler-facing port.
     pub fn extender_url(&self, i: usize) -> String {
-        format!("http://127.0.0.1:{}", self.extender_ports[i])
+        format!("https://127.0.0.1:{}", self.extender_ports[i])
+    }
+
+    /// `http://127.0.0.1:<port>` of extender `i`'s `/metrics`, `/healthz` and `/readyz`.
+    pub fn extender_http(&self, i: usize) -> String {
+        format!("http://127.0.0.1:{}", self.extender_http_ports[i])
     }
 
     /// Every live process that has exited on its own (not killed by us), with its log tail:
@@ -501,7 +531,7 @@ impl LocalCluster {
             if self.allocs.procs[i].pid().is_none() {
                 continue;
             }
-            let Ok(mut c) = self.allocs.client(i) else {
+            let Ok(mut c) = self.allocs.viewer(i) else {
                 continue;
             };
             match c.dump(api::DumpRequest {}).await {

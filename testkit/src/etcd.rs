@@ -1,10 +1,13 @@
-//! Real etcd clusters (1 or 3 members) on free loopback ports in a temporary directory.
+//! Real etcd clusters (1 or 3 members) on free loopback ports in a temporary directory, as the
+//! bundled etcd runs in a cluster: TLS on the client and peer ports, and only clients with a
+//! certificate from the cluster's own CA get in.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
+use crate::pki::Pki;
 use crate::process::{Proc, free_port};
 
 /// Install hint printed when the `etcd` binary is missing.
@@ -28,6 +31,10 @@ pub struct EtcdCluster {
     initial_cluster: String,
     /// Loopback addresses the members also serve clients on, besides 127.0.0.1.
     alias_hosts: Vec<String>,
+    /// The etcd CA, the members' certificate, and the client certificate allocators use.
+    pki: std::sync::Arc<Pki>,
+    member_cert: (PathBuf, PathBuf),
+    client_cert: (PathBuf, PathBuf),
 }
 
 /// The etcd binary (PATH, then /usr/bin, /usr/local/bin), or an error with the install hint.
@@ -73,6 +80,9 @@ impl EtcdCluster {
     ) -> Result<EtcdCluster> {
         let etcd = find_etcd()?;
         std::fs::create_dir_all(dir)?;
+        let pki = Pki::new(dir)?;
+        let member_cert = pki.peer("etcd-member")?;
+        let client_cert = pki.peer("etcd-client")?;
         let mut members = Vec::new();
         for i in 0..n {
             members.push(Member {
@@ -85,7 +95,7 @@ impl EtcdCluster {
         }
         let initial_cluster = members
             .iter()
-            .map(|m| format!("{}=http://127.0.0.1:{}", m.name, m.peer_port))
+            .map(|m| format!("{}=https://127.0.0.1:{}", m.name, m.peer_port))
             .collect::<Vec<_>>()
             .join(",");
         let mut c = EtcdCluster {
@@ -95,6 +105,9 @@ impl EtcdCluster {
             etcd,
             initial_cluster,
             alias_hosts: aliases.to_vec(),
+            pki,
+            member_cert,
+            client_cert,
         };
         for i in 0..n {
             c.spawn_member(i, "new")?;
@@ -105,16 +118,25 @@ impl EtcdCluster {
 
     fn spawn_member(&mut self, i: usize, state: &str) -> Result<()> {
         let m = &self.members[i];
-        let client = format!("http://127.0.0.1:{}", m.client_port);
-        let peer = format!("http://127.0.0.1:{}", m.peer_port);
+        let client = format!("https://127.0.0.1:{}", m.client_port);
+        let peer = format!("https://127.0.0.1:{}", m.peer_port);
         let listen: Vec<String> = std::iter::once(client.clone())
             .chain(
                 self.alias_hosts
                     .iter()
-                    .map(|h| format!("http://{h}:{}", m.client_port)),
+                    .map(|h| format!("https://{h}:{}", m.client_port)),
             )
             .collect();
+        let (ca, (cert, key)) = (self.pki.ca_file(), &self.member_cert);
         let args = vec![
+            format!("--cert-file={}", cert.display()),
+            format!("--key-file={}", key.display()),
+            format!("--trusted-ca-file={}", ca.display()),
+            "--client-cert-auth".into(),
+            format!("--peer-cert-file={}", cert.display()),
+            format!("--peer-key-file={}", key.display()),
+            format!("--peer-trusted-ca-file={}", ca.display()),
+            "--peer-client-cert-auth".into(),
             format!("--name={}", m.name),
             format!("--data-dir={}", m.data_dir.display()),
             format!("--listen-client-urls={}", listen.join(",")),
@@ -134,12 +156,44 @@ impl EtcdCluster {
         Ok(())
     }
 
-    /// Client endpoints of all members (`http://127.0.0.1:port`).
+    /// Client endpoints of all members (`https://127.0.0.1:port`).
     pub fn endpoints(&self) -> Vec<String> {
         self.members
             .iter()
-            .map(|m| format!("http://127.0.0.1:{}", m.client_port))
+            .map(|m| format!("https://127.0.0.1:{}", m.client_port))
             .collect()
+    }
+
+    /// The allocator's flags to reach this etcd: its CA and a client certificate.
+    pub fn tls_flags(&self) -> Vec<String> {
+        vec![
+            format!("--etcd-ca={}", self.pki.ca_file().display()),
+            format!("--etcd-cert={}", self.client_cert.0.display()),
+            format!("--etcd-key={}", self.client_cert.1.display()),
+        ]
+    }
+
+    /// TLS options with the CA and the client certificate, for an etcd client of a test.
+    /// The etcd CA, and the client certificate and key the allocators reach the members with.
+    pub fn client_tls_files(&self) -> (PathBuf, (PathBuf, PathBuf)) {
+        (self.pki.ca_file().to_path_buf(), self.client_cert.clone())
+    }
+
+    pub fn tls_options(&self) -> Result<etcd_client::TlsOptions> {
+        let read = |p: &Path| std::fs::read(p).with_context(|| format!("reading {}", p.display()));
+        Ok(etcd_client::TlsOptions::new()
+            .ca_certificate(etcd_client::Certificate::from_pem(read(
+                self.pki.ca_file(),
+            )?))
+            .identity(etcd_client::Identity::from_pem(
+                read(&self.client_cert.0)?,
+                read(&self.client_cert.1)?,
+            )))
+    }
+
+    /// The CA file of this etcd (for a test that brings its own client).
+    pub fn ca_file(&self) -> &Path {
+        self.pki.ca_file()
     }
 
     /// Endpoints as one comma-separated flag value.
@@ -152,7 +206,7 @@ impl EtcdCluster {
     pub fn endpoints_flag_via(&self, host: &str) -> String {
         self.members
             .iter()
-            .map(|m| format!("http://{host}:{}", m.client_port))
+            .map(|m| format!("https://{host}:{}", m.client_port))
             .collect::<Vec<_>>()
             .join(",")
     }
@@ -176,7 +230,8 @@ impl EtcdCluster {
     pub async fn client(&self) -> Result<etcd_client::Client> {
         let opts = etcd_client::ConnectOptions::new()
             .with_connect_timeout(Duration::from_secs(2))
-            .with_timeout(Duration::from_secs(5));
+            .with_timeout(Duration::from_secs(5))
+            .with_tls(self.tls_options()?);
         etcd_client::Client::connect(self.endpoints(), Some(opts))
             .await
             .context("connecting to etcd")

@@ -1,6 +1,6 @@
 //! A small fake kube-apiserver and a kube-scheduler emulator.
 //!
-//! The fake API server speaks plain HTTP on 127.0.0.1 and serves the parts of the Kubernetes
+//! The fake API server speaks HTTPS on 127.0.0.1 and serves the parts of the Kubernetes
 //! REST API that gpuledger and kube-rs use: create/get/list/watch/patch/delete of any
 //! resource (pods, nodes, events, leases…), `resourceVersion` semantics, field selectors such
 //! as `spec.nodeName` and `spec.schedulerName`, label selectors, JSON merge patch, and pod
@@ -15,5 +15,5 @@ pub mod stack;
 pub mod store;
 
 pub use apiserver::FakeApiServer;
-pub use scheduler::{ExtenderClient, ExtenderConfig, SchedulerEmulator};
+pub use scheduler::{ExtenderClient, ExtenderConfig, ExtenderTls, SchedulerEmulator};
 pub use stack::{KubeStack, StackOptions};

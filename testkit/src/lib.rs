@@ -15,6 +15,7 @@ pub mod history;
 pub mod http;
 pub mod kube;
 pub mod kubelet;
+pub mod pki;
 pub mod process;
 pub mod promtext;
 pub mod workload;
@@ -23,6 +24,7 @@ pub use allocators::Allocators;
 pub use bins::bin_path;
 pub use cluster::{ClusterOptions, LocalCluster};
 pub use etcd::EtcdCluster;
+pub use pki::{Identities, Pki};
 pub use process::{Proc, free_port};
 
 /// Poll `f` every 100 ms until it says true; fail with `what` after `timeout`.

@@ -8,7 +8,8 @@ use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
 use tonic::{Code, Status};
 
-use crate::allocators::client;
+use crate::Allocators;
+use crate::allocators::Client;
 
 /// An inventory of `gpus` identical GPUs of `mem_mib` on node `name`.
 pub fn inventory(name: &str, gpus: u32, mem_mib: u64, model: &str) -> pb::NodeInventory {
@@ -57,11 +58,25 @@ pub fn retryable(s: &Status) -> bool {
     )
 }
 
-/// Reserve through any of `addrs`, starting at `start` and moving to the next address after
-/// each retryable error, every 20 ms until `deadline`. Returns the response and how many
-/// attempts it took.
+/// Reserve as the extender through any replica of `allocs`, starting at `start` and moving to
+/// the next replica after each retryable error, every 20 ms until `deadline`. Returns the
+/// response and how many attempts it took.
 pub async fn reserve_retry(
-    addrs: &[String],
+    allocs: &Allocators,
+    start: usize,
+    req: api::ReserveRequest,
+    deadline: Instant,
+) -> Result<(api::ReserveResponse, u32), Status> {
+    let clients = (0..allocs.addrs.len())
+        .map(|i| allocs.extender(i))
+        .collect::<anyhow::Result<Vec<_>>>()
+        .map_err(|e| Status::unavailable(e.to_string()))?;
+    reserve_retry_via(&clients, start, req, deadline).await
+}
+
+/// [`reserve_retry`] through `clients`, one per replica (connected once, reused).
+pub async fn reserve_retry_via(
+    clients: &[Client],
     start: usize,
     req: api::ReserveRequest,
     deadline: Instant,
@@ -69,12 +84,9 @@ pub async fn reserve_retry(
     let attempts = AtomicU32::new(0);
     let attempt = || {
         let n = attempts.fetch_add(1, Ordering::Relaxed) as usize;
-        let addr = addrs[(start + n) % addrs.len()].clone();
+        let mut c = clients[(start + n) % clients.len()].clone();
         let req = req.clone();
-        async move {
-            let mut c = client(&addr).map_err(|e| Status::unavailable(e.to_string()))?;
-            c.reserve(req).await.map(tonic::Response::into_inner)
-        }
+        async move { c.reserve(req).await.map(tonic::Response::into_inner) }
     };
     let every_20ms = ConstantBuilder::default()
         .with_delay(Duration::from_millis(20))
@@ -90,7 +102,7 @@ pub async fn reserve_retry(
 /// (100 MiB, no compute); three in four released again, so the state stays small while the
 /// log grows.
 pub async fn churn(
-    allocs: &crate::Allocators,
+    allocs: &Allocators,
     via: usize,
     node: &str,
     from: usize,
@@ -102,19 +114,13 @@ pub async fn churn(
             node: node.into(),
             ttl_ms: 0,
         };
-        reserve_retry(
-            &allocs.addrs,
-            via,
-            req,
-            Instant::now() + Duration::from_secs(10),
-        )
-        .await?;
+        reserve_retry(allocs, via, req, Instant::now() + Duration::from_secs(10)).await?;
         if i % 4 != 0 {
             let rel = api::ReleaseRequest {
                 pod_uid: format!("p{i}"),
                 ..Default::default()
             };
-            allocs.client(via)?.release(rel).await?;
+            allocs.extender(via)?.release(rel).await?;
         }
     }
     Ok(())

@@ -4,11 +4,12 @@
 use std::time::Duration;
 
 use backon::Retryable;
+use gpuledger_auth::AuthChannel;
+use gpuledger_auth::server::{self, Authenticated};
 use gpuledger_ledger::Command;
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::allocator::v1::allocator_client::AllocatorClient;
 use tokio::sync::oneshot;
-use tonic::transport::{Channel, Endpoint};
 use tonic::{Request, Response, Status};
 use tracing::debug;
 
@@ -50,7 +51,7 @@ impl Service {
         })
     }
 
-    async fn leader_channel(&self, refresh: bool) -> Result<(String, Channel), Status> {
+    async fn leader_channel(&self, refresh: bool) -> Result<(String, AuthChannel), Status> {
         let mut addr = self.shared.role_info().leader;
         if refresh || addr.is_empty() || addr == self.shared.address {
             match crate::election::current_leader(&self.etcd, &self.log.election_name()).await {
@@ -76,11 +77,11 @@ impl Service {
         {
             return Ok((addr, c.clone()));
         }
-        let ep = Endpoint::from_shared(format!("http://{addr}"))
+        let ep = gpuledger_auth::endpoint(&addr)
             .map_err(|e| Status::internal(format!("bad leader address {addr}: {e}")))?
             .connect_timeout(Duration::from_millis(500))
             .tcp_nodelay(true);
-        let ch = ep.connect_lazy();
+        let ch = self.peers.channel(ep);
         self.channels
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -99,10 +100,15 @@ impl Service {
     where
         Q: Clone,
         R: HasSeq,
-        F: Fn(AllocatorClient<Channel>, Request<Q>) -> Fut,
+        F: Fn(AllocatorClient<AuthChannel>, Request<Q>) -> Fut,
         Fut: std::future::Future<Output = Result<Response<R>, Status>>,
     {
         let forwarded = req.metadata().get(FORWARDED).is_some();
+        // The leader judges a forwarded write as its original caller's.
+        let on_behalf = req
+            .extensions()
+            .get::<Authenticated>()
+            .map(|a| server::on_behalf_of(&a.caller));
         let inner = req.into_inner();
         let started = tokio::time::Instant::now();
         let mut attempts = 0u32;
@@ -112,6 +118,7 @@ impl Service {
             let refresh = attempts > 1;
             let inner = inner.clone();
             let (cmd, local_reply, call) = (&cmd, &local_reply, &call);
+            let on_behalf = on_behalf.clone();
             async move {
                 if let Some(r) = self.local(cmd().map_err(Attempt::Final)?).await {
                     return r
@@ -128,6 +135,11 @@ impl Service {
                 let mut r = Request::new(inner);
                 r.metadata_mut()
                     .insert(FORWARDED, tonic::metadata::MetadataValue::from_static("1"));
+                if let Some(v) = on_behalf.as_ref().and_then(|v| v.to_str().ok())
+                    && let Ok(v) = v.parse()
+                {
+                    r.metadata_mut().insert(server::ON_BEHALF_OF, v);
+                }
                 r.set_timeout(Duration::from_secs(10));
                 match call(AllocatorClient::new(ch), r).await {
                     Ok(resp) => {

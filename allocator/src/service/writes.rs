@@ -77,6 +77,11 @@ pub(super) async fn set_device_health(
     .await
 }
 
+/// The longest a reservation may wait to be bound (the allocator's --reserve-ttl is 60 s).
+const MAX_RESERVE_TTL_MS: u64 = 3_600_000;
+/// Containers of one pod that may ask for GPUs.
+const MAX_CONTAINERS: usize = 64;
+
 pub(super) async fn reserve(
     svc: &Service,
     req: Request<api::ReserveRequest>,
@@ -86,6 +91,18 @@ pub(super) async fn reserve(
         return Err(Status::invalid_argument(
             "node is empty: reserve needs the node the scheduler chose",
         ));
+    }
+    if r.ttl_ms > MAX_RESERVE_TTL_MS {
+        return Err(Status::invalid_argument(format!(
+            "ttl_ms {} is over {MAX_RESERVE_TTL_MS} (an hour): a reservation that is never bound must expire",
+            r.ttl_ms
+        )));
+    }
+    let containers = r.request.as_ref().map_or(0, |p| p.containers.len());
+    if containers > MAX_CONTAINERS {
+        return Err(Status::invalid_argument(format!(
+            "{containers} containers ask for GPUs; a pod may have at most {MAX_CONTAINERS}"
+        )));
     }
     let pr = svc.request(r.request.clone())?;
     let clock = svc.shared.clock.clone();

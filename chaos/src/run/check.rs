@@ -63,7 +63,7 @@ pub(super) async fn verdict(c: &mut LocalCluster, a: &RunArgs) -> Result<Verdict
     for i in 0..c.allocs.addrs.len() {
         let d = c
             .allocs
-            .client(i)?
+            .viewer(i)?
             .dump(api::DumpRequest {})
             .await
             .with_context(|| format!("Dump of alloc{i}"))?
@@ -91,7 +91,12 @@ pub(super) async fn verdict(c: &mut LocalCluster, a: &RunArgs) -> Result<Verdict
     // Pods and allocations match; every pod finished.
     let pods = c.api.store.objects("v1", "pods");
     let mut by_uid: HashMap<String, (&Value, &str)> = HashMap::new();
-    for p in &pods {
+    // The workload's pods: not the node agents' own (their tokens are bound to them).
+    let workload = pods.iter().filter(|p| {
+        p.pointer("/metadata/namespace").and_then(Value::as_str)
+            != Some(gpuledger_testkit::pki::NAMESPACE)
+    });
+    for p in workload {
         if let Some(uid) = p.pointer("/metadata/uid").and_then(Value::as_str) {
             by_uid.insert(uid.to_string(), (p, pod_phase(p)));
         }

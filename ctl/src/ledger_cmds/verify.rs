@@ -83,8 +83,9 @@ pub async fn verify(a: VerifyArgs) -> Result<()> {
     // Dumps first: the log can only be longer than any dump.
     let mut dumps: Vec<(String, Ledger)> = Vec::new();
     let mut problems: Vec<String> = Vec::new();
+    let creds = a.target.credentials().await?;
     for addr in &a.target.addrs().await? {
-        match connect_one(addr).await {
+        match connect_one(addr, &creds).await {
             Ok(mut c) => match dump_of(&mut c).await {
                 Ok((replica, snap)) => match Ledger::from_snapshot(&snap) {
                     Ok(l) => dumps.push((format!("{replica} ({addr})"), l)),

@@ -4,9 +4,12 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use gpuledger_testkit::kube::{ExtenderClient, ExtenderConfig, KubeStack};
+use gpuledger_proto::allocator::v1 as api;
+use gpuledger_testkit::allocators::Client;
+use gpuledger_testkit::kube::{ExtenderClient, KubeStack};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use serde_json::{Value, json};
@@ -29,9 +32,45 @@ pub fn read_json(p: &Path) -> Result<Value> {
     serde_json::from_slice(&b).with_context(|| format!("parsing {}", p.display()))
 }
 
-/// A client that speaks to the stack's extender like kube-scheduler.
-pub fn extender(stack: &KubeStack) -> ExtenderClient {
-    ExtenderClient::new(ExtenderConfig::gpuledger(&stack.extender_url))
+/// A client that speaks to the stack's extender like kube-scheduler (HTTPS, with the
+/// scheduler's client certificate).
+pub fn extender(stack: &KubeStack) -> Result<ExtenderClient> {
+    ExtenderClient::new(stack.extender_config()?)
+}
+
+/// The stack's extender flag serving the webhook on `port` (with the extender's certificate).
+pub fn webhook_flag(port: u16) -> String {
+    format!("--webhook-listen=127.0.0.1:{port}")
+}
+
+/// A client of the stack's webhook on `port`, trusting the stack's CA as the API server
+/// trusts the webhook's caBundle.
+pub fn webhook_client(stack: &KubeStack, port: u16) -> Result<Https> {
+    let ca = stack.ids.pki.ca_file();
+    let pem = std::fs::read_to_string(ca).with_context(|| format!("reading {}", ca.display()))?;
+    Https::trusting(&pem, port)
+}
+
+/// Reserve as the extender, retrying for a few seconds while the allocator's pod watch has
+/// not yet seen a pod the test just created in the API server (the allocator admits the
+/// extender's Reserve only for a pod it has); every other answer is returned at once.
+pub async fn reserve_admitted(
+    c: &mut Client,
+    req: api::ReserveRequest,
+) -> std::result::Result<api::ReserveResponse, tonic::Status> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match c.reserve(req.clone()).await {
+            Err(s)
+                if s.code() == tonic::Code::PermissionDenied
+                    && s.message().contains("has no pod with this UID")
+                    && Instant::now() < deadline =>
+            {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            r => return r.map(tonic::Response::into_inner),
+        }
+    }
 }
 
 /// A self-signed certificate for 127.0.0.1/localhost in a temp dir.
@@ -85,12 +124,22 @@ impl TestTls {
         self.dir.path().join("tls.key")
     }
 
-    /// Extender flags serving the webhook on `port`.
+    /// Extender flags serving the webhook on `port` with this certificate (it also stands in
+    /// for the scheduler's CA and the allocator credentials: these tests reach no allocator).
     pub fn flags(&self, port: u16) -> Vec<String> {
+        let (crt, key) = (self.cert_path(), self.key_path());
         vec![
             format!("--webhook-listen=127.0.0.1:{port}"),
-            format!("--tls-cert={}", self.dir.path().join("tls.crt").display()),
-            format!("--tls-key={}", self.dir.path().join("tls.key").display()),
+            format!("--tls-cert={}", crt.display()),
+            format!("--tls-key={}", key.display()),
+            format!("--client-ca={}", crt.display()),
+            format!("--allocator-ca={}", crt.display()),
+            format!("--client-cert={}", crt.display()),
+            format!("--client-key={}", key.display()),
+            format!(
+                "--http-listen=127.0.0.1:{}",
+                gpuledger_testkit::free_port().unwrap_or(0)
+            ),
         ]
     }
 }

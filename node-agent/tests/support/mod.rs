@@ -9,8 +9,10 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use gpuledger_auth::identity::Role;
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
+use gpuledger_testkit::allocators::Client;
 use gpuledger_testkit::kubelet::Kubelet;
 use gpuledger_testkit::kubelet::node::{FakeNvml, NodeAgent, fake_nvml_lib};
 use gpuledger_testkit::workload::pod;
@@ -102,7 +104,7 @@ impl Cluster {
         let etcd = EtcdCluster::start(1).await?;
         let allocs = Allocators::start(
             &dir.path().join("alloc"),
-            &etcd.endpoints_flag(),
+            &etcd,
             replicas,
             "t",
             &["--no-kube"],
@@ -114,7 +116,10 @@ impl Cluster {
             edit_fake_nvml(nvml.path(), f)?;
         }
         let slots = format!("--slots-per-gpu={SLOTS}");
+        // The agent proves to the allocator that it is the node agent of NODE.
+        let identity = allocs.ids.flags(&Role::NodeAgent { node: NODE.into() })?;
         let mut flags = vec![slots.as_str(), "--enforce-interval=200ms"];
+        flags.extend(identity.iter().map(String::as_str));
         flags.extend(agent_flags.iter().map(String::as_str));
         let agent = match agent_in {
             AgentIn::Host => {
@@ -162,14 +167,27 @@ impl Cluster {
         self.nvml.gpus[i].uuid.clone()
     }
 
-    /// A client to a running replica (the first one alive).
-    pub fn client(
-        &self,
-    ) -> Result<api::allocator_client::AllocatorClient<tonic::transport::Channel>> {
-        let i = (0..self.allocs.procs.len())
+    /// A running replica (the first one alive).
+    fn live(&self) -> usize {
+        (0..self.allocs.procs.len())
             .find(|i| self.allocs.procs[*i].pid().is_some())
-            .unwrap_or(0);
-        self.allocs.client(i)
+            .unwrap_or(0)
+    }
+
+    /// A client to a running replica as the scheduler extender.
+    pub fn extender(&self) -> Result<Client> {
+        self.allocs.extender(self.live())
+    }
+
+    /// A client to a running replica as an operator who reads.
+    pub fn viewer(&self) -> Result<Client> {
+        self.allocs.viewer(self.live())
+    }
+
+    /// A client to a running replica as an operator who writes (releases what Kubernetes
+    /// would: these clusters have no API server for the allocator to watch).
+    pub fn admin(&self) -> Result<Client> {
+        self.allocs.admin(self.live())
     }
 
     /// Reserve one slice of `mem_mib` for pod `uid` (optionally on one GPU) and confirm it bound.
@@ -192,7 +210,7 @@ impl Cluster {
     /// Reserve `req` on the node and confirm its pod bound.
     pub async fn reserve_request(&self, req: api::PodRequest) -> Result<pb::Allocation> {
         let uid = req.pod.as_ref().map(|p| p.uid.clone()).unwrap_or_default();
-        let mut c = self.client()?;
+        let mut c = self.extender()?;
         let r = c
             .reserve(api::ReserveRequest {
                 request: Some(req),
@@ -220,7 +238,7 @@ impl Cluster {
     }
 
     pub async fn dump(&self) -> Result<pb::Snapshot> {
-        self.client()?
+        self.viewer()?
             .dump(api::DumpRequest {})
             .await?
             .into_inner()
@@ -251,7 +269,7 @@ impl Cluster {
     /// Every event in the log.
     pub async fn events(&self) -> Result<Vec<pb::Event>> {
         let mut s = self
-            .client()?
+            .viewer()?
             .read_log(api::ReadLogRequest {
                 from_seq: 1,
                 to_seq: 0,

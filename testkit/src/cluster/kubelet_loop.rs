@@ -169,6 +169,11 @@ pub async fn run(ctx: Arc<NodeCtx>, client: kube::Client, stop: CancellationToke
         let Some(uid) = pod.metadata.uid.clone() else {
             continue;
         };
+        // The node agent's own pod (its token is bound to it) stands for the DaemonSet pod
+        // the node runs: the agent here is a process of the test, not a container.
+        if pod.metadata.namespace.as_deref() == Some(crate::pki::NAMESPACE) {
+            continue;
+        }
         let phase = pod
             .status
             .as_ref()

@@ -1,5 +1,6 @@
 //! The fake kube-apiserver: the REST routes kube-rs and kubectl use, over an in-memory
-//! [`Store`], on plain HTTP on 127.0.0.1, reached through an ordinary kubeconfig file.
+//! [`Store`], on HTTPS on 127.0.0.1 (a CA of the run's own), reached through an ordinary
+//! kubeconfig file.
 //!
 //! Where it differs from a real kube-apiserver (each difference is one no gpuledger component
 //! meets; the real-Kubernetes tier (`make test-e2e`) runs the same components against a real
@@ -20,14 +21,15 @@
 //!   are not understood.
 //! - **Watches:** one global resourceVersion and a history of the last 200,000 changes;
 //!   no bookmarks, no `sendInitialEvents`, no `resourceVersionMatch`.
-//! - **No authentication or authorization:** a bearer token is only recorded, as the user of
-//!   the request in RBAC terms ([`Store::requests`]), for the RBAC check of `deploy/`.
+//! - **Authentication for TokenReview only:** ServiceAccount tokens are issued (TokenRequest,
+//!   [`Store::issue_token`]) and reviewed (TokenReview) as a real server does, but the server's
+//!   own requests are not authenticated or authorized: a bearer token is only recorded, as the
+//!   user of the request in RBAC terms ([`Store::requests`]), for the RBAC check of `deploy/`.
 //! - **No garbage collection, finalizers or graceful deletion:** a delete removes at once.
 
 mod rest;
 mod watch;
 
-use std::future::IntoFuture;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -38,12 +40,17 @@ use axum::http::{HeaderMap, Method, Uri};
 use serde_json::{Value, json};
 use tokio_util::sync::{CancellationToken, DropGuard};
 
+use crate::pki::Pki;
+
 pub use super::store::{ApiError, ApiRequest, Store};
 
 /// A running fake API server on 127.0.0.1 with a kubeconfig file that points at it.
 pub struct FakeApiServer {
     /// The object store (tests may read and change it directly).
     pub store: Arc<Store>,
+    /// The run's CA (in `<dir>/pki`): the API server's certificate, and everything else of a
+    /// run that starts with it.
+    pub pki: Arc<Pki>,
     url: String,
     kubeconfig: PathBuf,
     dir: PathBuf,
@@ -52,13 +59,21 @@ pub struct FakeApiServer {
 }
 
 impl FakeApiServer {
-    /// Start on a free loopback port; write `<dir>/kubeconfig`.
+    /// Start on a free loopback port, with a new CA in `<dir>/pki`; write `<dir>/kubeconfig`.
     pub async fn start(dir: &Path) -> Result<FakeApiServer> {
         let store = Arc::new(Store::default());
+        let pki = Pki::new(dir)?;
+        let (cert, key) = pki.server("apiserver")?;
+        let tls = gpuledger_auth::tls::server_config(
+            &cert,
+            &key,
+            gpuledger_auth::tls::ClientCerts::None,
+            &[b"http/1.1"],
+        )?;
         let l = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .context("binding the fake API server")?;
-        let url = format!("http://{}", l.local_addr()?);
+        let url = format!("https://{}", l.local_addr()?);
         let s = store.clone();
         let app = Router::new()
             .merge(super::portforward::routes(store.clone()))
@@ -68,28 +83,34 @@ impl FakeApiServer {
                     async move { rest::handle(s, method, uri, headers, body).await }
                 },
             );
-        let l = axum::serve::ListenerExt::tap_io(l, |tcp: &mut tokio::net::TcpStream| {
-            let _ = tcp.set_nodelay(true);
-        });
         let stop = CancellationToken::new();
         let serving = stop.clone();
-        tokio::spawn(async move {
-            serving
-                .run_until_cancelled(axum::serve(l, app).into_future())
-                .await
-        });
+        let limits = gpuledger_auth::https::Limits {
+            body_bytes: 8 << 20,
+            ..Default::default()
+        };
+        tokio::spawn(gpuledger_auth::https::serve(
+            "fake-apiserver",
+            l,
+            tls,
+            limits,
+            app,
+            serving,
+        ));
+        let ca = pki.ca_file().display().to_string();
         std::fs::create_dir_all(dir)?;
         let kubeconfig = dir.join("kubeconfig");
         std::fs::write(
             &kubeconfig,
             format!(
-                "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: {url}\n\
+                "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: {url}\n    certificate-authority: {ca}\n\
                  contexts:\n- name: fake\n  context:\n    cluster: fake\n    user: fake\n    namespace: default\n\
                  current-context: fake\nusers:\n- name: fake\n  user: {{}}\n"
             ),
         )?;
         Ok(FakeApiServer {
             store,
+            pki,
             url,
             kubeconfig,
             dir: dir.to_path_buf(),
@@ -120,10 +141,11 @@ impl FakeApiServer {
         std::fs::write(
             &path,
             format!(
-                "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: {}\n\
+                "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: {}\n    certificate-authority: {}\n\
                  contexts:\n- name: fake\n  context:\n    cluster: fake\n    user: u\n    namespace: default\n\
                  current-context: fake\nusers:\n- name: u\n  user:\n    token: {token}\n",
-                self.url
+                self.url,
+                self.pki.ca_file().display()
             ),
         )?;
         Ok(path)

@@ -16,7 +16,7 @@ use kube::api::{Api, ListParams, PostParams};
 use serde_json::{Value, json};
 use tokio_util::sync::{CancellationToken, DropGuard};
 
-pub use extender::{ExtenderClient, ExtenderConfig};
+pub use extender::{ExtenderClient, ExtenderConfig, ExtenderTls};
 
 use crate::history::{Outcome, PodAt};
 use extender::{FilterAnswer, HostScore, unreachable};
@@ -319,7 +319,7 @@ impl SchedulerEmulator {
         ext: ExtenderConfig,
         parallel: usize,
         backoff: Duration,
-    ) -> SchedulerEmulator {
+    ) -> Result<SchedulerEmulator> {
         Self::start_replicas(kube, scheduler_name, vec![ext], parallel, backoff)
     }
 
@@ -331,15 +331,18 @@ impl SchedulerEmulator {
         exts: Vec<ExtenderConfig>,
         parallel: usize,
         backoff: Duration,
-    ) -> SchedulerEmulator {
+    ) -> Result<SchedulerEmulator> {
         let stats = Arc::new(Stats {
             bound_by_extender: Mutex::new(vec![0; exts.len()]),
             ..Stats::default()
         });
         let st = stats.clone();
         let sched = scheduler_name.to_string();
-        let exts: Arc<Vec<ExtenderClient>> =
-            Arc::new(exts.into_iter().map(ExtenderClient::new).collect());
+        let exts: Arc<Vec<ExtenderClient>> = Arc::new(
+            exts.into_iter()
+                .map(ExtenderClient::new)
+                .collect::<Result<_>>()?,
+        );
         let pct = exts
             .first()
             .map_or(100, |e| e.cfg.percentage_of_nodes_to_score);
@@ -440,10 +443,10 @@ impl SchedulerEmulator {
             }
         };
         tokio::spawn(async move { running.run_until_cancelled(schedule).await });
-        SchedulerEmulator {
+        Ok(SchedulerEmulator {
             stats,
             _stop: stop.drop_guard(),
-        }
+        })
     }
 }
 

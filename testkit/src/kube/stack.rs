@@ -6,8 +6,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
 
+use gpuledger_auth::identity::Role;
+
 use super::FakeApiServer;
+use super::scheduler::{ExtenderConfig, ExtenderTls};
 use crate::bins::bin_path;
+use crate::pki::{Identities, Pki};
 use crate::process::{Proc, free_port};
 use crate::{Allocators, EtcdCluster};
 
@@ -33,11 +37,17 @@ pub struct KubeStack {
     pub allocs: Allocators,
     /// The extender process, when started.
     pub extender: Option<Proc>,
-    /// `http://127.0.0.1:<port>/gpuledger` of the extender.
+    /// `https://127.0.0.1:<port>/gpuledger` of the extender.
     pub extender_url: String,
+    /// `http://127.0.0.1:<port>` of the extender's `/metrics`, `/healthz`, `/readyz`.
+    pub extender_http_url: String,
+    /// How callers of this stack prove who they are (ServiceAccount tokens of the fake API
+    /// server; TLS from its CA).
+    pub ids: Identities,
     /// Run directory (logs, kubeconfig).
     pub dir: PathBuf,
     extender_port: u16,
+    extender_http_port: u16,
     etcd: EtcdCluster,
     _tmp: tempfile::TempDir,
 }
@@ -54,22 +64,27 @@ impl KubeStack {
         let mut flags = vec![format!("--kubeconfig={}", api.kubeconfig().display())];
         flags.extend(o.allocator_flags.iter().cloned());
         let refs: Vec<&str> = flags.iter().map(String::as_str).collect();
-        let allocs = Allocators::start(
+        let ids = Identities::tokens(api.pki.clone(), api.store.clone());
+        let allocs = Allocators::start_each(
             &dir,
-            &etcd.endpoints_flag(),
-            o.allocators.max(1),
+            &etcd,
+            &vec![etcd.endpoints_flag(); o.allocators.max(1)],
             "k",
             &refs,
+            ids.clone(),
         )?;
         allocs.wait_leader(Duration::from_secs(30)).await?;
-        let extender_port = free_port()?;
+        let (extender_port, extender_http_port) = (free_port()?, free_port()?);
         let mut s = KubeStack {
             api,
             allocs,
             extender: None,
-            extender_url: format!("http://127.0.0.1:{extender_port}/gpuledger"),
+            extender_url: format!("https://127.0.0.1:{extender_port}/gpuledger"),
+            extender_http_url: format!("http://127.0.0.1:{extender_http_port}"),
+            ids,
             dir,
             extender_port,
+            extender_http_port,
             etcd,
             _tmp: tmp,
         };
@@ -91,9 +106,12 @@ impl KubeStack {
         }
         let mut args = vec![
             format!("--listen=127.0.0.1:{}", self.extender_port),
+            format!("--http-listen=127.0.0.1:{}", self.extender_http_port),
             format!("--allocator={}", self.allocs.addrs.join(",")),
             format!("--kubeconfig={}", self.api.kubeconfig().display()),
         ];
+        args.extend(extender_tls_flags(&self.ids.pki)?);
+        args.extend(self.ids.flags(&Role::Extender)?);
         args.extend(extra.iter().cloned());
         let p = Proc::spawn(
             &self.dir,
@@ -111,6 +129,35 @@ impl KubeStack {
     pub fn dir(&self) -> &Path {
         &self.dir
     }
+
+    /// The scheduler's `extenders[]` entry for this stack's extender: HTTPS, with the
+    /// scheduler's client certificate.
+    pub fn extender_config(&self) -> Result<ExtenderConfig> {
+        Ok(ExtenderConfig::gpuledger(
+            &self.extender_url,
+            Some(scheduler_tls(&self.ids.pki)?),
+        ))
+    }
+}
+
+/// The extender's serving certificate and the CA of the scheduler's client certificate.
+pub fn extender_tls_flags(pki: &Pki) -> Result<Vec<String>> {
+    let (cert, key) = pki.server("extender")?;
+    Ok(vec![
+        format!("--tls-cert={}", cert.display()),
+        format!("--tls-key={}", key.display()),
+        format!("--client-ca={}", pki.ca_file().display()),
+    ])
+}
+
+/// kube-scheduler's `tlsConfig` for calling the extender: the CA and its client certificate.
+pub fn scheduler_tls(pki: &Pki) -> Result<ExtenderTls> {
+    let (cert, key) = pki.peer("kube-scheduler")?;
+    Ok(ExtenderTls {
+        ca: pki.ca_file().to_path_buf(),
+        cert,
+        key,
+    })
 }
 
 /// Wait until something accepts TCP connections on 127.0.0.1:`port`.

@@ -2,6 +2,7 @@
 //! one global resourceVersion, and the history of changes a watch resumes from.
 
 pub mod selector;
+mod tokens;
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -101,6 +102,7 @@ pub struct Store {
     inner: Mutex<Inner>,
     tx: broadcast::Sender<Arc<Change>>,
     requests: Mutex<BTreeSet<ApiRequest>>,
+    tokens: Mutex<std::collections::HashMap<String, tokens::Issued>>,
 }
 
 /// One kind of request a client made, in RBAC terms: who (the bearer token of its
@@ -198,6 +200,7 @@ impl Default for Store {
             inner: Mutex::new(Inner::default()),
             tx,
             requests: Mutex::default(),
+            tokens: Mutex::default(),
         }
     }
 }

@@ -15,7 +15,22 @@ app.kubernetes.io/part-of: gpuledger
 {{- if not (has .Values.scheduler.mode (list "second" "default")) -}}
 {{- fail (printf "scheduler.mode must be \"second\" or \"default\", not %q" .Values.scheduler.mode) -}}
 {{- end -}}
+{{- if and .Values.etcd.bundled (not .Values.etcd.tlsSecret) -}}
+{{- fail "the bundled etcd demands client certificates: etcd.tlsSecret must name the allocators' (gpuledger-etcd-client, made by deploy/scripts/gpuledger-certs.sh)" -}}
+{{- end -}}
 {{- if and (not .Values.etcd.bundled) (not .Values.etcd.endpoints) -}}
 {{- fail "etcd.bundled=false needs etcd.endpoints (comma-separated client URLs)" -}}
 {{- end -}}
+{{- end -}}
+
+{{- /* A projected token of the pod's ServiceAccount for the allocators alone (audience
+gpuledger); the kubelet renews it in place and the components re-read it. */ -}}
+{{- define "gpuledger.tokenVolume" -}}
+- name: gpuledger-token
+  projected:
+    sources:
+    - serviceAccountToken:
+        audience: gpuledger
+        expirationSeconds: 3600
+        path: token
 {{- end -}}

@@ -120,7 +120,11 @@ pub(super) async fn handle(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    store.record_request(rbac_request(&method, &uri, &headers));
+    let mut r = rbac_request(&method, &uri, &headers);
+    if let Some(user) = store.token_user(&r.user) {
+        r.user = user;
+    }
+    store.record_request(r);
     match route(store, method, uri, headers, body).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
@@ -197,6 +201,33 @@ async fn route(
                 .to_string();
             store.bind(&t.namespace, &name, &b)?;
             Ok((StatusCode::CREATED, axum::Json(json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}))).into_response())
+        }
+        (&Method::POST, Some(account), Some("token")) if t.resource == "serviceaccounts" => {
+            let answer = store.token_request(&t.namespace, account, &body_json(&body)?)?;
+            Ok((StatusCode::CREATED, axum::Json(answer)).into_response())
+        }
+        (&Method::POST, None, None)
+            if t.gv == "authentication.k8s.io/v1" && t.resource == "tokenreviews" =>
+        {
+            let mut review = body_json(&body)?;
+            let token = review
+                .pointer("/spec/token")
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_string();
+            let audiences: Vec<String> = review
+                .pointer("/spec/audiences")
+                .and_then(Value::as_array)
+                .map(|a| {
+                    a.iter()
+                        .filter_map(|v| v.as_str().map(String::from))
+                        .collect()
+                })
+                .unwrap_or_default();
+            review["status"] = store.review_token(&token, &audiences);
+            review["apiVersion"] = json!("authentication.k8s.io/v1");
+            review["kind"] = json!("TokenReview");
+            Ok((StatusCode::CREATED, axum::Json(review)).into_response())
         }
         (&Method::POST, None, None) => {
             let obj = store.create(&t.gv, &t.resource, &t.namespace, body_json(&body)?)?;

@@ -6,17 +6,32 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
+use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client as HttpClient;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use serde_json::{Value, json};
 
+/// `enableHTTPS` + `tlsConfig` of an `extenders[]` entry: the CA that signed the extender's
+/// certificate, and the scheduler's client certificate the extender demands.
+#[derive(Debug, Clone)]
+pub struct ExtenderTls {
+    /// `caFile`.
+    pub ca: std::path::PathBuf,
+    /// `certFile`.
+    pub cert: std::path::PathBuf,
+    /// `keyFile`.
+    pub key: std::path::PathBuf,
+}
+
 /// The `extenders[]` entry of a KubeSchedulerConfiguration.
 #[derive(Debug, Clone)]
 pub struct ExtenderConfig {
-    /// e.g. `http://127.0.0.1:28888/gpuledger`.
+    /// e.g. `https://127.0.0.1:28888/gpuledger`.
     pub url_prefix: String,
+    /// `enableHTTPS` with its `tlsConfig` (None: plain HTTP, which gpuledger's extender refuses).
+    pub tls: Option<ExtenderTls>,
     /// Send `NodeNames` (true) or full `Nodes` (false).
     pub node_cache_capable: bool,
     /// Only pods requesting one of these go to the extender.
@@ -32,9 +47,10 @@ pub struct ExtenderConfig {
 
 impl ExtenderConfig {
     /// gpuledger's configuration (as in `scheduler-config.yaml`).
-    pub fn gpuledger(url_prefix: &str) -> ExtenderConfig {
+    pub fn gpuledger(url_prefix: &str, tls: Option<ExtenderTls>) -> ExtenderConfig {
         ExtenderConfig {
             url_prefix: url_prefix.trim_end_matches('/').to_string(),
+            tls,
             node_cache_capable: true,
             managed_resources: [
                 "gpuledger.io/gpu",
@@ -54,20 +70,48 @@ impl ExtenderConfig {
 /// An HTTP client speaking to an extender like kube-scheduler does.
 #[derive(Clone)]
 pub struct ExtenderClient {
-    http: HttpClient<HttpConnector, Full<Bytes>>,
+    http: HttpClient<HttpsConnector<HttpConnector>, Full<Bytes>>,
     /// The extender's configuration.
     pub cfg: ExtenderConfig,
 }
 
 impl ExtenderClient {
-    /// A client for `cfg`.
-    pub fn new(cfg: ExtenderConfig) -> ExtenderClient {
+    /// A client for `cfg` (HTTPS with the client certificate of `cfg.tls`, when set).
+    pub fn new(cfg: ExtenderConfig) -> Result<ExtenderClient> {
         let mut conn = HttpConnector::new();
         conn.set_nodelay(true);
+        conn.enforce_http(false);
+        let https = match &cfg.tls {
+            Some(t) => {
+                let tls = gpuledger_auth::tls::client_config(
+                    &t.ca,
+                    Some((&t.cert, &t.key)),
+                    // hyper-rustls offers the protocols it enables itself.
+                    &[],
+                )?;
+                hyper_rustls::HttpsConnectorBuilder::new()
+                    .with_tls_config((*tls.current()).clone())
+                    .https_or_http()
+                    .enable_http1()
+                    .wrap_connector(conn)
+            }
+            None => hyper_rustls::HttpsConnectorBuilder::new()
+                .with_tls_config(
+                    rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+                        rustls::crypto::ring::default_provider(),
+                    ))
+                    .with_safe_default_protocol_versions()?
+                    .with_root_certificates(rustls::RootCertStore::empty())
+                    .with_no_client_auth(),
+                )
+                .https_or_http()
+                .enable_http1()
+                .wrap_connector(conn),
+        };
         let http = HttpClient::builder(TokioExecutor::new())
             .pool_max_idle_per_host(64)
-            .build(conn);
-        ExtenderClient { http, cfg }
+            .build(https);
+        Ok(ExtenderClient { http, cfg })
     }
 
     /// POST `body` to `<urlPrefix>/<verb>`; the HTTP status and the body.

@@ -1,0 +1,309 @@
+//! Authorization of every RPC: the one table in `gpuledger_auth::rules`, applied with the facts
+//! this replica knows — its committed state (whose node an allocation is on, whether it is only
+//! reserved) and, for the extender's writes, the pod as the API server has it.
+
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use gpuledger_auth::identity::Caller;
+use gpuledger_auth::rules::{self, Call, Condition, Facts, PodFacts};
+use gpuledger_auth::server::Authenticated;
+use gpuledger_ledger::{AllocState, Ledger};
+
+use crate::shared::Shared;
+use gpuledger_proto::allocator::v1 as api;
+use k8s_openapi::api::core::v1::Pod;
+use kube::runtime::reflector::{ObjectRef, Store};
+use tonic::{Request, Status};
+use tracing::warn;
+
+/// How long a call waits for the first list of pods after the allocator started.
+const PODS_READY_WAIT: Duration = Duration::from_secs(5);
+
+/// What decides whether a caller may make a call, besides the table.
+pub struct Authz {
+    /// Whether this replica has a Kubernetes API (its pod watch sets `pods`).
+    kube: bool,
+    pods: OnceLock<(Store<Pod>, kube::Client)>,
+    scheduler_names: Vec<String>,
+    denied: AtomicU64,
+}
+
+impl Authz {
+    /// `kube`: whether pods can be looked up (they are, once the pod watch started);
+    /// `scheduler_names`: the `spec.schedulerName`s whose pods the extender may place.
+    pub fn new(kube: bool, scheduler_names: Vec<String>) -> Self {
+        Authz {
+            kube,
+            pods: OnceLock::new(),
+            scheduler_names,
+            denied: AtomicU64::new(0),
+        }
+    }
+
+    /// The pod watch's store, once it runs, and the client that reads a pod the watch has not
+    /// delivered yet.
+    pub fn set_pods(&self, pods: Store<Pod>, client: kube::Client) {
+        let _ = self.pods.set((pods, client));
+    }
+
+    /// Calls refused so far.
+    pub fn denied(&self) -> u64 {
+        self.denied.load(Ordering::Relaxed)
+    }
+
+    /// The caller of `req` if it may make `call`; PERMISSION_DENIED naming the rule otherwise.
+    /// Conditions on nodes and allocations read `shared`'s committed state (only then: most
+    /// calls need no view). A request that reached the service unauthenticated is refused.
+    pub async fn check<Q: Touches>(
+        &self,
+        req: &Request<Q>,
+        call: Call,
+        shared: &Shared,
+    ) -> Result<Caller, Status> {
+        let Some(auth) = req.extensions().get::<Authenticated>() else {
+            return Err(Status::unauthenticated(
+                "no verified identity on this request",
+            ));
+        };
+        let caller = auth.caller.clone();
+        let q = req.get_ref();
+        let condition = rules::rule_for(&caller.role, call).map(|r| r.condition);
+        let facts = match condition {
+            Some(Condition::OwnNode | Condition::ReservationsOnly) => {
+                q.facts(&*shared.view().await)
+            }
+            Some(Condition::AdmissiblePod) => {
+                let pod = q.pod(&*shared.view().await);
+                Facts {
+                    pod: Some(self.pod_facts(pod).await?),
+                    ..Facts::default()
+                }
+            }
+            Some(Condition::None) | None => Facts::default(),
+        };
+        match rules::authorize(&caller, call, &facts, q.target_node()) {
+            Ok(_) => Ok(caller),
+            Err(d) => {
+                self.denied.fetch_add(1, Ordering::Relaxed);
+                shared.metrics.denied(d.rule, caller.role.kind());
+                warn!(caller = %caller, call = call.name(), rule = d.rule, why = %d.why, "call denied");
+                Err(Status::permission_denied(format!(
+                    "{caller} may not call {}: {d}",
+                    call.name()
+                )))
+            }
+        }
+    }
+
+    async fn pod_facts(&self, pod: Option<PodKey>) -> Result<PodFacts, Status> {
+        if !self.kube {
+            return Ok(PodFacts::NoApiServer);
+        }
+        let Some((store, client)) = self.pods.get() else {
+            return Err(Status::unavailable(
+                "the pod watch has not started yet: cannot check the pod; retry",
+            ));
+        };
+        if tokio::time::timeout(PODS_READY_WAIT, store.wait_until_ready())
+            .await
+            .is_err()
+        {
+            return Err(Status::unavailable(
+                "the pod watch has not listed the pods yet: cannot check the pod; retry",
+            ));
+        }
+        let Some(key) = pod else {
+            return Ok(PodFacts::Missing);
+        };
+        let same = |p: &Pod| p.metadata.uid.as_deref() == Some(key.uid.as_str());
+        let cached = store
+            .get(&ObjectRef::new(&key.name).within(&key.namespace))
+            .filter(|p| same(p))
+            .map(|p| (*p).clone());
+        let found = match cached {
+            Some(p) => Some(p),
+            // The scheduler may have seen the pod before this replica's watch did: ask.
+            None => {
+                let api: kube::Api<Pod> = kube::Api::namespaced(client.clone(), &key.namespace);
+                match api.get_opt(&key.name).await {
+                    Ok(p) => p.filter(same),
+                    Err(e) => {
+                        return Err(Status::unavailable(format!(
+                            "cannot read pod {}/{} from the API server: {e}",
+                            key.namespace, key.name
+                        )));
+                    }
+                }
+            }
+        };
+        Ok(match found {
+            None => PodFacts::Missing,
+            Some(p) => {
+                let spec = p.spec.as_ref();
+                let phase = p.status.as_ref().and_then(|s| s.phase.as_deref());
+                PodFacts::Found {
+                    gpuledger_scheduler: spec
+                        .and_then(|s| s.scheduler_name.as_deref())
+                        .is_some_and(|n| self.scheduler_names.iter().any(|m| m == n)),
+                    node: spec.and_then(|s| s.node_name.clone()),
+                    ended: p.metadata.deletion_timestamp.is_some()
+                        || matches!(phase, Some("Succeeded" | "Failed")),
+                }
+            }
+        })
+    }
+}
+
+/// A pod named by a call.
+pub struct PodKey {
+    namespace: String,
+    name: String,
+    uid: String,
+}
+
+/// What a request touches, for the conditions of the table.
+pub trait Touches {
+    /// The nodes it touches and what it would release.
+    fn facts(&self, _ledger: &Ledger) -> Facts {
+        Facts::default()
+    }
+    /// The node it places on (Reserve, ConfirmBound).
+    fn target_node(&self) -> Option<&str> {
+        None
+    }
+    /// The pod it is for (Reserve, ConfirmBound).
+    fn pod(&self, _ledger: &Ledger) -> Option<PodKey> {
+        None
+    }
+}
+
+/// Facts of a call that names `nodes` directly and the allocations `ids` (0 = none).
+fn on_nodes(ledger: &Ledger, nodes: &[&str], ids: &[u64]) -> Facts {
+    let mut f = Facts::default();
+    for n in nodes.iter().filter(|n| !n.is_empty()) {
+        f.nodes.push((*n).to_string());
+    }
+    for &id in ids.iter().filter(|&&id| id != 0) {
+        match ledger.alloc(id) {
+            Some(a) => f.nodes.push(a.node.clone()),
+            None => f.unknown_allocation = true,
+        }
+    }
+    f
+}
+
+impl Touches for api::RegisterNodeRequest {
+    fn facts(&self, l: &Ledger) -> Facts {
+        let node = self.inventory.as_ref().map_or("", |i| i.node.as_str());
+        // An empty name still touches "a node": never the caller's own.
+        let mut f = on_nodes(l, &[node], &[]);
+        if node.is_empty() {
+            f.nodes.push(String::new());
+        }
+        f
+    }
+}
+
+impl Touches for api::RemoveNodeRequest {
+    fn facts(&self, l: &Ledger) -> Facts {
+        on_nodes(l, &[&self.node], &[])
+    }
+}
+
+impl Touches for api::SetDeviceHealthRequest {
+    fn facts(&self, l: &Ledger) -> Facts {
+        on_nodes(l, &[&self.node], &[])
+    }
+}
+
+impl Touches for api::AssignRequest {
+    fn facts(&self, l: &Ledger) -> Facts {
+        on_nodes(l, &[&self.node], &[self.allocation_id])
+    }
+}
+
+impl Touches for api::CorrectIdentityRequest {
+    fn facts(&self, l: &Ledger) -> Facts {
+        on_nodes(
+            l,
+            &[&self.node],
+            &[self.from_allocation_id, self.to_allocation_id],
+        )
+    }
+}
+
+impl Touches for api::ReportViolationRequest {
+    fn facts(&self, l: &Ledger) -> Facts {
+        match &self.violation {
+            Some(v) => on_nodes(l, &[&v.node], &[v.allocation_id]),
+            None => Facts::default(),
+        }
+    }
+}
+
+impl Touches for api::SubscribeRequest {
+    fn facts(&self, l: &Ledger) -> Facts {
+        on_nodes(l, &[&self.node], &[])
+    }
+}
+
+impl Touches for api::ReleaseRequest {
+    fn facts(&self, l: &Ledger) -> Facts {
+        let mut f = Facts::default();
+        let released: Vec<_> = if self.allocation_id != 0 {
+            match l.alloc(self.allocation_id) {
+                Some(a) => vec![a],
+                None => {
+                    f.unknown_allocation = true;
+                    vec![]
+                }
+            }
+        } else {
+            l.allocs_of_pod(&self.pod_uid)
+                .into_iter()
+                .filter(|a| self.container.is_empty() || a.container == self.container)
+                .collect()
+        };
+        f.only_reservations = released.iter().all(|a| a.state == AllocState::Reserved);
+        f.nodes = released.iter().map(|a| a.node.clone()).collect();
+        f
+    }
+}
+
+impl Touches for api::ReserveRequest {
+    fn target_node(&self) -> Option<&str> {
+        Some(&self.node)
+    }
+    fn pod(&self, _l: &Ledger) -> Option<PodKey> {
+        let p = self.request.as_ref()?.pod.as_ref()?;
+        Some(PodKey {
+            namespace: p.namespace.clone(),
+            name: p.name.clone(),
+            uid: p.uid.clone(),
+        })
+    }
+}
+
+impl Touches for api::ConfirmBoundRequest {
+    fn target_node(&self) -> Option<&str> {
+        Some(&self.node)
+    }
+    fn pod(&self, l: &Ledger) -> Option<PodKey> {
+        // The request names the pod by UID only: its name is the ledger's.
+        let a = l.allocs_of_pod(&self.pod_uid).into_iter().next()?;
+        Some(PodKey {
+            namespace: a.pod.namespace.clone(),
+            name: a.pod.name.clone(),
+            uid: self.pod_uid.clone(),
+        })
+    }
+}
+
+impl Touches for api::FilterRequest {}
+impl Touches for api::ScoreRequest {}
+impl Touches for api::StatusRequest {}
+impl Touches for api::DumpRequest {}
+impl Touches for api::ReadLogRequest {}
+impl Touches for api::ReplicateRequest {}

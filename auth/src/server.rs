@@ -1,0 +1,330 @@
+//! The server side: every request is authenticated before anything reads or writes, by its
+//! client certificate or its bearer token, in one tower layer in front of the service.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
+
+use base64::Engine;
+use futures::future::BoxFuture;
+use http::{HeaderMap, HeaderValue, Request, Response};
+use rustls::pki_types::CertificateDer;
+use tonic::body::Body;
+use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
+use tracing::warn;
+
+use crate::identity::{Caller, Role, from_spiffe_id};
+use crate::token::{TokenAuthenticator, TokenError};
+
+/// The header through which a follower tells the leader whom it forwards a write for.
+/// Honoured only from an authenticated allocator; anyone else's is dropped and counted.
+pub const ON_BEHALF_OF: &str = "x-gpuledger-on-behalf-of";
+
+/// A request's verified identity, in its extensions for the handlers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Authenticated {
+    /// Whose request it is (for a forwarded write: the original caller).
+    pub caller: Caller,
+    /// The allocator replica that forwarded it, if one did.
+    pub forwarded_by: Option<String>,
+}
+
+/// Why a request was refused before it reached the service.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refusal {
+    /// No or bad credentials.
+    Unauthenticated(String),
+    /// Valid credentials that carry no gpuledger role.
+    PermissionDenied(String),
+    /// The API server could not check the token: try again.
+    Unavailable(String),
+}
+
+impl Refusal {
+    /// As a gRPC status.
+    pub fn status(&self) -> tonic::Status {
+        match self {
+            Refusal::Unauthenticated(m) => tonic::Status::unauthenticated(m.clone()),
+            Refusal::PermissionDenied(m) => tonic::Status::permission_denied(m.clone()),
+            Refusal::Unavailable(m) => tonic::Status::unavailable(m.clone()),
+        }
+    }
+
+    fn http_status(&self) -> http::StatusCode {
+        match self {
+            Refusal::Unauthenticated(_) => http::StatusCode::UNAUTHORIZED,
+            Refusal::PermissionDenied(_) => http::StatusCode::FORBIDDEN,
+            Refusal::Unavailable(_) => http::StatusCode::SERVICE_UNAVAILABLE,
+        }
+    }
+
+    /// Short name for metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Refusal::Unauthenticated(_) => "unauthenticated",
+            Refusal::PermissionDenied(_) => "permission_denied",
+            Refusal::Unavailable(_) => "unavailable",
+        }
+    }
+}
+
+/// Turns a request's credentials into a [`Caller`].
+pub struct Authenticator {
+    tokens: Option<Arc<TokenAuthenticator>>,
+    forged: AtomicU64,
+    refused: AtomicU64,
+}
+
+/// The identity a client certificate's URI SAN names (None: the certificate names none).
+pub fn caller_of_cert(cert: &CertificateDer<'_>) -> Option<Result<Caller, String>> {
+    let (_, parsed) = x509_parser::parse_x509_certificate(cert.as_ref()).ok()?;
+    let san = parsed.subject_alternative_name().ok().flatten()?;
+    let uri = san.value.general_names.iter().find_map(|n| match n {
+        x509_parser::extensions::GeneralName::URI(u) if u.starts_with("spiffe://") => Some(*u),
+        _ => None,
+    })?;
+    Some(from_spiffe_id(uri).map_err(|e| e.to_string()))
+}
+
+/// The value of [`ON_BEHALF_OF`] that names `caller`.
+pub fn on_behalf_of(caller: &Caller) -> HeaderValue {
+    let json = serde_json::json!({
+        "role": caller.role.kind(),
+        "node": caller.node(),
+        "subject": caller.subject,
+    });
+    let v = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(json.to_string());
+    HeaderValue::from_str(&v).expect("base64 is a valid header value")
+}
+
+fn decode_on_behalf_of(v: &HeaderValue) -> Option<Caller> {
+    let raw = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(v.as_bytes())
+        .ok()?;
+    let j: serde_json::Value = serde_json::from_slice(&raw).ok()?;
+    let subject = j.get("subject")?.as_str()?.to_string();
+    let role = match j.get("role")?.as_str()? {
+        "allocator" => Role::Allocator,
+        "extender" => Role::Extender,
+        "viewer" => Role::Viewer,
+        "admin" => Role::Admin,
+        "node-agent" => Role::NodeAgent {
+            node: j.get("node")?.as_str()?.to_string(),
+        },
+        _ => return None,
+    };
+    Some(Caller { role, subject })
+}
+
+impl Authenticator {
+    /// Certificates only (`tokens` None), or tokens too.
+    pub fn new(tokens: Option<Arc<TokenAuthenticator>>) -> Arc<Self> {
+        Arc::new(Authenticator {
+            tokens,
+            forged: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
+        })
+    }
+
+    /// The token authenticator, when tokens are accepted.
+    pub fn tokens(&self) -> Option<&Arc<TokenAuthenticator>> {
+        self.tokens.as_ref()
+    }
+
+    /// Forwarding headers dropped because the sender was not an allocator.
+    pub fn forged(&self) -> u64 {
+        self.forged.load(Ordering::Relaxed)
+    }
+
+    /// Requests refused so far.
+    pub fn refused(&self) -> u64 {
+        self.refused.load(Ordering::Relaxed)
+    }
+
+    /// Who sent a request with these headers over a connection with these client certificates.
+    pub async fn authenticate(
+        &self,
+        headers: &HeaderMap,
+        peer_certs: Option<&[CertificateDer<'static>]>,
+    ) -> Result<Authenticated, Refusal> {
+        let r = self.direct(headers, peer_certs).await;
+        let caller = match r {
+            Ok(c) => c,
+            Err(e) => {
+                self.refused.fetch_add(1, Ordering::Relaxed);
+                return Err(e);
+            }
+        };
+        let Some(fwd) = headers.get(ON_BEHALF_OF) else {
+            return Ok(Authenticated {
+                caller,
+                forwarded_by: None,
+            });
+        };
+        if caller.role != Role::Allocator {
+            self.forged.fetch_add(1, Ordering::Relaxed);
+            warn!(caller = %caller, "a forwarding header from a caller that is no allocator; ignored");
+            return Ok(Authenticated {
+                caller,
+                forwarded_by: None,
+            });
+        }
+        match decode_on_behalf_of(fwd) {
+            Some(original) => Ok(Authenticated {
+                caller: original,
+                forwarded_by: Some(caller.subject),
+            }),
+            None => {
+                self.refused.fetch_add(1, Ordering::Relaxed);
+                Err(Refusal::Unauthenticated(format!(
+                    "malformed {ON_BEHALF_OF} header from {caller}"
+                )))
+            }
+        }
+    }
+
+    async fn direct(
+        &self,
+        headers: &HeaderMap,
+        peer_certs: Option<&[CertificateDer<'static>]>,
+    ) -> Result<Caller, Refusal> {
+        if let Some(leaf) = peer_certs.and_then(|c| c.first()) {
+            return match caller_of_cert(leaf) {
+                Some(Ok(c)) => Ok(c),
+                Some(Err(e)) => Err(Refusal::Unauthenticated(format!("client certificate: {e}"))),
+                None => Err(Refusal::Unauthenticated(
+                    "the client certificate names no gpuledger identity (a spiffe://gpuledger/… URI SAN)"
+                        .into(),
+                )),
+            };
+        }
+        let Some(auth) = headers.get(http::header::AUTHORIZATION) else {
+            return Err(Refusal::Unauthenticated(
+                "no credentials: send a ServiceAccount token for audience gpuledger \
+                 (authorization: Bearer …) or a client certificate"
+                    .into(),
+            ));
+        };
+        let token = auth
+            .to_str()
+            .ok()
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
+            .ok_or_else(|| Refusal::Unauthenticated("malformed authorization header".into()))?;
+        let Some(tokens) = &self.tokens else {
+            return Err(Refusal::Unauthenticated(
+                "this allocator accepts client certificates only (it has no Kubernetes API to \
+                 review tokens with)"
+                    .into(),
+            ));
+        };
+        match tokens.authenticate(token).await {
+            Ok(Ok(c)) => Ok(c),
+            Ok(Err(e @ TokenError::NoRole(..))) => Err(Refusal::PermissionDenied(e.to_string())),
+            Ok(Err(e)) => Err(Refusal::Unauthenticated(e.to_string())),
+            Err(e) => Err(Refusal::Unavailable(e.to_string())),
+        }
+    }
+}
+
+/// The tower layer that authenticates every request before the service sees it.
+#[derive(Clone)]
+pub struct AuthLayer(pub Arc<Authenticator>);
+
+impl<S> tower::Layer<S> for AuthLayer {
+    type Service = AuthService<S>;
+    fn layer(&self, inner: S) -> Self::Service {
+        AuthService {
+            auth: self.0.clone(),
+            inner,
+        }
+    }
+}
+
+/// See [`AuthLayer`].
+#[derive(Clone)]
+pub struct AuthService<S> {
+    auth: Arc<Authenticator>,
+    inner: S,
+}
+
+fn is_grpc(headers: &HeaderMap) -> bool {
+    headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/grpc"))
+}
+
+impl<S, B> tower::Service<Request<B>> for AuthService<S>
+where
+    S: tower::Service<Request<B>, Response = Response<Body>> + Clone + Send + 'static,
+    S::Future: Send,
+    B: Send + 'static,
+{
+    type Response = Response<Body>;
+    type Error = S::Error;
+    type Future = BoxFuture<'static, Result<Response<Body>, S::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut req: Request<B>) -> Self::Future {
+        // The clone is the ready one: take it and leave a fresh clone behind.
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let auth = self.auth.clone();
+        Box::pin(async move {
+            let certs = req
+                .extensions()
+                .get::<TlsConnectInfo<TcpConnectInfo>>()
+                .and_then(|i| i.peer_certs());
+            match auth
+                .authenticate(req.headers(), certs.as_deref().map(|v| &v[..]))
+                .await
+            {
+                Ok(a) => {
+                    req.extensions_mut().insert(a);
+                    inner.call(req).await
+                }
+                Err(refusal) => Ok(if is_grpc(req.headers()) {
+                    refusal.status().into_http::<Body>()
+                } else {
+                    let text = match &refusal {
+                        Refusal::Unauthenticated(m)
+                        | Refusal::PermissionDenied(m)
+                        | Refusal::Unavailable(m) => format!("{m}\n"),
+                    };
+                    let mut r = Response::new(Body::new(http_body_util::Full::new(
+                        bytes::Bytes::from(text),
+                    )));
+                    *r.status_mut() = refusal.http_status();
+                    r
+                }),
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn forwarding_headers_round_trip() {
+        for role in [
+            Role::Extender,
+            Role::NodeAgent { node: "n-1".into() },
+            Role::Admin,
+        ] {
+            let c = Caller {
+                role,
+                subject: "system:serviceaccount:gpuledger:x".into(),
+            };
+            assert_eq!(decode_on_behalf_of(&on_behalf_of(&c)), Some(c));
+        }
+        assert_eq!(decode_on_behalf_of(&HeaderValue::from_static("e30")), None);
+        assert_eq!(decode_on_behalf_of(&HeaderValue::from_static("%%")), None);
+    }
+}
