@@ -1,6 +1,8 @@
 use std::sync::Arc;
 
+use super::score::score_of;
 use super::*;
+use crate::state::GpuState;
 
 fn gpu(i: u32, mem: u64) -> GpuState {
     GpuState {
