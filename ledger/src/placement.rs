@@ -11,6 +11,8 @@ mod fgd;
 mod filter;
 mod request;
 mod score;
+mod strand;
+mod value;
 
 use std::sync::OnceLock;
 
@@ -24,6 +26,7 @@ pub use fgd::{PodShape, Workload};
 pub use filter::{Filtered, Fit, NOT_REGISTERED, filter_nodes, fit_node};
 pub use request::{ContainerRequest, PodRequest, Policy, Selector};
 pub use score::{score_node, score_nodes};
+pub use value::GapValues;
 
 /// The shares chosen for one container.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -106,6 +109,14 @@ pub fn evaluate(node: &NodeState, req: &PodRequest) -> Result<Candidate, Fit> {
         }
         let chosen: Vec<usize> = match req.policy {
             Policy::Spread => take_sorted(cands, c.slices, |a, b| b.total_cmp(a)),
+            Policy::FgdStrand if c.slices == 1 && c.core_milli < CORE_MILLI_PER_GPU => {
+                let w = workload.expect("fgd policies have a workload");
+                let cores = frag_free(node, &free);
+                let cands = cands.iter().map(|x| x.0);
+                strand::gpu(w, node, req, &cores, cands, c.core_milli)
+                    .into_iter()
+                    .collect()
+            }
             Policy::Fgd | Policy::FgdPack | Policy::FgdPackCpu
                 if c.slices == 1 && c.core_milli < CORE_MILLI_PER_GPU =>
             {

@@ -28,6 +28,10 @@ pub enum Policy {
     /// node with the least free GPU compute: its CPU and memory can strand no more GPU there
     /// (gpuledger's variant; better than the paper's FGD on both openb traces).
     FgdPackCpu,
+    /// FGD with a look-ahead: a node's expected fragmentation plus the GPU its CPU and host memory
+    /// could no longer feed if the rest of it filled with the pods that can land there (their
+    /// mean CPU and memory per GPU, from the same learned workload); gpuledger's policy.
+    FgdStrand,
     /// A uniformly random feasible node ([`PodRequest::salt`] is the randomness).
     Random,
     /// Tetris' dot product of free and requested CPU and GPU, smallest alignment first (paper baseline).
@@ -48,6 +52,7 @@ impl Policy {
         "fgd",
         "fgd-pack",
         "fgd-pack-cpu",
+        "fgd-strand",
         "random",
         "dotprod",
         "bestfit",
@@ -63,6 +68,7 @@ impl Policy {
             Policy::Fgd => "fgd",
             Policy::FgdPack => "fgd-pack",
             Policy::FgdPackCpu => "fgd-pack-cpu",
+            Policy::FgdStrand => "fgd-strand",
             Policy::Random => "random",
             Policy::DotProduct => "dotprod",
             Policy::BestFit => "bestfit",
@@ -73,7 +79,10 @@ impl Policy {
 
     /// Whether the policy measures fragmentation against a workload (fgd and its variants).
     pub fn is_fgd(self) -> bool {
-        matches!(self, Policy::Fgd | Policy::FgdPack | Policy::FgdPackCpu)
+        matches!(
+            self,
+            Policy::Fgd | Policy::FgdPack | Policy::FgdPackCpu | Policy::FgdStrand
+        )
     }
 }
 
@@ -92,6 +101,7 @@ impl FromStr for Policy {
             "fgd" => Ok(Policy::Fgd),
             "fgd-pack" | "fgdpack" => Ok(Policy::FgdPack),
             "fgd-pack-cpu" => Ok(Policy::FgdPackCpu),
+            "fgd-strand" => Ok(Policy::FgdStrand),
             "random" => Ok(Policy::Random),
             "dotprod" | "dot-product" | "dotproduct" => Ok(Policy::DotProduct),
             "bestfit" | "best-fit" => Ok(Policy::BestFit),

@@ -3,7 +3,7 @@
 
 use super::filter::node_has_room;
 use super::{
-    Candidate, Fit, Free, PodRequest, Policy, Workload, baselines, evaluate, fgd, frag_free,
+    Candidate, Fit, Free, PodRequest, Policy, Workload, baselines, evaluate, fgd, frag_free, strand,
 };
 use crate::CORE_MILLI_PER_GPU;
 use crate::state::{Ledger, NodeState};
@@ -59,6 +59,10 @@ pub(super) fn node_score(
                 Policy::FgdPack | Policy::FgdPackCpu if in_use => paper + 0.5,
                 _ => paper,
             }
+        }
+        Policy::FgdStrand => {
+            let w = workload.expect("fgd policies have a workload");
+            strand::score(w, node, req, b.free, &frag_free(node, after))
         }
         Policy::Random => 0.0,
         Policy::DotProduct => {
@@ -172,7 +176,9 @@ pub(super) fn score_of(evaluated: Result<Candidate, Fit>, req: &PodRequest) -> u
             let s = match req.policy {
                 Policy::Binpack | Policy::Spread => c.score,
                 // Growth of fragmentation in GPUs, squashed as the paper's scorer does.
-                Policy::Fgd | Policy::FgdPack | Policy::FgdPackCpu => c.score.trunc() / 100.0,
+                Policy::Fgd | Policy::FgdPack | Policy::FgdPackCpu | Policy::FgdStrand => {
+                    c.score.trunc() / 100.0
+                }
                 Policy::Random => 0.5,
                 Policy::DotProduct | Policy::BestFit | Policy::Packing | Policy::Clustering => {
                     c.score / 100.0
