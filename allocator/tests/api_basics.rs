@@ -2,9 +2,9 @@
 
 use std::time::{Duration, Instant};
 
-use gpuledger_chaos::workload::{inventory, pod, reserve_retry};
-use gpuledger_chaos::{Allocators, EtcdCluster};
 use gpuledger_proto::allocator::v1 as api;
+use gpuledger_testkit::workload::{inventory, pod, reserve_retry};
+use gpuledger_testkit::{Allocators, EtcdCluster};
 use tonic::Code;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

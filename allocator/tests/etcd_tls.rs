@@ -4,9 +4,9 @@
 
 use std::time::{Duration, Instant};
 
-use gpuledger_chaos::workload::{inventory, pod};
-use gpuledger_chaos::{Allocators, Proc, free_port};
 use gpuledger_proto::allocator::v1 as api;
+use gpuledger_testkit::workload::{inventory, pod};
+use gpuledger_testkit::{Allocators, Proc, free_port};
 use rcgen::{
     BasicConstraints, CertificateParams, CertifiedIssuer, ExtendedKeyUsagePurpose, IsCa, KeyPair,
 };
@@ -50,7 +50,7 @@ async fn the_allocator_grants_through_an_etcd_that_demands_client_certificates()
     let p = pki(dir.path())?;
     let (client_port, peer_port) = (free_port()?, free_port()?);
     let url = format!("https://127.0.0.1:{client_port}");
-    let etcd_bin = gpuledger_chaos::etcd::find_etcd()?;
+    let etcd_bin = gpuledger_testkit::etcd::find_etcd()?;
     let _etcd = Proc::spawn(
         dir.path(),
         "etcd",

@@ -4,9 +4,9 @@
 
 use std::time::{Duration, Instant};
 
-use gpuledger_chaos::kube::{KubeStack, StackOptions};
-use gpuledger_chaos::workload::{inventory, pod};
 use gpuledger_proto::allocator::v1 as api;
+use gpuledger_testkit::kube::{KubeStack, StackOptions};
+use gpuledger_testkit::workload::{inventory, pod};
 
 fn placed(mut r: api::PodRequest, policy: &str) -> api::PodRequest {
     r.placement = Some(api::Placement {

@@ -3,10 +3,10 @@
 
 use std::time::{Duration, Instant};
 
-use gpuledger_chaos::http::get;
-use gpuledger_chaos::workload::{inventory, pod};
-use gpuledger_chaos::{Allocators, EtcdCluster};
 use gpuledger_proto::allocator::v1 as api;
+use gpuledger_testkit::http::get;
+use gpuledger_testkit::workload::{inventory, pod};
+use gpuledger_testkit::{Allocators, EtcdCluster};
 
 fn metric(text: &str, name: &str) -> Option<f64> {
     text.lines()

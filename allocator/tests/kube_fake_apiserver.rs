@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use futures::StreamExt;
-use gpuledger_chaos::kube::FakeApiServer;
+use gpuledger_testkit::kube::FakeApiServer;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Event, Pod};
 use k8s_openapi::serde_json::{Value, json};

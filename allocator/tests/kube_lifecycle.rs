@@ -3,10 +3,10 @@
 
 use std::time::{Duration, Instant};
 
-use gpuledger_chaos::kube::{KubeStack, StackOptions};
-use gpuledger_chaos::workload::{inventory, pod};
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
+use gpuledger_testkit::kube::{KubeStack, StackOptions};
+use gpuledger_testkit::workload::{inventory, pod};
 use k8s_openapi::serde_json::json;
 
 async fn live(stack: &KubeStack) -> anyhow::Result<Vec<pb::Allocation>> {

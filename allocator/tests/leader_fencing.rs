@@ -4,10 +4,10 @@
 use std::time::{Duration, Instant};
 
 use gpuledger_allocator::log::{Commit, EtcdLog};
-use gpuledger_chaos::workload::{inventory, pod, reserve_retry};
-use gpuledger_chaos::{Allocators, EtcdCluster};
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
+use gpuledger_testkit::workload::{inventory, pod, reserve_retry};
+use gpuledger_testkit::{Allocators, EtcdCluster};
 use nix::sys::signal::Signal;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -27,7 +27,7 @@ async fn paused_leader_writes_nothing_after_takeover_and_steps_down() -> anyhow:
     // A request reaches the paused leader's socket; it will only see it after SIGCONT.
     let addr = allocs.addrs[old].clone();
     let stale = tokio::spawn(async move {
-        let mut c = gpuledger_chaos::allocators::client(&addr)?;
+        let mut c = gpuledger_testkit::allocators::client(&addr)?;
         let r = c
             .reserve(api::ReserveRequest {
                 request: Some(pod("while-paused", 1_000, 0)),

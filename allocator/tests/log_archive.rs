@@ -9,10 +9,10 @@ use gpuledger_allocator::archive::Archive;
 use gpuledger_allocator::log::{EtcdLog, LogError};
 use gpuledger_allocator::shared::Shared;
 use gpuledger_allocator::tail;
-use gpuledger_chaos::workload::{churn, inventory};
-use gpuledger_chaos::{Allocators, EtcdCluster, eventually};
 use gpuledger_ledger::{Ledger, pb};
 use gpuledger_proto::allocator::v1 as api;
+use gpuledger_testkit::workload::{churn, inventory};
+use gpuledger_testkit::{Allocators, EtcdCluster, eventually};
 use nix::sys::signal::Signal;
 
 /// Every batch `ReadLog` streams from replica `i` for `from..=to`.

@@ -6,11 +6,11 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use gpuledger_chaos::http::get;
-use gpuledger_chaos::workload::{inventory, pod};
-use gpuledger_chaos::{Allocators, EtcdCluster};
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
+use gpuledger_testkit::http::get;
+use gpuledger_testkit::workload::{inventory, pod};
+use gpuledger_testkit::{Allocators, EtcdCluster};
 
 /// Every sample of an exposition by its full series name (`name{labels}`), after checking
 /// that each line is a comment or `series value` and that the exposition ends with `# EOF`.

@@ -6,11 +6,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use gpuledger_allocator::log::EtcdLog;
-use gpuledger_chaos::workload::{inventory, pod, reserve_retry};
-use gpuledger_chaos::{Allocators, EtcdCluster};
 use gpuledger_ledger::Ledger;
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
+use gpuledger_testkit::workload::{inventory, pod, reserve_retry};
+use gpuledger_testkit::{Allocators, EtcdCluster};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acked_grants_survive_leader_kills_and_replay_equals_live() -> anyhow::Result<()> {

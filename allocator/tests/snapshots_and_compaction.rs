@@ -4,9 +4,9 @@
 use std::time::Duration;
 
 use gpuledger_allocator::log::EtcdLog;
-use gpuledger_chaos::workload::{churn, inventory};
-use gpuledger_chaos::{Allocators, EtcdCluster, eventually};
 use gpuledger_proto::allocator::v1 as api;
+use gpuledger_testkit::workload::{churn, inventory};
+use gpuledger_testkit::{Allocators, EtcdCluster, eventually};
 use nix::sys::signal::Signal;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -4,10 +4,10 @@
 
 use std::time::Duration;
 
-use gpuledger_chaos::http::get;
-use gpuledger_chaos::workload::{inventory, pod};
-use gpuledger_chaos::{Allocators, EtcdCluster};
 use gpuledger_proto::allocator::v1 as api;
+use gpuledger_testkit::http::get;
+use gpuledger_testkit::workload::{inventory, pod};
+use gpuledger_testkit::{Allocators, EtcdCluster};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn state_and_events_json() -> anyhow::Result<()> {

@@ -11,9 +11,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use gpuledger_chaos::workload::{inventory, pod};
-use gpuledger_chaos::{Allocators, EtcdCluster};
 use gpuledger_proto::allocator::v1 as api;
+use gpuledger_testkit::workload::{inventory, pod};
+use gpuledger_testkit::{Allocators, EtcdCluster};
 
 const NODES: usize = 1000;
 const GPUS: u32 = 8;
@@ -95,7 +95,7 @@ async fn build_cluster(allocs: &Allocators) -> Result<u64> {
     for w in 0..16 {
         let addr = addr.clone();
         tasks.push(tokio::spawn(async move {
-            let mut c = gpuledger_chaos::allocators::client(&addr)?;
+            let mut c = gpuledger_testkit::allocators::client(&addr)?;
             for i in (w..NODES).step_by(16) {
                 c.register_node(api::RegisterNodeRequest {
                     inventory: Some(inventory(&node(i), GPUS, 81_920, "NVIDIA A100-SXM4-80GB")),

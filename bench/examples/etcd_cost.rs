@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use etcd_client::{Client, Compare, CompareOp, Txn, TxnOp};
-use gpuledger_chaos::EtcdCluster;
+use gpuledger_testkit::EtcdCluster;
 
 /// CPU seconds (user + system) of a process, from /proc.
 fn cpu_seconds(pid: u32) -> Result<f64> {

@@ -5,10 +5,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use etcd_client::{Client, Compare, CompareOp, Txn, TxnOp};
-use gpuledger_chaos::allocators::client;
-use gpuledger_chaos::workload::{inventory, pod};
-use gpuledger_chaos::{Allocators, EtcdCluster};
 use gpuledger_proto::allocator::v1 as api;
+use gpuledger_testkit::allocators::client;
+use gpuledger_testkit::workload::{inventory, pod};
+use gpuledger_testkit::{Allocators, EtcdCluster};
 use hdrhistogram::Histogram;
 use tokio::sync::Mutex;
 

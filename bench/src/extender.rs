@@ -7,12 +7,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use futures::StreamExt;
-use gpuledger_chaos::kube::{
-    ExtenderClient, ExtenderConfig, KubeStack, SchedulerEmulator, StackOptions,
-};
-use gpuledger_chaos::workload::inventory;
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
+use gpuledger_testkit::kube::{
+    ExtenderClient, ExtenderConfig, KubeStack, SchedulerEmulator, StackOptions,
+};
+use gpuledger_testkit::workload::inventory;
 use serde_json::{Value, json};
 
 use crate::common::{histogram, machine_reference_ms, q_ms, record, title};
@@ -71,7 +71,7 @@ fn api_pod(uid: &str) -> api::PodRequest {
 }
 
 /// Wait until the leader's seq has not moved for a second; the seq then.
-async fn settle(allocs: &gpuledger_chaos::Allocators, timeout: Duration) -> Result<u64> {
+async fn settle(allocs: &gpuledger_testkit::Allocators, timeout: Duration) -> Result<u64> {
     let deadline = Instant::now() + timeout;
     let (mut last, mut since) = (u64::MAX, Instant::now());
     loop {
@@ -134,7 +134,7 @@ pub async fn run(a: Args) -> Result<()> {
         let addr = addr.clone();
         let gpus = a.gpus_per_node;
         async move {
-            let mut c = gpuledger_chaos::allocators::client(&addr)?;
+            let mut c = gpuledger_testkit::allocators::client(&addr)?;
             c.register_node(api::RegisterNodeRequest {
                 inventory: Some(inventory(&n, gpus, 24_000, "NVIDIA A10")),
             })
@@ -249,7 +249,7 @@ pub async fn run(a: Args) -> Result<()> {
     let t = Instant::now();
     let mut cfg = ExtenderConfig::gpuledger(&stack.extender_url);
     cfg.percentage_of_nodes_to_score = a.percentage_of_nodes_to_score;
-    let window = gpuledger_chaos::kube::scheduler::num_feasible_nodes_to_find(
+    let window = gpuledger_testkit::kube::scheduler::num_feasible_nodes_to_find(
         a.nodes,
         a.percentage_of_nodes_to_score,
     );

@@ -6,9 +6,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
-use gpuledger_chaos::workload::{inventory, pod, reserve_retry};
-use gpuledger_chaos::{Allocators, EtcdCluster};
 use gpuledger_proto::allocator::v1 as api;
+use gpuledger_testkit::workload::{inventory, pod, reserve_retry};
+use gpuledger_testkit::{Allocators, EtcdCluster};
 
 use crate::common::{run_dir, title};
 

@@ -4,6 +4,7 @@
 
 mod allocator;
 mod common;
+mod e2e;
 mod extender;
 mod failover;
 mod node_agent;
@@ -40,6 +41,8 @@ enum Cmd {
     Extender(extender::Args),
     /// Latency and bytes of one /metrics scrape of an allocator holding a large cluster.
     Scrape(scrape::Args),
+    /// The real kube-scheduler's pods/s, GPU pods vs plain pods; pod start on a real kubelet.
+    E2e(e2e::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -62,6 +65,7 @@ fn main() -> std::process::ExitCode {
             Cmd::NodeAgent(a) => node_agent::run(a).await,
             Cmd::Extender(a) => extender::run(a).await,
             Cmd::Scrape(a) => scrape::run(a).await,
+            Cmd::E2e(a) => e2e::run(a).await,
         }
     });
     match res {

@@ -7,12 +7,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use gpuledger_allocator::log::{Commit, EtcdLog};
-use gpuledger_chaos::kubelet::Kubelet;
-use gpuledger_chaos::kubelet::node::{FakeNvml, NodeAgent};
-use gpuledger_chaos::workload::pod;
-use gpuledger_chaos::{Allocators, EtcdCluster};
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
+use gpuledger_testkit::kubelet::Kubelet;
+use gpuledger_testkit::kubelet::node::{FakeNvml, NodeAgent};
+use gpuledger_testkit::workload::pod;
+use gpuledger_testkit::{Allocators, EtcdCluster};
 
 use crate::common::{histogram, q_ms, record, rss_mib, run_dir, title};
 

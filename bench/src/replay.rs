@@ -5,8 +5,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use etcd_client::Client;
 use gpuledger_allocator::log::EtcdLog;
-use gpuledger_chaos::{Allocators, EtcdCluster};
 use gpuledger_ledger::{Command, ContainerRequest, Ledger, PodRequest, Policy, pb};
+use gpuledger_testkit::{Allocators, EtcdCluster};
 use prost::Message;
 
 use crate::common::{run_dir, title};

@@ -5,11 +5,11 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use gpuledger_chaos::allocators::client;
-use gpuledger_chaos::http::get;
-use gpuledger_chaos::workload::{inventory, pod};
-use gpuledger_chaos::{Allocators, EtcdCluster};
 use gpuledger_proto::allocator::v1 as api;
+use gpuledger_testkit::allocators::client;
+use gpuledger_testkit::http::get;
+use gpuledger_testkit::workload::{inventory, pod};
+use gpuledger_testkit::{Allocators, EtcdCluster};
 use hdrhistogram::Histogram;
 
 use crate::common::{histogram, q_ms, record, run_dir, title};

@@ -12,9 +12,10 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::cluster::{ClusterOptions, LocalCluster, RunOutcome, pod_phase};
-use crate::process::bin_path;
 use crate::workload::{feed, mixed_pods};
+use gpuledger_testkit::bin_path;
+use gpuledger_testkit::cluster::{ClusterOptions, LocalCluster, RunOutcome, pod_phase};
+use gpuledger_testkit::promtext::total;
 
 /// Flags of `gpuledger-chaos demo`.
 #[derive(clap::Args, Debug, Clone)]
@@ -85,7 +86,7 @@ pub async fn run(mut a: DemoArgs) -> Result<()> {
         a.pods = a.pods.min(60);
     }
     let t0 = Instant::now();
-    let (dir, _tmp) = crate::process::run_dir("gpuledger-demo-", a.keep)?;
+    let (dir, _tmp) = gpuledger_testkit::process::run_dir("gpuledger-demo-", a.keep)?;
     println!(
         "gpuledger demo — run directory {} (logs of every process{})",
         dir.display(),
@@ -206,7 +207,7 @@ async fn drive(c: &mut LocalCluster, a: &DemoArgs, t0: Instant) -> Result<()> {
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    feeder.abort();
+    drop(feeder);
     let workload_secs = started.elapsed().as_secs_f64();
     bar.finish_with_message(format!("workload done in {workload_secs:.1}s"));
 
@@ -306,12 +307,10 @@ async fn drive(c: &mut LocalCluster, a: &DemoArgs, t0: Instant) -> Result<()> {
     );
     let mut violations = 0.0;
     for n in &c.nodes {
-        if let Ok((200, t)) = crate::http::get(&format!("{}/metrics", n.health_url())).await {
-            violations += t
-                .lines()
-                .filter(|l| l.starts_with("gpuledger_node_agent_violations_total"))
-                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-                .sum::<f64>();
+        if let Ok((200, t)) =
+            gpuledger_testkit::http::get(&format!("{}/metrics", n.health_url())).await
+        {
+            violations += total(&t, "gpuledger_node_agent_violations_total");
         }
     }
     println!(

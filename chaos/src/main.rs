@@ -1,4 +1,11 @@
-//! `gpuledger-chaos`: the local cluster harness and demo.
+//! `gpuledger-chaos`: the local cluster as a program — the demo, `up`, and the chaos run with
+//! its fault schedule and history check. What it starts and drives comes from
+//! `gpuledger-testkit`, which every crate's integration tests use too.
+
+mod demo;
+mod run;
+mod up;
+mod workload;
 
 use clap::{Parser, Subcommand};
 
@@ -20,12 +27,12 @@ enum Cmd {
     /// kube-scheduler emulator run in this process. Prints the inspect table, placements,
     /// failover times, utilization, `gpuledger verify` and every agent's view against the
     /// ledger. Exits non-zero when verify fails, a view differs or pods are lost.
-    Demo(gpuledger_chaos::demo::DemoArgs),
+    Demo(demo::DemoArgs),
     /// Start the demo's local cluster and keep it running until Ctrl-C.
     ///
     /// Prints the allocator addresses for `gpuledger status|inspect|verify`, the kubeconfig of
     /// the fake API server, and the /metrics URLs of every component.
-    Up(gpuledger_chaos::up::UpArgs),
+    Up(up::UpArgs),
     /// The local cluster runs pods end to end while faults chosen by --seed hit it, then a
     /// quiet phase and a history check. Exits non-zero on any violation.
     ///
@@ -33,7 +40,7 @@ enum Cmd {
     /// member; SIGSTOP of the leader past its lease; and, as root, a partition of the leader
     /// from etcd (iptables, inside a network namespace the run creates and deletes). The last
     /// line is `violations=N lost_grants=N double_grants=N replay_equal=B converged_s=X`.
-    Run(gpuledger_chaos::run::RunArgs),
+    Run(run::RunArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -50,9 +57,9 @@ fn main() -> std::process::ExitCode {
     };
     let res = rt.block_on(async move {
         match cli.command {
-            Cmd::Demo(a) => gpuledger_chaos::demo::run(a).await,
-            Cmd::Up(a) => gpuledger_chaos::up::run(a).await,
-            Cmd::Run(a) => gpuledger_chaos::run::run(a).await,
+            Cmd::Demo(a) => demo::run(a).await,
+            Cmd::Up(a) => up::run(a).await,
+            Cmd::Run(a) => run::run(a).await,
         }
     });
     match res {

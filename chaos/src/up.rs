@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 
-use crate::cluster::{ClusterOptions, LocalCluster, SCHEDULER_NAME};
+use gpuledger_testkit::cluster::{ClusterOptions, LocalCluster, SCHEDULER_NAME};
 
 /// Flags of `gpuledger-chaos up`.
 #[derive(clap::Args, Debug, Clone)]

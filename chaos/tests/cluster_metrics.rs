@@ -7,8 +7,8 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
-use gpuledger_chaos::cluster::{ClusterOptions, LocalCluster, RunOutcome, metric, pod_json};
-use gpuledger_chaos::http::get;
+use gpuledger_testkit::cluster::{ClusterOptions, LocalCluster, RunOutcome, metric, pod_json};
+use gpuledger_testkit::http::get;
 use serde_json::json;
 
 const MIB: f64 = 1_048_576.0;

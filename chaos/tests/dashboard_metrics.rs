@@ -4,12 +4,12 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use gpuledger_chaos::kube::stack::wait_http;
-use gpuledger_chaos::kube::{KubeStack, StackOptions};
-use gpuledger_chaos::kubelet::Kubelet;
-use gpuledger_chaos::kubelet::node::{FakeNvml, NodeAgent};
-use gpuledger_chaos::promtext::{dashboard_exprs, exported_names, names_in_expr};
-use gpuledger_chaos::{free_port, http};
+use gpuledger_testkit::kube::stack::wait_http;
+use gpuledger_testkit::kube::{KubeStack, StackOptions};
+use gpuledger_testkit::kubelet::Kubelet;
+use gpuledger_testkit::kubelet::node::{FakeNvml, NodeAgent};
+use gpuledger_testkit::promtext::{dashboard_exprs, exported_names, names_in_expr};
+use gpuledger_testkit::{free_port, http};
 
 async fn scrape(url: &str) -> anyhow::Result<BTreeSet<String>> {
     let (code, text) = http::get(url).await?;

@@ -9,10 +9,10 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use gpuledger_chaos::kube::{ExtenderClient, ExtenderConfig, FakeApiServer};
-use gpuledger_chaos::workload::{inventory, pod};
-use gpuledger_chaos::{Allocators, EtcdCluster, Proc, bin_path, free_port};
 use gpuledger_proto::allocator::v1 as api;
+use gpuledger_testkit::kube::{ExtenderClient, ExtenderConfig, FakeApiServer};
+use gpuledger_testkit::workload::{inventory, pod};
+use gpuledger_testkit::{Allocators, EtcdCluster, Proc, bin_path, free_port};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use serde_json::{Value, json};
 
@@ -87,7 +87,7 @@ async fn components_api_requests() -> Result<()> {
         ],
         vec![],
     )?;
-    gpuledger_chaos::kube::stack::wait_http(port, Duration::from_secs(20)).await?;
+    gpuledger_testkit::kube::stack::wait_http(port, Duration::from_secs(20)).await?;
 
     let mut c = allocs.client(0)?;
     for n in ["n1", "n2"] {

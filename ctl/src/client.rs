@@ -1,12 +1,15 @@
-//! Reaching the allocator: any of several replica addresses.
+//! Reaching the allocator (any of several replica addresses) and reading its log and state.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
+use gpuledger_ledger::pb;
+use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::allocator::v1::allocator_client::AllocatorClient;
 use tokio::sync::OnceCell;
 use tonic::transport::{Channel, Endpoint};
+use tracing::{Instrument, debug, debug_span};
 
 use crate::discover;
 
@@ -82,13 +85,64 @@ pub async fn connect_one(addr: &str) -> Result<AllocatorClient<Channel>> {
 pub async fn connect(t: &Target) -> Result<AllocatorClient<Channel>> {
     let mut errs = Vec::new();
     for a in &t.addrs().await? {
-        match connect_one(a).await {
-            Ok(c) => return Ok(c),
-            Err(e) => errs.push(format!("{e:#}")),
+        let span = debug_span!("connect", allocator = %a);
+        match connect_one(a).instrument(span.clone()).await {
+            Ok(c) => {
+                span.in_scope(|| debug!("connected"));
+                return Ok(c);
+            }
+            Err(e) => {
+                span.in_scope(|| debug!("no answer, trying the next replica: {e:#}"));
+                errs.push(format!("{e:#}"));
+            }
         }
     }
     bail!(
         "no allocator replica answered ({}); set --allocator or GPULEDGER_ALLOCATOR",
         errs.join("; ")
     )
+}
+
+/// One replica's name and its whole state.
+pub async fn dump_of(c: &mut AllocatorClient<Channel>) -> Result<(String, pb::Snapshot)> {
+    let d = c
+        .dump(api::DumpRequest {})
+        .await
+        .map_err(|s| anyhow::anyhow!("dump failed: {}", s.message()))?
+        .into_inner();
+    Ok((d.replica, d.snapshot.context("dump without a snapshot")?))
+}
+
+/// Read the log from seq 1 to `to` (0 = the end), handing each event to `f` (false = stop).
+#[tracing::instrument(name = "read_log", skip_all, fields(from_seq = 1, to_seq = to))]
+pub async fn read_log(
+    t: &Target,
+    to: u64,
+    mut f: impl FnMut(&pb::Event) -> Result<bool>,
+) -> Result<()> {
+    let mut c = connect(t).await?;
+    let mut stream = c
+        .read_log(api::ReadLogRequest {
+            from_seq: 1,
+            to_seq: to,
+        })
+        .await
+        .map_err(|s| anyhow::anyhow!("reading the log: {}", s.message()))?
+        .into_inner();
+    let mut last = 0;
+    while let Some(b) = stream
+        .message()
+        .await
+        .map_err(|s| anyhow::anyhow!("reading the log: {}", s.message()))?
+    {
+        for e in &b.events {
+            if to > 0 && e.seq > to || !f(e)? {
+                debug!(seq = e.seq, "stopped at this event");
+                return Ok(());
+            }
+        }
+        last = b.events.last().map_or(last, |e| e.seq);
+    }
+    debug!(seq = last, "read to the end of the log");
+    Ok(())
 }

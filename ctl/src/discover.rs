@@ -10,6 +10,7 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::api::{Api, ListParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use tokio::net::{TcpListener, TcpStream};
+use tracing::Instrument;
 
 /// The Service port that carries the allocator's gRPC API.
 pub const GRPC_PORT_NAME: &str = "grpc";
@@ -184,11 +185,15 @@ async fn listen(pods: Api<Pod>, pod: String, port: u16) -> Result<String> {
     tokio::spawn(async move {
         while let Ok((conn, _)) = l.accept().await {
             let (pods, pod) = (pods.clone(), pod.clone());
-            tokio::spawn(async move {
-                if let Err(e) = forward(&pods, &pod, port, conn).await {
-                    eprintln!("gpuledger: port-forward to pod {pod} port {port}: {e:#}");
+            let span = tracing::warn_span!("port_forward", pod = %pod, port);
+            tokio::spawn(
+                async move {
+                    if let Err(e) = forward(&pods, &pod, port, conn).await {
+                        tracing::warn!("port-forward failed: {e:#}");
+                    }
                 }
-            });
+                .instrument(span),
+            );
         }
     });
     Ok(addr)

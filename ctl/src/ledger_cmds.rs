@@ -1,16 +1,21 @@
-//! Commands over the live ledger: status, inspect, audit, replay, verify.
+//! Commands over the live ledger: status, inspect and replay here; audit and verify in their
+//! own rooms.
+
+mod audit;
+mod verify;
 
 use std::collections::BTreeMap;
 
 use anyhow::{Context, Result, bail};
-use gpuledger_ledger::pb::event::Body;
-use gpuledger_ledger::{Ledger, pb};
+use gpuledger_ledger::Ledger;
 use gpuledger_proto::allocator::v1 as api;
-use time::OffsetDateTime;
-use time::format_description::well_known::Rfc3339;
 
-use crate::client::{Target, connect, connect_one};
+use crate::client::{Target, connect, connect_one, dump_of, read_log};
 use crate::table::Table;
+use crate::when::{fmt_time, parse_rfc3339};
+
+pub use audit::{AuditArgs, audit};
+pub use verify::{VerifyArgs, verify};
 
 /// Arguments of `gpuledger inspect`.
 #[derive(clap::Args, Debug)]
@@ -20,16 +25,6 @@ pub struct InspectArgs {
     /// Also list the allocations (pod, container, share) on every GPU.
     #[arg(short, long)]
     details: bool,
-}
-
-/// Arguments of `gpuledger audit`.
-#[derive(clap::Args, Debug)]
-pub struct AuditArgs {
-    #[command(flatten)]
-    target: Target,
-    /// The pod, as NAMESPACE/NAME or its UID.
-    #[arg(long)]
-    pod: String,
 }
 
 /// Arguments of `gpuledger replay`.
@@ -44,14 +39,6 @@ pub struct ReplayArgs {
     /// Also list the allocations on every GPU.
     #[arg(short, long)]
     details: bool,
-}
-
-/// Arguments of `gpuledger verify`.
-#[derive(clap::Args, Debug)]
-pub struct VerifyArgs {
-    /// Allocator replicas to compare, comma-separated; every one must match the replayed log.
-    #[command(flatten)]
-    target: Target,
 }
 
 /// `gpuledger status`.
@@ -188,19 +175,6 @@ fn short_uuid(u: &str) -> String {
     }
 }
 
-async fn dump_of(
-    c: &mut gpuledger_proto::allocator::v1::allocator_client::AllocatorClient<
-        tonic::transport::Channel,
-    >,
-) -> Result<(String, pb::Snapshot)> {
-    let d = c
-        .dump(api::DumpRequest {})
-        .await
-        .map_err(|s| anyhow::anyhow!("dump failed: {}", s.message()))?
-        .into_inner();
-    Ok((d.replica, d.snapshot.context("dump without a snapshot")?))
-}
-
 /// `gpuledger inspect`.
 pub async fn inspect(a: InspectArgs) -> Result<()> {
     let mut c = connect(&a.target).await?;
@@ -208,158 +182,6 @@ pub async fn inspect(a: InspectArgs) -> Result<()> {
     let l =
         Ledger::from_snapshot(&snap).map_err(|e| anyhow::anyhow!("the dump does not load: {e}"))?;
     print!("{}", render_state(&l, a.details));
-    Ok(())
-}
-
-/// Read the log from seq 1 to `to` (0 = the end), handing each event to `f` (false = stop).
-pub(crate) async fn read_log(
-    t: &Target,
-    to: u64,
-    mut f: impl FnMut(&pb::Event) -> Result<bool>,
-) -> Result<()> {
-    let mut c = connect(t).await?;
-    let mut stream = c
-        .read_log(api::ReadLogRequest {
-            from_seq: 1,
-            to_seq: to,
-        })
-        .await
-        .map_err(|s| anyhow::anyhow!("reading the log: {}", s.message()))?
-        .into_inner();
-    while let Some(b) = stream
-        .message()
-        .await
-        .map_err(|s| anyhow::anyhow!("reading the log: {}", s.message()))?
-    {
-        for e in &b.events {
-            if to > 0 && e.seq > to {
-                return Ok(());
-            }
-            if !f(e)? {
-                return Ok(());
-            }
-        }
-    }
-    Ok(())
-}
-
-fn fmt_time(ms: i64) -> String {
-    OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000)
-        .ok()
-        .and_then(|t| t.format(&Rfc3339).ok())
-        .unwrap_or_else(|| ms.to_string())
-}
-
-/// One line describing an event.
-pub fn describe(e: &pb::Event) -> String {
-    match &e.body {
-        Some(Body::NodeRegistered(r)) => {
-            let inv = r.inventory.clone().unwrap_or_default();
-            format!(
-                "node {} registered with {} GPU(s)",
-                inv.node,
-                inv.gpus.len()
-            )
-        }
-        Some(Body::NodeRemoved(r)) => format!("node {} removed ({})", r.node, r.reason),
-        Some(Body::DeviceHealthChanged(h)) => format!(
-            "GPU {} on {} {} ({})",
-            h.gpu_uuid,
-            h.node,
-            if h.healthy { "healthy" } else { "UNHEALTHY" },
-            h.reason
-        ),
-        Some(Body::Reserved(r)) => {
-            let pod = r.pod.clone().unwrap_or_default();
-            let shares: Vec<String> = r
-                .shares
-                .iter()
-                .map(|s| format!("{} {}MiB {}%", s.gpu_uuid, s.mem_mib, s.core_milli / 10))
-                .collect();
-            format!(
-                "allocation {} reserved for {}/{}:{} on {}: {} ({})",
-                r.allocation_id,
-                pod.namespace,
-                pod.name,
-                r.container,
-                r.node,
-                shares.join(", "),
-                r.policy
-            )
-        }
-        Some(Body::Bound(b)) => format!("allocation {} bound ({})", b.allocation_id, b.reason),
-        Some(Body::Assigned(a)) => format!(
-            "allocation {} assigned to devices {}",
-            a.allocation_id,
-            a.device_ids.join(",")
-        ),
-        Some(Body::IdentityCorrected(c)) => format!(
-            "allocations {} and {} swapped pods (kubelet gave the devices to the other pod)",
-            c.from_allocation_id, c.to_allocation_id
-        ),
-        Some(Body::Released(r)) => {
-            format!("allocation {} released ({})", r.allocation_id, r.reason)
-        }
-        Some(Body::LimitViolated(v)) => format!(
-            "allocation {} pid {} used {} MiB over its {} MiB limit on {}: {}",
-            v.allocation_id, v.pid, v.used_mib, v.limit_mib, v.gpu_uuid, v.action
-        ),
-        Some(Body::LeaderElected(l)) => format!("leader {} ({}) elected", l.replica, l.address),
-        Some(Body::QuotaSet(q)) => format!(
-            "quota of namespace {} set to {} MiB",
-            q.namespace, q.mem_mib
-        ),
-        None => "(empty event)".into(),
-    }
-}
-
-/// `gpuledger audit --pod`.
-pub async fn audit(a: AuditArgs) -> Result<()> {
-    let (ns, name) = a
-        .pod
-        .split_once('/')
-        .map_or((None, a.pod.as_str()), |(n, m)| (Some(n), m));
-    let mut ids: Vec<u64> = Vec::new();
-    let mut t = Table::new(&["SEQ", "EPOCH", "TIME", "EVENT"]);
-    let mut found = 0;
-    read_log(&a.target, 0, |e| {
-        let mine = match &e.body {
-            Some(Body::Reserved(r)) => {
-                let p = r.pod.clone().unwrap_or_default();
-                let hit = match ns {
-                    Some(ns) => p.namespace == ns && p.name == name,
-                    None => p.uid == name || p.name == name,
-                };
-                if hit {
-                    ids.push(r.allocation_id);
-                }
-                hit
-            }
-            Some(Body::Bound(b)) => ids.contains(&b.allocation_id),
-            Some(Body::Assigned(x)) => ids.contains(&x.allocation_id),
-            Some(Body::Released(r)) => ids.contains(&r.allocation_id),
-            Some(Body::LimitViolated(v)) => ids.contains(&v.allocation_id),
-            Some(Body::IdentityCorrected(c)) => {
-                ids.contains(&c.from_allocation_id) || ids.contains(&c.to_allocation_id)
-            }
-            _ => false,
-        };
-        if mine {
-            found += 1;
-            t.row(vec![
-                e.seq.to_string(),
-                e.epoch.to_string(),
-                fmt_time(e.time_ms),
-                describe(e),
-            ]);
-        }
-        Ok(true)
-    })
-    .await?;
-    if found == 0 {
-        bail!("no ledger event concerns pod {}", a.pod);
-    }
-    print!("{}", t.render());
     Ok(())
 }
 
@@ -374,9 +196,9 @@ fn parse_at(s: Option<&str>) -> Result<At> {
     if let Ok(n) = s.parse::<u64>() {
         return Ok(At::Seq(n));
     }
-    let t = OffsetDateTime::parse(s, &Rfc3339)
+    let t = parse_rfc3339(s)
         .with_context(|| format!("--at {s:?} is neither a seq nor an RFC 3339 time"))?;
-    Ok(At::Time((t.unix_timestamp_nanos() / 1_000_000) as i64))
+    Ok(At::Time(t))
 }
 
 /// `gpuledger replay --at`.
@@ -406,145 +228,4 @@ pub async fn replay(a: ReplayArgs) -> Result<()> {
     println!("state after seq {} ({})\n", l.seq(), fmt_time(l.time_ms()));
     print!("{}", render_state(&l, a.details));
     Ok(())
-}
-
-/// Differences between a replayed state and a replica's dump (empty = equal).
-pub fn diff(replayed: &Ledger, live: &Ledger) -> Vec<String> {
-    let mut d = Vec::new();
-    if replayed.seq() != live.seq() || replayed.epoch() != live.epoch() {
-        d.push(format!(
-            "seq/epoch: replayed {}/{}, live {}/{}",
-            replayed.seq(),
-            replayed.epoch(),
-            live.seq(),
-            live.epoch()
-        ));
-    }
-    for (name, n) in replayed.nodes() {
-        match live.node(name) {
-            None => d.push(format!("node {name}: in the log, not in the live state")),
-            Some(m) if m != n => d.push(format!("node {name}: differs")),
-            _ => {}
-        }
-    }
-    for name in live.nodes().keys() {
-        if replayed.node(name).is_none() {
-            d.push(format!("node {name}: live, not in the log"));
-        }
-    }
-    let mut ids: Vec<u64> = replayed
-        .allocs()
-        .keys()
-        .chain(live.allocs().keys())
-        .copied()
-        .collect();
-    ids.sort_unstable();
-    ids.dedup();
-    for id in ids {
-        match (replayed.alloc(id), live.alloc(id)) {
-            (Some(a), Some(b)) if a != b => d.push(format!(
-                "allocation {id}: log says {}/{} on {} {:?} ({}), live says {}/{} on {} {:?} ({})",
-                a.pod.namespace,
-                a.pod.name,
-                a.node,
-                a.shares
-                    .iter()
-                    .map(|s| (&s.gpu_uuid, s.mem_mib))
-                    .collect::<Vec<_>>(),
-                a.state.as_str(),
-                b.pod.namespace,
-                b.pod.name,
-                b.node,
-                b.shares
-                    .iter()
-                    .map(|s| (&s.gpu_uuid, s.mem_mib))
-                    .collect::<Vec<_>>(),
-                b.state.as_str()
-            )),
-            (Some(_), None) => d.push(format!("allocation {id}: in the log, not live")),
-            (None, Some(_)) => d.push(format!("allocation {id}: live, not in the log")),
-            _ => {}
-        }
-    }
-    if d.is_empty() && !replayed.same_state(live) {
-        d.push("states differ in their indexes".into());
-    }
-    d
-}
-
-/// `gpuledger verify`.
-pub async fn verify(a: VerifyArgs) -> Result<()> {
-    // Dumps first: the log can only be longer than any dump.
-    let mut dumps: Vec<(String, Ledger)> = Vec::new();
-    let mut problems: Vec<String> = Vec::new();
-    for addr in &a.target.addrs().await? {
-        match connect_one(addr).await {
-            Ok(mut c) => match dump_of(&mut c).await {
-                Ok((replica, snap)) => match Ledger::from_snapshot(&snap) {
-                    Ok(l) => dumps.push((format!("{replica} ({addr})"), l)),
-                    Err(e) => problems.push(format!("{addr}: its state does not load: {e}")),
-                },
-                Err(e) => problems.push(format!("{addr}: {e:#}")),
-            },
-            Err(e) => problems.push(format!("{addr}: {e:#}")),
-        }
-    }
-    if dumps.is_empty() {
-        bail!("no replica to compare with: {}", problems.join("; "));
-    }
-    dumps.sort_by_key(|(_, l)| l.seq());
-    let mut l = Ledger::new();
-    let mut next = 0;
-    let mut events = 0u64;
-    let compare =
-        |l: &Ledger, dumps: &[(String, Ledger)], next: &mut usize, problems: &mut Vec<String>| {
-            while *next < dumps.len() && dumps[*next].1.seq() == l.seq() {
-                let (name, live) = &dumps[*next];
-                for d in diff(l, live) {
-                    problems.push(format!("{name}: {d}"));
-                }
-                *next += 1;
-            }
-        };
-    compare(&l, &dumps, &mut next, &mut problems);
-    let read = read_log(&a.target, 0, |e| {
-        if let Err(err) = l.apply(e) {
-            problems.push(format!("log: {err}"));
-            return Ok(false);
-        }
-        events += 1;
-        compare(&l, &dumps, &mut next, &mut problems);
-        Ok(true)
-    })
-    .await;
-    if let Err(e) = read {
-        problems.push(format!("log: {e:#}"));
-    }
-    if let Err(e) = l.check() {
-        problems.push(format!("replayed state: {e}"));
-    }
-    for (name, live) in &dumps[next..] {
-        problems.push(format!(
-            "{name}: at seq {}, but the log replays only to seq {}",
-            live.seq(),
-            l.seq()
-        ));
-    }
-    println!(
-        "replayed {events} events to seq {} (epoch {}): {} nodes, {} allocations; compared {} replica(s)",
-        l.seq(),
-        l.epoch(),
-        l.nodes().len(),
-        l.allocs().len(),
-        dumps.len()
-    );
-    if problems.is_empty() {
-        println!("verify: OK — every invariant holds and every replica equals the replayed log");
-        Ok(())
-    } else {
-        for p in &problems {
-            println!("DIFFERENCE {p}");
-        }
-        bail!("verify failed: {} difference(s)", problems.len())
-    }
 }

@@ -6,6 +6,9 @@ mod ledger_cmds;
 mod simulate;
 mod table;
 mod usage;
+mod when;
+
+use std::io::IsTerminal;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
@@ -53,7 +56,22 @@ enum Cmd {
     Simulate(simulate::SimulateArgs),
 }
 
+/// Diagnostics go to stderr, as stdout is the command's output: only warnings by default, and
+/// with GPULEDGER_LOG=debug every call to the allocator with its address and the log's seq.
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("GPULEDGER_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("gpuledger=warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .without_time()
+        .with_target(false)
+        .init();
+}
+
 fn main() -> std::process::ExitCode {
+    init_logging();
     // Installed as `kubectl-gpuledger` (a link to this binary), kubectl runs it as
     // `kubectl gpuledger …`: same commands, but the allocator is found through the kubeconfig.
     let mut cmd = Cli::command();

@@ -6,11 +6,11 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use gpuledger_chaos::kube::FakeApiServer;
-use gpuledger_chaos::kube::portforward::forwarded_connections;
-use gpuledger_chaos::workload::{inventory, pod};
-use gpuledger_chaos::{Allocators, EtcdCluster};
 use gpuledger_proto::allocator::v1 as api;
+use gpuledger_testkit::kube::FakeApiServer;
+use gpuledger_testkit::kube::portforward::forwarded_connections;
+use gpuledger_testkit::workload::{inventory, pod};
+use gpuledger_testkit::{Allocators, EtcdCluster};
 use serde_json::json;
 
 /// Run `bin` with `args` and `env`, with no GPULEDGER_*/KUBECONFIG from the caller's environment.

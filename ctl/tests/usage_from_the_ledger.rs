@@ -7,13 +7,12 @@ use std::process::Command;
 use std::time::Duration;
 
 use gpuledger_allocator::log::EtcdLog;
-use gpuledger_chaos::workload::inventory;
-use gpuledger_chaos::{Allocators, EtcdCluster};
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
+use gpuledger_testkit::workload::inventory;
+use gpuledger_testkit::{Allocators, EtcdCluster};
+use jiff::Timestamp;
 use serde_json::Value;
-use time::OffsetDateTime;
-use time::format_description::well_known::Rfc3339;
 
 const MS_PER_HOUR: f64 = 3_600_000.0;
 
@@ -30,10 +29,9 @@ fn ctl(args: &[&str]) -> (bool, String, String) {
 }
 
 fn rfc3339(ms: i64) -> String {
-    OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000)
+    Timestamp::from_millisecond(ms)
         .expect("a valid time")
-        .format(&Rfc3339)
-        .expect("formats")
+        .to_string()
 }
 
 fn request(ns: &str, name: &str, slices: u32, mem_mib: u64, core_milli: u32) -> api::PodRequest {
@@ -260,14 +258,11 @@ async fn usage_matches_the_event_timestamps() -> anyhow::Result<()> {
         assert_hours(row[2], mib, MS_PER_HOUR, name);
         assert_hours(row[3], core, MS_PER_HOUR * 1000.0, name);
     }
-    let f = time::macros::format_description!(
-        "[year]-[month]-[day]T[hour]:[minute]:[second].[subsecond digits:3]Z"
-    );
     let shown = |ms: i64| {
-        OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000)
-            .expect("a valid time")
-            .format(&f)
-            .expect("formats")
+        format!(
+            "{:.3}",
+            Timestamp::from_millisecond(ms).expect("a valid time")
+        )
     };
     assert!(
         out.contains(&format!("window [{}, {})", shown(since), shown(until))),
@@ -289,7 +284,7 @@ async fn usage_matches_the_event_timestamps() -> anyhow::Result<()> {
     assert!(j["since_ms"].as_i64().expect("since") < r("p0"));
 
     // Until now (the default): p2 is still held, so it has grown past the window's figure.
-    let before = OffsetDateTime::now_utc().unix_timestamp_nanos() / 1_000_000;
+    let before = Timestamp::now().as_millisecond();
     let (ok, out, err) = ctl(&[
         "usage", &target, "--since", &s, "--by", "pod", "--format", "json",
     ]);
@@ -302,7 +297,7 @@ async fn usage_matches_the_event_timestamps() -> anyhow::Result<()> {
         .find(|r| r["pod"] == "p2")
         .map(|r| field(r, "gpu_mib_ms"))
         .unwrap_or_default();
-    assert!(p2_now >= 6_000 * span(r("p2"), before as i64), "{out}");
+    assert!(p2_now >= 6_000 * span(r("p2"), before), "{out}");
     assert!(
         j["rows"]
             .as_array()

@@ -5,10 +5,10 @@ use std::process::Command;
 use std::time::Duration;
 
 use gpuledger_allocator::log::EtcdLog;
-use gpuledger_chaos::workload::{inventory, pod};
-use gpuledger_chaos::{Allocators, EtcdCluster};
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
+use gpuledger_testkit::workload::{inventory, pod};
+use gpuledger_testkit::{Allocators, EtcdCluster};
 use prost::Message;
 
 fn ctl(args: &[&str]) -> (bool, String) {
@@ -72,6 +72,18 @@ async fn verify_audit_replay_inspect_and_a_corrupted_log() -> anyhow::Result<()>
     );
     assert!(out.contains("released (pod deleted)"), "{out}");
     assert!(!out.contains("pod-u2"), "audit shows only that pod:\n{out}");
+    // At debug, the log read is a span, and its end names the seq it reached.
+    let out = Command::new(env!("CARGO_BIN_EXE_gpuledger"))
+        .args(["audit", &target, "--pod", "default/pod-u1"])
+        .env("GPULEDGER_LOG", "gpuledger=debug")
+        .output()?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!(
+            "read_log{{from_seq=1 to_seq=0}}: read to the end of the log seq={head}"
+        )),
+        "{err}"
+    );
 
     // The state before the release has 3 allocations; at the end, 2.
     let (ok, out) = ctl(&["replay", &target, "--at", &mid_seq.to_string()]);

@@ -307,6 +307,91 @@ def check_wiring(c, rendered):
         c.check(f"wiring {name}", problems, "probes, scrape annotations and Services match the binaries")
 
 
+def selects(selector, labels):
+    """Whether a LabelSelector (matchLabels, matchExpressions In/NotIn/Exists) selects `labels`."""
+    if labels is None:
+        return False
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for e in selector.get("matchExpressions") or []:
+        have = e["key"] in labels
+        op = e["operator"]
+        if op == "In" and not (have and labels[e["key"]] in e["values"]):
+            return False
+        if op == "NotIn" and have and labels[e["key"]] in e["values"]:
+            return False
+        if op == "Exists" and not have:
+            return False
+        if op == "DoesNotExist" and have:
+            return False
+    return True
+
+
+def admitted(policies, src, dst_labels, dst_ct, port):
+    """Whether NetworkPolicy lets a connection from a pod of this namespace with labels `src`
+    (None: anything else — a tenant pod in another namespace, a node) reach `port` of container
+    `dst_ct` in a pod with `dst_labels`."""
+    number = container_port(dst_ct, port)
+    mine = [n for n in policies if selects(n["spec"]["podSelector"], dst_labels)
+            and "Ingress" in n["spec"].get("policyTypes", ["Ingress"])]
+    if not mine:
+        return True
+    for n in mine:
+        for rule in n["spec"].get("ingress") or []:
+            peers = rule.get("from")
+            # A podSelector peer without namespaceSelector means this namespace only.
+            if peers and not any("podSelector" in q and "namespaceSelector" not in q
+                                 and selects(q["podSelector"], src) for q in peers):
+                continue
+            ports = rule.get("ports")
+            if ports and not any(container_port(dst_ct, q.get("port")) == number for q in ports):
+                continue
+            return True
+    return False
+
+
+def check_network(c, rendered):
+    """NetworkPolicies: each selects pods and names their ports; every connection gpuledger makes
+    is allowed, and a tenant pod reaches neither the allocator's gRPC API nor etcd."""
+    for name, docs in rendered.items():
+        p = []
+        policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+        pods = {}
+        for d in docs:
+            spec = pod_spec(d)
+            if spec:
+                labels = d["spec"]["template"]["metadata"].get("labels") or {}
+                pods[labels.get("app.kubernetes.io/component", key(d))] = (labels, spec["containers"][0])
+        if not policies:
+            p.append("no NetworkPolicy: every pod in the cluster can reach the allocator and etcd")
+        for n in policies:
+            chosen = [v for v in pods.values() if selects(n["spec"]["podSelector"], v[0])]
+            if not chosen:
+                p.append(f"{key(n)} selects no pod")
+            for rule in n["spec"].get("ingress") or []:
+                for q in rule.get("ports") or []:
+                    if not any(container_port(ct, q.get("port")) for _, ct in chosen):
+                        p.append(f"{key(n)}: port {q.get('port')} is on no selected pod")
+        must = [("extender", "allocator", "grpc"), ("node-agent", "allocator", "grpc"),
+                ("allocator", "allocator", "grpc"), ("allocator", "etcd", "client"),
+                ("etcd", "etcd", "peer"), ("scheduler", "extender", "http"),
+                (None, "extender", "webhook"), (None, "allocator", "http"),
+                (None, "node-agent", "health")]
+        if "scheduler" not in pods:
+            must.append((None, "extender", "http"))
+        for src, dst, port in must:
+            if dst not in pods or (src is not None and src not in pods):
+                continue
+            labels, ct = pods[dst]
+            if not admitted(policies, src and pods[src][0], labels, ct, port):
+                p.append(f"{src or 'outside the namespace'} cannot reach {dst}:{port}")
+        for dst, port in (("allocator", "grpc"), ("etcd", "client"), ("extender", "http")):
+            if dst in pods and admitted(policies, None, pods[dst][0], pods[dst][1], port) \
+                    and not (dst == "extender" and "scheduler" not in pods):
+                p.append(f"a tenant pod can reach {dst}:{port}")
+        c.check(f"network {name}", p, f"{len(policies)} NetworkPolicies: gpuledger's connections allowed, tenants kept out")
+
+
 def check_components(c, rendered):
     """What the task promises about each workload."""
     for name, docs in rendered.items():
@@ -742,6 +827,7 @@ def main():
     check_flags(c, rendered, a.bindir, a.etcd)
     check_wiring(c, rendered)
     check_components(c, rendered)
+    check_network(c, rendered)
     check_scheduler_config(c, rendered)
     check_webhook(c, rendered)
     check_webhook_certs(c, a.bindir)

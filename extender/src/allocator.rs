@@ -7,6 +7,7 @@ use std::time::Duration;
 use gpuledger_proto::allocator::v1::allocator_client::AllocatorClient;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Status};
+use tracing::{Instrument, info_span};
 
 /// Connections to every configured allocator replica.
 #[derive(Clone)]
@@ -51,9 +52,10 @@ impl Allocators {
         })
     }
 
-    /// Run `f` against a replica, moving on to the others while they are unreachable. The
-    /// final error of an unreachable ledger says so ("ledger unavailable").
-    pub async fn call<T, F, Fut>(&self, f: F) -> Result<T, Status>
+    /// Run `f` (the allocator RPC `rpc`) against a replica, moving on to the others while they
+    /// are unreachable; each attempt runs in an `allocator` span naming the RPC and the
+    /// replica. The final error of an unreachable ledger says so ("ledger unavailable").
+    pub async fn call<T, F, Fut>(&self, rpc: &'static str, f: F) -> Result<T, Status>
     where
         F: Fn(AllocatorClient<Channel>) -> Fut,
         Fut: std::future::Future<Output = Result<tonic::Response<T>, Status>>,
@@ -66,7 +68,8 @@ impl Allocators {
             let (addr, ch) = &self.replicas[i];
             let client =
                 AllocatorClient::new(ch.clone()).max_decoding_message_size(64 * 1024 * 1024);
-            match f(client).await {
+            let span = info_span!("allocator", rpc, replica = %addr);
+            match f(client).instrument(span).await {
                 Ok(r) => {
                     if k > 0 {
                         self.next.store(i, Ordering::Relaxed);

@@ -3,9 +3,13 @@
 //! prioritize read a replica of the allocator's ledger, every write is the allocator's.
 
 pub mod allocator;
+pub mod assume;
 pub mod extender;
 pub mod metrics;
 pub mod parallel;
 pub mod replica;
 pub mod resources;
+pub mod scheduler_text;
+#[cfg(feature = "test-hooks")]
+pub mod test_hooks;
 pub mod webhook;

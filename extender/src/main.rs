@@ -9,12 +9,17 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 use gpuledger_extender::allocator::Allocators;
-use gpuledger_extender::extender::{self, App, CrashAt};
+use gpuledger_extender::extender::{self, App};
 use gpuledger_extender::metrics::Metrics;
 use gpuledger_extender::replica::Replica;
 use gpuledger_extender::webhook;
 use gpuledger_ops::events::Recorder;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tracing::info;
+
+/// How long shutdown waits for the webhook to drain and the work after binds to finish.
+const SHUTDOWN_WAIT: Duration = Duration::from_secs(10);
 
 /// gpuledger-extender: kube-scheduler extender (filter, prioritize, bind, preempt) and
 /// admission webhook for fractional GPUs.
@@ -66,6 +71,11 @@ struct Args {
     #[arg(long, env = "GPULEDGER_TLS_KEY")]
     tls_key: Option<PathBuf>,
 
+    /// How often the webhook reads --tls-cert and --tls-key again, in milliseconds; a changed
+    /// pair (cert-manager renewed it) is served to new connections without a restart.
+    #[arg(long, env = "GPULEDGER_TLS_RELOAD_MS", default_value_t = 10_000)]
+    tls_reload_ms: u64,
+
     /// Scheduler name the webhook sets on GPU pods that use the default scheduler (off when
     /// not set).
     #[arg(long, env = "GPULEDGER_SCHEDULER_NAME")]
@@ -75,12 +85,26 @@ struct Args {
     #[arg(long, env = "GPULEDGER_LOG_FORMAT", default_value = "human", value_parser = ["human", "json"])]
     log_format: String,
 
-    /// Test only: exit at this point of a bind, as if killed.
+    /// Test only: exit at this point of a bind, as if killed (built with the `test-hooks`
+    /// feature only).
+    #[cfg(feature = "test-hooks")]
     #[arg(long, env = "GPULEDGER_CRASH_AT", hide = true)]
-    crash_at: Option<CrashAt>,
+    crash_at: Option<gpuledger_extender::test_hooks::CrashAt>,
 }
 
 async fn run(a: Args) -> anyhow::Result<()> {
+    let shutdown = CancellationToken::new();
+    let tasks = TaskTracker::new();
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("installing a SIGTERM handler")?;
+    let on_signal = shutdown.clone();
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+        on_signal.cancel();
+    });
     let allocators = Allocators::new(&a.allocator, Duration::from_millis(a.allocator_timeout_ms))?;
     let kube = gpuledger_ops::kube_client::client(a.kubeconfig.as_deref()).await?;
     if kube.is_none() {
@@ -94,7 +118,7 @@ async fn run(a: Args) -> anyhow::Result<()> {
         }
     }));
     if let Some(rep) = &replica {
-        tokio::spawn(rep.clone().follow(allocators.clone()));
+        tasks.spawn(rep.clone().follow(allocators.clone(), shutdown.clone()));
     }
     if let Some(addr) = a.webhook_listen {
         let (cert, key) = (
@@ -105,7 +129,7 @@ async fn run(a: Args) -> anyhow::Result<()> {
                 .clone()
                 .context("--tls-key is required with --webhook-listen")?,
         );
-        let tls = webhook::tls_config(&cert, &key)?;
+        let tls = webhook::tls::tls_config(&cert, &key)?;
         let l = tokio::net::TcpListener::bind(addr)
             .await
             .with_context(|| format!("listening on {addr}"))?;
@@ -118,7 +142,18 @@ async fn run(a: Args) -> anyhow::Result<()> {
             gpuledger_extender::metrics::track,
         ));
         info!(%addr, "admission webhook listening (HTTPS)");
-        tokio::spawn(webhook::serve_tls(l, tls, app));
+        let files = webhook::tls::CertFiles {
+            cert,
+            key,
+            reload_every: Duration::from_millis(a.tls_reload_ms),
+        };
+        let limits = webhook::tls::Limits::default();
+        let stop = shutdown.clone();
+        tasks.spawn(async move {
+            if let Err(e) = webhook::tls::serve(l, tls, files, limits, app, stop).await {
+                tracing::error!("the admission webhook stopped: {e:#}");
+            }
+        });
     }
     let events = kube
         .clone()
@@ -126,31 +161,35 @@ async fn run(a: Args) -> anyhow::Result<()> {
     let app = extender::router(App {
         allocators,
         kube,
+        #[cfg(feature = "test-hooks")]
         crash_at: a.crash_at,
         events,
         metrics,
         replica,
+        tasks: tasks.clone(),
     });
     let l = tokio::net::TcpListener::bind(a.listen)
         .await
         .with_context(|| format!("listening on {}", a.listen))?;
     info!(addr = %a.listen, allocators = ?a.allocator, "scheduler extender listening");
-    let shutdown = async {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .expect("installing a SIGTERM handler");
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = tokio::signal::ctrl_c() => {}
-        }
-    };
     // Answers of thousands of node names span many segments: no Nagle delay.
     let l = axum::serve::ListenerExt::tap_io(l, |tcp: &mut tokio::net::TcpStream| {
         let _ = tcp.set_nodelay(true);
     });
     axum::serve(l, app)
-        .with_graceful_shutdown(shutdown)
+        .with_graceful_shutdown(shutdown.clone().cancelled_owned())
         .await
         .context("serving the extender")?;
+    shutdown.cancel();
+    tasks.close();
+    if tokio::time::timeout(SHUTDOWN_WAIT, tasks.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            "stopping with work after binds still running (the allocator's reconcile finishes it)"
+        );
+    }
     Ok(())
 }
 

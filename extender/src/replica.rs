@@ -17,6 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
+use backon::{BackoffBuilder, ExponentialBuilder};
 use gpuledger_ledger::placement::{PodShape, Workload};
 use gpuledger_ledger::{Ledger, PodRequest, Policy};
 use gpuledger_proto::allocator::v1 as api;
@@ -25,9 +26,11 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio::sync::watch;
-use tracing::{info, warn};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, instrument, warn};
 
 use crate::allocator::Allocators;
+use crate::assume::InFlight;
 
 /// How long an answer waits for the replica to fold this extender's own last write before it
 /// asks the allocator instead (the stream delivers a commit within a millisecond or two).
@@ -71,6 +74,8 @@ pub struct Replica {
     written: AtomicU64,
     stale_after: Duration,
     metrics: ReplicaMetrics,
+    /// Binds in flight, which filter and prioritize count as placed.
+    pub in_flight: Arc<InFlight>,
 }
 
 #[derive(Default)]
@@ -105,6 +110,7 @@ impl Replica {
             written: AtomicU64::new(0),
             stale_after,
             metrics: ReplicaMetrics::default(),
+            in_flight: InFlight::new(),
         })
     }
 
@@ -184,10 +190,22 @@ impl Replica {
         g.ledger.as_ref().map_or(0, Ledger::seq)
     }
 
-    /// Follow the allocators forever: snapshot, batches, resume after a break.
-    pub async fn follow(self: Arc<Self>, allocators: Allocators) {
+    /// Follow the allocators until `shutdown`: snapshot, batches, resume after a break.
+    pub async fn follow(self: Arc<Self>, allocators: Allocators, shutdown: CancellationToken) {
+        shutdown
+            .run_until_cancelled(self.follow_forever(allocators))
+            .await;
+    }
+
+    #[instrument(name = "ledger_replica", skip_all)]
+    async fn follow_forever(&self, allocators: Allocators) {
+        // 100 ms after a stream that ended cleanly, doubling to 2 s while they keep breaking.
+        let backoff = ExponentialBuilder::new()
+            .with_min_delay(Duration::from_millis(100))
+            .with_max_delay(Duration::from_secs(2))
+            .without_max_times();
+        let mut delays = backoff.build();
         let mut max_epoch = 0u64;
-        let mut backoff = Duration::from_millis(100);
         loop {
             let from = self.seq();
             let end = self.stream(&allocators, from, &mut max_epoch).await;
@@ -200,10 +218,10 @@ impl Replica {
                 Err(StreamEnd::Broken(why)) => {
                     warn!(error = %why, seq = from, "ledger replica stream broken; resuming");
                 }
-                Ok(()) => backoff = Duration::from_millis(100),
+                Ok(()) => delays = backoff.build(),
             }
-            tokio::time::sleep(backoff).await;
-            backoff = (backoff * 2).min(Duration::from_secs(2));
+            let pause = delays.next().unwrap_or(Duration::from_secs(2));
+            tokio::time::sleep(pause).await;
         }
     }
 
@@ -216,9 +234,9 @@ impl Replica {
     ) -> Result<(), StreamEnd> {
         use api::replicate_response::Body;
         let mut s = allocators
-            .call(
-                |mut c| async move { c.replicate(api::ReplicateRequest { from_seq: from }).await },
-            )
+            .call("Replicate", |mut c| async move {
+                c.replicate(api::ReplicateRequest { from_seq: from }).await
+            })
             .await
             .map_err(|s| StreamEnd::Broken(s.message().to_string()))?;
         // Heartbeats come twice a second; silence this long means a dead peer.

@@ -18,6 +18,9 @@ pub const GPU_MEM_PERCENT: &str = "gpuledger.io/gpu-mem-percent";
 pub const GPU_CORE: &str = "gpuledger.io/gpu-core";
 /// gpushare: GiB of GPU memory.
 pub const ALIYUN_GPU_MEM: &str = "aliyun.com/gpu-mem";
+/// HAMi: number of GPUs. Read only beside HAMi's memory or compute names: alone, it is a
+/// request to NVIDIA's own device plugin.
+pub const HAMI_GPU: &str = "nvidia.com/gpu";
 /// HAMi: MiB of GPU memory per GPU.
 pub const HAMI_GPU_MEM: &str = "nvidia.com/gpumem";
 /// HAMi: percent of each GPU's memory.
@@ -65,7 +68,7 @@ pub use gpuledger_ops::quantity::parse as parse_quantity;
 pub struct ContainerGpu {
     /// Container name.
     pub name: String,
-    /// Slices asked for, if the container names `gpuledger.io/gpu`.
+    /// Slices asked for, if the container names `gpuledger.io/gpu` (or HAMi's `nvidia.com/gpu`).
     pub slices: Option<f64>,
     /// MiB per slice, from `gpu-mem`, `nvidia.com/gpumem` or `aliyun.com/gpu-mem` (GiB).
     pub mem_mib: Option<f64>,
@@ -106,9 +109,15 @@ impl ContainerGpu {
             }
             Ok(None)
         };
+        let hami = [HAMI_GPU_MEM, HAMI_GPU_MEM_PERCENT, HAMI_GPU_CORES]
+            .iter()
+            .any(|k| limits.contains_key(*k) || requests.contains_key(*k));
         Ok(ContainerGpu {
             name: c.name.clone(),
-            slices: get(GPU)?,
+            slices: match get(GPU)? {
+                None if hami => get(HAMI_GPU)?,
+                s => s,
+            },
             mem_mib: first(&[
                 (GPU_MEM, 1.0),
                 (HAMI_GPU_MEM, 1.0),
@@ -298,6 +307,15 @@ mod tests {
             ),
             (1, 3000, 300)
         );
+        let two = pod_request(&pod(&[(HAMI_GPU, "2"), (HAMI_GPU_MEM, "4096")], &[]))
+            .expect("ok")
+            .expect("gpu");
+        assert_eq!(
+            (two.containers[0].slices, two.containers[0].mem_mib),
+            (2, 4096)
+        );
+        // Alone, nvidia.com/gpu belongs to NVIDIA's device plugin, not to gpuledger.
+        assert_eq!(pod_request(&pod(&[(HAMI_GPU, "1")], &[])), Ok(None));
         let p = pod_request(&pod(&[(HAMI_GPU_MEM_PERCENT, "25")], &[]))
             .expect("ok")
             .expect("gpu");

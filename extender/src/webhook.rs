@@ -1,9 +1,9 @@
 //! The admission webhook (AdmissionReview v1, HTTPS only): `mutate` completes and translates
 //! GPU requests, `validate` rejects what can never run with a message a user understands.
 
-use std::net::SocketAddr;
-use std::path::Path;
-use std::sync::Arc;
+pub mod tls;
+
+use std::collections::BTreeMap;
 
 use axum::Router;
 use axum::body::Bytes;
@@ -14,9 +14,15 @@ use axum::routing::{get, post};
 use base64::Engine;
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
-use k8s_openapi::api::core::v1::Pod;
-use serde_json::{Map, Value, json};
-use tracing::{info, warn};
+use json_patch::jsonptr::PointerBuf;
+use json_patch::{AddOperation, Patch, PatchOperation};
+use k8s_openapi::api::core::v1::{Pod, ResourceRequirements};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use kube::core::DynamicObject;
+use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview};
+use serde_json::{Value, json};
+use tracing::field::{self, Empty};
+use tracing::{Span, info, instrument, warn};
 
 use crate::allocator::Allocators;
 use crate::resources::{self, ContainerGpu};
@@ -39,103 +45,127 @@ pub fn router(w: Webhook) -> Router {
         .with_state(w)
 }
 
-fn review(response: Value) -> Response {
-    axum::Json(json!({
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "response": response,
-    }))
-    .into_response()
-}
-
-fn deny(uid: &str, code: u16, message: String) -> Response {
-    review(json!({"uid": uid, "allowed": false, "status": {"code": code, "message": message}}))
-}
-
-/// The request's uid and pod object (None for anything that is not a pod).
-fn parse(body: &[u8]) -> Result<(String, Option<(Value, Pod)>), String> {
-    let v: Value =
-        serde_json::from_slice(body).map_err(|e| format!("malformed AdmissionReview: {e}"))?;
-    let req = v.get("request").ok_or("AdmissionReview has no request")?;
-    let uid = req
-        .get("uid")
-        .and_then(Value::as_str)
-        .ok_or("AdmissionReview request has no uid")?
-        .to_string();
-    let is_pod = req.pointer("/kind/kind").and_then(Value::as_str) == Some("Pod");
-    let Some(obj) = req.get("object").filter(|o| is_pod && !o.is_null()) else {
-        return Ok((uid, None));
+/// The AdmissionReview that carries `resp` back, in the API server's own encoding: kube-core
+/// writes `patch` (a Go `[]byte`) as an array of numbers and an allowed answer's empty status
+/// as `{}`, where the API server writes a base64 string and no status (as the captured
+/// kube-1.20 answers show).
+fn answer(mut resp: AdmissionResponse) -> Response {
+    let patch = resp.patch.take();
+    let mut v = match serde_json::to_value(resp.into_review()) {
+        Ok(v) => v,
+        Err(e) => return (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
     };
-    let pod: Pod =
-        serde_json::from_value(obj.clone()).map_err(|e| format!("the pod cannot be read: {e}"))?;
-    Ok((uid, Some((obj.clone(), pod))))
+    if let Some(r) = v.get_mut("response").and_then(Value::as_object_mut) {
+        if let Some(p) = patch {
+            let b64 = base64::engine::general_purpose::STANDARD.encode(p);
+            r.insert("patch".into(), Value::String(b64));
+        }
+        if r.get("status").is_some_and(|s| s == &json!({})) {
+            r.remove("status");
+        }
+    }
+    axum::Json(v).into_response()
 }
 
-fn fmt_num(v: f64) -> String {
-    format!("{}", v.ceil() as i64)
+/// The review's request and its pod (None for anything that is not a pod).
+fn parse(body: &[u8]) -> Result<(AdmissionRequest<DynamicObject>, Option<Pod>), String> {
+    let review: AdmissionReview<DynamicObject> =
+        serde_json::from_slice(body).map_err(|e| format!("malformed AdmissionReview: {e}"))?;
+    let req: AdmissionRequest<DynamicObject> = review
+        .try_into()
+        .map_err(|_| "AdmissionReview has no request".to_string())?;
+    let pod = match &req.object {
+        Some(obj) if req.kind.kind == "Pod" => Some(
+            obj.clone()
+                .try_parse::<Pod>()
+                .map_err(|e| format!("the pod cannot be read: {e}"))?,
+        ),
+        _ => None,
+    };
+    Ok((req, pod))
+}
+
+fn fmt_num(v: f64) -> Quantity {
+    Quantity(format!("{}", v.ceil() as i64))
 }
 
 /// The container's resources with aliases replaced by gpuledger names and the slice count
-/// made explicit; None when nothing changes.
-fn translate(raw: &Value, g: &ContainerGpu) -> Option<Value> {
-    let aliases = [
-        resources::ALIYUN_GPU_MEM,
+/// made explicit; None when nothing changes. No name a node does not advertise is left.
+fn translate(res: Option<&ResourceRequirements>, g: &ContainerGpu) -> Option<ResourceRequirements> {
+    let hami = [
         resources::HAMI_GPU_MEM,
         resources::HAMI_GPU_MEM_PERCENT,
         resources::HAMI_GPU_CORES,
     ];
-    let mut res = raw.get("resources").cloned().unwrap_or_else(|| json!({}));
+    let mut res = res.cloned().unwrap_or_default();
+    // nvidia.com/gpu is HAMi's GPU count only beside HAMi's other names (as `ContainerGpu::of`
+    // reads it); otherwise it stays for NVIDIA's device plugin.
+    let hami_count = [res.limits.as_ref(), res.requests.as_ref()]
+        .into_iter()
+        .flatten()
+        .any(|m| hami.iter().any(|k| m.contains_key(*k)));
+    let mut aliases = vec![resources::ALIYUN_GPU_MEM];
+    aliases.extend(hami);
+    if hami_count {
+        aliases.push(resources::HAMI_GPU);
+    }
     let mut changed = false;
-    for part in ["limits", "requests"] {
-        let Some(map) = res.get_mut(part).and_then(Value::as_object_mut) else {
-            continue;
-        };
+    for map in [res.limits.as_mut(), res.requests.as_mut()]
+        .into_iter()
+        .flatten()
+    {
         let had_alias = aliases.iter().any(|a| map.contains_key(*a));
-        for a in aliases {
-            map.remove(a);
+        for a in &aliases {
+            map.remove(*a);
         }
-        let mut set = |map: &mut Map<String, Value>, k: &str, v: Option<String>| {
+        let mut set = |map: &mut BTreeMap<String, Quantity>, k: &str, v: Option<Quantity>| {
             if let Some(v) = v
                 && !map.contains_key(k)
             {
-                map.insert(k.to_string(), Value::String(v));
+                map.insert(k.to_string(), v);
                 changed = true;
             }
         };
-        set(map, resources::GPU, Some("1".into()));
+        // The count as written (a fraction stays one, for the API server to refuse).
+        set(
+            map,
+            resources::GPU,
+            Some(Quantity(g.slices.unwrap_or(1.0).to_string())),
+        );
         set(map, resources::GPU_MEM, g.mem_mib.map(fmt_num));
         set(map, resources::GPU_MEM_PERCENT, g.mem_percent.map(fmt_num));
         set(map, resources::GPU_CORE, g.core_percent.map(fmt_num));
         changed |= had_alias;
     }
-    if res.get("limits").is_none() {
+    if res.limits.is_none() {
         // Only requests were written: extended resources need limits too.
-        let req = res.get("requests").cloned().unwrap_or_else(|| json!({}));
-        let limits: Map<String, Value> = req
-            .as_object()
-            .map(|m| {
-                m.iter()
-                    .filter(|(k, _)| k.starts_with("gpuledger.io/"))
-                    .map(|(k, v)| (k.clone(), v.clone()))
-                    .collect()
-            })
-            .unwrap_or_default();
-        res["limits"] = Value::Object(limits);
+        let limits = res
+            .requests
+            .iter()
+            .flatten()
+            .filter(|(k, _)| k.starts_with("gpuledger.io/"))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        res.limits = Some(limits);
         changed = true;
     }
     changed.then_some(res)
 }
 
-/// The JSON Patch that mutate answers for `obj`.
-pub fn mutation(
-    obj: &Value,
-    pod: &Pod,
-    scheduler_name: Option<&str>,
-) -> Result<Vec<Value>, String> {
+/// An `add` operation at the JSON pointer made of `tokens`.
+fn add(tokens: &[&str], value: Value) -> PatchOperation {
+    PatchOperation::Add(AddOperation {
+        path: PointerBuf::from_tokens(tokens.iter().copied()),
+        value,
+    })
+}
+
+/// The JSON Patch that mutate answers for `pod`.
+pub fn mutation(pod: &Pod, scheduler_name: Option<&str>) -> Result<Patch, String> {
     let mut ops = Vec::new();
     let mut any_gpu = false;
     let Some(spec) = pod.spec.as_ref() else {
-        return Ok(ops);
+        return Ok(Patch(ops));
     };
     for (i, c) in spec.containers.iter().enumerate() {
         let g = ContainerGpu::of(c).map_err(|e| e.to_string())?;
@@ -143,12 +173,12 @@ pub fn mutation(
             continue;
         }
         any_gpu = true;
-        let raw = obj
-            .pointer(&format!("/spec/containers/{i}"))
-            .cloned()
-            .unwrap_or_default();
-        if let Some(res) = translate(&raw, &g) {
-            ops.push(json!({"op": "add", "path": format!("/spec/containers/{i}/resources"), "value": res}));
+        if let Some(res) = translate(c.resources.as_ref(), &g) {
+            let value = serde_json::to_value(res).map_err(|e| e.to_string())?;
+            ops.push(add(
+                &["spec", "containers", &i.to_string(), "resources"],
+                value,
+            ));
         }
     }
     if let Some(name) = scheduler_name
@@ -158,32 +188,55 @@ pub fn mutation(
             None | Some("") | Some("default-scheduler")
         )
     {
-        ops.push(json!({"op": "add", "path": "/spec/schedulerName", "value": name}));
+        ops.push(add(&["spec", "schedulerName"], Value::String(name.into())));
     }
-    Ok(ops)
+    Ok(Patch(ops))
 }
 
+/// Name the review and its pod on the current request's span.
+fn record_review(req: &AdmissionRequest<DynamicObject>, pod: Option<&Pod>) {
+    let span = Span::current();
+    span.record("review", req.uid.as_str());
+    if let Some(p) = pod {
+        let m = &p.metadata;
+        let name = m
+            .name
+            .as_deref()
+            .or(m.generate_name.as_deref())
+            .unwrap_or("");
+        let ns = m
+            .namespace
+            .as_deref()
+            .or(req.namespace.as_deref())
+            .unwrap_or("");
+        span.record("pod", field::display(format_args!("{ns}/{name}")));
+    }
+}
+
+#[instrument(name = "mutate", skip_all, fields(review = Empty, pod = Empty))]
 async fn mutate(State(w): State<Webhook>, body: Bytes) -> Response {
-    let (uid, pod) = match parse(&body) {
+    let (req, pod) = match parse(&body) {
         Ok(x) => x,
         Err(e) => return (StatusCode::BAD_REQUEST, e).into_response(),
     };
-    let Some((obj, pod)) = pod else {
-        return review(json!({"uid": uid, "allowed": true}));
+    record_review(&req, pod.as_ref());
+    let allowed = AdmissionResponse::from(&req);
+    let Some(pod) = pod else {
+        return answer(allowed);
     };
-    match mutation(&obj, &pod, w.scheduler_name.as_deref()) {
+    match mutation(&pod, w.scheduler_name.as_deref()) {
         // Malformed quantities are validate's to reject, with its message.
-        Err(_) => review(json!({"uid": uid, "allowed": true})),
-        Ok(ops) if ops.is_empty() => review(json!({"uid": uid, "allowed": true})),
+        Err(_) => answer(allowed),
+        Ok(ops) if ops.is_empty() => answer(allowed),
         Ok(ops) => {
-            let patch = serde_json::to_vec(&ops).expect("JSON values serialize");
-            info!(pod = ?pod.metadata.name, ns = ?pod.metadata.namespace, ops = ops.len(), "mutated");
-            review(json!({
-                "uid": uid,
-                "allowed": true,
-                "patchType": "JSONPatch",
-                "patch": base64::engine::general_purpose::STANDARD.encode(patch),
-            }))
+            let n = ops.len();
+            match allowed.with_patch(ops) {
+                Ok(r) => {
+                    info!(ops = n, "mutated");
+                    answer(r)
+                }
+                Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+            }
         }
     }
 }
@@ -229,7 +282,7 @@ pub async fn check(allocators: &Allocators, pod: &Pod) -> Option<String> {
         nodes: Vec::new(),
     };
     match allocators
-        .call(|mut c| {
+        .call("Filter", |mut c| {
             let p = probe.clone();
             async move { c.filter(p).await }
         })
@@ -255,73 +308,24 @@ pub async fn check(allocators: &Allocators, pod: &Pod) -> Option<String> {
     }
 }
 
+#[instrument(name = "validate", skip_all, fields(review = Empty, pod = Empty))]
 async fn validate(State(w): State<Webhook>, body: Bytes) -> Response {
-    let (uid, pod) = match parse(&body) {
+    let (req, pod) = match parse(&body) {
         Ok(x) => x,
         Err(e) => return (StatusCode::BAD_REQUEST, e).into_response(),
     };
-    let Some((_, pod)) = pod else {
-        return review(json!({"uid": uid, "allowed": true}));
+    record_review(&req, pod.as_ref());
+    let allowed = AdmissionResponse::from(&req);
+    let Some(pod) = pod else {
+        return answer(allowed);
     };
     match check(&w.allocators, &pod).await {
-        None => review(json!({"uid": uid, "allowed": true})),
+        None => answer(allowed),
         Some(m) => {
-            info!(pod = ?pod.metadata.name, ns = ?pod.metadata.namespace, reason = %m, "denied");
-            deny(&uid, 422, m)
+            info!(reason = %m, "denied");
+            let mut denied = allowed.deny(m);
+            denied.result.code = 422;
+            answer(denied)
         }
-    }
-}
-
-/// TLS settings from PEM files.
-pub fn tls_config(cert: &Path, key: &Path) -> anyhow::Result<rustls::ServerConfig> {
-    use rustls::pki_types::pem::PemObject;
-    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
-        .map_err(|e| anyhow::anyhow!("reading {}: {e}", cert.display()))?
-        .collect::<Result<_, _>>()
-        .map_err(|e| anyhow::anyhow!("reading {}: {e}", cert.display()))?;
-    anyhow::ensure!(!certs.is_empty(), "{} holds no certificate", cert.display());
-    let key = PrivateKeyDer::from_pem_file(key)
-        .map_err(|e| anyhow::anyhow!("reading {}: {e}", key.display()))?;
-    let mut cfg = rustls::ServerConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()?
-    .with_no_client_auth()
-    .with_single_cert(certs, key)?;
-    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
-    Ok(cfg)
-}
-
-/// Serve `app` over HTTPS on `listener` until the process ends.
-pub async fn serve_tls(listener: tokio::net::TcpListener, tls: rustls::ServerConfig, app: Router) {
-    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(tls));
-    loop {
-        let (tcp, peer): (tokio::net::TcpStream, SocketAddr) = match listener.accept().await {
-            Ok(x) => x,
-            Err(e) => {
-                warn!(error = %e, "webhook accept failed");
-                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                continue;
-            }
-        };
-        let _ = tcp.set_nodelay(true);
-        let acceptor = acceptor.clone();
-        let app = app.clone();
-        tokio::spawn(async move {
-            let stream = match acceptor.accept(tcp).await {
-                Ok(s) => s,
-                Err(e) => {
-                    warn!(%peer, error = %e, "TLS handshake failed");
-                    return;
-                }
-            };
-            let svc = hyper_util::service::TowerToHyperService::new(app);
-            let conn = hyper::server::conn::http1::Builder::new()
-                .serve_connection(hyper_util::rt::TokioIo::new(stream), svc);
-            if let Err(e) = conn.await {
-                warn!(%peer, error = %e, "webhook connection ended with an error");
-            }
-        });
     }
 }

@@ -5,9 +5,9 @@ mod kit;
 
 use std::time::Duration;
 
-use gpuledger_chaos::kube::stack::wait_http;
-use gpuledger_chaos::kube::{ExtenderClient, ExtenderConfig};
-use gpuledger_chaos::{Proc, bin_path, free_port};
+use gpuledger_testkit::kube::stack::wait_http;
+use gpuledger_testkit::kube::{ExtenderClient, ExtenderConfig};
+use gpuledger_testkit::{Proc, bin_path, free_port};
 use serde_json::{Value, json};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -60,13 +60,13 @@ async fn malformed_json_is_400_and_a_dead_ledger_is_named() -> anyhow::Result<()
     assert!(why.contains("between 0 and 100"), "{r}");
     // Alive but not ready without a ledger, and /readyz says why.
     let base = format!("http://127.0.0.1:{port}");
-    let (code, _) = gpuledger_chaos::http::get(&format!("{base}/healthz")).await?;
+    let (code, _) = gpuledger_testkit::http::get(&format!("{base}/healthz")).await?;
     assert_eq!(code, 200);
-    let (code, body) = gpuledger_chaos::http::get(&format!("{base}/readyz")).await?;
+    let (code, body) = gpuledger_testkit::http::get(&format!("{base}/readyz")).await?;
     assert_eq!(code, 503, "{body}");
     assert!(body.contains("ledger unavailable"), "{body}");
     // The failed filter shows in the metrics as an error, the malformed bodies as bad requests.
-    let (_, text) = gpuledger_chaos::http::get(&format!("{base}/metrics")).await?;
+    let (_, text) = gpuledger_testkit::http::get(&format!("{base}/metrics")).await?;
     for want in [
         r#"gpuledger_extender_requests_total{verb="filter",outcome="error"} 1"#,
         r#"gpuledger_extender_requests_total{verb="bind",outcome="bad_request"} 4"#,

@@ -5,11 +5,11 @@ mod kit;
 
 use std::time::Duration;
 
-use gpuledger_chaos::eventually;
-use gpuledger_chaos::kube::{ExtenderConfig, KubeStack, SchedulerEmulator, StackOptions};
-use gpuledger_chaos::workload::inventory;
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
+use gpuledger_testkit::eventually;
+use gpuledger_testkit::kube::{ExtenderConfig, KubeStack, SchedulerEmulator, StackOptions};
+use gpuledger_testkit::workload::inventory;
 use serde_json::{Value, json};
 
 fn gpu_pod(name: &str) -> Value {
@@ -31,6 +31,25 @@ async fn allocs_of(stack: &KubeStack, uid: &str) -> anyhow::Result<Vec<pb::Alloc
         .into_iter()
         .filter(|a| a.pod.as_ref().is_some_and(|p| p.uid == uid))
         .collect())
+}
+
+/// The extender binary the stack starts must carry the `test-hooks` feature (this crate's
+/// dev-dependency on itself turns it on for `cargo test`); without it `--crash-at` is unknown
+/// and the test would only see an extender that never came up.
+fn require_crash_hooks() -> anyhow::Result<()> {
+    let bin = gpuledger_testkit::bin_path("gpuledger-extender")?;
+    let out = std::process::Command::new(&bin)
+        .args(["--crash-at=before-binding", "--version"])
+        .output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "{} has no --crash-at: it was built without the `test-hooks` feature. Run this test \
+         through `cargo test` (which builds the binary with the feature), or build it with \
+         `cargo build -p gpuledger-extender --features test-hooks`.\n{}",
+        bin.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(())
 }
 
 async fn released_reasons(stack: &KubeStack) -> anyhow::Result<Vec<String>> {
@@ -56,6 +75,7 @@ async fn released_reasons(stack: &KubeStack) -> anyhow::Result<Vec<String>> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crash_after_binding_is_confirmed_and_before_binding_expires() -> anyhow::Result<()> {
+    require_crash_hooks()?;
     let mut stack = KubeStack::start(StackOptions {
         allocators: 1,
         allocator_flags: vec![

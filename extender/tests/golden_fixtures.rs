@@ -9,10 +9,10 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use base64::Engine;
-use gpuledger_chaos::kube::{KubeStack, StackOptions};
-use gpuledger_chaos::workload::inventory;
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
+use gpuledger_testkit::kube::{KubeStack, StackOptions};
+use gpuledger_testkit::workload::inventory;
 use serde_json::Value;
 
 fn keys(v: &Value) -> BTreeSet<String> {
@@ -276,14 +276,14 @@ async fn extender_answers_every_captured_request() -> anyhow::Result<()> {
 async fn webhook_answers_every_captured_review() -> anyhow::Result<()> {
     let fx = kit::fixtures();
     let tls = kit::TestTls::new()?;
-    let port = gpuledger_chaos::free_port()?;
+    let port = gpuledger_testkit::free_port()?;
     let stack = KubeStack::start(StackOptions {
         allocators: 1,
         extender_flags: Some(tls.flags(port)),
         ..Default::default()
     })
     .await?;
-    gpuledger_chaos::kube::stack::wait_http(port, Duration::from_secs(10)).await?;
+    gpuledger_testkit::kube::stack::wait_http(port, Duration::from_secs(10)).await?;
     let _ = &stack;
     let hook = kit::Https::new(&tls, port)?;
 
@@ -303,6 +303,18 @@ async fn webhook_answers_every_captured_review() -> anyhow::Result<()> {
         let (status, r) = hook.post(path, &req).await?;
         assert_eq!(status, 200, "{file}: {r}");
         assert_eq!(keys(&r), keys(&accepted), "{file}: {r}");
+        // No field the accepted answer lacks (no empty status on an allowed answer), and the
+        // patch a base64 string, as the API server writes a Go []byte.
+        assert!(
+            keys(&r["response"]).is_subset(&keys(&accepted["response"])),
+            "{file}: {r}"
+        );
+        if let (Some(ours), Some(p)) = (
+            r["response"].get("patch"),
+            accepted["response"].get("patch"),
+        ) {
+            assert!(same_type(ours, p), "{file}: {r}");
+        }
         assert_eq!(r["apiVersion"], "admission.k8s.io/v1");
         assert_eq!(r["kind"], "AdmissionReview");
         assert_eq!(r["response"]["uid"], req["request"]["uid"], "{file}");

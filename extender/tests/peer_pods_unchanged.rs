@@ -6,10 +6,10 @@ mod kit;
 
 use std::time::{Duration, Instant};
 
-use gpuledger_chaos::free_port;
-use gpuledger_chaos::kube::{ExtenderConfig, KubeStack, SchedulerEmulator, StackOptions};
-use gpuledger_chaos::workload::inventory;
 use gpuledger_proto::allocator::v1 as api;
+use gpuledger_testkit::free_port;
+use gpuledger_testkit::kube::{ExtenderConfig, KubeStack, SchedulerEmulator, StackOptions};
+use gpuledger_testkit::workload::inventory;
 use serde_json::json;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -24,7 +24,7 @@ async fn gpushare_and_hami_pods_run_as_written() -> anyhow::Result<()> {
         ..Default::default()
     })
     .await?;
-    gpuledger_chaos::kube::stack::wait_http(port, Duration::from_secs(10)).await?;
+    gpuledger_testkit::kube::stack::wait_http(port, Duration::from_secs(10)).await?;
     let hook = kit::Https::new(&tls, port)?;
     let mut c = stack.allocs.client(0)?;
     for n in ["n1", "n2"] {
@@ -151,10 +151,10 @@ async fn gpushare_and_hami_pods_run_as_written() -> anyhow::Result<()> {
         .trim_start_matches("http://127.0.0.1:")
         .trim_end_matches("/gpuledger");
     let (code, text) =
-        gpuledger_chaos::http::get(&format!("http://127.0.0.1:{port}/metrics")).await?;
+        gpuledger_testkit::http::get(&format!("http://127.0.0.1:{port}/metrics")).await?;
     assert_eq!(code, 200);
     let (ready, why) =
-        gpuledger_chaos::http::get(&format!("http://127.0.0.1:{port}/readyz")).await?;
+        gpuledger_testkit::http::get(&format!("http://127.0.0.1:{port}/readyz")).await?;
     assert_eq!(ready, 200, "{why}");
     let binds_ok = text
         .lines()

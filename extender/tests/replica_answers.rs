@@ -7,9 +7,9 @@ mod kit;
 
 use std::time::{Duration, Instant};
 
-use gpuledger_chaos::kube::{ExtenderClient, KubeStack, StackOptions};
-use gpuledger_chaos::workload::inventory;
 use gpuledger_proto::allocator::v1 as api;
+use gpuledger_testkit::kube::{ExtenderClient, KubeStack, StackOptions};
+use gpuledger_testkit::workload::inventory;
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::{Value, json};
 
@@ -50,8 +50,15 @@ async fn allocator_answer(stack: &KubeStack, p: &Value) -> anyhow::Result<(Value
         })
         .await?
         .into_inner();
-    let filter = json!({"NodeNames": f.nodes, "FailedNodes": f.failed,
-                        "FailedAndUnresolvableNodes": f.unresolvable, "Error": ""});
+    // Every failed node is in FailedNodes (what kube-scheduler 1.20 reads), and no text the
+    // scheduler sees has a `%`.
+    let text = |m: std::collections::HashMap<String, String>| -> std::collections::BTreeMap<String, String> {
+        let no_pct = gpuledger_extender::scheduler_text::without_percent;
+        m.into_iter().map(|(n, why)| (n, no_pct(&why).into_owned())).collect()
+    };
+    let failed = text(f.failed.into_iter().chain(f.unresolvable.clone()).collect());
+    let filter = json!({"NodeNames": f.nodes, "FailedNodes": failed,
+                        "FailedAndUnresolvableNodes": text(f.unresolvable), "Error": ""});
     let scores: Vec<Value> = s
         .scores
         .iter()
@@ -70,7 +77,7 @@ async fn extender_answer(ext: &ExtenderClient, p: &Value) -> anyhow::Result<(Val
 
 async fn metric(stack: &KubeStack, line: &str) -> anyhow::Result<f64> {
     let base = stack.extender_url.trim_end_matches("/gpuledger");
-    let (_, text) = gpuledger_chaos::http::get(&format!("{base}/metrics")).await?;
+    let (_, text) = gpuledger_testkit::http::get(&format!("{base}/metrics")).await?;
     Ok(text
         .lines()
         .find_map(|l| l.strip_prefix(line)?.trim().parse().ok())

@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use backon::{ConstantBuilder, Retryable};
 use gpuledger_ops::events::{PodEvent, Recorder};
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
@@ -16,16 +17,14 @@ use tracing::{info, warn};
 use crate::allocator::Pool;
 use crate::config::Config;
 use crate::metrics::Metrics;
-use crate::nvml::{GpuInfo, NvmlBackend, XidEvent, is_critical_xid};
-use crate::view::{EnvOptions, View};
+use crate::nvml::{GpuInfo, GpuState, NvmlBackend, XidEvent, is_critical_xid};
+use crate::view::{AllocateOptions, View};
 
-/// One GPU and whether it is fit to be handed out.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct GpuState {
-    /// What NVML says about it.
-    pub info: GpuInfo,
-    /// False after a critical Xid (or when the ledger already had it unhealthy).
-    pub healthy: bool,
+/// Retry a call to the allocator every second until it is accepted.
+fn every_second() -> ConstantBuilder {
+    ConstantBuilder::new()
+        .with_delay(Duration::from_secs(1))
+        .without_max_times()
 }
 
 /// Everything the agent's tasks and gRPC handlers share.
@@ -46,30 +45,45 @@ pub struct Agent {
     pub gpus: watch::Sender<Vec<GpuState>>,
     /// Serializes Allocate and PreStartContainer decisions (the guess and its correction).
     pub decide: tokio::sync::Mutex<()>,
-    /// Set while the device plugin is registered with the current kubelet.
+    /// Set while the device plugin is registered with the current kubelet and it watches
+    /// the devices.
     pub kubelet_registered: AtomicBool,
-    /// How containers' limits are exported.
-    pub env: EnvOptions,
+    /// ListAndWatch streams open: the kubelet reads the device list only through one.
+    pub watchers: watch::Sender<usize>,
+    /// What Allocate answers besides the devices' identity: device list, limit variables.
+    pub env: AllocateOptions,
     /// Metrics, served at /metrics with the probes.
     pub metrics: Metrics,
     /// The registry `metrics` live in.
     pub registry: Registry,
     /// Pod Events (limit exceeded, identity corrected); unset without a Kubernetes client.
     pub events: OnceLock<Recorder>,
+    /// Why enforcement cannot run on this node (the agent is not in the host pid namespace);
+    /// `/readyz` says so.
+    pub enforcement_refused: Option<String>,
 }
 
 impl Agent {
     /// The agent for `cfg`, with NVML loaded and the GPUs discovered.
     pub fn new(cfg: Config, nvml: NvmlBackend) -> anyhow::Result<Arc<Agent>> {
         let gpus = nvml.gpus().context("discovering GPUs")?;
-        info!(node = %cfg.node_name, gpus = gpus.len(), "discovered GPUs: {:?}", gpus.iter().map(|g| &g.uuid).collect::<Vec<_>>());
+        for g in &gpus {
+            info!(node = %cfg.node_name, gpu = %g.uuid, model = %g.model, usable_mib = g.memory_mib,
+                reserved_mib = g.reserved_mib, "discovered a GPU");
+        }
         let pool = Pool::new(&cfg.allocator)?;
         let mut registry = Registry::with_prefix("gpuledger_node_agent");
         let metrics = Metrics::new(&mut registry);
-        let env = EnvOptions {
+        let env = AllocateOptions {
             mps: cfg.mps,
             mps_pipe_dir: cfg.mps_pipe_dir.display().to_string(),
+            strategies: cfg.device_list_strategy.clone(),
+            cdi_kind: cfg.cdi_kind.clone(),
         };
+        let enforcement_refused = crate::procs::host_pid_namespace_problem();
+        metrics
+            .enforcing
+            .set(i64::from(enforcement_refused.is_none()));
         Ok(Arc::new(Agent {
             cfg,
             pool,
@@ -87,10 +101,12 @@ impl Agent {
             ),
             decide: tokio::sync::Mutex::new(()),
             kubelet_registered: AtomicBool::new(false),
+            watchers: watch::Sender::new(0),
             env,
             metrics,
             registry,
             events: OnceLock::new(),
+            enforcement_refused,
         }))
     }
 
@@ -110,6 +126,20 @@ impl Agent {
     pub fn update_view(&self, f: impl FnOnce(&mut View)) {
         f(&mut self.view.lock().unwrap_or_else(|e| e.into_inner()));
         self.view_rev.send_modify(|r| *r += 1);
+    }
+
+    /// Bring the metrics' state gauges up to date (called on each scrape).
+    pub fn refresh_metrics(&self) {
+        // View, then GPUs: the order every other reader takes them in.
+        self.with_view(|v| {
+            let gpus = self.gpus.borrow();
+            self.metrics.refresh(
+                &gpus,
+                v,
+                self.kubelet_registered.load(Ordering::Acquire),
+                self.synced(),
+            );
+        });
     }
 
     /// Whether the first view arrived.
@@ -188,13 +218,13 @@ impl Agent {
         }
     }
 
-    /// Register the inventory with the allocator now (retrying until it is accepted).
+    /// Register the inventory with the allocator now (retrying every second until it is
+    /// accepted).
     async fn register(&self) {
         let inv = self.inventory();
-        loop {
-            let r = self
-                .pool
-                .call(Duration::from_secs(30), |mut c| {
+        let r = (|| async {
+            self.pool
+                .call("RegisterNode", Duration::from_secs(30), |mut c| {
                     let inv = inv.clone();
                     async move {
                         c.register_node(api::RegisterNodeRequest {
@@ -203,17 +233,13 @@ impl Agent {
                         .await
                     }
                 })
-                .await;
-            match r {
-                Ok(w) => {
-                    info!(node = %inv.node, seq = w.seq, changed = w.changed, "inventory registered");
-                    return;
-                }
-                Err(e) => {
-                    warn!(node = %inv.node, "registering the inventory failed, retrying: {e}");
-                    tokio::time::sleep(Duration::from_secs(1)).await;
-                }
-            }
+                .await
+        })
+        .retry(every_second())
+        .notify(|e, _| warn!(node = %inv.node, "registering the inventory failed, retrying: {e}"))
+        .await;
+        if let Ok(w) = r {
+            info!(node = %inv.node, seq = w.seq, changed = w.changed, "inventory registered");
         }
     }
 
@@ -291,26 +317,21 @@ impl Agent {
                 reason: format!("critical Xid {}", x.xid),
                 xid: x.xid as u32,
             };
-            loop {
-                match self
-                    .pool
-                    .call(Duration::from_secs(30), |mut c| {
+            let r = (|| async {
+                self.pool
+                    .call("SetDeviceHealth", Duration::from_secs(30), |mut c| {
                         let r = req.clone();
                         async move { c.set_device_health(r).await }
                     })
                     .await
-                {
-                    Ok(_) => break,
-                    Err(e) if e.code() == tonic::Code::NotFound => {
-                        // Not registered yet: the registration carries the health mark.
-                        warn!(gpu = %x.gpu, "SetDeviceHealth: {e}");
-                        break;
-                    }
-                    Err(e) => {
-                        warn!(gpu = %x.gpu, "SetDeviceHealth failed, retrying: {e}");
-                        tokio::time::sleep(Duration::from_secs(1)).await;
-                    }
-                }
+            })
+            .retry(every_second())
+            // Not registered yet: the registration carries the health mark.
+            .when(|e| e.code() != tonic::Code::NotFound)
+            .notify(|e, _| warn!(gpu = %x.gpu, "SetDeviceHealth failed, retrying: {e}"))
+            .await;
+            if let Err(e) = r {
+                warn!(gpu = %x.gpu, "SetDeviceHealth: {e}");
             }
         }
     }

@@ -5,9 +5,11 @@ use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use backon::{ExponentialBuilder, Retryable};
 use gpuledger_proto::allocator::v1::allocator_client::AllocatorClient;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Status};
+use tracing::{Instrument, info_span};
 
 /// The allocator replicas this agent may talk to.
 pub struct Pool {
@@ -85,33 +87,53 @@ impl Pool {
         (self.clients[n].0.clone(), self.streams[n].clone())
     }
 
-    /// Call `f` on a replica, moving to the next one on retryable errors until `budget` has
-    /// passed. The replica that answered stays the first choice for the next call.
-    pub async fn call<T, F, Fut>(&self, budget: Duration, f: F) -> Result<T, Status>
+    /// Call `f` (the allocator RPC `rpc`) on a replica, moving to the next one on retryable
+    /// errors and pausing between rounds (backon's exponential backoff) until `budget` has
+    /// passed; each attempt runs in an `allocator` span naming the RPC and the replica. The
+    /// replica that answered stays the first choice for the next call.
+    pub async fn call<T, F, Fut>(
+        &self,
+        rpc: &'static str,
+        budget: Duration,
+        f: F,
+    ) -> Result<T, Status>
     where
         F: Fn(AllocatorClient<Channel>) -> Fut,
         Fut: Future<Output = Result<tonic::Response<T>, Status>>,
     {
         let deadline = Instant::now() + budget;
-        let mut i = self.next.load(Ordering::Relaxed);
-        let mut pause = Duration::from_millis(20);
-        loop {
-            let (addr, c) = self.at(i);
-            match f(c).await {
-                Ok(r) => {
-                    self.next.store(i % self.clients.len(), Ordering::Relaxed);
-                    return Ok(r.into_inner());
-                }
-                Err(s) if retryable(&s) && Instant::now() < deadline => {
-                    tracing::debug!(%addr, "allocator call failed, trying the next replica: {s}");
-                    i += 1;
-                    if i.is_multiple_of(self.clients.len()) {
-                        tokio::time::sleep(pause).await;
-                        pause = (pause * 2).min(Duration::from_millis(500));
+        let in_time = |s: &Status| retryable(s) && Instant::now() < deadline;
+        let start = self.next.load(Ordering::Relaxed);
+        // One round tries every replica once, from the one that answered last.
+        let round = || async {
+            let mut last = Status::unavailable("no allocator address");
+            for k in 0..self.clients.len() {
+                let i = (start + k) % self.clients.len();
+                let (addr, c) = self.at(i);
+                let span = info_span!("allocator", rpc, replica = %addr);
+                match f(c).instrument(span).await {
+                    Ok(r) => {
+                        self.next.store(i, Ordering::Relaxed);
+                        return Ok(r.into_inner());
                     }
+                    Err(s) if in_time(&s) => {
+                        tracing::debug!(%addr, "allocator call failed, trying the next replica: {s}");
+                        last = s;
+                    }
+                    Err(s) => return Err(s),
                 }
-                Err(s) => return Err(s),
             }
-        }
+            Err(last)
+        };
+        // Between rounds: 20 ms, doubling to 500 ms, until the budget is spent.
+        round
+            .retry(
+                ExponentialBuilder::new()
+                    .with_min_delay(Duration::from_millis(20))
+                    .with_max_delay(Duration::from_millis(500))
+                    .without_max_times(),
+            )
+            .when(in_time)
+            .await
     }
 }

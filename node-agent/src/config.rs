@@ -75,10 +75,56 @@ pub struct Config {
     #[arg(long, env = "GPULEDGER_GRACE", default_value = "0s", value_parser = parse_duration)]
     pub grace: Duration,
 
-    /// What to do with the processes of a container over its memory limit: `kill` (SIGKILL)
+    /// What to do with the processes of a container over its memory limit: `kill` (SIGKILL,
+    /// through the pidfd opened when each process was sampled, so a reused pid is never hit)
     /// or `report` (only the LimitViolated event). Both write LimitViolated to the ledger.
     #[arg(long, env = "GPULEDGER_ON_VIOLATION", value_enum, default_value_t = OnViolation::Kill)]
     pub on_violation: OnViolation,
+
+    /// What to do with GPU processes that belong to no allocation: a pod whose cgroup names
+    /// no allocation on that GPU, or a process outside any pod. `report` (LimitViolated
+    /// "rogue") or `kill` (SIGKILL, recorded as "rogue-kill"). The default is `report` because
+    /// such processes include the node's own GPU software (the MPS server, DCGM diagnostics,
+    /// jobs the node's administrators run), which a kill would break; choose `kill` only on
+    /// nodes where nothing but gpuledger pods may use the GPUs.
+    #[arg(long, env = "GPULEDGER_ROGUE_POLICY", value_enum, default_value_t = RoguePolicy::Report)]
+    pub rogue_policy: RoguePolicy,
+
+    /// GPU memory in MiB that each process may use beyond its container's share before
+    /// enforcement counts it. NVML charges a process's CUDA context to the process: on an
+    /// H100 80GB HBM3 (driver 580) a process that allocated 4096 MiB showed 4614 MiB, so
+    /// without this a container given 4096 MiB that fills them would be killed. The default
+    /// is that measured 518 MiB rounded up; 0 counts the context against the share (users
+    /// must then request it).
+    #[arg(long, env = "GPULEDGER_CONTEXT_ALLOWANCE_MIB", default_value_t = 520)]
+    pub context_allowance_mib: u64,
+
+    /// How Allocate tells the container runtime which GPUs a container gets, like NVIDIA's
+    /// device plugin; a comma list, several may be combined. `cdi-cri`: CDI device names
+    /// (`<--cdi-kind>=<GPU-UUID>`) in the kubelet's CDI field (Kubernetes 1.28+, containerd
+    /// 1.7+ or CRI-O with CDI on); `cdi-annotations`: the same names in `cdi.k8s.io/`
+    /// annotations (runtimes that read CDI annotations, the NVIDIA runtime in CDI mode);
+    /// `envvar`: NVIDIA_VISIBLE_DEVICES (the NVIDIA runtime's legacy mode). The default is what
+    /// the NVIDIA GPU Operator configures for its own device plugin since CDI became its
+    /// default (v25.10): on nodes that refuse NVIDIA_VISIBLE_DEVICES from unprivileged
+    /// containers the variable grants nothing, and a node that cannot resolve a CDI name
+    /// fails the container instead of starting it without its GPU. Use `envvar` on nodes whose
+    /// runtime has no CDI. The limit variables are exported whatever the strategy.
+    #[arg(
+        long,
+        env = "GPULEDGER_DEVICE_LIST_STRATEGY",
+        value_enum,
+        value_delimiter = ',',
+        default_value = "cdi-annotations,cdi-cri"
+    )]
+    pub device_list_strategy: Vec<DeviceListStrategy>,
+
+    /// The CDI kind (`<vendor>/<class>`) of the GPUs' CDI devices: the kind of the node's CDI
+    /// spec that names each GPU by its UUID (`nvidia-ctk cdi generate
+    /// --device-name-strategy=uuid` writes `nvidia.com/gpu`; NVIDIA's device plugin in CDI
+    /// mode writes `k8s.device-plugin.nvidia.com/gpu`).
+    #[arg(long, env = "GPULEDGER_CDI_KIND", default_value = "nvidia.com/gpu", value_parser = parse_cdi_kind)]
+    pub cdi_kind: String,
 
     /// The node runs the CUDA MPS daemon: also return the MPS limit variables and mount its
     /// pipe directory into containers.
@@ -134,6 +180,64 @@ impl OnViolation {
     }
 }
 
+/// What enforcement does to a GPU process that belongs to no allocation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum RoguePolicy {
+    /// Only report.
+    Report,
+    /// SIGKILL it and report.
+    Kill,
+}
+
+impl RoguePolicy {
+    /// The `action` string of the LimitViolated event.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RoguePolicy::Report => "rogue",
+            RoguePolicy::Kill => "rogue-kill",
+        }
+    }
+}
+
+/// One way of telling the container runtime which GPUs a container gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, ValueEnum)]
+pub enum DeviceListStrategy {
+    /// `NVIDIA_VISIBLE_DEVICES=<UUIDs>` in the environment.
+    Envvar,
+    /// CDI device names in a `cdi.k8s.io/` annotation.
+    CdiAnnotations,
+    /// CDI device names in the CRI's CDI field.
+    CdiCri,
+}
+
+/// Check a CDI kind, `<vendor>/<class>`, against the CDI specification's syntax.
+pub fn parse_cdi_kind(s: &str) -> Result<String, String> {
+    let bad = |why: &str| Err(format!("{s:?} is not a CDI kind <vendor>/<class>: {why}"));
+    let Some((vendor, class)) = s.split_once('/') else {
+        return bad("no '/'");
+    };
+    let ok = |name: &str, extra: &[char]| {
+        let b = name.as_bytes();
+        !b.is_empty()
+            && b[0].is_ascii_alphabetic()
+            && b[b.len() - 1].is_ascii_alphanumeric()
+            && name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-' || extra.contains(&c))
+    };
+    if !ok(vendor, &['.']) {
+        return bad(
+            "the vendor starts with a letter, ends with a letter or digit, and has only letters, digits, '_', '-', '.'",
+        );
+    }
+    if !ok(class, &[]) {
+        return bad(
+            "the class starts with a letter, ends with a letter or digit, and has only letters, digits, '_', '-'",
+        );
+    }
+    Ok(s.to_string())
+}
+
 /// Parse "1s", "500ms", "2m", "1h" or a bare number of seconds.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
@@ -169,5 +273,69 @@ mod tests {
         assert_eq!(parse_duration("3"), Ok(Duration::from_secs(3)));
         assert!(parse_duration("3 parsecs").is_err());
         assert!(parse_duration("").is_err());
+    }
+
+    #[test]
+    fn cdi_kinds_follow_the_cdi_syntax() {
+        assert_eq!(
+            parse_cdi_kind("nvidia.com/gpu").as_deref(),
+            Ok("nvidia.com/gpu")
+        );
+        assert!(parse_cdi_kind("k8s.device-plugin.nvidia.com/gpu").is_ok());
+        for bad in [
+            "nvidia.com",
+            "/gpu",
+            "nvidia.com/",
+            "nvidia.com/g.pu",
+            "1vendor/gpu",
+            "v/gpu-",
+            "v/a/b",
+        ] {
+            assert!(parse_cdi_kind(bad).is_err(), "{bad} accepted");
+        }
+    }
+
+    #[test]
+    fn device_list_strategies_default_to_cdi_and_combine() {
+        let cfg = Config::try_parse_from(["agent", "--node-name=n"]).expect("defaults parse");
+        assert_eq!(
+            cfg.device_list_strategy,
+            [
+                DeviceListStrategy::CdiAnnotations,
+                DeviceListStrategy::CdiCri
+            ]
+        );
+        assert_eq!(cfg.rogue_policy, RoguePolicy::Report);
+        let cfg = Config::try_parse_from([
+            "agent",
+            "--node-name=n",
+            "--device-list-strategy=envvar,cdi-cri",
+        ])
+        .expect("a comma list parses");
+        assert_eq!(
+            cfg.device_list_strategy,
+            [DeviceListStrategy::Envvar, DeviceListStrategy::CdiCri]
+        );
+        // Repeated, as the manifests give it (one value per flag).
+        let cfg = Config::try_parse_from([
+            "agent",
+            "--node-name=n",
+            "--device-list-strategy=cdi-cri",
+            "--device-list-strategy=envvar",
+        ])
+        .expect("a repeated flag parses");
+        assert_eq!(
+            cfg.device_list_strategy,
+            [DeviceListStrategy::CdiCri, DeviceListStrategy::Envvar]
+        );
+        assert!(
+            Config::try_parse_from([
+                "agent",
+                "--node-name=n",
+                "--device-list-strategy=volume-mounts"
+            ])
+            .is_err()
+        );
+        assert!(Config::try_parse_from(["agent", "--node-name=n", "--cdi-kind=nvidia"]).is_err());
     }
 }

@@ -14,9 +14,11 @@ use gpuledger_proto::podresources::v1 as podres;
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::WatchStream;
 use tonic::{Request, Response, Status};
-use tracing::{info, warn};
+use tracing::field::{self, Empty};
+use tracing::{Instrument, Span, info, info_span, warn};
 
-use crate::agent::{Agent, GpuState};
+use crate::agent::Agent;
+use crate::nvml::GpuState;
 use crate::view::{container_response, device_id, parse_device_id};
 
 /// The resource this plugin advertises.
@@ -71,7 +73,9 @@ impl Plugin {
         let _turn = self.agent.decide.lock().await;
         let mut out = Vec::new();
         for c in reqs {
-            let alloc = self.allocate_one(c.devices_ids).await?;
+            let span = info_span!("container", devices = ?c.devices_ids, allocation = Empty,
+                pod_uid = Empty, pod = Empty, seq = Empty, epoch = Empty);
+            let alloc = self.allocate_one(c.devices_ids).instrument(span).await?;
             let r = self
                 .agent
                 .with_view(|v| container_response(&alloc, v.inventory.as_ref(), &self.agent.env));
@@ -87,13 +91,12 @@ impl Plugin {
         if let Some(done) = a.with_view(|v| v.by_devices(&ids).cloned())
             && self.still_holds(&done, &ids).await
         {
-            info!(
-                allocation = done.id,
-                "Allocate repeated for assigned devices: same answer"
-            );
+            record_allocation(&done);
+            info!("Allocate repeated for assigned devices: same answer");
             return Ok(done);
         }
         if let Some(lost) = self.wait_stale_holders(&ids).await? {
+            record_allocation(&lost);
             return Ok(lost);
         }
         let started = Instant::now();
@@ -111,7 +114,10 @@ impl Plugin {
                 .await;
             let guess = match guess {
                 Some(Ok(g)) => g,
-                Some(Err(done)) => return Ok(done),
+                Some(Err(done)) => {
+                    record_allocation(&done);
+                    return Ok(done);
+                }
                 None => {
                     return Err(Status::failed_precondition(format!(
                         "no pending gpuledger reservation of {} slice(s) on node {} (waited {:?})",
@@ -130,7 +136,7 @@ impl Plugin {
             };
             let r = a
                 .pool
-                .call(Duration::from_secs(10), |mut c| {
+                .call("Assign", Duration::from_secs(10), |mut c| {
                     let r = req.clone();
                     async move { c.assign(r).await }
                 })
@@ -140,11 +146,17 @@ impl Plugin {
                     let Some(alloc) = resp.allocation else {
                         return Err(Status::internal("Assign answered without the allocation"));
                     };
-                    let pod = alloc.pod.clone().unwrap_or_default();
-                    info!(allocation = alloc.id, pod_uid = %pod.uid, pod = %format!("{}/{}", pod.namespace, pod.name),
-                        seq = resp.seq, epoch = resp.epoch, devices = ?ids, waited_us = waited.as_micros() as u64,
-                        assign_us = sent.elapsed().as_micros() as u64, refusals,
-                        total_us = started.elapsed().as_micros() as u64, "Allocate: claimed the oldest pending reservation");
+                    record_allocation(&alloc);
+                    let span = Span::current();
+                    span.record("seq", resp.seq);
+                    span.record("epoch", resp.epoch);
+                    info!(
+                        waited_us = waited.as_micros() as u64,
+                        assign_us = sent.elapsed().as_micros() as u64,
+                        refusals,
+                        total_us = started.elapsed().as_micros() as u64,
+                        "Allocate: claimed the oldest pending reservation"
+                    );
                     a.update_view(|v| v.upsert(alloc.clone()));
                     return Ok(alloc);
                 }
@@ -268,6 +280,19 @@ impl Plugin {
     }
 }
 
+/// Name the allocation and its pod on the current RPC's span.
+fn record_allocation(a: &pb::Allocation) {
+    let span = Span::current();
+    span.record("allocation", a.id);
+    if let Some(p) = &a.pod {
+        span.record("pod_uid", p.uid.as_str());
+        span.record(
+            "pod",
+            field::display(format_args!("{}/{}", p.namespace, p.name)),
+        );
+    }
+}
+
 /// The replica devices of `gpus`.
 pub fn devices(gpus: &[GpuState], slots: u32) -> Vec<dp::Device> {
     let mut out = Vec::with_capacity(gpus.len() * slots as usize);
@@ -310,6 +335,22 @@ pub fn prefer(
 
 type DeviceStream = Pin<Box<dyn Stream<Item = Result<dp::ListAndWatchResponse, Status>> + Send>>;
 
+/// One open ListAndWatch stream, counted in `Agent::watchers` until dropped.
+struct Watching(tokio::sync::watch::Sender<usize>);
+
+impl Watching {
+    fn new(count: &tokio::sync::watch::Sender<usize>) -> Watching {
+        count.send_modify(|n| *n += 1);
+        Watching(count.clone())
+    }
+}
+
+impl Drop for Watching {
+    fn drop(&mut self) {
+        self.0.send_modify(|n| *n = n.saturating_sub(1));
+    }
+}
+
 #[tonic::async_trait]
 impl dp::device_plugin_server::DevicePlugin for Plugin {
     type ListAndWatchStream = DeviceStream;
@@ -318,6 +359,8 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
         &self,
         _req: Request<dp::Empty>,
     ) -> Result<Response<dp::DevicePluginOptions>, Status> {
+        let _span =
+            info_span!("GetDevicePluginOptions", node = %self.agent.cfg.node_name).entered();
         Ok(Response::new(options()))
     }
 
@@ -325,8 +368,13 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
         &self,
         _req: Request<dp::Empty>,
     ) -> Result<Response<Self::ListAndWatchStream>, Status> {
+        let _span = info_span!("ListAndWatch", node = %self.agent.cfg.node_name).entered();
+        info!("the kubelet watches the devices");
         let me = self.clone();
+        // Counted open while the kubelet holds the stream (kubelet.rs checks that it does).
+        let open = Watching::new(&self.agent.watchers);
         let s = WatchStream::new(self.agent.gpus.subscribe()).map(move |gpus| {
+            let _ = &open;
             Ok(dp::ListAndWatchResponse {
                 devices: me.devices(&gpus),
             })
@@ -338,6 +386,8 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
         &self,
         req: Request<dp::PreferredAllocationRequest>,
     ) -> Result<Response<dp::PreferredAllocationResponse>, Status> {
+        let _span =
+            info_span!("GetPreferredAllocation", node = %self.agent.cfg.node_name).entered();
         let a = &self.agent;
         let mut out = Vec::new();
         let mut taken: Vec<u64> = Vec::new();
@@ -392,7 +442,11 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
         req: Request<dp::AllocateRequest>,
     ) -> Result<Response<dp::AllocateResponse>, Status> {
         let t0 = Instant::now();
-        let res = self.allocate_all(req.into_inner().container_requests).await;
+        let span = info_span!("Allocate", node = %self.agent.cfg.node_name);
+        let res = self
+            .allocate_all(req.into_inner().container_requests)
+            .instrument(span)
+            .await;
         let outcome = if res.is_ok() { "ok" } else { "error" };
         self.agent
             .metrics
@@ -407,6 +461,19 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
         req: Request<dp::PreStartContainerRequest>,
     ) -> Result<Response<dp::PreStartContainerResponse>, Status> {
         let ids = req.into_inner().devices_ids;
+        let span = info_span!("PreStartContainer", node = %self.agent.cfg.node_name, devices = ?ids,
+            allocation = Empty, pod_uid = Empty, pod = Empty, seq = Empty, epoch = Empty);
+        self.pre_start(ids).instrument(span).await
+    }
+}
+
+impl Plugin {
+    /// Check with PodResources that the pod Allocate guessed for `ids` got them, and correct
+    /// the ledger when it was another.
+    async fn pre_start(
+        &self,
+        ids: Vec<String>,
+    ) -> Result<Response<dp::PreStartContainerResponse>, Status> {
         self.check_ids(&ids)?;
         let a = &self.agent;
         let _turn = a.decide.lock().await;
@@ -435,7 +502,8 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
         };
         let gp = guessed.pod.clone().unwrap_or_default();
         if gp.namespace == ns && gp.name == name && guessed.container == container {
-            info!(allocation = guessed.id, pod_uid = %gp.uid, "PreStartContainer: identity confirmed");
+            record_allocation(&guessed);
+            info!("PreStartContainer: identity confirmed");
             return Ok(Response::new(dp::PreStartContainerResponse {}));
         }
         let Some(right) = a.with_view(|v| v.by_pod(&ns, &name, &container).cloned()) else {
@@ -454,12 +522,16 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
         };
         let w = a
             .pool
-            .call(Duration::from_secs(10), |mut c| {
+            .call("CorrectIdentity", Duration::from_secs(10), |mut c| {
                 let r = req.clone();
                 async move { c.correct_identity(r).await }
             })
             .await?;
-        info!(seq = w.seq, epoch = w.epoch, "identity corrected");
+        record_allocation(&right);
+        let span = Span::current();
+        span.record("seq", w.seq);
+        span.record("epoch", w.epoch);
+        info!("identity corrected");
         a.wait_view(Duration::from_secs(5), |v| (v.seq >= w.seq).then_some(()))
             .await;
         let gpus: Vec<String> = guessed.shares.iter().map(|s| s.gpu_uuid.clone()).collect();

@@ -1,6 +1,9 @@
-//! Memory-limit enforcement: NVML's per-process memory, each process mapped to its allocation,
-//! over the limit (longer than --grace) → SIGKILL or report, and `LimitViolated` either way.
+//! Memory-limit enforcement: NVML's per-process memory, each process charged to an allocation
+//! by the pod its cgroup names (never by what the process claims about itself), over the limit
+//! for longer than --grace → SIGKILL through the pidfd taken when it was sampled, or report;
+//! `LimitViolated` either way.
 
+use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -8,38 +11,72 @@ use std::time::{Duration, Instant};
 use gpuledger_ops::events::{Kind, PodEvent};
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
-use tracing::{info, warn};
+use tracing::field::{self, Empty};
+use tracing::{Instrument, error, info, info_span, warn};
 
 use crate::agent::Agent;
-use crate::config::OnViolation;
+use crate::cgroup::PodCgroup;
+use crate::config::{OnViolation, RoguePolicy};
 use crate::nvml::GpuProcess;
+use crate::procs::{Killed, ProcKey, ProcOwner, SampleError, Sampled, sample};
 use crate::view::View;
 
-/// Who a GPU process belongs to, from /proc.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct ProcOwner {
-    /// Pod UID from the kubepods cgroup path.
-    pub pod_uid: Option<String>,
-    /// `GPULEDGER_ALLOCATION_ID` from the process environment.
-    pub allocation_id: Option<u64>,
+/// How a GPU process is charged.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Attribution {
+    /// Its cgroup names the pod of this allocation.
+    Pod(u64),
+    /// Its cgroup names no pod and its environment claims this allocation: charged to it, but
+    /// an unverifiable claim can only ever hurt the claimer (see [`judge`]).
+    Claim(u64),
+    /// It belongs to no allocation on its GPU.
+    Rogue(RogueReason),
+}
+
+/// Why a GPU process belongs to no allocation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RogueReason {
+    /// Its cgroup names a pod that has no allocation on the GPU, whatever its environment says.
+    OtherPod(String),
+    /// Its cgroup names no pod, and it claims no allocation on the GPU.
+    NoPod,
+    /// Its cgroups name several pods.
+    Conflict,
+}
+
+impl std::fmt::Display for RogueReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RogueReason::OtherPod(uid) => write!(f, "pod {uid} has no allocation on this GPU"),
+            RogueReason::NoPod => f.write_str("in no pod and claiming no allocation on this GPU"),
+            RogueReason::Conflict => f.write_str("its cgroups name different pods"),
+        }
+    }
+}
+
+/// An allocation whose processes on a GPU use more than its share.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OverLimit {
+    /// The allocation.
+    pub allocation_id: u64,
+    /// The GPU.
+    pub gpu: String,
+    /// The processes acted on, largest user first.
+    pub pids: Vec<u32>,
+    /// What all processes charged to the allocation use.
+    pub used_mib: u64,
+    /// The share's limit.
+    pub limit_mib: u64,
+    /// Only processes that merely claim the allocation (no pod in their cgroup) took it over
+    /// the limit: they are the ones acted on, the pod's own processes are not.
+    pub claimers_only: bool,
 }
 
 /// A finding of one enforcement pass.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Finding {
-    /// An allocation's processes on a GPU use more than its share.
-    Over {
-        /// The allocation.
-        allocation_id: u64,
-        /// The GPU.
-        gpu: String,
-        /// Its processes on that GPU, largest user first.
-        pids: Vec<u32>,
-        /// Their total use.
-        used_mib: u64,
-        /// The share's limit.
-        limit_mib: u64,
-    },
+    /// An allocation over its share.
+    Over(OverLimit),
     /// A GPU process that belongs to no allocation on this node.
     Rogue {
         /// The GPU.
@@ -48,122 +85,108 @@ pub enum Finding {
         pid: u32,
         /// Its use.
         used_mib: u64,
+        /// Why it belongs to none.
+        reason: RogueReason,
     },
 }
 
-/// The pod UID in a `/proc/<pid>/cgroup` text, if the process is in a kubepods cgroup
-/// (cgroupfs `…/kubepods/burstable/pod<uid>/…` or systemd `…kubepods-burstable-pod<uid_with_underscores>.slice…`).
-pub fn pod_uid_from_cgroup(text: &str) -> Option<String> {
-    for line in text.lines() {
-        let path = line.splitn(3, ':').nth(2).unwrap_or(line);
-        if !path.contains("kubepods") {
-            continue;
-        }
-        for part in path.split('/') {
-            let part = part.strip_suffix(".slice").unwrap_or(part);
-            if let Some(i) = part.rfind("pod") {
-                let uid = part[i + 3..].replace('_', "-");
-                if uid.len() == 36 && uid.chars().all(|c| c.is_ascii_hexdigit() || c == '-') {
-                    return Some(uid);
-                }
+/// Which allocation a process on `gpu` is charged to. A process whose cgroup names a pod is
+/// charged only to that pod's allocations on the GPU (its environment may pick among them and
+/// nothing more); the environment alone counts only for a process in no pod at all.
+pub fn attribute(view: &View, gpu: &str, owner: &ProcOwner) -> Attribution {
+    let on_gpu = |a: &pb::Allocation| a.shares.iter().any(|s| s.gpu_uuid == gpu);
+    match &owner.pod {
+        PodCgroup::Pod(uid) => {
+            let mine: Vec<u64> = view
+                .allocs
+                .values()
+                .filter(|a| a.pod.as_ref().is_some_and(|p| &p.uid == uid) && on_gpu(a))
+                .map(|a| a.id)
+                .collect();
+            match owner.claimed_allocation {
+                Some(id) if mine.contains(&id) => Attribution::Pod(id),
+                // Several containers of the pod on one GPU and no (valid) claim: the oldest.
+                _ => mine.first().map_or_else(
+                    || Attribution::Rogue(RogueReason::OtherPod(uid.clone())),
+                    |id| Attribution::Pod(*id),
+                ),
             }
         }
+        PodCgroup::Conflict(_) => Attribution::Rogue(RogueReason::Conflict),
+        PodCgroup::NoPod => owner
+            .claimed_allocation
+            .filter(|id| view.allocs.get(id).is_some_and(on_gpu))
+            .map_or(Attribution::Rogue(RogueReason::NoPod), Attribution::Claim),
     }
-    None
-}
-
-/// `GPULEDGER_ALLOCATION_ID` in a `/proc/<pid>/environ` blob.
-pub fn allocation_from_environ(env: &[u8]) -> Option<u64> {
-    env.split(|b| *b == 0)
-        .find_map(|kv| kv.strip_prefix(b"GPULEDGER_ALLOCATION_ID="))
-        .and_then(|v| std::str::from_utf8(v).ok()?.parse().ok())
-}
-
-/// Which allocation a process on `gpu` belongs to: by pod UID (a single allocation of that pod
-/// on the GPU), else by the allocation id in its environment.
-pub fn owning_allocation(view: &View, gpu: &str, owner: &ProcOwner) -> Option<u64> {
-    let on_gpu = |a: &&pb::Allocation| a.shares.iter().any(|s| s.gpu_uuid == gpu);
-    if let Some(uid) = &owner.pod_uid {
-        let mine: Vec<&pb::Allocation> = view
-            .allocs
-            .values()
-            .filter(|a| a.pod.as_ref().is_some_and(|p| &p.uid == uid))
-            .filter(on_gpu)
-            .collect();
-        if mine.len() == 1 {
-            return Some(mine[0].id);
-        }
-        if let Some(id) = owner.allocation_id
-            && mine.iter().any(|a| a.id == id)
-        {
-            return Some(id);
-        }
-    }
-    let id = owner.allocation_id?;
-    view.allocs.get(&id).filter(on_gpu).map(|a| a.id)
 }
 
 /// Judge one sample: which allocations are over their share, which processes are rogue.
-pub fn judge(view: &View, procs: &[(GpuProcess, ProcOwner)]) -> Vec<Finding> {
-    let mut groups: BTreeMap<(u64, String), Vec<&GpuProcess>> = BTreeMap::new();
+/// Each process may use `allowance_mib` beyond the share (its CUDA context). An allocation is
+/// over when its pod's own processes are; when only processes that claim it without being in
+/// its pod take it over, only those claimers are named.
+pub fn judge(view: &View, procs: &[(GpuProcess, ProcOwner)], allowance_mib: u64) -> Vec<Finding> {
+    #[derive(Default)]
+    struct Group<'a> {
+        pod: Vec<&'a GpuProcess>,
+        claimers: Vec<&'a GpuProcess>,
+    }
+    let mut groups: BTreeMap<(u64, String), Group<'_>> = BTreeMap::new();
     let mut out = Vec::new();
     for (p, owner) in procs {
-        match owning_allocation(view, &p.gpu, owner) {
-            Some(id) => groups.entry((id, p.gpu.clone())).or_default().push(p),
-            None => out.push(Finding::Rogue {
+        match attribute(view, &p.gpu, owner) {
+            Attribution::Pod(id) => groups.entry((id, p.gpu.clone())).or_default().pod.push(p),
+            Attribution::Claim(id) => groups
+                .entry((id, p.gpu.clone()))
+                .or_default()
+                .claimers
+                .push(p),
+            Attribution::Rogue(reason) => out.push(Finding::Rogue {
                 gpu: p.gpu.clone(),
                 pid: p.pid,
                 used_mib: p.used_mib,
+                reason,
             }),
         }
     }
-    for ((id, gpu), mut ps) in groups {
+    let sum = |ps: &[&GpuProcess]| ps.iter().map(|p| p.used_mib).sum::<u64>();
+    for ((id, gpu), g) in groups {
         let limit = view.allocs[&id]
             .shares
             .iter()
             .find(|s| s.gpu_uuid == gpu)
             .map_or(0, |s| s.mem_mib);
-        let used: u64 = ps.iter().map(|p| p.used_mib).sum();
-        if used > limit {
-            ps.sort_by_key(|p| std::cmp::Reverse(p.used_mib));
-            out.push(Finding::Over {
-                allocation_id: id,
-                gpu,
-                pids: ps.iter().map(|p| p.pid).collect(),
-                used_mib: used,
-                limit_mib: limit,
-            });
-        }
+        let allowed = |n: usize| limit.saturating_add(allowance_mib.saturating_mul(n as u64));
+        let used = sum(&g.pod) + sum(&g.claimers);
+        let (mut acted_on, claimers_only) =
+            if !g.pod.is_empty() && sum(&g.pod) > allowed(g.pod.len()) {
+                ([g.pod, g.claimers].concat(), false)
+            } else if !g.claimers.is_empty() && used > allowed(g.pod.len() + g.claimers.len()) {
+                (g.claimers, true)
+            } else {
+                continue;
+            };
+        acted_on.sort_by_key(|p| std::cmp::Reverse(p.used_mib));
+        out.push(Finding::Over(OverLimit {
+            allocation_id: id,
+            gpu,
+            pids: acted_on.iter().map(|p| p.pid).collect(),
+            used_mib: used,
+            limit_mib: limit,
+            claimers_only,
+        }));
     }
     out
 }
 
-fn read_owner(pid: u32) -> ProcOwner {
-    ProcOwner {
-        pod_uid: std::fs::read_to_string(format!("/proc/{pid}/cgroup"))
-            .ok()
-            .and_then(|t| pod_uid_from_cgroup(&t)),
-        allocation_id: std::fs::read(format!("/proc/{pid}/environ"))
-            .ok()
-            .and_then(|e| allocation_from_environ(&e)),
-    }
-}
-
-/// Whether the process exists and is not a zombie (a killed child not yet reaped).
-fn alive(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
-        s.rsplit_once(')')
-            .and_then(|(_, rest)| rest.split_whitespace().next())
-            .is_some_and(|state| state != "Z" && state != "X")
-    })
-}
-
-/// Enforcement state across passes: when each violation started, what was already reported.
+/// Enforcement state across passes: when each violation started, what was already reported,
+/// what was killed (and may still be on NVML's list while it dies).
 #[derive(Default)]
 pub struct Enforcer {
     over_since: HashMap<(u64, String), Instant>,
-    reported: HashSet<(u64, String, u32)>,
-    killed: HashSet<u32>,
+    reported: HashSet<(u64, String, ProcKey)>,
+    killed: HashSet<ProcKey>,
+    /// Pids whose sampling failed for a reason worth saying once.
+    unsampled: HashSet<u32>,
 }
 
 impl Enforcer {
@@ -178,115 +201,185 @@ impl Enforcer {
             }
             Err(_) => return,
         };
-        let procs: Vec<(GpuProcess, ProcOwner)> = procs
-            .into_iter()
-            .filter(|p| alive(p.pid) && !self.killed.contains(&p.pid))
-            .map(|p| {
-                let o = read_owner(p.pid);
-                (p, o)
-            })
-            .collect();
-        record_memory_used(agent, procs.iter().map(|(p, _)| p));
+        if agent.enforcement_refused.is_some() {
+            // NVML's pids name nothing this agent can see: measure, never attribute.
+            record_memory_used(agent, procs.iter());
+            return;
+        }
+        let mut pinned: HashMap<u32, Sampled> = HashMap::new();
+        let mut sampled: Vec<(GpuProcess, ProcOwner)> = Vec::with_capacity(procs.len());
+        for p in procs {
+            let s = match pinned.entry(p.pid) {
+                Entry::Occupied(e) => e.into_mut(),
+                Entry::Vacant(v) => match sample(p.pid) {
+                    Ok(s) => v.insert(s),
+                    Err(SampleError::Gone(_) | SampleError::Reused(_)) => continue,
+                    Err(e) => {
+                        if self.unsampled.insert(p.pid) {
+                            warn!(pid = p.pid, "GPU process not enforced: {e}");
+                        }
+                        continue;
+                    }
+                },
+            };
+            if !self.killed.contains(&s.key) {
+                let owner = s.owner.clone();
+                sampled.push((p, owner));
+            }
+        }
+        record_memory_used(agent, sampled.iter().map(|(p, _)| p));
         if !agent.synced() {
             return;
         }
-        let findings = agent.with_view(|v| judge(v, &procs));
+        let allowance = agent.cfg.context_allowance_mib;
+        let findings = agent.with_view(|v| judge(v, &sampled, allowance));
         let now = Instant::now();
         let mut still_over = HashSet::new();
         for f in findings {
-            match f {
-                Finding::Over {
-                    allocation_id,
-                    gpu,
-                    pids,
-                    used_mib,
-                    limit_mib,
-                } => {
-                    let key = (allocation_id, gpu.clone());
-                    still_over.insert(key.clone());
-                    let since = *self.over_since.entry(key).or_insert(now);
-                    if now.duration_since(since) < agent.cfg.grace {
-                        continue;
+            let span = match &f {
+                Finding::Over(OverLimit {
+                    allocation_id, gpu, ..
+                }) => {
+                    let span = info_span!("violation", allocation = allocation_id, %gpu,
+                        pod_uid = Empty, pod = Empty);
+                    if let Some(p) = agent.with_view(|v| v.allocs.get(allocation_id)?.pod.clone()) {
+                        span.record("pod_uid", p.uid.as_str());
+                        span.record(
+                            "pod",
+                            field::display(format_args!("{}/{}", p.namespace, p.name)),
+                        );
                     }
-                    let top = pids[0];
-                    if !self.reported.insert((allocation_id, gpu.clone(), top)) {
-                        continue;
-                    }
-                    let action = agent.cfg.on_violation;
-                    warn!(allocation = allocation_id, %gpu, ?pids, used_mib, limit_mib, action = action.as_str(), "memory limit exceeded");
-                    if action == OnViolation::Kill {
-                        for pid in &pids {
-                            if let Ok(pid_i) = i32::try_from(*pid) {
-                                match nix::sys::signal::kill(
-                                    nix::unistd::Pid::from_raw(pid_i),
-                                    nix::sys::signal::Signal::SIGKILL,
-                                ) {
-                                    Ok(()) => {
-                                        self.killed.insert(*pid);
-                                    }
-                                    Err(e) => warn!(pid, "SIGKILL failed: {e}"),
-                                }
-                            }
-                        }
-                    }
-                    agent
-                        .metrics
-                        .violations
-                        .get_or_create(&vec![("action", action.as_str().to_string())])
-                        .inc();
-                    tell_pod(
-                        agent,
-                        allocation_id,
-                        &gpu,
-                        &pids,
-                        used_mib,
-                        limit_mib,
-                        action,
-                    );
-                    report(
-                        agent,
-                        pb::LimitViolated {
-                            allocation_id,
-                            node: agent.cfg.node_name.clone(),
-                            gpu_uuid: gpu,
-                            pid: top,
-                            used_mib,
-                            limit_mib,
-                            action: action.as_str().into(),
-                        },
-                    )
-                    .await;
+                    span
                 }
-                Finding::Rogue { gpu, pid, used_mib } => {
-                    if !self.reported.insert((0, gpu.clone(), pid)) {
-                        continue;
-                    }
-                    warn!(%gpu, pid, used_mib, "GPU process on no allocation (rogue)");
-                    agent
-                        .metrics
-                        .violations
-                        .get_or_create(&vec![("action", "rogue".to_string())])
-                        .inc();
-                    report(
-                        agent,
-                        pb::LimitViolated {
-                            allocation_id: 0,
-                            node: agent.cfg.node_name.clone(),
-                            gpu_uuid: gpu,
-                            pid,
-                            used_mib,
-                            limit_mib: 0,
-                            action: "rogue".into(),
-                        },
-                    )
-                    .await;
-                }
-            }
+                Finding::Rogue { gpu, pid, .. } => info_span!("rogue", %gpu, pid),
+            };
+            self.act(agent, f, now, &mut still_over, &pinned)
+                .instrument(span)
+                .await;
         }
         self.over_since.retain(|k, _| still_over.contains(k));
-        let live: HashSet<u32> = procs.iter().map(|(p, _)| p.pid).collect();
-        self.reported.retain(|(_, _, pid)| live.contains(pid));
-        self.killed.retain(|pid| alive(*pid));
+        let live: HashSet<ProcKey> = pinned.values().map(|s| s.key).collect();
+        self.reported.retain(|(_, _, k)| live.contains(k));
+        self.killed.retain(|k| live.contains(k));
+        self.unsampled.retain(|pid| !pinned.contains_key(pid));
+    }
+
+    /// SIGKILL the sampled processes `pids` through their pidfds.
+    fn kill(&mut self, pinned: &HashMap<u32, Sampled>, pids: &[u32]) {
+        for pid in pids {
+            let Some(s) = pinned.get(pid) else { continue };
+            match s.kill() {
+                Ok(Killed::Now) => {
+                    self.killed.insert(s.key);
+                }
+                Ok(Killed::AlreadyGone) => {
+                    info!(
+                        pid,
+                        "the sampled process exited before the kill: nothing signalled"
+                    );
+                }
+                Err(e) => warn!(pid, "SIGKILL through the pidfd failed: {e}"),
+            }
+        }
+    }
+
+    /// Act on one finding: past the grace period, kill or report, tell the pod and the ledger.
+    async fn act(
+        &mut self,
+        agent: &Agent,
+        f: Finding,
+        now: Instant,
+        still_over: &mut HashSet<(u64, String)>,
+        pinned: &HashMap<u32, Sampled>,
+    ) {
+        match f {
+            Finding::Over(o) => {
+                let key = (o.allocation_id, o.gpu.clone());
+                still_over.insert(key.clone());
+                let since = *self.over_since.entry(key).or_insert(now);
+                if now.duration_since(since) < agent.cfg.grace {
+                    return;
+                }
+                let top = o.pids[0];
+                let Some(top_key) = pinned.get(&top).map(|s| s.key) else {
+                    return;
+                };
+                if !self
+                    .reported
+                    .insert((o.allocation_id, o.gpu.clone(), top_key))
+                {
+                    return;
+                }
+                let action = agent.cfg.on_violation;
+                warn!(
+                    pids = ?o.pids,
+                    used_mib = o.used_mib,
+                    limit_mib = o.limit_mib,
+                    allowance_mib = agent.cfg.context_allowance_mib,
+                    claimers_only = o.claimers_only,
+                    action = action.as_str(),
+                    "memory limit exceeded"
+                );
+                if action == OnViolation::Kill {
+                    self.kill(pinned, &o.pids);
+                }
+                agent
+                    .metrics
+                    .violations
+                    .get_or_create(&vec![("action", action.as_str().to_string())])
+                    .inc();
+                tell_pod(agent, &o, action);
+                report(
+                    agent,
+                    pb::LimitViolated {
+                        allocation_id: o.allocation_id,
+                        node: agent.cfg.node_name.clone(),
+                        gpu_uuid: o.gpu,
+                        pid: top,
+                        used_mib: o.used_mib,
+                        limit_mib: o.limit_mib,
+                        action: action.as_str().into(),
+                    },
+                )
+                .await;
+            }
+            Finding::Rogue {
+                gpu,
+                pid,
+                used_mib,
+                reason,
+            } => {
+                let Some(key) = pinned.get(&pid).map(|s| s.key) else {
+                    return;
+                };
+                if !self.reported.insert((0, gpu.clone(), key)) {
+                    return;
+                }
+                let policy = agent.cfg.rogue_policy;
+                warn!(used_mib, %reason, action = policy.as_str(), "GPU process on no allocation (rogue)");
+                if policy == RoguePolicy::Kill {
+                    self.kill(pinned, &[pid]);
+                }
+                agent
+                    .metrics
+                    .violations
+                    .get_or_create(&vec![("action", policy.as_str().to_string())])
+                    .inc();
+                report(
+                    agent,
+                    pb::LimitViolated {
+                        allocation_id: 0,
+                        node: agent.cfg.node_name.clone(),
+                        gpu_uuid: gpu,
+                        pid,
+                        used_mib,
+                        limit_mib: 0,
+                        action: policy.as_str().into(),
+                    },
+                )
+                .await;
+            }
+        }
     }
 }
 
@@ -312,26 +405,28 @@ fn record_memory_used<'a>(agent: &Agent, procs: impl Iterator<Item = &'a GpuProc
     }
 }
 
-/// A Warning Event on the pod whose container went over its limit, saying what happened.
-fn tell_pod(
-    agent: &Agent,
-    allocation_id: u64,
-    gpu: &str,
-    pids: &[u32],
-    used_mib: u64,
-    limit_mib: u64,
-    action: OnViolation,
-) {
+/// A Warning Event on the pod whose allocation went over its limit, saying what happened.
+fn tell_pod(agent: &Agent, o: &OverLimit, action: OnViolation) {
     let Some((pod, container)) = agent.with_view(|v| {
         v.allocs
-            .get(&allocation_id)
+            .get(&o.allocation_id)
             .and_then(|a| Some((a.pod.clone()?, a.container.clone())))
     }) else {
         return;
     };
-    let what = match action {
-        OnViolation::Kill => format!("its GPU processes {pids:?} were killed"),
-        OnViolation::Report => "reported only (--on-violation=report)".to_string(),
+    let (id, gpu, pids, used, limit) = (o.allocation_id, &o.gpu, &o.pids, o.used_mib, o.limit_mib);
+    let done = match action {
+        OnViolation::Kill => "killed",
+        OnViolation::Report => "reported only (--on-violation=report)",
+    };
+    let message = if o.claimers_only {
+        format!(
+            "processes {pids:?} in no pod claim allocation {id} of container {container} in their environment and took its use of {gpu} to {used} MiB, over its limit of {limit} MiB: they were {done}; the container's own processes were left alone"
+        )
+    } else {
+        format!(
+            "container {container} used {used} MiB on {gpu}, over its limit of {limit} MiB (allocation {id}): its GPU processes {pids:?} were {done}"
+        )
     };
     agent.event(PodEvent {
         namespace: pod.namespace,
@@ -339,16 +434,14 @@ fn tell_pod(
         uid: pod.uid,
         kind: Kind::Warning,
         reason: "GpuLimitExceeded",
-        message: format!(
-            "container {container} used {used_mib} MiB on {gpu}, over its limit of {limit_mib} MiB (allocation {allocation_id}): {what}"
-        ),
+        message,
     });
 }
 
 async fn report(agent: &Agent, v: pb::LimitViolated) {
     let r = agent
         .pool
-        .call(Duration::from_secs(10), |mut c| {
+        .call("ReportViolation", Duration::from_secs(10), |mut c| {
             let v = v.clone();
             async move {
                 c.report_violation(api::ReportViolationRequest { violation: Some(v) })
@@ -372,6 +465,9 @@ async fn report(agent: &Agent, v: pb::LimitViolated) {
 
 /// Enforce every --enforce-interval, forever.
 pub async fn run(agent: Arc<Agent>) {
+    if let Some(why) = &agent.enforcement_refused {
+        error!("ENFORCEMENT REFUSED, memory limits are not enforced on this node: {why}");
+    }
     let mut e = Enforcer::default();
     let mut t = tokio::time::interval(agent.cfg.enforce_interval.max(Duration::from_millis(50)));
     t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

@@ -1,5 +1,5 @@
 //! The agent's HTTP side for the DaemonSet's probes and Prometheus: `/healthz` (the process
-//! answers), `/readyz` (registered with the kubelet and following the ledger), `/metrics`.
+//! answers), `/readyz` (registered with the kubelet, following the ledger, enforcing), `/metrics`.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -14,12 +14,22 @@ use tracing::warn;
 
 use crate::agent::Agent;
 
-/// The status and body of a probe.
-pub fn answer(path: &str, registered: bool, synced: bool) -> (StatusCode, String) {
-    match path {
-        "/healthz" => (StatusCode::OK, "ok\n".into()),
-        "/readyz" if registered && synced => (StatusCode::OK, "ready\n".into()),
-        "/readyz" => (
+/// The status and body of a probe: ready when registered with the kubelet, following the
+/// ledger and able to enforce (`refused` says why not).
+pub fn answer(
+    path: &str,
+    registered: bool,
+    synced: bool,
+    refused: Option<&str>,
+) -> (StatusCode, String) {
+    match (path, refused) {
+        ("/healthz", _) => (StatusCode::OK, "ok\n".into()),
+        ("/readyz", Some(why)) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: enforcement refused: {why}\n"),
+        ),
+        ("/readyz", None) if registered && synced => (StatusCode::OK, "ready\n".into()),
+        ("/readyz", None) => (
             StatusCode::SERVICE_UNAVAILABLE,
             format!("not ready: kubelet_registered={registered} ledger_synced={synced}\n"),
         ),
@@ -32,11 +42,12 @@ fn probe(agent: &Agent, path: &str) -> (StatusCode, String) {
         path,
         agent.kubelet_registered.load(Ordering::Acquire),
         agent.synced(),
+        agent.enforcement_refused.as_deref(),
     )
 }
 
 async fn metrics(State(agent): State<Arc<Agent>>) -> Response {
-    agent.metrics.refresh(&agent);
+    agent.refresh_metrics();
     match gpuledger_ops::metrics::encode(&agent.registry) {
         Ok(body) => (
             [(header::CONTENT_TYPE, gpuledger_ops::metrics::CONTENT_TYPE)],
@@ -85,16 +96,27 @@ mod tests {
     use super::*;
 
     #[test]
-    fn ready_only_when_registered_and_synced() {
-        assert_eq!(answer("/healthz", false, false).0, StatusCode::OK);
-        assert_eq!(answer("/readyz", true, true).0, StatusCode::OK);
+    fn ready_only_when_registered_synced_and_enforcing() {
+        assert_eq!(answer("/healthz", false, false, None).0, StatusCode::OK);
+        assert_eq!(answer("/readyz", true, true, None).0, StatusCode::OK);
         assert_eq!(
-            answer("/readyz", true, false).0,
+            answer("/readyz", true, false, None).0,
             StatusCode::SERVICE_UNAVAILABLE
         );
         assert_eq!(
-            answer("/readyz", false, true).0,
+            answer("/readyz", false, true, None).0,
             StatusCode::SERVICE_UNAVAILABLE
+        );
+        let (code, body) = answer("/readyz", true, true, Some("not in the host pid namespace"));
+        assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(
+            body.contains("enforcement refused: not in the host pid namespace"),
+            "{body}"
+        );
+        assert_eq!(
+            answer("/healthz", true, true, Some("x")).0,
+            StatusCode::OK,
+            "alive all the same"
         );
     }
 }

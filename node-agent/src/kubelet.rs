@@ -10,6 +10,7 @@ use std::time::Duration;
 use gpuledger_proto::deviceplugin::v1beta1 as dp;
 use tokio::net::UnixListener;
 use tokio_stream::wrappers::UnixListenerStream;
+use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::agent::Agent;
@@ -17,6 +18,11 @@ use crate::device_plugin::{Plugin, RESOURCE, options};
 
 /// The device-plugin API version the kubelet expects.
 pub const VERSION: &str = "v1beta1";
+
+/// How long a registered plugin waits for the kubelet to watch its devices (ListAndWatch)
+/// before it registers again. A kubelet that never does advertises none of them (kubelets
+/// before 1.26 send the socket path as `:authority`, which this server refuses).
+pub const WATCH_WAIT: Duration = Duration::from_secs(10);
 
 fn inode(p: &Path) -> Option<u64> {
     std::fs::metadata(p).ok().map(|m| m.ino())
@@ -36,8 +42,8 @@ async fn register(kubelet_sock: &Path, endpoint: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Serve the plugin and keep it registered until the process ends.
-pub async fn serve_and_register(agent: Arc<Agent>) {
+/// Serve the plugin and keep it registered until `shutdown`.
+pub async fn serve_and_register(agent: Arc<Agent>, shutdown: CancellationToken) {
     let dir = agent.cfg.kubelet_dir.clone();
     let sock: PathBuf = dir.join(&agent.cfg.plugin_socket);
     let kubelet_sock = dir.join("kubelet.sock");
@@ -57,10 +63,15 @@ pub async fn serve_and_register(agent: Arc<Agent>) {
         };
         let my_inode = inode(&sock);
         let svc = dp::device_plugin_server::DevicePluginServer::new(Plugin::new(agent.clone()));
+        // Each socket gets its own server, dropped with its connections (ListAndWatch streams
+        // never end by themselves) when the socket is replaced or the agent stops.
+        let stop_server = shutdown.child_token();
         let server = tokio::spawn(
-            tonic::transport::Server::builder()
-                .add_service(svc)
-                .serve_with_incoming(UnixListenerStream::new(listener)),
+            stop_server.clone().run_until_cancelled_owned(
+                tonic::transport::Server::builder()
+                    .add_service(svc)
+                    .serve_with_incoming(UnixListenerStream::new(listener)),
+            ),
         );
         // Register (retrying until the kubelet is there), then watch both sockets.
         let mut kubelet_inode;
@@ -72,7 +83,6 @@ pub async fn serve_and_register(agent: Arc<Agent>) {
             match register(&kubelet_sock, &agent.cfg.plugin_socket).await {
                 Ok(()) => {
                     info!(socket = %sock.display(), resource = RESOURCE, "registered with the kubelet");
-                    agent.kubelet_registered.store(true, Ordering::Release);
                     break;
                 }
                 Err(e) => {
@@ -81,8 +91,28 @@ pub async fn serve_and_register(agent: Arc<Agent>) {
                 }
             }
         }
+        // Ready only while the kubelet watches the devices: registered alone, it may advertise
+        // none of them.
+        let mut unwatched = Some(std::time::Instant::now());
+        let mut watchers = agent.watchers.subscribe();
         loop {
-            tokio::time::sleep(Duration::from_millis(500)).await;
+            if *watchers.borrow_and_update() > 0 {
+                if unwatched.take().is_some() {
+                    info!("the kubelet watches the devices (ListAndWatch)");
+                }
+                agent.kubelet_registered.store(true, Ordering::Release);
+            } else {
+                agent.kubelet_registered.store(false, Ordering::Release);
+                let since = *unwatched.get_or_insert_with(std::time::Instant::now);
+                if since.elapsed() >= WATCH_WAIT {
+                    warn!(
+                        "the kubelet is not watching the devices (no ListAndWatch for {WATCH_WAIT:?}): it advertises none; \
+                         registering again (kubelets before 1.26 cannot reach this plugin: they send the socket path as :authority)"
+                    );
+                    break;
+                }
+            }
+            let _ = tokio::time::timeout(Duration::from_millis(500), watchers.changed()).await;
             let mine = inode(&sock);
             let kubelet = inode(&kubelet_sock);
             if mine != my_inode {
@@ -100,7 +130,8 @@ pub async fn serve_and_register(agent: Arc<Agent>) {
                 break;
             }
         }
-        server.abort();
+        stop_server.cancel();
+        let _ = server.await;
     }
 }
 

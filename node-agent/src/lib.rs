@@ -1,12 +1,14 @@
 //! gpuledger's node agent: NVML discovery, the kubelet device plugin, the node's ledger
 //! subscription, memory-limit enforcement and GPU health.
 //!
-//! The decisions (which reservation an Allocate is for, what env a container gets, who is over
-//! a limit) are pure functions in [`view`] and [`enforce`]; the rest are thin shells around
-//! NVML, the kubelet's unix sockets and the allocator's gRPC API.
+//! The decisions (which reservation an Allocate is for, what a container gets, which pod a
+//! process is in, who is over a limit) are pure functions in [`view`], [`cgroup`] and
+//! [`enforce`]; the rest are thin shells around NVML, /proc and pidfds ([`procs`]), the
+//! kubelet's unix sockets and the allocator's gRPC API.
 
 pub mod agent;
 pub mod allocator;
+pub mod cgroup;
 pub mod config;
 pub mod device_plugin;
 pub mod enforce;
@@ -14,18 +16,30 @@ pub mod health;
 pub mod kubelet;
 pub mod metrics;
 pub mod nvml;
+pub mod procs;
 pub mod subscribe;
 pub mod uds;
 pub mod view;
 
-use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
+use std::time::Duration;
 
 use anyhow::Context;
+use futures::FutureExt;
+use futures::future::BoxFuture;
 use tokio::signal::unix::{SignalKind, signal};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
 pub use config::Config;
+
+/// How long shutdown waits for the agent's tasks to stop.
+const SHUTDOWN_WAIT: Duration = Duration::from_secs(5);
+
+/// Run `fut` on `tasks` until `stop` is cancelled; it is then dropped at its next await.
+fn spawn_until(tasks: &TaskTracker, stop: &CancellationToken, fut: BoxFuture<'static, ()>) {
+    tasks.spawn(stop.clone().run_until_cancelled_owned(fut));
+}
 
 /// Run the agent until SIGTERM or SIGINT. Running containers are left untouched on exit.
 pub async fn run(cfg: Config) -> anyhow::Result<()> {
@@ -51,30 +65,33 @@ pub async fn run(cfg: Config) -> anyhow::Result<()> {
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
 
+    let shutdown = CancellationToken::new();
+    let tasks = TaskTracker::new();
     let (xid_tx, xid_rx) = tokio::sync::mpsc::channel(64);
-    let stop = Arc::new(AtomicBool::new(false));
-    let xid_thread = agent.nvml.watch_xids(xid_tx, stop.clone());
-
-    let mut tasks = vec![
-        tokio::spawn(subscribe::follow(agent.clone())),
-        tokio::spawn(agent.clone().keep_registered()),
-        tokio::spawn(agent.clone().watch_health(xid_rx)),
-        tokio::spawn(enforce::run(agent.clone())),
-        tokio::spawn(kubelet::serve_and_register(agent.clone())),
-    ];
-
+    let (nvml, stop) = (agent.nvml.clone(), shutdown.clone());
+    tasks.spawn_blocking(move || nvml.watch_xids(xid_tx, &stop));
+    let until_shutdown = |fut| spawn_until(&tasks, &shutdown, fut);
+    until_shutdown(subscribe::follow(agent.clone()).boxed());
+    until_shutdown(agent.clone().keep_registered().boxed());
+    until_shutdown(agent.clone().watch_health(xid_rx).boxed());
+    until_shutdown(enforce::run(agent.clone()).boxed());
+    until_shutdown(kubelet::serve_and_register(agent.clone(), shutdown.clone()).boxed());
     if let Some(addr) = agent.cfg.health_listen {
-        tasks.push(tokio::spawn(health::serve(agent.clone(), addr)));
+        until_shutdown(health::serve(agent.clone(), addr).boxed());
     }
+    tasks.close();
     tokio::select! {
         _ = term.recv() => info!("SIGTERM: stopping; running containers keep their GPUs"),
         _ = int.recv() => info!("SIGINT: stopping; running containers keep their GPUs"),
     }
-    for t in &tasks {
-        t.abort();
+    // The loops stop at their next await; the Xid watch within its 500 ms event wait.
+    shutdown.cancel();
+    if tokio::time::timeout(SHUTDOWN_WAIT, tasks.wait())
+        .await
+        .is_err()
+    {
+        warn!("stopping with tasks still running");
     }
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
     kubelet::remove_socket(&agent);
-    let _ = tokio::task::spawn_blocking(move || xid_thread.join()).await;
     Ok(())
 }

@@ -9,7 +9,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Registry, Unit};
 
-use crate::agent::Agent;
+use crate::nvml::GpuState;
+use crate::view::View;
 
 type Labels = Vec<(&'static str, String)>;
 
@@ -19,8 +20,11 @@ type Labels = Vec<(&'static str, String)>;
 pub struct Metrics {
     /// Time to answer one device-plugin Allocate, claim through the allocator included.
     pub allocate_latency: Family<Labels, Histogram>,
-    /// Violations found, by action (kill, report, rogue).
+    /// Violations found, by action (kill, report, rogue, rogue-kill).
     pub violations: Family<Labels, Counter>,
+    /// 1 while memory limits are enforced (0 when the agent refuses, e.g. outside the host pid
+    /// namespace).
+    pub enforcing: Gauge,
     /// GPU memory in use per GPU as NVML measures it (sum over its processes), in bytes.
     pub memory_used: Family<Labels, Gauge<i64, AtomicI64>>,
     memory_total: Family<Labels, Gauge<i64, AtomicI64>>,
@@ -44,6 +48,7 @@ impl Metrics {
         let m = Metrics {
             allocate_latency: Family::new_with_constructor(allocate_histogram as fn() -> _),
             violations: Family::default(),
+            enforcing: Gauge::default(),
             memory_used: Family::default(),
             memory_total: Family::default(),
             memory_allocated: Family::default(),
@@ -65,6 +70,11 @@ impl Metrics {
             "Processes found over their memory limit or on no allocation, by action",
             m.violations.clone(),
         );
+        registry.register(
+            "enforcing",
+            "1 while memory limits are enforced on this node (0: refused, /readyz says why)",
+            m.enforcing.clone(),
+        );
         registry.register_with_unit(
             "gpu_memory_used",
             "GPU memory used per GPU as NVML measures it (sum over its processes)",
@@ -73,7 +83,7 @@ impl Metrics {
         );
         registry.register_with_unit(
             "gpu_memory_total",
-            "GPU memory per GPU as NVML reports it",
+            "GPU memory per GPU that processes can use: NVML's total less the driver's reserve (the capacity in the ledger)",
             Unit::Bytes,
             m.memory_total.clone(),
         );
@@ -119,7 +129,7 @@ impl Metrics {
                 .allocate_latency
                 .get_or_create(&vec![("outcome", outcome.to_string())]);
         }
-        for action in ["kill", "report", "rogue"] {
+        for action in ["kill", "report", "rogue", "rogue-kill"] {
             let _ = m
                 .violations
                 .get_or_create(&vec![("action", action.to_string())]);
@@ -127,43 +137,37 @@ impl Metrics {
         m
     }
 
-    /// Bring the state gauges up to date with `agent` (called on each scrape).
-    pub fn refresh(&self, agent: &Agent) {
+    /// Bring the state gauges up to date with the GPUs, the ledger view and the agent's
+    /// registration and sync flags (called on each scrape).
+    pub fn refresh(&self, gpus: &[GpuState], view: &View, registered: bool, synced: bool) {
         const MIB: i64 = 1 << 20;
-        for g in agent.gpus.borrow().iter() {
+        for g in gpus {
             let l = vec![("gpu", g.info.uuid.clone())];
             self.healthy.get_or_create(&l).set(i64::from(g.healthy));
             self.memory_total
                 .get_or_create(&l)
                 .set(i64::try_from(g.info.memory_mib).unwrap_or(i64::MAX) * MIB);
         }
-        agent.with_view(|v| {
-            self.ledger_seq.set(v.seq);
-            self.allocations
-                .set(i64::try_from(v.allocs.len()).unwrap_or(i64::MAX));
-            let gpus = agent.gpus.borrow();
-            let mut per_gpu: std::collections::HashMap<&str, (i64, i64)> = gpus
-                .iter()
-                .map(|g| (g.info.uuid.as_str(), (0, 0)))
-                .collect();
-            for a in v.allocs.values() {
-                for s in &a.shares {
-                    let e = per_gpu.entry(&s.gpu_uuid).or_default();
-                    e.0 += i64::try_from(s.mem_mib).unwrap_or(0);
-                    e.1 += i64::from(s.core_milli);
-                }
+        self.ledger_seq.set(view.seq);
+        self.allocations
+            .set(i64::try_from(view.allocs.len()).unwrap_or(i64::MAX));
+        let mut per_gpu: std::collections::HashMap<&str, (i64, i64)> = gpus
+            .iter()
+            .map(|g| (g.info.uuid.as_str(), (0, 0)))
+            .collect();
+        for a in view.allocs.values() {
+            for s in &a.shares {
+                let e = per_gpu.entry(&s.gpu_uuid).or_default();
+                e.0 += i64::try_from(s.mem_mib).unwrap_or(0);
+                e.1 += i64::from(s.core_milli);
             }
-            for (gpu, (mib, core)) in per_gpu {
-                let l = vec![("gpu", gpu.to_string())];
-                self.memory_allocated.get_or_create(&l).set(mib * MIB);
-                self.core_allocated.get_or_create(&l).set(core);
-            }
-        });
-        self.registered.set(i64::from(
-            agent
-                .kubelet_registered
-                .load(std::sync::atomic::Ordering::Acquire),
-        ));
-        self.synced.set(i64::from(agent.synced()));
+        }
+        for (gpu, (mib, core)) in per_gpu {
+            let l = vec![("gpu", gpu.to_string())];
+            self.memory_allocated.get_or_create(&l).set(mib * MIB);
+            self.core_allocated.get_or_create(&l).set(core);
+        }
+        self.registered.set(i64::from(registered));
+        self.synced.set(i64::from(synced));
     }
 }

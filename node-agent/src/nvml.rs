@@ -2,7 +2,6 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use nvml_wrapper::Nvml;
@@ -11,6 +10,7 @@ use nvml_wrapper::enums::device::UsedGpuMemory;
 use nvml_wrapper::enums::event::XidError;
 use nvml_wrapper::error::NvmlError;
 use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
 
 /// One GPU as NVML reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -21,8 +21,21 @@ pub struct GpuInfo {
     pub index: u32,
     /// Model name.
     pub model: String,
-    /// Total memory in MiB.
+    /// Memory in MiB that processes can use: NVML's total less what the driver reserves (on an
+    /// idle H100 80GB HBM3: 81559 − 480). This is the capacity registered in the ledger, so
+    /// the allocator never hands out memory no process can ever get.
     pub memory_mib: u64,
+    /// What the driver reserves, in MiB (logged; not allocatable).
+    pub reserved_mib: u64,
+}
+
+/// One GPU and whether it is fit to be handed out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuState {
+    /// What NVML says about it.
+    pub info: GpuInfo,
+    /// False after a critical Xid (or when the ledger already had it unhealthy).
+    pub healthy: bool,
 }
 
 /// A process with a compute context on a GPU.
@@ -125,11 +138,13 @@ impl NvmlBackend {
         let mut out = Vec::with_capacity(n as usize);
         for i in 0..n {
             let d = call("device by index", self.nvml.device_by_index(i))?;
+            let mem = call("memory info", d.memory_info())?;
             out.push(GpuInfo {
                 uuid: call("device uuid", d.uuid())?,
                 index: i,
                 model: call("device name", d.name())?,
-                memory_mib: call("memory info", d.memory_info())?.total >> 20,
+                memory_mib: mem.total.saturating_sub(mem.reserved) >> 20,
+                reserved_mib: mem.reserved >> 20,
             });
         }
         Ok(out)
@@ -157,26 +172,20 @@ impl NvmlBackend {
         Ok(out)
     }
 
-    /// Watch Xid errors on every GPU on a dedicated thread (NVML's wait blocks) until `stop`.
-    /// Events go to `tx`; the thread ends when `stop` is set or `tx` closes.
-    pub fn watch_xids(
-        &self,
-        tx: mpsc::Sender<XidEvent>,
-        stop: Arc<AtomicBool>,
-    ) -> std::thread::JoinHandle<()> {
-        let nvml = self.nvml.clone();
-        std::thread::Builder::new()
-            .name("nvml-xid".into())
-            .spawn(move || {
-                if let Err(e) = xid_loop(&nvml, &tx, &stop) {
-                    tracing::warn!("Xid events unavailable, GPU health is not watched: {e}");
-                }
-            })
-            .expect("spawning a thread")
+    /// Watch Xid errors on every GPU until `stop` is cancelled or `tx` closes; events go to
+    /// `tx`. Blocks (NVML's event wait does): run it with `spawn_blocking`.
+    pub fn watch_xids(&self, tx: mpsc::Sender<XidEvent>, stop: &CancellationToken) {
+        if let Err(e) = xid_loop(&self.nvml, &tx, stop) {
+            tracing::warn!("Xid events unavailable, GPU health is not watched: {e}");
+        }
     }
 }
 
-fn xid_loop(nvml: &Nvml, tx: &mpsc::Sender<XidEvent>, stop: &AtomicBool) -> Result<(), Error> {
+fn xid_loop(
+    nvml: &Nvml,
+    tx: &mpsc::Sender<XidEvent>,
+    stop: &CancellationToken,
+) -> Result<(), Error> {
     let mut set = call("event set create", nvml.create_event_set())?;
     let n = call("device count", nvml.device_count())?;
     for i in 0..n {
@@ -188,7 +197,7 @@ fn xid_loop(nvml: &Nvml, tx: &mpsc::Sender<XidEvent>, stop: &AtomicBool) -> Resu
                 source: e.error,
             })?;
     }
-    while !stop.load(Ordering::Relaxed) && !tx.is_closed() {
+    while !stop.is_cancelled() && !tx.is_closed() {
         match set.wait(500) {
             Ok(ev) => {
                 let xid = match ev.event_data {

@@ -5,7 +5,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use gpuledger_proto::allocator::v1 as api;
-use tracing::{debug, info, warn};
+use gpuledger_proto::allocator::v1::allocator_client::AllocatorClient;
+use tonic::transport::Channel;
+use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::agent::Agent;
 
@@ -35,38 +37,10 @@ pub async fn follow(agent: Arc<Agent>) {
     loop {
         let (addr, mut c) = agent.pool.stream_at(i);
         let from_seq = agent.resume_seq();
-        match c
-            .subscribe(api::SubscribeRequest {
-                node: node.clone(),
-                from_seq,
-            })
-            .await
-        {
-            Ok(resp) => {
-                info!(%addr, from_seq, "subscribed to the ledger");
-                let mut s = resp.into_inner();
-                loop {
-                    match s.message().await {
-                        Ok(Some(m)) => {
-                            if check_epoch(&mut max_epoch, m.epoch) == Verdict::StaleEpoch {
-                                warn!(%addr, epoch = m.epoch, max_epoch, "refusing a message from an older epoch; switching replica");
-                                break;
-                            }
-                            agent.on_message(m);
-                        }
-                        Ok(None) => {
-                            debug!(%addr, "subscription ended");
-                            break;
-                        }
-                        Err(e) => {
-                            debug!(%addr, "subscription broke: {e}");
-                            break;
-                        }
-                    }
-                }
-            }
-            Err(e) => debug!(%addr, "subscribe failed: {e}"),
-        }
+        let span = info_span!("subscription", %node, replica = %addr, from_seq);
+        subscribe_once(&agent, &mut c, &node, from_seq, &mut max_epoch)
+            .instrument(span)
+            .await;
         i += 1;
         tokio::time::sleep(Duration::from_millis(
             if i.is_multiple_of(agent.pool.len()) {
@@ -76,6 +50,52 @@ pub async fn follow(agent: Arc<Agent>) {
             },
         ))
         .await;
+    }
+}
+
+/// One subscription at one replica, until it ends or breaks.
+async fn subscribe_once(
+    agent: &Agent,
+    c: &mut AllocatorClient<Channel>,
+    node: &str,
+    from_seq: u64,
+    max_epoch: &mut u64,
+) {
+    match c
+        .subscribe(api::SubscribeRequest {
+            node: node.to_string(),
+            from_seq,
+        })
+        .await
+    {
+        Ok(resp) => {
+            info!("subscribed to the ledger");
+            let mut s = resp.into_inner();
+            loop {
+                match s.message().await {
+                    Ok(Some(m)) => {
+                        if check_epoch(max_epoch, m.epoch) == Verdict::StaleEpoch {
+                            warn!(
+                                epoch = m.epoch,
+                                max_epoch = *max_epoch,
+                                "refusing a message from an older epoch; switching replica"
+                            );
+                            break;
+                        }
+                        agent.on_message(m);
+                    }
+                    Ok(None) => {
+                        debug!("subscription ended");
+                        break;
+                    }
+                    Err(e) => {
+                        debug!("subscription broke: {e}");
+                        break;
+                    }
+                }
+            }
+        }
+        Err(e) => debug!("subscribe failed: {e}"),
     }
 }
 

@@ -8,6 +8,8 @@ use gpuledger_proto::deviceplugin::v1beta1 as dp;
 use gpuledger_proto::ledger::v1 as pb;
 use pb::event::Body;
 
+use crate::config::DeviceListStrategy;
+
 /// The node's inventory and allocations at `seq`, as the ledger has them.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct View {
@@ -188,26 +190,69 @@ pub fn parse_device_id(id: &str) -> Option<(&str, u32)> {
     Some((uuid, k.parse().ok()?))
 }
 
-/// How the container's limits are exported.
+/// The CDI annotation key prefix (the CDI specification's `AnnotationPrefix`).
+pub const CDI_ANNOTATION_PREFIX: &str = "cdi.k8s.io/";
+
+/// The plugin-name part of this agent's CDI annotation keys (`<vendor>.<device type>`).
+const CDI_PLUGIN_NAME: &str = "gpuledger.gpu";
+
+/// What Allocate answers besides the allocation itself: how the GPUs are named to the runtime
+/// and how the limits are exported.
 #[derive(Debug, Clone, Default)]
-pub struct EnvOptions {
+pub struct AllocateOptions {
     /// Also the MPS variables and pipe-directory mount.
     pub mps: bool,
     /// The MPS pipe directory.
     pub mps_pipe_dir: String,
+    /// How the granted GPUs are named to the container runtime.
+    pub strategies: Vec<DeviceListStrategy>,
+    /// The CDI kind of the GPUs' CDI devices (`nvidia.com/gpu`).
+    pub cdi_kind: String,
+}
+
+/// The CDI annotation for allocation `id`: the key is unique per allocation, as the CDI
+/// specification's `AnnotationKey(pluginName, deviceID)` asks, and its value lists the devices.
+pub fn cdi_annotation(id: u64, devices: &[String]) -> (String, String) {
+    (
+        format!("{CDI_ANNOTATION_PREFIX}{CDI_PLUGIN_NAME}_{id}"),
+        devices.join(","),
+    )
 }
 
 /// The Allocate answer for one container holding allocation `a` on GPUs of `inventory`.
 pub fn container_response(
     a: &pb::Allocation,
     inventory: Option<&pb::NodeInventory>,
-    opts: &EnvOptions,
+    opts: &AllocateOptions,
 ) -> dp::ContainerAllocateResponse {
     let mut envs = HashMap::new();
     let uuids: Vec<&str> = a.shares.iter().map(|s| s.gpu_uuid.as_str()).collect();
     let mem = a.shares.first().map_or(0, |s| s.mem_mib);
     let core_pct = a.shares.first().map_or(0, |s| s.core_milli / 10);
-    envs.insert("NVIDIA_VISIBLE_DEVICES".into(), uuids.join(","));
+    let cdi_names: Vec<String> = uuids
+        .iter()
+        .map(|u| format!("{}={u}", opts.cdi_kind))
+        .collect();
+    let mut annotations = HashMap::new();
+    annotations.insert("gpuledger.io/allocation-id".into(), a.id.to_string());
+    let mut cdi_devices = Vec::new();
+    for s in &opts.strategies {
+        match s {
+            DeviceListStrategy::Envvar => {
+                envs.insert("NVIDIA_VISIBLE_DEVICES".into(), uuids.join(","));
+            }
+            DeviceListStrategy::CdiAnnotations => {
+                let (k, v) = cdi_annotation(a.id, &cdi_names);
+                annotations.insert(k, v);
+            }
+            DeviceListStrategy::CdiCri => {
+                cdi_devices = cdi_names
+                    .iter()
+                    .map(|name| dp::CdiDevice { name: name.clone() })
+                    .collect();
+            }
+        }
+    }
     envs.insert("GPULEDGER_ALLOCATION_ID".into(), a.id.to_string());
     envs.insert("GPULEDGER_GPU_MEM_MIB".into(), mem.to_string());
     envs.insert("GPULEDGER_GPU_CORE".into(), core_pct.to_string());
@@ -259,14 +304,12 @@ pub fn container_response(
             read_only: false,
         });
     }
-    let mut annotations = HashMap::new();
-    annotations.insert("gpuledger.io/allocation-id".into(), a.id.to_string());
     dp::ContainerAllocateResponse {
         envs,
         mounts,
         devices: Vec::new(),
         annotations,
-        cdi_devices: Vec::new(),
+        cdi_devices,
     }
 }
 

@@ -5,9 +5,9 @@ mod support;
 use std::process::Command;
 use std::time::Duration;
 
-use gpuledger_chaos::bin_path;
-use gpuledger_chaos::kubelet::node::fake_nvml_lib;
 use gpuledger_proto::ledger::v1 as pb;
+use gpuledger_testkit::bin_path;
+use gpuledger_testkit::kubelet::node::fake_nvml_lib;
 use support::{Cluster, alloc_of};
 use tonic::Code;
 

@@ -7,8 +7,8 @@ mod support;
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use gpuledger_chaos::free_port;
-use gpuledger_chaos::kube::FakeApiServer;
+use gpuledger_testkit::free_port;
+use gpuledger_testkit::kube::FakeApiServer;
 use serde_json::Value;
 use support::Cluster;
 
@@ -62,7 +62,7 @@ fn value(text: &str, series: &str) -> Option<f64> {
 
 async fn scrape(port: u16) -> anyhow::Result<String> {
     let (code, text) =
-        gpuledger_chaos::http::get(&format!("http://127.0.0.1:{port}/metrics")).await?;
+        gpuledger_testkit::http::get(&format!("http://127.0.0.1:{port}/metrics")).await?;
     anyhow::ensure!(code == 200, "/metrics answered {code}: {text}");
     Ok(text)
 }
@@ -140,10 +140,11 @@ async fn a_killed_container_gets_an_event_and_the_metrics_follow_nvml() -> anyho
         value(&text, "gpuledger_node_agent_kubelet_registered"),
         Some(1.0)
     );
+    assert_eq!(value(&text, "gpuledger_node_agent_enforcing"), Some(1.0));
     assert_eq!(value(&text, "gpuledger_node_agent_allocations"), Some(2.0));
     assert!(value(&text, "gpuledger_node_agent_ledger_seq").is_some_and(|s| s > 0.0));
     let (code, _) =
-        gpuledger_chaos::http::get(&format!("http://127.0.0.1:{}/readyz", o.port)).await?;
+        gpuledger_testkit::http::get(&format!("http://127.0.0.1:{}/readyz", o.port)).await?;
     assert_eq!(code, 200);
     for mut ch in [hog, fine] {
         let _ = ch.kill();

@@ -8,7 +8,7 @@ mod support;
 use std::time::Duration;
 
 use gpuledger_proto::ledger::v1 as pb;
-use support::{Cluster, alloc_of, gpu_of};
+use support::{Cluster, alloc_of, gpu_of, granted};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pods_admitted_out_of_order_end_up_on_the_gpus_they_really_got() -> anyhow::Result<()> {
@@ -23,7 +23,8 @@ async fn pods_admitted_out_of_order_end_up_on_the_gpus_they_really_got() -> anyh
     let got_b = c.kubelet.admit("default", "pod-uid-b", "main", 1).await?;
     let env_b = &got_b.response.envs;
     assert_eq!(
-        env_b["NVIDIA_VISIBLE_DEVICES"], g0,
+        granted(&got_b.response),
+        g0,
         "the guess: the oldest pending reservation"
     );
     assert_eq!(
@@ -52,7 +53,7 @@ async fn pods_admitted_out_of_order_end_up_on_the_gpus_they_really_got() -> anyh
 
     // Then A: it gets what is left, GPU 1, and no correction is needed.
     let got_a = c.kubelet.admit("default", "pod-uid-a", "main", 1).await?;
-    assert_eq!(got_a.response.envs["NVIDIA_VISIBLE_DEVICES"], g1);
+    assert_eq!(granted(&got_a.response), g1);
     let s = c
         .wait_ledger(Duration::from_secs(10), |s| {
             alloc_of(s, "uid-a").is_some_and(|x| x.state == pb::AllocationState::Assigned as i32)
@@ -83,7 +84,7 @@ async fn pods_admitted_in_order_need_no_correction_and_get_full_env() -> anyhow:
     let got = c.kubelet.admit("default", "pod-uid-a", "main", 1).await?;
     let e = &got.response.envs;
     let gpu = &a.shares[0].gpu_uuid;
-    assert_eq!(&e["NVIDIA_VISIBLE_DEVICES"], gpu);
+    assert_eq!(&granted(&got.response), gpu);
     assert_eq!(e["GPULEDGER_ALLOCATION_ID"], a.id.to_string());
     assert_eq!(e["GPULEDGER_GPU_MEM_MIB"], "8192");
     assert_eq!(e["GPULEDGER_GPU_CORE"], "10");

@@ -1,16 +1,17 @@
 //! Discovery: the GPUs NVML reports are registered with the allocator, and registered again
-//! when NVML shows a different set (a GPU added), with ListAndWatch following.
+//! when NVML shows a different set (a GPU added), with ListAndWatch following; the memory the
+//! driver reserves is not registered as capacity.
 
 mod support;
 
 use std::time::Duration;
 
-use gpuledger_chaos::kubelet::node::FakeGpu;
-use support::{Cluster, NODE, SLOTS};
+use gpuledger_testkit::kubelet::node::FakeGpu;
+use support::{Cluster, NODE, Options, SLOTS};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nvml_inventory_is_registered_and_reregistered_on_change() -> anyhow::Result<()> {
-    let port = gpuledger_chaos::free_port()?;
+    let port = gpuledger_testkit::free_port()?;
     let health = format!("--health-listen=127.0.0.1:{port}");
     let mut c = Cluster::start(2, &["--rediscover-interval=200ms", &health]).await?;
     assert!(
@@ -58,6 +59,34 @@ async fn nvml_inventory_is_registered_and_reregistered_on_change() -> anyhow::Re
             d.len() == 3 * SLOTS as usize && d.iter().any(|x| x.id == "GPU-hotplug::0")
         })
         .await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_memory_the_driver_reserves_is_not_registered_as_capacity() -> anyhow::Result<()> {
+    // A real H100 80GB HBM3 (driver 580): 81559 MiB in all, 480 MiB reserved by the driver.
+    let c = Cluster::start_opts(Options {
+        nvml: Some(Box::new(|cfg| {
+            cfg.gpus[0].memory_mib = 81_559;
+            cfg.gpus[0].reserved_mib = 480;
+        })),
+        ..Options::default()
+    })
+    .await?;
+    let s = c.dump().await?;
+    let n = s.nodes.iter().find(|n| n.node == NODE).expect("registered");
+    assert_eq!(n.gpus[0].memory_mib, 81_559 - 480, "what processes can use");
+    // No reservation can take what no process will ever get.
+    let mut api = c.client()?;
+    let too_big = api
+        .reserve(gpuledger_proto::allocator::v1::ReserveRequest {
+            request: Some(gpuledger_testkit::workload::pod("big", 81_100, 10)),
+            node: NODE.into(),
+            ttl_ms: 60_000,
+        })
+        .await;
+    assert!(too_big.is_err(), "81100 MiB fit on a GPU with 81079 usable");
+    c.reserve("fits", 81_079, None).await?;
     Ok(())
 }
 

@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use anyhow::{Context, bail};
+use csv::{Position, ReaderBuilder, StringRecord, Trim};
 
 /// One node of the node list.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,46 +52,47 @@ impl PodRow {
     }
 }
 
-/// A CSV file split into a header index and numbered rows (no quoting: the trace has none).
+/// A CSV file read into a header index and its rows, each with the line it starts on.
 struct Table<'a> {
     file: &'a Path,
     columns: HashMap<String, usize>,
-    rows: Vec<(usize, Vec<&'a str>)>,
+    rows: Vec<(u64, StringRecord)>,
 }
 
 impl<'a> Table<'a> {
-    fn parse(file: &'a Path, text: &'a str) -> anyhow::Result<Self> {
-        let mut lines = text
-            .lines()
-            .enumerate()
-            .filter(|(_, l)| !l.trim().is_empty());
-        let Some((_, header)) = lines.next() else {
-            bail!("{}: empty file, expected a CSV header", file.display());
+    fn parse(file: &'a Path, text: &str) -> anyhow::Result<Self> {
+        // Flexible, so that a short or long row gets this reader's message with its line.
+        let mut reader = ReaderBuilder::new()
+            .has_headers(false)
+            .flexible(true)
+            .trim(Trim::All)
+            .from_reader(text.as_bytes());
+        let mut records = reader.records().filter(|r| match r {
+            Ok(rec) => !is_blank(rec),
+            Err(_) => true,
+        });
+        let header = match records.next() {
+            None => bail!("{}: empty file, expected a CSV header", file.display()),
+            Some(r) => r.with_context(|| format!("{}: not readable as CSV", file.display()))?,
         };
         let columns: HashMap<String, usize> = header
-            .split(',')
+            .iter()
             .enumerate()
-            .map(|(i, h)| {
-                (
-                    h.trim().trim_start_matches('\u{feff}').to_ascii_lowercase(),
-                    i,
-                )
-            })
+            .map(|(i, h)| (h.trim_start_matches('\u{feff}').to_ascii_lowercase(), i))
             .collect();
-        let width = header.split(',').count();
+        let width = header.len();
         let mut rows = Vec::new();
-        for (i, l) in lines {
-            let cells: Vec<&str> = l.split(',').map(str::trim).collect();
-            if cells.len() != width {
+        for r in records {
+            let rec = r.with_context(|| format!("{}: not readable as CSV", file.display()))?;
+            let line = rec.position().map_or(0, Position::line);
+            if rec.len() != width {
                 bail!(
-                    "{}:{}: {} fields, the header has {}",
+                    "{}:{line}: {} fields, the header has {width}",
                     file.display(),
-                    i + 1,
-                    cells.len(),
-                    width
+                    rec.len(),
                 );
             }
-            rows.push((i + 1, cells));
+            rows.push((line, rec));
         }
         Ok(Table {
             file,
@@ -114,19 +116,24 @@ impl<'a> Table<'a> {
 
     fn number<T: std::str::FromStr>(
         &self,
-        line: usize,
-        cells: &[&str],
+        line: u64,
+        cells: &StringRecord,
         col: usize,
         name: &str,
     ) -> anyhow::Result<T> {
-        cells[col].parse().map_err(|_| {
+        let cell = &cells[col];
+        cell.parse().map_err(|_| {
             anyhow::anyhow!(
-                "{}:{line}: column {name}: {:?} is not a non-negative integer",
+                "{}:{line}: column {name}: {cell:?} is not a non-negative integer",
                 self.file.display(),
-                cells[col]
             )
         })
     }
+}
+
+/// A line with nothing on it but blanks: skipped, as a blank line is.
+fn is_blank(rec: &StringRecord) -> bool {
+    rec.len() == 1 && rec[0].is_empty()
 }
 
 fn read(path: &Path) -> anyhow::Result<String> {
@@ -270,4 +277,36 @@ pub fn parse_pods(path: &Path, text: &str) -> anyhow::Result<Vec<PodRow>> {
         bail!("{}: no pods", path.display());
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const NODES: &str = "sn,cpu_milli,memory_mib,gpu,model\nn1,1000,2048,2,A100\n";
+
+    #[test]
+    fn quoted_fields_blank_lines_and_a_bom_read_as_csv() {
+        let pods = "\u{feff}name, cpu_milli ,memory_mib,num_gpu,gpu_milli,gpu_spec\r\n\
+                    \r\n\
+                    \"p,1\",100,200,1,500,\"A100|V100\"\r\n   \r\n\
+                    p2,100,200,0,0,\r\n";
+        let rows = parse_pods(Path::new("pods.csv"), pods).expect("parses");
+        assert_eq!(rows.len(), 2);
+        assert_eq!(rows[0].name, "p,1");
+        assert_eq!(rows[0].gpu_spec, ["A100", "V100"]);
+        assert_eq!(rows[0].gpu_request(), 500);
+        assert_eq!(rows[1].gpu_spec, Vec::<String>::new());
+        assert_eq!(
+            parse_nodes(Path::new("n.csv"), NODES).expect("parses")[0].gpus,
+            2
+        );
+    }
+
+    #[test]
+    fn a_short_row_is_named_by_its_line() {
+        let pods = "name,cpu_milli,memory_mib,num_gpu,gpu_milli\n\np1,1,2,0,0\np2,1,2\n";
+        let err = parse_pods(Path::new("pods.csv"), pods).expect_err("refused");
+        assert_eq!(err.to_string(), "pods.csv:4: 3 fields, the header has 5");
+    }
 }

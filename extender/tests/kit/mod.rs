@@ -1,12 +1,12 @@
-//! Helpers shared by the extender's integration tests: fixtures, TLS, an HTTPS client, JSON
-//! Patch, and admission as the API server does it.
+//! Helpers shared by the extender's integration tests: fixtures, TLS, an HTTPS client, and
+//! admission as the API server does it.
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use anyhow::{Context, Result, bail};
-use gpuledger_chaos::kube::{ExtenderClient, ExtenderConfig, KubeStack};
+use anyhow::{Context, Result};
+use gpuledger_testkit::kube::{ExtenderClient, ExtenderConfig, KubeStack};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use serde_json::{Value, json};
@@ -52,6 +52,39 @@ impl TestTls {
         Ok(TestTls { dir, cert_pem })
     }
 
+    /// Replace the pair on disk with a new certificate, as the kubelet updates a Secret volume
+    /// (new files, then an atomic rename); returns its PEM.
+    pub fn rotate(&mut self) -> Result<String> {
+        let ck = rcgen::generate_simple_self_signed(vec!["localhost".into(), "127.0.0.1".into()])?;
+        let cert_pem = ck.cert.pem();
+        self.replace(
+            cert_pem.as_bytes(),
+            ck.signing_key.serialize_pem().as_bytes(),
+        )?;
+        self.cert_pem = cert_pem.clone();
+        Ok(cert_pem)
+    }
+
+    /// Write `cert` and `key` over the pair, each by an atomic rename.
+    pub fn replace(&self, cert: &[u8], key: &[u8]) -> Result<()> {
+        for (name, body) in [("tls.key", key), ("tls.crt", cert)] {
+            let tmp = self.dir.path().join(format!(".{name}.new"));
+            std::fs::write(&tmp, body)?;
+            std::fs::rename(&tmp, self.dir.path().join(name))?;
+        }
+        Ok(())
+    }
+
+    /// The certificate file.
+    pub fn cert_path(&self) -> PathBuf {
+        self.dir.path().join("tls.crt")
+    }
+
+    /// The key file.
+    pub fn key_path(&self) -> PathBuf {
+        self.dir.path().join("tls.key")
+    }
+
     /// Extender flags serving the webhook on `port`.
     pub fn flags(&self, port: u16) -> Vec<String> {
         vec![
@@ -72,10 +105,15 @@ pub struct Https {
 impl Https {
     /// A client for 127.0.0.1:`port`.
     pub fn new(tls: &TestTls, port: u16) -> Result<Https> {
+        Https::trusting(&tls.cert_pem, port)
+    }
+
+    /// A client for 127.0.0.1:`port` that trusts only the PEM certificate `ca`.
+    pub fn trusting(ca: &str, port: u16) -> Result<Https> {
         use rustls::pki_types::CertificateDer;
         use rustls::pki_types::pem::PemObject;
         let mut roots = rustls::RootCertStore::empty();
-        for c in CertificateDer::pem_slice_iter(tls.cert_pem.as_bytes()) {
+        for c in CertificateDer::pem_slice_iter(ca.as_bytes()) {
             roots.add(c?)?;
         }
         let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
@@ -90,11 +128,16 @@ impl Https {
         })
     }
 
-    /// POST raw bytes; status and body.
-    pub async fn post_raw(&self, path: &str, body: Vec<u8>) -> Result<(u16, Vec<u8>)> {
+    /// A TLS connection to the server, handshake done.
+    pub async fn connect(&self) -> Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>> {
         let tcp = tokio::net::TcpStream::connect(("127.0.0.1", self.port)).await?;
         let name = rustls::pki_types::ServerName::try_from("localhost")?.to_owned();
-        let tls = self.connector.connect(name, tcp).await?;
+        Ok(self.connector.connect(name, tcp).await?)
+    }
+
+    /// POST raw bytes; status and body.
+    pub async fn post_raw(&self, path: &str, body: Vec<u8>) -> Result<(u16, Vec<u8>)> {
+        let tls = self.connect().await?;
         let (mut send, conn) =
             hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tls)).await?;
         tokio::spawn(conn);
@@ -117,49 +160,25 @@ impl Https {
     }
 }
 
-fn unescape(seg: &str) -> String {
-    seg.replace("~1", "/").replace("~0", "~")
+/// Apply an RFC 6902 JSON Patch, as the API server does.
+pub fn apply_patch(mut doc: Value, patch: &Value) -> Result<Value> {
+    let p: json_patch::Patch = serde_json::from_value(patch.clone()).context("not a JSON Patch")?;
+    json_patch::patch(&mut doc, &p)?;
+    Ok(doc)
 }
 
-/// Apply an RFC 6902 JSON Patch (add, replace, remove), as the API server does.
-pub fn apply_patch(mut doc: Value, patch: &Value) -> Result<Value> {
-    for op in patch.as_array().context("a patch is a list")? {
-        let path = op["path"].as_str().context("op without path")?;
-        let segs: Vec<String> = path.split('/').skip(1).map(unescape).collect();
-        let (last, parents) = segs.split_last().context("empty path")?;
-        let mut cur = &mut doc;
-        for s in parents {
-            cur = match cur {
-                Value::Object(m) => m.get_mut(s).with_context(|| format!("{path}: no {s}"))?,
-                Value::Array(a) => a
-                    .get_mut(s.parse::<usize>()?)
-                    .with_context(|| format!("{path}: no index {s}"))?,
-                _ => bail!("{path}: {s} is not a container"),
-            };
-        }
-        match (op["op"].as_str(), cur) {
-            (Some("add" | "replace"), Value::Object(m)) => {
-                m.insert(last.clone(), op["value"].clone());
-            }
-            (Some("remove"), Value::Object(m)) => {
-                m.remove(last);
-            }
-            (Some("add"), Value::Array(a)) if last == "-" => a.push(op["value"].clone()),
-            (o, _) => bail!("unsupported op {o:?} at {path}"),
-        }
-    }
-    Ok(doc)
+/// An AdmissionReview of creating `obj` (a pod), as the API server sends it.
+pub fn review(obj: &Value, uid: &str) -> Value {
+    json!({"kind": "AdmissionReview", "apiVersion": "admission.k8s.io/v1",
+           "request": {"uid": uid, "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                       "resource": {"group": "", "version": "v1", "resource": "pods"},
+                       "operation": "CREATE", "userInfo": {"username": "system:admin"},
+                       "object": obj}})
 }
 
 /// Admit `pod` as the API server would: mutate, apply the patch, validate.
 /// Ok(the stored pod) or Err(the denial message).
 pub async fn admit(hook: &Https, pod: Value) -> Result<std::result::Result<Value, String>> {
-    let review = |obj: &Value, uid: &str| {
-        json!({"kind": "AdmissionReview", "apiVersion": "admission.k8s.io/v1",
-               "request": {"uid": uid, "kind": {"group": "", "version": "v1", "kind": "Pod"},
-                           "resource": {"group": "", "version": "v1", "resource": "pods"},
-                           "operation": "CREATE", "object": obj}})
-    };
     let (s, m) = hook.post("/mutate", &review(&pod, "m-1")).await?;
     anyhow::ensure!(s == 200, "mutate answered {s}: {m}");
     let pod = match m["response"]["patch"].as_str() {

@@ -44,6 +44,14 @@ pub struct FakeGpu {
     pub name: String,
     /// Total memory in MiB.
     pub memory_mib: u64,
+    /// Memory the driver reserves, in MiB: `nvmlDeviceGetMemoryInfo_v2` reports it apart, v1
+    /// counts it as used (a real H100 80GB HBM3 on driver 580: 480 of 81559).
+    #[serde(default)]
+    pub reserved_mib: u64,
+    /// The CUDA context each process carries on this GPU, in MiB: NVML charges it to the
+    /// process, on top of what the process allocated (a real H100: ~518).
+    #[serde(default)]
+    pub context_mib: u64,
     /// GPU utilization percent reported by `nvmlDeviceGetUtilizationRates`.
     #[serde(default)]
     pub util_percent: u32,
@@ -54,7 +62,7 @@ pub struct FakeGpu {
 pub struct FakeProcess {
     /// Process id (as seen from the node agent).
     pub pid: u32,
-    /// Used GPU memory in MiB.
+    /// GPU memory the process allocated, in MiB; NVML reports it plus the GPU's `context_mib`.
     pub used_mib: u64,
     /// UUID of the GPU it runs on.
     pub gpu: String,
@@ -391,12 +399,18 @@ pub unsafe extern "C" fn nvmlDeviceGetName(
     }))
 }
 
+/// What NVML reports a process on GPU `g` to use, in bytes: its allocations and its context.
+fn process_bytes(g: &FakeGpu, p: &FakeProcess) -> u64 {
+    (p.used_mib + g.context_mib) << 20
+}
+
+/// Memory the processes on GPU `i` use, in bytes.
 fn used_bytes(c: &FakeConfig, i: usize) -> u64 {
-    let uuid = &c.gpus[i].uuid;
+    let g = &c.gpus[i];
     c.processes
         .iter()
-        .filter(|p| &p.gpu == uuid)
-        .map(|p| p.used_mib << 20)
+        .filter(|p| p.gpu == g.uuid)
+        .map(|p| process_bytes(g, p))
         .sum()
 }
 
@@ -409,7 +423,8 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(device: *mut c_void, mem: *mut 
             return Err(ERROR_INVALID_ARGUMENT);
         }
         let total = c.gpus[i].memory_mib << 20;
-        let used = used_bytes(&c, i).min(total);
+        // v1 counts the driver's reserve as used.
+        let used = ((c.gpus[i].reserved_mib << 20) + used_bytes(&c, i)).min(total);
         // SAFETY: non-null, and NVML's contract makes it a valid `nvmlMemory_t*`.
         unsafe {
             *mem = Memory {
@@ -434,7 +449,8 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
             return Err(ERROR_INVALID_ARGUMENT);
         }
         let total = c.gpus[i].memory_mib << 20;
-        let used = used_bytes(&c, i).min(total);
+        let reserved = (c.gpus[i].reserved_mib << 20).min(total);
+        let used = used_bytes(&c, i).min(total - reserved);
         // SAFETY: non-null, and NVML's contract makes it a valid `nvmlMemory_v2_t*` whose
         // `version` the caller set.
         unsafe {
@@ -442,8 +458,8 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
             *mem = MemoryV2 {
                 version,
                 total,
-                reserved: 0,
-                free: total - used,
+                reserved,
+                free: total - reserved - used,
                 used,
             };
         }
@@ -461,8 +477,8 @@ unsafe fn processes(device: *mut c_void, count: *mut c_uint, infos: *mut Process
         if count.is_null() {
             return Err(ERROR_INVALID_ARGUMENT);
         }
-        let uuid = &c.gpus[i].uuid;
-        let procs: Vec<&FakeProcess> = c.processes.iter().filter(|p| &p.gpu == uuid).collect();
+        let g = &c.gpus[i];
+        let procs: Vec<&FakeProcess> = c.processes.iter().filter(|p| p.gpu == g.uuid).collect();
         // SAFETY: non-null, and NVML's contract makes it a valid `unsigned int*`.
         let cap = unsafe { *count } as usize;
         // SAFETY: as above.
@@ -478,7 +494,7 @@ unsafe fn processes(device: *mut c_void, count: *mut c_uint, infos: *mut Process
             unsafe {
                 *infos.add(k) = ProcessInfo {
                     pid: p.pid,
-                    used_gpu_memory: p.used_mib << 20,
+                    used_gpu_memory: process_bytes(g, p),
                     gpu_instance_id: u32::MAX,
                     compute_instance_id: u32::MAX,
                 };

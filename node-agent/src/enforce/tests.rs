@@ -1,8 +1,13 @@
 use super::*;
 
+const A: &str = "aaaaaaaa-0000-0000-0000-000000000001";
+const B: &str = "bbbbbbbb-0000-0000-0000-000000000002";
+const C: &str = "cccccccc-0000-0000-0000-000000000003";
+
+/// Allocation 1 (pod A, 1000 MiB) and 2 (pod B, 2000 MiB) on G0; pod C has none.
 fn view() -> View {
     let mut v = View::default();
-    for (id, uid, gpu, mem) in [(1, "uid-a", "G0", 1000), (2, "uid-b", "G0", 2000)] {
+    for (id, uid, gpu, mem) in [(1, A, "G0", 1000), (2, B, "G0", 2000)] {
         v.upsert(pb::Allocation {
             id,
             pod: Some(pb::PodRef {
@@ -24,6 +29,23 @@ fn view() -> View {
     v
 }
 
+fn over(
+    allocation_id: u64,
+    pids: &[u32],
+    used_mib: u64,
+    limit_mib: u64,
+    claimers_only: bool,
+) -> Finding {
+    Finding::Over(OverLimit {
+        allocation_id,
+        gpu: "G0".into(),
+        pids: pids.to_vec(),
+        used_mib,
+        limit_mib,
+        claimers_only,
+    })
+}
+
 fn p(pid: u32, used: u64) -> GpuProcess {
     GpuProcess {
         gpu: "G0".into(),
@@ -32,81 +54,163 @@ fn p(pid: u32, used: u64) -> GpuProcess {
     }
 }
 
-#[test]
-fn cgroup_paths_of_both_drivers_give_the_pod_uid() {
-    let cgroupfs = "0::/kubepods/burstable/pod0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0/abcdef\n";
-    assert_eq!(
-        pod_uid_from_cgroup(cgroupfs).as_deref(),
-        Some("0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0")
-    );
-    let systemd = "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod0f1e2d3c_4b5a_6978_8796_a5b4c3d2e1f0.slice/cri-containerd-1.scope\n";
-    assert_eq!(
-        pod_uid_from_cgroup(systemd).as_deref(),
-        Some("0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0")
-    );
-    assert_eq!(
-        pod_uid_from_cgroup("0::/user.slice/session-1.scope\n"),
-        None
-    );
+fn in_pod(uid: &str, claim: Option<u64>) -> ProcOwner {
+    ProcOwner {
+        pod: PodCgroup::Pod(uid.into()),
+        claimed_allocation: claim,
+    }
+}
+
+fn no_pod(claim: Option<u64>) -> ProcOwner {
+    ProcOwner {
+        pod: PodCgroup::NoPod,
+        claimed_allocation: claim,
+    }
 }
 
 #[test]
-fn environ_gives_the_allocation_id() {
-    assert_eq!(
-        allocation_from_environ(b"PATH=/bin\0GPULEDGER_ALLOCATION_ID=42\0HOME=/\0"),
-        Some(42)
-    );
-    assert_eq!(allocation_from_environ(b"PATH=/bin\0"), None);
-}
-
-#[test]
-fn usage_over_the_share_is_a_violation_and_unknown_processes_are_rogue() {
+fn a_process_is_charged_to_its_cgroups_pod_whatever_its_environment_claims() {
     let v = view();
-    let by_uid = |uid: &str| ProcOwner {
-        pod_uid: Some(uid.into()),
-        allocation_id: None,
+    assert_eq!(attribute(&v, "G0", &in_pod(A, None)), Attribution::Pod(1));
+    // Pod B claiming pod A's allocation is still pod B's.
+    assert_eq!(
+        attribute(&v, "G0", &in_pod(B, Some(1))),
+        Attribution::Pod(2)
+    );
+    // Pod C has nothing on G0: rogue, and the claim on A's allocation counts for nothing.
+    assert_eq!(
+        attribute(&v, "G0", &in_pod(C, Some(1))),
+        Attribution::Rogue(RogueReason::OtherPod(C.into()))
+    );
+    // Pod A on a GPU where it has nothing: rogue too.
+    assert_eq!(
+        attribute(&v, "G9", &in_pod(A, Some(1))),
+        Attribution::Rogue(RogueReason::OtherPod(A.into()))
+    );
+    let conflict = ProcOwner {
+        pod: PodCgroup::Conflict(vec![A.into(), B.into()]),
+        claimed_allocation: Some(1),
     };
-    let by_env = |id: u64| ProcOwner {
-        pod_uid: None,
-        allocation_id: Some(id),
-    };
+    assert_eq!(
+        attribute(&v, "G0", &conflict),
+        Attribution::Rogue(RogueReason::Conflict)
+    );
+}
+
+#[test]
+fn only_a_process_in_no_pod_is_charged_by_its_claim() {
+    let v = view();
+    assert_eq!(attribute(&v, "G0", &no_pod(Some(1))), Attribution::Claim(1));
+    assert_eq!(
+        attribute(&v, "G0", &no_pod(None)),
+        Attribution::Rogue(RogueReason::NoPod)
+    );
+    // A claim on an allocation that is not on this GPU, or does not exist, counts for nothing.
+    assert_eq!(
+        attribute(&v, "G9", &no_pod(Some(1))),
+        Attribution::Rogue(RogueReason::NoPod)
+    );
+    assert_eq!(
+        attribute(&v, "G0", &no_pod(Some(77))),
+        Attribution::Rogue(RogueReason::NoPod)
+    );
+}
+
+#[test]
+fn a_pod_with_several_allocations_on_a_gpu_picks_by_its_claim_among_them_only() {
+    let mut v = view();
+    let mut second = v.allocs[&1].clone();
+    second.id = 5;
+    second.container = "side".into();
+    v.upsert(second);
+    assert_eq!(
+        attribute(&v, "G0", &in_pod(A, Some(5))),
+        Attribution::Pod(5)
+    );
+    assert_eq!(attribute(&v, "G0", &in_pod(A, None)), Attribution::Pod(1));
+    assert_eq!(
+        attribute(&v, "G0", &in_pod(A, Some(2))),
+        Attribution::Pod(1)
+    );
+}
+
+#[test]
+fn a_forged_allocation_id_never_makes_the_victim_over_its_limit() {
+    let v = view();
+    // Pod A within its 1000 MiB; pod B (2000 MiB) uses 1500 claiming A's allocation; pod C
+    // (no allocation) uses 3000 claiming A's allocation too.
     let f = judge(
         &v,
         &[
-            (p(10, 600), by_uid("uid-a")),
-            (p(11, 500), by_env(1)),
-            (p(20, 1999), by_env(2)),
-            (p(30, 10), ProcOwner::default()),
+            (p(10, 900), in_pod(A, None)),
+            (p(20, 1500), in_pod(B, Some(1))),
+            (p(30, 3000), in_pod(C, Some(1))),
         ],
+        0,
     );
     assert_eq!(
         f,
-        vec![
-            Finding::Rogue {
-                gpu: "G0".into(),
-                pid: 30,
-                used_mib: 10
-            },
-            Finding::Over {
-                allocation_id: 1,
-                gpu: "G0".into(),
-                pids: vec![10, 11],
-                used_mib: 1100,
-                limit_mib: 1000
-            },
-        ]
+        vec![Finding::Rogue {
+            gpu: "G0".into(),
+            pid: 30,
+            used_mib: 3000,
+            reason: RogueReason::OtherPod(C.into()),
+        }]
     );
-    // An allocation id in the environment that is not on this GPU does not count.
+    // Pod B over its own limit is pod B's violation, never A's.
     let f = judge(
         &v,
-        &[(
-            GpuProcess {
-                gpu: "G9".into(),
-                pid: 5,
-                used_mib: 1,
-            },
-            by_env(1),
-        )],
+        &[
+            (p(10, 900), in_pod(A, None)),
+            (p(20, 2500), in_pod(B, Some(1))),
+        ],
+        0,
     );
-    assert!(matches!(f[..], [Finding::Rogue { pid: 5, .. }]));
+    assert_eq!(f, vec![over(2, &[20], 2500, 2000, false)]);
+}
+
+#[test]
+fn processes_outside_any_pod_that_claim_an_allocation_can_only_hurt_themselves() {
+    let v = view();
+    // Pod A's own process is within its limit; a claimer in no pod takes the total over: only
+    // the claimer is named.
+    let f = judge(
+        &v,
+        &[(p(10, 900), in_pod(A, None)), (p(40, 500), no_pod(Some(1)))],
+        0,
+    );
+    assert_eq!(f, vec![over(1, &[40], 1400, 1000, true)]);
+    // Pod A over its limit on its own: everything charged to it is named, largest first.
+    let f = judge(
+        &v,
+        &[
+            (p(10, 1100), in_pod(A, None)),
+            (p(40, 1500), no_pod(Some(1))),
+        ],
+        0,
+    );
+    assert_eq!(f, vec![over(1, &[40, 10], 2600, 1000, false)]);
+}
+
+#[test]
+fn each_process_may_use_its_cuda_context_beyond_the_share() {
+    let v = view();
+    // A container given 1000 MiB that allocated 1000 MiB in each of two processes shows
+    // 1000 + 518 for the first; the allowance is per process.
+    let procs = [(p(10, 1518), in_pod(A, None))];
+    assert!(judge(&v, &procs, 520).is_empty());
+    assert!(
+        !judge(&v, &procs, 0).is_empty(),
+        "without an allowance it is over"
+    );
+    let two = [
+        (p(10, 1000), in_pod(A, None)),
+        (p(11, 1030), in_pod(A, None)),
+    ];
+    assert!(judge(&v, &two, 520).is_empty(), "2030 <= 1000 + 2 x 520");
+    let too_much = [
+        (p(10, 1600), in_pod(A, None)),
+        (p(11, 600), in_pod(A, None)),
+    ];
+    assert_eq!(judge(&v, &too_much, 520).len(), 1, "2200 > 1000 + 2 x 520");
 }

@@ -102,13 +102,16 @@ fn allocate_env_carries_every_limit_format() {
         cpu_milli: 0,
         memory_mib: 0,
     };
-    let opts = EnvOptions {
+    let opts = AllocateOptions {
         mps: true,
         mps_pipe_dir: "/tmp/nvidia-mps".into(),
+        strategies: vec![DeviceListStrategy::Envvar],
+        cdi_kind: "nvidia.com/gpu".into(),
     };
     let r = container_response(&v.allocs[&1], Some(&inv), &opts);
     let e = |k: &str| r.envs.get(k).map(String::as_str);
     assert_eq!(e("NVIDIA_VISIBLE_DEVICES"), Some("G0"));
+    assert!(r.cdi_devices.is_empty(), "envvar only: no CDI devices");
     assert_eq!(e("GPULEDGER_ALLOCATION_ID"), Some("1"));
     assert_eq!(e("GPULEDGER_GPU_MEM_MIB"), Some("4096"));
     assert_eq!(e("GPULEDGER_GPU_CORE"), Some("30"));
@@ -119,6 +122,83 @@ fn allocate_env_carries_every_limit_format() {
     assert_eq!(e("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"), Some("0=4096M"));
     assert_eq!(e("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"), Some("30"));
     assert_eq!(r.mounts.len(), 1);
+}
+
+fn two_gpu_allocation() -> pb::Allocation {
+    let mut v = View::default();
+    v.apply(&reserved(9, "a", "GPU-0"));
+    let mut a = v.allocs[&9].clone();
+    a.shares.push(pb::GpuShare {
+        gpu_uuid: "GPU-1".into(),
+        mem_mib: 4096,
+        core_milli: 300,
+    });
+    a
+}
+
+fn with(strategies: &[DeviceListStrategy], kind: &str) -> AllocateOptions {
+    AllocateOptions {
+        strategies: strategies.to_vec(),
+        cdi_kind: kind.into(),
+        ..AllocateOptions::default()
+    }
+}
+
+#[test]
+fn cdi_strategies_name_exactly_the_granted_gpus() {
+    use DeviceListStrategy::*;
+    let a = two_gpu_allocation();
+    let r = container_response(&a, None, &with(&[CdiCri], "nvidia.com/gpu"));
+    let names: Vec<&str> = r.cdi_devices.iter().map(|d| d.name.as_str()).collect();
+    assert_eq!(names, ["nvidia.com/gpu=GPU-0", "nvidia.com/gpu=GPU-1"]);
+    assert!(!r.envs.contains_key("NVIDIA_VISIBLE_DEVICES"));
+    assert!(
+        !r.annotations
+            .keys()
+            .any(|k| k.starts_with(CDI_ANNOTATION_PREFIX))
+    );
+    // The limits go in the environment whatever the strategy.
+    assert_eq!(r.envs["CUDA_DEVICE_MEMORY_LIMIT_1"], "4096m");
+    assert_eq!(r.envs["GPULEDGER_ALLOCATION_ID"], "9");
+
+    let r = container_response(
+        &a,
+        None,
+        &with(&[CdiAnnotations], "k8s.device-plugin.nvidia.com/gpu"),
+    );
+    assert!(r.cdi_devices.is_empty());
+    assert_eq!(
+        r.annotations["cdi.k8s.io/gpuledger.gpu_9"],
+        "k8s.device-plugin.nvidia.com/gpu=GPU-0,k8s.device-plugin.nvidia.com/gpu=GPU-1"
+    );
+    assert_eq!(r.annotations["gpuledger.io/allocation-id"], "9");
+
+    let r = container_response(
+        &a,
+        None,
+        &with(&[Envvar, CdiAnnotations, CdiCri], "nvidia.com/gpu"),
+    );
+    assert_eq!(r.envs["NVIDIA_VISIBLE_DEVICES"], "GPU-0,GPU-1");
+    assert_eq!(r.cdi_devices.len(), 2);
+    assert_eq!(r.annotations.len(), 2);
+}
+
+#[test]
+fn cdi_annotation_keys_fit_the_cdi_syntax() {
+    // The CDI specification: the part after the prefix is at most 63 characters, starts and
+    // ends alphanumeric, and holds only alphanumerics, '-', '_' and '.'.
+    let (key, value) = cdi_annotation(u64::MAX, &["nvidia.com/gpu=GPU-0".into()]);
+    let name = key
+        .strip_prefix(CDI_ANNOTATION_PREFIX)
+        .expect("the CDI prefix");
+    assert!(name.len() <= 63, "{name}");
+    assert!(name.starts_with(|c: char| c.is_ascii_alphanumeric()));
+    assert!(name.ends_with(|c: char| c.is_ascii_alphanumeric()));
+    assert!(
+        name.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+    );
+    assert_eq!(value, "nvidia.com/gpu=GPU-0");
 }
 
 #[test]

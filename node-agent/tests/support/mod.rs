@@ -3,15 +3,19 @@
 
 #![allow(dead_code)]
 
+pub mod cgroups;
+
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use gpuledger_chaos::kubelet::Kubelet;
-use gpuledger_chaos::kubelet::node::{FakeNvml, NodeAgent};
-use gpuledger_chaos::workload::pod;
-use gpuledger_chaos::{Allocators, EtcdCluster};
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
+use gpuledger_testkit::kubelet::Kubelet;
+use gpuledger_testkit::kubelet::node::{FakeNvml, NodeAgent, fake_nvml_lib};
+use gpuledger_testkit::workload::pod;
+use gpuledger_testkit::{Allocators, EtcdCluster, Proc, bin_path};
+use nvidia_ml::FakeConfig;
 
 pub const NODE: &str = "gpu-node-1";
 pub const SLOTS: u32 = 4;
@@ -26,6 +30,48 @@ pub struct Cluster {
     pub agent: NodeAgent,
 }
 
+/// A change to the fake NVML state.
+pub type NvmlEdit = Box<dyn FnOnce(&mut FakeConfig)>;
+
+/// A test cluster beyond the defaults of [`Cluster::start`].
+pub struct Options {
+    /// Allocator replicas (the agent gets all).
+    pub replicas: usize,
+    /// GPUs of the node.
+    pub gpus: u32,
+    /// Extra agent flags.
+    pub flags: Vec<String>,
+    /// Edits the fake NVML state before the agent starts.
+    pub nvml: Option<NvmlEdit>,
+    /// Namespaces the agent runs in.
+    pub agent_in: AgentIn,
+}
+
+/// Where the agent process runs.
+#[derive(Debug, Clone, Default)]
+pub enum AgentIn {
+    /// Beside the test, in the host's namespaces.
+    #[default]
+    Host,
+    /// In a pid namespace of its own (`unshare --pid`), as a DaemonSet without hostPID.
+    OwnPidNamespace,
+    /// In a private cgroup namespace rooted at this cgroup directory, as a container on cgroup
+    /// v2: it reads every other cgroup as a path relative to that one.
+    CgroupNamespace(PathBuf),
+}
+
+impl Default for Options {
+    fn default() -> Options {
+        Options {
+            replicas: 1,
+            gpus: 1,
+            flags: Vec::new(),
+            nvml: None,
+            agent_in: AgentIn::Host,
+        }
+    }
+}
+
 impl Cluster {
     /// Everything up, the agent registered with the kubelet and its GPUs in the ledger.
     pub async fn start(gpus: u32, agent_flags: &[&str]) -> Result<Cluster> {
@@ -34,6 +80,24 @@ impl Cluster {
 
     /// Like [`Cluster::start`] with `replicas` allocator replicas (the agent gets all).
     pub async fn start_with(replicas: usize, gpus: u32, agent_flags: &[&str]) -> Result<Cluster> {
+        Self::start_opts(Options {
+            replicas,
+            gpus,
+            flags: agent_flags.iter().map(|f| f.to_string()).collect(),
+            ..Options::default()
+        })
+        .await
+    }
+
+    /// Like [`Cluster::start`], as `o` says.
+    pub async fn start_opts(o: Options) -> Result<Cluster> {
+        let Options {
+            replicas,
+            gpus,
+            flags: agent_flags,
+            nvml: edit_nvml,
+            agent_in,
+        } = o;
         let dir = tempfile::tempdir()?;
         let etcd = EtcdCluster::start(1).await?;
         let allocs = Allocators::start(
@@ -46,10 +110,18 @@ impl Cluster {
         allocs.wait_leader(Duration::from_secs(30)).await?;
         let kubelet = Kubelet::start(&dir.path().join("kubelet")).await?;
         let nvml = FakeNvml::new(dir.path(), NODE, gpus, GPU_MIB)?;
+        if let Some(f) = edit_nvml {
+            edit_fake_nvml(nvml.path(), f)?;
+        }
         let slots = format!("--slots-per-gpu={SLOTS}");
         let mut flags = vec![slots.as_str(), "--enforce-interval=200ms"];
-        flags.extend_from_slice(agent_flags);
-        let agent = NodeAgent::start(dir.path(), NODE, &allocs.addrs, &nvml, &kubelet, &flags)?;
+        flags.extend(agent_flags.iter().map(String::as_str));
+        let agent = match agent_in {
+            AgentIn::Host => {
+                NodeAgent::start(dir.path(), NODE, &allocs.addrs, &nvml, &kubelet, &flags)?
+            }
+            wrapped => start_wrapped(dir.path(), &allocs, &nvml, &kubelet, &flags, &wrapped)?,
+        };
         let c = Cluster {
             dir,
             etcd,
@@ -74,6 +146,12 @@ impl Cluster {
         .await
         .with_context(|| c.agent_log())?;
         Ok(c)
+    }
+
+    /// Change the fake NVML state in place (what the test kit's `FakeNvml` does not model:
+    /// the driver's reserve, CUDA contexts). Its later writes start from its own copy.
+    pub fn edit_nvml(&self, f: impl FnOnce(&mut FakeConfig)) -> Result<()> {
+        edit_fake_nvml(self.nvml.path(), f)
     }
 
     pub fn agent_log(&self) -> String {
@@ -108,6 +186,12 @@ impl Cluster {
                 ..Default::default()
             });
         }
+        self.reserve_request(req).await
+    }
+
+    /// Reserve `req` on the node and confirm its pod bound.
+    pub async fn reserve_request(&self, req: api::PodRequest) -> Result<pb::Allocation> {
+        let uid = req.pod.as_ref().map(|p| p.uid.clone()).unwrap_or_default();
         let mut c = self.client()?;
         let r = c
             .reserve(api::ReserveRequest {
@@ -118,11 +202,21 @@ impl Cluster {
             .await?
             .into_inner();
         c.confirm_bound(api::ConfirmBoundRequest {
-            pod_uid: uid.into(),
+            pod_uid: uid,
             node: NODE.into(),
         })
         .await?;
         r.allocations.into_iter().next().context("no allocation")
+    }
+
+    /// Fail unless `p` (`what`) ends by SIGKILL within 10 s.
+    pub async fn killed(&self, p: &mut cgroups::Sleeper, what: &str) -> Result<()> {
+        use std::os::unix::process::ExitStatusExt;
+        let st = p.ended(Duration::from_secs(10)).await;
+        if st.and_then(|st| st.signal()) != Some(9) {
+            bail!("{what} was not SIGKILLed ({st:?})\n{}", self.agent_log());
+        }
+        Ok(())
     }
 
     pub async fn dump(&self) -> Result<pb::Snapshot> {
@@ -171,6 +265,32 @@ impl Cluster {
         Ok(out)
     }
 
+    /// Wait until there is a LimitViolated for each of `pids`; they are returned in that order.
+    pub async fn wait_violations(
+        &self,
+        pids: &[u32],
+        timeout: Duration,
+    ) -> Result<Vec<pb::LimitViolated>> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let all = self.violations().await?;
+            let found: Vec<pb::LimitViolated> = pids
+                .iter()
+                .filter_map(|pid| all.iter().find(|v| v.pid == *pid).cloned())
+                .collect();
+            if found.len() == pids.len() {
+                return Ok(found);
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "LimitViolated for {pids:?} not all in {timeout:?}: {all:?}\n{}",
+                    self.agent_log()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     /// The LimitViolated events so far.
     pub async fn violations(&self) -> Result<Vec<pb::LimitViolated>> {
         Ok(self
@@ -185,6 +305,68 @@ impl Cluster {
     }
 }
 
+/// The agent as [`NodeAgent::start`] runs it, inside the namespaces `wrap` names.
+fn start_wrapped(
+    dir: &Path,
+    allocs: &Allocators,
+    nvml: &FakeNvml,
+    kubelet: &Kubelet,
+    flags: &[&str],
+    wrap: &AgentIn,
+) -> Result<NodeAgent> {
+    let mut agent = vec![
+        bin_path("gpuledger-node-agent")?.display().to_string(),
+        format!("--node-name={NODE}"),
+        format!("--allocator={}", allocs.addrs.join(",")),
+        format!("--nvml-lib={}", fake_nvml_lib()?.display()),
+        format!("--kubelet-dir={}", kubelet.device_plugin_dir().display()),
+        format!(
+            "--pod-resources-socket={}",
+            kubelet.pod_resources_socket().display()
+        ),
+    ];
+    agent.extend(flags.iter().map(|f| f.to_string()));
+    let (program, mut args): (&str, Vec<String>) = match wrap {
+        AgentIn::Host => bail!("not a wrapped agent"),
+        // --kill-child: the agent dies with the unshare process the test kit kills.
+        AgentIn::OwnPidNamespace => (
+            "unshare",
+            ["--pid", "--fork", "--kill-child"]
+                .map(String::from)
+                .to_vec(),
+        ),
+        AgentIn::CgroupNamespace(cg) => (
+            "sh",
+            vec![
+                "-c".into(),
+                r#"echo $$ > "$0" && exec unshare --cgroup "$@""#.into(),
+                cg.join("cgroup.procs").display().to_string(),
+            ],
+        ),
+    };
+    args.extend(agent);
+    let proc = Proc::spawn(
+        dir,
+        &format!("agent-{NODE}"),
+        Path::new(program),
+        args,
+        vec![
+            ("FAKE_NVML_CONFIG".into(), nvml.path().display().to_string()),
+            ("GPULEDGER_LOG".into(), "info".into()),
+        ],
+    )?;
+    Ok(NodeAgent { proc })
+}
+
+/// Read the fake NVML state at `path`, apply `f`, write it back atomically.
+fn edit_fake_nvml(path: &Path, f: impl FnOnce(&mut FakeConfig)) -> Result<()> {
+    let mut cfg: FakeConfig = serde_json::from_slice(&std::fs::read(path)?)
+        .with_context(|| format!("reading the fake NVML state {}", path.display()))?;
+    f(&mut cfg);
+    cfg.write_to(path)?;
+    Ok(())
+}
+
 /// The live allocation of pod `uid`.
 pub fn alloc_of<'a>(s: &'a pb::Snapshot, uid: &str) -> Option<&'a pb::Allocation> {
     s.allocations
@@ -195,4 +377,18 @@ pub fn alloc_of<'a>(s: &'a pb::Snapshot, uid: &str) -> Option<&'a pb::Allocation
 /// The GPU a device ID is on.
 pub fn gpu_of(device: &str) -> &str {
     device.rsplit_once("::").map_or(device, |(g, _)| g)
+}
+
+/// The GPU UUIDs an Allocate answer grants, from its CDI devices (the default device list
+/// strategy), comma-joined as NVIDIA_VISIBLE_DEVICES would list them.
+pub fn granted(r: &gpuledger_proto::deviceplugin::v1beta1::ContainerAllocateResponse) -> String {
+    r.cdi_devices
+        .iter()
+        .map(|d| {
+            d.name
+                .split_once('=')
+                .map_or(d.name.as_str(), |(_, uuid)| uuid)
+        })
+        .collect::<Vec<_>>()
+        .join(",")
 }

@@ -1,0 +1,132 @@
+//! `gpuledger audit`: every ledger event that concerns one pod, in order.
+
+use anyhow::{Result, bail};
+use gpuledger_ledger::pb;
+use gpuledger_ledger::pb::event::Body;
+
+use crate::client::{Target, read_log};
+use crate::table::Table;
+use crate::when::fmt_time;
+
+/// Arguments of `gpuledger audit`.
+#[derive(clap::Args, Debug)]
+pub struct AuditArgs {
+    #[command(flatten)]
+    target: Target,
+    /// The pod, as NAMESPACE/NAME or its UID.
+    #[arg(long)]
+    pod: String,
+}
+
+/// One line describing an event.
+pub fn describe(e: &pb::Event) -> String {
+    match &e.body {
+        Some(Body::NodeRegistered(r)) => {
+            let inv = r.inventory.clone().unwrap_or_default();
+            format!(
+                "node {} registered with {} GPU(s)",
+                inv.node,
+                inv.gpus.len()
+            )
+        }
+        Some(Body::NodeRemoved(r)) => format!("node {} removed ({})", r.node, r.reason),
+        Some(Body::DeviceHealthChanged(h)) => format!(
+            "GPU {} on {} {} ({})",
+            h.gpu_uuid,
+            h.node,
+            if h.healthy { "healthy" } else { "UNHEALTHY" },
+            h.reason
+        ),
+        Some(Body::Reserved(r)) => {
+            let pod = r.pod.clone().unwrap_or_default();
+            let shares: Vec<String> = r
+                .shares
+                .iter()
+                .map(|s| format!("{} {}MiB {}%", s.gpu_uuid, s.mem_mib, s.core_milli / 10))
+                .collect();
+            format!(
+                "allocation {} reserved for {}/{}:{} on {}: {} ({})",
+                r.allocation_id,
+                pod.namespace,
+                pod.name,
+                r.container,
+                r.node,
+                shares.join(", "),
+                r.policy
+            )
+        }
+        Some(Body::Bound(b)) => format!("allocation {} bound ({})", b.allocation_id, b.reason),
+        Some(Body::Assigned(a)) => format!(
+            "allocation {} assigned to devices {}",
+            a.allocation_id,
+            a.device_ids.join(",")
+        ),
+        Some(Body::IdentityCorrected(c)) => format!(
+            "allocations {} and {} swapped pods (kubelet gave the devices to the other pod)",
+            c.from_allocation_id, c.to_allocation_id
+        ),
+        Some(Body::Released(r)) => {
+            format!("allocation {} released ({})", r.allocation_id, r.reason)
+        }
+        Some(Body::LimitViolated(v)) => format!(
+            "allocation {} pid {} used {} MiB over its {} MiB limit on {}: {}",
+            v.allocation_id, v.pid, v.used_mib, v.limit_mib, v.gpu_uuid, v.action
+        ),
+        Some(Body::LeaderElected(l)) => format!("leader {} ({}) elected", l.replica, l.address),
+        Some(Body::QuotaSet(q)) => format!(
+            "quota of namespace {} set to {} MiB",
+            q.namespace, q.mem_mib
+        ),
+        None => "(empty event)".into(),
+    }
+}
+
+/// `gpuledger audit --pod`.
+pub async fn audit(a: AuditArgs) -> Result<()> {
+    let (ns, name) = a
+        .pod
+        .split_once('/')
+        .map_or((None, a.pod.as_str()), |(n, m)| (Some(n), m));
+    let mut ids: Vec<u64> = Vec::new();
+    let mut t = Table::new(&["SEQ", "EPOCH", "TIME", "EVENT"]);
+    let mut found = 0;
+    read_log(&a.target, 0, |e| {
+        let mine = match &e.body {
+            Some(Body::Reserved(r)) => {
+                let p = r.pod.clone().unwrap_or_default();
+                let hit = match ns {
+                    Some(ns) => p.namespace == ns && p.name == name,
+                    None => p.uid == name || p.name == name,
+                };
+                if hit {
+                    ids.push(r.allocation_id);
+                }
+                hit
+            }
+            Some(Body::Bound(b)) => ids.contains(&b.allocation_id),
+            Some(Body::Assigned(x)) => ids.contains(&x.allocation_id),
+            Some(Body::Released(r)) => ids.contains(&r.allocation_id),
+            Some(Body::LimitViolated(v)) => ids.contains(&v.allocation_id),
+            Some(Body::IdentityCorrected(c)) => {
+                ids.contains(&c.from_allocation_id) || ids.contains(&c.to_allocation_id)
+            }
+            _ => false,
+        };
+        if mine {
+            found += 1;
+            t.row(vec![
+                e.seq.to_string(),
+                e.epoch.to_string(),
+                fmt_time(e.time_ms),
+                describe(e),
+            ]);
+        }
+        Ok(true)
+    })
+    .await?;
+    if found == 0 {
+        bail!("no ledger event concerns pod {}", a.pod);
+    }
+    print!("{}", t.render());
+    Ok(())
+}

@@ -1,0 +1,190 @@
+//! The whole tier in one value: control plane, the shipped manifests, gpuledger, the scheduler
+//! and, when asked, a real GPU node.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Result;
+use gpuledger_testkit::free_port;
+
+use crate::bins::KubeBins;
+use crate::control_plane::ControlPlane;
+use crate::gpuledger::{ALLOCATOR_SA, EXTENDER_SA, Gpuledger, NODE_AGENT_SA};
+use crate::kubectl::Kubectl;
+use crate::manifests::Installed;
+use crate::nodes::NodeShape;
+use crate::pki::Identity;
+use crate::real_node::{KubeletBuild, RealNode};
+
+/// The name of the real node.
+pub const REAL_NODE: &str = "e2e-gpu-node";
+
+/// What to start.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Allocator replicas.
+    pub allocators: usize,
+    /// A real node with a kubelet of this build, or none.
+    pub real_node: Option<KubeletBuild>,
+    /// Fake GPUs of the real node: (count, MiB each).
+    pub real_node_gpus: (u32, u64),
+    /// Extra extender flags.
+    pub extender_flags: Vec<String>,
+    /// kube-scheduler's client QPS (None: the shipped configuration's, i.e. the default 50).
+    pub scheduler_qps: Option<u32>,
+}
+
+impl Default for Options {
+    fn default() -> Options {
+        Options {
+            allocators: 2,
+            real_node: None,
+            real_node_gpus: (2, 16_384),
+            extender_flags: Vec::new(),
+            scheduler_qps: None,
+        }
+    }
+}
+
+/// The running tier. Dropping it stops everything (the real node first).
+pub struct E2e {
+    /// The real node, when started.
+    pub node: Option<RealNode>,
+    /// gpuledger's processes.
+    pub gl: Gpuledger,
+    /// The control plane.
+    pub cp: ControlPlane,
+    /// What the shipped overlay installed.
+    pub installed: Installed,
+    /// An admin client.
+    pub client: kube::Client,
+    /// The Kubernetes binaries.
+    pub bins: KubeBins,
+    dir: PathBuf,
+    _tmp: Option<tempfile::TempDir>,
+}
+
+impl E2e {
+    /// Start everything. The run directory is removed afterwards unless `GPULEDGER_E2E_KEEP`
+    /// is set (then its path is printed: every process logs there).
+    pub async fn start(o: Options) -> Result<E2e> {
+        let bins = KubeBins::get()?;
+        let keep = std::env::var_os("GPULEDGER_E2E_KEEP").is_some();
+        let tmp = tempfile::Builder::new()
+            .prefix("gpuledger-e2e-")
+            .disable_cleanup(keep)
+            .tempdir()?;
+        let dir = tmp.path().to_path_buf();
+        if keep {
+            eprintln!("e2e run directory (kept): {}", dir.display());
+        }
+        let identities = [
+            Identity::Scheduler,
+            Identity::Node(REAL_NODE.into()),
+            Identity::ServiceAccount(ALLOCATOR_SA.into()),
+            Identity::ServiceAccount(EXTENDER_SA.into()),
+            Identity::ServiceAccount(NODE_AGENT_SA.into()),
+        ];
+        let mut cp = ControlPlane::start(&dir, &bins, &identities).await?;
+        let webhook_port = free_port()?;
+        let installed =
+            crate::manifests::install(&cp.kubectl(), webhook_port, &cp.pki.ca_bundle())?;
+        let gl = Gpuledger::start(
+            &dir,
+            &cp.pki,
+            &cp.server,
+            (o.allocators, webhook_port),
+            &o.extender_flags,
+        )
+        .await?;
+        cp.start_scheduler(&gl.extender_url, o.scheduler_qps)
+            .await?;
+        let client = cp.client().await?;
+        let node = match o.real_node {
+            None => None,
+            Some(build) => Some(
+                RealNode::start(
+                    &dir,
+                    &bins,
+                    &cp.pki,
+                    &cp.server,
+                    &client,
+                    &gl.allocs.addrs,
+                    REAL_NODE,
+                    build,
+                    o.real_node_gpus,
+                )
+                .await?,
+            ),
+        };
+        Ok(E2e {
+            node,
+            gl,
+            cp,
+            installed,
+            client,
+            bins,
+            dir,
+            _tmp: Some(tmp),
+        })
+    }
+
+    /// Start, add `nodes` kubelet-less nodes `gpu-<i>` with `gpus` GPUs of 16 GiB each, and
+    /// create namespace `ns` opted into the webhooks; the node names.
+    pub async fn with_gpu_nodes(
+        o: Options,
+        nodes: usize,
+        gpus: u32,
+        ns: &str,
+    ) -> Result<(E2e, Vec<String>)> {
+        let e = E2e::start(o).await?;
+        let names: Vec<String> = (0..nodes).map(|i| format!("gpu-{i}")).collect();
+        let shape = NodeShape {
+            gpus,
+            ..NodeShape::default()
+        };
+        e.add_nodes(&names, &shape).await?;
+        e.namespace(ns).await?;
+        Ok((e, names))
+    }
+
+    /// kubectl 1.20.2 as the admin.
+    pub fn kubectl(&self) -> Kubectl {
+        self.cp.kubectl()
+    }
+
+    /// Create namespace `ns`, opted into the webhooks the way the overlay asks.
+    pub async fn namespace(&self, ns: &str) -> Result<()> {
+        let (k, v) = &self.installed.webhook_label;
+        crate::pods::namespace(&self.client, ns, &[(k.as_str(), v.as_str())]).await
+    }
+
+    /// Add kubelet-less GPU nodes.
+    pub async fn add_nodes(&self, names: &[String], shape: &NodeShape) -> Result<()> {
+        crate::nodes::add(&self.client, &self.gl.allocs.addrs[0], names, shape).await
+    }
+
+    /// The run directory (every process's log is `<name>.log` there).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The last lines of the scheduler's, extender's and allocators' logs, for a failure.
+    pub fn log_tails(&self, n: usize) -> String {
+        let mut out = String::new();
+        if let Some(s) = &self.cp.scheduler {
+            out.push_str(&format!("--- kube-scheduler:\n{}\n", s.log_tail(n)));
+        }
+        out.push_str(&format!(
+            "--- extender:\n{}\n",
+            self.gl.extender.log_tail(n)
+        ));
+        for p in &self.gl.allocs.procs {
+            out.push_str(&format!("--- {}:\n{}\n", p.name, p.log_tail(n)));
+        }
+        if let Some(node) = &self.node {
+            out.push_str(&format!("--- node agent:\n{}\n", node.agent.log_tail(n)));
+            out.push_str(&format!("--- kubelet:\n{}\n", node.kubelet.log_tail(n)));
+        }
+        out
+    }
+}

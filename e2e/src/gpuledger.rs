@@ -1,0 +1,141 @@
+//! gpuledger's processes against the real API server: a ledger etcd of its own, allocator
+//! replicas and the extender (scheduler extender + admission webhook), each with the kubeconfig
+//! of its shipped ServiceAccount so that the shipped RBAC is what authorizes it.
+
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::Result;
+use gpuledger_testkit::kube::stack::wait_http;
+use gpuledger_testkit::{Allocators, EtcdCluster, Proc, bin_path, free_port};
+
+use crate::pki::{Identity, Pki};
+
+/// ServiceAccount (shipped name) of the allocator.
+pub const ALLOCATOR_SA: &str = "gpuledger-allocator";
+/// ServiceAccount of the extender.
+pub const EXTENDER_SA: &str = "gpuledger-extender";
+/// ServiceAccount of the node agent.
+pub const NODE_AGENT_SA: &str = "gpuledger-node-agent";
+
+/// The ledger's cluster prefix in etcd.
+pub const CLUSTER: &str = "e2e";
+
+/// The running gpuledger side. Dropping it stops every process.
+pub struct Gpuledger {
+    /// Allocator replicas.
+    pub allocs: Allocators,
+    /// The extender process.
+    pub extender: Proc,
+    /// `http://127.0.0.1:<port>/gpuledger`: what kube-scheduler calls.
+    pub extender_url: String,
+    /// `http://127.0.0.1:<port>`: the extender's /metrics and probes.
+    pub extender_http: String,
+    /// Port of the admission webhook (HTTPS).
+    pub webhook_port: u16,
+    /// The ledger's etcd.
+    pub etcd: EtcdCluster,
+}
+
+impl Gpuledger {
+    /// Start the ledger etcd, `allocators` replicas (leader elected) and the extender with its
+    /// webhook on `webhook_port`; `extra` flags go to the extender.
+    pub async fn start(
+        dir: &Path,
+        pki: &Pki,
+        server: &str,
+        (allocators, webhook_port): (usize, u16),
+        extra: &[String],
+    ) -> Result<Gpuledger> {
+        let etcd = EtcdCluster::start_in(&dir.join("ledger-etcd"), 1).await?;
+        let kc = pki.kubeconfig(server, &Identity::ServiceAccount(ALLOCATOR_SA.into()))?;
+        let flags = [format!("--kubeconfig={}", kc.display())];
+        let refs: Vec<&str> = flags.iter().map(String::as_str).collect();
+        let allocs = Allocators::start(
+            dir,
+            &etcd.endpoints_flag(),
+            allocators.max(1),
+            CLUSTER,
+            &refs,
+        )?;
+        allocs.wait_leader(Duration::from_secs(30)).await?;
+        let port = free_port()?;
+        let kc = pki.kubeconfig(server, &Identity::ServiceAccount(EXTENDER_SA.into()))?;
+        let mut args = vec![
+            format!("--listen=127.0.0.1:{port}"),
+            format!("--allocator={}", allocs.addrs.join(",")),
+            format!("--kubeconfig={}", kc.display()),
+            format!("--webhook-listen=127.0.0.1:{webhook_port}"),
+            format!("--tls-cert={}", pki.webhook.cert.display()),
+            format!("--tls-key={}", pki.webhook.key.display()),
+        ];
+        args.extend(extra.iter().cloned());
+        let extender = Proc::spawn(
+            dir,
+            "extender",
+            &bin_path("gpuledger-extender")?,
+            args,
+            vec![("GPULEDGER_LOG".into(), "info".into())],
+        )?;
+        wait_http(port, Duration::from_secs(20)).await?;
+        wait_http(webhook_port, Duration::from_secs(20)).await?;
+        Ok(Gpuledger {
+            allocs,
+            extender,
+            extender_url: format!("http://127.0.0.1:{port}/gpuledger"),
+            extender_http: format!("http://127.0.0.1:{port}"),
+            webhook_port,
+            etcd,
+        })
+    }
+
+    /// The extender's /metrics text.
+    pub async fn extender_metrics(&self) -> Result<String> {
+        let (code, body) =
+            gpuledger_testkit::http::get(&format!("{}/metrics", self.extender_http)).await?;
+        anyhow::ensure!(code == 200, "extender /metrics answered {code}");
+        Ok(body)
+    }
+
+    /// The leader's folded ledger, after every replica caught up.
+    pub async fn ledger(&self) -> Result<gpuledger_ledger::Ledger> {
+        self.allocs.wait_caught_up(Duration::from_secs(20)).await?;
+        let i = self.allocs.wait_leader(Duration::from_secs(20)).await?;
+        self.allocs.ledger(i).await
+    }
+}
+
+/// The sum of a counter's samples in Prometheus text whose labels contain every `labels` pair.
+pub fn counter(metrics: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (head, value) = l.rsplit_once(' ')?;
+            let (n, rest) = head.split_once('{').unwrap_or((head, ""));
+            let ok = n == name
+                && labels
+                    .iter()
+                    .all(|(k, v)| rest.contains(&format!("{k}=\"{v}\"")));
+            if ok { value.parse::<f64>().ok() } else { None }
+        })
+        .sum()
+}
+
+/// `gpuledger verify` against the allocator replicas at `addrs`: its output, or why it failed.
+pub fn verify(addrs: &[String]) -> Result<String> {
+    let out = std::process::Command::new(bin_path("gpuledger")?)
+        .arg("verify")
+        .arg(format!("--allocator={}", addrs.join(",")))
+        .output()?;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    anyhow::ensure!(
+        out.status.success() && text.contains("verify: OK"),
+        "gpuledger verify failed:\n{text}"
+    );
+    Ok(text)
+}

@@ -1,0 +1,200 @@
+//! Allocator replicas as processes, and clients to them.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use gpuledger_proto::allocator::v1 as api;
+use gpuledger_proto::allocator::v1::allocator_client::AllocatorClient;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::bins::bin_path;
+use crate::process::{Proc, free_port};
+
+/// A gRPC client to one allocator address (connects lazily).
+pub fn client(addr: &str) -> Result<AllocatorClient<Channel>> {
+    let ch = Endpoint::from_shared(format!("http://{addr}"))?
+        .connect_timeout(Duration::from_millis(500))
+        .timeout(Duration::from_secs(10))
+        .tcp_nodelay(true)
+        .connect_lazy();
+    Ok(AllocatorClient::new(ch)
+        .max_decoding_message_size(512 * 1024 * 1024)
+        .max_encoding_message_size(64 * 1024 * 1024))
+}
+
+/// A set of allocator replicas sharing one etcd and ledger.
+pub struct Allocators {
+    /// The replica processes.
+    pub procs: Vec<Proc>,
+    /// Their gRPC addresses.
+    pub addrs: Vec<String>,
+    /// Their HTTP (metrics, health) addresses.
+    pub http: Vec<String>,
+    dir: PathBuf,
+}
+
+impl Allocators {
+    /// Start `n` replicas on free ports with logs in `dir`. `extra` flags go to every replica.
+    pub fn start(
+        dir: &Path,
+        etcd: &str,
+        n: usize,
+        cluster: &str,
+        extra: &[&str],
+    ) -> Result<Allocators> {
+        Self::start_each(dir, &vec![etcd.to_string(); n], cluster, extra)
+    }
+
+    /// Start one replica per entry of `etcd`, replica `i` reaching etcd through `etcd[i]`
+    /// (its own `--etcd-endpoints`).
+    pub fn start_each(
+        dir: &Path,
+        etcd: &[String],
+        cluster: &str,
+        extra: &[&str],
+    ) -> Result<Allocators> {
+        let bin = bin_path("gpuledger-allocator")?;
+        std::fs::create_dir_all(dir)?;
+        let mut procs = Vec::new();
+        let mut addrs = Vec::new();
+        let mut http = Vec::new();
+        for (i, etcd) in etcd.iter().enumerate() {
+            let port = free_port()?;
+            let addr = format!("127.0.0.1:{port}");
+            let http_addr = format!("127.0.0.1:{}", free_port()?);
+            let mut args = vec![
+                format!("--http-listen={http_addr}"),
+                format!("--etcd-endpoints={etcd}"),
+                format!("--cluster={cluster}"),
+                format!("--listen={addr}"),
+                format!("--replica=alloc{i}"),
+            ];
+            args.extend(extra.iter().map(|s| (*s).to_string()));
+            procs.push(Proc::spawn(
+                dir,
+                &format!("alloc{i}"),
+                &bin,
+                args,
+                // GPULEDGER_ALLOCATOR_LOG overrides the level (e.g. to see the leader's per-batch
+                // timings at debug) without the test's own GPULEDGER_LOG leaking in.
+                vec![(
+                    "GPULEDGER_LOG".into(),
+                    std::env::var("GPULEDGER_ALLOCATOR_LOG").unwrap_or_else(|_| "info".into()),
+                )],
+            )?);
+            addrs.push(addr);
+            http.push(http_addr);
+        }
+        Ok(Allocators {
+            procs,
+            addrs,
+            http,
+            dir: dir.to_path_buf(),
+        })
+    }
+
+    /// The run directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Status of replica `i`, if it answers.
+    pub async fn status(&self, i: usize) -> Option<api::StatusResponse> {
+        let mut c = client(&self.addrs[i]).ok()?;
+        let fut = c.status(api::StatusRequest {});
+        match tokio::time::timeout(Duration::from_millis(500), fut).await {
+            Ok(Ok(r)) => Some(r.into_inner()),
+            _ => None,
+        }
+    }
+
+    /// Wait until some replica reports itself leader and ready; returns its index.
+    pub async fn wait_leader(&self, timeout: Duration) -> Result<usize> {
+        self.wait_leader_except(timeout, None).await
+    }
+
+    /// Like [`Allocators::wait_leader`], ignoring replica `except`.
+    pub async fn wait_leader_except(
+        &self,
+        timeout: Duration,
+        except: Option<usize>,
+    ) -> Result<usize> {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            // A deposed leader may still call itself leader for a moment: the newest epoch wins.
+            let mut best: Option<(u64, usize)> = None;
+            for i in 0..self.addrs.len() {
+                if Some(i) == except {
+                    continue;
+                }
+                if let Some(s) = self.status(i).await
+                    && s.role == "leader"
+                    && s.ready
+                    && best.is_none_or(|(e, _)| s.epoch > e)
+                {
+                    best = Some((s.epoch, i));
+                }
+            }
+            if let Some((_, i)) = best {
+                return Ok(i);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let tails: Vec<String> = self
+            .procs
+            .iter()
+            .map(|p| format!("--- {}:\n{}", p.name, p.log_tail(15)))
+            .collect();
+        bail!(
+            "no allocator leader within {timeout:?}\n{}",
+            tails.join("\n")
+        )
+    }
+
+    /// Wait until every running replica has applied at least `seq`.
+    pub async fn wait_seq(&self, seq: u64, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        'outer: while Instant::now() < deadline {
+            for i in 0..self.addrs.len() {
+                if self.procs[i].pid().is_none() {
+                    continue;
+                }
+                match self.status(i).await {
+                    Some(s) if s.seq >= seq => {}
+                    _ => {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue 'outer;
+                    }
+                }
+            }
+            return Ok(());
+        }
+        bail!("replicas did not reach seq {seq} within {timeout:?}")
+    }
+
+    /// Wait for a leader, then until every running replica has applied the leader's seq.
+    pub async fn wait_caught_up(&self, timeout: Duration) -> Result<()> {
+        let leader = self.wait_leader(timeout).await?;
+        if let Some(s) = self.status(leader).await {
+            self.wait_seq(s.seq, timeout).await?;
+        }
+        Ok(())
+    }
+
+    /// A client to replica `i`.
+    pub fn client(&self, i: usize) -> Result<AllocatorClient<Channel>> {
+        client(&self.addrs[i]).context("allocator client")
+    }
+
+    /// Replica `i`'s folded state, from its dump.
+    pub async fn ledger(&self, i: usize) -> Result<gpuledger_ledger::Ledger> {
+        let d = self
+            .client(i)?
+            .dump(api::DumpRequest {})
+            .await?
+            .into_inner();
+        let snap = d.snapshot.context("the dump holds no snapshot")?;
+        gpuledger_ledger::Ledger::from_snapshot(&snap).map_err(anyhow::Error::msg)
+    }
+}

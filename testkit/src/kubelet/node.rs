@@ -1,0 +1,142 @@
+//! A GPU node for tests: the fake NVML state file and a `gpuledger-node-agent` process wired
+//! to an emulated kubelet.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use serde_json::json;
+
+use crate::bins::bin_path;
+use crate::process::Proc;
+
+/// One fake GPU.
+#[derive(Debug, Clone)]
+pub struct FakeGpu {
+    /// UUID.
+    pub uuid: String,
+    /// Model name.
+    pub name: String,
+    /// Memory in MiB.
+    pub memory_mib: u64,
+}
+
+/// The state the fake NVML library reports (`FAKE_NVML_CONFIG`), rewritten atomically.
+#[derive(Debug, Clone)]
+pub struct FakeNvml {
+    path: PathBuf,
+    /// GPUs in index order.
+    pub gpus: Vec<FakeGpu>,
+    /// `(pid, used MiB, GPU UUID)`.
+    pub processes: Vec<(u32, u64, String)>,
+    /// `(GPU UUID, Xid)` in order of occurrence.
+    pub xids: Vec<(String, u64)>,
+}
+
+impl FakeNvml {
+    /// `n` GPUs `GPU-<node>-<i>` of `memory_mib`, state file in `dir`.
+    pub fn new(dir: &Path, node: &str, n: u32, memory_mib: u64) -> Result<FakeNvml> {
+        let f = FakeNvml {
+            path: dir.join(format!("fake-nvml-{node}.json")),
+            gpus: (0..n)
+                .map(|i| FakeGpu {
+                    uuid: format!("GPU-{node}-{i}"),
+                    name: "NVIDIA A100-SXM4-40GB".into(),
+                    memory_mib,
+                })
+                .collect(),
+            processes: Vec::new(),
+            xids: Vec::new(),
+        };
+        f.write()?;
+        Ok(f)
+    }
+
+    /// The state file path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Write the state (temp file + rename).
+    pub fn write(&self) -> Result<()> {
+        let v = json!({
+            "gpus": self.gpus.iter().map(|g| json!({"uuid": g.uuid, "name": g.name, "memory_mib": g.memory_mib})).collect::<Vec<_>>(),
+            "processes": self.processes.iter().map(|(pid, used, gpu)| json!({"pid": pid, "used_mib": used, "gpu": gpu})).collect::<Vec<_>>(),
+            "xids": self.xids.iter().map(|(gpu, xid)| json!({"gpu": gpu, "xid": xid})).collect::<Vec<_>>(),
+        });
+        let tmp = self.path.with_extension("tmp");
+        std::fs::write(&tmp, serde_json::to_vec_pretty(&v)?)?;
+        std::fs::rename(&tmp, &self.path)?;
+        Ok(())
+    }
+
+    /// Report `pid` using `used_mib` on `gpu`, and write.
+    pub fn set_process(&mut self, pid: u32, used_mib: u64, gpu: &str) -> Result<()> {
+        self.processes.retain(|p| p.0 != pid);
+        self.processes.push((pid, used_mib, gpu.to_string()));
+        self.write()
+    }
+
+    /// Inject an Xid on `gpu`, and write.
+    pub fn add_xid(&mut self, gpu: &str, xid: u64) -> Result<()> {
+        self.xids.push((gpu.to_string(), xid));
+        self.write()
+    }
+}
+
+/// Path of the fake NVML library built in this workspace.
+pub fn fake_nvml_lib() -> Result<PathBuf> {
+    bin_path("libnvidia_ml.so").context(
+        "the fake NVML library is built by `cargo build -p gpuledger-fake-nvml` (or --workspace)",
+    )
+}
+
+/// A node agent process.
+pub struct NodeAgent {
+    /// The process.
+    pub proc: Proc,
+}
+
+impl NodeAgent {
+    /// Start `gpuledger-node-agent` for `node` with logs in `dir`, NVML from the fake library
+    /// reading `nvml`'s state, the kubelet emulator's sockets, and `extra` flags.
+    pub fn start(
+        dir: &Path,
+        node: &str,
+        allocators: &[String],
+        nvml: &FakeNvml,
+        kubelet: &super::Kubelet,
+        extra: &[&str],
+    ) -> Result<NodeAgent> {
+        let bin = bin_path("gpuledger-node-agent")?;
+        let mut args = vec![
+            format!("--node-name={node}"),
+            format!("--allocator={}", allocators.join(",")),
+            format!("--nvml-lib={}", fake_nvml_lib()?.display()),
+            format!("--kubelet-dir={}", kubelet.device_plugin_dir().display()),
+            format!(
+                "--pod-resources-socket={}",
+                kubelet.pod_resources_socket().display()
+            ),
+        ];
+        args.extend(extra.iter().map(|s| (*s).to_string()));
+        let proc = Proc::spawn(
+            dir,
+            &format!("agent-{node}"),
+            &bin,
+            args,
+            vec![
+                ("FAKE_NVML_CONFIG".into(), nvml.path().display().to_string()),
+                ("GPULEDGER_LOG".into(), "info".into()),
+            ],
+        )?;
+        Ok(NodeAgent { proc })
+    }
+
+    /// SIGKILL and start again with the same command line.
+    pub fn restart(&mut self) -> Result<()> {
+        self.proc.kill();
+        std::thread::sleep(Duration::from_millis(50));
+        self.proc.start()
+    }
+}

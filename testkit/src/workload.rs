@@ -1,0 +1,121 @@
+//! Building blocks for driving the allocator: inventories, pod requests, retrying clients.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use backon::{ConstantBuilder, Retryable};
+use gpuledger_proto::allocator::v1 as api;
+use gpuledger_proto::ledger::v1 as pb;
+use tonic::{Code, Status};
+
+use crate::allocators::client;
+
+/// An inventory of `gpus` identical GPUs of `mem_mib` on node `name`.
+pub fn inventory(name: &str, gpus: u32, mem_mib: u64, model: &str) -> pb::NodeInventory {
+    pb::NodeInventory {
+        node: name.to_string(),
+        gpus: (0..gpus)
+            .map(|i| pb::Gpu {
+                uuid: format!("GPU-{name}-{i}"),
+                index: i,
+                model: model.to_string(),
+                memory_mib: mem_mib,
+                healthy: true,
+            })
+            .collect(),
+        cpu_milli: 0,
+        memory_mib: 0,
+    }
+}
+
+/// A pod with one container asking for one slice of `mem_mib` and `core_pct` % compute.
+pub fn pod(uid: &str, mem_mib: u64, core_pct: u32) -> api::PodRequest {
+    api::PodRequest {
+        pod: Some(pb::PodRef {
+            uid: uid.to_string(),
+            namespace: "default".into(),
+            name: format!("pod-{uid}"),
+        }),
+        containers: vec![api::ContainerRequest {
+            name: "main".into(),
+            slices: 1,
+            mem_mib,
+            mem_percent: 0,
+            core_milli: core_pct * 10,
+        }],
+        placement: None,
+        cpu_milli: 0,
+        memory_mib: 0,
+    }
+}
+
+/// Whether a status means "try again (maybe elsewhere)".
+pub fn retryable(s: &Status) -> bool {
+    matches!(
+        s.code(),
+        Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled | Code::Unknown
+    )
+}
+
+/// Reserve through any of `addrs`, starting at `start` and moving to the next address after
+/// each retryable error, every 20 ms until `deadline`. Returns the response and how many
+/// attempts it took.
+pub async fn reserve_retry(
+    addrs: &[String],
+    start: usize,
+    req: api::ReserveRequest,
+    deadline: Instant,
+) -> Result<(api::ReserveResponse, u32), Status> {
+    let attempts = AtomicU32::new(0);
+    let attempt = || {
+        let n = attempts.fetch_add(1, Ordering::Relaxed) as usize;
+        let addr = addrs[(start + n) % addrs.len()].clone();
+        let req = req.clone();
+        async move {
+            let mut c = client(&addr).map_err(|e| Status::unavailable(e.to_string()))?;
+            c.reserve(req).await.map(tonic::Response::into_inner)
+        }
+    };
+    let every_20ms = ConstantBuilder::default()
+        .with_delay(Duration::from_millis(20))
+        .without_max_times();
+    let r = attempt
+        .retry(every_20ms)
+        .when(|s| retryable(s) && Instant::now() < deadline)
+        .await?;
+    Ok((r, attempts.load(Ordering::Relaxed)))
+}
+
+/// Churn on node `node` through replica `via`: pods `p<from>`..`p<from + n>`, each reserved
+/// (100 MiB, no compute); three in four released again, so the state stays small while the
+/// log grows.
+pub async fn churn(
+    allocs: &crate::Allocators,
+    via: usize,
+    node: &str,
+    from: usize,
+    n: usize,
+) -> anyhow::Result<()> {
+    for i in from..from + n {
+        let req = api::ReserveRequest {
+            request: Some(pod(&format!("p{i}"), 100, 0)),
+            node: node.into(),
+            ttl_ms: 0,
+        };
+        reserve_retry(
+            &allocs.addrs,
+            via,
+            req,
+            Instant::now() + Duration::from_secs(10),
+        )
+        .await?;
+        if i % 4 != 0 {
+            let rel = api::ReleaseRequest {
+                pod_uid: format!("p{i}"),
+                ..Default::default()
+            };
+            allocs.client(via)?.release(rel).await?;
+        }
+    }
+    Ok(())
+}
