@@ -28,9 +28,9 @@ pub enum Policy {
     /// node with the least free GPU compute: its CPU and memory can strand no more GPU there
     /// (gpuledger's variant; better than the paper's FGD on both openb traces).
     FgdPackCpu,
-    /// FGD with a look-ahead: a node's expected fragmentation plus the GPU its CPU and host memory
-    /// could no longer feed if the rest of it filled with the pods that can land there (their
-    /// mean CPU and memory per GPU, from the same learned workload); gpuledger's policy.
+    /// FGD's successor (gpuledger's): scores the loss of free-share value (the learned workload's
+    /// packing LP), multi-GPU fragmentation, and GPU a node's CPU and memory could no longer feed
+    /// for the pods that can land there. See `docs/placement.md`.
     FgdStrand,
     /// A uniformly random feasible node ([`PodRequest::salt`] is the randomness).
     Random,

@@ -75,38 +75,64 @@ impl Demand {
     }
 }
 
-/// What a placement that takes the node's free GPU compute from `before` to `after` costs the pods
-/// to come, in thousandths of a GPU: multi-GPU fragmentation + weighted stranded GPU + lost value.
-pub(crate) fn delta(
-    w: &Workload,
-    node: &NodeState,
-    req: &PodRequest,
-    before: &[u32],
-    after: &[u32],
-) -> f64 {
-    let (c0, m0) = (fgd::cpu_left(node, 0), fgd::mem_left(node, 0));
-    let (c1, m1) = (
-        fgd::cpu_left(node, req.cpu_milli),
-        fgd::mem_left(node, req.memory_mib),
-    );
-    let multi = |s: &PodShape| s.gpus > 1;
-    let frag = w.fragmentation_of(node, after, c1, m1, multi)
-        - w.fragmentation_of(node, before, c0, m0, multi);
-    let sum = |v: &[u32]| v.iter().map(|&f| u64::from(f)).sum::<u64>();
-    let strand = Demand::of(w, node).map_or(0.0, |d| {
-        d.stranded(sum(after), c1, m1) - d.stranded(sum(before), c0, m0)
-    });
-    let g = w.gap_values();
-    let value: f64 = before
-        .iter()
-        .zip(after)
-        .map(|(&b, &a)| g.value(b) - g.value(a))
-        .sum();
-    frag + STRAND_WEIGHT * strand + value
+/// The part of [`Start::delta`] that does not depend on the placement, computed once per node.
+struct Start {
+    demand: Option<Demand>,
+    frag: f64,
+    stranded: f64,
 }
 
-/// The GPU of `cands` whose use by a one-slice share of `core` costs least ([`delta`]); ties to
-/// the first.
+fn is_multi(s: &PodShape) -> bool {
+    s.gpus > 1
+}
+
+fn sum(v: &[u32]) -> u64 {
+    v.iter().map(|&f| u64::from(f)).sum()
+}
+
+impl Start {
+    fn of(w: &Workload, node: &NodeState, before: &[u32]) -> Start {
+        let (c0, m0) = (fgd::cpu_left(node, 0), fgd::mem_left(node, 0));
+        let demand = Demand::of(w, node);
+        Start {
+            demand,
+            frag: w.fragmentation_of(node, before, c0, m0, is_multi),
+            stranded: demand.map_or(0.0, |d| d.stranded(sum(before), c0, m0)),
+        }
+    }
+
+    /// What a placement that takes the node's free GPU compute from `before` to `after` costs
+    /// the pods to come, in thousandths of a GPU: multi-GPU fragmentation + weighted stranded GPU
+    /// + lost value.
+    fn delta(
+        &self,
+        w: &Workload,
+        node: &NodeState,
+        req: &PodRequest,
+        before: &[u32],
+        after: &[u32],
+    ) -> f64 {
+        let (c1, m1) = (
+            fgd::cpu_left(node, req.cpu_milli),
+            fgd::mem_left(node, req.memory_mib),
+        );
+        let frag = w.fragmentation_of(node, after, c1, m1, is_multi) - self.frag;
+        let strand = self
+            .demand
+            .map_or(0.0, |d| d.stranded(sum(after), c1, m1) - self.stranded);
+        let g = w.gap_values();
+        let value: f64 = before
+            .iter()
+            .zip(after)
+            .filter(|(b, a)| b != a)
+            .map(|(&b, &a)| g.value(b) - g.value(a))
+            .sum();
+        frag + STRAND_WEIGHT * strand + value
+    }
+}
+
+/// The GPU of `cands` whose use by a one-slice share of `core` costs least ([`Start::delta`]);
+/// ties to the first.
 pub(crate) fn gpu(
     w: &Workload,
     node: &NodeState,
@@ -115,11 +141,12 @@ pub(crate) fn gpu(
     cands: impl Iterator<Item = usize>,
     core: u32,
 ) -> Option<usize> {
+    let start = Start::of(w, node, free);
     let mut after = free.to_vec();
     let mut best: Option<(f64, usize)> = None;
     for i in cands {
         after[i] -= core;
-        let d = delta(w, node, req, free, &after);
+        let d = start.delta(w, node, req, free, &after);
         after[i] += core;
         if best.is_none_or(|(b, _)| d < b) {
             best = Some((d, i));
@@ -129,8 +156,8 @@ pub(crate) fn gpu(
 }
 
 /// The node score (0..=100, plus a tie-break fraction) of a placement that takes the node's free
-/// GPU compute from `before` to `after`: FGD's sigmoid of [`delta`]. Among ties, a pod without GPUs
-/// goes to the node with the least free GPU, and other pods to a node already in use.
+/// GPU compute from `before` to `after`: FGD's sigmoid of [`Start::delta`]. Among ties, a pod
+/// without GPUs goes to the node with the least free GPU, and other pods to a node in use.
 pub(crate) fn score(
     w: &Workload,
     node: &NodeState,
@@ -138,7 +165,8 @@ pub(crate) fn score(
     before: &[u32],
     after: &[u32],
 ) -> f64 {
-    let base = fgd::paper_score(0.0, delta(w, node, req, before, after));
+    let delta = Start::of(w, node, before).delta(w, node, req, before, after);
+    let base = fgd::paper_score(0.0, delta);
     if req.containers.is_empty() {
         let free: u64 = before.iter().map(|&f| u64::from(f)).sum();
         return base + 0.99 / (1.0 + free as f64 / f64::from(CORE_MILLI_PER_GPU));
