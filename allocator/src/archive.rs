@@ -81,7 +81,7 @@ pub async fn trim_loop(
     let mut trimmed = 0;
     loop {
         tokio::time::sleep(policy.interval).await;
-        let head = shared.read(|l| l.seq());
+        let head = shared.seq();
         match trim_once(&archive, &log, &leader_key, epoch, head, policy).await {
             Ok(upto) if upto > trimmed => {
                 info!(upto, dir = %archive.dir().display(), "archived the log; etcd keeps the seqs after it");

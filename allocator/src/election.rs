@@ -5,57 +5,69 @@
 //! (see `log.rs`). The session also keeps a conservative local deadline: the lease cannot have
 //! been renewed past `sent + ttl` of the last acknowledged keep-alive, so once that passes the
 //! leader stops granting without waiting for etcd to say so.
+//!
+//! The lease's local deadlines are tokio instants — the monotonic reading of
+//! [`gpuledger_ops::clock::Clock`] — so a test runtime with paused time drives them.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use backon::Retryable;
 use etcd_client::{Client, LeaderKey};
 use tokio::sync::watch;
 use tokio::time::Instant;
+use tokio_util::sync::{CancellationToken, DropGuard};
 use tracing::{info, warn};
 
-/// A lease kept alive in the background.
-pub struct Session {
-    /// The lease id.
-    pub lease_id: i64,
-    /// The lease TTL.
-    pub ttl: Duration,
+/// What this process knows of its lease: until when it may still be valid, and whether the
+/// keep-alive gave up. Every clone sees the renewals.
+#[derive(Debug, Clone)]
+pub struct Lease {
     deadline: watch::Receiver<Instant>,
     lost: Arc<AtomicBool>,
-    task: tokio::task::JoinHandle<()>,
 }
 
-impl Session {
-    /// Grant a lease of `ttl` and keep it alive every `ttl / 3`.
-    pub async fn start(client: &Client, ttl: Duration) -> Result<Session, etcd_client::Error> {
-        let mut lease = client.lease_client();
-        let sent = Instant::now();
-        let ttl_s = ttl.as_secs().max(1) as i64;
-        let grant = tokio::time::timeout(ttl, lease.grant(ttl_s, None))
-            .await
-            .map_err(|_| {
-                etcd_client::Error::LeaseKeepAliveError("lease grant timed out".into())
-            })??;
-        let lease_id = grant.id();
-        let granted_ttl = Duration::from_secs(grant.ttl().max(1) as u64);
-        let (tx, deadline) = watch::channel(sent + granted_ttl);
-        let lost = Arc::new(AtomicBool::new(false));
-        let lost2 = lost.clone();
-        let client = client.clone();
-        let task = tokio::spawn(async move {
-            keep_alive(client, lease_id, granted_ttl, tx).await;
-            lost2.store(true, Ordering::SeqCst);
-        });
-        Ok(Session {
-            lease_id,
-            ttl: granted_ttl,
-            deadline,
-            lost,
-            task,
-        })
+/// The side of a [`Lease`] that renews it; dropping it loses the lease.
+#[derive(Debug)]
+pub struct LeaseKeeper {
+    deadline: watch::Sender<Instant>,
+    lost: Arc<AtomicBool>,
+}
+
+/// A lease valid until `until` as far as this process knows, and its keeper.
+pub fn lease(until: Instant) -> (LeaseKeeper, Lease) {
+    let (tx, rx) = watch::channel(until);
+    let lost = Arc::new(AtomicBool::new(false));
+    (
+        LeaseKeeper {
+            deadline: tx,
+            lost: lost.clone(),
+        },
+        Lease { deadline: rx, lost },
+    )
+}
+
+impl LeaseKeeper {
+    /// The lease was renewed: it cannot expire before `until`.
+    pub fn renew(&self, until: Instant) {
+        self.deadline.send_replace(until);
     }
 
+    /// Until when the lease is valid now.
+    pub fn deadline(&self) -> Instant {
+        *self.deadline.borrow()
+    }
+}
+
+impl Drop for LeaseKeeper {
+    fn drop(&mut self) {
+        // Before the sender goes: a waiter woken by the drop must see the loss.
+        self.lost.store(true, Ordering::SeqCst);
+    }
+}
+
+impl Lease {
     /// Whether the lease may still be valid (local conservative view).
     pub fn alive(&self) -> bool {
         !self.lost.load(Ordering::SeqCst) && Instant::now() < *self.deadline.borrow()
@@ -90,62 +102,119 @@ impl Session {
             }
         }
     }
+}
+
+/// A lease kept alive in the background.
+pub struct Session {
+    /// The lease id.
+    pub lease_id: i64,
+    /// The lease TTL.
+    pub ttl: Duration,
+    lease: Lease,
+    /// Ends the keep-alive when the session goes.
+    _keep_alive: DropGuard,
+}
+
+impl Session {
+    /// Grant a lease of `ttl` and keep it alive every `ttl / 3`.
+    pub async fn start(client: &Client, ttl: Duration) -> Result<Session, etcd_client::Error> {
+        let mut lease_client = client.lease_client();
+        let sent = Instant::now();
+        let ttl_s = ttl.as_secs().max(1) as i64;
+        let grant = tokio::time::timeout(ttl, lease_client.grant(ttl_s, None))
+            .await
+            .map_err(|_| {
+                etcd_client::Error::LeaseKeepAliveError("lease grant timed out".into())
+            })??;
+        let lease_id = grant.id();
+        let granted_ttl = Duration::from_secs(grant.ttl().max(1) as u64);
+        let (keeper, lease) = lease(sent + granted_ttl);
+        let client = client.clone();
+        let stop = CancellationToken::new();
+        tokio::spawn(stop.clone().run_until_cancelled_owned(keep_alive(
+            client,
+            lease_id,
+            granted_ttl,
+            keeper,
+        )));
+        Ok(Session {
+            lease_id,
+            ttl: granted_ttl,
+            lease,
+            _keep_alive: stop.drop_guard(),
+        })
+    }
+
+    /// The lease as this process knows it.
+    pub fn lease(&self) -> &Lease {
+        &self.lease
+    }
+
+    /// Whether the lease may still be valid (local conservative view).
+    pub fn alive(&self) -> bool {
+        self.lease.alive()
+    }
+
+    /// Time left before the lease may have expired.
+    pub fn remaining(&self) -> Duration {
+        self.lease.remaining()
+    }
+
+    /// Resolves when the lease is (or may be) gone.
+    pub async fn lost(&self) {
+        self.lease.lost().await
+    }
 
     /// Stop keeping the lease alive and revoke it (deletes the election key at once, so a
     /// follower takes over without waiting for the TTL).
     pub async fn revoke(self, client: &Client) {
-        self.task.abort();
+        let lease_id = self.lease_id;
+        drop(self);
         let mut lease = client.lease_client();
-        match tokio::time::timeout(Duration::from_secs(1), lease.revoke(self.lease_id)).await {
-            Ok(Ok(_)) => info!(lease = self.lease_id, "lease revoked"),
+        match tokio::time::timeout(Duration::from_secs(1), lease.revoke(lease_id)).await {
+            Ok(Ok(_)) => info!(lease = lease_id, "lease revoked"),
             Ok(Err(e)) => {
-                warn!(lease = self.lease_id, error = %e, "lease revoke failed; it expires by itself")
+                warn!(lease = lease_id, error = %e, "lease revoke failed; it expires by itself")
             }
             Err(_) => warn!(
-                lease = self.lease_id,
+                lease = lease_id,
                 "lease revoke timed out; it expires by itself"
             ),
         }
     }
 }
 
-impl Drop for Session {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-async fn keep_alive(client: Client, id: i64, ttl: Duration, deadline: watch::Sender<Instant>) {
+async fn keep_alive(client: Client, id: i64, ttl: Duration, keeper: LeaseKeeper) {
     let every = ttl / 3;
-    let mut lease = client.lease_client();
+    let lease = client.lease_client();
     'outer: loop {
-        let (mut keeper, mut stream) = match lease.keep_alive(id).await {
-            Ok(x) => x,
-            Err(e) => {
-                warn!(lease = id, error = %e, "lease keep-alive stream failed");
-                if Instant::now() >= *deadline.borrow() {
-                    return;
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
+        // (Re)open the keep-alive stream, while the lease may still be valid.
+        let open = (|| {
+            let mut lease = lease.clone();
+            async move { lease.keep_alive(id).await }
+        })
+        .retry(crate::retry::forever(Duration::from_millis(100)))
+        .when(|_| Instant::now() < keeper.deadline())
+        .notify(|e, _| warn!(lease = id, error = %e, "lease keep-alive stream failed"));
+        let Ok((mut keeper_tx, mut stream)) = open.await else {
+            return;
         };
         loop {
             let sent = Instant::now();
             let ok = async {
-                keeper.keep_alive().await?;
+                keeper_tx.keep_alive().await?;
                 stream.message().await
             };
             match tokio::time::timeout(every, ok).await {
                 Ok(Ok(Some(resp))) if resp.ttl() > 0 => {
-                    let _ = deadline.send(sent + Duration::from_secs(resp.ttl() as u64));
+                    keeper.renew(sent + Duration::from_secs(resp.ttl() as u64));
                 }
                 Ok(Ok(Some(_))) => {
                     warn!(lease = id, "lease expired (etcd answered ttl 0)");
                     return;
                 }
                 Ok(Ok(None)) | Ok(Err(_)) | Err(_) => {
-                    if Instant::now() >= *deadline.borrow() {
+                    if Instant::now() >= keeper.deadline() {
                         warn!(lease = id, "lease keep-alive failed past the deadline");
                         return;
                     }

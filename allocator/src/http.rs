@@ -15,29 +15,7 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 
-pub use self::metrics::Metrics;
-use crate::shared::{Role, Shared};
-
-/// Whether this replica is ready to serve (and why not).
-pub fn readiness(shared: &Shared) -> Result<(), String> {
-    shared.serving()?;
-    let role = shared.role_info();
-    if role.role != Role::Leader && role.leader.is_empty() {
-        return Err("no allocator leader is elected right now".into());
-    }
-    let head = shared
-        .health
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .head_seq;
-    let seq = shared.read(|l| l.seq());
-    if seq < head {
-        return Err(format!(
-            "catching up with the ledger: at seq {seq}, head is {head}"
-        ));
-    }
-    Ok(())
-}
+use crate::shared::Shared;
 
 /// Run `f` off the async workers: encoding a large ledger takes milliseconds of CPU.
 async fn blocking(
@@ -68,7 +46,7 @@ pub fn router(shared: Arc<Shared>) -> Router {
         .route(
             "/readyz",
             get(|State(s): State<Arc<Shared>>| async move {
-                match readiness(&s) {
+                match s.readiness() {
                     Ok(()) => (StatusCode::OK, "ready\n".to_string()),
                     Err(why) => (
                         StatusCode::SERVICE_UNAVAILABLE,
@@ -84,7 +62,7 @@ pub fn router(shared: Arc<Shared>) -> Router {
                 blocking(
                     s,
                     "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                    |s| s.metrics.render(s),
+                    metrics::render,
                 )
             }),
         )

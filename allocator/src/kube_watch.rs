@@ -7,16 +7,21 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
+use backon::{ExponentialBuilder, Retryable};
 use futures::StreamExt;
-use gpuledger_ledger::Command;
 use gpuledger_ledger::state::AllocState;
+use gpuledger_ledger::{Command, Ledger};
 use gpuledger_ops::events::{Kind, PodEvent, Recorder};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::Api;
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
 use crate::service::Service;
@@ -52,14 +57,8 @@ const YOUNG_MS: i64 = 5_000;
 /// Node capacity updates submitted at once by one reconcile pass.
 const SYNC_CONCURRENCY: usize = 64;
 
-fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64)
-}
-
-/// Start the watchers, if configured.
-pub fn spawn(service: Service, args: &KubeArgs) {
+/// Start the watchers, if configured, as tasks of `tasks` that end when `stop` is cancelled.
+pub fn spawn(service: Service, args: &KubeArgs, tasks: &TaskTracker, stop: &CancellationToken) {
     if args.no_kube {
         return;
     }
@@ -68,20 +67,21 @@ pub fn spawn(service: Service, args: &KubeArgs) {
         return;
     }
     let args = args.clone();
-    tokio::spawn(async move {
-        let mut delay = Duration::from_millis(200);
-        let client = loop {
-            match client(&args).await {
-                Ok(c) => break c,
-                Err(e) => {
-                    warn!(error = %format!("{e:#}"), "Kubernetes client not ready; retrying");
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(Duration::from_secs(10));
-                }
-            }
-        };
-        run(service, client, args).await;
-    });
+    tasks.spawn(stop.clone().run_until_cancelled_owned(async move {
+        let backoff = ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(200))
+            .with_max_delay(Duration::from_secs(10))
+            .without_max_times();
+        let connected = (|| client(&args))
+            .retry(backoff)
+            .notify(
+                |e, _| warn!(error = %format!("{e:#}"), "Kubernetes client not ready; retrying"),
+            )
+            .await;
+        if let Ok(client) = connected {
+            run(service, client, args).await;
+        }
+    }));
 }
 
 async fn client(args: &KubeArgs) -> anyhow::Result<kube::Client> {
@@ -129,14 +129,17 @@ impl Watch {
         }
     }
 
-    fn holds(&self, uid: &str) -> bool {
-        self.service
-            .shared()
-            .read(|l| !l.allocs_of_pod(uid).is_empty())
+    /// Read a view of the committed state.
+    async fn read<T>(&self, f: impl FnOnce(&Ledger) -> T) -> T {
+        f(&*self.service.shared().view().await)
+    }
+
+    async fn holds(&self, uid: &str) -> bool {
+        self.read(|l| !l.allocs_of_pod(uid).is_empty()).await
     }
 
     async fn release(&self, uid: &str, reason: &str) -> bool {
-        if !self.holds(uid) {
+        if !self.holds(uid).await {
             return false;
         }
         self.act(
@@ -197,11 +200,13 @@ impl Watch {
         let Some(node) = pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) else {
             return;
         };
-        let reserved_here = self.service.shared().read(|l| {
-            l.allocs_of_pod(uid)
-                .iter()
-                .any(|a| a.state == AllocState::Reserved && a.node == node)
-        });
+        let reserved_here = self
+            .read(|l| {
+                l.allocs_of_pod(uid)
+                    .iter()
+                    .any(|a| a.state == AllocState::Reserved && a.node == node)
+            })
+            .await;
         if reserved_here {
             self.confirm(uid, node, "reconcile: the pod is bound to this node")
                 .await;
@@ -213,21 +218,24 @@ impl Watch {
         if !self.leading() || !self.pods_ready.load(Ordering::Relaxed) {
             return;
         }
-        let allocs: BTreeMap<String, Vec<Held>> = self.service.shared().read(|l| {
-            let mut m: BTreeMap<String, Vec<Held>> = BTreeMap::new();
-            for a in l.allocs().values() {
-                m.entry(a.pod.uid.clone()).or_default().push(Held {
-                    ns: a.pod.namespace.clone(),
-                    name: a.pod.name.clone(),
-                    node: a.node.clone(),
-                    reserved: a.state == AllocState::Reserved,
-                    deadline_ms: a.deadline_ms,
-                    reserved_ms: a.reserved_ms,
-                });
-            }
-            m
-        });
-        let now = now_ms();
+        let allocs: BTreeMap<String, Vec<Held>> = self
+            .read(|l| {
+                let mut m: BTreeMap<String, Vec<Held>> = BTreeMap::new();
+                for a in l.allocs().values() {
+                    m.entry(a.pod.uid.clone()).or_default().push(Held {
+                        ns: a.pod.namespace.clone(),
+                        name: a.pod.name.clone(),
+                        node: a.node.clone(),
+                        reserved: a.state == AllocState::Reserved,
+                        deadline_ms: a.deadline_ms,
+                        reserved_ms: a.reserved_ms,
+                    });
+                }
+                m
+            })
+            .await;
+        let clock = self.service.shared().clock.clone();
+        let now = clock.now_ms();
         for (uid, list) in allocs {
             let a = &list[0];
             let cached = self
@@ -277,12 +285,14 @@ impl Watch {
         }
         if self.nodes_ready.load(Ordering::Relaxed) {
             // One read for every node: its name and the CPU/memory the ledger has for it.
-            let ledger_nodes: Vec<(String, (u64, u64))> = self.service.shared().read(|l| {
-                l.nodes()
-                    .values()
-                    .map(|n| (n.name.clone(), (n.cpu_milli, n.memory_mib)))
-                    .collect()
-            });
+            let ledger_nodes: Vec<(String, (u64, u64))> = self
+                .read(|l| {
+                    l.nodes()
+                        .values()
+                        .map(|n| (n.name.clone(), (n.cpu_milli, n.memory_mib)))
+                        .collect()
+                })
+                .await;
             let known: HashSet<&str> = ledger_nodes.iter().map(|(n, _)| n.as_str()).collect();
             node_missing.retain(|n, _| known.contains(n.as_str()));
             let mut syncs = Vec::new();
@@ -294,8 +304,8 @@ impl Watch {
                     }
                     continue;
                 }
-                let since = *node_missing.entry(n.clone()).or_insert_with(Instant::now);
-                if since.elapsed() >= grace {
+                let since = *node_missing.entry(n.clone()).or_insert_with(|| clock.now());
+                if clock.now().saturating_duration_since(since) >= grace {
                     self.act(
                         Command::RemoveNode {
                             node: n.clone(),
@@ -318,11 +328,7 @@ impl Watch {
     /// Set the ledger's CPU and host memory of `name` to the node's allocatable (for node-level
     /// fit and FGD). GPUs stay as the node agent registered them.
     async fn sync_capacity(&self, name: &str, (cpu_milli, memory_mib): (u64, u64)) {
-        let Some(mut inv) = self
-            .service
-            .shared()
-            .read(|l| l.node(name).map(|n| n.inventory()))
-        else {
+        let Some(mut inv) = self.read(|l| l.node(name).map(|n| n.inventory())).await else {
             return;
         };
         inv.cpu_milli = cpu_milli;
@@ -400,6 +406,8 @@ async fn run(service: Service, client: kube::Client, args: KubeArgs) {
         events: Recorder::new(client.clone(), "gpuledger-allocator", None),
     });
     info!("Kubernetes watchers started (pods, nodes)");
+    // The watchers live as long as this task: dropping the set ends them.
+    let mut watchers = JoinSet::new();
 
     let wp = w.clone();
     let pod_stream = reflector::reflector(
@@ -407,7 +415,7 @@ async fn run(service: Service, client: kube::Client, args: KubeArgs) {
         watcher(Api::<Pod>::all(client.clone()), watcher::Config::default()),
     )
     .default_backoff();
-    tokio::spawn(async move {
+    watchers.spawn(async move {
         let mut s = std::pin::pin!(pod_stream);
         while let Some(ev) = s.next().await {
             match ev {
@@ -432,7 +440,7 @@ async fn run(service: Service, client: kube::Client, args: KubeArgs) {
         watcher(Api::<Node>::all(client), watcher::Config::default()),
     )
     .default_backoff();
-    tokio::spawn(async move {
+    watchers.spawn(async move {
         let mut s = std::pin::pin!(node_stream);
         while let Some(ev) = s.next().await {
             match ev {
@@ -440,7 +448,7 @@ async fn run(service: Service, client: kube::Client, args: KubeArgs) {
                     let Some(name) = n.metadata.name.clone() else {
                         continue;
                     };
-                    let known = wn.service.shared().read(|l| l.node(&name).is_some());
+                    let known = wn.read(|l| l.node(&name).is_some()).await;
                     if known && wn.leading() {
                         wn.act(
                             Command::RemoveNode {

@@ -7,14 +7,18 @@
 pub mod archive;
 pub mod config;
 pub mod election;
+pub mod grpc;
 pub mod http;
 pub mod kube_watch;
 pub mod leader;
 pub mod log;
+pub mod metrics;
 pub mod replica;
+mod retry;
 pub mod service;
 pub mod shared;
 pub mod tail;
+pub mod views;
 pub mod workload;
 
 pub use config::Config;

@@ -1,22 +1,27 @@
-//! The event log in etcd: key layout, fenced commits, range reads, snapshots.
+//! The ledger's event log: what leading and catching up need of it ([`LedgerLog`], the narrow
+//! edge to etcd), its errors, and the batch codec. [`EtcdLog`] is the log in etcd; tests of
+//! the leader also have an in-memory one (`memory::MemLog`).
 //!
-//! Layout under `/gpuledger/<cluster>/`:
+//! Layout in etcd under `/gpuledger/<cluster>/`:
 //! `log/<first_seq:020>` one `EventBatch` per commit, `head` = `Head{seq, epoch}`,
 //! `snapmeta/<seq:020>` + `snapdata/<seq:020>/<part:04>` snapshots split into ≤ 1 MiB parts,
 //! `election` the leader election.
 
+mod etcd;
+#[cfg(test)]
+pub(crate) mod memory;
+
+use std::future::Future;
 use std::time::Duration;
 
-use etcd_client::{Compare, CompareOp, GetOptions, KvClient, SortOrder, SortTarget, Txn, TxnOp};
 use gpuledger_ledger::pb;
+use gpuledger_ops::archive::ArchiveError;
 use prost::Message;
+
+pub use self::etcd::EtcdLog;
 
 /// Largest value written in one etcd key (etcd's default request limit is 1.5 MiB).
 pub const MAX_VALUE_BYTES: usize = 1024 * 1024;
-/// Largest gRPC message accepted from etcd.
-const MAX_DECODE: usize = 256 * 1024 * 1024;
-/// Keys per page when range-reading the log.
-const PAGE: i64 = 256;
 
 /// Errors talking to the log.
 #[derive(Debug, thiserror::Error)]
@@ -38,9 +43,9 @@ pub enum LogError {
         /// The first seq etcd still holds.
         first: u64,
     },
-    /// The archive could not be read (see [`crate::archive::ArchiveError`]).
+    /// The archive could not be read (see [`ArchiveError`]).
     #[error(transparent)]
-    Archive(#[from] crate::archive::ArchiveError),
+    Archive(#[from] ArchiveError),
     /// A stored value does not decode: the log is corrupt. Not retryable.
     #[error("corrupt value at {key}: {why}")]
     Corrupt {
@@ -76,391 +81,88 @@ pub struct HeadInfo {
     pub revision: i64,
 }
 
-/// Handle on one cluster's log in etcd.
-#[derive(Clone)]
-pub struct EtcdLog {
-    kv: KvClient,
-    /// Where commits go: `kv`, or a connection to the etcd raft leader (see
-    /// [`EtcdLog::with_writer`]).
-    writer: KvClient,
-    prefix: String,
-    timeout: Duration,
+/// What makes a write the leader's: its election key and that key's create_revision (the
+/// epoch). A write succeeds only while the key still exists with that revision.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fence {
+    /// The election key this leader holds.
+    pub key: Vec<u8>,
+    /// Its create_revision: the leader's epoch.
+    pub epoch: i64,
 }
 
-fn seq_key(seq: u64) -> String {
-    format!("{seq:020}")
+impl From<&etcd_client::LeaderKey> for Fence {
+    fn from(k: &etcd_client::LeaderKey) -> Self {
+        Fence {
+            key: k.key().to_vec(),
+            epoch: k.rev(),
+        }
+    }
 }
 
-impl EtcdLog {
-    /// The log of cluster `cluster` through `client`.
-    pub fn new(client: &etcd_client::Client, cluster: &str, timeout: Duration) -> Self {
-        let kv = client
-            .kv_client()
-            .max_decoding_message_size(MAX_DECODE)
-            .max_encoding_message_size(MAX_DECODE);
-        EtcdLog {
-            writer: kv.clone(),
-            kv,
-            prefix: format!("/gpuledger/{cluster}/"),
-            timeout,
-        }
-    }
-
-    /// The same log, with its commits sent through `client` (a connection to the member that
-    /// is etcd's raft leader: a write to a follower member is forwarded to the leader and
-    /// answered only after the follower applied it, one more hop inside etcd). Only the route
-    /// changes: every commit is still the same fenced transaction, valid at any member.
-    pub fn with_writer(&self, client: &etcd_client::Client) -> Self {
-        EtcdLog {
-            writer: client
-                .kv_client()
-                .max_decoding_message_size(MAX_DECODE)
-                .max_encoding_message_size(MAX_DECODE),
-            ..self.clone()
-        }
-    }
-
-    /// Key prefix of this cluster (`/gpuledger/<cluster>/`).
-    pub fn prefix(&self) -> &str {
-        &self.prefix
-    }
-    /// Prefix of the batch keys.
-    pub fn log_prefix(&self) -> String {
-        format!("{}log/", self.prefix)
-    }
-    /// Key of the batch starting at `first_seq`.
-    pub fn log_key(&self, first_seq: u64) -> String {
-        format!("{}log/{}", self.prefix, seq_key(first_seq))
-    }
-    /// Key of the head record.
-    pub fn head_key(&self) -> String {
-        format!("{}head", self.prefix)
-    }
-    /// Name of the leader election.
-    pub fn election_name(&self) -> String {
-        format!("{}election", self.prefix)
-    }
-
-    async fn timed<T>(
-        &self,
-        f: impl std::future::Future<Output = Result<T, etcd_client::Error>>,
-    ) -> Result<T, LogError> {
-        match tokio::time::timeout(self.timeout, f).await {
-            Ok(r) => Ok(r?),
-            Err(_) => Err(LogError::Timeout(self.timeout)),
-        }
-    }
-
+/// The narrow edge between the allocator and the store of its log: what leading and catching
+/// up need. Every implementation keeps the write protocol of `DESIGN.md`: one fenced
+/// transaction per batch, `head` moving with it.
+pub trait LedgerLog: Clone + Send + Sync + 'static {
     /// Read `head` (linearizable).
-    pub async fn head(&self) -> Result<HeadInfo, LogError> {
-        let key = self.head_key();
-        let mut kv = self.kv.clone();
-        let resp = self.timed(kv.get(key.clone(), None)).await?;
-        let revision = resp.header().map_or(0, |h| h.revision());
-        match resp.kvs().first() {
-            None => Ok(HeadInfo {
-                revision,
-                ..HeadInfo::default()
-            }),
-            Some(kv) => {
-                let h = pb::Head::decode(kv.value()).map_err(|e| LogError::Corrupt {
-                    key,
-                    why: e.to_string(),
-                })?;
-                Ok(HeadInfo {
-                    seq: h.seq,
-                    epoch: h.epoch,
-                    mod_rev: kv.mod_revision(),
-                    revision,
-                })
-            }
-        }
-    }
+    fn head(&self) -> impl Future<Output = Result<HeadInfo, LogError>> + Send;
 
-    /// Append `batch` in ONE transaction, fenced on the leader key's create_revision (the
-    /// epoch) and on `head`'s mod_revision. Either both keys are written or neither.
-    pub async fn commit(
+    /// Append `batch` and move `head` in one transaction that succeeds only while `fence`
+    /// holds and `head` is still at `head_rev` ([`Commit::Fenced`] otherwise).
+    fn append(
         &self,
-        leader_key: &[u8],
-        epoch: i64,
+        fence: &Fence,
         head_rev: i64,
-        batch: &pb::EventBatch,
-    ) -> Result<Commit, LogError> {
-        let (first, head, bytes) = encode(batch);
-        self.commit_encoded(leader_key, epoch, head_rev, first, &head, bytes)
-            .await
-    }
+        batch: Encoded,
+    ) -> impl Future<Output = Result<Commit, LogError>> + Send;
 
-    /// [`EtcdLog::commit`] of a batch already encoded by [`encode`].
-    pub async fn commit_encoded(
-        &self,
-        leader_key: &[u8],
-        epoch: i64,
-        head_rev: i64,
-        first_seq: u64,
-        head: &pb::Head,
-        bytes: Vec<u8>,
-    ) -> Result<Commit, LogError> {
-        let txn = Txn::new()
-            .when([
-                Compare::create_revision(leader_key.to_vec(), CompareOp::Equal, epoch),
-                Compare::mod_revision(self.head_key(), CompareOp::Equal, head_rev),
-            ])
-            .and_then([
-                TxnOp::put(self.log_key(first_seq), bytes, None),
-                TxnOp::put(self.head_key(), head.encode_to_vec(), None),
-            ]);
-        let mut kv = self.writer.clone();
-        let resp = self.timed(kv.txn(txn)).await?;
-        if resp.succeeded() {
-            Ok(Commit::Done {
-                head_rev: resp.header().map_or(0, |h| h.revision()),
-            })
-        } else {
-            Ok(Commit::Fenced)
-        }
-    }
-
-    /// Delete the batches that start before `before_seq` (they are archived), in one
-    /// transaction fenced on the leader key's create_revision: only the leader trims. False
-    /// when the fence failed.
-    pub async fn trim_before(
-        &self,
-        leader_key: &[u8],
-        epoch: i64,
-        before_seq: u64,
-    ) -> Result<bool, LogError> {
-        let txn = Txn::new()
-            .when([Compare::create_revision(
-                leader_key.to_vec(),
-                CompareOp::Equal,
-                epoch,
-            )])
-            .and_then([TxnOp::delete(
-                self.log_prefix(),
-                Some(etcd_client::DeleteOptions::new().with_range(self.log_key(before_seq))),
-            )]);
-        let mut kv = self.writer.clone();
-        Ok(self.timed(kv.txn(txn)).await?.succeeded())
-    }
-
-    /// First seq still in etcd's log (None = the log is empty).
-    pub async fn first_seq(&self) -> Result<Option<u64>, LogError> {
-        let mut kv = self.kv.clone();
-        let end = format!("{}log0", self.prefix);
-        let resp = self
-            .timed(
-                kv.get(
-                    self.log_prefix(),
-                    Some(
-                        GetOptions::new()
-                            .with_range(end)
-                            .with_limit(1)
-                            .with_keys_only(),
-                    ),
-                ),
-            )
-            .await?;
-        Ok(resp.kvs().first().and_then(|k| {
-            String::from_utf8_lossy(k.key())
-                .rsplit('/')
-                .next()
-                .and_then(|s| s.parse().ok())
-        }))
-    }
-
-    /// Batches holding seqs `from..=to` (`to` = 0: to the end), in order, read at one revision.
-    /// Returns the batches and the store revision they were read at.
-    pub async fn read(&self, from: u64, to: u64) -> Result<(Vec<pb::EventBatch>, i64), LogError> {
-        let mut out = Vec::new();
-        let rev = self
-            .read_with(from, to, 0, |b| {
-                out.push(b);
-                true
-            })
-            .await?;
-        Ok((out, rev))
-    }
-
-    /// Like [`EtcdLog::read`] but hands each batch to `f` as it arrives (stop by returning
-    /// false). `at_rev` 0 = the newest revision. Returns the revision read at.
-    pub async fn read_with(
+    /// Hand the batches holding seqs `from..=to` (`to` 0: to the end) to `f` in order, until
+    /// it returns false. Returns the store revision they were read at.
+    fn read_with(
         &self,
         from: u64,
         to: u64,
-        at_rev: i64,
-        mut f: impl FnMut(pb::EventBatch) -> bool,
-    ) -> Result<i64, LogError> {
-        let mut kv = self.kv.clone();
-        let end = format!("{}log0", self.prefix); // '0' sorts right after '/'
-        // The batch holding `from` starts at the last key <= log/<from>.
-        let mut start = self.log_key(from.max(1));
-        let probe = self
-            .timed(
-                kv.get(
-                    self.log_prefix(),
-                    Some(
-                        GetOptions::new()
-                            .with_range(format!("{}log/{}", self.prefix, seq_key(from.max(1) + 1)))
-                            .with_sort(SortTarget::Key, SortOrder::Descend)
-                            .with_limit(1)
-                            .with_keys_only()
-                            .with_revision(at_rev),
-                    ),
-                ),
-            )
-            .await?;
-        let mut rev = probe.header().map_or(0, |h| h.revision());
-        if at_rev > 0 {
-            rev = at_rev;
-        }
-        if let Some(k) = probe.kvs().first() {
-            start = String::from_utf8_lossy(k.key()).into_owned();
-        }
-        loop {
-            let resp = self
-                .timed(
-                    kv.get(
-                        start.clone(),
-                        Some(
-                            GetOptions::new()
-                                .with_range(end.clone())
-                                .with_limit(PAGE)
-                                .with_revision(rev),
-                        ),
-                    ),
-                )
-                .await?;
-            let kvs = resp.kvs();
-            for kvp in kvs {
-                let key = String::from_utf8_lossy(kvp.key()).into_owned();
-                let b = pb::EventBatch::decode(kvp.value()).map_err(|e| LogError::Corrupt {
-                    key: key.clone(),
-                    why: e.to_string(),
-                })?;
-                let last = b.events.last().map_or(b.first_seq, |e| e.seq);
-                if last < from {
-                    continue;
-                }
-                if to > 0 && b.first_seq > to {
-                    return Ok(rev);
-                }
-                if !f(b) {
-                    return Ok(rev);
-                }
-            }
-            if !resp.more() || kvs.is_empty() {
-                return Ok(rev);
-            }
-            let last = kvs.last().expect("non-empty page");
-            let mut next = last.key().to_vec();
-            next.push(0);
-            start = String::from_utf8_lossy(&next).into_owned();
-        }
-    }
+        f: impl FnMut(pb::EventBatch) -> bool + Send,
+    ) -> impl Future<Output = Result<i64, LogError>> + Send;
 
-    /// Write a snapshot in ≤ 1 MiB parts, then its meta key (a snapshot without meta is
-    /// incomplete and ignored). Only writes if no snapshot exists at that seq.
-    pub async fn write_snapshot(&self, snap: &pb::Snapshot) -> Result<bool, LogError> {
-        let meta_key = format!("{}snapmeta/{}", self.prefix, seq_key(snap.seq));
-        let mut kv = self.kv.clone();
-        let existing = self
-            .timed(kv.get(meta_key.clone(), Some(GetOptions::new().with_count_only())))
-            .await?;
-        if existing.count() > 0 {
-            return Ok(false);
-        }
-        let bytes = snap.encode_to_vec();
-        let parts: Vec<&[u8]> = bytes.chunks(MAX_VALUE_BYTES).collect();
-        for (i, p) in parts.iter().enumerate() {
-            let key = format!("{}snapdata/{}/{i:04}", self.prefix, seq_key(snap.seq));
-            self.timed(kv.put(key, p.to_vec(), None)).await?;
-        }
-        let meta = format!("{} {}", parts.len(), bytes.len());
-        let txn = Txn::new()
-            .when([Compare::version(meta_key.clone(), CompareOp::Equal, 0)])
-            .and_then([TxnOp::put(meta_key, meta, None)]);
-        Ok(self.timed(kv.txn(txn)).await?.succeeded())
-    }
-
-    /// Seqs of the complete snapshots, ascending.
-    pub async fn snapshot_seqs(&self) -> Result<Vec<u64>, LogError> {
-        let mut kv = self.kv.clone();
-        let prefix = format!("{}snapmeta/", self.prefix);
-        let resp = self
-            .timed(kv.get(
-                prefix.clone(),
-                Some(GetOptions::new().with_prefix().with_keys_only()),
-            ))
-            .await?;
-        let mut seqs: Vec<u64> = resp
-            .kvs()
-            .iter()
-            .filter_map(|k| {
-                String::from_utf8_lossy(k.key())
-                    .strip_prefix(&prefix)
-                    .and_then(|s| s.parse().ok())
-            })
-            .collect();
-        seqs.sort_unstable();
-        Ok(seqs)
-    }
-
-    /// The newest complete snapshot at or below `max_seq` (0 = any).
-    pub async fn latest_snapshot(&self, max_seq: u64) -> Result<Option<pb::Snapshot>, LogError> {
-        let seqs = self.snapshot_seqs().await?;
-        let Some(seq) = seqs
-            .into_iter()
-            .rev()
-            .find(|s| max_seq == 0 || *s <= max_seq)
-        else {
-            return Ok(None);
-        };
-        let mut kv = self.kv.clone();
-        let key = format!("{}snapdata/{}/", self.prefix, seq_key(seq));
-        let resp = self
-            .timed(kv.get(key.clone(), Some(GetOptions::new().with_prefix())))
-            .await?;
-        let mut bytes = Vec::new();
-        for p in resp.kvs() {
-            bytes.extend_from_slice(p.value());
-        }
-        let snap = pb::Snapshot::decode(bytes.as_slice()).map_err(|e| LogError::Corrupt {
-            key,
-            why: e.to_string(),
-        })?;
-        Ok(Some(snap))
-    }
+    /// Store a snapshot of the folded state, unless one exists at its seq (then false).
+    fn write_snapshot(
+        &self,
+        snap: &pb::Snapshot,
+    ) -> impl Future<Output = Result<bool, LogError>> + Send;
 
     /// Delete all but the newest `keep` snapshots.
-    pub async fn prune_snapshots(&self, keep: usize) -> Result<(), LogError> {
-        let seqs = self.snapshot_seqs().await?;
-        let mut kv = self.kv.clone();
-        for seq in seqs.iter().take(seqs.len().saturating_sub(keep)) {
-            let meta = format!("{}snapmeta/{}", self.prefix, seq_key(*seq));
-            self.timed(kv.delete(meta, None)).await?;
-            let data = format!("{}snapdata/{}/", self.prefix, seq_key(*seq));
-            self.timed(kv.delete(data, Some(etcd_client::DeleteOptions::new().with_prefix())))
-                .await?;
-        }
-        Ok(())
-    }
+    fn prune_snapshots(&self, keep: usize) -> impl Future<Output = Result<(), LogError>> + Send;
+
+    /// Where the log lives, for messages (etcd: its `log/` key prefix).
+    fn location(&self) -> String;
 }
 
-/// A batch's first seq, the head it moves to, and its bytes.
-pub fn encode(batch: &pb::EventBatch) -> (u64, pb::Head, Vec<u8>) {
+/// A batch ready to append: its first seq, the head it moves to, and its bytes.
+#[derive(Debug, Clone)]
+pub struct Encoded {
+    /// Seq of the batch's first event (its key in the log).
+    pub first_seq: u64,
+    /// What `head` says once the batch is in.
+    pub head: pb::Head,
+    /// The encoded `EventBatch`.
+    pub bytes: Vec<u8>,
+}
+
+/// Encode a batch for [`LedgerLog::append`].
+pub fn encode(batch: &pb::EventBatch) -> Encoded {
     let last = batch
         .events
         .last()
         .map_or(batch.first_seq.saturating_sub(1), |e| e.seq);
-    (
-        batch.first_seq,
-        pb::Head {
+    Encoded {
+        first_seq: batch.first_seq,
+        head: pb::Head {
             seq: last,
             epoch: batch.epoch,
         },
-        batch.encode_to_vec(),
-    )
+        bytes: batch.encode_to_vec(),
+    }
 }
 
 /// Decode a batch from a watch or range value.

@@ -4,15 +4,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use backon::Retryable;
 use etcd_client::{Certificate, Client, ConnectOptions, Identity, TlsOptions};
-use gpuledger_proto::allocator::v1::allocator_server::AllocatorServer;
-use tokio::sync::watch;
-use tracing::{info, warn};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{Instrument, info, info_span, warn};
 
 use crate::config::{Config, EtcdTls};
 use crate::election::{self, Session};
 use crate::leader::{BatchLimits, Leader, StepDown};
-use crate::log::EtcdLog;
+use crate::log::{EtcdLog, Fence, LogError};
+use crate::retry::forever;
 use crate::service::Placement;
 use crate::service::Service;
 use crate::shared::{Role, Shared};
@@ -51,12 +53,13 @@ pub async fn connect(endpoints: &[String], tls: Option<&EtcdTls>) -> anyhow::Res
 
 /// Run a replica until SIGTERM or SIGINT.
 pub async fn run(cfg: Config) -> anyhow::Result<()> {
-    let (stop_tx, stop_rx) = watch::channel(false);
+    let stop = CancellationToken::new();
+    let on_signal = stop.clone();
     tokio::spawn(async move {
         wait_for_signal().await;
-        let _ = stop_tx.send(true);
+        on_signal.cancel();
     });
-    run_until(cfg, stop_rx).await
+    run_until(cfg, stop).await
 }
 
 async fn wait_for_signal() {
@@ -74,8 +77,8 @@ async fn wait_for_signal() {
     }
 }
 
-/// Run a replica until `stop` turns true.
-pub async fn run_until(cfg: Config, stop: watch::Receiver<bool>) -> anyhow::Result<()> {
+/// Run a replica until `stop` is cancelled.
+pub async fn run_until(cfg: Config, stop: CancellationToken) -> anyhow::Result<()> {
     let shared = Shared::new(cfg.replica(), cfg.advertise());
     let client = connect(&cfg.etcd_endpoints, cfg.etcd_tls().as_ref()).await?;
     let log = EtcdLog::new(
@@ -117,40 +120,44 @@ pub async fn run_until(cfg: Config, stop: watch::Receiver<bool>) -> anyhow::Resu
         },
     )
     .with_archive(archive.clone());
-    tokio::spawn(crate::workload::follow(shared.clone(), learned));
     let http = tokio::net::TcpListener::bind(cfg.http_listen)
         .await
         .with_context(|| format!("listening on --http-listen {}", cfg.http_listen))?;
+
+    // Every task of the replica ends when `stop` is cancelled.
+    let tasks = TaskTracker::new();
+    tasks.spawn(
+        stop.clone()
+            .run_until_cancelled_owned(crate::workload::follow(shared.clone(), learned)),
+    );
+    let views = shared.clone();
+    tasks.spawn(
+        stop.clone()
+            .run_until_cancelled_owned(async move { views.maintain_views().await }),
+    );
     let router = crate::http::router(shared.clone());
-    tokio::spawn(async move {
-        if let Err(e) = axum::serve(http, router).await {
+    let http_stop = stop.clone();
+    tasks.spawn(async move {
+        let served = axum::serve(http, router)
+            .with_graceful_shutdown(http_stop.cancelled_owned())
+            .await;
+        if let Err(e) = served {
             warn!(error = %e, "the HTTP endpoint stopped");
         }
     });
-    crate::kube_watch::spawn(service.clone(), &cfg.kube);
-    let mut grpc_stop = stop.clone();
-    let server = tokio::spawn(
-        tonic::transport::Server::builder()
-            .tcp_nodelay(true)
-            .add_service(
-                AllocatorServer::new(service)
-                    .max_decoding_message_size(64 * 1024 * 1024)
-                    .max_encoding_message_size(256 * 1024 * 1024),
-            )
-            // TcpIncoming sets TCP_NODELAY on accepted sockets (Server::tcp_nodelay does not apply
-            // to serve_with_incoming): without it Nagle + delayed ACK add ~40 ms to large answers.
-            .serve_with_incoming_shutdown(
-                tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
-                async move {
-                    let _ = grpc_stop.wait_for(|s| *s).await;
-                },
-            ),
-    );
-    tokio::spawn(health_loop(shared.clone(), client.clone(), log.clone()));
+    crate::kube_watch::spawn(service.clone(), &cfg.kube, &tasks, &stop);
+    tasks.spawn(crate::grpc::serve(service, listener, stop.clone()));
+    tasks.spawn(stop.clone().run_until_cancelled_owned(health_loop(
+        shared.clone(),
+        client.clone(),
+        log.clone(),
+    )));
 
-    let result = lifecycle(&cfg, &shared, &client, &log, archive, stop.clone()).await;
+    let result = lifecycle(&cfg, &shared, &client, &log, archive, &stop).await;
+    stop.cancel();
+    tasks.close();
     // Give in-flight RPCs a moment, then stop serving.
-    let _ = tokio::time::timeout(Duration::from_secs(2), server).await;
+    let _ = tokio::time::timeout(Duration::from_secs(2), tasks.wait()).await;
     result
 }
 
@@ -199,32 +206,29 @@ async fn lifecycle(
     client: &Client,
     log: &EtcdLog,
     archive: Option<crate::archive::Archive>,
-    mut stop: watch::Receiver<bool>,
+    stop: &CancellationToken,
 ) -> anyhow::Result<()> {
-    // Load the ledger (retry until etcd answers).
-    loop {
-        if *stop.borrow() {
+    // Load the ledger (retry until etcd answers; a corrupt log is not retried).
+    let load = (|| tail::load(shared, log, !cfg.ignore_snapshots, archive.as_ref()))
+        .retry(forever(Duration::from_millis(500)))
+        .when(|e| !matches!(e, LogError::Corrupt { .. }))
+        .notify(|e, _| warn!(error = %e, "loading the ledger failed; retrying"));
+    match stop.run_until_cancelled(load).await {
+        None => return Ok(()),
+        Some(Ok(())) => {}
+        Some(Err(e)) => {
+            shared
+                .health
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .broken = Some(e.to_string());
+            warn!(error = %e, "the ledger does not load; serving status only");
+            stop.cancelled().await;
             return Ok(());
         }
-        match tail::load(shared, log, !cfg.ignore_snapshots, archive.as_ref()).await {
-            Ok(()) => break,
-            Err(e @ crate::log::LogError::Corrupt { .. }) => {
-                shared
-                    .health
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .broken = Some(e.to_string());
-                warn!(error = %e, "the ledger does not load; serving status only");
-                let _ = stop.wait_for(|s| *s).await;
-                return Ok(());
-            }
-            Err(e) => {
-                warn!(error = %e, "loading the ledger failed; retrying");
-                tokio::time::sleep(Duration::from_millis(500)).await;
-            }
-        }
     }
-    shared.set_role(Role::Follower, shared.read(|l| l.epoch()), String::new());
+    let epoch = shared.view().await.epoch();
+    shared.set_role(Role::Follower, epoch, String::new());
     let limits = BatchLimits {
         max_events: cfg.max_txn_ops.max(1),
         max_bytes: cfg.max_batch_bytes.clamp(4096, crate::log::MAX_VALUE_BYTES),
@@ -232,38 +236,43 @@ async fn lifecycle(
         load_linger: Duration::from_micros(cfg.commit_linger_us),
     };
     loop {
-        if *stop.borrow() {
+        if stop.is_cancelled() {
             return Ok(());
         }
         // Follow the log while campaigning.
-        let follower = tokio::spawn(tail::follow(
-            shared.clone(),
-            client.clone(),
-            log.clone(),
-            cfg.snapshot_every,
-            archive.clone(),
-        ));
-        let session = match Session::start(client, cfg.lease_ttl()).await {
-            Ok(s) => s,
-            Err(e) => {
-                warn!(error = %e, "cannot get an etcd lease; following only");
-                follower.abort();
-                let _ = follower.await;
+        let following = stop.child_token();
+        let follower = tokio::spawn(
+            following.clone().run_until_cancelled_owned(
+                tail::follow(
+                    shared.clone(),
+                    client.clone(),
+                    log.clone(),
+                    cfg.snapshot_every,
+                    archive.clone(),
+                )
+                .instrument(info_span!("follow")),
+            ),
+        );
+        let session = (|| Session::start(client, cfg.lease_ttl()))
+            .retry(forever(Duration::from_millis(500)))
+            .notify(|e, _| warn!(error = %e, "cannot get an etcd lease; following only"));
+        let session = stop.run_until_cancelled(session).await;
+        let won = match &session {
+            Some(Ok(session)) => {
+                let election_name = log.election_name();
                 tokio::select! {
-                    _ = tokio::time::sleep(Duration::from_millis(500)) => {}
-                    _ = stop.changed() => {}
+                    r = election::campaign(client, &election_name, &shared.address, session.lease_id) => Some(r),
+                    _ = session.lost() => None,
+                    _ = stop.cancelled() => None,
                 }
-                continue;
             }
+            _ => None,
         };
-        let election_name = log.election_name();
-        let won = tokio::select! {
-            r = election::campaign(client, &election_name, &shared.address, session.lease_id) => Some(r),
-            _ = session.lost() => None,
-            _ = stop.changed() => None,
-        };
-        follower.abort();
+        following.cancel();
         let _ = follower.await;
+        let Some(Ok(session)) = session else {
+            return Ok(());
+        };
         let key = match won {
             Some(Ok(k)) => k,
             Some(Err(e)) => {
@@ -283,30 +292,40 @@ async fn lifecycle(
             .as_ref()
             .map_or_else(|| log.clone(), |w| log.with_writer(w));
         // While leading: move what etcd no longer needs to the archive.
+        let trimming = stop.child_token();
         let trimmer = archive.clone().map(|a| {
-            tokio::spawn(crate::archive::trim_loop(
-                a,
-                leader_log.clone(),
-                key.key().to_vec(),
-                key.rev(),
-                shared.clone(),
-                crate::archive::TrimPolicy {
-                    retain_events: cfg.log_retain_events,
-                    interval: Duration::from_millis(cfg.archive_interval_ms.max(10)),
-                },
-            ))
+            tokio::spawn(
+                trimming
+                    .clone()
+                    .run_until_cancelled_owned(crate::archive::trim_loop(
+                        a,
+                        leader_log.clone(),
+                        key.key().to_vec(),
+                        key.rev(),
+                        shared.clone(),
+                        crate::archive::TrimPolicy {
+                            retain_events: cfg.log_retain_events,
+                            interval: Duration::from_millis(cfg.archive_interval_ms.max(10)),
+                        },
+                    ))
+                    .in_current_span(),
+            )
         });
         let leader = Leader {
             shared: shared.clone(),
             log: leader_log,
-            key,
+            fence: Fence::from(&key),
             limits,
             snapshot_every: cfg.snapshot_every,
             archive: archive.clone(),
         };
-        let why = leader.run(&session, stop.clone()).await;
+        let why = leader
+            .run(session.lease(), stop.clone())
+            .instrument(info_span!("lead", epoch = key.rev()))
+            .await;
+        trimming.cancel();
         if let Some(t) = trimmer {
-            t.abort();
+            let _ = t.await;
         }
         let epoch = shared.role_info().epoch;
         shared.set_role(Role::Follower, epoch, String::new());

@@ -1,12 +1,16 @@
 //! What every part of a replica shares: the committed state, the role, the event fan-out.
 
 use std::collections::VecDeque;
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use gpuledger_ledger::{Command, Ledger, Reply, pb};
+use gpuledger_ops::clock::{Clock, SystemClock};
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
 use tonic::Status;
 use tracing::error;
+
+use crate::views::{View, Views};
 
 /// How many recent committed batches a replica keeps for subscribers resuming from a seq.
 const RECENT_BATCHES: usize = 4096;
@@ -67,8 +71,13 @@ pub struct Health {
 
 /// State shared by the tail, the sequencer, the gRPC service and the health loop.
 pub struct Shared {
-    /// The committed state (only committed events are ever folded in here).
-    pub state: RwLock<Ledger>,
+    /// The committed state (only committed events are ever folded in here). Only the fold
+    /// locks it; readers take a [`View`].
+    live: Mutex<Ledger>,
+    /// Immutable views of `live` for readers, published off the commit path.
+    pub(crate) views: Views,
+    /// Seq of the last event folded into `live`.
+    folded: AtomicU64,
     /// Role, epoch and leader address.
     pub role: watch::Sender<RoleInfo>,
     /// Committed batches as they are folded in.
@@ -83,9 +92,11 @@ pub struct Shared {
     /// Advertised address (what followers forward to).
     pub address: String,
     /// Prometheus metrics.
-    pub metrics: crate::http::Metrics,
-    /// The highest seq folded into `state`, for waiters.
+    pub metrics: crate::metrics::Metrics,
+    /// The highest seq folded into the committed state, for waiters.
     pub applied: watch::Sender<u64>,
+    /// Where every time-based decision of the replica reads the time.
+    pub clock: Arc<dyn Clock>,
 }
 
 /// Role plus what goes with it.
@@ -100,8 +111,13 @@ pub struct RoleInfo {
 }
 
 impl Shared {
-    /// A replica with an empty state.
+    /// A replica with an empty state, on the system clock.
     pub fn new(replica: String, address: String) -> Arc<Shared> {
+        Self::with_clock(replica, address, Arc::new(SystemClock))
+    }
+
+    /// A replica with an empty state whose decisions read `clock`.
+    pub fn with_clock(replica: String, address: String, clock: Arc<dyn Clock>) -> Arc<Shared> {
         let (role, _) = watch::channel(RoleInfo {
             role: Role::Starting,
             epoch: 0,
@@ -109,7 +125,9 @@ impl Shared {
         });
         let (batches, _) = broadcast::channel(1024);
         Arc::new(Shared {
-            state: RwLock::new(Ledger::new()),
+            live: Mutex::new(Ledger::new()),
+            views: Views::new(&Ledger::new()),
+            folded: AtomicU64::new(0),
             role,
             batches,
             recent: Mutex::new(VecDeque::new()),
@@ -117,21 +135,48 @@ impl Shared {
             health: Mutex::new(Health::default()),
             replica,
             address,
-            metrics: crate::http::Metrics::default(),
+            metrics: crate::metrics::Metrics::default(),
             applied: watch::channel(0).0,
+            clock,
         })
     }
 
-    /// Read the committed state.
-    pub fn read<T>(&self, f: impl FnOnce(&Ledger) -> T) -> T {
-        let g = self.state.read().unwrap_or_else(|p| p.into_inner());
-        f(&g)
+    /// Seq of the last event folded into the committed state.
+    pub fn seq(&self) -> u64 {
+        self.folded.load(Ordering::SeqCst)
+    }
+
+    /// A view of the committed state with every batch folded before the call (read-your-
+    /// writes: after [`Shared::wait_applied`]`(seq)`, the view holds `seq`). Never waits for
+    /// the fold; may wait for a reader still holding an older view.
+    pub async fn view(&self) -> View {
+        self.views.at_least(self.seq()).await
+    }
+
+    /// [`Shared::view`] from a blocking thread (`spawn_blocking`), never from an async task.
+    pub fn view_blocking(&self) -> View {
+        tokio::runtime::Handle::current().block_on(self.view())
+    }
+
+    /// Keep publishing views while batches are folded, so that they never lag far behind
+    /// even when nobody reads (see [`Views::maintain`]). Runs until the process ends.
+    pub async fn maintain_views(&self) {
+        self.views.maintain(|| self.seq()).await
+    }
+
+    /// A short look at the committed state by the fold itself (its own seq checks, the
+    /// leader's copy when it takes over). Readers use [`Shared::view`]: this lock is the
+    /// fold's.
+    pub(crate) fn with_live<T>(&self, f: impl FnOnce(&Ledger) -> T) -> T {
+        f(&self.live.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
     /// Replace the state (after loading a snapshot).
-    pub fn reset(&self, l: Ledger) {
+    pub async fn reset(&self, l: Ledger) {
         let seq = l.seq();
-        *self.state.write().unwrap_or_else(|p| p.into_inner()) = l;
+        self.views.reset(&l).await;
+        *self.live.lock().unwrap_or_else(|p| p.into_inner()) = l;
+        self.folded.store(seq, Ordering::SeqCst);
         self.applied.send_replace(seq);
         self.recent
             .lock()
@@ -144,18 +189,26 @@ impl Shared {
     pub fn apply_committed(&self, batch: pb::EventBatch) -> bool {
         let batch = Arc::new(batch);
         {
-            let mut st = self.state.write().unwrap_or_else(|p| p.into_inner());
+            let mut st = self.live.lock().unwrap_or_else(|p| p.into_inner());
+            let mut broken = None;
             for ev in &batch.events {
                 if ev.seq <= st.seq() {
                     continue;
                 }
                 self.metrics.event(ev.body.as_ref());
                 if let Err(e) = st.apply(ev) {
-                    error!(seq = ev.seq, error = %e, "committed event breaks an invariant; this replica stops applying the log");
-                    self.health.lock().unwrap_or_else(|p| p.into_inner()).broken =
-                        Some(format!("event {} breaks an invariant: {e}", ev.seq));
-                    return false;
+                    broken = Some((ev.seq, e));
+                    break;
                 }
+            }
+            // The views follow the fold exactly, up to where it stopped.
+            self.views.committed(batch.clone());
+            self.folded.store(st.seq(), Ordering::SeqCst);
+            if let Some((seq, e)) = broken {
+                error!(seq, error = %e, "committed event breaks an invariant; this replica stops applying the log");
+                self.health.lock().unwrap_or_else(|p| p.into_inner()).broken =
+                    Some(format!("event {seq} breaks an invariant: {e}"));
+                return false;
             }
         }
         if let Some(last) = batch.events.last() {
@@ -210,6 +263,28 @@ impl Shared {
     /// Current role information.
     pub fn role_info(&self) -> RoleInfo {
         self.role.borrow().clone()
+    }
+
+    /// Whether this replica is ready to serve (`/readyz`), and why not: serving, a leader
+    /// known, and caught up with the head seq last seen in etcd.
+    pub fn readiness(&self) -> Result<(), String> {
+        self.serving()?;
+        let role = self.role_info();
+        if role.role != Role::Leader && role.leader.is_empty() {
+            return Err("no allocator leader is elected right now".into());
+        }
+        let head = self
+            .health
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .head_seq;
+        let seq = self.seq();
+        if seq < head {
+            return Err(format!(
+                "catching up with the ledger: at seq {seq}, head is {head}"
+            ));
+        }
+        Ok(())
     }
 
     /// Whether reads and grants may be served, and if not why.

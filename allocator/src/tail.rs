@@ -5,12 +5,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use backon::Retryable;
 use etcd_client::{Client, EventType, WatchOptions};
 use gpuledger_ledger::Ledger;
 use tracing::{debug, info, warn};
 
 use crate::archive::Archive;
-use crate::log::{EtcdLog, LogError, decode_batch};
+use crate::log::{EtcdLog, LedgerLog, LogError, decode_batch};
 use crate::shared::Shared;
 
 /// Build the state from the newest snapshot plus the log after it (and, for history etcd no
@@ -35,9 +36,9 @@ pub async fn load(
         })?;
         info!(seq = snap.seq, "loaded snapshot");
     }
-    shared.reset(ledger);
+    shared.reset(ledger).await;
     catch_up(shared, log, archive).await?;
-    let seq = shared.read(|l| l.seq());
+    let seq = shared.seq();
     info!(
         seq,
         elapsed_ms = started.elapsed().as_millis() as u64,
@@ -49,18 +50,18 @@ pub async fn load(
 /// Range-read and apply every batch after the applied seq. Seqs that etcd no longer holds
 /// (archived while this replica lagged) come from `archive`; without one that is
 /// [`LogError::Archived`]. Returns the revision of the last etcd read.
-pub async fn catch_up(
+pub async fn catch_up<L: LedgerLog>(
     shared: &Arc<Shared>,
-    log: &EtcdLog,
+    log: &L,
     archive: Option<&Archive>,
 ) -> Result<i64, LogError> {
     loop {
-        let from = shared.read(|l| l.seq()) + 1;
+        let from = shared.seq() + 1;
         let mut broken = false;
         let mut gap = None;
         let rev = log
-            .read_with(from, 0, 0, |b| {
-                if b.first_seq > shared.read(|l| l.seq()) + 1 {
+            .read_with(from, 0, |b| {
+                if b.first_seq > shared.seq() + 1 {
                     // Trimmed away while this replica lagged: folding on would skip events.
                     gap = Some(b.first_seq);
                     return false;
@@ -74,14 +75,14 @@ pub async fn catch_up(
             })
             .await?;
         let broken_err = || LogError::Corrupt {
-            key: log.log_prefix(),
+            key: log.location(),
             why: "an event breaks an invariant (see the log above)".into(),
         };
         if broken {
             return Err(broken_err());
         }
         let Some(first) = gap else { return Ok(rev) };
-        let needed = shared.read(|l| l.seq()) + 1;
+        let needed = shared.seq() + 1;
         let Some(archive) = archive else {
             return Err(LogError::Archived { needed, first });
         };
@@ -99,14 +100,40 @@ pub async fn catch_up(
         if !filled {
             return Err(broken_err());
         }
-        if shared.read(|l| l.seq()) + 1 == needed {
+        if shared.seq() + 1 == needed {
             return Err(LogError::Archived { needed, first });
         }
         info!(
             from = needed,
-            to = shared.read(|l| l.seq()),
+            to = shared.seq(),
             "filled from the archive what etcd no longer holds"
         );
+    }
+}
+
+fn is_broken(shared: &Shared) -> bool {
+    shared
+        .health
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .broken
+        .is_some()
+}
+
+/// [`catch_up`]; when etcd no longer holds what this replica needs next (it lagged past the
+/// archived part of the log), load the newest snapshot first.
+async fn catch_up_or_reload(
+    shared: &Arc<Shared>,
+    log: &EtcdLog,
+    archive: Option<&Archive>,
+) -> Result<i64, LogError> {
+    match catch_up(shared, log, archive).await {
+        Err(e @ LogError::Archived { .. }) => {
+            warn!(error = %e, "this replica fell behind the archived log; reloading from the newest snapshot");
+            load(shared, log, true, archive).await?;
+            catch_up(shared, log, archive).await
+        }
+        other => other,
     }
 }
 
@@ -118,33 +145,19 @@ pub async fn follow(
     snapshot_every: u64,
     archive: Option<Archive>,
 ) {
-    let mut last_snap = shared.read(|l| l.seq());
+    let mut last_snap = shared.seq();
     loop {
-        if shared
-            .health
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .broken
-            .is_some()
-        {
+        if is_broken(&shared) {
+            // Nothing to retry: an operator has to look at the log.
             tokio::time::sleep(Duration::from_secs(1)).await;
             continue;
         }
-        let rev = match catch_up(&shared, &log, archive.as_ref()).await {
-            Ok(r) => r,
-            Err(e @ LogError::Archived { .. }) => {
-                warn!(error = %e, "this replica fell behind the archived log; reloading from the newest snapshot");
-                if let Err(e) = load(&shared, &log, true, archive.as_ref()).await {
-                    warn!(error = %e, "reloading the ledger failed; retrying");
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                }
-                continue;
-            }
-            Err(e) => {
-                warn!(error = %e, "catching up with the log failed; retrying");
-                tokio::time::sleep(Duration::from_millis(200)).await;
-                continue;
-            }
+        let caught_up = (|| catch_up_or_reload(&shared, &log, archive.as_ref()))
+            .retry(crate::retry::forever(Duration::from_millis(200)))
+            .when(|_| !is_broken(&shared))
+            .notify(|e, _| warn!(error = %e, "catching up with the log failed; retrying"));
+        let Ok(rev) = caught_up.await else {
+            continue;
         };
         if let Err(e) = watch_from(
             &shared,
@@ -208,7 +221,7 @@ async fn watch_from(
                 return Ok(());
             }
             let batch = decode_batch(kv.key(), kv.value())?;
-            let seq = shared.read(|l| l.seq());
+            let seq = shared.seq();
             if batch.first_seq != seq + 1 {
                 if batch.first_seq > seq + 1 {
                     // A gap: something was missed; the range read fills it.
@@ -220,7 +233,8 @@ async fn watch_from(
                 return Ok(());
             }
         }
-        let (seq, due) = shared.read(|l| (l.seq(), snapshot_due(l, *last_snap, snapshot_every)));
+        let (seq, due) =
+            shared.with_live(|l| (l.seq(), snapshot_due(l, *last_snap, snapshot_every)));
         if due {
             *last_snap = seq;
             spawn_snapshot(shared.clone(), log.clone());
@@ -237,10 +251,19 @@ pub fn snapshot_due(l: &Ledger, last_snap: u64, every: u64) -> bool {
     every > 0 && l.seq() >= last_snap + every.max(2 * size)
 }
 
-/// Write a snapshot of the committed state in the background and prune old ones.
-pub fn spawn_snapshot(shared: Arc<Shared>, log: EtcdLog) {
-    let snap = shared.read(|l| l.to_snapshot());
+/// Write a snapshot of the committed state in the background and prune old ones. The
+/// snapshot is encoded from a view, off the caller's task (at 100,000 allocations that takes
+/// tens of milliseconds the sequencer would otherwise spend).
+pub fn spawn_snapshot<L: LedgerLog>(shared: Arc<Shared>, log: L) {
     tokio::spawn(async move {
+        let view = shared.view().await;
+        let snap = match tokio::task::spawn_blocking(move || view.to_snapshot()).await {
+            Ok(s) => s,
+            Err(e) => {
+                warn!(error = %e, "encoding a snapshot failed");
+                return;
+            }
+        };
         let seq = snap.seq;
         match log.write_snapshot(&snap).await {
             Ok(true) => {

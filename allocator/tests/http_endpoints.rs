@@ -22,8 +22,20 @@ async fn health_readiness_and_metrics() -> anyhow::Result<()> {
     let allocs = Allocators::start(dir.path(), &etcd.endpoints_flag(), 2, "http", &[])?;
     let leader = allocs.wait_leader(Duration::from_secs(20)).await?;
     let follower = 1 - leader;
+    // A replica binds its HTTP port once it reached etcd: the follower may be a moment
+    // behind the leader there (seen refused on a loaded machine).
     for h in &allocs.http {
-        assert_eq!(get(&format!("http://{h}/healthz")).await?.0, 200);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let code = loop {
+            match get(&format!("http://{h}/healthz")).await {
+                Ok((code, _)) => break code,
+                Err(_) if Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        assert_eq!(code, 200);
     }
     // The follower is ready once it knows the leader.
     let deadline = Instant::now() + Duration::from_secs(10);

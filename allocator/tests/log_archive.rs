@@ -135,14 +135,10 @@ async fn the_archive_bounds_etcd_and_history_stays_whole() -> anyhow::Result<()>
         }) => assert!(f >= first, "{f} < {first}"),
         other => panic!("expected LogError::Archived, got {other:?}"),
     }
-    assert_eq!(
-        shared.read(|l| l.seq()),
-        0,
-        "nothing folded across the hole"
-    );
+    assert_eq!(shared.seq(), 0, "nothing folded across the hole");
     tail::catch_up(&shared, &log, Some(&archive)).await?;
     assert!(
-        shared.read(|l| l.same_state(&live)),
+        shared.view().await.same_state(&live),
         "archive + etcd = live"
     );
     // A new replica told to ignore snapshots loads the whole history the same way.

@@ -1,6 +1,8 @@
 //! `gpuledger-bench allocator`: reservation throughput and latency against raw etcd.
 
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -8,7 +10,7 @@ use etcd_client::{Client, Compare, CompareOp, Txn, TxnOp};
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_testkit::allocators::client;
 use gpuledger_testkit::workload::{inventory, pod};
-use gpuledger_testkit::{Allocators, EtcdCluster};
+use gpuledger_testkit::{Allocators, EtcdCluster, Proc, bin_path, free_port};
 use hdrhistogram::Histogram;
 use tokio::sync::Mutex;
 
@@ -35,6 +37,27 @@ pub struct Args {
     /// The allocator's `--commit-linger-us` (0 = its default: no linger).
     #[arg(long, default_value_t = 0)]
     commit_linger_us: u64,
+    /// Nodes (8 GPUs each) for the phase that reserves while a poller reads `/ui`'s state
+    /// (0 skips it).
+    #[arg(long, default_value_t = 5000)]
+    ui_nodes: usize,
+    /// Live allocations in the ledger of the /ui phase (the JSON lists them all).
+    #[arg(long, default_value_t = 20_000)]
+    ui_allocs: usize,
+    /// Reservations per second in the /ui phase, sent at a fixed rate whatever the answers
+    /// (as pods arrive), so that a stall delays every request that arrives during it.
+    #[arg(long, default_value_t = 400)]
+    ui_rate: u32,
+    /// Seconds each round of the /ui phase reserves.
+    #[arg(long, default_value_t = 10)]
+    ui_seconds: u64,
+    /// Rounds of the /ui phase per allocator, alternating (ABBA) with the baseline.
+    #[arg(long, default_value_t = 2)]
+    ui_rounds: usize,
+    /// An allocator binary to measure beside this build in the /ui phase, in the same run
+    /// (e.g. one built from an earlier commit; its flags must match this build's).
+    #[arg(long)]
+    baseline_allocator: Option<PathBuf>,
 }
 
 async fn raw_etcd(
@@ -174,6 +197,51 @@ async fn reserve_load(
     Ok((total as f64 / started.elapsed().as_secs_f64(), h, total))
 }
 
+/// Reserve `rate` times a second for `dur`, each request sent on schedule whether or not
+/// the earlier ones were answered; latency counts from the scheduled time (no coordinated
+/// omission). Returns the latencies and how many were made.
+async fn reserve_at_rate(
+    addr: &str,
+    rate: u32,
+    dur: Duration,
+    nodes: usize,
+    tag: &str,
+) -> Result<(Histogram<u64>, usize)> {
+    let channels: Vec<_> = (0..8).map(|_| client(addr)).collect::<Result<_>>()?;
+    let every = Duration::from_secs(1) / rate.max(1);
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    let first = tokio::time::Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    let mut k = 0usize;
+    loop {
+        let at = tick.tick().await;
+        if at - first >= dur {
+            break;
+        }
+        let mut c = channels[k % channels.len()].clone();
+        let req = api::ReserveRequest {
+            request: Some(pod(&format!("{tag}-{k}"), 1000, 1)),
+            node: format!("ui{:05}", (k * 7919) % nodes),
+            ttl_ms: 0,
+        };
+        k += 1;
+        tasks.spawn(async move {
+            c.reserve(req)
+                .await
+                .map_err(|s| anyhow::anyhow!("reserve: {}", s.message()))?;
+            anyhow::Ok(at.elapsed())
+        });
+    }
+    let mut h = histogram();
+    let mut made = 0;
+    while let Some(r) = tasks.join_next().await {
+        record(&mut h, r??);
+        made += 1;
+    }
+    Ok((h, made))
+}
+
 /// CPU seconds (user + system) a process has used, from /proc.
 fn cpu_seconds(pid: u32) -> f64 {
     let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
@@ -185,6 +253,218 @@ fn cpu_seconds(pid: u32) -> f64 {
     let ticks: f64 = f.get(11).and_then(|v| v.parse().ok()).unwrap_or(0.0)
         + f.get(12).and_then(|v| v.parse().ok()).unwrap_or(0.0);
     ticks / 100.0
+}
+
+/// One allocator replica started from a given binary.
+struct Replica {
+    proc: Proc,
+    addr: String,
+    http: String,
+}
+
+impl Replica {
+    /// Start `bin` as the single replica of `cluster` (the flags `Allocators` gives).
+    fn start(dir: &Path, bin: &Path, etcd: &str, cluster: &str, name: &str) -> Result<Replica> {
+        let addr = format!("127.0.0.1:{}", free_port()?);
+        let http = format!("127.0.0.1:{}", free_port()?);
+        let args = vec![
+            format!("--http-listen={http}"),
+            format!("--etcd-endpoints={etcd}"),
+            format!("--cluster={cluster}"),
+            format!("--listen={addr}"),
+            format!("--replica={name}"),
+        ];
+        let proc = Proc::spawn(
+            dir,
+            name,
+            bin,
+            args,
+            vec![("GPULEDGER_LOG".into(), "info".into())],
+        )?;
+        Ok(Replica { proc, addr, http })
+    }
+
+    /// Wait until the replica leads and is ready.
+    async fn wait_ready(&self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let mut c = client(&self.addr)?;
+        while Instant::now() < deadline {
+            if let Ok(Ok(s)) =
+                tokio::time::timeout(Duration::from_millis(500), c.status(api::StatusRequest {}))
+                    .await
+            {
+                let s = s.into_inner();
+                if s.role == "leader" && s.ready {
+                    return Ok(());
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        bail!(
+            "{} did not lead within {timeout:?}:\n{}",
+            self.proc.name,
+            self.proc.log_tail(15)
+        )
+    }
+}
+
+/// What one allocator did in the /ui phase, all rounds together.
+struct UiResult {
+    name: String,
+    /// Latencies while /ui is polled.
+    hist: Histogram<u64>,
+    /// Latencies of the same replica right after, not polled (the control).
+    quiet: Histogram<u64>,
+    reservations: usize,
+    seconds: f64,
+    polls: usize,
+    rss_mib: f64,
+}
+
+/// Reserve while a poller reads `/api/v1/state` of a large ledger without pause, for this
+/// build and, alternating in the same run, `--baseline-allocator`. Returns each one's result.
+async fn ui_phase(a: &Args, dir: &Path, etcd: &EtcdCluster) -> Result<Vec<UiResult>> {
+    let this = bin_path("gpuledger-allocator")?;
+    let mut cands = vec![("this build".to_string(), this.clone())];
+    if let Some(b) = &a.baseline_allocator {
+        cands.push(("baseline".to_string(), b.clone()));
+    }
+    title(&format!(
+        "{} reservations/s while a poller reads /ui's state twice a second: {} nodes x 8 GPUs, {} allocations; {}",
+        a.ui_rate,
+        a.ui_nodes,
+        a.ui_allocs,
+        match &a.baseline_allocator {
+            Some(b) => format!(
+                "this build and the baseline {} alternating (ABBA)",
+                b.display()
+            ),
+            None => "this build only (no --baseline-allocator)".to_string(),
+        }
+    ));
+    let flag = etcd.endpoints_flag();
+    let seed = Replica::start(dir, &this, &flag, "ui", "ui-seed")?;
+    seed.wait_ready(Duration::from_secs(30)).await?;
+    register(&seed.addr, a.ui_nodes, "ui").await?;
+    reserve_load(
+        &seed.addr,
+        a.clients,
+        Duration::from_secs(600),
+        a.ui_allocs,
+        a.ui_nodes,
+        "ui",
+        "seed",
+    )
+    .await?;
+    drop(seed);
+    let mut results: Vec<UiResult> = cands
+        .iter()
+        .map(|(n, _)| UiResult {
+            name: n.clone(),
+            hist: histogram(),
+            quiet: histogram(),
+            reservations: 0,
+            seconds: 0.0,
+            polls: 0,
+            rss_mib: 0.0,
+        })
+        .collect();
+    for round in 0..a.ui_rounds {
+        let order: Vec<usize> = if round % 2 == 0 {
+            (0..cands.len()).collect()
+        } else {
+            (0..cands.len()).rev().collect()
+        };
+        for i in order {
+            let (name, bin) = &cands[i];
+            let rep = Replica::start(dir, bin, &flag, "ui", &format!("ui-{i}-{round}"))?;
+            rep.wait_ready(Duration::from_secs(60)).await?;
+            let stop = Arc::new(AtomicBool::new(false));
+            let polls = Arc::new(AtomicUsize::new(0));
+            // Two browsers on the GPU map (the page polls every 2 s each, the replica builds
+            // the JSON at most once a second).
+            let poller = {
+                let (stop, polls) = (stop.clone(), polls.clone());
+                let url = format!("http://{}/api/v1/state", rep.http);
+                tokio::spawn(async move {
+                    let mut every = tokio::time::interval(Duration::from_millis(500));
+                    while !stop.load(Ordering::Relaxed) {
+                        every.tick().await;
+                        if matches!(gpuledger_testkit::http::get(&url).await, Ok((200, _))) {
+                            polls.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                })
+            };
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let t = Instant::now();
+            let (h, made) = reserve_at_rate(
+                &rep.addr,
+                a.ui_rate,
+                Duration::from_secs(a.ui_seconds),
+                a.ui_nodes,
+                &format!("r{round}c{i}"),
+            )
+            .await?;
+            let secs = t.elapsed().as_secs_f64();
+            stop.store(true, Ordering::Relaxed);
+            let _ = poller.await;
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let (quiet, _) = reserve_at_rate(
+                &rep.addr,
+                a.ui_rate,
+                Duration::from_secs(a.ui_seconds),
+                a.ui_nodes,
+                &format!("r{round}c{i}q"),
+            )
+            .await?;
+            let r = &mut results[i];
+            r.hist.add(&h).ok();
+            r.quiet.add(&quiet).ok();
+            r.reservations += made;
+            r.seconds += secs;
+            r.polls += polls.load(Ordering::Relaxed);
+            r.rss_mib = r
+                .rss_mib
+                .max(rep.proc.pid().map(rss_mib).transpose()?.unwrap_or(0.0));
+            println!(
+                "round {round}, {name}: p99 {:.2} ms polled ({made} reservations, {} polls), {:.2} ms not polled",
+                q_ms(&h, 0.99),
+                polls.load(Ordering::Relaxed),
+                q_ms(&quiet, 0.99)
+            );
+        }
+    }
+    println!();
+    println!(
+        "{:<24} {:>10} {:>9} {:>9} {:>9} {:>9} {:>7} {:>9}",
+        "allocator", "reserve/s", "p50 ms", "p99 ms", "p99.9 ms", "max ms", "polls", "RSS MiB"
+    );
+    for r in &results {
+        for (what, h, polls) in [
+            ("/ui polled", &r.hist, r.polls),
+            ("not polled", &r.quiet, 0),
+        ] {
+            println!(
+                "{:<24} {:>10.0} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>7} {:>9.1}",
+                format!("{}, {what}", r.name),
+                r.reservations as f64 / r.seconds.max(1e-9),
+                q_ms(h, 0.5),
+                q_ms(h, 0.99),
+                q_ms(h, 0.999),
+                h.max() as f64 / 1000.0,
+                polls,
+                r.rss_mib
+            );
+        }
+    }
+    if let [this, base] = results.as_slice() {
+        println!(
+            "reservation p99 under the /ui poller: baseline/this build = {:.2}x",
+            q_ms(&base.hist, 0.99) / q_ms(&this.hist, 0.99).max(1e-9)
+        );
+    }
+    Ok(results)
 }
 
 /// Run the benchmark.
@@ -351,6 +631,18 @@ pub async fn run(a: Args) -> Result<()> {
             st.seq
         );
         rss_line = format!(" rss_mib={rss:.0}");
+    }
+    if a.ui_nodes > 0 {
+        let ui = ui_phase(&a, dir.path(), &etcd).await?;
+        if let Some(this) = ui.first() {
+            rss_line.push_str(&format!(" ui_p99_ms={:.2}", q_ms(&this.hist, 0.99)));
+        }
+        if let Some(base) = ui.get(1) {
+            rss_line.push_str(&format!(
+                " ui_baseline_p99_ms={:.2}",
+                q_ms(&base.hist, 0.99)
+            ));
+        }
     }
     println!(
         "reserve_per_s={rps:.0} raw_etcd_txn_per_s={raw:.0} ratio={:.2} p50_ms={:.2} p99_ms={:.2}{rss_line}",

@@ -26,6 +26,9 @@ pub struct Args {
     /// Snapshot interval used when writing the log to etcd (as the allocator does).
     #[arg(long, default_value_t = 10_000)]
     snapshot_every: u64,
+    /// Measure the fold only (no etcd, no cold start).
+    #[arg(long)]
+    fold_only: bool,
 }
 
 /// A realistic event stream: registrations, then reserve → bound → assigned → release cycles.
@@ -230,6 +233,17 @@ pub async fn run(a: Args) -> Result<()> {
         live_state = l;
     }
     let fold = events.len() as f64 / best;
+    // What publishing a full copy of the state would cost (see Shared's views).
+    let rss0 = crate::common::rss_mib(std::process::id()).unwrap_or(0.0);
+    let mut clone_best = f64::MAX;
+    let mut copy = Ledger::new();
+    for _ in 0..3 {
+        let t = Instant::now();
+        copy = live_state.clone();
+        clone_best = clone_best.min(t.elapsed().as_secs_f64());
+    }
+    let copy_mib = crate::common::rss_mib(std::process::id()).unwrap_or(0.0) - rss0;
+    drop(copy);
     let bs = batches(&events);
     let bytes: Vec<Vec<u8>> = bs.iter().map(Message::encode_to_vec).collect();
     let total_bytes: usize = bytes.iter().map(Vec::len).sum();
@@ -251,6 +265,10 @@ pub async fn run(a: Args) -> Result<()> {
     println!("{:<40} {:>14.0}", "fold (apply + invariants)", fold);
     println!("{:<40} {:>14.0}", "decode + fold", decode_fold);
     println!(
+        "one full copy of the final state: {:.1} ms, ~{copy_mib:.0} MiB",
+        clone_best * 1e3
+    );
+    println!(
         "log: {} batches, {:.1} MiB; final state: {} nodes, {} allocations",
         bs.len(),
         total_bytes as f64 / 1048576.0,
@@ -258,6 +276,10 @@ pub async fn run(a: Args) -> Result<()> {
         live_state.allocs().len()
     );
 
+    if a.fold_only {
+        println!("fold_events_per_s={fold:.0}");
+        return Ok(());
+    }
     title("writing the log to a 3-member etcd");
     let dir = run_dir("replay")?;
     let etcd = EtcdCluster::start_in(&dir.path().join("etcd"), 3).await?;

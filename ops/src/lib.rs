@@ -3,6 +3,7 @@
 //! the simulator and the chaos workloads share, and the ledger's audit archive.
 
 pub mod archive;
+pub mod clock;
 pub mod events;
 pub mod kube_client;
 pub mod logging;

@@ -13,125 +13,30 @@
 //! unhealthy GPU gets its own series, healthy GPUs none.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 
-use gpuledger_ledger::pb::event::Body;
 use gpuledger_ledger::{AllocState, CORE_MILLI_PER_GPU, Ledger};
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::text::{encode_eof, encode_registry};
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::MetricType;
-use prometheus_client::metrics::counter::{ConstCounter, Counter};
-use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::registry::Registry;
 
+use crate::metrics::{EVENT_TYPES, PREFIX};
 use crate::shared::{Role, Shared};
 
-const PREFIX: &str = "gpuledger_allocator";
-
-/// Ledger event types, in the order of [`Metrics`]' per-type counters.
-const EVENT_TYPES: [&str; 12] = [
-    "node_registered",
-    "node_removed",
-    "device_health_changed",
-    "reserved",
-    "bound",
-    "assigned",
-    "identity_corrected",
-    "released",
-    "limit_violated",
-    "leader_elected",
-    "quota_set",
-    "empty",
-];
-
-/// The metrics the allocator keeps between scrapes; the rest is read from the ledger.
-pub struct Metrics {
-    registry: Registry,
-    /// Seconds from sending a batch's transaction to its commit.
-    pub commit_latency: Histogram,
-    /// Events per committed batch.
-    pub batch_events: Histogram,
-    /// Times this replica became leader.
-    pub leaderships: Counter,
-    /// Events folded, by type (index into [`EVENT_TYPES`]): a fixed array, so counting an
-    /// event under the state's write lock neither allocates nor hashes.
-    events: [AtomicU64; EVENT_TYPES.len()],
+/// Render every metric in the OpenMetrics text format: the hot-path metrics of
+/// [`crate::metrics::Metrics`] and the view of the ledger, read from the state at scrape time.
+pub fn render(shared: &Arc<Shared>) -> String {
+    let view = View::of(shared);
+    let mut per_scrape = Registry::with_prefix(PREFIX);
+    per_scrape.register_collector(Box::new(LedgerCollector {
+        view,
+        events: shared.metrics.event_counts(),
+    }));
+    shared.metrics.encode_with(&per_scrape)
 }
 
-impl Default for Metrics {
-    fn default() -> Self {
-        let mut registry = Registry::with_prefix(PREFIX);
-        let commit_latency = Histogram::new(exponential_buckets(0.0005, 2.0, 14));
-        let batch_events = Histogram::new(exponential_buckets(1.0, 2.0, 9));
-        let leaderships = Counter::default();
-        registry.register(
-            "commit_latency_seconds",
-            "Time from sending a batch to etcd to its commit",
-            commit_latency.clone(),
-        );
-        registry.register(
-            "batch_events",
-            "Events per committed batch",
-            batch_events.clone(),
-        );
-        registry.register(
-            "leaderships",
-            "Times this replica became the leader (failovers it took over)",
-            leaderships.clone(),
-        );
-        Metrics {
-            registry,
-            commit_latency,
-            batch_events,
-            leaderships,
-            events: Default::default(),
-        }
-    }
-}
-
-impl Metrics {
-    /// Count a folded event.
-    pub fn event(&self, body: Option<&Body>) {
-        let i = match body {
-            Some(Body::NodeRegistered(_)) => 0,
-            Some(Body::NodeRemoved(_)) => 1,
-            Some(Body::DeviceHealthChanged(_)) => 2,
-            Some(Body::Reserved(_)) => 3,
-            Some(Body::Bound(_)) => 4,
-            Some(Body::Assigned(_)) => 5,
-            Some(Body::IdentityCorrected(_)) => 6,
-            Some(Body::Released(_)) => 7,
-            Some(Body::LimitViolated(_)) => 8,
-            Some(Body::LeaderElected(_)) => 9,
-            Some(Body::QuotaSet(_)) => 10,
-            None => 11,
-        };
-        self.events[i].fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// Render every metric in the OpenMetrics text format. Takes the state's read lock only
-    /// long enough to copy the numbers out; the encoding runs without it.
-    pub fn render(&self, shared: &Arc<Shared>) -> String {
-        let view = View::of(shared);
-        let mut per_scrape = Registry::with_prefix(PREFIX);
-        per_scrape.register_collector(Box::new(LedgerCollector {
-            view,
-            events: std::array::from_fn(|i| self.events[i].load(Ordering::Relaxed)),
-        }));
-        let mut out = String::with_capacity(1 << 16);
-        let res = encode_registry(&mut out, &self.registry)
-            .and_then(|()| encode_registry(&mut out, &per_scrape))
-            .and_then(|()| encode_eof(&mut out));
-        if res.is_err() {
-            // Writing to a String cannot fail; an encoder error would be a bug in a label set.
-            out.clear();
-        }
-        out
-    }
-}
-
-/// The numbers one scrape reports, copied out of the state under its read lock.
+/// The numbers one scrape reports, copied out of a view of the state.
 #[derive(Debug, Default)]
 struct View {
     seq: u64,
@@ -169,8 +74,8 @@ struct GpuRow {
 impl View {
     fn of(shared: &Shared) -> View {
         let role = shared.role_info();
-        let ready = super::readiness(shared).is_ok();
-        let mut v = shared.read(View::of_ledger);
+        let ready = shared.readiness().is_ok();
+        let mut v = View::of_ledger(&shared.view_blocking());
         v.epoch = role.epoch.max(v.epoch);
         v.leader = role.role == Role::Leader;
         v.ready = ready;

@@ -102,24 +102,21 @@ fn state_char(s: AllocState) -> &'static str {
 /// ```
 /// `model#` indexes `models`; `alloc#` indexes `allocs`.
 pub fn state_json(shared: &Shared) -> String {
-    // Building the map holds the state's read lock (which folding waits for) for O(GPUs): at
-    // 5,000 nodes × 8 GPUs about 160 ms. However many browsers poll, build it at most once per
+    // Building the map takes O(GPUs) of CPU (at 5,000 nodes × 8 GPUs about 160 ms), from a
+    // view that no fold waits for. However many browsers poll, build it at most once per
     // STATE_MAX_AGE and let them share it.
-    static CACHE: std::sync::Mutex<Option<(std::time::Instant, String, String)>> =
+    static CACHE: std::sync::Mutex<Option<(tokio::time::Instant, String, String)>> =
         std::sync::Mutex::new(None);
     let mut cache = CACHE.lock().unwrap_or_else(|p| p.into_inner());
+    let now = shared.clock.now();
     if let Some((at, replica, json)) = cache.as_ref()
         && *replica == shared.replica
-        && at.elapsed() < STATE_MAX_AGE
+        && now.saturating_duration_since(*at) < STATE_MAX_AGE
     {
         return json.clone();
     }
     let json = build_state_json(shared);
-    *cache = Some((
-        std::time::Instant::now(),
-        shared.replica.clone(),
-        json.clone(),
-    ));
+    *cache = Some((now, shared.replica.clone(), json.clone()));
     json
 }
 
@@ -128,7 +125,7 @@ const STATE_MAX_AGE: std::time::Duration = std::time::Duration::from_millis(1000
 
 fn build_state_json(shared: &Shared) -> String {
     let role = shared.role_info();
-    let why = super::readiness(shared).err().unwrap_or_default();
+    let why = shared.readiness().err().unwrap_or_default();
     let mut out = String::with_capacity(1 << 16);
     out.push_str("{\"replica\":");
     json_str(&mut out, &shared.replica);
@@ -138,15 +135,14 @@ fn build_state_json(shared: &Shared) -> String {
     json_str(&mut out, &role.leader);
     let _ = write!(out, ",\"ready\":{},\"why\":", why.is_empty());
     json_str(&mut out, &why);
-    shared.read(|l| {
-        let _ = write!(
-            out,
-            ",\"epoch\":{},\"seq\":{}",
-            role.epoch.max(l.epoch()),
-            l.seq()
-        );
-        ledger_json(&mut out, l);
-    });
+    let l = shared.view_blocking();
+    let _ = write!(
+        out,
+        ",\"epoch\":{},\"seq\":{}",
+        role.epoch.max(l.epoch()),
+        l.seq()
+    );
+    ledger_json(&mut out, &l);
     out.push('}');
     out
 }
@@ -235,7 +231,7 @@ fn ledger_json(out: &mut String, l: &Ledger) {
 /// Only what the replica still holds in memory (its recent-batches buffer) is returned; after
 /// a snapshot load that can be fewer than asked for.
 pub fn events_json(shared: &Shared, limit: usize) -> String {
-    let seq = shared.read(|l| l.seq());
+    let seq = shared.seq();
     let from = seq.saturating_sub(limit as u64);
     let batches = match shared.recent_after(from) {
         Some(b) => b,

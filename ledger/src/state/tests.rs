@@ -1,4 +1,6 @@
 use super::*;
+use crate::pb;
+use crate::pb::event::Body;
 
 fn inv(node: &str, gpus: &[(&str, u64)]) -> pb::NodeInventory {
     pb::NodeInventory {

@@ -1,0 +1,205 @@
+//! The gRPC server, built in this one place with the layers every RPC passes through: today a
+//! `tracing` span per RPC that carries the ids that matter (authentication and authorization
+//! belong next to it).
+//!
+//! The span is opened by a tower layer for every call, named after the method, with the ids
+//! left empty; [`Ids`] says which ids each request and response holds, and the service records
+//! them (`service::traced`), so every log line of the call carries them.
+
+use gpuledger_proto::allocator::v1 as api;
+use gpuledger_proto::allocator::v1::allocator_server::AllocatorServer;
+use tokio_util::sync::CancellationToken;
+use tonic::codegen::http;
+use tower_http::trace::{DefaultOnFailure, DefaultOnResponse, TraceLayer};
+use tracing::field::{Empty, display};
+use tracing::{Level, Span, info_span, warn};
+
+use crate::service::Service;
+
+/// Largest request accepted (a node registration with many GPUs, a large filter).
+const MAX_REQUEST: usize = 64 * 1024 * 1024;
+/// Largest answer sent (a dump of a large ledger).
+const MAX_ANSWER: usize = 256 * 1024 * 1024;
+
+/// The span of one RPC: its method, and the ids its request and answer fill in.
+fn rpc_span<B>(req: &http::Request<B>) -> Span {
+    info_span!(
+        "rpc",
+        method = %req.uri().path().rsplit('/').next().unwrap_or(""),
+        pod_uid = Empty,
+        allocation = Empty,
+        node = Empty,
+        seq = Empty,
+        epoch = Empty,
+    )
+}
+
+/// Serve `service` on `listener` until `stop` is cancelled (then finish the calls in flight).
+pub async fn serve(service: Service, listener: tokio::net::TcpListener, stop: CancellationToken) {
+    let spans = TraceLayer::new_for_grpc()
+        .make_span_with(rpc_span as fn(&http::Request<_>) -> Span)
+        // A refused request is an answer, not a server failure: no error line for it.
+        .on_response(DefaultOnResponse::new().level(Level::DEBUG))
+        .on_failure(DefaultOnFailure::new().level(Level::DEBUG));
+    let served = tonic::transport::Server::builder()
+        .tcp_nodelay(true)
+        .layer(spans)
+        .add_service(
+            AllocatorServer::new(service)
+                .max_decoding_message_size(MAX_REQUEST)
+                .max_encoding_message_size(MAX_ANSWER),
+        )
+        // TcpIncoming sets TCP_NODELAY on accepted sockets (Server::tcp_nodelay does not apply
+        // to serve_with_incoming): without it Nagle + delayed ACK add ~40 ms to large answers.
+        .serve_with_incoming_shutdown(
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+            stop.cancelled_owned(),
+        )
+        .await;
+    if let Err(e) = served {
+        warn!(error = %e, "the gRPC endpoint stopped");
+    }
+}
+
+/// The ids a request or an answer holds, recorded into the RPC's span.
+pub trait Ids {
+    /// Record what this message says into `span` (fields the span does not have are ignored).
+    fn record(&self, _span: &Span) {}
+}
+
+fn pod_of(r: Option<&api::PodRequest>, span: &Span) {
+    if let Some(p) = r.and_then(|r| r.pod.as_ref()) {
+        span.record("pod_uid", display(&p.uid));
+    }
+}
+
+fn node(n: &str, span: &Span) {
+    if !n.is_empty() {
+        span.record("node", display(n));
+    }
+}
+
+fn allocation(id: u64, span: &Span) {
+    if id > 0 {
+        span.record("allocation", id);
+    }
+}
+
+fn at(seq: u64, epoch: u64, span: &Span) {
+    span.record("seq", seq);
+    span.record("epoch", epoch);
+}
+
+impl Ids for api::RegisterNodeRequest {
+    fn record(&self, span: &Span) {
+        if let Some(i) = &self.inventory {
+            node(&i.node, span);
+        }
+    }
+}
+
+impl Ids for api::RemoveNodeRequest {
+    fn record(&self, span: &Span) {
+        node(&self.node, span);
+    }
+}
+
+impl Ids for api::SetDeviceHealthRequest {
+    fn record(&self, span: &Span) {
+        node(&self.node, span);
+    }
+}
+
+impl Ids for api::FilterRequest {
+    fn record(&self, span: &Span) {
+        pod_of(self.request.as_ref(), span);
+    }
+}
+
+impl Ids for api::ScoreRequest {
+    fn record(&self, span: &Span) {
+        pod_of(self.request.as_ref(), span);
+    }
+}
+
+impl Ids for api::ReserveRequest {
+    fn record(&self, span: &Span) {
+        pod_of(self.request.as_ref(), span);
+        node(&self.node, span);
+    }
+}
+
+impl Ids for api::ConfirmBoundRequest {
+    fn record(&self, span: &Span) {
+        span.record("pod_uid", display(&self.pod_uid));
+        node(&self.node, span);
+    }
+}
+
+impl Ids for api::AssignRequest {
+    fn record(&self, span: &Span) {
+        node(&self.node, span);
+        allocation(self.allocation_id, span);
+    }
+}
+
+impl Ids for api::CorrectIdentityRequest {
+    fn record(&self, span: &Span) {
+        node(&self.node, span);
+        allocation(self.from_allocation_id, span);
+    }
+}
+
+impl Ids for api::ReleaseRequest {
+    fn record(&self, span: &Span) {
+        if !self.pod_uid.is_empty() {
+            span.record("pod_uid", display(&self.pod_uid));
+        }
+        allocation(self.allocation_id, span);
+    }
+}
+
+impl Ids for api::ReportViolationRequest {
+    fn record(&self, span: &Span) {
+        if let Some(v) = &self.violation {
+            node(&v.node, span);
+            allocation(v.allocation_id, span);
+        }
+    }
+}
+
+impl Ids for api::SubscribeRequest {
+    fn record(&self, span: &Span) {
+        node(&self.node, span);
+    }
+}
+
+impl Ids for api::ReplicateRequest {}
+impl Ids for api::ReadLogRequest {}
+impl Ids for api::StatusRequest {}
+impl Ids for api::DumpRequest {}
+impl Ids for api::StatusResponse {}
+impl Ids for api::DumpResponse {}
+impl Ids for api::FilterResponse {}
+impl Ids for api::ScoreResponse {}
+
+impl Ids for api::WriteResponse {
+    fn record(&self, span: &Span) {
+        at(self.seq, self.epoch, span);
+    }
+}
+
+impl Ids for api::ReserveResponse {
+    fn record(&self, span: &Span) {
+        at(self.seq, self.epoch, span);
+        if let [one] = self.allocations.as_slice() {
+            allocation(one.id, span);
+        }
+    }
+}
+
+impl Ids for api::AssignResponse {
+    fn record(&self, span: &Span) {
+        at(self.seq, self.epoch, span);
+    }
+}

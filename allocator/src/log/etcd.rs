@@ -1,0 +1,424 @@
+//! The log in etcd: key layout, fenced commits, range reads, snapshots.
+
+use std::time::Duration;
+
+use etcd_client::{Compare, CompareOp, GetOptions, KvClient, SortOrder, SortTarget, Txn, TxnOp};
+use gpuledger_ledger::pb;
+use prost::Message;
+
+use super::{Commit, Encoded, Fence, HeadInfo, LedgerLog, LogError, MAX_VALUE_BYTES, encode};
+
+/// Largest gRPC message accepted from etcd.
+const MAX_DECODE: usize = 256 * 1024 * 1024;
+/// Keys per page when range-reading the log.
+const PAGE: i64 = 256;
+
+/// Handle on one cluster's log in etcd.
+#[derive(Clone)]
+pub struct EtcdLog {
+    kv: KvClient,
+    /// Where commits go: `kv`, or a connection to the etcd raft leader (see
+    /// [`EtcdLog::with_writer`]).
+    writer: KvClient,
+    prefix: String,
+    timeout: Duration,
+}
+
+fn seq_key(seq: u64) -> String {
+    format!("{seq:020}")
+}
+
+impl EtcdLog {
+    /// The log of cluster `cluster` through `client`.
+    pub fn new(client: &etcd_client::Client, cluster: &str, timeout: Duration) -> Self {
+        let kv = client
+            .kv_client()
+            .max_decoding_message_size(MAX_DECODE)
+            .max_encoding_message_size(MAX_DECODE);
+        EtcdLog {
+            writer: kv.clone(),
+            kv,
+            prefix: format!("/gpuledger/{cluster}/"),
+            timeout,
+        }
+    }
+
+    /// The same log, with its commits sent through `client` (a connection to the member that
+    /// is etcd's raft leader: a write to a follower member is forwarded to the leader and
+    /// answered only after the follower applied it, one more hop inside etcd). Only the route
+    /// changes: every commit is still the same fenced transaction, valid at any member.
+    pub fn with_writer(&self, client: &etcd_client::Client) -> Self {
+        EtcdLog {
+            writer: client
+                .kv_client()
+                .max_decoding_message_size(MAX_DECODE)
+                .max_encoding_message_size(MAX_DECODE),
+            ..self.clone()
+        }
+    }
+
+    /// Key prefix of this cluster (`/gpuledger/<cluster>/`).
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+    /// Prefix of the batch keys.
+    pub fn log_prefix(&self) -> String {
+        format!("{}log/", self.prefix)
+    }
+    /// Key of the batch starting at `first_seq`.
+    pub fn log_key(&self, first_seq: u64) -> String {
+        format!("{}log/{}", self.prefix, seq_key(first_seq))
+    }
+    /// Key of the head record.
+    pub fn head_key(&self) -> String {
+        format!("{}head", self.prefix)
+    }
+    /// Name of the leader election.
+    pub fn election_name(&self) -> String {
+        format!("{}election", self.prefix)
+    }
+
+    async fn timed<T>(
+        &self,
+        f: impl std::future::Future<Output = Result<T, etcd_client::Error>>,
+    ) -> Result<T, LogError> {
+        match tokio::time::timeout(self.timeout, f).await {
+            Ok(r) => Ok(r?),
+            Err(_) => Err(LogError::Timeout(self.timeout)),
+        }
+    }
+
+    /// Read `head` (linearizable).
+    pub async fn head(&self) -> Result<HeadInfo, LogError> {
+        let key = self.head_key();
+        let mut kv = self.kv.clone();
+        let resp = self.timed(kv.get(key.clone(), None)).await?;
+        let revision = resp.header().map_or(0, |h| h.revision());
+        match resp.kvs().first() {
+            None => Ok(HeadInfo {
+                revision,
+                ..HeadInfo::default()
+            }),
+            Some(kv) => {
+                let h = pb::Head::decode(kv.value()).map_err(|e| LogError::Corrupt {
+                    key,
+                    why: e.to_string(),
+                })?;
+                Ok(HeadInfo {
+                    seq: h.seq,
+                    epoch: h.epoch,
+                    mod_rev: kv.mod_revision(),
+                    revision,
+                })
+            }
+        }
+    }
+
+    /// Append `batch` in ONE transaction, fenced on the leader key's create_revision (the
+    /// epoch) and on `head`'s mod_revision. Either both keys are written or neither.
+    pub async fn commit(
+        &self,
+        leader_key: &[u8],
+        epoch: i64,
+        head_rev: i64,
+        batch: &pb::EventBatch,
+    ) -> Result<Commit, LogError> {
+        self.commit_encoded(leader_key, epoch, head_rev, encode(batch))
+            .await
+    }
+
+    /// [`EtcdLog::commit`] of a batch already encoded by [`encode`].
+    pub async fn commit_encoded(
+        &self,
+        leader_key: &[u8],
+        epoch: i64,
+        head_rev: i64,
+        batch: Encoded,
+    ) -> Result<Commit, LogError> {
+        let Encoded {
+            first_seq,
+            head,
+            bytes,
+        } = batch;
+        let txn = Txn::new()
+            .when([
+                Compare::create_revision(leader_key.to_vec(), CompareOp::Equal, epoch),
+                Compare::mod_revision(self.head_key(), CompareOp::Equal, head_rev),
+            ])
+            .and_then([
+                TxnOp::put(self.log_key(first_seq), bytes, None),
+                TxnOp::put(self.head_key(), head.encode_to_vec(), None),
+            ]);
+        let mut kv = self.writer.clone();
+        let resp = self.timed(kv.txn(txn)).await?;
+        if resp.succeeded() {
+            Ok(Commit::Done {
+                head_rev: resp.header().map_or(0, |h| h.revision()),
+            })
+        } else {
+            Ok(Commit::Fenced)
+        }
+    }
+
+    /// Delete the batches that start before `before_seq` (they are archived), in one
+    /// transaction fenced on the leader key's create_revision: only the leader trims. False
+    /// when the fence failed.
+    pub async fn trim_before(
+        &self,
+        leader_key: &[u8],
+        epoch: i64,
+        before_seq: u64,
+    ) -> Result<bool, LogError> {
+        let txn = Txn::new()
+            .when([Compare::create_revision(
+                leader_key.to_vec(),
+                CompareOp::Equal,
+                epoch,
+            )])
+            .and_then([TxnOp::delete(
+                self.log_prefix(),
+                Some(etcd_client::DeleteOptions::new().with_range(self.log_key(before_seq))),
+            )]);
+        let mut kv = self.writer.clone();
+        Ok(self.timed(kv.txn(txn)).await?.succeeded())
+    }
+
+    /// First seq still in etcd's log (None = the log is empty).
+    pub async fn first_seq(&self) -> Result<Option<u64>, LogError> {
+        let mut kv = self.kv.clone();
+        let end = format!("{}log0", self.prefix);
+        let resp = self
+            .timed(
+                kv.get(
+                    self.log_prefix(),
+                    Some(
+                        GetOptions::new()
+                            .with_range(end)
+                            .with_limit(1)
+                            .with_keys_only(),
+                    ),
+                ),
+            )
+            .await?;
+        Ok(resp.kvs().first().and_then(|k| {
+            String::from_utf8_lossy(k.key())
+                .rsplit('/')
+                .next()
+                .and_then(|s| s.parse().ok())
+        }))
+    }
+
+    /// Batches holding seqs `from..=to` (`to` = 0: to the end), in order, read at one revision.
+    /// Returns the batches and the store revision they were read at.
+    pub async fn read(&self, from: u64, to: u64) -> Result<(Vec<pb::EventBatch>, i64), LogError> {
+        let mut out = Vec::new();
+        let rev = self
+            .read_with(from, to, 0, |b| {
+                out.push(b);
+                true
+            })
+            .await?;
+        Ok((out, rev))
+    }
+
+    /// Like [`EtcdLog::read`] but hands each batch to `f` as it arrives (stop by returning
+    /// false). `at_rev` 0 = the newest revision. Returns the revision read at.
+    pub async fn read_with(
+        &self,
+        from: u64,
+        to: u64,
+        at_rev: i64,
+        mut f: impl FnMut(pb::EventBatch) -> bool,
+    ) -> Result<i64, LogError> {
+        let mut kv = self.kv.clone();
+        let end = format!("{}log0", self.prefix); // '0' sorts right after '/'
+        // The batch holding `from` starts at the last key <= log/<from>.
+        let mut start = self.log_key(from.max(1));
+        let probe = self
+            .timed(
+                kv.get(
+                    self.log_prefix(),
+                    Some(
+                        GetOptions::new()
+                            .with_range(format!("{}log/{}", self.prefix, seq_key(from.max(1) + 1)))
+                            .with_sort(SortTarget::Key, SortOrder::Descend)
+                            .with_limit(1)
+                            .with_keys_only()
+                            .with_revision(at_rev),
+                    ),
+                ),
+            )
+            .await?;
+        let mut rev = probe.header().map_or(0, |h| h.revision());
+        if at_rev > 0 {
+            rev = at_rev;
+        }
+        if let Some(k) = probe.kvs().first() {
+            start = String::from_utf8_lossy(k.key()).into_owned();
+        }
+        loop {
+            let resp = self
+                .timed(
+                    kv.get(
+                        start.clone(),
+                        Some(
+                            GetOptions::new()
+                                .with_range(end.clone())
+                                .with_limit(PAGE)
+                                .with_revision(rev),
+                        ),
+                    ),
+                )
+                .await?;
+            let kvs = resp.kvs();
+            for kvp in kvs {
+                let key = String::from_utf8_lossy(kvp.key()).into_owned();
+                let b = pb::EventBatch::decode(kvp.value()).map_err(|e| LogError::Corrupt {
+                    key: key.clone(),
+                    why: e.to_string(),
+                })?;
+                let last = b.events.last().map_or(b.first_seq, |e| e.seq);
+                if last < from {
+                    continue;
+                }
+                if to > 0 && b.first_seq > to {
+                    return Ok(rev);
+                }
+                if !f(b) {
+                    return Ok(rev);
+                }
+            }
+            if !resp.more() || kvs.is_empty() {
+                return Ok(rev);
+            }
+            let last = kvs.last().expect("non-empty page");
+            let mut next = last.key().to_vec();
+            next.push(0);
+            start = String::from_utf8_lossy(&next).into_owned();
+        }
+    }
+
+    /// Write a snapshot in ≤ 1 MiB parts, then its meta key (a snapshot without meta is
+    /// incomplete and ignored). Only writes if no snapshot exists at that seq.
+    pub async fn write_snapshot(&self, snap: &pb::Snapshot) -> Result<bool, LogError> {
+        let meta_key = format!("{}snapmeta/{}", self.prefix, seq_key(snap.seq));
+        let mut kv = self.kv.clone();
+        let existing = self
+            .timed(kv.get(meta_key.clone(), Some(GetOptions::new().with_count_only())))
+            .await?;
+        if existing.count() > 0 {
+            return Ok(false);
+        }
+        let bytes = snap.encode_to_vec();
+        let parts: Vec<&[u8]> = bytes.chunks(MAX_VALUE_BYTES).collect();
+        for (i, p) in parts.iter().enumerate() {
+            let key = format!("{}snapdata/{}/{i:04}", self.prefix, seq_key(snap.seq));
+            self.timed(kv.put(key, p.to_vec(), None)).await?;
+        }
+        let meta = format!("{} {}", parts.len(), bytes.len());
+        let txn = Txn::new()
+            .when([Compare::version(meta_key.clone(), CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(meta_key, meta, None)]);
+        Ok(self.timed(kv.txn(txn)).await?.succeeded())
+    }
+
+    /// Seqs of the complete snapshots, ascending.
+    pub async fn snapshot_seqs(&self) -> Result<Vec<u64>, LogError> {
+        let mut kv = self.kv.clone();
+        let prefix = format!("{}snapmeta/", self.prefix);
+        let resp = self
+            .timed(kv.get(
+                prefix.clone(),
+                Some(GetOptions::new().with_prefix().with_keys_only()),
+            ))
+            .await?;
+        let mut seqs: Vec<u64> = resp
+            .kvs()
+            .iter()
+            .filter_map(|k| {
+                String::from_utf8_lossy(k.key())
+                    .strip_prefix(&prefix)
+                    .and_then(|s| s.parse().ok())
+            })
+            .collect();
+        seqs.sort_unstable();
+        Ok(seqs)
+    }
+
+    /// The newest complete snapshot at or below `max_seq` (0 = any).
+    pub async fn latest_snapshot(&self, max_seq: u64) -> Result<Option<pb::Snapshot>, LogError> {
+        let seqs = self.snapshot_seqs().await?;
+        let Some(seq) = seqs
+            .into_iter()
+            .rev()
+            .find(|s| max_seq == 0 || *s <= max_seq)
+        else {
+            return Ok(None);
+        };
+        let mut kv = self.kv.clone();
+        let key = format!("{}snapdata/{}/", self.prefix, seq_key(seq));
+        let resp = self
+            .timed(kv.get(key.clone(), Some(GetOptions::new().with_prefix())))
+            .await?;
+        let mut bytes = Vec::new();
+        for p in resp.kvs() {
+            bytes.extend_from_slice(p.value());
+        }
+        let snap = pb::Snapshot::decode(bytes.as_slice()).map_err(|e| LogError::Corrupt {
+            key,
+            why: e.to_string(),
+        })?;
+        Ok(Some(snap))
+    }
+
+    /// Delete all but the newest `keep` snapshots.
+    pub async fn prune_snapshots(&self, keep: usize) -> Result<(), LogError> {
+        let seqs = self.snapshot_seqs().await?;
+        let mut kv = self.kv.clone();
+        for seq in seqs.iter().take(seqs.len().saturating_sub(keep)) {
+            let meta = format!("{}snapmeta/{}", self.prefix, seq_key(*seq));
+            self.timed(kv.delete(meta, None)).await?;
+            let data = format!("{}snapdata/{}/", self.prefix, seq_key(*seq));
+            self.timed(kv.delete(data, Some(etcd_client::DeleteOptions::new().with_prefix())))
+                .await?;
+        }
+        Ok(())
+    }
+}
+
+impl LedgerLog for EtcdLog {
+    async fn head(&self) -> Result<HeadInfo, LogError> {
+        EtcdLog::head(self).await
+    }
+
+    async fn append(
+        &self,
+        fence: &Fence,
+        head_rev: i64,
+        batch: Encoded,
+    ) -> Result<Commit, LogError> {
+        self.commit_encoded(&fence.key, fence.epoch, head_rev, batch)
+            .await
+    }
+
+    async fn read_with(
+        &self,
+        from: u64,
+        to: u64,
+        f: impl FnMut(pb::EventBatch) -> bool + Send,
+    ) -> Result<i64, LogError> {
+        EtcdLog::read_with(self, from, to, 0, f).await
+    }
+
+    async fn write_snapshot(&self, snap: &pb::Snapshot) -> Result<bool, LogError> {
+        EtcdLog::write_snapshot(self, snap).await
+    }
+
+    async fn prune_snapshots(&self, keep: usize) -> Result<(), LogError> {
+        EtcdLog::prune_snapshots(self, keep).await
+    }
+
+    fn location(&self) -> String {
+        self.log_prefix()
+    }
+}

@@ -1,0 +1,179 @@
+//! Writes: to the local sequencer when this replica leads, else forwarded to the leader
+//! (once: a forwarded request is never forwarded again), retried across a failover.
+
+use std::time::Duration;
+
+use backon::Retryable;
+use gpuledger_ledger::Command;
+use gpuledger_proto::allocator::v1 as api;
+use gpuledger_proto::allocator::v1::allocator_client::AllocatorClient;
+use tokio::sync::oneshot;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Request, Response, Status};
+use tracing::debug;
+
+use super::Service;
+use crate::shared::Committed;
+
+/// Metadata key marking a request already forwarded once (never forwarded twice).
+const FORWARDED: &str = "x-gpuledger-forwarded";
+/// How long a write may wait for a leader to appear (covers a failover).
+const FORWARD_WINDOW: Duration = Duration::from_secs(6);
+
+/// How one attempt at a write failed: worth another try (no leader reachable yet), or not.
+enum Attempt {
+    Again(Status),
+    Final(Status),
+}
+
+impl Service {
+    /// Submit to the local sequencer when leading; None when not leading (only the leader
+    /// writes: watchers on followers observe but do not act).
+    pub async fn local(&self, cmd: Command) -> Option<Result<Committed, Status>> {
+        let tx = self
+            .shared
+            .sequencer
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()?;
+        let (otx, orx) = oneshot::channel();
+        if tx
+            .send(crate::shared::Request { cmd, reply: otx })
+            .await
+            .is_err()
+        {
+            return Some(Err(Status::unavailable("leadership lost; retry")));
+        }
+        Some(match orx.await {
+            Ok(r) => r,
+            Err(_) => Err(Status::unavailable("leader stepped down; retry")),
+        })
+    }
+
+    async fn leader_channel(&self, refresh: bool) -> Result<(String, Channel), Status> {
+        let mut addr = self.shared.role_info().leader;
+        if refresh || addr.is_empty() || addr == self.shared.address {
+            match crate::election::current_leader(&self.etcd, &self.log.election_name()).await {
+                Some((a, _)) => addr = a,
+                None => {
+                    let why = self.shared.serving().err().unwrap_or_else(|| {
+                        "no allocator leader is elected right now (election in progress)".into()
+                    });
+                    return Err(Status::unavailable(why));
+                }
+            }
+        }
+        if addr == self.shared.address {
+            return Err(Status::unavailable(
+                "this replica was leader but is stepping down; retry",
+            ));
+        }
+        if let Some(c) = self
+            .channels
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&addr)
+        {
+            return Ok((addr, c.clone()));
+        }
+        let ep = Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(|e| Status::internal(format!("bad leader address {addr}: {e}")))?
+            .connect_timeout(Duration::from_millis(500))
+            .tcp_nodelay(true);
+        let ch = ep.connect_lazy();
+        self.channels
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(addr.clone(), ch.clone());
+        Ok((addr, ch))
+    }
+
+    /// Run `cmd` on the leader: locally, or by forwarding `req` with `call`.
+    pub(super) async fn write<Q, R, F, Fut>(
+        &self,
+        req: Request<Q>,
+        cmd: impl Fn() -> Result<Command, Status>,
+        local_reply: impl Fn(Committed) -> Result<R, Status>,
+        call: F,
+    ) -> Result<Response<R>, Status>
+    where
+        Q: Clone,
+        R: HasSeq,
+        F: Fn(AllocatorClient<Channel>, Request<Q>) -> Fut,
+        Fut: std::future::Future<Output = Result<Response<R>, Status>>,
+    {
+        let forwarded = req.metadata().get(FORWARDED).is_some();
+        let inner = req.into_inner();
+        let started = tokio::time::Instant::now();
+        let mut attempts = 0u32;
+        let attempt = || {
+            attempts += 1;
+            // After a failed forward the leader may have changed: look it up again.
+            let refresh = attempts > 1;
+            let inner = inner.clone();
+            let (cmd, local_reply, call) = (&cmd, &local_reply, &call);
+            async move {
+                if let Some(r) = self.local(cmd().map_err(Attempt::Final)?).await {
+                    return r
+                        .and_then(local_reply)
+                        .map(Response::new)
+                        .map_err(Attempt::Final);
+                }
+                if forwarded {
+                    return Err(Attempt::Final(Status::unavailable(
+                        "not the leader (forwarded request)",
+                    )));
+                }
+                let (addr, ch) = self.leader_channel(refresh).await.map_err(Attempt::Again)?;
+                let mut r = Request::new(inner);
+                r.metadata_mut()
+                    .insert(FORWARDED, tonic::metadata::MetadataValue::from_static("1"));
+                r.set_timeout(Duration::from_secs(10));
+                match call(AllocatorClient::new(ch), r).await {
+                    Ok(resp) => {
+                        // Read-your-writes through this replica: answer once the write is
+                        // folded here too (bounded; the leader has it durably either way).
+                        self.shared
+                            .wait_applied(resp.get_ref().seq(), Duration::from_secs(2))
+                            .await;
+                        Ok(resp)
+                    }
+                    Err(s) if s.code() == tonic::Code::Unavailable => {
+                        debug!(leader = %addr, error = %s.message(), "forward failed; looking for the leader again");
+                        Err(Attempt::Again(s))
+                    }
+                    Err(s) => Err(Attempt::Final(s)),
+                }
+            }
+        };
+        attempt
+            .retry(crate::retry::forever(Duration::from_millis(50)))
+            .when(|e| matches!(e, Attempt::Again(_)) && started.elapsed() <= FORWARD_WINDOW)
+            .await
+            .map_err(|(Attempt::Again(s) | Attempt::Final(s))| s)
+    }
+}
+
+/// Responses to writes carry the seq they were answered at.
+pub trait HasSeq {
+    /// The seq of the write (or of the state an idempotent repeat was answered from).
+    fn seq(&self) -> u64;
+}
+
+impl HasSeq for api::WriteResponse {
+    fn seq(&self) -> u64 {
+        self.seq
+    }
+}
+
+impl HasSeq for api::ReserveResponse {
+    fn seq(&self) -> u64 {
+        self.seq
+    }
+}
+
+impl HasSeq for api::AssignResponse {
+    fn seq(&self) -> u64 {
+        self.seq
+    }
+}

@@ -1,0 +1,237 @@
+//! The write RPCs: each builds its ledger command and goes through [`Service::write`].
+
+use std::time::Duration;
+
+use gpuledger_ledger::{Command, Reply, pb};
+use gpuledger_proto::allocator::v1 as api;
+use tonic::{Request, Response, Status};
+
+use super::Service;
+use crate::shared::Committed;
+
+fn done(c: Committed) -> Result<api::WriteResponse, Status> {
+    let changed = matches!(c.reply, Reply::Done { changed: true });
+    Ok(api::WriteResponse {
+        seq: c.seq,
+        epoch: c.epoch,
+        changed,
+    })
+}
+
+pub(super) async fn register_node(
+    svc: &Service,
+    req: Request<api::RegisterNodeRequest>,
+) -> Result<Response<api::WriteResponse>, Status> {
+    let inv = req
+        .get_ref()
+        .inventory
+        .clone()
+        .ok_or_else(|| Status::invalid_argument("inventory is missing"))?;
+    svc.write(
+        req,
+        || Ok(Command::RegisterNode(inv.clone())),
+        done,
+        |mut c, r| async move { c.register_node(r).await },
+    )
+    .await
+}
+
+pub(super) async fn remove_node(
+    svc: &Service,
+    req: Request<api::RemoveNodeRequest>,
+) -> Result<Response<api::WriteResponse>, Status> {
+    let r = req.get_ref().clone();
+    svc.write(
+        req,
+        || {
+            Ok(Command::RemoveNode {
+                node: r.node.clone(),
+                reason: r.reason.clone(),
+            })
+        },
+        done,
+        |mut c, r| async move { c.remove_node(r).await },
+    )
+    .await
+}
+
+pub(super) async fn set_device_health(
+    svc: &Service,
+    req: Request<api::SetDeviceHealthRequest>,
+) -> Result<Response<api::WriteResponse>, Status> {
+    let r = req.get_ref().clone();
+    svc.write(
+        req,
+        || {
+            Ok(Command::SetDeviceHealth(pb::DeviceHealthChanged {
+                node: r.node.clone(),
+                gpu_uuid: r.gpu_uuid.clone(),
+                healthy: r.healthy,
+                reason: r.reason.clone(),
+                xid: r.xid,
+            }))
+        },
+        done,
+        |mut c, r| async move { c.set_device_health(r).await },
+    )
+    .await
+}
+
+pub(super) async fn reserve(
+    svc: &Service,
+    req: Request<api::ReserveRequest>,
+) -> Result<Response<api::ReserveResponse>, Status> {
+    let r = req.get_ref().clone();
+    if r.node.is_empty() {
+        return Err(Status::invalid_argument(
+            "node is empty: reserve needs the node the scheduler chose",
+        ));
+    }
+    let pr = svc.request(r.request.clone())?;
+    let clock = svc.shared.clock.clone();
+    let ttl = if r.ttl_ms > 0 {
+        Duration::from_millis(r.ttl_ms)
+    } else {
+        svc.reserve_ttl
+    };
+    svc.write(
+        req,
+        || {
+            Ok(Command::Reserve {
+                request: pr.clone(),
+                node: r.node.clone(),
+                deadline_ms: clock.now_ms() + ttl.as_millis() as i64,
+            })
+        },
+        |c| match c.reply {
+            Reply::Reserved {
+                allocations,
+                created,
+            } => Ok(api::ReserveResponse {
+                allocations,
+                seq: c.seq,
+                epoch: c.epoch,
+                created,
+            }),
+            other => Err(Status::internal(format!("unexpected reply {other:?}"))),
+        },
+        |mut c, r| async move { c.reserve(r).await },
+    )
+    .await
+}
+
+pub(super) async fn confirm_bound(
+    svc: &Service,
+    req: Request<api::ConfirmBoundRequest>,
+) -> Result<Response<api::WriteResponse>, Status> {
+    let r = req.get_ref().clone();
+    svc.write(
+        req,
+        || {
+            Ok(Command::ConfirmBound {
+                pod_uid: r.pod_uid.clone(),
+                node: r.node.clone(),
+                reason: "confirmed by the extender".into(),
+            })
+        },
+        done,
+        |mut c, r| async move { c.confirm_bound(r).await },
+    )
+    .await
+}
+
+pub(super) async fn assign(
+    svc: &Service,
+    req: Request<api::AssignRequest>,
+) -> Result<Response<api::AssignResponse>, Status> {
+    let r = req.get_ref().clone();
+    svc.write(
+        req,
+        || {
+            Ok(Command::Assign {
+                node: r.node.clone(),
+                allocation_id: r.allocation_id,
+                device_ids: r.device_ids.clone(),
+            })
+        },
+        |c| match c.reply {
+            Reply::Assigned(a) => Ok(api::AssignResponse {
+                allocation: Some(*a),
+                seq: c.seq,
+                epoch: c.epoch,
+            }),
+            other => Err(Status::internal(format!("unexpected reply {other:?}"))),
+        },
+        |mut c, r| async move { c.assign(r).await },
+    )
+    .await
+}
+
+pub(super) async fn correct_identity(
+    svc: &Service,
+    req: Request<api::CorrectIdentityRequest>,
+) -> Result<Response<api::WriteResponse>, Status> {
+    let r = req.get_ref().clone();
+    svc.write(
+        req,
+        || {
+            Ok(Command::CorrectIdentity {
+                node: r.node.clone(),
+                from_allocation_id: r.from_allocation_id,
+                to_allocation_id: r.to_allocation_id,
+                device_ids: r.device_ids.clone(),
+            })
+        },
+        done,
+        |mut c, r| async move { c.correct_identity(r).await },
+    )
+    .await
+}
+
+pub(super) async fn release(
+    svc: &Service,
+    req: Request<api::ReleaseRequest>,
+) -> Result<Response<api::WriteResponse>, Status> {
+    let r = req.get_ref().clone();
+    if r.pod_uid.is_empty() && r.allocation_id == 0 {
+        return Err(Status::invalid_argument(
+            "release needs pod_uid or allocation_id",
+        ));
+    }
+    svc.write(
+        req,
+        || {
+            Ok(Command::Release {
+                pod_uid: r.pod_uid.clone(),
+                container: r.container.clone(),
+                allocation_id: r.allocation_id,
+                reason: if r.reason.is_empty() {
+                    "released".into()
+                } else {
+                    r.reason.clone()
+                },
+            })
+        },
+        done,
+        |mut c, r| async move { c.release(r).await },
+    )
+    .await
+}
+
+pub(super) async fn report_violation(
+    svc: &Service,
+    req: Request<api::ReportViolationRequest>,
+) -> Result<Response<api::WriteResponse>, Status> {
+    let v = req
+        .get_ref()
+        .violation
+        .clone()
+        .ok_or_else(|| Status::invalid_argument("violation is missing"))?;
+    svc.write(
+        req,
+        || Ok(Command::ReportViolation(v.clone())),
+        done,
+        |mut c, r| async move { c.report_violation(r).await },
+    )
+    .await
+}
