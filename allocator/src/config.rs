@@ -123,7 +123,8 @@ pub struct Config {
     pub kube: crate::kube_watch::KubeArgs,
 
     /// Placement policy of pods that name none (annotation `gpuledger.io/policy`): binpack,
-    /// spread, fgd, fgd-pack, fgd-pack-cpu, random, dotprod, bestfit, packing or clustering.
+    /// spread, fgd, fgd-pack, fgd-pack-cpu, fgd-strand, random, dotprod, bestfit, packing or
+    /// clustering.
     #[arg(long, env = "GPULEDGER_DEFAULT_POLICY", default_value = "binpack", value_parser = parse_policy)]
     pub default_policy: gpuledger_ledger::Policy,
 

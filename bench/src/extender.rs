@@ -42,16 +42,21 @@ pub struct Args {
     /// etcd members.
     #[arg(long, default_value_t = 3)]
     etcd_members: usize,
+    /// Placement policy of every pod (annotation `gpuledger.io/policy`; empty = the allocator's
+    /// default), e.g. fgd-strand to check the cost of its look-ahead.
+    #[arg(long, default_value = "")]
+    policy: String,
 }
 
-fn gpu_pod(name: &str, scheduler: &str) -> Value {
-    json!({"metadata": {"name": name, "namespace": "bench"},
+fn gpu_pod(name: &str, scheduler: &str, policy: &str) -> Value {
+    json!({"metadata": {"name": name, "namespace": "bench",
+                        "annotations": {"gpuledger.io/policy": policy}},
            "spec": {"schedulerName": scheduler, "containers": [{"name": "c", "image": "x",
               "resources": {"limits": {"gpuledger.io/gpu": "1", "gpuledger.io/gpu-mem": "1000", "gpuledger.io/gpu-core": "10"},
                             "requests": {"gpuledger.io/gpu": "1", "gpuledger.io/gpu-mem": "1000", "gpuledger.io/gpu-core": "10"}}}]}})
 }
 
-fn api_pod(uid: &str) -> api::PodRequest {
+fn api_pod(uid: &str, policy: &str) -> api::PodRequest {
     api::PodRequest {
         pod: Some(pb::PodRef {
             uid: uid.into(),
@@ -65,6 +70,10 @@ fn api_pod(uid: &str) -> api::PodRequest {
             mem_percent: 0,
             core_milli: 100,
         }],
+        placement: Some(pb::Placement {
+            policy: policy.into(),
+            ..Default::default()
+        }),
         ..Default::default()
     }
 }
@@ -165,7 +174,7 @@ pub async fn run(a: Args) -> Result<()> {
     );
 
     let ext = ExtenderClient::new(stack.extender_config()?)?;
-    let probe = stack.api.add_pod(gpu_pod("probe", "nobody"))?;
+    let probe = stack.api.add_pod(gpu_pod("probe", "nobody", &a.policy))?;
     let uid = probe["metadata"]["uid"].as_str().unwrap_or("").to_string();
     let body = json!({"Pod": probe, "Nodes": null, "NodeNames": names});
     let body_bytes = serde_json::to_vec(&body)?;
@@ -205,14 +214,14 @@ pub async fn run(a: Args) -> Result<()> {
     for _ in 0..a.samples {
         let t = Instant::now();
         c.filter(api::FilterRequest {
-            request: Some(api_pod(&uid)),
+            request: Some(api_pod(&uid, &a.policy)),
             nodes: names.clone(),
         })
         .await?;
         record(&mut gf, t.elapsed());
         let t = Instant::now();
         c.score(api::ScoreRequest {
-            request: Some(api_pod(&uid)),
+            request: Some(api_pod(&uid, &a.policy)),
             nodes: names.clone(),
         })
         .await?;
@@ -224,7 +233,10 @@ pub async fn run(a: Args) -> Result<()> {
     let mut hb = histogram();
     for i in 0..a.samples {
         let name = format!("seq-{i}");
-        let p = stack.api.add_pod(gpu_pod(&name, "nobody"))?;
+        // A gpuledger scheduler's pod: the allocator reserves only for those.
+        let p = stack
+            .api
+            .add_pod(gpu_pod(&name, "gpuledger-scheduler", &a.policy))?;
         let b = json!({"PodName": name, "PodNamespace": "bench",
                        "PodUID": p["metadata"]["uid"], "Node": names[i % names.len()]});
         let t = Instant::now();
@@ -235,9 +247,11 @@ pub async fn run(a: Args) -> Result<()> {
 
     // End to end through the scheduler emulator.
     for i in 0..a.pods {
-        stack
-            .api
-            .add_pod(gpu_pod(&format!("e2e-{i}"), "gpuledger-scheduler"))?;
+        stack.api.add_pod(gpu_pod(
+            &format!("e2e-{i}"),
+            "gpuledger-scheduler",
+            &a.policy,
+        ))?;
     }
     println!(
         "measuring: {} pods end to end through the scheduler emulator",

@@ -3,9 +3,12 @@
 //! The procedure is the one published by Weng et al. (USENIX ATC '23) on Alibaba's
 //! cluster-trace-gpu-v2023: see `testdata/traces/README.md`.
 
+mod compare;
 mod engine;
 mod gorand;
 mod plot;
+mod probe;
+mod variants;
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -20,6 +23,7 @@ use engine::{
     GO_INFORMER_DRAWS, POINTS, Procedure, RunResult, Setup, Streams, Ties, trace_workload,
 };
 use gpuledger_ops::trace::{NodeRow, PodRow, read_nodes, read_pods};
+use probe::{Cost, Probe};
 
 /// Arguments of `gpuledger simulate`.
 #[derive(clap::Args, Debug)]
@@ -105,6 +109,28 @@ pub struct SimulateArgs {
     /// Also write every run's results (per seed and point) as JSON to this file.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
+
+    /// Compare the policies on several workloads instead of `--pods` alone, one row per trace
+    /// and policy, each against the first policy: `default` and `gpushare100` (published lists,
+    /// `openb_pod_list_<name>.csv` next to `--nodes`; any such file can be named), generated
+    /// variants of `--pods` (gpushare-X, multigpu-X, gpuspec-X, gpuspec-rare-X, cpu-X; see
+    /// the docs), or `all` (both published lists and the standard variants).
+    #[arg(long, value_name = "T[,T...]", value_delimiter = ',')]
+    pub trace: Vec<String>,
+
+    /// Seed of the variant generator (the pod lists it makes; `--seeds` orders them).
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub variant_seed: u64,
+
+    /// Time a decision with every node scored, uncached, every this many pods of each run, for
+    /// every policy on the same states (0 = do not time).
+    #[arg(long, value_name = "PODS", default_value_t = 500)]
+    pub cost_stride: usize,
+
+    /// Also print where the idle GPU is at 100 % arrived (per GPU model: usable, stranded by
+    /// CPU or memory, fragment) and the GPU of the pods that failed by then, per pod class.
+    #[arg(long)]
+    pub diagnose: bool,
 }
 
 /// The seeds to run.
@@ -143,6 +169,8 @@ pub struct PolicyReport {
     pub runs: Vec<RunResult>,
     /// Wall time of all its runs.
     pub seconds: f64,
+    /// Cost per decision of each policy of the probe, summed over these runs.
+    pub cost: Vec<Cost>,
 }
 
 impl PolicyReport {
@@ -189,6 +217,10 @@ pub fn simulate(
 ) -> Vec<PolicyReport> {
     let workload = Arc::new(trace_workload(pods, args.coverage, args.frag_memory));
     let setup = Setup::new(nodes, pods, workload);
+    let probe = Probe {
+        policies: args.policy.clone(),
+        stride: args.cost_stride,
+    };
     args.policy
         .iter()
         .map(|&policy| {
@@ -202,16 +234,24 @@ pub fn simulate(
                     let procedure = Procedure {
                         streams: args.rng,
                         informer_draws: args.go_informer_draws,
+                        ties: args.ties,
                     };
-                    let r = setup.run(pods, policy, args.tune, seed, args.ties, procedure);
+                    let r = setup.run(pods, policy, args.tune, seed, procedure, &probe);
                     progress.inc(1);
                     r
                 })
-                .collect();
+                .collect::<Vec<RunResult>>();
+            let mut cost = vec![Cost::default(); probe.policies.len()];
+            for r in &runs {
+                for (c, x) in cost.iter_mut().zip(&r.cost) {
+                    c.add(x);
+                }
+            }
             PolicyReport {
                 policy,
                 runs,
                 seconds: start.elapsed().as_secs_f64(),
+                cost,
             }
         })
         .collect()
@@ -230,19 +270,11 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
     }
     let nodes = read_nodes(&args.nodes)?;
     let pods = read_pods(&args.pods)?;
+    if !args.trace.is_empty() {
+        return compare::run(&args, &nodes, &pods);
+    }
     let gpus: usize = nodes.iter().map(|n| n.gpus as usize).sum();
-    let total = (args.policy.len() * args.seeds.0.len()) as u64;
-    let progress = if std::io::stderr().is_terminal() {
-        ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr())
-    } else {
-        ProgressBar::hidden()
-    };
-    progress.set_style(
-        ProgressStyle::with_template(
-            "{bar:30} {pos}/{len} runs, {elapsed} elapsed, eta {eta} {msg}",
-        )
-        .expect("static template"),
-    );
+    let progress = progress_bar((args.policy.len() * args.seeds.0.len()) as u64);
     let reports = simulate(&nodes, &pods, &args, &progress);
     progress.finish_and_clear();
 
@@ -268,10 +300,16 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
     }
     println!();
     println!(
-        "{:<12} {:>22} {:>14} {:>16} {:>10}",
-        "policy", "unallocated @100% (%)", "as published", "frag rate (%)", "time (s)"
+        "{:<12} {:>22} {:>14} {:>16} {:>10} {:>13}",
+        "policy",
+        "unallocated @100% (%)",
+        "as published",
+        "frag rate (%)",
+        "time (s)",
+        "µs/decision"
     );
-    for r in &reports {
+    let costs = compare::costs(&reports);
+    for (r, cost) in reports.iter().zip(&costs) {
         let k = POINTS
             .iter()
             .position(|&p| p == 1.0)
@@ -282,15 +320,21 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
             .paper_unallocated_at_100()
             .map_or_else(|| "-".to_string(), |x| format!("{x:.2}"));
         println!(
-            "{:<12} {:>13.2} ± {:<6.2} {:>14} {:>8.2} ± {:<5.2} {:>10.1}",
+            "{:<12} {:>13.2} ± {:<6.2} {:>14} {:>8.2} ± {:<5.2} {:>10.1} {:>13.1}",
             r.policy.to_string(),
             m,
             sd,
             published,
             fm,
             fsd,
-            r.seconds
+            r.seconds,
+            cost.micros()
         );
+    }
+    if args.diagnose {
+        for r in &reports {
+            compare::print_diagnosis(r);
+        }
     }
     plot::write(&args.plot, &reports)
         .with_context(|| format!("cannot write the plot to {}", args.plot.display()))?;
@@ -308,6 +352,22 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// A progress bar on stderr when it is a terminal, for `total` runs.
+fn progress_bar(total: u64) -> ProgressBar {
+    let progress = if std::io::stderr().is_terminal() {
+        ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr())
+    } else {
+        ProgressBar::hidden()
+    };
+    progress.set_style(
+        ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} runs, {elapsed} elapsed, eta {eta} {msg}",
+        )
+        .expect("static template"),
+    );
+    progress
 }
 
 fn describe_seeds(s: &Seeds) -> String {

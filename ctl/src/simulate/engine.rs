@@ -16,6 +16,7 @@ use rand::{Rng, SeedableRng};
 use gpuledger_ops::trace::{NodeRow, PodRow};
 
 use super::gorand::GoRand;
+use super::probe::{Cost, Diagnosis, Probe};
 
 /// Arrived-workload points (fractions of cluster GPU capacity) the report shows.
 pub const POINTS: [f64; 5] = [0.5, 0.8, 0.9, 1.0, 1.3];
@@ -39,6 +40,10 @@ pub struct RunResult {
     /// arrived workload 0..=130 %, the mean allocation (%) over the pods whose arrived workload
     /// rounds to it; `None` where no pod is near.
     pub paper_columns: Vec<Option<f64>>,
+    /// What each policy of the run's [`Probe`] spent scoring every node, on this run's states.
+    pub cost: Vec<Cost>,
+    /// Where the idle GPU is and which pods failed, when the arrived workload first reaches 100 %.
+    pub diagnosis: Diagnosis,
 }
 
 /// Where the experiment's random draws come from.
@@ -66,6 +71,8 @@ pub struct Procedure {
     pub streams: Streams,
     /// With [`Streams::Go`]: the draws between sampling and the node shuffle.
     pub informer_draws: usize,
+    /// Which of the nodes scored equally gets the pod.
+    pub ties: Ties,
 }
 
 /// The pods of the experiment for `seed`: sorted by name, shuffled, then sampled with replacement
@@ -285,8 +292,8 @@ impl Setup {
         policy: Policy,
         tune: f64,
         seed: u64,
-        ties: Ties,
         procedure: Procedure,
+        probe: &Probe,
     ) -> RunResult {
         debug_assert_eq!(pods.len(), self.pod_count);
         let (order, node_order) = match procedure.streams {
@@ -318,13 +325,19 @@ impl Setup {
         let mut milli = Vec::with_capacity(order.len());
         let mut failed = 0;
         let mut frag_rate_at_100 = None;
-        for &p in &order {
+        let mut cost = vec![Cost::default(); probe.policies.len()];
+        let mut failed_by_class = [(0u64, 0u64, 0u64); 4];
+        let mut diagnosis = None;
+        for (i, &p) in order.iter().enumerate() {
             let t = self.shape_of[p];
             let req = &mut requests[t];
             if policy == Policy::Random {
                 req.salt = salts.random();
             }
             let req = &requests[t];
+            if probe.due(i) {
+                probe.measure(&nodes, req, i, &mut cost);
+            }
             let mut best: Option<(f64, usize)> = None;
             let mut tied = 0u32;
             for (n, node) in nodes.iter().enumerate() {
@@ -339,7 +352,8 @@ impl Setup {
                         Some((b, _)) if s == b => {
                             // kube-scheduler's selectHost: reservoir sampling among the best.
                             tied += 1;
-                            if ties == Ties::Random && tie_rng.random_range(0..tied) == 0 {
+                            if procedure.ties == Ties::Random && tie_rng.random_range(0..tied) == 0
+                            {
                                 best = Some((s, n));
                             }
                         }
@@ -359,12 +373,21 @@ impl Setup {
                     version[n] += 1;
                     allocated += self.gpu_request[t];
                 }
-                None => failed += 1,
+                None => {
+                    failed += 1;
+                    let c = &mut failed_by_class[Diagnosis::class(req)];
+                    c.0 += 1;
+                    c.1 += self.gpu_request[t];
+                    if Diagnosis::blocked_by_cpu_or_memory(&nodes, req) {
+                        c.2 += self.gpu_request[t];
+                    }
+                }
             }
             curve.push((arrived as f64 / cap, allocated as f64 / cap));
             milli.push((arrived, allocated));
             if frag_rate_at_100.is_none() && arrived as f64 >= cap {
                 frag_rate_at_100 = Some(frag_rate(&nodes, &self.workload));
+                diagnosis = Some(Diagnosis::of(&nodes, &self.workload, failed_by_class));
             }
         }
         let alloc_at = POINTS.iter().map(|&x| at(&curve, x)).collect();
@@ -376,6 +399,9 @@ impl Setup {
             failed,
             curve,
             paper_columns: paper_columns(&milli, self.capacity_milli / 1000),
+            cost,
+            diagnosis: diagnosis
+                .unwrap_or_else(|| Diagnosis::of(&nodes, &self.workload, failed_by_class)),
         }
     }
 }
@@ -485,8 +511,10 @@ fn request(p: &PodRow, id: usize, workload: &Arc<Workload>) -> PodRequest {
 }
 
 /// The workload distribution of a pod list, for FGD: its most frequent shapes covering `coverage`.
+/// Shapes carry host memory only `with_memory` (the paper's do not); their pods' mean memory is
+/// kept either way.
 pub fn trace_workload(pods: &[PodRow], coverage: f64, with_memory: bool) -> Workload {
-    Workload::from_counts(
+    Workload::from_counts_with_memory(
         pods.iter().map(|p| {
             (
                 placement::PodShape {
@@ -497,6 +525,7 @@ pub fn trace_workload(pods: &[PodRow], coverage: f64, with_memory: bool) -> Work
                     models: p.gpu_spec.clone(),
                 },
                 1,
+                p.memory_mib,
             )
         }),
         coverage,

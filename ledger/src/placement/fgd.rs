@@ -8,9 +8,11 @@
 //! pod where fragmentation grows least.
 
 use std::collections::HashMap;
+use std::sync::OnceLock;
 
 use crate::CORE_MILLI_PER_GPU;
 use crate::placement::PodRequest;
+use crate::placement::value::GapValues;
 use crate::state::NodeState;
 
 /// The resource shape of a pod, as the fragmentation measure sees it.
@@ -63,6 +65,11 @@ pub struct Workload {
     shapes: Vec<PodShape>,
     counts: Vec<u64>,
     probs: Vec<f64>,
+    /// Mean host memory (MiB) of the pods each shape stands for: the shape's own when shapes
+    /// carry memory, else what the pods asked (the look-ahead of `fgd-strand` needs it).
+    memory: Vec<f64>,
+    /// The value of free GPU shares for these shapes, computed on first use.
+    gaps: OnceLock<GapValues>,
 }
 
 impl PartialEq for Workload {
@@ -80,24 +87,48 @@ impl Workload {
     /// The most frequent shapes covering at least `coverage` (0..=1) of all pods, with their
     /// frequencies renormalized over the kept shapes. Ties in frequency keep the smaller shape first.
     pub fn from_counts(counts: impl IntoIterator<Item = (PodShape, u64)>, coverage: f64) -> Self {
-        let mut merged: HashMap<PodShape, u64> = HashMap::new();
-        for (s, n) in counts {
-            *merged.entry(s).or_default() += n;
+        Self::from_counts_with_memory(
+            counts.into_iter().map(|(s, n)| {
+                let mem = s.memory_mib.saturating_mul(n);
+                (s, n, mem)
+            }),
+            coverage,
+        )
+    }
+
+    /// [`Self::from_counts`] for shapes that leave host memory out (the paper's simulator does):
+    /// each item also brings the host memory its pods asked for in total, whose mean per shape
+    /// the look-ahead of `fgd-strand` uses.
+    pub fn from_counts_with_memory(
+        counts: impl IntoIterator<Item = (PodShape, u64, u64)>,
+        coverage: f64,
+    ) -> Self {
+        let mut merged: HashMap<PodShape, (u64, u64)> = HashMap::new();
+        for (s, n, mem) in counts {
+            let e = merged.entry(s).or_default();
+            e.0 += n;
+            e.1 = e.1.saturating_add(mem);
         }
-        let mut all: Vec<(PodShape, u64)> = merged.into_iter().filter(|(_, n)| *n > 0).collect();
+        let mut all: Vec<(PodShape, u64, u64)> = merged
+            .into_iter()
+            .filter(|(_, (n, _))| *n > 0)
+            .map(|(s, (n, m))| (s, n, m))
+            .collect();
         all.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
-        let total: u64 = all.iter().map(|(_, n)| n).sum();
+        let total: u64 = all.iter().map(|(_, n, _)| n).sum();
         let need = (coverage.clamp(0.0, 1.0) * total as f64).ceil() as u64;
         let mut kept = 0u64;
         let mut shapes = Vec::new();
         let mut counts = Vec::new();
-        for (s, n) in all {
+        let mut memory = Vec::new();
+        for (s, n, m) in all {
             if kept >= need && !shapes.is_empty() {
                 break;
             }
             kept += n;
             shapes.push(s);
             counts.push(n);
+            memory.push(m as f64 / n as f64);
         }
         let probs = counts
             .iter()
@@ -107,6 +138,8 @@ impl Workload {
             shapes,
             counts,
             probs,
+            memory,
+            gaps: OnceLock::new(),
         }
     }
 
@@ -155,6 +188,36 @@ impl Workload {
         self.shapes.iter().zip(self.counts.iter().copied())
     }
 
+    /// The typical shapes with their probabilities and the mean host memory (MiB) of their pods.
+    pub fn shapes_with_memory(&self) -> impl Iterator<Item = (&PodShape, f64, f64)> {
+        self.shapes
+            .iter()
+            .zip(self.probs.iter().copied())
+            .zip(self.memory.iter().copied())
+            .map(|((s, p), m)| (s, p, m))
+    }
+
+    /// What a GPU's free share is worth to these shapes ([`GapValues`]): each slice size of the
+    /// GPU pods, with how many of them a GPU of the cluster can expect.
+    pub fn gap_values(&self) -> &GapValues {
+        self.gaps.get_or_init(|| {
+            let milli: f64 = self
+                .shapes()
+                .map(|(s, p)| p * s.total_core_milli() as f64)
+                .sum();
+            let mut items: Vec<(u32, f64)> = Vec::new();
+            for (s, p) in self.shapes().filter(|(s, _)| s.gpus > 0) {
+                let per_gpu = p * f64::from(s.gpus) * f64::from(CORE_MILLI_PER_GPU) / milli;
+                match items.iter_mut().find(|i| i.0 == s.core_milli) {
+                    Some(i) => i.1 += per_gpu,
+                    None => items.push((s.core_milli, per_gpu)),
+                }
+            }
+            items.sort_by_key(|i| std::cmp::Reverse(i.0));
+            GapValues::of(&items)
+        })
+    }
+
     /// Whether no shape is known.
     pub fn is_empty(&self) -> bool {
         self.shapes.is_empty()
@@ -175,6 +238,18 @@ impl Workload {
         cpu_left: u64,
         mem_left: u64,
     ) -> f64 {
+        self.fragmentation_of(node, free, cpu_left, mem_left, |_| true)
+    }
+
+    /// [`Self::fragmentation`] counting only the shapes `keep` accepts.
+    pub(crate) fn fragmentation_of(
+        &self,
+        node: &NodeState,
+        free: &[u32],
+        cpu_left: u64,
+        mem_left: u64,
+        keep: impl Fn(&PodShape) -> bool,
+    ) -> f64 {
         let total: u64 = free.iter().map(|&f| u64::from(f)).sum();
         if total == 0 {
             return 0.0;
@@ -182,6 +257,7 @@ impl Workload {
         self.shapes
             .iter()
             .zip(&self.probs)
+            .filter(|(s, _)| keep(s))
             .map(|(s, p)| p * frag_for(s, node, free, total, cpu_left, mem_left) as f64)
             .sum()
     }

@@ -1,6 +1,8 @@
 use std::sync::Arc;
 
+use super::score::score_of;
 use super::*;
+use crate::state::GpuState;
 
 fn gpu(i: u32, mem: u64) -> GpuState {
     GpuState {
@@ -392,4 +394,113 @@ proptest::proptest! {
         proptest::prop_assert_eq!(fast, evaluate(&n, &r).is_ok());
         proptest::prop_assert_eq!(score_node(&n, &r), score_of(evaluate(&n, &r), &r));
     }
+}
+
+fn cpu_node(name: &str, gpus: u32, cpu_milli: u64) -> NodeState {
+    let mut n = node((0..gpus).map(|i| gpu(i, 16000)).collect());
+    n.name = name.into();
+    n.cpu_milli = cpu_milli;
+    n
+}
+
+#[test]
+fn strand_expects_only_the_pods_that_can_land_on_the_node() {
+    // Pods pinned to T4 bring 32 cores per GPU, unpinned pods 4: an A100 node can only get the
+    // unpinned ones, so its demand is 4 cores per GPU; a T4 node's is the mix.
+    let pinned = PodShape {
+        cpu_milli: 32_000,
+        models: vec!["Tesla T4".into()],
+        ..shape(1, 1000)
+    };
+    let any = PodShape {
+        cpu_milli: 4000,
+        ..shape(1, 1000)
+    };
+    let w = Workload::from_counts([(pinned, 1), (any, 1)], 1.0);
+    let a100 = cpu_node("a", 4, 64_000);
+    let mut t4 = cpu_node("t", 4, 64_000);
+    for g in &mut t4.gpus {
+        g.model = "Tesla T4".into();
+    }
+    let (da, dt) = (
+        strand::Demand::of(&w, &a100).expect("unpinned pods fit"),
+        strand::Demand::of(&w, &t4).expect("both fit"),
+    );
+    // 4 GPUs free, 8 cores left: at 4 cores per GPU the A100 node feeds 2 GPUs (2000 stranded);
+    // at 18 per GPU the T4 node feeds 8/18 of one.
+    assert!((da.stranded(4000, 8000, u64::MAX) - 2000.0).abs() < 1e-6);
+    assert!((dt.stranded(4000, 8000, u64::MAX) - (4000.0 - 8000.0 / 18.0)).abs() < 1e-6);
+    // A node too small for every GPU shape expects nothing.
+    let tiny = cpu_node("x", 4, 2000);
+    assert_eq!(strand::Demand::of(&w, &tiny), None);
+}
+
+#[test]
+fn fgd_strand_keeps_the_cpu_that_a_nodes_gpus_need() {
+    // Typical pods: one GPU and 8 cores. A 16-core one-GPU pod fits either idle node; on the
+    // 32-core node it leaves 3 GPUs and 16 cores, enough for two typical pods only (1000 GPU
+    // stranded); the 128-core node strands nothing. FGD sees no fragmentation either way.
+    let typical = PodShape {
+        cpu_milli: 8000,
+        ..shape(1, 1000)
+    };
+    let w = Arc::new(Workload::from_counts([(typical, 1)], 1.0));
+    let poor = cpu_node("poor", 4, 32_000);
+    let rich = cpu_node("rich", 4, 128_000);
+    let mut r = share_req(1000, Policy::Fgd, &w);
+    r.cpu_milli = 16_000;
+    let pick = |policy| {
+        let r = PodRequest {
+            policy,
+            ..r.clone()
+        };
+        choose_node([&poor, &rich], &r)
+            .expect("fits")
+            .0
+            .name
+            .clone()
+    };
+    assert_eq!(pick(Policy::Fgd), "poor");
+    assert_eq!(pick(Policy::FgdStrand), "rich");
+    // The extender's 0..=10 sees the difference too.
+    let r = PodRequest {
+        policy: Policy::FgdStrand,
+        ..r.clone()
+    };
+    assert!(score_node(&rich, &r) >= score_node(&poor, &r));
+    let (p, q) = (
+        evaluate(&poor, &r).expect("fits").score,
+        evaluate(&rich, &r).expect("fits").score,
+    );
+    assert!(q > p, "rich {q} poor {p}");
+}
+
+#[test]
+fn fgd_strand_shares_a_gpu_where_the_rest_still_packs() {
+    // Typical shares: 0.7. A 0.3 pod on GPU 0 (0.7 free) leaves 0.4 that no typical pod can use;
+    // on the idle GPU 1 it leaves 0.7, and on GPU 2 it fills the 0.3 nothing else could use.
+    let w = Arc::new(Workload::from_counts([(shape(1, 700), 1)], 1.0));
+    let mut n = node(vec![gpu(0, 16000), gpu(1, 16000), gpu(2, 16000)]);
+    n.gpus[0].core_used = 300;
+    n.gpus[2].core_used = 700;
+    let c = evaluate(&n, &share_req(300, Policy::FgdStrand, &w)).expect("fits");
+    assert_eq!(c.gpus, vec![vec![1]]);
+    n.gpus[1].core_used = 1000;
+    let c = evaluate(&n, &share_req(300, Policy::FgdStrand, &w)).expect("fits");
+    assert_eq!(c.gpus, vec![vec![2]]);
+}
+
+#[test]
+fn fgd_strand_puts_pods_without_gpus_where_the_least_gpu_is_free() {
+    let w = Arc::new(Workload::from_counts([(shape(1, 500), 1)], 1.0));
+    let big = cpu_node("big", 4, 32_000);
+    let small = cpu_node("small", 1, 32_000);
+    let mut r = req(1, 0, Policy::FgdStrand);
+    r.containers.clear();
+    r.cpu_milli = 4000;
+    r.workload = Some(w);
+    assert_eq!(
+        choose_node([&big, &small], &r).expect("fits").0.name,
+        "small"
+    );
 }

@@ -1,0 +1,179 @@
+//! `fgd-strand`: FGD with a look-ahead for GPU that CPU and host memory would strand, and shared
+//! GPUs valued by what the workload can still pack into them.
+//!
+//! A placement is scored by how much it lowers three things on its node:
+//! - the value of the GPUs' free shares to the pods to come ([`super::GapValues`]), which measures
+//!   fragmentation of shared GPUs better than FGD's per-shape count;
+//! - FGD's fragmentation for the multi-GPU shapes only (whole free GPUs on one node);
+//! - the free GPU that the node's free CPU or memory could no longer feed if the rest of the node
+//!   filled with the GPU pods that can land on *that* node (model, GPU count, CPU, memory), at
+//!   their mean CPU and memory per GPU.
+
+use super::PodRequest;
+use super::fgd::{self, PodShape, Workload};
+use crate::CORE_MILLI_PER_GPU;
+use crate::state::NodeState;
+
+/// Weight of stranded GPU against lost share value. Heavier weights leave whole nodes without the
+/// CPU that multi-GPU pods need; measured in `docs/placement.md`.
+const STRAND_WEIGHT: f64 = 0.25;
+
+/// Mean CPU (millicores) and host memory (MiB) per thousandth of GPU of the GPU pods that can land
+/// on a node.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Demand {
+    cpu: f64,
+    mem: f64,
+}
+
+impl Demand {
+    /// The demand of the workload's GPU shapes that `node` could host when empty; None if none.
+    pub(crate) fn of(w: &Workload, node: &NodeState) -> Option<Demand> {
+        let (mut g, mut c, mut m) = (0.0, 0.0, 0.0);
+        for (s, p, mem) in w.shapes_with_memory() {
+            if s.gpus == 0 || s.gpus as usize > node.gpus.len() {
+                continue;
+            }
+            if node.cpu_milli > 0 && s.cpu_milli > node.cpu_milli {
+                continue;
+            }
+            if node.memory_mib > 0 && mem > node.memory_mib as f64 {
+                continue;
+            }
+            if !s.models.is_empty()
+                && node
+                    .gpus
+                    .iter()
+                    .filter(|gpu| s.models.contains(&gpu.model))
+                    .count()
+                    < s.gpus as usize
+            {
+                continue;
+            }
+            let gm = s.total_core_milli() as f64;
+            g += p * gm;
+            c += p * s.cpu_milli as f64;
+            m += p * mem;
+        }
+        (g > 0.0).then(|| Demand {
+            cpu: c / g,
+            mem: m / g,
+        })
+    }
+
+    /// GPU (thousandths) of `gpu_free` that `cpu_left` and `mem_left` cannot feed at this demand.
+    pub(crate) fn stranded(&self, gpu_free: u64, cpu_left: u64, mem_left: u64) -> f64 {
+        let fed = |left: u64, per: f64| {
+            if per > 0.0 {
+                left as f64 / per
+            } else {
+                f64::INFINITY
+            }
+        };
+        let g = gpu_free as f64;
+        (g - fed(cpu_left, self.cpu).min(fed(mem_left, self.mem))).max(0.0)
+    }
+}
+
+/// The part of [`Start::delta`] that does not depend on the placement, computed once per node.
+struct Start {
+    demand: Option<Demand>,
+    frag: f64,
+    stranded: f64,
+}
+
+fn is_multi(s: &PodShape) -> bool {
+    s.gpus > 1
+}
+
+fn sum(v: &[u32]) -> u64 {
+    v.iter().map(|&f| u64::from(f)).sum()
+}
+
+impl Start {
+    fn of(w: &Workload, node: &NodeState, before: &[u32]) -> Start {
+        let (c0, m0) = (fgd::cpu_left(node, 0), fgd::mem_left(node, 0));
+        let demand = Demand::of(w, node);
+        Start {
+            demand,
+            frag: w.fragmentation_of(node, before, c0, m0, is_multi),
+            stranded: demand.map_or(0.0, |d| d.stranded(sum(before), c0, m0)),
+        }
+    }
+
+    /// What a placement that takes the node's free GPU compute from `before` to `after` costs
+    /// the pods to come, in thousandths of a GPU: multi-GPU fragmentation + weighted stranded GPU
+    /// + lost value.
+    fn delta(
+        &self,
+        w: &Workload,
+        node: &NodeState,
+        req: &PodRequest,
+        before: &[u32],
+        after: &[u32],
+    ) -> f64 {
+        let (c1, m1) = (
+            fgd::cpu_left(node, req.cpu_milli),
+            fgd::mem_left(node, req.memory_mib),
+        );
+        let frag = w.fragmentation_of(node, after, c1, m1, is_multi) - self.frag;
+        let strand = self
+            .demand
+            .map_or(0.0, |d| d.stranded(sum(after), c1, m1) - self.stranded);
+        let g = w.gap_values();
+        let value: f64 = before
+            .iter()
+            .zip(after)
+            .filter(|(b, a)| b != a)
+            .map(|(&b, &a)| g.value(b) - g.value(a))
+            .sum();
+        frag + STRAND_WEIGHT * strand + value
+    }
+}
+
+/// The GPU of `cands` whose use by a one-slice share of `core` costs least ([`Start::delta`]);
+/// ties to the first.
+pub(crate) fn gpu(
+    w: &Workload,
+    node: &NodeState,
+    req: &PodRequest,
+    free: &[u32],
+    cands: impl Iterator<Item = usize>,
+    core: u32,
+) -> Option<usize> {
+    let start = Start::of(w, node, free);
+    let mut after = free.to_vec();
+    let mut best: Option<(f64, usize)> = None;
+    for i in cands {
+        after[i] -= core;
+        let d = start.delta(w, node, req, free, &after);
+        after[i] += core;
+        if best.is_none_or(|(b, _)| d < b) {
+            best = Some((d, i));
+        }
+    }
+    best.map(|b| b.1)
+}
+
+/// The node score (0..=100, plus a tie-break fraction) of a placement that takes the node's free
+/// GPU compute from `before` to `after`: FGD's sigmoid of [`Start::delta`]. Among ties, a pod
+/// without GPUs goes to the node with the least free GPU, and other pods to a node in use.
+pub(crate) fn score(
+    w: &Workload,
+    node: &NodeState,
+    req: &PodRequest,
+    before: &[u32],
+    after: &[u32],
+) -> f64 {
+    let delta = Start::of(w, node, before).delta(w, node, req, before, after);
+    let base = fgd::paper_score(0.0, delta);
+    if req.containers.is_empty() {
+        let free: u64 = before.iter().map(|&f| u64::from(f)).sum();
+        return base + 0.99 / (1.0 + free as f64 / f64::from(CORE_MILLI_PER_GPU));
+    }
+    let in_use = before
+        .iter()
+        .zip(&node.gpus)
+        .any(|(&f, g)| g.healthy && f < CORE_MILLI_PER_GPU);
+    if in_use { base + 0.5 } else { base }
+}
