@@ -133,13 +133,13 @@ pub(super) async fn auth_phase(
         let rep = Replica::start(dir, bin, etcd, &ids, &cluster, &format!("auth-{round}"))?;
         rep.wait_ready(Duration::from_secs(60)).await?;
         let prefix = format!("a{round}n");
-        register(&rep.target, 100, &prefix).await?;
+        register(&rep.target, a.nodes, &prefix).await?;
         let (rps, _, _) = reserve_load(
             &rep.target,
             a.clients,
             Duration::from_secs(a.seconds),
             usize::MAX,
-            100,
+            a.nodes,
             &prefix,
             "auth",
         )
@@ -149,7 +149,7 @@ pub(super) async fn auth_phase(
             1,
             Duration::from_secs(3),
             usize::MAX,
-            100,
+            a.nodes,
             &prefix,
             "auth1",
         )
