@@ -99,3 +99,83 @@ async fn expired_foreign_roleless_and_unbound_tokens_are_refused() -> anyhow::Re
     viewer.dump(api::DumpRequest {}).await?;
     Ok(())
 }
+
+/// The extender reserves only for a pod the API server has, that a gpuledger scheduler
+/// schedules, and that is pending or bound to the node it names.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_extender_reserves_only_for_admissible_pods() -> anyhow::Result<()> {
+    let stack = KubeStack::start(StackOptions {
+        etcd_members: 1,
+        allocators: 1,
+        allocator_flags: vec![],
+        extender_flags: None,
+    })
+    .await?;
+    for n in ["n1", "n2"] {
+        stack
+            .allocs
+            .node_agent(0, n)?
+            .register_node(api::RegisterNodeRequest {
+                inventory: Some(gpuledger_testkit::workload::inventory(n, 2, 16_000, "T4")),
+            })
+            .await?;
+    }
+    let pod_of = |name: &str, scheduler: &str, node: Option<&str>| -> anyhow::Result<String> {
+        let mut spec = serde_json::json!({"schedulerName": scheduler,
+                                          "containers": [{"name": "main", "image": "x"}]});
+        if let Some(n) = node {
+            spec["nodeName"] = serde_json::json!(n);
+        }
+        let p = stack.api.add_pod(serde_json::json!({
+            "metadata": {"name": name, "namespace": "default"}, "spec": spec}))?;
+        Ok(p["metadata"]["uid"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string())
+    };
+    let request = |name: &str, uid: &str, node: &str| {
+        let mut r = gpuledger_testkit::workload::pod(uid, 1_000, 10);
+        if let Some(p) = r.pod.as_mut() {
+            p.name = name.into();
+        }
+        api::ReserveRequest {
+            request: Some(r),
+            node: node.into(),
+            ttl_ms: 0,
+        }
+    };
+    let mut ext = stack.allocs.extender(0)?;
+    let before = stack.allocs.status(0).await.map(|s| s.seq);
+
+    let other = pod_of("other", "some-other-scheduler", None)?;
+    let bound_elsewhere = pod_of("elsewhere", "gpuledger-scheduler", Some("n2"))?;
+    let refused = [
+        (
+            "a pod the API server does not have",
+            request("ghost", "no-such-uid", "n1"),
+        ),
+        ("a pod of another scheduler", request("other", &other, "n1")),
+        (
+            "a pod bound to another node",
+            request("elsewhere", &bound_elsewhere, "n1"),
+        ),
+    ];
+    for (what, req) in refused {
+        let r = ext.reserve(req).await;
+        assert_eq!(
+            r.as_ref().map_err(tonic::Status::code).err(),
+            Some(Code::PermissionDenied),
+            "{what}: {r:?}"
+        );
+    }
+    assert_eq!(
+        stack.allocs.status(0).await.map(|s| s.seq),
+        before,
+        "refused reservations changed the ledger"
+    );
+    // A pending pod of a gpuledger scheduler, created just now (the pod watch may not have
+    // delivered it yet: the allocator asks the API server).
+    let fine = pod_of("fine", "gpuledger-scheduler", None)?;
+    ext.reserve(request("fine", &fine, "n1")).await?;
+    Ok(())
+}
