@@ -74,13 +74,10 @@ impl Authz {
             Some(Condition::OwnNode | Condition::ReservationsOnly) => {
                 q.facts(&*shared.view().await)
             }
-            Some(Condition::AdmissiblePod) => {
-                let pod = q.pod(&*shared.view().await);
-                Facts {
-                    pod: Some(self.pod_facts(pod).await?),
-                    ..Facts::default()
-                }
-            }
+            Some(Condition::AdmissiblePod) => Facts {
+                pod: Some(self.pod_facts(q.pod(), shared).await?),
+                ..Facts::default()
+            },
             Some(Condition::None) | None => Facts::default(),
         };
         match rules::authorize(&caller, call, &facts, q.target_node()) {
@@ -97,10 +94,25 @@ impl Authz {
         }
     }
 
-    async fn pod_facts(&self, pod: Option<PodKey>) -> Result<PodFacts, Status> {
+    async fn pod_facts(&self, pod: PodOf<'_>, shared: &Shared) -> Result<PodFacts, Status> {
         if !self.kube {
             return Ok(PodFacts::NoApiServer);
         }
+        let pod = match pod {
+            PodOf::Named(key) => Some(key),
+            // Named by UID only: its namespace and name are the ledger's.
+            PodOf::Uid(uid) => shared
+                .view()
+                .await
+                .allocs_of_pod(uid)
+                .first()
+                .map(|a| PodKey {
+                    namespace: a.pod.namespace.clone(),
+                    name: a.pod.name.clone(),
+                    uid: uid.to_string(),
+                }),
+            PodOf::Nothing => None,
+        };
         let Some((store, client)) = self.pods.get() else {
             return Err(Status::unavailable(
                 "the pod watch has not started yet: cannot check the pod; retry",
@@ -156,6 +168,16 @@ impl Authz {
     }
 }
 
+/// How a call names the pod it is for.
+pub enum PodOf<'a> {
+    /// By namespace, name and UID.
+    Named(PodKey),
+    /// By UID alone (the ledger knows the rest).
+    Uid(&'a str),
+    /// It names none.
+    Nothing,
+}
+
 /// A pod named by a call.
 pub struct PodKey {
     namespace: String,
@@ -174,8 +196,8 @@ pub trait Touches {
         None
     }
     /// The pod it is for (Reserve, ConfirmBound).
-    fn pod(&self, _ledger: &Ledger) -> Option<PodKey> {
-        None
+    fn pod(&self) -> PodOf<'_> {
+        PodOf::Nothing
     }
 }
 
@@ -276,13 +298,15 @@ impl Touches for api::ReserveRequest {
     fn target_node(&self) -> Option<&str> {
         Some(&self.node)
     }
-    fn pod(&self, _l: &Ledger) -> Option<PodKey> {
-        let p = self.request.as_ref()?.pod.as_ref()?;
-        Some(PodKey {
-            namespace: p.namespace.clone(),
-            name: p.name.clone(),
-            uid: p.uid.clone(),
-        })
+    fn pod(&self) -> PodOf<'_> {
+        match self.request.as_ref().and_then(|r| r.pod.as_ref()) {
+            Some(p) => PodOf::Named(PodKey {
+                namespace: p.namespace.clone(),
+                name: p.name.clone(),
+                uid: p.uid.clone(),
+            }),
+            None => PodOf::Nothing,
+        }
     }
 }
 
@@ -290,14 +314,8 @@ impl Touches for api::ConfirmBoundRequest {
     fn target_node(&self) -> Option<&str> {
         Some(&self.node)
     }
-    fn pod(&self, l: &Ledger) -> Option<PodKey> {
-        // The request names the pod by UID only: its name is the ledger's.
-        let a = l.allocs_of_pod(&self.pod_uid).into_iter().next()?;
-        Some(PodKey {
-            namespace: a.pod.namespace.clone(),
-            name: a.pod.name.clone(),
-            uid: self.pod_uid.clone(),
-        })
+    fn pod(&self) -> PodOf<'_> {
+        PodOf::Uid(&self.pod_uid)
     }
 }
 

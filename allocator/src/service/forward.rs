@@ -104,12 +104,9 @@ impl Service {
         Fut: std::future::Future<Output = Result<Response<R>, Status>>,
     {
         let forwarded = req.metadata().get(FORWARDED).is_some();
+        let (_, mut extensions, inner) = req.into_parts();
         // The leader judges a forwarded write as its original caller's.
-        let on_behalf = req
-            .extensions()
-            .get::<Authenticated>()
-            .map(|a| server::on_behalf_of(&a.caller));
-        let inner = req.into_inner();
+        let caller = extensions.remove::<Authenticated>().map(|a| a.caller);
         let started = tokio::time::Instant::now();
         let mut attempts = 0u32;
         let attempt = || {
@@ -118,7 +115,7 @@ impl Service {
             let refresh = attempts > 1;
             let inner = inner.clone();
             let (cmd, local_reply, call) = (&cmd, &local_reply, &call);
-            let on_behalf = on_behalf.clone();
+            let caller = caller.as_ref();
             async move {
                 if let Some(r) = self.local(cmd().map_err(Attempt::Final)?).await {
                     return r
@@ -135,8 +132,9 @@ impl Service {
                 let mut r = Request::new(inner);
                 r.metadata_mut()
                     .insert(FORWARDED, tonic::metadata::MetadataValue::from_static("1"));
-                if let Some(v) = on_behalf.as_ref().and_then(|v| v.to_str().ok())
-                    && let Ok(v) = v.parse()
+                if let Some(v) = caller
+                    .map(server::on_behalf_of)
+                    .and_then(|v| v.to_str().ok().and_then(|v| v.parse().ok()))
                 {
                     r.metadata_mut().insert(server::ON_BEHALF_OF, v);
                 }
