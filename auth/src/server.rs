@@ -68,9 +68,15 @@ impl Refusal {
     }
 }
 
+/// What a client certificate names: no gpuledger identity, a malformed one, or a caller.
+type CertIdentity = Option<Result<Caller, String>>;
+
 /// Turns a request's credentials into a [`Caller`].
 pub struct Authenticator {
     tokens: Option<Arc<TokenAuthenticator>>,
+    /// What each client certificate (DER) names, so that a connection's certificate is parsed
+    /// once, not on every call it carries.
+    certs: std::sync::RwLock<std::collections::HashMap<Box<[u8]>, CertIdentity>>,
     forged: AtomicU64,
     refused: AtomicU64,
 }
@@ -121,6 +127,7 @@ impl Authenticator {
     pub fn new(tokens: Option<Arc<TokenAuthenticator>>) -> Arc<Self> {
         Arc::new(Authenticator {
             tokens,
+            certs: Default::default(),
             forged: AtomicU64::new(0),
             refused: AtomicU64::new(0),
         })
@@ -183,13 +190,34 @@ impl Authenticator {
         }
     }
 
+    /// [`caller_of_cert`], remembered per certificate (the verified chain makes the bytes the
+    /// identity; a few thousand distinct client certificates at most, else it starts over).
+    fn caller_of_cert_cached(&self, leaf: &CertificateDer<'_>) -> CertIdentity {
+        const MAX: usize = 4096;
+        if let Some(c) = self
+            .certs
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(leaf.as_ref())
+        {
+            return c.clone();
+        }
+        let c = caller_of_cert(leaf);
+        let mut map = self.certs.write().unwrap_or_else(|p| p.into_inner());
+        if map.len() >= MAX {
+            map.clear();
+        }
+        map.insert(leaf.as_ref().into(), c.clone());
+        c
+    }
+
     async fn direct(
         &self,
         headers: &HeaderMap,
         peer_certs: Option<&[CertificateDer<'static>]>,
     ) -> Result<Caller, Refusal> {
         if let Some(leaf) = peer_certs.and_then(|c| c.first()) {
-            return match caller_of_cert(leaf) {
+            return match self.caller_of_cert_cached(leaf) {
                 Some(Ok(c)) => Ok(c),
                 Some(Err(e)) => Err(Refusal::Unauthenticated(format!("client certificate: {e}"))),
                 None => Err(Refusal::Unauthenticated(
