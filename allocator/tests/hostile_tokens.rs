@@ -13,6 +13,17 @@ use gpuledger_testkit::kube::{KubeStack, StackOptions};
 use gpuledger_testkit::pki::NAMESPACE;
 use tonic::Code;
 
+/// One allocator that reviews tokens with the fake API server (no extender).
+async fn stack() -> anyhow::Result<KubeStack> {
+    KubeStack::start(StackOptions {
+        etcd_members: 1,
+        allocators: 1,
+        allocator_flags: vec![],
+        extender_flags: None,
+    })
+    .await
+}
+
 /// A client of replica 0 of `stack` that sends `token`.
 fn with_token(
     stack: &KubeStack,
@@ -36,13 +47,7 @@ fn with_token(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn expired_foreign_roleless_and_unbound_tokens_are_refused() -> anyhow::Result<()> {
-    let stack = KubeStack::start(StackOptions {
-        etcd_members: 1,
-        allocators: 1,
-        allocator_flags: vec![],
-        extender_flags: None,
-    })
-    .await?;
+    let stack = stack().await?;
     let dir = tempfile::tempdir()?;
     let store = &stack.api.store;
     let issue = |account: &str, audience: &str, ttl: u64| {
@@ -104,13 +109,7 @@ async fn expired_foreign_roleless_and_unbound_tokens_are_refused() -> anyhow::Re
 /// schedules, and that is pending or bound to the node it names.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_extender_reserves_only_for_admissible_pods() -> anyhow::Result<()> {
-    let stack = KubeStack::start(StackOptions {
-        etcd_members: 1,
-        allocators: 1,
-        allocator_flags: vec![],
-        extender_flags: None,
-    })
-    .await?;
+    let stack = stack().await?;
     for n in ["n1", "n2"] {
         stack
             .allocs
