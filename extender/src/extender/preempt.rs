@@ -67,7 +67,7 @@ pub(super) async fn preempt(State(app): State<App>, body: Bytes) -> Response {
         Ok(None) => {
             let all = offered
                 .into_iter()
-                .map(|(n, o)| (n, victims(&o.uids, &[], o.pdb_violations)))
+                .map(|(n, o)| (n, victims(&o.uids, o.pdb_violations)))
                 .collect();
             return answer(all);
         }
@@ -165,20 +165,22 @@ fn choose(
         }
     }
     let v = preempt::choose_victims(node, &allocs, req, priority, &leaving, &evictable)?;
-    Some(victims(
-        &offered.uids,
-        &v.pods,
-        offered.pdb_violations.clone(),
-    ))
+    let mut all: Vec<String> = offered.uids.iter().chain(&v.pods).cloned().collect();
+    // The scheduler reads the first victim as the most important one (pickOneNodeForPreemption);
+    // a pod whose priority is unknown is one it offered, already in its order.
+    let known = |u: &String| {
+        pods.unwrap_or_default()
+            .iter()
+            .find(|p| p.metadata.uid.as_ref() == Some(u))
+            .map(|p| p.spec.as_ref().and_then(|s| s.priority).unwrap_or(0))
+    };
+    all.sort_by_key(|u| std::cmp::Reverse(known(u).unwrap_or(i32::MAX)));
+    Some(victims(&all, offered.pdb_violations.clone()))
 }
 
-/// `MetaVictims` JSON: the scheduler's victims, then the added ones.
-fn victims(offered: &[String], added: &[String], pdb: Value) -> Value {
-    let pods: Vec<Value> = offered
-        .iter()
-        .chain(added)
-        .map(|u| json!({ "UID": u }))
-        .collect();
+/// `MetaVictims` JSON.
+fn victims(uids: &[String], pdb: Value) -> Value {
+    let pods: Vec<Value> = uids.iter().map(|u| json!({ "UID": u })).collect();
     json!({ "Pods": pods, "NumPDBViolations": pdb })
 }
 
@@ -247,7 +249,10 @@ async fn pods_on_nodes(kube: &kube::Client, nodes: &[String]) -> HashMap<String,
     out
 }
 
-fn answer(nodes: BTreeMap<String, Value>) -> Response {
+/// The answer, without the nodes that need no eviction: the filter already offers those, and
+/// schedulers after 1.20 refuse an extender's node with no victims (1.20 would nominate it).
+fn answer(mut nodes: BTreeMap<String, Value>) -> Response {
+    nodes.retain(|_, v| v["Pods"].as_array().is_some_and(|p| !p.is_empty()));
     axum::Json(PreemptionResult {
         node_name_to_meta_victims: nodes,
     })
