@@ -8,12 +8,14 @@
 
 use std::collections::BTreeSet;
 
+use rustc_hash::FxHashMap;
+
 use super::{ContainerPlacement, PodRequest, evaluate, materialize};
 use crate::state::{Alloc, NodeState, pod_kind};
 
-/// Subsets of one size tried exhaustively before the search settles for an irreducible set
+/// Placement evaluations spent on the exhaustive search before it settles for an irreducible set
 /// found greedily: a node with many small pods would otherwise cost C(n, k) evaluations.
-const EXACT_BUDGET: usize = 20_000;
+const EXACT_BUDGET: usize = 5_000;
 
 /// A pod that may be evicted, with its priority (`spec.priority`, 0 when unset).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -45,7 +47,7 @@ struct Freed {
 }
 
 impl Freed {
-    fn of(node: &NodeState, allocs: &[&Alloc], uid: &str, priority: i32) -> Freed {
+    fn of(node: &NodeState, allocs: &[&Alloc], priority: i32) -> Freed {
         let mut f = Freed {
             priority,
             shares: Vec::new(),
@@ -53,7 +55,7 @@ impl Freed {
             memory_mib: 0,
             kinds: Vec::new(),
         };
-        for a in allocs.iter().filter(|a| a.pod.uid == uid) {
+        for a in allocs {
             for s in &a.shares {
                 if let Some(i) = node.gpus.iter().position(|g| g.uuid == s.gpu_uuid) {
                     f.shares.push((i, s.mem_mib, s.core_milli));
@@ -115,22 +117,24 @@ pub fn choose_victims(
         devices: Default::default(),
         ..node.clone()
     };
-    let mut gone: BTreeSet<&str> = BTreeSet::new();
+    let mut by_pod: FxHashMap<&str, Vec<&Alloc>> = FxHashMap::default();
+    for a in allocs {
+        by_pod.entry(a.pod.uid.as_str()).or_default().push(a);
+    }
     for uid in leaving {
-        if gone.insert(uid) {
-            Freed::of(node, allocs, uid, 0).apply(&mut scratch, false);
+        if let Some(held) = by_pod.remove(uid.as_str()) {
+            Freed::of(node, &held, 0).apply(&mut scratch, false);
         }
     }
     let mut cands: Vec<&Evictable> = evictable
         .iter()
-        .filter(|e| e.priority < priority && !gone.contains(e.pod_uid.as_str()))
-        .filter(|e| allocs.iter().any(|a| a.pod.uid == e.pod_uid))
+        .filter(|e| e.priority < priority && by_pod.contains_key(e.pod_uid.as_str()))
         .collect();
     cands.sort_by(|a, b| (a.priority, &a.pod_uid).cmp(&(b.priority, &b.pod_uid)));
     cands.dedup_by(|a, b| a.pod_uid == b.pod_uid);
     let freed: Vec<Freed> = cands
         .iter()
-        .map(|e| Freed::of(node, allocs, &e.pod_uid, e.priority))
+        .map(|e| Freed::of(node, &by_pod[e.pod_uid.as_str()], e.priority))
         .collect();
 
     let answer = |scratch: &NodeState, chosen: &[usize]| -> Option<Victims> {
