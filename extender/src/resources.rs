@@ -50,8 +50,6 @@ pub const ANN_GPU_UUID: &str = "gpuledger.io/gpu-uuid";
 pub const ANN_GPU_UUID_EXCLUDE: &str = "gpuledger.io/gpu-uuid-exclude";
 /// Annotation: placement policy.
 pub const ANN_POLICY: &str = "gpuledger.io/policy";
-/// Annotation the extender writes for humans (never read back).
-pub const ANN_ALLOCATION: &str = "gpuledger.io/allocation";
 
 /// Why a pod's GPU request cannot be understood. Not retryable: the pod must change.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
