@@ -690,6 +690,7 @@ def check_webhook(c, rendered):
     pods = {
         "gpushare": ({"aliyun.com/gpu-mem": "3"}, None, True),
         "hami": ({"nvidia.com/gpumem": "3000", "nvidia.com/gpucores": "30"}, None, True),
+        "gpu-manager": ({"tencent.com/vcuda-core": "50", "tencent.com/vcuda-memory": "15"}, None, True),
         "gpuledger requests only": (None, {"gpuledger.io/gpu-mem": "1000"}, True),
         "whole nvidia.com/gpu": ({"nvidia.com/gpu": "1"}, None, False),
         "cpu only": ({"cpu": "1"}, {"memory": "1Gi"}, False),
