@@ -35,6 +35,8 @@ K8S_VERSIONS = ["1.28.0", "1.33.0"]
 NS = "gpuledger-system"
 SA_USER = "system:serviceaccount:{ns}:{name}"
 COMPONENT_SAS = ["gpuledger-allocator", "gpuledger-extender", "gpuledger-node-agent"]
+# The accounts operators mint tokens of (RBAC binds only these tokens to people).
+OPERATOR_SAS = {"gpuledger-viewer", "gpuledger-admin"}
 # Built-in roles the second kube-scheduler (not a gpuledger component) may be bound to.
 SCHEDULER_BUILTIN_ROLES = {
     "system:kube-scheduler",
@@ -897,7 +899,15 @@ def grants_by_user(docs):
         role = roles.get((ref["kind"], rns, ref["name"]))
         for s in b.get("subjects", []):
             if s["kind"] != "ServiceAccount":
-                problems.append(f"{key(b)} binds a {s['kind']}")
+                # People (groups, users) get one thing only: tokens of the operator accounts.
+                rules = (role or {}).get("rules", [])
+                only_tokens = role is not None and rules and all(
+                    r.get("apiGroups") == [""] and r.get("resources") == ["serviceaccounts/token"]
+                    and r.get("verbs") == ["create"]
+                    and set(r.get("resourceNames") or ["*"]) <= OPERATOR_SAS
+                    for r in rules)
+                if not only_tokens or b["kind"] != "RoleBinding" or b["metadata"]["namespace"] != NS:
+                    problems.append(f"{key(b)} binds a {s['kind']} to more than the tokens of {sorted(OPERATOR_SAS)}")
                 continue
             user = SA_USER.format(ns=s["namespace"], name=s["name"])
             g = grants.setdefault(user, {"rules": set(), "external": set()})
