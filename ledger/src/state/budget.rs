@@ -91,7 +91,8 @@ enum Window {
 pub struct BudgetStatus {
     /// The budget in force (its `namespace` is "" when the cluster default applies).
     pub budget: pb::BudgetSet,
-    /// Start of the window at the time asked (rolling: that time minus the window).
+    /// Start of the window at the time asked (rolling: that time minus the window), or when
+    /// counting under this window began if that is later.
     pub window_start_ms: i64,
     /// Consumed inside the window, in unit × ms (MiB·ms or core_milli·ms).
     pub used: u128,
@@ -420,6 +421,17 @@ impl Budgets {
             .get(ns)
             .map_or((0, 0), |u| (u.mem_mib, u.core_milli))
     }
+    /// What a namespace consumed from the first event to `until` (not before its last change):
+    /// (MiB·ms, core_milli·ms), exact, as `gpuledger usage` counts it.
+    pub fn consumed(&self, ns: &str, until: i64) -> (u128, u128) {
+        self.usage.get(ns).map_or((0, 0), |u| {
+            let d = (until - u.last_ms).max(0) as u128;
+            (
+                u.mib_ms + u128::from(u.mem_mib) * d,
+                u.core_ms + u128::from(u.core_milli) * d,
+            )
+        })
+    }
     /// The budget in force for a namespace: its own, else the cluster default.
     pub fn budget_of(&self, ns: &str) -> Option<&pb::BudgetSet> {
         self.budgets.get(ns).or_else(|| self.budgets.get(""))
@@ -448,11 +460,12 @@ impl Budgets {
         let u = match self.usage.get_mut(ns) {
             Some(u) => u,
             None => {
-                let mut u = NsUsage {
+                // Nothing was held before: the whole current period counts from its start.
+                let u = NsUsage {
                     last_ms: t,
+                    window_start_ms: window.and_then(|w| w.period_start(t)).unwrap_or(t),
                     ..NsUsage::default()
                 };
-                u.restart(t, window);
                 self.usage.entry(ns.to_owned()).or_insert(u)
             }
         };
@@ -521,10 +534,12 @@ impl Budgets {
             (uc, u.core_milli)
         };
         let limit = u128::from(budget.amount) * MS_PER_HOUR;
+        // Counting under this window began when it was set (or the namespace first held).
         let window_start_ms = match window {
             Window::Rolling { len_ms, .. } => now - len_ms,
             w => w.period_start(now).unwrap_or(now),
-        };
+        }
+        .max(u.window_start_ms);
         let exhausts_at_ms = (used < limit && rate > 0)
             .then(|| {
                 let left = (limit - used).div_ceil(u128::from(rate));
