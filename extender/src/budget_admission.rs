@@ -202,8 +202,6 @@ mod tests {
             ..Default::default()
         });
         let ops = demotion(&pod, "gpu-low");
-        assert!(
-            matches!(&ops[1], PatchOperation::Remove(r) if r.path == "/spec/priority")
-        );
+        assert!(matches!(&ops[1], PatchOperation::Remove(r) if r.path == "/spec/priority"));
     }
 }

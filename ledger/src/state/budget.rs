@@ -660,37 +660,41 @@ impl Budgets {
 }
 
 impl Ledger {
-    /// What the allocations an event touches held before it: (namespace, MiB, core_milli)
-    /// per allocation, for [`Ledger::account`] to move after the event is applied.
-    pub(super) fn holdings_before(&self, body: &Body) -> Vec<(String, u64, u64)> {
-        let ids: &[u64] = match body {
-            Body::Released(r) => &[r.allocation_id],
-            Body::IdentityCorrected(c) => &[c.from_allocation_id, c.to_allocation_id],
-            _ => return Vec::new(),
-        };
-        ids.iter()
-            .filter_map(|id| self.allocs.get(id))
-            .map(holding)
-            .collect()
+    /// What the allocations an event releases or re-attributes held before it: (namespace,
+    /// MiB, core_milli), for [`Ledger::account`] to move once the event is applied.
+    pub(super) fn holdings_before(&self, body: &Body) -> [Option<(String, u64, u64)>; 2] {
+        let get = |id: &u64| self.allocs.get(id).map(holding);
+        match body {
+            Body::Released(r) => [get(&r.allocation_id), None],
+            Body::IdentityCorrected(c) => [get(&c.from_allocation_id), get(&c.to_allocation_id)],
+            _ => [None, None],
+        }
     }
 
     /// Keep budgets, quotas and consumption in step with an applied event at `time_ms`.
-    pub(super) fn account(&mut self, body: &Body, before: Vec<(String, u64, u64)>, time_ms: i64) {
+    pub(super) fn account(
+        &mut self,
+        body: &Body,
+        before: [Option<(String, u64, u64)>; 2],
+        time_ms: i64,
+    ) {
         let t = self.budgets.effective(time_ms);
         match body {
             Body::Reserved(r) => {
-                if let Some((ns, m, c)) = self.allocs.get(&r.allocation_id).map(holding) {
-                    self.budgets.hold(&ns, m, c, true, t);
+                // Borrowed, not cloned: the fold's hottest path.
+                if let Some(a) = self.allocs.get(&r.allocation_id) {
+                    let (m, c) = sums(a);
+                    self.budgets.hold(&a.pod.namespace, m, c, true, t);
                 }
             }
             Body::Released(_) => {
-                for (ns, m, c) in before {
+                for (ns, m, c) in before.into_iter().flatten() {
                     self.budgets.hold(&ns, m, c, false, t);
                 }
             }
             Body::IdentityCorrected(c) => {
                 // The shares stay with their allocation; the pod holding them changes.
-                for (ns, m, k) in before {
+                for (ns, m, k) in before.into_iter().flatten() {
                     self.budgets.hold(&ns, m, k, false, t);
                 }
                 for id in [c.from_allocation_id, c.to_allocation_id] {
@@ -710,11 +714,15 @@ impl Ledger {
 
 /// An allocation's namespace and what it holds: (namespace, MiB, core_milli) over its GPUs.
 pub(super) fn holding(a: &Alloc) -> (String, u64, u64) {
-    (
-        a.pod.namespace.clone(),
-        a.shares.iter().map(|s| s.mem_mib).sum(),
-        a.shares.iter().map(|s| u64::from(s.core_milli)).sum(),
-    )
+    let (m, c) = sums(a);
+    (a.pod.namespace.clone(), m, c)
+}
+
+/// What an allocation holds over its GPUs: (MiB, core_milli).
+fn sums(a: &Alloc) -> (u64, u64) {
+    a.shares.iter().fold((0, 0), |(m, c), s| {
+        (m + s.mem_mib, c + u64::from(s.core_milli))
+    })
 }
 
 /// The first time after `now` at which a spent rolling budget is within its amount again, if
