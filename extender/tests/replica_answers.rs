@@ -67,12 +67,26 @@ async fn allocator_answer(stack: &KubeStack, p: &Value) -> anyhow::Result<(Value
     Ok((filter, Value::Array(scores)))
 }
 
+/// The extender's filter and prioritize for `p`, then its bind, which fails (the probe is not in
+/// the API server): the extender assumes a filtered pod until its bind, and a failed bind is
+/// forgotten, so no probe counts against the next one's answers.
 async fn extender_answer(ext: &ExtenderClient, p: &Value) -> anyhow::Result<(Value, Value)> {
     let args = json!({"Pod": p, "Nodes": null, "NodeNames": NODES});
-    Ok((
+    let answer = (
         ext.post("filter", &args).await?,
         ext.post("prioritize", &args).await?,
-    ))
+    );
+    let m = &p["metadata"];
+    let bind = json!({"PodName": m["name"], "PodNamespace": m["namespace"], "PodUID": m["uid"],
+                      "Node": NODES[0]});
+    let r = ext.post("bind", &bind).await?;
+    anyhow::ensure!(
+        r["Error"]
+            .as_str()
+            .is_some_and(|e| e.contains("reading pod")),
+        "the probe's bind: {r}"
+    );
+    Ok(answer)
 }
 
 async fn metric(stack: &KubeStack, line: &str) -> anyhow::Result<f64> {
