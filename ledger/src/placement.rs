@@ -9,6 +9,7 @@
 mod baselines;
 mod fgd;
 mod filter;
+pub mod preempt;
 mod request;
 mod score;
 mod strand;
