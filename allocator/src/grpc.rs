@@ -139,6 +139,9 @@ impl Ids for api::SetDeviceHealthRequest {
     }
 }
 
+impl Ids for api::SetBudgetRequest {}
+impl Ids for api::SetQuotaRequest {}
+
 impl Ids for api::FilterRequest {
     fn record(&self, span: &Span) {
         pod_of(self.request.as_ref(), span);

@@ -15,7 +15,7 @@ use prometheus_client::registry::Registry;
 pub(crate) const PREFIX: &str = "gpuledger_allocator";
 
 /// Ledger event types, in the order of [`Metrics`]' per-type counters.
-pub(crate) const EVENT_TYPES: [&str; 12] = [
+pub(crate) const EVENT_TYPES: [&str; 14] = [
     "node_registered",
     "node_removed",
     "device_health_changed",
@@ -27,6 +27,8 @@ pub(crate) const EVENT_TYPES: [&str; 12] = [
     "limit_violated",
     "leader_elected",
     "quota_set",
+    "budget_set",
+    "budget_removed",
     "empty",
 ];
 
@@ -99,7 +101,9 @@ impl Metrics {
             Some(Body::LimitViolated(_)) => 8,
             Some(Body::LeaderElected(_)) => 9,
             Some(Body::QuotaSet(_)) => 10,
-            None => 11,
+            Some(Body::BudgetSet(_)) => 11,
+            Some(Body::BudgetRemoved(_)) => 12,
+            None => 13,
         };
         self.events[i].fetch_add(1, Ordering::Relaxed);
     }

@@ -310,6 +310,26 @@ impl Allocator for Service {
         traced(self, Call::Dump, req, |req| reads::dump(self, req)).await
     }
 
+    async fn set_budget(
+        &self,
+        req: Request<api::SetBudgetRequest>,
+    ) -> Result<Response<api::WriteResponse>, Status> {
+        traced(self, Call::SetBudget, req, |req| {
+            writes::set_budget(self, req)
+        })
+        .await
+    }
+
+    async fn set_quota(
+        &self,
+        req: Request<api::SetQuotaRequest>,
+    ) -> Result<Response<api::WriteResponse>, Status> {
+        traced(self, Call::SetQuota, req, |req| {
+            writes::set_quota(self, req)
+        })
+        .await
+    }
+
     type ReadLogStream = BoxStream<pb::EventBatch>;
 
     async fn read_log(

@@ -132,6 +132,7 @@ async fn commit_with_a_lost_leader_key_is_fenced() -> anyhow::Result<()> {
             body: Some(pb::event::Body::QuotaSet(pb::QuotaSet {
                 namespace: "a".into(),
                 mem_mib: seq,
+                core_milli: 0,
             })),
         }],
     };

@@ -93,6 +93,31 @@ async fn metrics_report_what_the_ledger_holds() -> anyhow::Result<()> {
         node: "n1".into(),
     })
     .await?;
+    // A budget the pods have spent at once (1 GPU-MiB-hour against 28,000 MiB held) and a quota.
+    let mut admin = allocs.admin(leader)?;
+    admin
+        .set_budget(api::SetBudgetRequest {
+            budget: Some(pb::BudgetSet {
+                namespace: "default".into(),
+                unit: pb::BudgetUnit::GpuMibHours as i32,
+                amount: 1,
+                window: pb::BudgetWindow::Day as i32,
+                policy: pb::BudgetPolicy::Deny as i32,
+                ..Default::default()
+            }),
+            remove: false,
+        })
+        .await?;
+    admin
+        .set_quota(api::SetQuotaRequest {
+            quota: Some(pb::QuotaSet {
+                namespace: "default".into(),
+                mem_mib: 50_000,
+                core_milli: 0,
+            }),
+        })
+        .await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
     let last = n1
         .report_violation(api::ReportViolationRequest {
             violation: Some(pb::LimitViolated {
@@ -141,6 +166,52 @@ async fn metrics_report_what_the_ledger_holds() -> anyhow::Result<()> {
             &text,
         );
         expect(&s, "limit_violations_total", 1.0, &text);
+        expect(&s, r#"events_total{type="budget_set"}"#, 1.0, &text);
+        let ns = r#"{namespace="default"}"#;
+        expect(
+            &s,
+            &format!("namespace_gpu_memory_held_mib{ns}"),
+            28_000.0,
+            &text,
+        );
+        expect(
+            &s,
+            &format!("namespace_gpu_core_held_permille{ns}"),
+            850.0,
+            &text,
+        );
+        expect(
+            &s,
+            &format!("namespace_gpu_memory_quota_mib{ns}"),
+            50_000.0,
+            &text,
+        );
+        let nsu = r#"{namespace="default",unit="gpu_mib"}"#;
+        expect(&s, &format!("namespace_budget_hours{nsu}"), 1.0, &text);
+        expect(&s, &format!("namespace_budget_exhausted{nsu}"), 1.0, &text);
+        expect(
+            &s,
+            &format!("namespace_budget_remaining_hours{nsu}"),
+            0.0,
+            &text,
+        );
+        expect(
+            &s,
+            &format!("namespace_budget_burn_rate{nsu}"),
+            28_000.0,
+            &text,
+        );
+        let used = s[&format!("gpuledger_allocator_namespace_budget_used_hours{nsu}")];
+        assert!(
+            used > 1.0,
+            "300 ms of 28,000 MiB is over 2 MiB-hours: {used}"
+        );
+        assert!(
+            s.contains_key(&format!(
+                "gpuledger_allocator_namespace_budget_recovery_timestamp_seconds{nsu}"
+            )),
+            "a spent day budget recovers at midnight\n{text}"
+        );
         expect(&s, "nodes", 2.0, &text);
         expect(&s, "gpus", 6.0, &text);
         expect(&s, "gpus_unhealthy", 1.0, &text);

@@ -46,11 +46,15 @@ pub enum Call {
     Replicate,
     /// The HTTP API's state (`/api/v1/state`, `/ui`): every tenant's pod names.
     HttpState,
+    /// `SetBudget`.
+    SetBudget,
+    /// `SetQuota`.
+    SetQuota,
 }
 
 impl Call {
     /// Every call, for tests and metrics.
-    pub const ALL: [Call; 17] = [
+    pub const ALL: [Call; 19] = [
         Call::RegisterNode,
         Call::RemoveNode,
         Call::SetDeviceHealth,
@@ -68,6 +72,8 @@ impl Call {
         Call::ReadLog,
         Call::Replicate,
         Call::HttpState,
+        Call::SetBudget,
+        Call::SetQuota,
     ];
 
     /// Whether the call changes the ledger.
@@ -83,6 +89,8 @@ impl Call {
                 | Call::CorrectIdentity
                 | Call::Release
                 | Call::ReportViolation
+                | Call::SetBudget
+                | Call::SetQuota
         )
     }
 
@@ -106,6 +114,8 @@ impl Call {
             Call::ReadLog => "ReadLog",
             Call::Replicate => "Replicate",
             Call::HttpState => "HttpState",
+            Call::SetBudget => "SetBudget",
+            Call::SetQuota => "SetQuota",
         }
     }
 
@@ -176,9 +186,10 @@ pub fn rule_for(role: &Role, call: Call) -> Option<Rule> {
         (Role::Viewer | Role::Admin, Dump | ReadLog | Subscribe | Filter | Score | HttpState) => {
             rule("operator-read", None)
         }
-        (Role::Admin, RegisterNode | RemoveNode | SetDeviceHealth | Release) => {
-            rule("admin-write", None)
-        }
+        (
+            Role::Admin,
+            RegisterNode | RemoveNode | SetDeviceHealth | Release | SetBudget | SetQuota,
+        ) => rule("admin-write", None),
         _ => Option::None,
     }
 }

@@ -228,5 +228,9 @@ pub async fn replay(a: ReplayArgs) -> Result<()> {
     }
     println!("state after seq {} ({})\n", l.seq(), fmt_time(l.time_ms()));
     print!("{}", render_state(&l, a.details));
+    if !l.budgets().budgets().is_empty() || !l.quotas().is_empty() {
+        println!("\nbudgets then:");
+        print!("{}", crate::budget::render_budgets(&l, l.time_ms()));
+    }
     Ok(())
 }

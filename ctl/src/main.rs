@@ -1,5 +1,6 @@
 //! `gpuledger`: the operator's command line.
 
+mod budget;
 mod client;
 mod discover;
 mod ledger_cmds;
@@ -54,6 +55,9 @@ enum Cmd {
     Usage(usage::UsageArgs),
     /// Replay a production trace through the placement policies (offline, no cluster needed).
     Simulate(simulate::SimulateArgs),
+    /// Namespaces' GPU budgets and quotas: where each stands (budget, used, remaining, burn
+    /// rate, projected exhaustion), and setting them.
+    Budget(Box<budget::BudgetArgs>),
 }
 
 /// Diagnostics go to stderr, as stdout is the command's output: only warnings by default, and
@@ -94,6 +98,7 @@ fn main() -> std::process::ExitCode {
                     Cmd::Replay(a) => ledger_cmds::replay(a).await,
                     Cmd::Verify(a) => ledger_cmds::verify(a).await,
                     Cmd::Usage(a) => usage::usage(a).await,
+                    Cmd::Budget(a) => budget::budget(*a).await,
                     Cmd::Simulate(_) => unreachable!("handled above"),
                 }
             }),

@@ -46,9 +46,9 @@ pub fn parse_time(s: &str) -> Result<TimeArg, String> {
     }
 }
 
-/// A duration before now in milliseconds: whole numbers of s, m, h and d (24 hours), largest
+/// A duration in milliseconds: whole numbers of s, m, h and d (24 hours), largest
 /// unit first, such as `90s` or `1h30m`.
-fn parse_duration_ms(s: &str) -> Result<i64, String> {
+pub fn parse_duration_ms(s: &str) -> Result<i64, String> {
     // jiff's friendly format also takes `3 hours`, `1.5h` and `1h ago`; the flag's form is the
     // compact one it has always been, and the rest is jiff's.
     if let Some(c) = s

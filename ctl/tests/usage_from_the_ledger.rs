@@ -371,3 +371,215 @@ fn bad_usage_input_is_refused_with_a_clear_error() {
         assert!(out.contains(flag), "--help does not explain {flag}:\n{out}");
     }
 }
+
+/// The fold's per-namespace consumption equals `gpuledger usage` over the same window, with the
+/// leader's own timestamps; `gpuledger budget` sets, shows and refuses; `replay --at` shows the
+/// budget in force then; the quota refuses a grant over it and writes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn budgets_fold_what_usage_counts() -> anyhow::Result<()> {
+    use gpuledger_ledger::Ledger;
+    let etcd = EtcdCluster::start(1).await?;
+    let dir = tempfile::tempdir()?;
+    let allocs = Allocators::start(dir.path(), &etcd, 1, "budget", &[])?;
+    let leader = allocs.wait_leader(Duration::from_secs(20)).await?;
+    allocs
+        .node_agent(leader, "node-a")?
+        .register_node(api::RegisterNodeRequest {
+            inventory: Some(inventory("node-a", 2, 16_000, "NVIDIA A100")),
+        })
+        .await?;
+    let target = format!("--allocator={}", allocs.addrs[leader]);
+    let admin = credential_flags(&allocs.ids.credentials(&Role::Admin)?);
+    let viewer = credential_flags(&allocs.ids.credentials(&Role::Viewer)?);
+    // `gpuledger budget set NS --amount A --window W --policy P [more]`.
+    let set =
+        |who: &[String], ns: &str, amount: &str, window: &str, policy: &str, more: &[&str]| {
+            let args = [
+                "budget", "set", ns, "--amount", amount, "--window", window, "--policy", policy,
+            ];
+            ctl(who, &[&args[..], more, &[target.as_str()]].concat())
+        };
+    let mut admin_api = allocs.admin(leader)?;
+    let head = async |c: &mut gpuledger_testkit::allocators::Client| -> anyhow::Result<u64> {
+        Ok(c.status(api::StatusRequest {}).await?.into_inner().seq)
+    };
+    let (ok, out, err) = set(&admin, "team-a", "100000", "day", "deny", &[]);
+    assert!(ok, "{out}{err}");
+    let (ok, out, err) = set(&admin, "*", "1", "1h", "warn", &[]);
+    assert!(ok, "{out}{err}");
+    let seq_first = head(&mut admin_api).await?;
+    let demote = ["--priority-class", "gpu-low"];
+    let (ok, out, err) = set(&admin, "team-a", "200000", "day", "demote", &demote);
+    assert!(ok && out.contains("written"), "{out}{err}");
+    let (ok, out, err) = set(&admin, "team-a", "200000", "day", "demote", &demote);
+    assert!(
+        ok && out.contains("unchanged"),
+        "the same budget again: {out}{err}"
+    );
+    let seq_second = head(&mut admin_api).await?;
+
+    // Bad input is refused with the reason, and nothing is written.
+    for (ns, amount, window, policy, why) in [
+        ("team-a", "0", "day", "deny", "out of range"),
+        ("team-a", "-5", "day", "deny", "not a whole number"),
+        ("team-a", "99999999999999", "day", "deny", "out of range"),
+        ("team-a", "5", "fortnight", "deny", "--window"),
+        ("team-a", "5", "10s", "deny", "rolling window"),
+        ("team-a", "5", "day", "demote", "priority class"),
+        ("team-a", "5", "day", "evict", "invalid value"),
+        ("Team_A", "5", "day", "deny", "DNS label"),
+    ] {
+        let (ok, out, err) = set(&admin, ns, amount, window, policy, &[]);
+        assert!(!ok, "{amount} {window} {policy} was accepted: {out}");
+        assert!(err.contains(why), "{err:?} lacks {why:?}");
+    }
+    let (ok, _, err) = set(&viewer, "team-a", "5", "day", "deny", &[]);
+    assert!(!ok && err.contains("may not call SetBudget"), "{err}");
+    assert_eq!(
+        head(&mut admin_api).await?,
+        seq_second,
+        "refused budgets wrote nothing"
+    );
+
+    // Consumption with real timestamps, then the fold against `gpuledger usage`.
+    let mut c = allocs.extender(leader)?;
+    let pause = || tokio::time::sleep(Duration::from_millis(250));
+    let reserve = |req: api::PodRequest| api::ReserveRequest {
+        request: Some(req),
+        node: "node-a".into(),
+        ttl_ms: 0,
+    };
+    let release = |name: &str| api::ReleaseRequest {
+        pod_uid: format!("uid-{name}"),
+        reason: "pod deleted".into(),
+        ..Default::default()
+    };
+    c.reserve(reserve(request("team-a", "p1", 1, 4_000, 250)))
+        .await?;
+    pause().await;
+    c.reserve(reserve(request("team-b", "p2", 2, 3_000, 0)))
+        .await?;
+    pause().await;
+    c.release(release("p1")).await?;
+    pause().await;
+    c.reserve(reserve(request("team-a", "p3", 1, 1_000, 1_000)))
+        .await?;
+    pause().await;
+    c.release(release("p2")).await?;
+    pause().await;
+
+    let (ok, out, err) = ctl(
+        &admin,
+        &["budget", "quota", "team-a", "--mem-mib", "5000", &target],
+    );
+    assert!(ok, "{out}{err}");
+    let before_quota = head(&mut admin_api).await?;
+    let refused = c
+        .reserve(reserve(request("team-a", "p4", 1, 4_001, 0)))
+        .await
+        .expect_err("over the quota");
+    assert!(refused.message().contains("memory quota"), "{refused:?}");
+    assert_eq!(
+        head(&mut admin_api).await?,
+        before_quota,
+        "a grant over the quota wrote nothing"
+    );
+    c.reserve(reserve(request("team-a", "p4", 1, 4_000, 0)))
+        .await?;
+
+    let client = etcd.client().await?;
+    let log = EtcdLog::new(&client, "budget", Duration::from_secs(5));
+    let (batches, _) = log.read(1, 0).await?;
+    let mut l = Ledger::new();
+    for e in batches.iter().flat_map(|b| &b.events) {
+        l.apply(e)?;
+    }
+    // A window that ends after the last event with allocations still held.
+    pause().await;
+    let until = l.time_ms() + 200;
+    // `gpuledger usage --format json` over [since (default: the first event), until).
+    let usage = |since: Option<i64>| -> anyhow::Result<(Value, String)> {
+        let (s, u) = (since.map(rfc3339), rfc3339(until));
+        let mut args = vec!["usage", &target, "--until", &u, "--format", "json"];
+        if let Some(s) = &s {
+            args.extend(["--since", s.as_str()]);
+        }
+        let (ok, out, err) = ctl(&viewer, &args);
+        assert!(ok, "{out}{err}");
+        Ok((serde_json::from_str(&out)?, out))
+    };
+    let (j, out) = usage(None)?;
+    let rows = j["rows"].as_array().expect("rows");
+    assert_eq!(rows.len(), 2, "{out}");
+    for row in rows {
+        let ns = row["namespace"].as_str().expect("namespace");
+        let (mib, core) = l.budgets().consumed(ns, until);
+        assert_eq!(
+            row["gpu_mib_ms"].as_u64().map(u128::from),
+            Some(mib),
+            "{ns}: {out}"
+        );
+        assert_eq!(
+            row["gpu_core_milli_ms"].as_u64().map(u128::from),
+            Some(core),
+            "{ns}"
+        );
+        assert!(mib > 0);
+    }
+    // The day window counts from the later of midnight UTC and when counting began.
+    let s = l
+        .budgets()
+        .status("team-a", until)
+        .expect("team-a has a budget");
+    let (j, out) = usage(Some(s.window_start_ms))?;
+    let team_a = j["rows"]
+        .as_array()
+        .expect("rows")
+        .iter()
+        .find(|r| r["namespace"] == "team-a")
+        .map(|r| r["gpu_mib_ms"].as_u64().map(u128::from))
+        .unwrap_or_default();
+    assert_eq!(team_a, Some(s.used), "{out}");
+
+    // `gpuledger budget`: team-b spent the 1 MiB-hour default (6000 MiB for ~0.75 s is
+    // 1.25 MiB-hours); team-a is within its own.
+    let (ok, out, err) = ctl(&viewer, &["budget", &target, "--format", "json"]);
+    assert!(ok, "{out}{err}");
+    let j: Value = serde_json::from_str(&out)?;
+    let row = |ns: &str| {
+        j["namespaces"]
+            .as_array()
+            .expect("namespaces")
+            .iter()
+            .find(|r| r["namespace"] == ns)
+            .cloned()
+            .unwrap_or_else(|| panic!("{ns}: {out}"))
+    };
+    assert_eq!(row("team-b")["exhausted"], true, "{out}");
+    assert_eq!(row("team-b")["inherited"], true, "{out}");
+    assert!(row("team-b")["recovers_at_ms"].as_i64().is_some(), "{out}");
+    assert_eq!(row("team-a")["exhausted"], false, "{out}");
+    assert_eq!(row("team-a")["held_mib"], 5_000, "{out}");
+    assert_eq!(row("team-a")["quota"]["mem_mib"], 5_000, "{out}");
+    let (ok, out, err) = ctl(&viewer, &["budget", &target]);
+    assert!(ok, "{out}{err}");
+    assert!(out.contains("SPENT") && out.contains("team-a"), "{out}");
+
+    // `replay --at` shows the budget in force at that seq.
+    for (seq, amount, policy) in [
+        (seq_first, "100000 GPU-MiB-hours", "deny"),
+        (seq_second, "200000 GPU-MiB-hours", "demote to gpu-low"),
+    ] {
+        let (ok, out, err) = ctl(&viewer, &["replay", &target, "--at", &seq.to_string()]);
+        assert!(ok, "{out}{err}");
+        let line = out
+            .lines()
+            .find(|l| l.starts_with("team-a"))
+            .unwrap_or_else(|| panic!("no team-a budget at seq {seq}:\n{out}"));
+        assert!(
+            line.contains(amount) && line.contains(policy),
+            "seq {seq}: {line}"
+        );
+    }
+    Ok(())
+}

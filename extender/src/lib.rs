@@ -4,6 +4,7 @@
 
 pub mod allocator;
 pub mod assume;
+pub mod budget_admission;
 pub mod extender;
 pub mod metrics;
 pub mod parallel;

@@ -159,6 +159,7 @@ async fn run(a: Args) -> anyhow::Result<()> {
         let app = webhook::router(webhook::Webhook {
             allocators: allocators.clone(),
             scheduler_name: a.scheduler_name.clone(),
+            replica: replica.clone(),
         })
         .layer(axum::middleware::from_fn_with_state(
             metrics.clone(),

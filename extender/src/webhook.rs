@@ -32,6 +32,8 @@ pub struct Webhook {
     pub allocators: Allocators,
     /// When set, mutate moves GPU pods of the default scheduler to this scheduler.
     pub scheduler_name: Option<String>,
+    /// The ledger replica namespaces' budgets are read from (None: budgets are not applied).
+    pub replica: Option<std::sync::Arc<crate::replica::Replica>>,
 }
 
 /// The webhook routes.
@@ -229,8 +231,12 @@ async fn mutate(State(w): State<Webhook>, body: Bytes) -> Response {
     match mutation(&pod, w.scheduler_name.as_deref()) {
         // Malformed quantities are validate's to reject, with its message.
         Err(_) => answer(allowed),
-        Ok(ops) if ops.is_empty() => answer(allowed),
-        Ok(ops) => {
+        Ok(mut ops) => {
+            let ns = namespace_of(&req, &pod);
+            let allowed = budget_hook(&w, &pod, &ns, allowed, &mut ops).await;
+            if ops.is_empty() {
+                return answer(allowed);
+            }
             let n = ops.len();
             match allowed.with_patch(ops) {
                 Ok(r) => {
@@ -241,6 +247,43 @@ async fn mutate(State(w): State<Webhook>, body: Bytes) -> Response {
             }
         }
     }
+}
+
+/// The pod's namespace: a pod being created often carries none, the review always does.
+fn namespace_of(req: &AdmissionRequest<DynamicObject>, pod: &Pod) -> String {
+    pod.metadata
+        .namespace
+        .clone()
+        .or_else(|| req.namespace.clone())
+        .unwrap_or_default()
+}
+
+/// A GPU pod of a namespace whose budget is spent: demoted (`ops` gain the patch) or warned.
+async fn budget_hook(
+    w: &Webhook,
+    pod: &Pod,
+    ns: &str,
+    mut allowed: AdmissionResponse,
+    ops: &mut Patch,
+) -> AdmissionResponse {
+    use crate::budget_admission::{self as b, Verdict};
+    if !resources::containers(pod).is_ok_and(|c| !c.is_empty()) {
+        return allowed;
+    }
+    let now = jiff::Timestamp::now().as_millisecond();
+    match b::check(w.replica.as_deref(), ns, now).await {
+        Verdict::Demote {
+            priority_class,
+            why,
+        } => {
+            info!(%priority_class, reason = %why, "demoted");
+            ops.0.extend(b::demotion(pod, &priority_class));
+            allowed.warnings = Some(vec![format!("demoted to {priority_class}: {why}")]);
+        }
+        Verdict::Warn(why) => allowed.warnings = Some(vec![why]),
+        Verdict::Within | Verdict::Deny(_) => {}
+    }
+    allowed
 }
 
 /// Why the pod must be refused, if it must.
@@ -321,7 +364,19 @@ async fn validate(State(w): State<Webhook>, body: Bytes) -> Response {
     let Some(pod) = pod else {
         return answer(allowed);
     };
-    match check(&w.allocators, &pod).await {
+    let refusal = match check(&w.allocators, &pod).await {
+        Some(m) => Some(m),
+        None if resources::containers(&pod).is_ok_and(|c| !c.is_empty()) => {
+            let now = jiff::Timestamp::now().as_millisecond();
+            let ns = namespace_of(&req, &pod);
+            match crate::budget_admission::check(w.replica.as_deref(), &ns, now).await {
+                crate::budget_admission::Verdict::Deny(why) => Some(why),
+                _ => None,
+            }
+        }
+        None => None,
+    };
+    match refusal {
         None => answer(allowed),
         Some(m) => {
             info!(reason = %m, "denied");

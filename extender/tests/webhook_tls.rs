@@ -97,6 +97,7 @@ async fn stalled_handshakes_and_headers_and_large_bodies_are_cut_off() -> anyhow
             &creds,
         )?,
         scheduler_name: None,
+        replica: None,
     });
     let limits = gpuledger_auth::https::Limits {
         handshake: Duration::from_millis(300),

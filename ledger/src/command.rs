@@ -75,8 +75,12 @@ pub enum Command {
     ReportViolation(pb::LimitViolated),
     /// A new leader took over (the first event of every epoch).
     LeaderElected(pb::LeaderElected),
-    /// Set (mem_mib > 0) or clear a namespace's GPU memory quota.
+    /// Set or clear (both caps 0) a namespace's quota on GPU memory and compute held at once.
     SetQuota(pb::QuotaSet),
+    /// Set or replace a namespace's budget ("" = the cluster default).
+    SetBudget(pb::BudgetSet),
+    /// Remove a namespace's budget (it falls back to the cluster default, if any).
+    RemoveBudget(pb::BudgetRemoved),
 }
 
 /// Why a command was refused. Nothing was written.
@@ -389,13 +393,33 @@ impl Ledger {
             }
             Command::LeaderElected(l) => changed(vec![Body::LeaderElected(l)]),
             Command::SetQuota(q) => {
-                if q.namespace.is_empty() {
-                    return Err(CommandError::Invalid("quota without namespace".into()));
+                if !crate::state::is_dns_label(&q.namespace) {
+                    return Err(CommandError::Invalid(format!(
+                        "quota namespace {:?} is not a DNS label",
+                        q.namespace
+                    )));
                 }
-                if self.quotas().get(&q.namespace).copied().unwrap_or(0) == q.mem_mib {
+                let cur = self.quotas().get(&q.namespace).copied().unwrap_or_default();
+                if (cur.mem_mib, cur.core_milli) == (q.mem_mib, q.core_milli) {
                     return unchanged;
                 }
                 changed(vec![Body::QuotaSet(q)])
+            }
+            Command::SetBudget(b) => {
+                if let Some(why) = crate::state::validate_budget(&b) {
+                    return Err(CommandError::Invalid(why));
+                }
+                match self.budgets().budgets().get(&b.namespace) {
+                    Some(cur) if crate::state::same_budget(cur, &b) => unchanged,
+                    _ => changed(vec![Body::BudgetSet(b)]),
+                }
+            }
+            Command::RemoveBudget(b) => {
+                if self.budgets().budgets().contains_key(&b.namespace) {
+                    changed(vec![Body::BudgetRemoved(b)])
+                } else {
+                    unchanged
+                }
             }
         }
     }
@@ -446,6 +470,7 @@ impl Ledger {
             Fit::Wait(r) => CommandError::NoCapacity(format!("node {node}: {r}")),
             Fit::Fits => CommandError::NoCapacity(format!("node {node}")),
         })?;
+        self.check_quota(&request.pod.namespace, &placed)?;
         let first = self.seq() + 1;
         let bodies = placed
             .into_iter()
@@ -472,6 +497,39 @@ impl Ledger {
                 created: true,
             },
         ))
+    }
+}
+
+impl Ledger {
+    /// Refuse a grant that would take a namespace over its quota. The leader decides every
+    /// grant in log order against the folded state, so two racing pods cannot both slip in.
+    fn check_quota(
+        &self,
+        ns: &str,
+        placed: &[placement::ContainerPlacement],
+    ) -> Result<(), CommandError> {
+        let Some(q) = self.quotas().get(ns) else {
+            return Ok(());
+        };
+        let (held_m, held_c) = self.budgets().held(ns);
+        let shares = placed.iter().flat_map(|p| &p.shares);
+        let m: u64 = shares.clone().map(|s| s.mem_mib).sum();
+        let c: u64 = shares.map(|s| u64::from(s.core_milli)).sum();
+        if q.mem_mib > 0 && held_m + m > q.mem_mib {
+            return Err(CommandError::NoCapacity(format!(
+                "namespace {ns} is over its GPU memory quota: holds {held_m} MiB, asks {m} MiB, \
+                 quota {} MiB",
+                q.mem_mib
+            )));
+        }
+        if q.core_milli > 0 && held_c + c > q.core_milli {
+            return Err(CommandError::NoCapacity(format!(
+                "namespace {ns} is over its GPU compute quota: holds {held_c}, asks {c}, quota {} \
+                 (thousandths of a GPU)",
+                q.core_milli
+            )));
+        }
+        Ok(())
     }
 }
 

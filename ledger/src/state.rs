@@ -3,16 +3,19 @@
 //! The types are in [`types`]; folding an event (with its per-event checks) in `fold`; the
 //! whole-state invariant check in `check`; the snapshot codec in `snapshot`.
 
-use std::collections::BTreeMap;
-
 use rustc_hash::FxHashMap;
 
+mod budget;
 mod check;
 mod fold;
 mod nodes;
 mod snapshot;
 mod types;
 
+pub use budget::{
+    BudgetStatus, Budgets, MS_PER_HOUR, NsUsage, Quota, ROLLING_BUCKETS, budget_summary,
+    is_dns_label, same_budget, validate_budget,
+};
 pub use nodes::Nodes;
 use types::Containers;
 pub use types::{Alloc, AllocState, GpuState, NodeState, POD_KINDS, pod_kind};
@@ -63,7 +66,7 @@ pub struct Ledger {
     /// pod uid → container → live allocation id.
     by_pod: FxHashMap<String, Containers>,
     gpu_owner: FxHashMap<String, String>,
-    quotas: BTreeMap<String, u64>,
+    budgets: Budgets,
     violations: u64,
 }
 
@@ -119,9 +122,13 @@ impl Ledger {
     pub fn gpu_owner(&self, uuid: &str) -> Option<&str> {
         self.gpu_owner.get(uuid).map(String::as_str)
     }
-    /// Per-namespace memory quotas.
-    pub fn quotas(&self) -> &BTreeMap<String, u64> {
-        &self.quotas
+    /// Per-namespace quotas (hard caps on what a namespace holds at once).
+    pub fn quotas(&self) -> &std::collections::BTreeMap<String, Quota> {
+        self.budgets.quotas()
+    }
+    /// Budgets, quotas and per-namespace consumption.
+    pub fn budgets(&self) -> &Budgets {
+        &self.budgets
     }
     /// Number of `LimitViolated` events folded.
     pub fn violations(&self) -> u64 {
@@ -136,7 +143,7 @@ impl Ledger {
             && self.allocs == other.allocs
             && self.by_pod == other.by_pod
             && self.gpu_owner == other.gpu_owner
-            && self.quotas == other.quotas
+            && self.budgets == other.budgets
     }
 }
 

@@ -90,7 +90,11 @@ impl View {
             Body::Released(r) => {
                 self.allocs.remove(&r.allocation_id);
             }
-            Body::LimitViolated(_) | Body::LeaderElected(_) | Body::QuotaSet(_) => {}
+            Body::LimitViolated(_)
+            | Body::LeaderElected(_)
+            | Body::QuotaSet(_)
+            | Body::BudgetSet(_)
+            | Body::BudgetRemoved(_) => {}
         }
     }
 

@@ -14,7 +14,8 @@
 
 use std::sync::Arc;
 
-use gpuledger_ledger::{AllocState, CORE_MILLI_PER_GPU, Ledger};
+use gpuledger_ledger::state::MS_PER_HOUR;
+use gpuledger_ledger::{AllocState, CORE_MILLI_PER_GPU, Ledger, pb};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::MetricType;
@@ -52,6 +53,30 @@ struct View {
     mem_total: u64,
     mem_allocated: u64,
     mem_stranded: u64,
+    namespaces: Vec<NsRow>,
+}
+
+/// A namespace's holdings, quota and (when one applies) budget at scrape time.
+#[derive(Debug)]
+struct NsRow {
+    name: String,
+    held_mib: u64,
+    held_core: u64,
+    quota_mib: Option<u64>,
+    budget: Option<BudgetRow>,
+}
+
+/// Budget figures in the budget's unit-hours ("gpu_mib" or "gpu").
+#[derive(Debug)]
+struct BudgetRow {
+    unit: &'static str,
+    amount: f64,
+    used: f64,
+    remaining: f64,
+    burn_per_hour: f64,
+    exhausted: bool,
+    exhausts_at_s: Option<f64>,
+    recovers_at_s: Option<f64>,
 }
 
 #[derive(Debug)]
@@ -75,14 +100,14 @@ impl View {
     fn of(shared: &Shared) -> View {
         let role = shared.role_info();
         let ready = shared.readiness().is_ok();
-        let mut v = View::of_ledger(&shared.view_blocking());
+        let mut v = View::of_ledger(&shared.view_blocking(), shared.clock.now_ms());
         v.epoch = role.epoch.max(v.epoch);
         v.leader = role.role == Role::Leader;
         v.ready = ready;
         v
     }
 
-    fn of_ledger(l: &Ledger) -> View {
+    fn of_ledger(l: &Ledger, now_ms: i64) -> View {
         let mut v = View {
             seq: l.seq(),
             epoch: l.epoch(),
@@ -124,8 +149,49 @@ impl View {
             }
             v.nodes.push(row);
         }
+        v.namespaces = namespaces(l, now_ms);
         v
     }
+}
+
+/// Every namespace with a budget of its own, a quota or any consumption, at `now_ms`.
+fn namespaces(l: &Ledger, now_ms: i64) -> Vec<NsRow> {
+    let b = l.budgets();
+    let names: std::collections::BTreeSet<&String> = b
+        .budgets()
+        .keys()
+        .chain(b.quotas().keys())
+        .chain(b.usage().keys())
+        .filter(|n| !n.is_empty())
+        .collect();
+    names
+        .into_iter()
+        .map(|ns| {
+            let (held_mib, held_core) = b.held(ns);
+            let budget = b.status(ns, now_ms).map(|s| {
+                let core = s.budget.unit == pb::BudgetUnit::GpuCoreHours as i32;
+                let per = MS_PER_HOUR as f64 * if core { 1000.0 } else { 1.0 };
+                let secs = |ms: i64| ms as f64 / 1000.0;
+                BudgetRow {
+                    unit: if core { "gpu" } else { "gpu_mib" },
+                    amount: s.limit as f64 / per,
+                    used: s.used as f64 / per,
+                    remaining: s.remaining() as f64 / per,
+                    burn_per_hour: s.rate as f64 * MS_PER_HOUR as f64 / per,
+                    exhausted: s.exhausted(),
+                    exhausts_at_s: s.exhausts_at_ms.map(secs),
+                    recovers_at_s: s.recovers_at_ms.map(secs),
+                }
+            });
+            NsRow {
+                name: ns.clone(),
+                held_mib,
+                held_core,
+                quota_mib: b.quotas().get(ns).map(|q| q.mem_mib),
+                budget,
+            }
+        })
+        .collect()
 }
 
 /// Encodes the ledger's view at scrape time (see the module docs for why).
@@ -306,6 +372,90 @@ impl Collector for LedgerCollector {
                     .encode_gauge(&1u32)?;
             }
         }
+        encode_namespaces(&mut enc, &v.namespaces)?;
         Ok(())
     }
+}
+
+/// Per-namespace families: holdings and quota for every namespace, budget figures for those a
+/// budget applies to (labelled with its unit: `gpu_mib` = GPU-MiB-hours, `gpu` = GPU-hours).
+fn encode_namespaces(
+    enc: &mut DescriptorEncoder<'_>,
+    rows: &[NsRow],
+) -> Result<(), std::fmt::Error> {
+    type Get = fn(&NsRow) -> Option<f64>;
+    let plain: [(&str, &str, Get); 3] = [
+        (
+            "namespace_gpu_memory_held_mib",
+            "GPU memory a namespace holds now",
+            |r| Some(r.held_mib as f64),
+        ),
+        (
+            "namespace_gpu_core_held_permille",
+            "GPU compute a namespace holds now, in thousandths of a GPU",
+            |r| Some(r.held_core as f64),
+        ),
+        (
+            "namespace_gpu_memory_quota_mib",
+            "A namespace's cap on GPU memory held at once (no series: no quota)",
+            |r| r.quota_mib.filter(|q| *q > 0).map(|q| q as f64),
+        ),
+    ];
+    for (name, help, get) in plain {
+        let mut m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
+        for r in rows {
+            if let Some(x) = get(r) {
+                m.encode_family(&[("namespace", r.name.as_str())])?
+                    .encode_gauge(&x)?;
+            }
+        }
+    }
+    type GetB = fn(&BudgetRow) -> Option<f64>;
+    let budget: [(&str, &str, GetB); 7] = [
+        (
+            "namespace_budget_hours",
+            "A namespace's budget per window, in unit-hours",
+            |b| Some(b.amount),
+        ),
+        (
+            "namespace_budget_used_hours",
+            "Consumed inside the current window, in unit-hours",
+            |b| Some(b.used),
+        ),
+        (
+            "namespace_budget_remaining_hours",
+            "Left in the current window, in unit-hours",
+            |b| Some(b.remaining),
+        ),
+        (
+            "namespace_budget_burn_rate",
+            "Unit-hours consumed per hour at the current holdings",
+            |b| Some(b.burn_per_hour),
+        ),
+        (
+            "namespace_budget_exhausted",
+            "1 when the namespace's budget is spent",
+            |b| Some(if b.exhausted { 1.0 } else { 0.0 }),
+        ),
+        (
+            "namespace_budget_exhaustion_timestamp_seconds",
+            "When the budget is spent at the current rate (no series: not being spent)",
+            |b| b.exhausts_at_s,
+        ),
+        (
+            "namespace_budget_recovery_timestamp_seconds",
+            "When a spent budget is within its amount again (no series: not spent, or not while its pods hold what they do)",
+            |b| b.recovers_at_s,
+        ),
+    ];
+    for (name, help, get) in budget {
+        let mut m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
+        for r in rows {
+            if let Some(x) = r.budget.as_ref().and_then(|b| get(b).map(|x| (b.unit, x))) {
+                m.encode_family(&[("namespace", r.name.as_str()), ("unit", x.0)])?
+                    .encode_gauge(&x.1)?;
+            }
+        }
+    }
+    Ok(())
 }

@@ -363,9 +363,32 @@ fn describe(e: &pb::Event) -> (&'static str, &str, String) {
         Some(Body::QuotaSet(q)) => (
             "quota_set",
             "",
-            format!("{}: {} MiB", q.namespace, q.mem_mib),
+            format!(
+                "{}: {} MiB, {} core_milli",
+                q.namespace, q.mem_mib, q.core_milli
+            ),
         ),
+        Some(Body::BudgetSet(b)) => (
+            "budget_set",
+            "",
+            format!(
+                "{}: {}",
+                ns_or_default(&b.namespace),
+                gpuledger_ledger::state::budget_summary(b)
+            ),
+        ),
+        Some(Body::BudgetRemoved(b)) => {
+            ("budget_removed", "", ns_or_default(&b.namespace).to_owned())
+        }
         None => ("empty", "", String::new()),
+    }
+}
+
+fn ns_or_default(ns: &str) -> &str {
+    if ns.is_empty() {
+        "(cluster default)"
+    } else {
+        ns
     }
 }
 

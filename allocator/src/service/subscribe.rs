@@ -131,7 +131,10 @@ fn event_node(e: &pb::Event) -> Option<&str> {
         Body::IdentityCorrected(c) => &c.node,
         Body::Released(r) => &r.node,
         Body::LimitViolated(v) => &v.node,
-        Body::LeaderElected(_) | Body::QuotaSet(_) => return None,
+        Body::LeaderElected(_)
+        | Body::QuotaSet(_)
+        | Body::BudgetSet(_)
+        | Body::BudgetRemoved(_) => return None,
     })
 }
 

@@ -252,3 +252,47 @@ pub(super) async fn report_violation(
     )
     .await
 }
+
+pub(super) async fn set_budget(
+    svc: &Service,
+    req: Request<api::SetBudgetRequest>,
+) -> Result<Response<api::WriteResponse>, Status> {
+    let r = req.get_ref().clone();
+    let b = r
+        .budget
+        .ok_or_else(|| Status::invalid_argument("budget is missing"))?;
+    svc.write(
+        req,
+        || {
+            Ok(if r.remove {
+                Command::RemoveBudget(pb::BudgetRemoved {
+                    namespace: b.namespace.clone(),
+                    source: b.source.clone(),
+                })
+            } else {
+                Command::SetBudget(b.clone())
+            })
+        },
+        done,
+        |mut c, r| async move { c.set_budget(r).await },
+    )
+    .await
+}
+
+pub(super) async fn set_quota(
+    svc: &Service,
+    req: Request<api::SetQuotaRequest>,
+) -> Result<Response<api::WriteResponse>, Status> {
+    let q = req
+        .get_ref()
+        .quota
+        .clone()
+        .ok_or_else(|| Status::invalid_argument("quota is missing"))?;
+    svc.write(
+        req,
+        || Ok(Command::SetQuota(q.clone())),
+        done,
+        |mut c, r| async move { c.set_quota(r).await },
+    )
+    .await
+}

@@ -84,7 +84,9 @@ fn which_role_may_make_which_call() {
             Status,
             Dump,
             ReadLog,
-            HttpState
+            HttpState,
+            SetBudget,
+            SetQuota
         ]
     );
 }

@@ -74,10 +74,30 @@ pub fn describe(e: &pb::Event) -> String {
         ),
         Some(Body::LeaderElected(l)) => format!("leader {} ({}) elected", l.replica, l.address),
         Some(Body::QuotaSet(q)) => format!(
-            "quota of namespace {} set to {} MiB",
-            q.namespace, q.mem_mib
+            "quota of namespace {} set to {} MiB, {} thousandths of a GPU (0 = no cap)",
+            q.namespace, q.mem_mib, q.core_milli
+        ),
+        Some(Body::BudgetSet(b)) => format!(
+            "budget of {} set to {} ({})",
+            budget_owner(&b.namespace),
+            gpuledger_ledger::state::budget_summary(b),
+            b.source
+        ),
+        Some(Body::BudgetRemoved(b)) => format!(
+            "budget of {} removed ({})",
+            budget_owner(&b.namespace),
+            b.source
         ),
         None => "(empty event)".into(),
+    }
+}
+
+/// Whose budget an event is about: a namespace, or "" for the cluster default.
+fn budget_owner(ns: &str) -> &str {
+    if ns.is_empty() {
+        "the cluster default"
+    } else {
+        ns
     }
 }
 

@@ -41,6 +41,7 @@ impl Ledger {
         }
         let body = ev.body.as_ref().ok_or(ApplyError::EmptyEvent(ev.seq))?;
         let bad = |what: String| ApplyError::Invariant { seq: ev.seq, what };
+        let before = self.holdings_before(body);
         match body {
             Body::NodeRegistered(r) => {
                 let inv = r
@@ -123,14 +124,14 @@ impl Ledger {
                     )));
                 }
             }
-            Body::QuotaSet(q) => {
-                if q.mem_mib == 0 {
-                    self.quotas.remove(&q.namespace);
-                } else {
-                    self.quotas.insert(q.namespace.clone(), q.mem_mib);
+            Body::QuotaSet(_) | Body::BudgetRemoved(_) => {}
+            Body::BudgetSet(b) => {
+                if let Some(why) = super::validate_budget(b) {
+                    return Err(bad(format!("BudgetSet of {:?}: {why}", b.namespace)));
                 }
             }
         }
+        self.account(body, before, ev.time_ms);
         self.seq = ev.seq;
         self.epoch = ev.epoch;
         self.time_ms = ev.time_ms;

@@ -8,22 +8,17 @@ impl Ledger {
     pub fn to_snapshot(&self) -> pb::Snapshot {
         let mut allocations: Vec<pb::Allocation> = self.allocs.values().map(Alloc::to_pb).collect();
         allocations.sort_by_key(|a| a.id);
-        pb::Snapshot {
+        let mut s = pb::Snapshot {
             version: 1,
             seq: self.seq,
             epoch: self.epoch,
             nodes: self.nodes.values().map(NodeState::inventory).collect(),
             allocations,
-            quotas: self
-                .quotas
-                .iter()
-                .map(|(ns, m)| pb::QuotaSet {
-                    namespace: ns.clone(),
-                    mem_mib: *m,
-                })
-                .collect(),
             time_ms: self.time_ms,
-        }
+            ..pb::Snapshot::default()
+        };
+        self.budgets.to_snapshot(&mut s);
+        s
     }
 
     /// Rebuild a state from a snapshot, re-deriving every usage counter (and so re-checking
@@ -88,9 +83,14 @@ impl Ledger {
                 }
             }
         }
-        for q in &s.quotas {
-            l.quotas.insert(q.namespace.clone(), q.mem_mib);
+        let mut held: std::collections::BTreeMap<String, (u64, u64)> = Default::default();
+        for a in l.allocs.values() {
+            let (ns, m, c) = super::budget::holding(a);
+            let h = held.entry(ns).or_default();
+            h.0 += m;
+            h.1 += c;
         }
+        l.budgets = super::Budgets::from_snapshot(s, held)?;
         l.seq = s.seq;
         l.epoch = s.epoch;
         l.time_ms = s.time_ms;

@@ -10,6 +10,7 @@ fn event(seq: u64) -> pb::Event {
         body: Some(pb::event::Body::QuotaSet(pb::QuotaSet {
             namespace: "a".into(),
             mem_mib: seq,
+            core_milli: 0,
         })),
     }
 }
