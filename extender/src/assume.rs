@@ -240,6 +240,7 @@ mod tests {
             seq: 1,
             epoch: 1,
             time_ms: 1,
+            actor: None,
             body: Some(pb::event::Body::NodeRegistered(pb::NodeRegistered {
                 inventory: Some(inv),
             })),

@@ -23,6 +23,7 @@ impl Ledger {
                 })
                 .collect(),
             time_ms: self.time_ms,
+            chain_hash: Vec::new(),
         }
     }
 
@@ -49,6 +50,7 @@ impl Ledger {
                 seq: a.id,
                 epoch: a.epoch,
                 time_ms: a.reserved_ms,
+                actor: None,
                 body: None,
             };
             let r = pb::Reserved {
