@@ -74,15 +74,21 @@ async fn a_flipped_byte_or_a_deleted_batch_breaks_the_chain_and_is_named() -> an
         "--archive-interval-ms=100",
         archive_flag.as_str(),
     ];
-    let allocs = Allocators::start(dir.path(), &etcd, 2, "chain", &flags)?;
-    let leader = allocs.wait_leader(Duration::from_secs(20)).await?;
+    let mut allocs = Allocators::start(dir.path(), &etcd, 2, "chain", &flags)?;
+    let first = allocs.wait_leader(Duration::from_secs(20)).await?;
     allocs
-        .node_agent(leader, "n1")?
+        .node_agent(first, "n1")?
         .register_node(api::RegisterNodeRequest {
             inventory: Some(inventory("n1", 8, 80_000, "A100")),
         })
         .await?;
-    churn(&allocs, leader, "n1", 0, 60).await?;
+    churn(&allocs, first, "n1", 0, 30).await?;
+    // A failover: the new leader continues the chain from the head's hash.
+    allocs.procs[first].kill();
+    let leader = allocs
+        .wait_leader_except(Duration::from_secs(20), Some(first))
+        .await?;
+    churn(&allocs, leader, "n1", 30, 30).await?;
     let client = etcd.client().await?;
     let log = EtcdLog::new(&client, "chain", Duration::from_secs(5));
     let archive = Archive::open(&archive_dir)?;
@@ -193,6 +199,14 @@ async fn a_flipped_byte_or_a_deleted_batch_breaks_the_chain_and_is_named() -> an
     bad.chain_hash[0] ^= 0x01;
     let part = format!("/gpuledger/chain/snapdata/{:020}/0000", snap.seq);
     kv.put(part.clone(), bad.encode_to_vec(), None).await?;
+    // A batch after it, if the snapshot is at the head.
+    churn(&allocs, leader, "n1", 64, 1).await?;
+    let head = allocs.status(leader).await.expect("leader").seq;
+    assert_eq!(
+        log.latest_snapshot(0).await?.map(|s| s.seq),
+        Some(snap.seq),
+        "no newer snapshot was written meanwhile"
+    );
     let probe = Shared::new("probe".into(), "127.0.0.1:1".into());
     assert!(
         tail::load(&probe, &log, true, Some(&archive))
