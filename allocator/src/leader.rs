@@ -270,9 +270,12 @@ async fn announce<L: LedgerLog>(
         replica: shared.replica.clone(),
         address: shared.address.clone(),
     });
-    let (events, _) = spec
+    let (mut events, _) = spec
         .execute(elected, epoch, shared.clock.now_ms())
         .map_err(|e| StepDown::Bug(e.to_string()))?;
+    for e in &mut events {
+        e.actor = Some(shared.actor());
+    }
     let mut tip = chain_tip(shared, log, &head, &head.hash).await?;
     let mut batch = pb::EventBatch {
         version: 1,
@@ -302,16 +305,21 @@ fn decide(
 ) {
     let may_wait = matches!(req.cmd, Command::ConfirmBound { .. });
     match spec.execute(req.cmd, epoch, clock.now_ms()) {
-        Ok((events, reply)) => policy.decided(
-            clock.now(),
-            Decided {
-                waiter: req.reply,
-                events,
-                reply,
-                seq: spec.seq(),
-                may_wait,
-            },
-        ),
+        Ok((mut events, reply)) => {
+            for e in &mut events {
+                e.actor.clone_from(&req.actor);
+            }
+            policy.decided(
+                clock.now(),
+                Decided {
+                    waiter: req.reply,
+                    events,
+                    reply,
+                    seq: spec.seq(),
+                    may_wait,
+                },
+            )
+        }
         Err(CommandError::Bug(e)) => {
             let _ = req.reply.send(Err(Status::internal(format!(
                 "refused to write an invalid event: {e}"

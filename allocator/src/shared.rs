@@ -42,6 +42,9 @@ impl Role {
 pub struct Request {
     /// What to do.
     pub cmd: Command,
+    /// Who asked (the verified caller, or this replica for what the leader does itself):
+    /// recorded on every event the command writes.
+    pub actor: Option<pb::Actor>,
     /// Where the answer goes once the events are durable.
     pub reply: oneshot::Sender<Result<Committed, Status>>,
 }
@@ -279,6 +282,15 @@ impl Shared {
         }
         let _ = self.batches.send(batch);
         true
+    }
+
+    /// This replica as the actor of the events its leader makes itself.
+    pub fn actor(&self) -> pb::Actor {
+        pb::Actor {
+            role: "allocator".into(),
+            name: self.replica.clone(),
+            node: String::new(),
+        }
     }
 
     /// The hash of the batch that ended at `seq`, while it is recent (for snapshots).
