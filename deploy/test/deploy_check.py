@@ -29,12 +29,14 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
-OVERLAYS = ["bundled-etcd", "external-etcd", "default-scheduler", "archive"]
+OVERLAYS = ["bundled-etcd", "external-etcd", "default-scheduler", "archive", "cert-manager"]
 # Oldest Kubernetes the manifests claim (webhook matchConditions) and a current one.
 K8S_VERSIONS = ["1.28.0", "1.33.0"]
 NS = "gpuledger-system"
 SA_USER = "system:serviceaccount:{ns}:{name}"
 COMPONENT_SAS = ["gpuledger-allocator", "gpuledger-extender", "gpuledger-node-agent"]
+# The accounts operators mint tokens of (RBAC binds only these tokens to people).
+OPERATOR_SAS = {"gpuledger-viewer", "gpuledger-admin"}
 # Built-in roles the second kube-scheduler (not a gpuledger component) may be bound to.
 SCHEDULER_BUILTIN_ROLES = {
     "system:kube-scheduler",
@@ -150,6 +152,8 @@ def check_schemas(c, rendered):
         for ver in K8S_VERSIONS:
             problems = []
             for d in docs:
+                if d.get("apiVersion", "").startswith(CERT_MANAGER_GROUP + "/"):
+                    continue  # not Kubernetes' own: check_cert_manager validates them
                 try:
                     kubernetes_validate.validate(d, ver, strict=True)
                 except kubernetes_validate.utils.ValidationError as e:
@@ -407,6 +411,10 @@ def check_mounts(c, rendered, helps, certs):
     that key; a token file is a projected ServiceAccount token for the allocator's audience."""
     for name, docs in rendered.items():
         p, n = [], 0
+        # With cert-manager, its Certificates make the Secrets (the same keys as the script's).
+        issued = {d["spec"]["secretName"]: {"tls.crt", "tls.key", "ca.crt"}
+                  for d in docs if d["kind"] == "Certificate"}
+        here = {**certs, "secrets": {**certs["secrets"], **issued}}
         for d in docs:
             spec = pod_spec(d)
             if not spec:
@@ -420,7 +428,7 @@ def check_mounts(c, rendered, helps, certs):
                         continue
                     n += 1
                     vol, key_ = mounted_file(spec, ct, path)
-                    why = key_ if vol is None else file_problem(vol, key_, certs, flag == "--token-file")
+                    why = key_ if vol is None else file_problem(vol, key_, here, flag == "--token-file")
                     if why:
                         p.append(f"{key(d)} {flag}: {why}")
         c.check(f"mounts {name}", p, f"{n} certificate, key, CA and token files are mounted")
@@ -690,6 +698,7 @@ def check_webhook(c, rendered):
     pods = {
         "gpushare": ({"aliyun.com/gpu-mem": "3"}, None, True),
         "hami": ({"nvidia.com/gpumem": "3000", "nvidia.com/gpucores": "30"}, None, True),
+        "gpu-manager": ({"tencent.com/vcuda-core": "50", "tencent.com/vcuda-memory": "15"}, None, True),
         "gpuledger requests only": (None, {"gpuledger.io/gpu-mem": "1000"}, True),
         "whole nvidia.com/gpu": ({"nvidia.com/gpu": "1"}, None, False),
         "cpu only": ({"cpu": "1"}, {"memory": "1Gi"}, False),
@@ -772,6 +781,125 @@ def wait_port(port, proc, what):
                 return f"{what} exited: {proc.stderr.read()[-2000:]}"
             time.sleep(0.05)
     return f"{what} does not listen on {port}"
+
+
+CERT_MANAGER_GROUP = "cert-manager.io"
+# cert-manager v1's Certificate and Issuer fields this project uses, and its key usages
+# (cert-manager.io/v1 CRD schema), checked here offline instead of against the CRDs.
+CM_CERT_FIELDS = {"secretName", "issuerRef", "commonName", "dnsNames", "ipAddresses", "uris", "usages",
+                  "duration", "renewBefore", "isCA", "privateKey"}
+CM_USAGES = {"signing", "digital signature", "content commitment", "key encipherment", "key agreement",
+             "data encipherment", "cert sign", "crl sign", "encipher only", "decipher only", "any",
+             "server auth", "client auth", "code signing", "email protection", "s/mime",
+             "ipsec end system", "ipsec tunnel", "ipsec user", "timestamping", "ocsp signing",
+             "microsoft sgc", "netscape sgc"}
+EKU_NAMES = {"TLS Web Server Authentication": "server auth", "TLS Web Client Authentication": "client auth"}
+
+
+def script_certificates():
+    """What deploy/scripts/gpuledger-certs.sh issues, from a real run: Secret name -> (its CA's
+    file name, sorted SANs, sorted extended usages)."""
+    text = (DEPLOY / "scripts/gpuledger-certs.sh").read_text()
+    out = {}
+    with tempfile.TemporaryDirectory() as d:
+        r = run([str(DEPLOY / "scripts/gpuledger-certs.sh"), "--no-apply", "--out-dir", d, "--days", "2"])
+        if r.returncode != 0:
+            raise RuntimeError(f"gpuledger-certs.sh failed: {r.stderr.strip()}")
+        for secret, leaf, ca in re.findall(r"^\s*secret (gpuledger-[a-z-]+) ([a-z-]+) ([a-z-]+)$", text, re.M):
+            x = run(["openssl", "x509", "-noout", "-in", f"{d}/{leaf}.crt", "-ext", "subjectAltName,extendedKeyUsage"]).stdout
+            sans = sorted(t.strip().replace("IP Address:", "IP:") for t in
+                          re.findall(r"((?:DNS|IP Address|URI):[^,\n]+)", x))
+            ekus = sorted(EKU_NAMES.get(t.strip(), t.strip()) for t in
+                          (re.search(r"Extended Key Usage:\s*\n\s*(.+)", x) or ["", ""])[1].split(","))
+            out[secret] = (ca, sans, ekus)
+    return out
+
+
+def check_cert_manager(c, rendered):
+    """Where cert-manager issues the certificates: its objects are well-formed (cert-manager v1's
+    fields, usages, issuers that exist, CAs from a self-signed root), and each Secret the script
+    makes is a Certificate with the script's names and usages, from the same CA split (etcd's
+    own CA apart from gpuledger's); the webhooks get their caBundle injected from the extender's
+    certificate; no certificate is a gpuledger identity (no URI SAN)."""
+    try:
+        script = script_certificates()
+    except RuntimeError as e:
+        c.fail("cert-manager", str(e))
+        return
+    for name, docs in rendered.items():
+        certs = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Certificate"}
+        if not certs:
+            continue
+        issuers = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Issuer"}
+        p = []
+        for d in docs:
+            if d.get("apiVersion", "").startswith(CERT_MANAGER_GROUP + "/") and d["apiVersion"] != "cert-manager.io/v1":
+                p.append(f"{key(d)}: apiVersion {d['apiVersion']}, want cert-manager.io/v1")
+            if d["kind"] in ("Certificate", "Issuer") and d["metadata"].get("namespace") != NS:
+                p.append(f"{key(d)}: not in {NS} (a ClusterIssuer or another namespace would let others mint gpuledger certificates)")
+        if any(d["kind"] == "ClusterIssuer" for d in docs):
+            p.append("a ClusterIssuer: every namespace could then mint gpuledger certificates")
+        for n, i in issuers.items():
+            kinds = set(i["spec"]) & {"selfSigned", "ca", "acme", "vault", "venafi"}
+            if len(kinds) != 1 or set(i["spec"]) - kinds:
+                p.append(f"Issuer {n}: spec {sorted(i['spec'])}")
+            elif "ca" in i["spec"]:
+                root = next((x for x in certs.values() if x["spec"]["secretName"] == i["spec"]["ca"]["secretName"]), None)
+                if root is None or not root["spec"].get("isCA"):
+                    p.append(f"Issuer {n}: its CA Secret {i['spec']['ca']['secretName']} is no isCA Certificate")
+                elif "selfSigned" not in issuers.get(root["spec"]["issuerRef"]["name"], {}).get("spec", {}):
+                    p.append(f"Issuer {n}: its CA is not self-signed by an Issuer here")
+            elif "selfSigned" not in i["spec"]:
+                p.append(f"Issuer {n}: only selfSigned and ca issuers are expected")
+        for n, d in certs.items():
+            spec = d["spec"]
+            if set(spec) - CM_CERT_FIELDS:
+                p.append(f"Certificate {n}: unknown fields {sorted(set(spec) - CM_CERT_FIELDS)}")
+            if not spec.get("secretName") or not (spec.get("commonName") or spec.get("dnsNames")):
+                p.append(f"Certificate {n}: needs secretName and a commonName or dnsNames")
+            if set(spec.get("usages", [])) - CM_USAGES:
+                p.append(f"Certificate {n}: unknown usages {sorted(set(spec['usages']) - CM_USAGES)}")
+            ref = spec.get("issuerRef", {})
+            if ref.get("kind") != "Issuer" or ref.get("name") not in issuers:
+                p.append(f"Certificate {n}: issuerRef {ref} is no Issuer here")
+            pk = spec.get("privateKey", {})
+            if (pk.get("algorithm"), pk.get("size")) != ("ECDSA", 256):
+                p.append(f"Certificate {n}: key {pk}, the script's is ECDSA P-256")
+            if spec.get("uris"):
+                p.append(f"Certificate {n}: URI SANs {spec['uris']} would make it a gpuledger identity")
+        by_secret = {d["spec"]["secretName"]: d for d in certs.values()}
+        ca_issuer = {}
+        etcd_bundled = any(d["kind"] == "StatefulSet" and d["metadata"]["name"] == "gpuledger-etcd" for d in docs)
+        for secret, (ca, sans, ekus) in script.items():
+            if secret.startswith("gpuledger-etcd") and not etcd_bundled:
+                if secret in by_secret:
+                    p.append(f"{secret}: issued here, but the etcd is external (that Secret is the operator's)")
+                continue
+            d = by_secret.get(secret)
+            if d is None:
+                p.append(f"the script makes Secret {secret}; no Certificate does")
+                continue
+            spec = d["spec"]
+            mine = sorted([f"DNS:{x}" for x in spec.get("dnsNames", [])] + [f"IP:{x}" for x in spec.get("ipAddresses", [])])
+            if mine != sans:
+                p.append(f"{secret}: names {mine}, the script's {sans}")
+            got = sorted(u for u in spec.get("usages", []) if u in ("server auth", "client auth"))
+            if got != ekus:
+                p.append(f"{secret}: usages {got}, the script's {ekus}")
+            ca_issuer.setdefault(ca, set()).add(spec["issuerRef"]["name"])
+        if any(len(v) != 1 for v in ca_issuer.values()) or len({next(iter(v)) for v in ca_issuer.values()}) != len(ca_issuer):
+            p.append(f"CA split {ca_issuer}: one Issuer per CA of the script, and no two CAs on one Issuer")
+        bundle = by_secret.get("gpuledger-ca-bundle")
+        if bundle is None:
+            p.append("no Certificate gpuledger-ca-bundle: the clients' CA volume has no Secret")
+        elif set(bundle["spec"].get("usages", [])) & {"server auth", "client auth", "any"} or bundle["spec"].get("dnsNames"):
+            p.append(f"gpuledger-ca-bundle: usages {bundle['spec'].get('usages')}: its key must be good for no TLS peer")
+        for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+            w = find(docs, kind, "gpuledger")
+            ann = ((w or {}).get("metadata", {}).get("annotations") or {}).get("cert-manager.io/inject-ca-from")
+            if ann != f"{NS}/gpuledger-webhook-tls" or "gpuledger-webhook-tls" not in certs:
+                p.append(f"{kind}: inject-ca-from {ann!r}, want {NS}/gpuledger-webhook-tls")
+        c.check(f"cert-manager {name}", p, f"{len(certs)} Certificates and {len(issuers)} Issuers match the script's {len(script)} Secrets")
 
 
 def check_certs(c, bindir, etcd_bin):
@@ -896,7 +1024,15 @@ def grants_by_user(docs):
         role = roles.get((ref["kind"], rns, ref["name"]))
         for s in b.get("subjects", []):
             if s["kind"] != "ServiceAccount":
-                problems.append(f"{key(b)} binds a {s['kind']}")
+                # People (groups, users) get one thing only: tokens of the operator accounts.
+                rules = (role or {}).get("rules", [])
+                only_tokens = role is not None and rules and all(
+                    r.get("apiGroups") == [""] and r.get("resources") == ["serviceaccounts/token"]
+                    and r.get("verbs") == ["create"]
+                    and set(r.get("resourceNames") or ["*"]) <= OPERATOR_SAS
+                    for r in rules)
+                if not only_tokens or b["kind"] != "RoleBinding" or b["metadata"]["namespace"] != NS:
+                    problems.append(f"{key(b)} binds a {s['kind']} to more than the tokens of {sorted(OPERATOR_SAS)}")
                 continue
             user = SA_USER.format(ns=s["namespace"], name=s["name"])
             g = grants.setdefault(user, {"rules": set(), "external": set()})
@@ -1097,6 +1233,7 @@ def main():
         "external-etcd": ["etcd.bundled=false", "etcd.tlsSecret=gpuledger-etcd-client", "etcd.endpoints=https://etcd-0.etcd.example.svc:2379\\,https://etcd-1.etcd.example.svc:2379\\,https://etcd-2.etcd.example.svc:2379"],
         "default-scheduler": ["scheduler.mode=default"],
         "archive": ["archive.enabled=true"],
+        "cert-manager": ["certManager.enabled=true"],
     }
     if a.helm and chart.exists():
         rendered.update(render_helm(c, a.helm, chart, helm_sets))
@@ -1117,12 +1254,13 @@ def main():
     check_scheduler_config(c, rendered)
     check_webhook(c, rendered)
     check_certs(c, a.bindir, a.etcd)
+    check_cert_manager(c, rendered)
     overlays_only = {k: v for k, v in rendered.items() if not k.startswith("helm:")}
     helm_only = {k: v for k, v in rendered.items() if k.startswith("helm:")}
     check_rbac(c, {**overlays_only, **helm_only}, a.rbac_usage, DEPLOY / "test/rbac-pending.txt")
     check_helm_equals_kustomize(c, rendered, {"defaults": "bundled-etcd", "external-etcd": "external-etcd",
                                               "default-scheduler": "default-scheduler",
-                                              "archive": "archive"})
+                                              "archive": "archive", "cert-manager": "cert-manager"})
     check_dockerfile(c, a.hadolint, overlays_only)
 
     for msg in c.pending:

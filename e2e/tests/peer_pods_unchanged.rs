@@ -1,7 +1,8 @@
-//! Pods written for the peers run with no YAML change: gpushare's `aliyun.com/gpu-mem` and
-//! HAMi's `nvidia.com/gpu` with `nvidia.com/gpumem`, `gpumem-percentage` or `gpucores` are
-//! rewritten by the webhook so that nothing a node does not advertise is left, then placed by
-//! the real scheduler. Only namespaces that opt in reach the webhook.
+//! Pods written for the peers run with no YAML change: gpushare's `aliyun.com/gpu-mem`,
+//! HAMi's `nvidia.com/gpu` with `nvidia.com/gpumem`, `gpumem-percentage` or `gpucores`, and
+//! gpu-manager's `tencent.com/vcuda-core` and `vcuda-memory` are rewritten by the webhook so
+//! that nothing a node does not advertise is left, then placed by the real scheduler. Only
+//! namespaces that opt in reach the webhook.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -14,12 +15,14 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::Api;
 
 /// Resource names no node advertises: none may be left in a stored pod.
-const PEER_NAMES: [&str; 5] = [
+const PEER_NAMES: [&str; 7] = [
     "aliyun.com/gpu-mem",
     "nvidia.com/gpu",
     "nvidia.com/gpumem",
     "nvidia.com/gpumem-percentage",
     "nvidia.com/gpucores",
+    "tencent.com/vcuda-core",
+    "tencent.com/vcuda-memory",
 ];
 
 /// A pod as the peer's users write it, and what the ledger must grant: GPUs, MiB per GPU
@@ -46,7 +49,7 @@ fn resource_names(p: &Pod) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "real Kubernetes (kube-apiserver, kube-scheduler 1.20.2): make test-e2e"]
-async fn gpushare_and_hami_pods_are_scheduled_without_a_yaml_change() -> Result<()> {
+async fn peer_pods_are_scheduled_without_a_yaml_change() -> Result<()> {
     let (e, _) = E2e::with_gpu_nodes(Options::default(), 3, 4, "peers").await?;
 
     let case = |name, limits, grant| Case {
@@ -74,6 +77,20 @@ async fn gpushare_and_hami_pods_are_scheduled_without_a_yaml_change() -> Result<
             "hami-cores",
             vec![("nvidia.com/gpu", "1"), ("nvidia.com/gpucores", "50")],
             (1, 0, 500),
+        ),
+        // kubernetes-gpusharing's example: 50 % of a GPU and 15 × 256 MiB.
+        case(
+            "gpu-manager",
+            vec![
+                ("tencent.com/vcuda-core", "50"),
+                ("tencent.com/vcuda-memory", "15"),
+            ],
+            (1, 3840, 500),
+        ),
+        case(
+            "gpu-manager-whole",
+            vec![("tencent.com/vcuda-core", "200")],
+            (2, 16_384, 1000),
         ),
     ];
     for Case { name, limits, .. } in &cases {

@@ -1,5 +1,6 @@
 //! GPU pods go through the real kube-scheduler (the shipped configuration) to the extender:
-//! each is bound to the node the ledger reserved for it, annotated and told so in an Event; a
+//! each is bound to the node the ledger reserved for it, with the memory it asked for there,
+//! the pod left unannotated (the extender has no right to change pods) and told so in an Event; a
 //! CPU pod on the same scheduler never reaches the extender; deleted pods give their GPUs back;
 //! `gpuledger verify` agrees with every replica.
 
@@ -57,11 +58,18 @@ async fn gpu_pods_land_where_the_ledger_reserved_and_come_back_when_deleted() ->
     );
     let api: Api<Pod> = Api::namespaced(e.client.clone(), "team-a");
     for n in &names {
-        let p = api.get(n).await?;
-        let ann = p.metadata.annotations.unwrap_or_default();
+        let grant: Vec<(u64, &str)> = (ledger.allocs().values())
+            .filter(|a| a.pod.namespace == "team-a" && &a.pod.name == n)
+            .flat_map(|a| a.shares.iter().map(|s| (s.mem_mib, s.gpu_uuid.as_str())))
+            .collect();
         ensure!(
-            ann.contains_key("gpuledger.io/allocation"),
-            "{n} has no allocation annotation"
+            grant.len() == 1 && grant[0].0 == 4096,
+            "{n}: the ledger grants {grant:?}, not one 4096 MiB share"
+        );
+        let ann = api.get(n).await?.metadata.annotations.unwrap_or_default();
+        ensure!(
+            !ann.keys().any(|k| k.starts_with("gpuledger.io/")),
+            "{n} was annotated: {ann:?}"
         );
     }
     eventually(

@@ -1,13 +1,21 @@
 //! Reservations in flight, counted the way kube-scheduler's assume cache counts pods it has
 //! placed but not yet bound.
 //!
-//! kube-scheduler binds asynchronously: the next pod's filter and prioritize run while the
-//! previous pod's bind is still reading the pod and reserving at the allocator, or is reserved
-//! but not yet in the ledger replica. Without this, they would offer the capacity that
-//! reservation is about to take (with binpack, exactly that GPU) and the next bind would be
-//! refused and retried. A bind is assumed from the moment it arrives (with the request its
-//! pod's filter carried) until the replica has folded its reservation, or it failed; filter
-//! and prioritize judge the nodes it touches as if it were already placed.
+//! kube-scheduler binds asynchronously: once it has chosen a node for a pod it goes on to the
+//! next pod at once, and the chosen pod's bind can reach the extender after the next pod's
+//! filter and prioritize ran. Without this, they would offer the capacity that pod is about to
+//! take (with binpack, exactly that GPU) and the next bind would be refused and retried.
+//!
+//! The extender does not learn the scheduler's choice until the bind arrives, so a pod is
+//! assumed from its filter on, on *every* node that filter found feasible: with the shipped
+//! weight (1) an extender score is worth 0-100 of the scheduler's own points and each of its
+//! default score plugins (least allocated, balanced allocation, taints, affinity, topology
+//! spread) up to 100 more, so the node with the best extender score is not reliably the one
+//! chosen; any feasible node can be, and only those can (the extender's filter runs last, so
+//! its answer is the scheduler's feasible set). The bind narrows the assumption to its node,
+//! and it lasts until the replica has folded the reservation, or the bind failed. An
+//! assumption no bind followed (the scheduler's own reserve or permit plugins refused the
+//! pod, or another extender replica bound it) expires after [`TENTATIVE_FOR`].
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -23,23 +31,31 @@ use crate::replica::Defaults;
 /// assume cache expires bound-but-unconfirmed pods after 30 s too).
 const FORGET_AFTER: Duration = Duration::from_secs(30);
 
+/// A pod filtered but never bound stops being assumed after this long. The bind normally
+/// follows its filter within milliseconds (a second or two on a loaded control plane); past
+/// this, the pod is not coming and would only hold capacity that others wait for.
+pub const TENTATIVE_FOR: Duration = Duration::from_secs(15);
+
+/// At most this many pods assumed at once; beyond, new ones are not (the cache stays bounded
+/// whatever the scheduler sends).
+const MAX_ENTRIES: usize = 4096;
+
 struct Entry {
-    node: String,
+    /// Where it may land: every node its filter found feasible, then the one its bind names.
+    nodes: Vec<String>,
     request: api::PodRequest,
+    /// Its bind arrived (the nodes are the one it names).
+    bound: bool,
     /// The seq of its reservation, once the allocator answered.
     landed: Option<u64>,
-    since: Instant,
+    /// Forgotten from this instant on.
+    until: Instant,
 }
 
-/// Requests seen by filter are kept this long for the bind that follows.
-const SEEN_FOR: Duration = Duration::from_secs(60);
-
-/// The binds in flight, by pod uid.
+/// The pods placed and not yet in the ledger replica, by pod uid.
 #[derive(Default)]
 pub struct InFlight {
     entries: Mutex<HashMap<String, Entry>>,
-    /// The last request filter saw for each pod, so that its bind is assumed on arrival.
-    seen: Mutex<HashMap<String, (api::PodRequest, Instant)>>,
 }
 
 /// One assumed bind. Dropped before [`Assumed::landed`], the bind failed and is forgotten.
@@ -52,7 +68,7 @@ pub struct Assumed {
 impl Assumed {
     /// The allocator reserved it at `seq`: it stays assumed until the replica has `seq`.
     pub fn landed(mut self, seq: u64) {
-        let mut e = self.cache.entries.lock().unwrap_or_else(|p| p.into_inner());
+        let mut e = self.cache.lock();
         if let Some(x) = e.get_mut(&self.uid) {
             x.landed = Some(seq);
         }
@@ -63,8 +79,12 @@ impl Assumed {
 impl Drop for Assumed {
     fn drop(&mut self) {
         if !self.landed {
-            let mut e = self.cache.entries.lock().unwrap_or_else(|p| p.into_inner());
-            e.remove(&self.uid);
+            let mut e = self.cache.lock();
+            if e.get(&self.uid)
+                .is_some_and(|x| x.bound && x.landed.is_none())
+            {
+                e.remove(&self.uid);
+            }
         }
     }
 }
@@ -75,39 +95,81 @@ impl InFlight {
         Arc::new(InFlight::default())
     }
 
-    /// Filter saw `request` (the bind of its pod may follow).
-    pub fn saw(&self, request: &api::PodRequest) {
-        let Some(uid) = request.pod.as_ref().map(|p| p.uid.clone()) else {
-            return;
-        };
-        let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
-        if seen.len() >= 4096 {
-            seen.retain(|_, (_, t)| t.elapsed() < SEEN_FOR);
-        }
-        seen.insert(uid, (request.clone(), Instant::now()));
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
+        self.entries.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A bind of pod `uid` to `node` arrives: assumed at once with the request filter saw for
-    /// it, if any.
-    pub fn assume_seen(self: &Arc<Self>, uid: &str, node: &str) -> Option<Assumed> {
-        let request = {
-            let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
-            let (r, t) = seen.remove(uid)?;
-            (t.elapsed() < SEEN_FOR).then_some(r)?
+    /// Filter found `request` feasible on `nodes`: the scheduler binds it to one of them next.
+    pub fn feasible(&self, request: &api::PodRequest, nodes: &[String]) {
+        self.feasible_at(request, nodes, Instant::now());
+    }
+
+    fn feasible_at(&self, request: &api::PodRequest, nodes: &[String], now: Instant) {
+        let Some(uid) = request.pod.as_ref().map(|p| p.uid.as_str()) else {
+            return;
         };
-        Some(self.assume(uid, node, request))
+        let mut e = self.lock();
+        if e.get(uid).is_some_and(|x| x.bound) {
+            // Its bind is under way; that node is where it goes.
+            return;
+        }
+        if nodes.is_empty() {
+            e.remove(uid);
+            return;
+        }
+        if e.len() >= MAX_ENTRIES {
+            e.retain(|_, x| x.until > now);
+            if e.len() >= MAX_ENTRIES {
+                return;
+            }
+        }
+        e.insert(
+            uid.to_string(),
+            Entry {
+                nodes: nodes.to_vec(),
+                request: request.clone(),
+                bound: false,
+                landed: None,
+                until: now + TENTATIVE_FOR,
+            },
+        );
+    }
+
+    /// A bind of pod `uid` to `node` arrives: assumed at once on that node alone with the
+    /// request its filter carried, if filter saw it.
+    pub fn assume_seen(self: &Arc<Self>, uid: &str, node: &str) -> Option<Assumed> {
+        let now = Instant::now();
+        let request = {
+            let mut e = self.lock();
+            if e.get(uid).is_none_or(|x| x.bound) {
+                return None;
+            }
+            let x = e.remove(uid)?;
+            (x.until > now).then_some(x.request)?
+        };
+        Some(self.assume_at(uid, node, request, now))
     }
 
     /// A bind of pod `uid` to `node` with `request` begins.
     pub fn assume(self: &Arc<Self>, uid: &str, node: &str, request: api::PodRequest) -> Assumed {
-        let mut e = self.entries.lock().unwrap_or_else(|p| p.into_inner());
-        e.insert(
+        self.assume_at(uid, node, request, Instant::now())
+    }
+
+    fn assume_at(
+        self: &Arc<Self>,
+        uid: &str,
+        node: &str,
+        request: api::PodRequest,
+        now: Instant,
+    ) -> Assumed {
+        self.lock().insert(
             uid.to_string(),
             Entry {
-                node: node.to_string(),
+                nodes: vec![node.to_string()],
                 request,
+                bound: true,
                 landed: None,
-                since: Instant::now(),
+                until: now + FORGET_AFTER,
             },
         );
         Assumed {
@@ -117,26 +179,34 @@ impl InFlight {
         }
     }
 
-    /// The nodes that assumed binds touch, as they will be once those are placed (other pods'
-    /// binds only, and only those `ledger` does not hold yet).
-    fn nodes(&self, ledger: &Ledger, d: &Defaults, pod_uid: &str) -> HashMap<String, NodeState> {
-        let mut e = self.entries.lock().unwrap_or_else(|p| p.into_inner());
-        e.retain(|_, x| {
-            x.since.elapsed() < FORGET_AFTER && x.landed.is_none_or(|s| s > ledger.seq())
-        });
+    /// The nodes that other pods' assumptions touch, as they will be once those are placed
+    /// (only pods `ledger` does not hold yet).
+    fn nodes(
+        &self,
+        ledger: &Ledger,
+        d: &Defaults,
+        pod_uid: &str,
+        now: Instant,
+    ) -> HashMap<String, NodeState> {
+        let mut e = self.lock();
+        e.retain(|_, x| x.until > now && x.landed.is_none_or(|s| s > ledger.seq()));
         let mut out: HashMap<String, NodeState> = HashMap::new();
         for (uid, x) in e.iter() {
             if uid == pod_uid || !ledger.allocs_of_pod(uid).is_empty() {
                 continue;
             }
-            let Some(node) = ledger.node(&x.node) else {
-                continue;
-            };
             let Ok(req) = d.request(x.request.clone()) else {
                 continue;
             };
-            let n = out.entry(x.node.clone()).or_insert_with(|| node.clone());
-            take(n, &req);
+            for name in &x.nodes {
+                if let Some(n) = out.get_mut(name) {
+                    take(n, &req);
+                } else if let Some(node) = ledger.node(name) {
+                    let mut n = node.clone();
+                    take(&mut n, &req);
+                    out.insert(name.clone(), n);
+                }
+            }
         }
         out
     }
@@ -144,7 +214,18 @@ impl InFlight {
     /// `f`, computed on `ledger` for `req`, with the nodes that binds in flight fill moved from
     /// `fits` to `wait`.
     pub fn filter(&self, ledger: &Ledger, d: &Defaults, req: &PodRequest, f: &mut Filtered) {
-        let nodes = self.nodes(ledger, d, &req.pod.uid);
+        self.filter_at(ledger, d, req, f, Instant::now());
+    }
+
+    fn filter_at(
+        &self,
+        ledger: &Ledger,
+        d: &Defaults,
+        req: &PodRequest,
+        f: &mut Filtered,
+        now: Instant,
+    ) {
+        let nodes = self.nodes(ledger, d, &req.pod.uid, now);
         if nodes.is_empty() {
             return;
         }
@@ -170,7 +251,7 @@ impl InFlight {
         names: &[S],
         scores: &mut [Option<u32>],
     ) {
-        let nodes = self.nodes(ledger, d, &req.pod.uid);
+        let nodes = self.nodes(ledger, d, &req.pod.uid, Instant::now());
         if nodes.is_empty() {
             return;
         }
@@ -201,96 +282,4 @@ fn take(node: &mut NodeState, req: &PodRequest) {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use gpuledger_ledger::pb;
-
-    fn request(uid: &str, mem: u64) -> api::PodRequest {
-        api::PodRequest {
-            pod: Some(pb::PodRef {
-                uid: uid.into(),
-                namespace: "ns".into(),
-                name: uid.into(),
-            }),
-            containers: vec![api::ContainerRequest {
-                name: "c".into(),
-                slices: 1,
-                mem_mib: mem,
-                ..Default::default()
-            }],
-            ..Default::default()
-        }
-    }
-
-    fn ledger() -> Ledger {
-        let mut l = Ledger::new();
-        let inv = pb::NodeInventory {
-            node: "n1".into(),
-            gpus: vec![pb::Gpu {
-                uuid: "GPU-1".into(),
-                index: 0,
-                model: "A10".into(),
-                memory_mib: 16_384,
-                healthy: true,
-            }],
-            cpu_milli: 0,
-            memory_mib: 0,
-        };
-        let ev = pb::Event {
-            seq: 1,
-            epoch: 1,
-            time_ms: 1,
-            actor: None,
-            body: Some(pb::event::Body::NodeRegistered(pb::NodeRegistered {
-                inventory: Some(inv),
-            })),
-        };
-        l.apply(&ev).expect("registers");
-        l
-    }
-
-    #[test]
-    fn a_bind_in_flight_takes_its_capacity_until_it_fails() {
-        let (l, d, cache) = (ledger(), Defaults::default(), InFlight::new());
-        let next = d.request(request("p2", 10_000)).expect("valid");
-        let filter = |cache: &InFlight| {
-            let mut f = placement::filter_nodes(&l, ["n1"], &next);
-            cache.filter(&l, &d, &next, &mut f);
-            f
-        };
-        assert_eq!(filter(&cache).fits, vec!["n1"]);
-        let first = cache.assume("p1", "n1", request("p1", 10_000));
-        let f = filter(&cache);
-        assert!(f.fits.is_empty(), "{f:?}");
-        assert!(f.wait[0].1.contains("in flight"), "{f:?}");
-        let mut scores = [Some(7)];
-        cache.scores(&l, &d, &next, &["n1"], &mut scores);
-        assert_eq!(scores, [Some(0)], "a node it no longer fits on scores 0");
-        // A pod's own bind does not count against it (the scheduler retries it).
-        let own = d.request(request("p1", 10_000)).expect("valid");
-        let mut f = placement::filter_nodes(&l, ["n1"], &own);
-        cache.filter(&l, &d, &own, &mut f);
-        assert_eq!(f.fits, vec!["n1"]);
-        drop(first);
-        assert_eq!(
-            filter(&cache).fits,
-            vec!["n1"],
-            "a failed bind is forgotten"
-        );
-        // Landed at a seq the replica has: the ledger counts it, the cache no more.
-        cache.assume("p1", "n1", request("p1", 10_000)).landed(1);
-        assert_eq!(filter(&cache).fits, vec!["n1"]);
-        cache.assume("p1", "n1", request("p1", 10_000)).landed(2);
-        assert!(
-            filter(&cache).fits.is_empty(),
-            "landed beyond the replica: still assumed"
-        );
-        // A bind arriving for a pod filter saw is assumed before it reads anything.
-        let cache = InFlight::new();
-        cache.saw(&request("p3", 10_000));
-        assert!(cache.assume_seen("p4", "n1").is_none(), "never filtered");
-        let early = cache.assume_seen("p3", "n1").expect("seen by filter");
-        assert!(filter(&cache).fits.is_empty());
-        drop(early);
-    }
-}
+mod tests;

@@ -1,5 +1,6 @@
 //! What a pod asks of gpuledger: Kubernetes quantities, gpuledger resource names and the
-//! gpushare/HAMi aliases, placement annotations, turned into the allocator's `PodRequest`.
+//! gpushare/HAMi/gpu-manager aliases, placement annotations, turned into the allocator's
+//! `PodRequest`.
 
 use std::collections::BTreeMap;
 
@@ -27,9 +28,15 @@ pub const HAMI_GPU_MEM: &str = "nvidia.com/gpumem";
 pub const HAMI_GPU_MEM_PERCENT: &str = "nvidia.com/gpumem-percentage";
 /// HAMi: percent of each GPU's compute.
 pub const HAMI_GPU_CORES: &str = "nvidia.com/gpucores";
+/// gpu-manager: percent of one GPU's compute (1-99), or whole GPUs in hundreds (100 = one).
+pub const VCUDA_CORE: &str = "tencent.com/vcuda-core";
+/// gpu-manager: GPU memory in units of 256 MiB.
+pub const VCUDA_MEMORY: &str = "tencent.com/vcuda-memory";
+/// MiB in one `tencent.com/vcuda-memory` unit (gpu-manager's `MemoryBlockSize`).
+const VCUDA_MEMORY_UNIT_MIB: f64 = 256.0;
 
 /// Every resource name gpuledger reads (canonical names first).
-pub const ALL_RESOURCES: [&str; 8] = [
+pub const ALL_RESOURCES: [&str; 10] = [
     GPU,
     GPU_MEM,
     GPU_MEM_PERCENT,
@@ -38,6 +45,8 @@ pub const ALL_RESOURCES: [&str; 8] = [
     HAMI_GPU_MEM,
     HAMI_GPU_MEM_PERCENT,
     HAMI_GPU_CORES,
+    VCUDA_CORE,
+    VCUDA_MEMORY,
 ];
 
 /// Annotation: GPU model names to use (comma list, substring match).
@@ -50,8 +59,6 @@ pub const ANN_GPU_UUID: &str = "gpuledger.io/gpu-uuid";
 pub const ANN_GPU_UUID_EXCLUDE: &str = "gpuledger.io/gpu-uuid-exclude";
 /// Annotation: placement policy.
 pub const ANN_POLICY: &str = "gpuledger.io/policy";
-/// Annotation the extender writes for humans (never read back).
-pub const ANN_ALLOCATION: &str = "gpuledger.io/allocation";
 
 /// Why a pod's GPU request cannot be understood. Not retryable: the pod must change.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -112,7 +119,8 @@ impl ContainerGpu {
         let hami = [HAMI_GPU_MEM, HAMI_GPU_MEM_PERCENT, HAMI_GPU_CORES]
             .iter()
             .any(|k| limits.contains_key(*k) || requests.contains_key(*k));
-        Ok(ContainerGpu {
+        let vcuda = Vcuda::of(get(VCUDA_CORE)?, get(VCUDA_MEMORY)?, &c.name)?;
+        let mut g = ContainerGpu {
             name: c.name.clone(),
             slices: match get(GPU)? {
                 None if hami => get(HAMI_GPU)?,
@@ -125,7 +133,17 @@ impl ContainerGpu {
             ])?,
             mem_percent: first(&[(GPU_MEM_PERCENT, 1.0), (HAMI_GPU_MEM_PERCENT, 1.0)])?,
             core_percent: first(&[(GPU_CORE, 1.0), (HAMI_GPU_CORES, 1.0)])?,
-        })
+        };
+        if let Some(v) = vcuda {
+            // After every other name, as the other aliases are.
+            g.slices = g.slices.or(v.slices);
+            g.core_percent = g.core_percent.or(Some(v.core_percent));
+            if g.mem_mib.is_none() && g.mem_percent.is_none() {
+                g.mem_mib = v.mem_mib;
+                g.mem_percent = v.mem_percent;
+            }
+        }
+        Ok(g)
     }
 
     /// Check the request and turn it into the allocator's form.
@@ -177,6 +195,70 @@ impl ContainerGpu {
             mem_percent: self.mem_percent.map_or(0, |p| p.ceil() as u32),
             core_milli: self.core_percent.map_or(0, |c| (c * 10.0).round() as u32),
         })
+    }
+}
+
+/// A gpu-manager request (`tencent.com/vcuda-core`, `tencent.com/vcuda-memory`) in gpuledger's
+/// terms, with gpu-manager's rule: the core count is 1-99 (a share of one GPU, which then needs
+/// memory too) or a multiple of 100 (that many whole GPUs, whose memory is theirs entirely).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Vcuda {
+    slices: Option<f64>,
+    core_percent: f64,
+    mem_mib: Option<f64>,
+    mem_percent: Option<f64>,
+}
+
+impl Vcuda {
+    fn of(
+        core: Option<f64>,
+        memory: Option<f64>,
+        name: &str,
+    ) -> Result<Option<Vcuda>, RequestError> {
+        let err = |m: String| Err(RequestError::Invalid(m));
+        if let Some(m) = memory
+            && !(m >= 1.0 && m.fract() == 0.0)
+        {
+            return err(format!(
+                "{VCUDA_MEMORY} must be a whole number of 256 MiB units, at least 1 (got {m}) in container {name:?}"
+            ));
+        }
+        let Some(core) = core else {
+            return match memory {
+                None => Ok(None),
+                Some(_) => err(format!(
+                    "{VCUDA_MEMORY} needs {VCUDA_CORE} beside it in container {name:?} \
+                     (gpu-manager's rule: 1-99 for a share of one GPU, 100 per whole GPU)"
+                )),
+            };
+        };
+        let whole = core >= 100.0 && core % 100.0 == 0.0;
+        if !(whole || (1.0..100.0).contains(&core) && core.fract() == 0.0) {
+            return err(format!(
+                "{VCUDA_CORE} must be 1-99 (percent of one GPU) or a multiple of 100 (whole GPUs: \
+                 100 = one) (got {core}) in container {name:?}"
+            ));
+        }
+        if whole {
+            return Ok(Some(Vcuda {
+                slices: Some(core / 100.0),
+                core_percent: 100.0,
+                mem_mib: None,
+                mem_percent: Some(100.0),
+            }));
+        }
+        let Some(memory) = memory else {
+            return err(format!(
+                "{VCUDA_CORE} {core} (a share of one GPU) needs {VCUDA_MEMORY} beside it in \
+                 container {name:?} (gpu-manager's rule)"
+            ));
+        };
+        Ok(Some(Vcuda {
+            slices: None,
+            core_percent: core,
+            mem_mib: Some(memory * VCUDA_MEMORY_UNIT_MIB),
+            mem_percent: None,
+        }))
     }
 }
 
@@ -321,6 +403,59 @@ mod tests {
             .expect("gpu");
         assert_eq!(p.containers[0].mem_percent, 25);
         assert_eq!(pod_request(&pod(&[("cpu", "1")], &[])), Ok(None));
+    }
+
+    #[test]
+    fn gpu_manager_names_read_as_gpu_manager_means_them() {
+        // (slices, MiB, memory %, compute ‰) of a pod with `limits`.
+        let shape = |limits: &[(&str, &str)]| {
+            let r = pod_request(&pod(limits, &[])).expect("ok").expect("gpu");
+            let c = &r.containers[0];
+            (c.slices, c.mem_mib, c.mem_percent, c.core_milli)
+        };
+        // kubernetes-gpusharing's example pod: 50 % of a GPU, 15 units of 256 MiB.
+        assert_eq!(
+            shape(&[(VCUDA_CORE, "50"), (VCUDA_MEMORY, "15")]),
+            (1, 3840, 0, 500)
+        );
+        // Hundreds are whole GPUs, memory and all (gpu-manager ignores vcuda-memory there).
+        assert_eq!(
+            shape(&[(VCUDA_CORE, "200"), (VCUDA_MEMORY, "60")]),
+            (2, 0, 100, 1000)
+        );
+        assert_eq!(shape(&[(VCUDA_CORE, "100")]), (1, 0, 100, 1000));
+        // gpuledger's own names win over the alias, as with the other peers' names.
+        assert_eq!(
+            shape(&[(VCUDA_CORE, "50"), (VCUDA_MEMORY, "15"), (GPU_MEM, "1000")]),
+            (1, 1000, 0, 500)
+        );
+    }
+
+    #[test]
+    fn gpu_manager_rule_refuses_what_gpu_manager_refuses() {
+        let e = |l: &[(&str, &str)]| match pod_request(&pod(l, &[])) {
+            Err(RequestError::Invalid(m)) => m,
+            other => panic!("accepted {l:?}: {other:?}"),
+        };
+        for core in ["150", "250", "0", "-50", "99.5", "1000.5"] {
+            let m = e(&[(VCUDA_CORE, core), (VCUDA_MEMORY, "4")]);
+            assert!(
+                m.starts_with(
+                    "tencent.com/vcuda-core must be 1-99 (percent of one GPU) or a multiple of 100"
+                ),
+                "{core}: {m}"
+            );
+            assert!(
+                m.contains(&format!("(got {})", parse_quantity(core).expect("number"))),
+                "{m}"
+            );
+        }
+        assert!(e(&[(VCUDA_CORE, "30")]).contains("needs tencent.com/vcuda-memory"));
+        assert!(e(&[(VCUDA_MEMORY, "4")]).contains("needs tencent.com/vcuda-core"));
+        for mem in ["0", "1.5", "-2"] {
+            let m = e(&[(VCUDA_CORE, "30"), (VCUDA_MEMORY, mem)]);
+            assert!(m.contains("256 MiB units"), "{mem}: {m}");
+        }
     }
 
     #[test]

@@ -102,7 +102,11 @@ fn translate(res: Option<&ResourceRequirements>, g: &ContainerGpu) -> Option<Res
         .into_iter()
         .flatten()
         .any(|m| hami.iter().any(|k| m.contains_key(*k)));
-    let mut aliases = vec![resources::ALIYUN_GPU_MEM];
+    let mut aliases = vec![
+        resources::ALIYUN_GPU_MEM,
+        resources::VCUDA_CORE,
+        resources::VCUDA_MEMORY,
+    ];
     aliases.extend(hami);
     if hami_count {
         aliases.push(resources::HAMI_GPU);

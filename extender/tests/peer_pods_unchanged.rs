@@ -1,6 +1,7 @@
-//! Pods written for gpushare (`aliyun.com/gpu-mem`, GiB) and for HAMi (`nvidia.com/gpumem`,
-//! `nvidia.com/gpucores`) are admitted by the webhook, placed by the scheduler emulator through
-//! the extender, and bound, without a change to their YAML.
+//! Pods written for gpushare (`aliyun.com/gpu-mem`, GiB), for HAMi (`nvidia.com/gpumem`,
+//! `nvidia.com/gpucores`) and for gpu-manager (`tencent.com/vcuda-core`, `vcuda-memory`) are
+//! admitted by the webhook, placed by the scheduler emulator through the extender, and bound,
+//! without a change to their YAML.
 
 mod kit;
 
@@ -44,14 +45,38 @@ async fn gpushare_and_hami_pods_run_as_written() -> anyhow::Result<()> {
     let hami = json!({"metadata": {"name": "hami-0", "namespace": "default"},
         "spec": {"containers": [{"name": "c", "image": "x",
             "resources": {"limits": {"nvidia.com/gpumem": "3000", "nvidia.com/gpucores": "30"}}}]}});
+    // The example pod of kubernetes-gpusharing (gpu-manager's names): half a GPU's compute,
+    // 15 × 256 MiB.
+    let gpumanager = json!({"metadata": {"name": "vcuda-0", "namespace": "default"},
+        "spec": {"containers": [{"name": "c", "image": "x",
+            "resources": {"requests": {"tencent.com/vcuda-core": "50", "tencent.com/vcuda-memory": "15"},
+                "limits": {"tencent.com/vcuda-core": "50", "tencent.com/vcuda-memory": "15"}}}]}});
     let bad = json!({"metadata": {"name": "bad-0", "namespace": "default"},
         "spec": {"containers": [{"name": "c", "image": "x",
             "resources": {"limits": {"gpuledger.io/gpu": "3", "gpuledger.io/gpu-mem": "1000"}}}]}});
-    for p in [gpushare, hami] {
+    for p in [gpushare, hami, gpumanager] {
         let admitted = kit::admit(&hook, p).await?.map_err(anyhow::Error::msg)?;
         assert_eq!(admitted["spec"]["schedulerName"], "gpuledger-scheduler");
+        let limits = &admitted["spec"]["containers"][0]["resources"]["limits"];
+        assert!(
+            limits
+                .as_object()
+                .is_some_and(|l| l.keys().all(|k| k.starts_with("gpuledger.io/"))),
+            "a name no node advertises is left: {limits}"
+        );
         stack.api.add_pod(admitted)?;
     }
+    // gpu-manager's rule: 1-99 or whole GPUs in hundreds.
+    let vcuda_150 = json!({"metadata": {"name": "vcuda-bad", "namespace": "default"},
+        "spec": {"containers": [{"name": "c", "image": "x",
+            "resources": {"limits": {"tencent.com/vcuda-core": "150", "tencent.com/vcuda-memory": "4"}}}]}});
+    let why = kit::admit(&hook, vcuda_150)
+        .await?
+        .expect_err("150 is neither a share nor whole GPUs");
+    assert!(
+        why.contains("tencent.com/vcuda-core must be 1-99") && why.contains("got 150"),
+        "{why}"
+    );
     // Three slices on distinct GPUs where no node has three GPUs: refused at admission.
     let why = kit::admit(&hook, bad)
         .await?
@@ -80,7 +105,7 @@ async fn gpushare_and_hami_pods_run_as_written() -> anyhow::Result<()> {
     )?;
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        let bound = ["gpushare-0", "hami-0"].iter().all(|n| {
+        let bound = ["gpushare-0", "hami-0", "vcuda-0"].iter().all(|n| {
             stack
                 .api
                 .pod("default", n)
@@ -115,7 +140,13 @@ async fn gpushare_and_hami_pods_run_as_written() -> anyhow::Result<()> {
     assert_eq!((g.shares.len(), g.shares[0].mem_mib), (1, 3 * 1024));
     let h = by_name("hami-0");
     assert_eq!((h.shares[0].mem_mib, h.shares[0].core_milli), (3000, 300));
-    for a in [&g, &h] {
+    let v = by_name("vcuda-0");
+    assert_eq!(
+        (v.shares.len(), v.shares[0].mem_mib, v.shares[0].core_milli),
+        (1, 15 * 256, 500),
+        "50 % compute and 3,840 MiB"
+    );
+    for a in [&g, &h, &v] {
         let pod = stack
             .api
             .pod("default", &a.pod.as_ref().expect("pod").name)

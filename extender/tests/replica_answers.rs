@@ -10,7 +10,6 @@ use std::time::{Duration, Instant};
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_testkit::kube::{ExtenderClient, KubeStack, StackOptions};
 use gpuledger_testkit::workload::inventory;
-use k8s_openapi::api::core::v1::Pod;
 use serde_json::{Value, json};
 
 fn pod(name: &str, mem: &str, core: &str, policy: Option<&str>) -> Value {
@@ -24,12 +23,6 @@ fn pod(name: &str, mem: &str, core: &str, policy: Option<&str>) -> Value {
     p
 }
 
-fn request(p: &Value) -> anyhow::Result<api::PodRequest> {
-    let pod: Pod = serde_json::from_value(p.clone())?;
-    gpuledger_extender::resources::pod_request(&pod)?
-        .ok_or_else(|| anyhow::anyhow!("not a GPU pod"))
-}
-
 const NODES: [&str; 3] = ["n-big", "n-small", "n-t4"];
 
 /// The allocator's Filter and Score, shaped as the extender answers.
@@ -38,14 +31,14 @@ async fn allocator_answer(stack: &KubeStack, p: &Value) -> anyhow::Result<(Value
     let nodes: Vec<String> = NODES.map(String::from).to_vec();
     let f = c
         .filter(api::FilterRequest {
-            request: Some(request(p)?),
+            request: Some(kit::request(p)?),
             nodes: nodes.clone(),
         })
         .await?
         .into_inner();
     let s = c
         .score(api::ScoreRequest {
-            request: Some(request(p)?),
+            request: Some(kit::request(p)?),
             nodes,
         })
         .await?
@@ -67,47 +60,26 @@ async fn allocator_answer(stack: &KubeStack, p: &Value) -> anyhow::Result<(Value
     Ok((filter, Value::Array(scores)))
 }
 
+/// The extender's filter and prioritize for `p`, then its bind, which fails (the probe is not in
+/// the API server): the extender assumes a filtered pod until its bind, and a failed bind is
+/// forgotten, so no probe counts against the next one's answers.
 async fn extender_answer(ext: &ExtenderClient, p: &Value) -> anyhow::Result<(Value, Value)> {
     let args = json!({"Pod": p, "Nodes": null, "NodeNames": NODES});
-    Ok((
+    let answer = (
         ext.post("filter", &args).await?,
         ext.post("prioritize", &args).await?,
-    ))
-}
-
-async fn metric(stack: &KubeStack, line: &str) -> anyhow::Result<f64> {
-    let (_, text) =
-        gpuledger_testkit::http::get(&format!("{}/metrics", stack.extender_http_url)).await?;
-    Ok(text
-        .lines()
-        .find_map(|l| l.strip_prefix(line)?.trim().parse().ok())
-        .unwrap_or(-1.0))
-}
-
-/// Wait until the replica has folded everything the allocator has.
-async fn caught_up(stack: &KubeStack) -> anyhow::Result<()> {
-    let seq = stack.allocs.status(0).await.map_or(0, |s| s.seq) as f64;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while metric(stack, "gpuledger_extender_replica_seq ").await? < seq {
-        anyhow::ensure!(Instant::now() < deadline, "replica not at seq {seq}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    Ok(())
-}
-
-/// Reserve `p` on `node` as the extender does, for a pod the API server has.
-async fn reserve(stack: &KubeStack, p: &Value, node: &str) -> anyhow::Result<()> {
-    stack.api.add_pod(p.clone())?;
-    kit::reserve_admitted(
-        &mut stack.allocs.extender(0)?,
-        api::ReserveRequest {
-            request: Some(request(p)?),
-            node: node.into(),
-            ttl_ms: 0,
-        },
-    )
-    .await?;
-    Ok(())
+    );
+    let m = &p["metadata"];
+    let bind = json!({"PodName": m["name"], "PodNamespace": m["namespace"], "PodUID": m["uid"],
+                      "Node": NODES[0]});
+    let r = ext.post("bind", &bind).await?;
+    anyhow::ensure!(
+        r["Error"]
+            .as_str()
+            .is_some_and(|e| e.contains("reading pod")),
+        "the probe's bind: {r}"
+    );
+    Ok(answer)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -143,9 +115,9 @@ async fn filter_and_prioritize_come_from_the_replica_and_equal_the_allocator() -
     // Equal answers while the state moves: three reservations (FGD learns from two).
     for (i, node) in ["", "n-big", "n-small", "n-big"].iter().enumerate() {
         if !node.is_empty() {
-            reserve(&stack, &pod(&format!("r{i}"), "16000", "40", None), node).await?;
+            kit::reserve(&stack, &pod(&format!("r{i}"), "16000", "40", None), node).await?;
         }
-        caught_up(&stack).await?;
+        kit::caught_up(&stack).await?;
         last.clear();
         for p in &probes {
             let want = allocator_answer(&stack, p).await?;
@@ -158,7 +130,7 @@ async fn filter_and_prioritize_come_from_the_replica_and_equal_the_allocator() -
             last.push(got);
         }
     }
-    let from_replica = metric(
+    let from_replica = kit::metric(
         &stack,
         r#"gpuledger_extender_answers_total{verb="filter",source="replica"} "#,
     )
@@ -169,9 +141,9 @@ async fn filter_and_prioritize_come_from_the_replica_and_equal_the_allocator() -
     );
 
     // The replica follows the ledger: fill n-small and filter says so.
-    reserve(&stack, &pod("fill-a", "20000", "50", None), "n-small").await?;
-    reserve(&stack, &pod("fill-b", "8000", "50", None), "n-small").await?;
-    caught_up(&stack).await?;
+    kit::reserve(&stack, &pod("fill-a", "20000", "50", None), "n-small").await?;
+    kit::reserve(&stack, &pod("fill-b", "8000", "50", None), "n-small").await?;
+    kit::caught_up(&stack).await?;
     let (f, _) = extender_answer(&ext, &probes[1]).await?;
     assert!(f["FailedNodes"]["n-small"].is_string(), "{f}");
     assert_eq!(f, allocator_answer(&stack, &probes[1]).await?.0);
@@ -191,7 +163,7 @@ async fn filter_and_prioritize_come_from_the_replica_and_equal_the_allocator() -
     let err = f["Error"].as_str().unwrap_or("");
     assert!(err.contains("ledger unavailable"), "{f}");
     assert_eq!(
-        metric(&stack, "gpuledger_extender_replica_synced ").await?,
+        kit::metric(&stack, "gpuledger_extender_replica_synced ").await?,
         0.0
     );
     Ok(())

@@ -9,6 +9,7 @@
 mod baselines;
 mod fgd;
 mod filter;
+pub mod preempt;
 mod request;
 mod score;
 mod strand;
@@ -186,7 +187,8 @@ fn fgd_gpu(
     let cpu = fgd::cpu_left(node, req.cpu_milli);
     let mem = fgd::mem_left(node, req.memory_mib);
     let mut best: Option<(f64, usize)> = None;
-    for &(i, _, _) in cands {
+    let free_cores = cores.clone();
+    for i in distinct_gpus(node, &free_cores, cands.iter().map(|c| c.0)) {
         cores[i] -= core;
         let s = fgd::paper_score(f0, w.fragmentation(node, &cores, cpu, mem));
         cores[i] += core;
@@ -195,6 +197,25 @@ fn fgd_gpu(
         }
     }
     best.expect("at least one candidate").1
+}
+
+/// The GPUs of `cands` that differ from every earlier one in free compute (`free`, indexed like
+/// the node's GPUs) or model. A shared GPU's fragmentation scores depend only on those, so the
+/// first of each kind wins any tie among its kind: an idle 8-GPU node is scored once, not 8 times.
+fn distinct_gpus<'a>(
+    node: &'a NodeState,
+    free: &'a [u32],
+    cands: impl Iterator<Item = usize> + 'a,
+) -> impl Iterator<Item = usize> + 'a {
+    let mut seen: Vec<(u32, &str)> = Vec::new();
+    cands.filter(move |&i| {
+        let key = (free[i], node.gpus[i].model.as_str());
+        let new = !seen.contains(&key);
+        if new {
+            seen.push(key);
+        }
+        new
+    })
 }
 
 /// Dot-product's choice: one shared (partly used) GPU or the lowest idle GPUs, whichever aligns

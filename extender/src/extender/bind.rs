@@ -1,5 +1,5 @@
 //! `bind`: reserve at the allocator, create the pod's Binding in the API server, then confirm
-//! the binding, annotate the pod and tell its users, off the scheduler's path.
+//! the binding and tell the pod's users, off the scheduler's path.
 
 use std::time::Instant;
 
@@ -10,15 +10,14 @@ use gpuledger_ops::events::{Kind, PodEvent};
 use gpuledger_proto::allocator::v1 as api;
 use k8s_openapi::api::core::v1::{Binding, ObjectReference, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::api::{Api, PostParams};
 use serde::de::IgnoredAny;
-use serde_json::{Value, json};
 use tracing::field::{self, Empty};
 use tracing::{Instrument, Span, info, instrument, warn};
 
 use super::wire::{BindingArgs, BindingResult};
 use super::{App, bad_request, failed};
-use crate::resources::{self, ANN_ALLOCATION};
+use crate::resources;
 
 /// "placed on node-3: container main on GPU-… (3072 MiB, 30% compute), …" for the pod's Event.
 fn placed_message(node: &str, r: &api::ReserveResponse) -> String {
@@ -47,25 +46,6 @@ fn placed_message(node: &str, r: &api::ReserveResponse) -> String {
         })
         .collect();
     format!("placed on {node}: {}", parts.join("; "))
-}
-
-/// The human-readable record of a grant, written to the pod (never read back).
-fn allocation_annotation(r: &api::ReserveResponse) -> String {
-    let allocs: Vec<Value> = r
-        .allocations
-        .iter()
-        .map(|a| {
-            json!({
-                "id": a.id,
-                "container": a.container,
-                "node": a.node,
-                "gpus": a.shares.iter().map(|s| s.gpu_uuid.clone()).collect::<Vec<_>>(),
-                "memMiB": a.shares.first().map_or(0, |s| s.mem_mib),
-                "coreMilli": a.shares.first().map_or(0, |s| s.core_milli),
-            })
-        })
-        .collect();
-    json!({"allocations": allocs, "seq": r.seq, "epoch": r.epoch}).to_string()
 }
 
 fn kube_error(e: &kube::Error) -> (Option<u16>, String) {
@@ -219,41 +199,33 @@ async fn do_bind(app: &App, a: &BindingArgs) -> Result<(), String> {
     info!(ms = t0.elapsed().as_secs_f64() * 1e3, "bound");
     if let Some(r) = reserved {
         // The pod is bound: the scheduler may go on. Recording it (ConfirmBound, one more etcd
-        // commit), the annotation for humans and the Event follow off the scheduler's path. If
-        // this extender dies first, the allocator's pod watch sees the binding and records it.
+        // commit) and the Event follow off the scheduler's path. If this extender dies first,
+        // the allocator's pod watch sees the binding and records it.
         app.tasks
-            .spawn(after_bind(app.clone(), pods, a.clone(), uid, r).in_current_span());
+            .spawn(after_bind(app.clone(), a.clone(), uid, r).in_current_span());
     }
     Ok(())
 }
 
-/// What follows a successful Binding: confirm it in the ledger, annotate the pod, tell the user.
-async fn after_bind(
-    app: App,
-    pods: Api<Pod>,
-    a: BindingArgs,
-    uid: String,
-    r: api::ReserveResponse,
-) {
+/// What follows a successful Binding: confirm it in the ledger, tell the user. The ledger is
+/// where the grant is recorded (`gpuledger inspect`); the pod is not annotated, so the extender
+/// needs no right to change pods.
+async fn after_bind(app: App, a: BindingArgs, uid: String, r: api::ReserveResponse) {
     let cb = api::ConfirmBoundRequest {
         pod_uid: uid.clone(),
         node: a.node.clone(),
     };
-    let confirm = app.allocators.call("ConfirmBound", |mut c| {
-        let cb = cb.clone();
-        async move { c.confirm_bound(cb).await }
-    });
-    let patch = json!({"metadata": {"annotations": {ANN_ALLOCATION: allocation_annotation(&r)}}});
-    let (pp, merge) = (PatchParams::default(), Patch::Merge(&patch));
-    let annotate = pods.patch(&a.pod_name, &pp, &merge);
-    let (confirmed, annotated) = tokio::join!(confirm, annotate);
+    let confirmed = app
+        .allocators
+        .call("ConfirmBound", |mut c| {
+            let cb = cb.clone();
+            async move { c.confirm_bound(cb).await }
+        })
+        .await;
     if let Err(s) = confirmed {
         // A failed confirm is left to the allocator's reconcile, which sees the binding;
         // releasing would leave a running pod without its GPU.
         warn!(error = %s.message(), "confirming the binding failed; the allocator's reconcile will");
-    }
-    if let Err(e) = annotated {
-        warn!(error = %kube_error(&e).1, "writing the allocation annotation failed (it is informational)");
     }
     if let Some(events) = &app.events {
         events.emit(PodEvent {

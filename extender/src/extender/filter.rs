@@ -89,7 +89,6 @@ pub(super) async fn filter(State(app): State<App>, body: Bytes) -> Response {
         Some(r) => {
             r.read("filter", |l, d| match d.request(req.clone()) {
                 Ok(pr) => {
-                    r.in_flight.saw(&req);
                     let mut f = parallel::filter_nodes(l, &names, &pr);
                     r.in_flight.filter(l, d, &pr, &mut f);
                     // A node the replica does not know yet may be registered by now: ask.
@@ -105,7 +104,7 @@ pub(super) async fn filter(State(app): State<App>, body: Bytes) -> Response {
         Some(Err(s)) => Err((names, s)),
         None => {
             let fr = api::FilterRequest {
-                request: Some(req),
+                request: Some(req.clone()),
                 nodes: names,
             };
             let res = app
@@ -137,6 +136,10 @@ pub(super) async fn filter(State(app): State<App>, body: Bytes) -> Response {
                 ms = t0.elapsed().as_secs_f64() * 1e3,
                 "filter"
             );
+            if let Some(r) = &app.replica {
+                // The scheduler binds the pod to one of these next, before it tells us which.
+                r.in_flight.feasible(&req, &f.fits);
+            }
             out.failed_nodes = f.wait.into_iter().chain(f.never.clone()).collect();
             out.failed_and_unresolvable_nodes = f.never.into_iter().collect();
             answer_nodes(full, f.fits, &mut out);

@@ -12,6 +12,7 @@ use gpuledger_testkit::allocators::Client;
 use gpuledger_testkit::kube::{ExtenderClient, KubeStack};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
+use k8s_openapi::api::core::v1::Pod;
 use serde_json::{Value, json};
 
 /// `testdata/fixtures/kube-1.20` in the repository; panics with the reason when missing.
@@ -71,6 +72,49 @@ pub async fn reserve_admitted(
             r => return r.map(tonic::Response::into_inner),
         }
     }
+}
+
+/// The `PodRequest` the extender makes of a pod's JSON; an error for a pod with no GPU.
+pub fn request(p: &Value) -> Result<api::PodRequest> {
+    let pod: Pod = serde_json::from_value(p.clone())?;
+    gpuledger_extender::resources::pod_request(&pod)?
+        .ok_or_else(|| anyhow::anyhow!("not a GPU pod"))
+}
+
+/// The value of the extender's metric line that starts with `line` (-1 when absent).
+pub async fn metric(stack: &KubeStack, line: &str) -> Result<f64> {
+    let (_, text) =
+        gpuledger_testkit::http::get(&format!("{}/metrics", stack.extender_http_url)).await?;
+    Ok(text
+        .lines()
+        .find_map(|l| l.strip_prefix(line)?.trim().parse().ok())
+        .unwrap_or(-1.0))
+}
+
+/// Wait until the extender's replica has folded everything the allocator has.
+pub async fn caught_up(stack: &KubeStack) -> Result<()> {
+    let seq = stack.allocs.status(0).await.map_or(0, |s| s.seq) as f64;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while metric(stack, "gpuledger_extender_replica_seq ").await? < seq {
+        anyhow::ensure!(Instant::now() < deadline, "replica not at seq {seq}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(())
+}
+
+/// Create `p` in the API server and reserve it on `node` as the extender does.
+pub async fn reserve(stack: &KubeStack, p: &Value, node: &str) -> Result<api::ReserveResponse> {
+    stack.api.add_pod(p.clone())?;
+    let r = reserve_admitted(
+        &mut stack.allocs.extender(0)?,
+        api::ReserveRequest {
+            request: Some(request(p)?),
+            node: node.into(),
+            ttl_ms: 0,
+        },
+    )
+    .await?;
+    Ok(r)
 }
 
 /// A self-signed certificate for 127.0.0.1/localhost in a temp dir.

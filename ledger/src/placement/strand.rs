@@ -132,7 +132,7 @@ impl Start {
 }
 
 /// The GPU of `cands` whose use by a one-slice share of `core` costs least ([`Start::delta`]);
-/// ties to the first.
+/// ties to the first (GPUs alike in free share and model cost the same: only the first is scored).
 pub(crate) fn gpu(
     w: &Workload,
     node: &NodeState,
@@ -144,7 +144,7 @@ pub(crate) fn gpu(
     let start = Start::of(w, node, free);
     let mut after = free.to_vec();
     let mut best: Option<(f64, usize)> = None;
-    for i in cands {
+    for i in super::distinct_gpus(node, free, cands) {
         after[i] -= core;
         let d = start.delta(w, node, req, free, &after);
         after[i] += core;

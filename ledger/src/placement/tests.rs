@@ -504,3 +504,15 @@ fn fgd_strand_puts_pods_without_gpus_where_the_least_gpu_is_free() {
         "small"
     );
 }
+
+#[test]
+fn gpus_alike_in_free_share_and_model_are_scored_once() {
+    let mut n = node((0..6).map(|i| gpu(i, 16000)).collect());
+    n.gpus[1].core_used = 300;
+    n.gpus[3].core_used = 300;
+    n.gpus[4].model = "Tesla T4".into();
+    let free: Vec<u32> = n.gpus.iter().map(|g| g.core_free()).collect();
+    let kept: Vec<usize> = distinct_gpus(&n, &free, 0..6).collect();
+    // GPU 2 and 5 are idle A100s like GPU 0, GPU 3 is GPU 1 again; the idle T4 is new.
+    assert_eq!(kept, vec![0, 1, 4]);
+}

@@ -34,3 +34,32 @@ gpuledger); the kubelet renews it in place and the components re-read it. */ -}}
         expirationSeconds: 3600
         path: token
 {{- end -}}
+
+{{- /* The CA clients of the allocator trust: the script's ConfigMap gpuledger-ca, or with
+cert-manager only the ca.crt of the Secret gpuledger-ca-bundle. The cert-manager form comes first
+in the list, as the kustomize component's patch puts it (deploy-check compares the two). */ -}}
+{{- define "gpuledger.caVolumeCertManager" -}}
+{{- if .Values.certManager.enabled }}
+- name: ca
+  secret:
+    items:
+    - key: ca.crt
+      path: ca.crt
+    secretName: gpuledger-ca-bundle
+{{- end }}
+{{- end -}}
+
+{{- define "gpuledger.caVolumeScript" -}}
+{{- if not .Values.certManager.enabled }}
+- configMap:
+    name: gpuledger-ca
+  name: ca
+{{- end }}
+{{- end -}}
+
+{{- define "gpuledger.webhookCaInjection" -}}
+{{- if .Values.certManager.enabled }}
+annotations:
+  cert-manager.io/inject-ca-from: gpuledger-system/gpuledger-webhook-tls
+{{- end }}
+{{- end -}}

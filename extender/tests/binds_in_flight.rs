@@ -1,0 +1,66 @@
+//! Regression (e2e `binds_in_flight`, 1 of 61 binds refused under load): kube-scheduler binds
+//! asynchronously, so the next pod's filter can reach the extender before the previous pod's
+//! bind does. A pod the extender found feasible holds that capacity, on every node it was
+//! feasible on, until its bind says where it goes, or fails.
+
+mod kit;
+
+use gpuledger_proto::allocator::v1 as api;
+use gpuledger_testkit::kube::{ExtenderClient, KubeStack, StackOptions};
+use gpuledger_testkit::workload::inventory;
+use serde_json::{Value, json};
+
+fn pod(name: &str) -> Value {
+    json!({"metadata": {"name": name, "namespace": "default", "uid": format!("uid-{name}")},
+           "spec": {"schedulerName": "gpuledger-scheduler", "containers": [{"name": "c", "image": "x",
+              "resources": {"limits": {"gpuledger.io/gpu": "1", "gpuledger.io/gpu-mem": "10000"}}}]}})
+}
+
+async fn fits(ext: &ExtenderClient, p: &Value) -> anyhow::Result<(Value, Value)> {
+    let r = ext
+        .post(
+            "filter",
+            &json!({"Pod": p, "Nodes": null, "NodeNames": ["n1", "n2"]}),
+        )
+        .await?;
+    Ok((r["NodeNames"].clone(), r["FailedNodes"].clone()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_filtered_pod_holds_its_capacity_until_its_bind() -> anyhow::Result<()> {
+    let stack = KubeStack::start(StackOptions {
+        allocators: 1,
+        extender_flags: Some(Vec::new()),
+        ..Default::default()
+    })
+    .await?;
+    for n in ["n1", "n2"] {
+        stack
+            .allocs
+            .node_agent(0, n)?
+            .register_node(api::RegisterNodeRequest {
+                inventory: Some(inventory(n, 1, 16_000, "NVIDIA A10")),
+            })
+            .await?;
+    }
+    let ext = kit::extender(&stack)?;
+    let (a, b) = (pod("a"), pod("b"));
+    let (names, _) = fits(&ext, &a).await?;
+    assert_eq!(names, json!(["n1", "n2"]));
+    // a's bind has not arrived: b cannot have the room a may take on either node.
+    let (names, failed) = fits(&ext, &b).await?;
+    assert_eq!(names, json!([]), "{failed}");
+    assert!(
+        failed["n1"]
+            .as_str()
+            .is_some_and(|w| w.contains("counting binds in flight")),
+        "{failed}"
+    );
+    // a's bind fails (a is not in the API server): a is forgotten, b fits again.
+    let bind = json!({"PodName": "a", "PodNamespace": "default", "PodUID": "uid-a", "Node": "n1"});
+    let r = ext.post("bind", &bind).await?;
+    assert!(r["Error"].as_str().is_some_and(|e| !e.is_empty()), "{r}");
+    let (names, failed) = fits(&ext, &b).await?;
+    assert_eq!(names, json!(["n1", "n2"]), "{failed}");
+    Ok(())
+}

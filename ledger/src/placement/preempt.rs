@@ -1,0 +1,254 @@
+//! Preemption: which lower-priority pods to evict so that a pod fits on a node.
+//!
+//! kube-scheduler's own dry run does not see GPU memory or compute (they are ignored by the
+//! scheduler), so it cannot tell which pods free a fit; this answers it from the ledger: the
+//! fewest pods whose slices, once released, let [`evaluate`] place the request, then the lowest
+//! priorities. Evicting a pod whose slices are on other GPUs than the ones the request lands on
+//! helps nobody, and such a pod is never in the answer.
+
+use std::collections::BTreeSet;
+
+use rustc_hash::FxHashMap;
+
+use super::{ContainerPlacement, PodRequest, evaluate, materialize};
+use crate::state::{Alloc, NodeState, pod_kind};
+
+/// Placement evaluations spent on the exhaustive search before it settles for an irreducible set
+/// found greedily: a node with many small pods would otherwise cost C(n, k) evaluations.
+const EXACT_BUDGET: usize = 5_000;
+
+/// A pod that may be evicted, with its priority (`spec.priority`, 0 when unset).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Evictable {
+    /// Pod UID.
+    pub pod_uid: String,
+    /// The pod's priority.
+    pub priority: i32,
+}
+
+/// The pods to evict and where the preemptor then goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Victims {
+    /// UIDs of the pods to evict, lowest priority first (ties by UID); empty when the pod fits
+    /// once the pods already leaving are gone.
+    pub pods: Vec<String>,
+    /// Where the preemptor's containers land once they are gone.
+    pub placement: Vec<ContainerPlacement>,
+}
+
+/// What evicting one pod frees on the node.
+struct Freed {
+    priority: i32,
+    /// (GPU index, memory, compute) per share.
+    shares: Vec<(usize, u64, u32)>,
+    cpu_milli: u64,
+    memory_mib: u64,
+    kinds: Vec<usize>,
+}
+
+impl Freed {
+    fn of(node: &NodeState, allocs: &[&Alloc], priority: i32) -> Freed {
+        let mut f = Freed {
+            priority,
+            shares: Vec::new(),
+            cpu_milli: 0,
+            memory_mib: 0,
+            kinds: Vec::new(),
+        };
+        for a in allocs {
+            for s in &a.shares {
+                if let Some(i) = node.gpus.iter().position(|g| g.uuid == s.gpu_uuid) {
+                    f.shares.push((i, s.mem_mib, s.core_milli));
+                }
+            }
+            f.cpu_milli += a.cpu_milli;
+            f.memory_mib += a.memory_mib;
+            let core = a.shares.first().map_or(0, |s| s.core_milli);
+            f.kinds.push(pod_kind(a.shares.len(), core));
+        }
+        f
+    }
+
+    /// Release (or, with `back`, take again) what this pod holds on `node`.
+    fn apply(&self, node: &mut NodeState, back: bool) {
+        for &(i, mem, core) in &self.shares {
+            let g = &mut node.gpus[i];
+            if back {
+                g.mem_used += mem;
+                g.core_used += core;
+                g.holders += 1;
+            } else {
+                g.mem_used = g.mem_used.saturating_sub(mem);
+                g.core_used = g.core_used.saturating_sub(core);
+                g.holders = g.holders.saturating_sub(1);
+            }
+        }
+        for &k in &self.kinds {
+            let c = &mut node.pod_kinds[k];
+            *c = if back { *c + 1 } else { c.saturating_sub(1) };
+        }
+        if back {
+            node.cpu_used += self.cpu_milli;
+            node.memory_used += self.memory_mib;
+        } else {
+            node.cpu_used = node.cpu_used.saturating_sub(self.cpu_milli);
+            node.memory_used = node.memory_used.saturating_sub(self.memory_mib);
+        }
+    }
+}
+
+/// The fewest pods of `evictable` to evict from `node` so that `req` fits, then the lowest
+/// priorities (the highest victim priority, then their sum, then UIDs); None if evicting all
+/// of them does not make it fit.
+///
+/// `allocs` are the live allocations on `node`; `priority` is the preemptor's: only pods of
+/// lower priority, holding an allocation here, are ever chosen. The pods of `leaving` (being
+/// evicted or deleted anyway) count as gone and are not part of the answer.
+pub fn choose_victims(
+    node: &NodeState,
+    allocs: &[&Alloc],
+    req: &PodRequest,
+    priority: i32,
+    leaving: &BTreeSet<String>,
+    evictable: &[Evictable],
+) -> Option<Victims> {
+    let mut scratch = NodeState {
+        allocs: BTreeSet::new(),
+        devices: Default::default(),
+        ..node.clone()
+    };
+    let mut by_pod: FxHashMap<&str, Vec<&Alloc>> = FxHashMap::default();
+    for a in allocs {
+        by_pod.entry(a.pod.uid.as_str()).or_default().push(a);
+    }
+    for uid in leaving {
+        if let Some(held) = by_pod.remove(uid.as_str()) {
+            Freed::of(node, &held, 0).apply(&mut scratch, false);
+        }
+    }
+    let mut cands: Vec<&Evictable> = evictable
+        .iter()
+        .filter(|e| e.priority < priority && by_pod.contains_key(e.pod_uid.as_str()))
+        .collect();
+    cands.sort_by(|a, b| (a.priority, &a.pod_uid).cmp(&(b.priority, &b.pod_uid)));
+    cands.dedup_by(|a, b| a.pod_uid == b.pod_uid);
+    let freed: Vec<Freed> = cands
+        .iter()
+        .map(|e| Freed::of(node, &by_pod[e.pod_uid.as_str()], e.priority))
+        .collect();
+
+    let answer = |scratch: &NodeState, chosen: &[usize]| -> Option<Victims> {
+        let c = evaluate(scratch, req).ok()?;
+        Some(Victims {
+            pods: chosen.iter().map(|&i| cands[i].pod_uid.clone()).collect(),
+            placement: materialize(scratch, req, &c),
+        })
+    };
+    if let Some(v) = answer(&scratch, &[]) {
+        return Some(v);
+    }
+    // Hopeless nodes are the common case among the scheduler's candidates: find out at once.
+    freed.iter().for_each(|f| f.apply(&mut scratch, false));
+    let fits_all = evaluate(&scratch, req).is_ok();
+    freed.iter().for_each(|f| f.apply(&mut scratch, true));
+    if !fits_all {
+        return None;
+    }
+    let mut budget = EXACT_BUDGET;
+    for k in 1..=freed.len() {
+        match smallest_of_size(&mut scratch, req, &freed, k, &mut budget) {
+            Search::Found(chosen) => {
+                chosen
+                    .iter()
+                    .for_each(|&i| freed[i].apply(&mut scratch, false));
+                return answer(&scratch, &chosen);
+            }
+            Search::None => {}
+            Search::OutOfBudget => break,
+        }
+    }
+    let chosen = irreducible(&mut scratch, req, &freed);
+    chosen
+        .iter()
+        .for_each(|&i| freed[i].apply(&mut scratch, false));
+    answer(&scratch, &chosen)
+}
+
+enum Search {
+    Found(Vec<usize>),
+    None,
+    OutOfBudget,
+}
+
+/// The best `k`-subset of `freed` (by highest priority, then sum of priorities, then indices)
+/// that lets `req` fit, trying subsets in lexicographic order of indices.
+fn smallest_of_size(
+    node: &mut NodeState,
+    req: &PodRequest,
+    freed: &[Freed],
+    k: usize,
+    budget: &mut usize,
+) -> Search {
+    let n = freed.len();
+    let mut idx: Vec<usize> = (0..k).collect();
+    let mut best: Option<((i32, i64), Vec<usize>)> = None;
+    loop {
+        // Candidates are sorted by priority, so the last index has the highest.
+        let key = (
+            freed[idx[k - 1]].priority,
+            idx.iter()
+                .map(|&i| i64::from(freed[i].priority))
+                .sum::<i64>(),
+        );
+        // Lexicographic order makes an earlier subset with an equal key the better one.
+        if best.as_ref().is_none_or(|(b, _)| key < *b) {
+            if *budget == 0 {
+                return Search::OutOfBudget;
+            }
+            *budget -= 1;
+            idx.iter().for_each(|&i| freed[i].apply(node, false));
+            let fits = evaluate(node, req).is_ok();
+            idx.iter().for_each(|&i| freed[i].apply(node, true));
+            if fits {
+                best = Some((key, idx.clone()));
+            }
+        }
+        // Next combination in lexicographic order.
+        let Some(pos) = (0..k).rev().find(|&p| idx[p] < n - k + p) else {
+            break;
+        };
+        idx[pos] += 1;
+        for p in pos + 1..k {
+            idx[p] = idx[p - 1] + 1;
+        }
+    }
+    best.map_or(Search::None, |(_, chosen)| Search::Found(chosen))
+}
+
+/// Evict in order of priority until `req` fits, then give back, highest priority first, every
+/// pod the fit does not need (kube-scheduler's reprieve): no victim can be spared, though a
+/// smaller set may exist. The caller has checked that evicting all of them fits.
+fn irreducible(node: &mut NodeState, req: &PodRequest, freed: &[Freed]) -> Vec<usize> {
+    let mut chosen = Vec::new();
+    for (i, f) in freed.iter().enumerate() {
+        f.apply(node, false);
+        chosen.push(i);
+        if evaluate(node, req).is_ok() {
+            break;
+        }
+    }
+    for pos in (0..chosen.len()).rev() {
+        let i = chosen[pos];
+        freed[i].apply(node, true);
+        if evaluate(node, req).is_ok() {
+            chosen.remove(pos);
+        } else {
+            freed[i].apply(node, false);
+        }
+    }
+    chosen.iter().for_each(|&i| freed[i].apply(node, true));
+    chosen
+}
+
+#[cfg(test)]
+mod tests;
