@@ -53,10 +53,12 @@ pub async fn trim_once(
     let cut = snap.min(head.saturating_sub(policy.retain_events));
     let mut archived = archive.off_thread(Archive::last_seq).await?;
     if cut > archived {
-        let (batches, _) = log.read(archived + 1, cut).await?;
+        let batches = log.read_stored(archived + 1, cut).await?;
         // Only whole batches: the one holding `cut` may run past it.
-        let whole: Vec<pb::EventBatch> =
-            batches.into_iter().filter(|b| last_seq(b) <= cut).collect();
+        let whole: Vec<(pb::EventBatch, Vec<u8>)> = batches
+            .into_iter()
+            .filter(|(b, _)| last_seq(b) <= cut)
+            .collect();
         archived = archive.off_thread(move |a| a.append(&whole)).await?;
     }
     if archived == 0 {

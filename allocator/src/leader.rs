@@ -14,6 +14,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use gpuledger_ledger::chain::Hash;
 use gpuledger_ledger::{Command, CommandError, Ledger, pb};
 use gpuledger_ops::clock::Clock;
 use tokio::sync::{mpsc, oneshot};
@@ -26,7 +27,7 @@ use self::group_commit::{Ack, Action, Decided, GroupCommit};
 pub use self::group_commit::{BatchLimits, LOAD_WAITERS, StepDown};
 use crate::archive::Archive;
 use crate::election::Lease;
-use crate::log::{Commit, Fence, LedgerLog, LogError, encode};
+use crate::log::{Commit, Fence, LedgerLog, LogError, encode, stamp};
 use crate::shared::{Committed, Request, Role, Shared};
 
 /// How long a batch in flight when leadership ends may take to say whether it committed.
@@ -75,11 +76,11 @@ impl<L: LedgerLog> Leader<L> {
         } = self;
         let epoch = fence.epoch as u64;
         let clock = shared.clock.clone();
-        let (mut spec, mut head_rev) = match announce(&shared, &log, &fence, archive.as_ref()).await
-        {
-            Ok(x) => x,
-            Err(stop) => return stop,
-        };
+        let (mut spec, mut head_rev, mut tip) =
+            match announce(&shared, &log, &fence, archive.as_ref()).await {
+                Ok(x) => x,
+                Err(stop) => return stop,
+            };
         info!(epoch, seq = spec.seq(), replica = %shared.replica, "leading");
         shared.metrics.leaderships.inc();
         let (tx, mut inbox) = mpsc::channel::<Request>(4096);
@@ -94,9 +95,10 @@ impl<L: LedgerLog> Leader<L> {
         let reason = 'lead: loop {
             while let Some(action) = policy.next_action() {
                 match action {
-                    Action::Launch { batch, opened } => {
+                    Action::Launch { mut batch, opened } => {
+                        let encoded = chain(&mut batch, &mut tip, &log);
                         in_flight = Some(InFlight {
-                            commit: Box::pin(log.append(&fence, head_rev, encode(&batch))),
+                            commit: Box::pin(log.append(&fence, head_rev, encoded)),
                             batch,
                             sent: clock.now(),
                             opened,
@@ -188,15 +190,69 @@ impl<L: LedgerLog> Leader<L> {
     }
 }
 
+/// Link `batch` to the chain's `tip` and encode it; `tip` moves to its hash and the batch is
+/// stamped with it, as a reader of the store would see it.
+fn chain<L: LedgerLog>(batch: &mut pb::EventBatch, tip: &mut Hash, log: &L) -> crate::log::Encoded {
+    batch.prev_hash = tip.to_vec();
+    let encoded = encode(batch);
+    *tip = encoded.hash;
+    stamp(
+        batch,
+        encoded.hash,
+        format!("etcd {}{:020}", log.location(), batch.first_seq),
+    );
+    encoded
+}
+
+/// The hash of the last committed batch, from the fold; checked against what `head` records.
+async fn chain_tip<L: LedgerLog>(
+    shared: &Shared,
+    log: &L,
+    head: &crate::log::HeadInfo,
+    head_hash: &[u8],
+) -> Result<Hash, StepDown> {
+    let corrupt = |why: String| {
+        StepDown::Etcd(LogError::Corrupt {
+            key: format!("{}head", log.location().trim_end_matches("log/")),
+            why,
+        })
+    };
+    let tip = match shared.chain_tip() {
+        Some(t) => t,
+        // Resumed from a snapshot without a chain hash and nothing folded since.
+        None => match Hash::try_from(head_hash) {
+            Ok(h) => h,
+            Err(_) => {
+                let mut found = None;
+                log.read_with(head.seq, head.seq, |b| {
+                    found = Some(gpuledger_ledger::chain::batch_hash(&b));
+                    false
+                })
+                .await
+                .map_err(StepDown::Etcd)?;
+                found.ok_or_else(|| corrupt(format!("no batch holds seq {}", head.seq)))?
+            }
+        },
+    };
+    if !head_hash.is_empty() && head_hash != tip {
+        return Err(corrupt(format!(
+            "head records hash {} but the last batch hashes to {}: the newest batch was changed",
+            gpuledger_ledger::chain::short_hex(head_hash),
+            gpuledger_ledger::chain::short_hex(&tip)
+        )));
+    }
+    Ok(tip)
+}
+
 /// Catch up with everything committed before this leadership, then write its first event
-/// (`LeaderElected`, which names the leader). Returns the speculative state and `head`'s
-/// mod_revision to fence the next write on.
+/// (`LeaderElected`, which names the leader). Returns the speculative state, `head`'s
+/// mod_revision to fence the next write on and the chain's tip.
 async fn announce<L: LedgerLog>(
     shared: &Arc<Shared>,
     log: &L,
     fence: &Fence,
     archive: Option<&Archive>,
-) -> Result<(Ledger, i64), StepDown> {
+) -> Result<(Ledger, i64, Hash), StepDown> {
     let epoch = fence.epoch as u64;
     let head = log.head().await.map_err(StepDown::Etcd)?;
     crate::tail::catch_up(shared, log, archive)
@@ -214,19 +270,25 @@ async fn announce<L: LedgerLog>(
         replica: shared.replica.clone(),
         address: shared.address.clone(),
     });
-    let (events, _) = spec
+    let (mut events, _) = spec
         .execute(elected, epoch, shared.clock.now_ms())
         .map_err(|e| StepDown::Bug(e.to_string()))?;
-    let batch = pb::EventBatch {
+    for e in &mut events {
+        e.actor = Some(shared.actor());
+    }
+    let mut tip = chain_tip(shared, log, &head, &head.hash).await?;
+    let mut batch = pb::EventBatch {
         version: 1,
         first_seq: events.first().map_or(0, |e| e.seq),
         epoch,
         events,
+        ..Default::default()
     };
-    match log.append(fence, head.mod_rev, encode(&batch)).await {
+    let encoded = chain(&mut batch, &mut tip, log);
+    match log.append(fence, head.mod_rev, encoded).await {
         Ok(Commit::Done { head_rev }) => {
             shared.apply_committed(batch);
-            Ok((spec, head_rev))
+            Ok((spec, head_rev, tip))
         }
         Ok(Commit::Fenced) => Err(StepDown::Fenced),
         Err(e) => Err(StepDown::Etcd(e)),
@@ -243,16 +305,21 @@ fn decide(
 ) {
     let may_wait = matches!(req.cmd, Command::ConfirmBound { .. });
     match spec.execute(req.cmd, epoch, clock.now_ms()) {
-        Ok((events, reply)) => policy.decided(
-            clock.now(),
-            Decided {
-                waiter: req.reply,
-                events,
-                reply,
-                seq: spec.seq(),
-                may_wait,
-            },
-        ),
+        Ok((mut events, reply)) => {
+            for e in &mut events {
+                e.actor.clone_from(&req.actor);
+            }
+            policy.decided(
+                clock.now(),
+                Decided {
+                    waiter: req.reply,
+                    events,
+                    reply,
+                    seq: spec.seq(),
+                    may_wait,
+                },
+            )
+        }
         Err(CommandError::Bug(e)) => {
             let _ = req.reply.send(Err(Status::internal(format!(
                 "refused to write an invalid event: {e}"

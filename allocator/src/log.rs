@@ -14,6 +14,7 @@ pub(crate) mod memory;
 use std::future::Future;
 use std::time::Duration;
 
+use gpuledger_ledger::chain::{Hash, hash_stored};
 use gpuledger_ledger::pb;
 use gpuledger_ops::archive::ArchiveError;
 use prost::Message;
@@ -75,6 +76,8 @@ pub struct HeadInfo {
     pub seq: u64,
     /// Epoch that wrote it.
     pub epoch: u64,
+    /// SHA-256 of the last batch's stored bytes (empty before the log was chained).
+    pub hash: Vec<u8>,
     /// mod_revision of the head key (0 = no head yet).
     pub mod_rev: i64,
     /// The store revision the read was made at.
@@ -143,32 +146,58 @@ pub trait LedgerLog: Clone + Send + Sync + 'static {
 pub struct Encoded {
     /// Seq of the batch's first event (its key in the log).
     pub first_seq: u64,
-    /// What `head` says once the batch is in.
+    /// What `head` says once the batch is in (with the batch's hash).
     pub head: pb::Head,
     /// The encoded `EventBatch`.
     pub bytes: Vec<u8>,
+    /// SHA-256 of `bytes`: the next batch's `prev_hash`.
+    pub hash: Hash,
 }
 
-/// Encode a batch for [`LedgerLog::append`].
+/// Encode a batch for [`LedgerLog::append`] (its `stored` is never written). Its
+/// `prev_hash` must already link it to the batch before.
 pub fn encode(batch: &pb::EventBatch) -> Encoded {
     let last = batch
         .events
         .last()
         .map_or(batch.first_seq.saturating_sub(1), |e| e.seq);
+    let bytes = if batch.stored.is_some() {
+        pb::EventBatch {
+            stored: None,
+            ..batch.clone()
+        }
+        .encode_to_vec()
+    } else {
+        batch.encode_to_vec()
+    };
+    let hash = hash_stored(&bytes);
     Encoded {
         first_seq: batch.first_seq,
         head: pb::Head {
             seq: last,
             epoch: batch.epoch,
+            hash: hash.to_vec(),
         },
-        bytes: batch.encode_to_vec(),
+        bytes,
+        hash,
     }
 }
 
-/// Decode a batch from a watch or range value.
+/// Mark `batch` as stored at `location` with bytes hashing to `hash` (what the chain checks).
+pub fn stamp(batch: &mut pb::EventBatch, hash: Hash, location: String) {
+    batch.stored = Some(pb::StoredAt {
+        hash: hash.to_vec(),
+        location,
+    });
+}
+
+/// Decode a batch from a watch or range value, stamped with the hash of those bytes.
 pub fn decode_batch(key: &[u8], value: &[u8]) -> Result<pb::EventBatch, LogError> {
-    pb::EventBatch::decode(value).map_err(|e| LogError::Corrupt {
-        key: String::from_utf8_lossy(key).into_owned(),
+    let key = String::from_utf8_lossy(key);
+    let mut b = pb::EventBatch::decode(value).map_err(|e| LogError::Corrupt {
+        key: key.clone().into_owned(),
         why: e.to_string(),
-    })
+    })?;
+    stamp(&mut b, hash_stored(value), format!("etcd {key}"));
+    Ok(b)
 }

@@ -41,6 +41,8 @@ pub struct Metrics {
     pub batch_events: Histogram,
     /// Times this replica became leader.
     pub leaderships: Counter,
+    /// Committed batches this replica refused to fold because they do not chain.
+    pub chain_breaks: Counter,
     /// Calls refused by the authorization table, by rule and caller role.
     denied: Family<Vec<(&'static str, String)>, Counter>,
     /// Events folded, by type (index into [`EVENT_TYPES`]): a fixed array, so counting an
@@ -69,6 +71,12 @@ impl Default for Metrics {
             "Times this replica became the leader (failovers it took over)",
             leaderships.clone(),
         );
+        let chain_breaks = Counter::default();
+        registry.register(
+            "chain_breaks",
+            "Batches refused because their prev_hash does not chain (the log was changed; this replica stops folding)",
+            chain_breaks.clone(),
+        );
         let denied = Family::<Vec<(&'static str, String)>, Counter>::default();
         registry.register(
             "calls_denied",
@@ -80,6 +88,7 @@ impl Default for Metrics {
             commit_latency,
             batch_events,
             leaderships,
+            chain_breaks,
             denied,
             events: Default::default(),
         }

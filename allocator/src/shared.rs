@@ -4,6 +4,7 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use gpuledger_ledger::chain::{Chain, Hash, batch_hash};
 use gpuledger_ledger::{Command, Ledger, Reply, pb};
 use gpuledger_ops::clock::{Clock, SystemClock};
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
@@ -41,6 +42,9 @@ impl Role {
 pub struct Request {
     /// What to do.
     pub cmd: Command,
+    /// Who asked (the verified caller, or this replica for what the leader does itself):
+    /// recorded on every event the command writes.
+    pub actor: Option<pb::Actor>,
     /// Where the answer goes once the events are durable.
     pub reply: oneshot::Sender<Result<Committed, Status>>,
 }
@@ -80,6 +84,9 @@ pub struct Shared {
     folded: AtomicU64,
     /// Role, epoch and leader address.
     pub role: watch::Sender<RoleInfo>,
+    /// The hash chain up to `live`'s seq, and the hashes of recent batches (by last seq) for
+    /// the snapshots written from views. Locked only while `live` is.
+    chain: Mutex<Links>,
     /// Committed batches as they are folded in.
     pub batches: broadcast::Sender<Arc<pb::EventBatch>>,
     recent: Mutex<VecDeque<Arc<pb::EventBatch>>>,
@@ -97,6 +104,12 @@ pub struct Shared {
     pub applied: watch::Sender<u64>,
     /// Where every time-based decision of the replica reads the time.
     pub clock: Arc<dyn Clock>,
+}
+
+/// The chain's end and the hashes of the recent batches.
+struct Links {
+    chain: Chain,
+    recent: VecDeque<(u64, Hash)>,
 }
 
 /// Role plus what goes with it.
@@ -127,6 +140,10 @@ impl Shared {
         Arc::new(Shared {
             live: Mutex::new(Ledger::new()),
             views: Views::new(&Ledger::new()),
+            chain: Mutex::new(Links {
+                chain: Chain::new(),
+                recent: VecDeque::new(),
+            }),
             folded: AtomicU64::new(0),
             role,
             batches,
@@ -171,11 +188,22 @@ impl Shared {
         f(&self.live.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
-    /// Replace the state (after loading a snapshot).
-    pub async fn reset(&self, l: Ledger) {
+    /// Replace the state (after loading a snapshot whose chain hash is `chain_hash`; empty:
+    /// unknown, or a state from empty).
+    pub async fn reset(&self, l: Ledger, chain_hash: &[u8]) {
         let seq = l.seq();
         self.views.reset(&l).await;
-        *self.live.lock().unwrap_or_else(|p| p.into_inner()) = l;
+        let mut live = self.live.lock().unwrap_or_else(|p| p.into_inner());
+        *live = l;
+        let chain = Chain::resume(seq, chain_hash);
+        let mut links = self.chain.lock().unwrap_or_else(|p| p.into_inner());
+        links.recent.clear();
+        if let Some(tip) = chain.tip() {
+            links.recent.push_back((seq, tip));
+        }
+        links.chain = chain;
+        drop(links);
+        drop(live);
         self.folded.store(seq, Ordering::SeqCst);
         self.applied.send_replace(seq);
         self.recent
@@ -190,6 +218,33 @@ impl Shared {
         let batch = Arc::new(batch);
         {
             let mut st = self.live.lock().unwrap_or_else(|p| p.into_inner());
+            // A batch already folded (a repeat) has nothing to link.
+            let fresh = batch.events.last().is_some_and(|e| e.seq > st.seq());
+            let mut links = self.chain.lock().unwrap_or_else(|p| p.into_inner());
+            let hash = batch_hash(&batch);
+            let linked = if fresh {
+                links.chain.link(&batch, hash)
+            } else {
+                Ok(())
+            };
+            if let Err(e) = linked {
+                let at = batch.stored.as_ref().map_or("", |s| s.location.as_str());
+                error!(seq = batch.first_seq, at, error = %e, "a committed batch does not chain: this replica stops applying the log");
+                self.metrics.chain_breaks.inc();
+                self.health.lock().unwrap_or_else(|p| p.into_inner()).broken = Some(format!(
+                    "the log's hash chain breaks at seq {} ({at}): {e}",
+                    batch.first_seq
+                ));
+                return false;
+            }
+            if fresh {
+                let last = links.chain.next_seq() - 1;
+                links.recent.push_back((last, hash));
+            }
+            while links.recent.len() > RECENT_BATCHES {
+                links.recent.pop_front();
+            }
+            drop(links);
             let mut broken = None;
             for ev in &batch.events {
                 if ev.seq <= st.seq() {
@@ -227,6 +282,36 @@ impl Shared {
         }
         let _ = self.batches.send(batch);
         true
+    }
+
+    /// This replica as the actor of the events its leader makes itself.
+    pub fn actor(&self) -> pb::Actor {
+        pb::Actor {
+            role: "allocator".into(),
+            name: self.replica.clone(),
+            node: String::new(),
+        }
+    }
+
+    /// The hash of the batch that ended at `seq`, while it is recent (for snapshots).
+    pub fn chain_hash_at(&self, seq: u64) -> Option<Hash> {
+        let links = self.chain.lock().unwrap_or_else(|p| p.into_inner());
+        let i = links.recent.partition_point(|(s, _)| *s < seq);
+        links
+            .recent
+            .get(i)
+            .filter(|(s, _)| *s == seq)
+            .map(|(_, h)| *h)
+    }
+
+    /// The hash of the last batch folded (None: resumed from a snapshot without one).
+    pub fn chain_tip(&self) -> Option<Hash> {
+        let _live = self.live.lock().unwrap_or_else(|p| p.into_inner());
+        self.chain
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .chain
+            .tip()
     }
 
     /// Wait (at most `limit`) until this replica has folded `seq`: a client that wrote through

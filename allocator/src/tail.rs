@@ -24,6 +24,7 @@ pub async fn load(
 ) -> Result<(), LogError> {
     let started = std::time::Instant::now();
     let mut ledger = Ledger::new();
+    let mut chain_hash = Vec::new();
     let snap = if use_snapshots {
         log.latest_snapshot(0).await?
     } else {
@@ -34,9 +35,14 @@ pub async fn load(
             key: format!("{}snapmeta/{:020}", log.prefix(), snap.seq),
             why,
         })?;
-        info!(seq = snap.seq, "loaded snapshot");
+        info!(
+            seq = snap.seq,
+            chained = !snap.chain_hash.is_empty(),
+            "loaded snapshot"
+        );
+        chain_hash = snap.chain_hash;
     }
-    shared.reset(ledger).await;
+    shared.reset(ledger, &chain_hash).await;
     catch_up(shared, log, archive).await?;
     let seq = shared.seq();
     info!(
@@ -257,13 +263,23 @@ pub fn snapshot_due(l: &Ledger, last_snap: u64, every: u64) -> bool {
 pub fn spawn_snapshot<L: LedgerLog>(shared: Arc<Shared>, log: L) {
     tokio::spawn(async move {
         let view = shared.view().await;
-        let snap = match tokio::task::spawn_blocking(move || view.to_snapshot()).await {
+        // A snapshot records the chain's hash at its seq, so a replica starting from it
+        // checks the very next link.
+        let Some(hash) = shared.chain_hash_at(view.seq()) else {
+            warn!(
+                seq = view.seq(),
+                "no chain hash known at the view's seq; no snapshot this time"
+            );
+            return;
+        };
+        let mut snap = match tokio::task::spawn_blocking(move || view.to_snapshot()).await {
             Ok(s) => s,
             Err(e) => {
                 warn!(error = %e, "encoding a snapshot failed");
                 return;
             }
         };
+        snap.chain_hash = hash.to_vec();
         let seq = snap.seq;
         match log.write_snapshot(&snap).await {
             Ok(true) => {

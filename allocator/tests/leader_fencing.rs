@@ -134,7 +134,9 @@ async fn commit_with_a_lost_leader_key_is_fenced() -> anyhow::Result<()> {
                 mem_mib: seq,
                 core_milli: 0,
             })),
+            ..Default::default()
         }],
+        ..Default::default()
     };
     let Commit::Done { head_rev } = log.commit(key.key(), key.rev(), 0, &batch(1)).await? else {
         panic!("the first fenced commit should succeed");

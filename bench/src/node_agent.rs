@@ -96,7 +96,9 @@ impl RawCommit {
                     )],
                     node: NODE.into(),
                 })),
+                ..Default::default()
             }],
+            ..Default::default()
         };
         match self
             .log

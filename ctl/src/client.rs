@@ -148,6 +148,25 @@ pub async fn read_log(
     to: u64,
     mut f: impl FnMut(&pb::Event) -> Result<bool>,
 ) -> Result<()> {
+    read_batches(t, to, |b| {
+        for e in &b.events {
+            if to > 0 && e.seq > to || !f(e)? {
+                debug!(seq = e.seq, "stopped at this event");
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    })
+    .await
+}
+
+/// The log from seq 1 to `to` (0: the end) batch by batch, as ReadLog streams it (each with
+/// where it is stored and its hash), until `f` returns false.
+pub async fn read_batches(
+    t: &Target,
+    to: u64,
+    mut f: impl FnMut(&pb::EventBatch) -> Result<bool>,
+) -> Result<()> {
     let mut c = connect(t).await?;
     let mut stream = c
         .read_log(api::ReadLogRequest {
@@ -163,11 +182,8 @@ pub async fn read_log(
         .await
         .map_err(|s| anyhow::anyhow!("reading the log: {}", s.message()))?
     {
-        for e in &b.events {
-            if to > 0 && e.seq > to || !f(e)? {
-                debug!(seq = e.seq, "stopped at this event");
-                return Ok(());
-            }
+        if !f(&b)? {
+            return Ok(());
         }
         last = b.events.last().map_or(last, |e| e.seq);
     }

@@ -47,7 +47,14 @@ async fn verify_audit_replay_inspect_and_a_corrupted_log() -> anyhow::Result<()>
             node: "node-a".into(),
             ttl_ms: 0,
         };
-        c.reserve(req).await?;
+        // u3 through the follower: the leader records the original caller, not the replica
+        // that forwarded it.
+        let mut via = if uid == "u3" {
+            allocs.extender(1 - leader)?
+        } else {
+            c.clone()
+        };
+        via.reserve(req).await?;
     }
     c.confirm_bound(api::ConfirmBoundRequest {
         pod_uid: "u2".into(),
@@ -79,6 +86,22 @@ async fn verify_audit_replay_inspect_and_a_corrupted_log() -> anyhow::Result<()>
     );
     assert!(out.contains("released (pod deleted)"), "{out}");
     assert!(!out.contains("pod-u2"), "audit shows only that pod:\n{out}");
+    assert!(out.contains("ACTOR"), "{out}");
+    for pod in ["pod-u1", "pod-u3"] {
+        let (ok, out) = ctl(
+            &who,
+            &["audit", &target, "--pod", &format!("default/{pod}")],
+        );
+        assert!(ok, "{out}");
+        let line = out
+            .lines()
+            .find(|l| l.contains("reserved for"))
+            .unwrap_or_default();
+        assert!(
+            line.contains(" extender ") && !line.contains(" allocator "),
+            "the reservation of {pod} names the extender as its actor:\n{out}"
+        );
+    }
     // At debug, the log read is a span, and its end names the seq it reached.
     let out = Command::new(env!("CARGO_BIN_EXE_gpuledger"))
         .args(["audit", &target, "--pod", "default/pod-u1"])

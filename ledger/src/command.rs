@@ -142,6 +142,7 @@ impl Ledger {
                 seq: self.seq() + 1,
                 epoch,
                 time_ms: now_ms,
+                actor: None,
                 body: Some(body),
             };
             self.apply(&ev).map_err(CommandError::Bug)?;

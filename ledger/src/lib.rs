@@ -7,6 +7,7 @@
 
 #![warn(missing_docs)]
 
+pub mod chain;
 pub mod command;
 pub mod placement;
 pub mod state;

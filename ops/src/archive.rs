@@ -8,9 +8,14 @@
 //! archiving the same range (a paused one and its successor) write the same file twice,
 //! harmlessly. The allocator leader fills it and trims etcd behind it; the allocator's
 //! `ReadLog` and the chaos checker read archive and etcd as one.
+//!
+//! A segment keeps each batch's exact bytes as etcd stored them, so the hash chain over the
+//! log (`gpuledger_ledger::chain`) runs on through the archive; a batch read back carries
+//! the hash of its record and the segment it came from in `EventBatch.stored`.
 
 use std::path::{Path, PathBuf};
 
+use gpuledger_ledger::chain::hash_stored;
 use gpuledger_proto::ledger::v1 as pb;
 use prost::Message;
 
@@ -153,18 +158,20 @@ impl Archive {
         Ok(self.segments()?.last().map_or(0, |s| s.last))
     }
 
-    /// Append whole batches as one segment. Batches already archived are skipped (another
-    /// leader got there first); the rest must follow the archive without a gap. Durable when
-    /// this returns.
-    pub fn append(&self, batches: &[pb::EventBatch]) -> Result<u64, ArchiveError> {
+    /// Append whole batches, each as the exact bytes etcd stored (with the batch they decode
+    /// to), as one segment. Batches already archived are skipped (another leader got there
+    /// first); the rest must follow the archive without a gap. Durable when this returns.
+    pub fn append(&self, batches: &[(pb::EventBatch, Vec<u8>)]) -> Result<u64, ArchiveError> {
         let archived = self.last_seq()?;
-        let fresh: Vec<&pb::EventBatch> =
-            batches.iter().filter(|b| last_seq(b) > archived).collect();
+        let fresh: Vec<&(pb::EventBatch, Vec<u8>)> = batches
+            .iter()
+            .filter(|(b, _)| last_seq(b) > archived)
+            .collect();
         let (Some(first), Some(last)) = (fresh.first(), fresh.last()) else {
             return Ok(archived);
         };
         let mut expect = archived + 1;
-        for b in &fresh {
+        for (b, _) in &fresh {
             if b.first_seq != expect {
                 return Err(ArchiveError::Gap {
                     archived: expect - 1,
@@ -173,11 +180,11 @@ impl Archive {
             }
             expect = last_seq(b) + 1;
         }
-        let (first, last) = (first.first_seq, last_seq(last));
+        let (first, last) = (first.0.first_seq, last_seq(&last.0));
         let mut bytes = Vec::new();
-        for b in &fresh {
-            b.encode_length_delimited(&mut bytes)
-                .expect("a Vec grows as needed");
+        for (_, stored) in &fresh {
+            prost::encoding::encode_varint(stored.len() as u64, &mut bytes);
+            bytes.extend_from_slice(stored);
         }
         let path = self.dir.join(format!("batches-{first:020}-{last:020}.pb"));
         let tmp = self.dir.join(format!(
@@ -198,7 +205,8 @@ impl Archive {
     }
 
     /// Hand the archived batches holding seqs `from..=to` (`to` = 0: to the end) to `f`, in
-    /// order, until it returns false. Returns the last seq handed over (0 = none).
+    /// order, until it returns false, each with `stored` set (its record's hash, its segment).
+    /// Returns the last seq handed over (0 = none).
     pub fn read(
         &self,
         from: u64,
@@ -216,13 +224,25 @@ impl Archive {
             let bytes = std::fs::read(&s.path).map_err(io(&s.path))?;
             let mut buf = bytes.as_slice();
             let mut expect = s.first;
+            let location = format!("archive {}", s.path.display());
             while !buf.is_empty() {
-                let b = pb::EventBatch::decode_length_delimited(&mut buf).map_err(|e| {
-                    ArchiveError::Corrupt {
-                        path: s.path.clone(),
-                        why: e.to_string(),
-                    }
-                })?;
+                let corrupt = |why: String| ArchiveError::Corrupt {
+                    path: s.path.clone(),
+                    why,
+                };
+                let len =
+                    prost::encoding::decode_varint(&mut buf).map_err(|e| corrupt(e.to_string()))?;
+                let len = usize::try_from(len)
+                    .ok()
+                    .filter(|&l| l <= buf.len())
+                    .ok_or_else(|| corrupt(format!("a record of {len} bytes runs past the end")))?;
+                let (record, rest) = buf.split_at(len);
+                buf = rest;
+                let mut b = pb::EventBatch::decode(record).map_err(|e| corrupt(e.to_string()))?;
+                b.stored = Some(pb::StoredAt {
+                    hash: hash_stored(record).to_vec(),
+                    location: location.clone(),
+                });
                 if b.first_seq != expect {
                     return Err(ArchiveError::Corrupt {
                         path: s.path.clone(),
@@ -257,8 +277,8 @@ impl Archive {
 mod tests {
     use super::*;
 
-    fn batch(first: u64, n: u64) -> pb::EventBatch {
-        pb::EventBatch {
+    fn batch(first: u64, n: u64) -> (pb::EventBatch, Vec<u8>) {
+        let b = pb::EventBatch {
             version: 1,
             first_seq: first,
             epoch: 7,
@@ -269,7 +289,10 @@ mod tests {
                     ..Default::default()
                 })
                 .collect(),
-        }
+            ..Default::default()
+        };
+        let bytes = b.encode_to_vec();
+        (b, bytes)
     }
 
     fn seqs(a: &Archive, from: u64, to: u64) -> Vec<u64> {
@@ -293,6 +316,30 @@ mod tests {
         // The batch holding `from` comes whole; `to` stops after the batch holding it.
         assert_eq!(seqs(&a, 5, 6), vec![4, 5, 6, 7, 8, 9]);
         assert_eq!(a.segments().expect("segments").len(), 2);
+    }
+
+    #[test]
+    fn a_batch_read_back_names_the_hash_of_its_exact_bytes_and_its_segment() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let a = Archive::open(dir.path()).expect("open");
+        let (b1, bytes1) = batch(1, 2);
+        a.append(&[(b1, bytes1.clone()), batch(3, 1)])
+            .expect("append");
+        let mut read = Vec::new();
+        a.read(1, 0, |b| {
+            read.push(b.stored.expect("stamped"));
+            true
+        })
+        .expect("read");
+        assert_eq!(read.len(), 2);
+        assert_eq!(read[0].hash, hash_stored(&bytes1).to_vec());
+        assert!(
+            read[0]
+                .location
+                .contains("batches-00000000000000000001-00000000000000000003.pb"),
+            "{}",
+            read[0].location
+        );
     }
 
     #[test]

@@ -347,6 +347,7 @@ impl<W> GroupCommit<W> {
                         first_seq: batch.events.first().map_or(0, |e| e.seq),
                         epoch: self.epoch,
                         events: batch.events,
+                        ..Default::default()
                     },
                     opened: batch.opened,
                 });

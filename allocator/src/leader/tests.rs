@@ -60,9 +60,13 @@ async fn submit(shared: &Shared, cmd: Command) -> oneshot::Receiver<Result<Commi
         .clone()
         .expect("leading");
     let (reply, rx) = oneshot::channel();
-    tx.send(Request { cmd, reply })
-        .await
-        .unwrap_or_else(|_| panic!("the sequencer takes requests"));
+    tx.send(Request {
+        cmd,
+        actor: None,
+        reply,
+    })
+    .await
+    .unwrap_or_else(|_| panic!("the sequencer takes requests"));
     rx
 }
 

@@ -6,7 +6,9 @@ use etcd_client::{Compare, CompareOp, GetOptions, KvClient, SortOrder, SortTarge
 use gpuledger_ledger::pb;
 use prost::Message;
 
-use super::{Commit, Encoded, Fence, HeadInfo, LedgerLog, LogError, MAX_VALUE_BYTES, encode};
+use super::{
+    Commit, Encoded, Fence, HeadInfo, LedgerLog, LogError, MAX_VALUE_BYTES, decode_batch, encode,
+};
 
 /// Largest gRPC message accepted from etcd.
 const MAX_DECODE: usize = 256 * 1024 * 1024;
@@ -107,6 +109,7 @@ impl EtcdLog {
                 Ok(HeadInfo {
                     seq: h.seq,
                     epoch: h.epoch,
+                    hash: h.hash,
                     mod_rev: kv.mod_revision(),
                     revision,
                 })
@@ -139,6 +142,7 @@ impl EtcdLog {
             first_seq,
             head,
             bytes,
+            hash: _,
         } = batch;
         let txn = Txn::new()
             .when([
@@ -221,14 +225,41 @@ impl EtcdLog {
         Ok((out, rev))
     }
 
+    /// Batches holding seqs `from..=to` (`to` = 0: to the end) with their exact stored bytes
+    /// (what the archive keeps, so the hash chain runs on through it).
+    pub async fn read_stored(
+        &self,
+        from: u64,
+        to: u64,
+    ) -> Result<Vec<(pb::EventBatch, Vec<u8>)>, LogError> {
+        let mut out = Vec::new();
+        self.read_raw(from, to, 0, |b, bytes| {
+            out.push((b, bytes.to_vec()));
+            true
+        })
+        .await?;
+        Ok(out)
+    }
+
     /// Like [`EtcdLog::read`] but hands each batch to `f` as it arrives (stop by returning
-    /// false). `at_rev` 0 = the newest revision. Returns the revision read at.
+    /// false), stamped with its key and the hash of its bytes (`EventBatch.stored`). `at_rev`
+    /// 0 = the newest revision. Returns the revision read at.
     pub async fn read_with(
         &self,
         from: u64,
         to: u64,
         at_rev: i64,
         mut f: impl FnMut(pb::EventBatch) -> bool,
+    ) -> Result<i64, LogError> {
+        self.read_raw(from, to, at_rev, |b, _| f(b)).await
+    }
+
+    async fn read_raw(
+        &self,
+        from: u64,
+        to: u64,
+        at_rev: i64,
+        mut f: impl FnMut(pb::EventBatch, &[u8]) -> bool,
     ) -> Result<i64, LogError> {
         let mut kv = self.kv.clone();
         let end = format!("{}log0", self.prefix); // '0' sorts right after '/'
@@ -272,11 +303,7 @@ impl EtcdLog {
                 .await?;
             let kvs = resp.kvs();
             for kvp in kvs {
-                let key = String::from_utf8_lossy(kvp.key()).into_owned();
-                let b = pb::EventBatch::decode(kvp.value()).map_err(|e| LogError::Corrupt {
-                    key: key.clone(),
-                    why: e.to_string(),
-                })?;
+                let b = decode_batch(kvp.key(), kvp.value())?;
                 let last = b.events.last().map_or(b.first_seq, |e| e.seq);
                 if last < from {
                     continue;
@@ -284,7 +311,7 @@ impl EtcdLog {
                 if to > 0 && b.first_seq > to {
                     return Ok(rev);
                 }
-                if !f(b) {
+                if !f(b, kvp.value()) {
                     return Ok(rev);
                 }
             }

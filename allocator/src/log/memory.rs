@@ -96,10 +96,11 @@ impl LedgerLog for MemLog {
     async fn head(&self) -> Result<HeadInfo, LogError> {
         self.check()?;
         Ok(self.with(|i| {
-            let (h, mod_rev) = i.head.unwrap_or_default();
+            let (h, mod_rev) = i.head.clone().unwrap_or_default();
             HeadInfo {
                 seq: h.seq,
                 epoch: h.epoch,
+                hash: h.hash.clone(),
                 mod_rev,
                 revision: i.revision,
             }

@@ -6,7 +6,7 @@ use std::time::Duration;
 use backon::Retryable;
 use gpuledger_auth::AuthChannel;
 use gpuledger_auth::server::{self, Authenticated};
-use gpuledger_ledger::Command;
+use gpuledger_ledger::{Command, pb};
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::allocator::v1::allocator_client::AllocatorClient;
 use tokio::sync::oneshot;
@@ -28,9 +28,16 @@ enum Attempt {
 }
 
 impl Service {
-    /// Submit to the local sequencer when leading; None when not leading (only the leader
-    /// writes: watchers on followers observe but do not act).
+    /// Submit to the local sequencer when leading, as this replica's own decision (expiry,
+    /// node sync); None when not leading (only the leader writes: watchers on followers
+    /// observe but do not act).
     pub async fn local(&self, cmd: Command) -> Option<Result<Committed, Status>> {
+        let me = self.shared.actor();
+        self.local_as(cmd, me).await
+    }
+
+    /// [`Service::local`] on behalf of `actor`.
+    async fn local_as(&self, cmd: Command, actor: pb::Actor) -> Option<Result<Committed, Status>> {
         let tx = self
             .shared
             .sequencer
@@ -39,7 +46,11 @@ impl Service {
             .clone()?;
         let (otx, orx) = oneshot::channel();
         if tx
-            .send(crate::shared::Request { cmd, reply: otx })
+            .send(crate::shared::Request {
+                cmd,
+                actor: Some(actor),
+                reply: otx,
+            })
             .await
             .is_err()
         {
@@ -107,6 +118,9 @@ impl Service {
         let (_, mut extensions, inner) = req.into_parts();
         // The leader judges a forwarded write as its original caller's.
         let caller = extensions.remove::<Authenticated>().map(|a| a.caller);
+        let actor = caller
+            .as_ref()
+            .map_or_else(|| self.shared.actor(), actor_of);
         let started = tokio::time::Instant::now();
         let mut attempts = 0u32;
         let attempt = || {
@@ -116,8 +130,12 @@ impl Service {
             let inner = inner.clone();
             let (cmd, local_reply, call) = (&cmd, &local_reply, &call);
             let caller = caller.as_ref();
+            let actor = &actor;
             async move {
-                if let Some(r) = self.local(cmd().map_err(Attempt::Final)?).await {
+                if let Some(r) = self
+                    .local_as(cmd().map_err(Attempt::Final)?, actor.clone())
+                    .await
+                {
                     return r
                         .and_then(local_reply)
                         .map(Response::new)
@@ -161,6 +179,15 @@ impl Service {
             .when(|e| matches!(e, Attempt::Again(_)) && started.elapsed() <= FORWARD_WINDOW)
             .await
             .map_err(|(Attempt::Again(s) | Attempt::Final(s))| s)
+    }
+}
+
+/// The actor recorded for a verified caller.
+pub fn actor_of(c: &gpuledger_auth::identity::Caller) -> pb::Actor {
+    pb::Actor {
+        role: c.role.kind().into(),
+        name: c.subject.clone(),
+        node: c.node().unwrap_or_default().into(),
     }
 }
 

@@ -87,9 +87,13 @@ pub(super) async fn replicate(
         }
         None => {
             let l = shared.view().await;
+            let mut snap = l.to_snapshot();
+            if let Some(h) = shared.chain_hash_at(l.seq()) {
+                snap.chain_hash = h.to_vec();
+            }
             first.push(api::ReplicateResponse {
                 epoch,
-                body: Some(Body::Snapshot(l.to_snapshot())),
+                body: Some(Body::Snapshot(snap)),
             });
             l.seq()
         }

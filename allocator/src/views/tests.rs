@@ -15,6 +15,7 @@ fn batches(ledger: &mut Ledger, from: usize, to: usize) -> Vec<pb::EventBatch> {
                 first_seq: events[0].seq,
                 epoch: 1,
                 events,
+                ..Default::default()
             }
         })
         .collect()
@@ -74,7 +75,7 @@ async fn a_reset_starts_the_views_over() {
     let mut other = Ledger::new();
     let _ = batches(&mut other, 10, 12);
     let loaded = Ledger::from_snapshot(&other.to_snapshot()).expect("a snapshot");
-    shared.reset(loaded).await;
+    shared.reset(loaded, &[]).await;
     assert!(shared.view().await.same_state(&other));
     fold(&shared, batches(&mut other, 12, 13));
     let v = shared.view().await;

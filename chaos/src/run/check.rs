@@ -174,6 +174,8 @@ pub struct Replay {
     reserved_on: HashMap<String, BTreeSet<String>>,
     violations: Vec<String>,
     double: usize,
+    /// The hash chain over the batches replayed.
+    chain: gpuledger_ledger::chain::Chain,
 }
 
 /// The whole log: etcd's tail, then the archive (read second: whatever was trimmed from etcd
@@ -193,7 +195,12 @@ async fn replay_log(c: &mut LocalCluster) -> Result<Replay> {
         .context("reading the ledger log from etcd")?;
     let mut tail = Vec::with_capacity(resp.kvs().len());
     for kvp in resp.kvs() {
-        tail.push(pb::EventBatch::decode(kvp.value()).context("decoding a log batch")?);
+        let mut b = pb::EventBatch::decode(kvp.value()).context("decoding a log batch")?;
+        b.stored = Some(pb::StoredAt {
+            hash: gpuledger_ledger::chain::hash_stored(kvp.value()).to_vec(),
+            location: format!("etcd {}", String::from_utf8_lossy(kvp.key())),
+        });
+        tail.push(b);
     }
     let archive = gpuledger_ops::archive::Archive::open(&c.dir.join("archive"))?;
     let mut batches = Vec::new();
@@ -208,7 +215,15 @@ async fn replay_log(c: &mut LocalCluster) -> Result<Replay> {
         tail.into_iter()
             .filter(|b| gpuledger_ops::archive::last_seq(b) > archived),
     );
-    Ok(Replay::from_batches(batches))
+    let mut r = Replay::from_batches(batches);
+    // Every batch of a run is written by this version: all of them carry their link.
+    if r.chain.unchained_until() > 0 {
+        r.violations.push(format!(
+            "chain: the log is unchained up to seq {}",
+            r.chain.unchained_until()
+        ));
+    }
+    Ok(r)
 }
 
 impl Replay {
@@ -223,6 +238,7 @@ impl Replay {
             reserved_on: HashMap::new(),
             violations: Vec::new(),
             double: 0,
+            chain: gpuledger_ledger::chain::Chain::new(),
         };
         let mut last_epoch = 0;
         for b in batches {
@@ -233,6 +249,16 @@ impl Replay {
                 ));
             }
             last_epoch = b.epoch;
+            let hash = gpuledger_ledger::chain::batch_hash(&b);
+            if let Err(e) = r.chain.link(&b, hash) {
+                let at = b.stored.as_ref().map_or("", |s| s.location.as_str());
+                r.violations.push(format!("chain: {e} ({at})"));
+                // Go on from this batch: one break, one violation.
+                r.chain = gpuledger_ledger::chain::Chain::resume(
+                    gpuledger_ops::archive::last_seq(&b),
+                    &hash,
+                );
+            }
             for e in &b.events {
                 r.apply(e);
             }

@@ -102,13 +102,23 @@ fn budget_owner(ns: &str) -> &str {
 }
 
 /// `gpuledger audit --pod`.
+/// Who caused an event: `role name` (`@node` for a node agent); "-" in batches written before
+/// actors were recorded.
+pub fn actor(a: Option<&pb::Actor>) -> String {
+    match a {
+        None => "-".into(),
+        Some(a) if a.node.is_empty() => format!("{} {}", a.role, a.name),
+        Some(a) => format!("{} {}@{}", a.role, a.name, a.node),
+    }
+}
+
 pub async fn audit(a: AuditArgs) -> Result<()> {
     let (ns, name) = a
         .pod
         .split_once('/')
         .map_or((None, a.pod.as_str()), |(n, m)| (Some(n), m));
     let mut ids: Vec<u64> = Vec::new();
-    let mut t = Table::new(&["SEQ", "EPOCH", "TIME", "EVENT"]);
+    let mut t = Table::new(&["SEQ", "EPOCH", "TIME", "ACTOR", "EVENT"]);
     let mut found = 0;
     read_log(&a.target, 0, |e| {
         let mine = match &e.body {
@@ -138,6 +148,7 @@ pub async fn audit(a: AuditArgs) -> Result<()> {
                 e.seq.to_string(),
                 e.epoch.to_string(),
                 fmt_time(e.time_ms),
+                actor(e.actor.as_ref()),
                 describe(e),
             ]);
         }
@@ -149,4 +160,30 @@ pub async fn audit(a: AuditArgs) -> Result<()> {
     }
     print!("{}", t.render());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use prost::Message;
+
+    use super::*;
+
+    #[test]
+    fn an_event_written_before_actors_were_recorded_shows_a_dash() {
+        // Field 4 absent, as in every batch written before it existed.
+        let old = pb::Event {
+            seq: 3,
+            actor: None,
+            ..Default::default()
+        }
+        .encode_to_vec();
+        let e = pb::Event::decode(old.as_slice()).expect("an old event decodes");
+        assert_eq!(actor(e.actor.as_ref()), "-");
+        let node_agent = pb::Actor {
+            role: "node-agent".into(),
+            name: "gpuledger/agent".into(),
+            node: "n1".into(),
+        };
+        assert_eq!(actor(Some(&node_agent)), "node-agent gpuledger/agent@n1");
+    }
 }

@@ -1,10 +1,93 @@
-//! `gpuledger verify`: replay the whole log, check every invariant, and compare the state with
-//! each live replica's.
+//! `gpuledger verify`: replay the whole log, check every invariant and the hash chain from
+//! seq 1 through the archive and etcd, and compare the state with each live replica's.
+
+use std::collections::BTreeMap;
 
 use anyhow::{Result, bail};
-use gpuledger_ledger::Ledger;
+use gpuledger_ledger::chain::{Chain, ChainError, Hash, short_hex};
+use gpuledger_ledger::{Ledger, pb};
 
-use crate::client::{Target, connect_one, dump_of, read_log};
+use crate::client::{Target, connect_one, dump_of, read_batches};
+
+/// The hash chain as `verify` walks it.
+#[derive(Default)]
+pub struct ChainCheck {
+    chain: Chain,
+    /// Where the batch before the next one lives.
+    prev_at: String,
+    /// The first break, said in full (later ones follow from it and are not reported).
+    pub broken: Option<String>,
+    /// Hashes at the seqs a replica's dump is at.
+    at: BTreeMap<u64, Hash>,
+}
+
+impl ChainCheck {
+    /// A check that also records the chain's hash at each of `seqs`.
+    pub fn new(seqs: impl IntoIterator<Item = u64>) -> Self {
+        ChainCheck {
+            at: seqs.into_iter().map(|s| (s, [0; 32])).collect(),
+            ..Default::default()
+        }
+    }
+
+    /// Link the next batch as ReadLog gave it (stamped with its stored hash and location).
+    pub fn batch(&mut self, b: &pb::EventBatch) {
+        if self.broken.is_some() {
+            return;
+        }
+        let Some(stored) = &b.stored else {
+            self.broken = Some(format!(
+                "the batch at seq {} comes without its stored hash: the allocator is older than this gpuledger; the chain is not checked",
+                b.first_seq
+            ));
+            return;
+        };
+        let Ok(hash) = Hash::try_from(stored.hash.as_slice()) else {
+            self.broken = Some(format!(
+                "the batch at seq {} has no valid stored hash",
+                b.first_seq
+            ));
+            return;
+        };
+        if let Err(e) = self.chain.link(b, hash) {
+            let at = &stored.location;
+            self.broken = Some(match &e {
+                ChainError::Gap { .. } => format!(
+                    "{e}: the batch before ({}) is followed by {at}",
+                    self.prev_at
+                ),
+                ChainError::Broken { .. } => format!(
+                    "{e}: the batch before it ({}) or this batch ({at}) was changed",
+                    self.prev_at
+                ),
+                _ => format!("{e} ({at})"),
+            });
+            return;
+        }
+        self.prev_at = stored.location.clone();
+        let last = self.chain.next_seq() - 1;
+        if let Some(h) = self.at.get_mut(&last) {
+            *h = hash;
+        }
+    }
+
+    /// Check a replica's chain hash at its seq (empty: it does not know it) against the log.
+    pub fn replica(&self, name: &str, seq: u64, hash: &[u8]) -> Option<String> {
+        let ours = self.at.get(&seq).filter(|h| **h != [0; 32])?;
+        (!hash.is_empty() && hash != ours).then(|| {
+            format!(
+                "{name}: folded a batch ending at seq {seq} that hashed to {}, but the log's hashes to {}: the newest batch was changed after it was read",
+                short_hex(hash),
+                short_hex(ours)
+            )
+        })
+    }
+
+    /// The last seq of the batches written before the log was chained (0: none).
+    pub fn unchained_until(&self) -> u64 {
+        self.chain.unchained_until()
+    }
+}
 
 /// Arguments of `gpuledger verify`.
 #[derive(clap::Args, Debug)]
@@ -82,13 +165,18 @@ pub fn diff(replayed: &Ledger, live: &Ledger) -> Vec<String> {
 pub async fn verify(a: VerifyArgs) -> Result<()> {
     // Dumps first: the log can only be longer than any dump.
     let mut dumps: Vec<(String, Ledger)> = Vec::new();
+    let mut dump_hashes: Vec<(String, u64, Vec<u8>)> = Vec::new();
     let mut problems: Vec<String> = Vec::new();
     let creds = a.target.credentials().await?;
     for addr in &a.target.addrs().await? {
         match connect_one(addr, &creds).await {
             Ok(mut c) => match dump_of(&mut c).await {
                 Ok((replica, snap)) => match Ledger::from_snapshot(&snap) {
-                    Ok(l) => dumps.push((format!("{replica} ({addr})"), l)),
+                    Ok(l) => {
+                        let name = format!("{replica} ({addr})");
+                        dump_hashes.push((name.clone(), snap.seq, snap.chain_hash));
+                        dumps.push((name, l));
+                    }
                     Err(e) => problems.push(format!("{addr}: its state does not load: {e}")),
                 },
                 Err(e) => problems.push(format!("{addr}: {e:#}")),
@@ -114,18 +202,30 @@ pub async fn verify(a: VerifyArgs) -> Result<()> {
             }
         };
     compare(&l, &dumps, &mut next, &mut problems);
-    let read = read_log(&a.target, 0, |e| {
-        if let Err(err) = l.apply(e) {
-            problems.push(format!("log: {err}"));
-            return Ok(false);
+    let mut chain = ChainCheck::new(dump_hashes.iter().map(|(_, s, _)| *s));
+    let read = read_batches(&a.target, 0, |b| {
+        chain.batch(b);
+        for e in &b.events {
+            if let Err(err) = l.apply(e) {
+                problems.push(format!("log: {err}"));
+                return Ok(false);
+            }
+            events += 1;
+            compare(&l, &dumps, &mut next, &mut problems);
         }
-        events += 1;
-        compare(&l, &dumps, &mut next, &mut problems);
         Ok(true)
     })
     .await;
     if let Err(e) = read {
         problems.push(format!("log: {e:#}"));
+    }
+    if let Some(b) = &chain.broken {
+        problems.push(format!("chain: {b}"));
+    }
+    for (name, seq, hash) in &dump_hashes {
+        if let Some(p) = chain.replica(name, *seq, hash) {
+            problems.push(format!("chain: {p}"));
+        }
     }
     if let Err(e) = l.check() {
         problems.push(format!("replayed state: {e}"));
@@ -145,8 +245,17 @@ pub async fn verify(a: VerifyArgs) -> Result<()> {
         l.allocs().len(),
         dumps.len()
     );
+    match chain.unchained_until() {
+        0 => println!("hash chain: every batch links to the one before it"),
+        n => println!(
+            "hash chain: unchained before seq {} (batches written before the log was hash-chained; not a sign of tampering, and not covered by the chain); linked from there on",
+            n + 1
+        ),
+    }
     if problems.is_empty() {
-        println!("verify: OK — every invariant holds and every replica equals the replayed log");
+        println!(
+            "verify: OK — every invariant holds, the hash chain is unbroken and every replica equals the replayed log"
+        );
         Ok(())
     } else {
         for p in &problems {

@@ -13,6 +13,7 @@ fn ev(seq: u64, time_ms: i64, body: Body) -> pb::Event {
         seq,
         epoch: 1,
         time_ms,
+        actor: None,
         body: Some(body),
     }
 }

@@ -38,6 +38,7 @@ fn ledger(names: &[&str]) -> Ledger {
             seq: i as u64 + 1,
             epoch: 1,
             time_ms: 1,
+            actor: None,
             body: Some(pb::event::Body::NodeRegistered(pb::NodeRegistered {
                 inventory: Some(inv),
             })),

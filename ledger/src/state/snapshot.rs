@@ -44,6 +44,7 @@ impl Ledger {
                 seq: a.id,
                 epoch: a.epoch,
                 time_ms: a.reserved_ms,
+                actor: None,
                 body: None,
             };
             let r = pb::Reserved {

@@ -26,6 +26,7 @@ fn ev(seq: u64, body: Body) -> pb::Event {
         seq,
         epoch: 1,
         time_ms: 1000 + seq as i64,
+        actor: None,
         body: Some(body),
     }
 }

@@ -5,6 +5,7 @@ fn reserved(seq: u64, uid: &str, gpu: &str) -> pb::Event {
         seq,
         epoch: 1,
         time_ms: 0,
+        actor: None,
         body: Some(Body::Reserved(pb::Reserved {
             allocation_id: seq,
             pod: Some(pb::PodRef {
@@ -32,6 +33,7 @@ fn ev(seq: u64, body: Body) -> pb::Event {
         seq,
         epoch: 1,
         time_ms: 0,
+        actor: None,
         body: Some(body),
     }
 }

@@ -7,6 +7,7 @@ fn event(seq: u64) -> pb::Event {
         seq,
         epoch: 7,
         time_ms: 0,
+        actor: None,
         body: Some(pb::event::Body::QuotaSet(pb::QuotaSet {
             namespace: "a".into(),
             mem_mib: seq,

@@ -12,6 +12,7 @@ fn log(epoch: u64) -> (Vec<pb::EventBatch>, u64, u64) {
             first_seq: events[0].seq,
             epoch,
             events,
+            ..Default::default()
         });
         reply
     };

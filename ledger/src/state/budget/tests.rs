@@ -401,6 +401,7 @@ fn bad_budgets_are_refused_and_write_nothing() {
         epoch: 1,
         time_ms: DAY0,
         body: Some(Body::BudgetSet(pb::BudgetSet { amount: 0, ..ok })),
+        actor: None,
     };
     assert!(matches!(
         l.apply(&bad),
