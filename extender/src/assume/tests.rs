@@ -123,6 +123,28 @@ fn a_filtered_pod_is_assumed_on_every_feasible_node_until_its_bind_names_one() {
 }
 
 #[test]
+fn a_pod_feasible_on_many_nodes_is_assumed_only_once_its_bind_arrives() {
+    let names: Vec<String> = (0..=TENTATIVE_NODES).map(|i| format!("n{i:02}")).collect();
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    let (l, cache) = (ledger(&refs), InFlight::new());
+    cache.feasible(&request("p1", 10_000), &names);
+    assert_eq!(
+        fits(&l, &cache),
+        names,
+        "too many nodes to count p1 on each"
+    );
+    let _bind = cache
+        .assume_seen("p1", "n03")
+        .expect("filter kept p1's request");
+    let rest: Vec<&String> = names.iter().filter(|n| *n != "n03").collect();
+    assert_eq!(
+        fits(&l, &cache).iter().collect::<Vec<_>>(),
+        rest,
+        "the bind named n03"
+    );
+}
+
+#[test]
 fn a_filtered_pod_no_bind_follows_is_forgotten() {
     let (l, cache) = (ledger(&["n1", "n2"]), InFlight::new());
     let now = Instant::now();
