@@ -19,7 +19,7 @@ use tonic::service::interceptor::InterceptedService;
 
 mod baseline;
 
-use self::baseline::{auth_phase, speaks_tls, ui_phase};
+use self::baseline::{ab_phase, speaks_tls, ui_phase};
 use crate::common::{histogram, q_ms, record, rss_mib, run_dir, title};
 
 /// Flags of `gpuledger-bench allocator`.
@@ -61,8 +61,8 @@ pub struct Args {
     #[arg(long, default_value_t = 2)]
     ui_rounds: usize,
     /// An allocator binary built from an earlier commit, measured beside this build in the same
-    /// run: in the /ui phase, and, when it predates authentication (no --tls-cert), in a phase
-    /// that measures what TLS and authentication cost.
+    /// run: in the /ui phase, and in an ABBA throughput phase (when it predates authentication,
+    /// no --tls-cert, that phase measures what TLS and authentication cost).
     #[arg(long)]
     baseline_allocator: Option<PathBuf>,
 }
@@ -459,14 +459,15 @@ pub async fn run(a: Args) -> Result<()> {
         );
         rss_line = format!(" rss_mib={rss:.0}");
     }
-    if let Some(base) = a
-        .baseline_allocator
-        .as_ref()
-        .filter(|b| !speaks_tls(b).unwrap_or(true))
-    {
-        let (with, without) = auth_phase(&a, dir.path(), &etcd, base).await?;
+    if let Some(base) = a.baseline_allocator.as_ref() {
+        let key = if speaks_tls(base)? {
+            "baseline"
+        } else {
+            "auth"
+        };
+        let (with, without) = ab_phase(&a, dir.path(), &etcd, base).await?;
         rss_line.push_str(&format!(
-            " auth_ratio={:.2} auth_p50_delta_ms={:.2}",
+            " {key}_ratio={:.2} {key}_p50_delta_ms={:.2}",
             with.0 / without.0.max(1e-9),
             q_ms(&with.1, 0.5) - q_ms(&without.1, 0.5)
         ));

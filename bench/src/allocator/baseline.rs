@@ -105,20 +105,32 @@ pub(super) fn speaks_tls(bin: &Path) -> Result<bool> {
     Ok(String::from_utf8_lossy(&out.stdout).contains("--tls-cert"))
 }
 
-/// What authentication costs: reservations/s at --clients and the single-client latency of this
-/// build (TLS, every call authenticated and authorized) against `--baseline-allocator` built
-/// before the API was authenticated (plain gRPC), each measured twice alternately in this run.
-/// Returns ((rps, 1-client latencies) with, (the same) without).
-pub(super) async fn auth_phase(
+/// This build against `--baseline-allocator`, each measured twice alternately (ABBA) in this run:
+/// reservations/s at --clients and the single-client latency. A baseline built before the API
+/// was authenticated runs plain gRPC, so the difference is what TLS and authentication cost;
+/// a later one runs with them too, so it is what the commits between cost.
+/// Returns ((rps, 1-client latencies) of this build, (the same) of the baseline).
+pub(super) async fn ab_phase(
     a: &Args,
     dir: &Path,
     etcd: &EtcdCluster,
     baseline: &Path,
 ) -> Result<((f64, Histogram<u64>), (f64, Histogram<u64>))> {
+    let plain = !speaks_tls(baseline)?;
     title(&format!(
-        "authentication: this build (TLS + identities) against {} (plain gRPC), alternating",
-        baseline.display()
+        "this build against {}{}, alternating",
+        baseline.display(),
+        if plain {
+            " (plain gRPC): what TLS and authentication cost"
+        } else {
+            " (both with TLS + identities)"
+        }
     ));
+    let (a_name, b_name) = if plain {
+        ("with auth", "without")
+    } else {
+        ("this build", "baseline")
+    };
     let this = bin_path("gpuledger-allocator")?;
     let ids = Identities::certs(Pki::new(&dir.join("auth-pki"))?);
     let mut res = [(0.0, histogram()), (0.0, histogram())];
@@ -156,7 +168,7 @@ pub(super) async fn auth_phase(
         .await?;
         println!(
             "  {:<10} {:>9.0} reservations/s at {} clients; 1 client p50 {:.2} ms, p99 {:.2} ms",
-            if which == 0 { "with auth" } else { "without" },
+            if which == 0 { a_name } else { b_name },
             rps,
             a.clients,
             q_ms(&h1, 0.5),
@@ -167,7 +179,7 @@ pub(super) async fn auth_phase(
     }
     let [with, without] = res;
     println!(
-        "with/without authentication: {:.2}x reservations/s; 1-client p50 {:+.2} ms",
+        "{a_name}/{b_name}: {:.2}x reservations/s; 1-client p50 {:+.2} ms",
         with.0 / without.0.max(1e-9),
         q_ms(&with.1, 0.5) - q_ms(&without.1, 0.5)
     );
