@@ -3,7 +3,6 @@
 //! archived batch or of a batch in etcd is flipped, or a batch is deleted; a replica loading
 //! such a log (or a snapshot whose chain hash was changed) refuses to fold it.
 
-use std::process::Command;
 use std::time::Duration;
 
 use gpuledger_allocator::archive::Archive;
@@ -18,19 +17,8 @@ use gpuledger_testkit::workload::{churn, inventory};
 use gpuledger_testkit::{Allocators, EtcdCluster, eventually};
 use prost::Message;
 
-fn ctl(who: &[String], args: &[&str]) -> (bool, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_gpuledger"))
-        .args(args)
-        .args(who)
-        .output()
-        .expect("gpuledger runs");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), text)
-}
+mod kit;
+use kit::ctl;
 
 /// `bytes` with one bit flipped inside its events, where the result still decodes to a batch
 /// of the same seqs and link (a flip that does not decode is refused before any chain check).

@@ -13,20 +13,8 @@ use gpuledger_testkit::workload::{inventory, pod};
 use gpuledger_testkit::{Allocators, EtcdCluster};
 use prost::Message;
 
-/// Run `gpuledger args…` as the operator whose credential flags are `who`.
-fn ctl(who: &[String], args: &[&str]) -> (bool, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_gpuledger"))
-        .args(args)
-        .args(who)
-        .output()
-        .expect("gpuledger runs");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), text)
-}
+mod kit;
+use kit::ctl;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn verify_audit_replay_inspect_and_a_corrupted_log() -> anyhow::Result<()> {
