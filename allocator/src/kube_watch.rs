@@ -48,6 +48,9 @@ pub struct KubeArgs {
     /// the watch act at once; this catches the ones no replica saw).
     #[arg(long, env = "GPULEDGER_NODE_GONE_GRACE", default_value_t = 30)]
     pub node_gone_grace_s: u64,
+
+    #[command(flatten)]
+    pub budgets: crate::budget_watch::BudgetArgs,
 }
 
 /// How long a fresh reservation may be missing from the pod cache before it counts as gone
@@ -403,6 +406,14 @@ async fn run(service: Service, client: kube::Client, args: KubeArgs) {
     let (nodes, node_writer) = reflector::store::<Node>();
     // The extender's writes are checked against the same pods.
     service.authz().set_pods(pods.clone(), client.clone());
+    // The watchers live as long as this task: dropping the set ends them.
+    let mut watchers = JoinSet::new();
+    crate::budget_watch::spawn(
+        &mut watchers,
+        service.clone(),
+        client.clone(),
+        &args.budgets,
+    );
     let w = Arc::new(Watch {
         service,
         pods_api: Api::all(client.clone()),
@@ -412,9 +423,7 @@ async fn run(service: Service, client: kube::Client, args: KubeArgs) {
         nodes_ready: AtomicBool::new(false),
         events: Recorder::new(client.clone(), "gpuledger-allocator", None),
     });
-    info!("Kubernetes watchers started (pods, nodes)");
-    // The watchers live as long as this task: dropping the set ends them.
-    let mut watchers = JoinSet::new();
+    info!("Kubernetes watchers started (pods, nodes, GPUBudgets)");
 
     let wp = w.clone();
     let pod_stream = reflector::reflector(

@@ -72,6 +72,7 @@ pub struct Service {
     placement: Placement,
     archive: Option<crate::archive::Archive>,
     authz: Arc<Authz>,
+    budget_guard: crate::budget_watch::GuardSlot,
 }
 
 /// How requests that name no policy are placed, and the workload FGD learns.
@@ -143,6 +144,7 @@ impl Service {
             placement,
             archive: None,
             authz,
+            budget_guard: Default::default(),
         }
     }
 
@@ -172,6 +174,11 @@ impl Service {
     /// Who may call what.
     pub fn authz(&self) -> &Arc<Authz> {
         &self.authz
+    }
+
+    /// What the budget RPCs check against Kubernetes; empty until the GPUBudget watch runs.
+    pub fn budget_guard_slot(&self) -> &crate::budget_watch::GuardSlot {
+        &self.budget_guard
     }
 }
 

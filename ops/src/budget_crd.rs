@@ -20,6 +20,8 @@ pub const SOURCE_PREFIX: &str = "GPUBudget ";
 
 /// A namespace's GPU budget: an amount of GPU time per window and what admission does once
 /// it is spent; optionally a hard cap on what the namespace holds at once.
+// Each printcolumn(...) names its own `type_`; clippy takes the repeats for duplicates.
+#[allow(clippy::duplicated_attributes)]
 #[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
 #[kube(
     group = "gpuledger.io",
