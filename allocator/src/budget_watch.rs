@@ -9,7 +9,7 @@
 //! GPUBudget wrote carries `source = "GPUBudget ns/name"`: when no object governs its
 //! namespace any more, the budget is removed (and the namespace's quota cleared).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -18,11 +18,11 @@ use futures::StreamExt;
 use gpuledger_ledger::state::{Quota, budget_summary, same_budget};
 use gpuledger_ledger::{Command, pb};
 use gpuledger_ops::budget_crd::{
-    self, CLUSTER_DEFAULT_NAME, GPUBudget, GPUBudgetStatus, SOURCE_PREFIX, STATE_APPLIED,
-    STATE_REFUSED,
+    self, ANN_DEMOTED, CLUSTER_DEFAULT_NAME, GPUBudget, GPUBudgetStatus, SOURCE_PREFIX,
+    STATE_APPLIED, STATE_REFUSED,
 };
 use gpuledger_ops::events::{Kind, PodEvent, to_event};
-use k8s_openapi::api::core::v1::{Event, ObjectReference};
+use k8s_openapi::api::core::v1::{Event, ObjectReference, Pod};
 use k8s_openapi::api::scheduling::v1::PriorityClass;
 use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams, PostParams};
@@ -417,6 +417,55 @@ impl Watch {
         if let Err(e) = api.create(&PostParams::default(), &ev).await {
             warn!(object = %name_of(o), reason, error = %e, "could not create the GPUBudget Event");
         }
+    }
+}
+
+/// Demoted pods told so: the webhook marks a pod it demoted with [`ANN_DEMOTED`] (the pod
+/// has no UID at admission); the leader's pod watch gives such a pod one Event while it waits
+/// to be scheduled. A new leader may tell a still-pending pod once more.
+#[derive(Default)]
+pub(crate) struct DemotedPods {
+    told: std::sync::Mutex<HashSet<String>>,
+}
+
+impl DemotedPods {
+    /// The Event `pod` should get now, if any.
+    pub(crate) fn event_for(&self, pod: &Pod) -> Option<PodEvent> {
+        let uid = pod.metadata.uid.clone()?;
+        let mut told = self.told.lock().unwrap_or_else(|p| p.into_inner());
+        let scheduled = pod.spec.as_ref().is_some_and(|s| s.node_name.is_some());
+        let why = pod.annotations().get(ANN_DEMOTED);
+        if scheduled || why.is_none() {
+            told.remove(&uid);
+            return None;
+        }
+        if !told.insert(uid.clone()) {
+            return None;
+        }
+        let class = pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.priority_class_name.clone())
+            .unwrap_or_default();
+        Some(PodEvent {
+            namespace: pod.namespace().unwrap_or_default(),
+            name: pod.name_any(),
+            uid,
+            kind: Kind::Warning,
+            reason: "GpuBudgetDemoted",
+            message: format!(
+                "admitted at priority class {class}, so in-budget pods may preempt it: {}",
+                why.map_or("", String::as_str)
+            ),
+        })
+    }
+
+    /// Forget a deleted pod.
+    pub(crate) fn forget(&self, uid: &str) {
+        self.told
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(uid);
     }
 }
 

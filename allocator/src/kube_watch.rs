@@ -107,6 +107,7 @@ struct Watch {
     pods_ready: AtomicBool,
     nodes_ready: AtomicBool,
     events: Recorder,
+    demoted: crate::budget_watch::DemotedPods,
 }
 
 impl Watch {
@@ -198,6 +199,9 @@ impl Watch {
         let Some(uid) = pod.metadata.uid.as_deref() else {
             return;
         };
+        if let Some(ev) = self.demoted.event_for(pod) {
+            self.events.emit(ev);
+        }
         if let Some(phase @ ("Succeeded" | "Failed")) =
             pod.status.as_ref().and_then(|s| s.phase.as_deref())
         {
@@ -422,6 +426,7 @@ async fn run(service: Service, client: kube::Client, args: KubeArgs) {
         pods_ready: AtomicBool::new(false),
         nodes_ready: AtomicBool::new(false),
         events: Recorder::new(client.clone(), "gpuledger-allocator", None),
+        demoted: Default::default(),
     });
     info!("Kubernetes watchers started (pods, nodes, GPUBudgets)");
 
@@ -437,6 +442,9 @@ async fn run(service: Service, client: kube::Client, args: KubeArgs) {
             match ev {
                 Ok(watcher::Event::Apply(p) | watcher::Event::InitApply(p)) => wp.on_pod(&p).await,
                 Ok(watcher::Event::Delete(p)) => {
+                    if let Some(uid) = p.metadata.uid.as_deref() {
+                        wp.demoted.forget(uid);
+                    }
                     if let Some(uid) = p.metadata.uid.as_deref()
                         && wp.leading()
                     {

@@ -15,6 +15,9 @@ use serde::{Deserialize, Serialize};
 
 /// The name a GPUBudget has in the allocator's namespace to be the cluster default.
 pub const CLUSTER_DEFAULT_NAME: &str = "default";
+/// The annotation the webhook puts on a pod it demoted (why, and when the budget recovers);
+/// the allocator's pod watch turns it into an Event on the pod.
+pub const ANN_DEMOTED: &str = "gpuledger.io/budget-demoted";
 /// The prefix of a ledger budget's `source` when a GPUBudget wrote it: the watch owns those.
 pub const SOURCE_PREFIX: &str = "GPUBudget ";
 
