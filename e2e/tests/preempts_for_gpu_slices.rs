@@ -164,6 +164,22 @@ async fn priority_of(e: &E2e, ns: &str, name: &str) -> Result<(Option<String>, O
     Ok((spec.priority_class_name, spec.priority))
 }
 
+/// Create A's pod `name` as a user would and require that admission left it as written: no
+/// warning, the default priority.
+async fn admitted_unchanged(e: &E2e, name: &str, mem: &str, when: &str) -> Result<()> {
+    let out = kubectl_create(e, A, &gpu_pod(name, mem, None))?;
+    ensure!(
+        out.ok && !out.stderr.contains("Warning"),
+        "{name}, {when}: {out:?}"
+    );
+    let p = priority_of(e, A, name).await?;
+    ensure!(
+        p == (None, Some(0)),
+        "{name}, {when}, was not admitted at the default priority: {p:?}"
+    );
+    Ok(())
+}
+
 /// Whether A's budget is spent now, as the leader's ledger folds it.
 async fn a_spent(e: &E2e) -> Result<bool> {
     let now = i64::try_from(
@@ -215,17 +231,8 @@ async fn a_namespace_over_budget_is_demoted_preempted_and_recovers() -> Result<(
     };
     set("demote")?;
 
-    // Within budget: admitted unchanged, at the default priority.
-    let out = kubectl_create(&e, A, &gpu_pod("a-1", "12000", None))?;
-    ensure!(
-        out.ok && !out.stderr.contains("Warning"),
-        "a-1, within budget: {out:?}"
-    );
-    ensure!(
-        priority_of(&e, A, "a-1").await? == (None, Some(0)),
-        "a-1 was not admitted at the default priority: {:?}",
-        priority_of(&e, A, "a-1").await?
-    );
+    // Within budget.
+    admitted_unchanged(&e, "a-1", "12000", "within budget").await?;
     pods::wait_bound(&e.client, A, &["a-1".into()], Duration::from_secs(60)).await?;
     let spent_from = Instant::now();
     until("team-a's budget spent", Duration::from_secs(30), || async {
@@ -320,16 +327,7 @@ async fn a_namespace_over_budget_is_demoted_preempted_and_recovers() -> Result<(
          12000 MiB can leave a rolling minute"
     );
     replica_caught_up(&e).await?;
-    let out = kubectl_create(&e, A, &gpu_pod("a-3", "1000", None))?;
-    ensure!(
-        out.ok && !out.stderr.contains("Warning"),
-        "a-3, after the window rolled over: {out:?}"
-    );
-    ensure!(
-        priority_of(&e, A, "a-3").await? == (None, Some(0)),
-        "a-3 was not admitted at the default priority: {:?}",
-        priority_of(&e, A, "a-3").await?
-    );
+    admitted_unchanged(&e, "a-3", "1000", "after the window rolled over").await?;
     eprintln!(
         "budget story: spent to recovered in {:?}",
         spent_from.elapsed()
