@@ -36,10 +36,20 @@ const BATCH: u64 = 128;
 
 /// A realistic event stream: registrations, then reserve → bound → assigned → release cycles.
 fn generate(a: &Args) -> Result<Vec<pb::Event>> {
+    generate_log(a.events, a.nodes, a.live, 7)
+}
+
+/// `events` events on `nodes` nodes (8 GPUs each) at `epoch`, keeping about `live`
+/// allocations: registrations, then reserve → bound → assigned → release cycles.
+pub fn generate_log(
+    events: usize,
+    nodes: usize,
+    live_max: usize,
+    epoch: u64,
+) -> Result<Vec<pb::Event>> {
     let mut l = Ledger::new();
-    let mut out = Vec::with_capacity(a.events + 16);
-    let epoch = 7;
-    for n in 0..a.nodes {
+    let mut out = Vec::with_capacity(events + 16);
+    for n in 0..nodes {
         let inv = pb::NodeInventory {
             node: format!("node-{n:05}"),
             gpus: (0..8)
@@ -58,9 +68,9 @@ fn generate(a: &Args) -> Result<Vec<pb::Event>> {
     }
     let mut live: std::collections::VecDeque<(String, String)> = Default::default();
     let mut i = 0u64;
-    while out.len() < a.events {
+    while out.len() < events {
         let uid = format!("{i:08x}-5d2c-4b7e-9f3a-1e6b8c0d2f4a");
-        let node = format!("node-{:05}", (i as usize * 7919) % a.nodes);
+        let node = format!("node-{:05}", (i as usize * 7919) % nodes);
         let now = 1_700_000_000_000 + i as i64;
         let req = PodRequest {
             pod: pb::PodRef {
@@ -118,7 +128,7 @@ fn generate(a: &Args) -> Result<Vec<pb::Event>> {
             );
             live.push_back((uid, node));
         }
-        while live.len() > a.live {
+        while live.len() > live_max {
             let (uid, _) = live.pop_front().expect("non-empty");
             out.extend(
                 l.execute(
@@ -136,7 +146,7 @@ fn generate(a: &Args) -> Result<Vec<pb::Event>> {
         }
         i += 1;
     }
-    out.truncate(a.events);
+    out.truncate(events);
     Ok(out)
 }
 
