@@ -48,6 +48,9 @@ pub struct KubeArgs {
     /// the watch act at once; this catches the ones no replica saw).
     #[arg(long, env = "GPULEDGER_NODE_GONE_GRACE", default_value_t = 30)]
     pub node_gone_grace_s: u64,
+
+    #[command(flatten)]
+    pub budgets: crate::budget_watch::BudgetArgs,
 }
 
 /// How long a fresh reservation may be missing from the pod cache before it counts as gone
@@ -104,6 +107,7 @@ struct Watch {
     pods_ready: AtomicBool,
     nodes_ready: AtomicBool,
     events: Recorder,
+    demoted: crate::budget_watch::DemotedPods,
 }
 
 impl Watch {
@@ -195,6 +199,9 @@ impl Watch {
         let Some(uid) = pod.metadata.uid.as_deref() else {
             return;
         };
+        if let Some(ev) = self.demoted.event_for(pod) {
+            self.events.emit(ev);
+        }
         if let Some(phase @ ("Succeeded" | "Failed")) =
             pod.status.as_ref().and_then(|s| s.phase.as_deref())
         {
@@ -403,6 +410,14 @@ async fn run(service: Service, client: kube::Client, args: KubeArgs) {
     let (nodes, node_writer) = reflector::store::<Node>();
     // The extender's writes are checked against the same pods.
     service.authz().set_pods(pods.clone(), client.clone());
+    // The watchers live as long as this task: dropping the set ends them.
+    let mut watchers = JoinSet::new();
+    crate::budget_watch::spawn(
+        &mut watchers,
+        service.clone(),
+        client.clone(),
+        &args.budgets,
+    );
     let w = Arc::new(Watch {
         service,
         pods_api: Api::all(client.clone()),
@@ -411,10 +426,9 @@ async fn run(service: Service, client: kube::Client, args: KubeArgs) {
         pods_ready: AtomicBool::new(false),
         nodes_ready: AtomicBool::new(false),
         events: Recorder::new(client.clone(), "gpuledger-allocator", None),
+        demoted: Default::default(),
     });
-    info!("Kubernetes watchers started (pods, nodes)");
-    // The watchers live as long as this task: dropping the set ends them.
-    let mut watchers = JoinSet::new();
+    info!("Kubernetes watchers started (pods, nodes, GPUBudgets)");
 
     let wp = w.clone();
     let pod_stream = reflector::reflector(
@@ -428,6 +442,9 @@ async fn run(service: Service, client: kube::Client, args: KubeArgs) {
             match ev {
                 Ok(watcher::Event::Apply(p) | watcher::Event::InitApply(p)) => wp.on_pod(&p).await,
                 Ok(watcher::Event::Delete(p)) => {
+                    if let Some(uid) = p.metadata.uid.as_deref() {
+                        wp.demoted.forget(uid);
+                    }
                     if let Some(uid) = p.metadata.uid.as_deref()
                         && wp.leading()
                     {

@@ -73,6 +73,7 @@ pub struct Service {
     placement: Placement,
     archive: Option<crate::archive::Archive>,
     authz: Arc<Authz>,
+    budget_guard: crate::budget_watch::GuardSlot,
 }
 
 /// How requests that name no policy are placed, and the workload FGD learns.
@@ -144,6 +145,7 @@ impl Service {
             placement,
             archive: None,
             authz,
+            budget_guard: Default::default(),
         }
     }
 
@@ -173,6 +175,11 @@ impl Service {
     /// Who may call what.
     pub fn authz(&self) -> &Arc<Authz> {
         &self.authz
+    }
+
+    /// What the budget RPCs check against Kubernetes; empty until the GPUBudget watch runs.
+    pub fn budget_guard_slot(&self) -> &crate::budget_watch::GuardSlot {
+        &self.budget_guard
     }
 }
 

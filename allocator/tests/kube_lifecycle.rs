@@ -3,7 +3,7 @@
 
 mod support;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
@@ -11,7 +11,7 @@ use gpuledger_testkit::cluster::SCHEDULER_NAME;
 use gpuledger_testkit::kube::{KubeStack, StackOptions};
 use gpuledger_testkit::workload::{inventory, pod};
 use k8s_openapi::serde_json::json;
-use support::reserve_admitted;
+use support::{reserve_admitted, wait_until};
 
 async fn live(stack: &KubeStack) -> anyhow::Result<Vec<pb::Allocation>> {
     let d = stack
@@ -21,21 +21,6 @@ async fn live(stack: &KubeStack) -> anyhow::Result<Vec<pb::Allocation>> {
         .await?
         .into_inner();
     Ok(d.snapshot.map(|s| s.allocations).unwrap_or_default())
-}
-
-async fn wait_until<F, Fut>(what: &str, timeout: Duration, mut f: F) -> anyhow::Result<Duration>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = anyhow::Result<bool>>,
-{
-    let t0 = Instant::now();
-    while t0.elapsed() < timeout {
-        if f().await? {
-            return Ok(t0.elapsed());
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    anyhow::bail!("{what}: not within {timeout:?}")
 }
 
 /// Create the pod in the API server, reserve and bind it like the extender does.

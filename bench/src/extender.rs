@@ -10,7 +10,10 @@ use futures::StreamExt;
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
 use gpuledger_testkit::EtcdCluster;
-use gpuledger_testkit::kube::{ExtenderClient, KubeStack, SchedulerEmulator, StackOptions};
+use gpuledger_testkit::kube::stack::scheduler_tls;
+use gpuledger_testkit::kube::{
+    ExtenderClient, ExtenderConfig, KubeStack, SchedulerEmulator, StackOptions,
+};
 use gpuledger_testkit::workload::inventory;
 use serde_json::{Value, json};
 
@@ -46,6 +49,10 @@ pub struct Args {
     /// default), e.g. fgd-strand to check the cost of its look-ahead.
     #[arg(long, default_value = "")]
     policy: String,
+    /// Admission webhook samples (mutate + validate of one GPU pod), ABBA between a namespace
+    /// without a budget and one whose budget is spent (policy demote); 0 = skip.
+    #[arg(long, default_value_t = 2000)]
+    webhook_samples: usize,
 }
 
 fn gpu_pod(name: &str, scheduler: &str, policy: &str) -> Value {
@@ -128,11 +135,12 @@ pub async fn run(a: Args) -> Result<()> {
         a.nodes, a.gpus_per_node, a.samples, a.pods, a.parallel
     ));
     let reference_before = machine_reference_ms();
+    let webhook_port = gpuledger_testkit::free_port()?;
     let mut stack = KubeStack::start(StackOptions {
         etcd_members: a.etcd_members,
         allocators: 1,
         allocator_flags: vec![],
-        extender_flags: Some(vec![]),
+        extender_flags: Some(vec![format!("--webhook-listen=127.0.0.1:{webhook_port}")]),
     })
     .await?;
     let names: Vec<String> = (0..a.nodes).map(|i| format!("node-{i:05}")).collect();
@@ -172,6 +180,12 @@ pub async fn run(a: Args) -> Result<()> {
         "setup: ledger settled at seq {seq} in {:.1} s (node CPU and memory from the API server)",
         t.elapsed().as_secs_f64()
     );
+
+    let webhook = if a.webhook_samples > 0 {
+        Some(webhook_budgets(&stack, &names[0], webhook_port, a.webhook_samples).await?)
+    } else {
+        None
+    };
 
     let ext = ExtenderClient::new(stack.extender_config()?)?;
     let probe = stack.api.add_pod(gpu_pod("probe", "nobody", &a.policy))?;
@@ -332,6 +346,10 @@ pub async fn run(a: Args) -> Result<()> {
     row("baseline: allocator gRPC Filter", &gf);
     row("baseline: allocator gRPC Score", &gs);
     row("extender bind (sequential)", &hb);
+    if let Some((free, spent)) = &webhook {
+        row("webhook mutate+validate, no budget", free);
+        row("webhook mutate+validate, budget spent", spent);
+    }
     row(
         &format!(
             "extender filter in the e2e run ({} binds in flight)",
@@ -358,12 +376,142 @@ pub async fn run(a: Args) -> Result<()> {
         "machine reference loop: {reference_before:.0} ms before, {:.0} ms after (lower is faster)",
         machine_reference_ms()
     );
+    let webhook_keys = webhook.map_or(String::new(), |(free, spent)| {
+        format!(
+            " webhook_p99_ms={:.3} webhook_budget_spent_p99_ms={:.3}",
+            q_ms(&free, 0.99),
+            q_ms(&spent, 0.99)
+        )
+    });
     println!(
-        "filter_p99_ms={:.2} prioritize_p99_ms={:.2} bind_p99_ms={:.2} pods_per_s={:.0}",
+        "filter_p99_ms={:.2} prioritize_p99_ms={:.2} bind_p99_ms={:.2} pods_per_s={:.0}{webhook_keys}",
         q_ms(&hf, 0.99),
         q_ms(&hp, 0.99),
         q_ms(&hb, 0.99),
         pods_per_s
     );
     Ok(())
+}
+
+/// Admission latency without a budget and with a spent one (the budget lookup on the
+/// extender's replica, the reason, the demotion patch), ABBA in one run: `samples` pods of
+/// each, mutate + validate each, through one kept-alive HTTPS connection as the API server
+/// keeps one. Returns (no budget, budget spent).
+async fn webhook_budgets(
+    stack: &KubeStack,
+    node: &str,
+    port: u16,
+    samples: usize,
+) -> Result<(hdrhistogram::Histogram<u64>, hdrhistogram::Histogram<u64>)> {
+    let (free, spent) = ("bench-free", "bench-spent");
+    stack
+        .api
+        .store
+        .create(
+            "scheduling.k8s.io/v1",
+            "priorityclasses",
+            "",
+            json!({"metadata": {"name": "gpu-low"}, "value": -10}),
+        )
+        .map_err(|e| anyhow::anyhow!("{}", e.message()))?;
+    stack
+        .allocs
+        .admin(0)?
+        .set_budget(api::SetBudgetRequest {
+            budget: Some(pb::BudgetSet {
+                namespace: spent.into(),
+                unit: pb::BudgetUnit::GpuMibHours as i32,
+                amount: 1,
+                window: pb::BudgetWindow::Day as i32,
+                policy: pb::BudgetPolicy::Demote as i32,
+                priority_class: "gpu-low".into(),
+                source: "gpuledger-bench".into(),
+                ..Default::default()
+            }),
+            remove: false,
+        })
+        .await?;
+    // 20,000 MiB held spends 1 MiB-hour in 180 ms.
+    let hog = stack.api.add_pod(json!({"metadata": {"name": "hog", "namespace": spent},
+        "spec": {"schedulerName": "gpuledger-scheduler", "containers": [{"name": "c", "image": "x"}]}}))?;
+    let mut req = api_pod(hog["metadata"]["uid"].as_str().unwrap_or(""), "");
+    if let Some(p) = req.pod.as_mut() {
+        (p.namespace, p.name) = (spent.into(), "hog".into());
+    }
+    req.containers[0].mem_mib = 20_000;
+    let mut c = stack.allocs.extender(0)?;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        // The allocator reserves only for a pod its watch has seen.
+        match c
+            .reserve(api::ReserveRequest {
+                request: Some(req.clone()),
+                node: node.into(),
+                ttl_ms: 0,
+            })
+            .await
+        {
+            Ok(_) => break,
+            Err(_) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(s) => anyhow::bail!("reserving the budget's hog: {}", s.message()),
+        }
+    }
+    let hook = ExtenderClient::new(ExtenderConfig::gpuledger(
+        &format!("https://127.0.0.1:{port}"),
+        Some(scheduler_tls(&stack.ids.pki)?),
+    ))?;
+    let review = |ns: &str, op: &str| -> Result<Vec<u8>> {
+        Ok(serde_json::to_vec(
+            &json!({"kind": "AdmissionReview", "apiVersion": "admission.k8s.io/v1",
+            "request": {"uid": format!("{op}-{ns}"), "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                "resource": {"group": "", "version": "v1", "resource": "pods"}, "namespace": ns,
+                "operation": "CREATE", "userInfo": {"username": "system:admin"},
+                "object": {"metadata": {"name": "w", "namespace": ns}, "spec": {"containers": [{"name": "c", "image": "x",
+                    "resources": {"limits": {"gpuledger.io/gpu": "1", "gpuledger.io/gpu-mem": "1000"}}}]}}}}),
+        )?)
+    };
+    let bodies = [free, spent]
+        .map(|ns| Ok::<_, anyhow::Error>((review(ns, "mutate")?, review(ns, "validate")?)));
+    let [Ok(free_b), Ok(spent_b)] = bodies else {
+        anyhow::bail!("admission reviews do not serialize");
+    };
+    let admit = async |b: &(Vec<u8>, Vec<u8>)| -> Result<(Duration, Value)> {
+        let t = Instant::now();
+        let (s1, m) = hook.post_raw("mutate", b.0.clone()).await?;
+        let (s2, _) = hook.post_raw("validate", b.1.clone()).await?;
+        let took = t.elapsed();
+        anyhow::ensure!(s1 == 200 && s2 == 200, "webhook answered {s1}/{s2}");
+        Ok((took, serde_json::from_slice(&m)?))
+    };
+    // Until the extender's replica has the spent budget: its answer carries the demotion.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while admit(&spent_b).await?.1["response"]["warnings"].is_null() {
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the budget never showed as spent"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for _ in 0..200 {
+        admit(&free_b).await?;
+        admit(&spent_b).await?;
+    }
+    println!(
+        "measuring: webhook, {samples} pods without a budget and {samples} with a spent one (ABBA)"
+    );
+    let (mut hf, mut hs) = (histogram(), histogram());
+    let quarter = samples.div_ceil(2);
+    for spent_turn in [false, true, true, false] {
+        for _ in 0..quarter {
+            let (took, m) = admit(if spent_turn { &spent_b } else { &free_b }).await?;
+            anyhow::ensure!(
+                m["response"]["warnings"].is_null() != spent_turn,
+                "the wrong verdict: {m}"
+            );
+            record(if spent_turn { &mut hs } else { &mut hf }, took);
+        }
+    }
+    Ok((hf, hs))
 }

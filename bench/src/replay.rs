@@ -35,8 +35,10 @@ pub struct Args {
 const BATCH: u64 = 128;
 
 /// A realistic event stream: registrations, then reserve → bound → assigned → release cycles.
-fn generate(a: &Args) -> Result<Vec<pb::Event>> {
-    generate_log(a.events, a.nodes, a.live, 7)
+/// With `budgets`, the namespace has a rolling budget and the cluster a default first (the
+/// same workload; the log keeps its length).
+fn generate(a: &Args, budgets: bool) -> Result<Vec<pb::Event>> {
+    build_log(a.events, a.nodes, a.live, 7, budgets)
 }
 
 /// `events` events on `nodes` nodes (8 GPUs each) at `epoch`, keeping about `live`
@@ -47,8 +49,41 @@ pub fn generate_log(
     live_max: usize,
     epoch: u64,
 ) -> Result<Vec<pb::Event>> {
+    build_log(events, nodes, live_max, epoch, false)
+}
+
+/// [`generate_log`], with budgets set first when `budgets`.
+fn build_log(
+    events: usize,
+    nodes: usize,
+    live_max: usize,
+    epoch: u64,
+    budgets: bool,
+) -> Result<Vec<pb::Event>> {
     let mut l = Ledger::new();
     let mut out = Vec::with_capacity(events + 16);
+    if budgets {
+        // A 10-minute rolling window: 1-second buckets that fill and leave the window as the
+        // generated clock (1 ms per pod) runs, the costliest kind of window to keep.
+        for (ns, window, rolling_ms) in [
+            ("team-a", pb::BudgetWindow::Rolling, 600_000),
+            ("", pb::BudgetWindow::Day, 0),
+        ] {
+            let b = pb::BudgetSet {
+                namespace: ns.into(),
+                unit: pb::BudgetUnit::GpuMibHours as i32,
+                amount: 1_000_000,
+                window: window as i32,
+                rolling_ms,
+                policy: pb::BudgetPolicy::Warn as i32,
+                ..Default::default()
+            };
+            out.extend(
+                l.execute(Command::SetBudget(b), epoch, 1_700_000_000_000)?
+                    .0,
+            );
+        }
+    }
     for n in 0..nodes {
         let inv = pb::NodeInventory {
             node: format!("node-{n:05}"),
@@ -243,7 +278,7 @@ pub async fn run(a: Args) -> Result<()> {
         a.events, a.nodes, a.live
     ));
     let t = Instant::now();
-    let events = generate(&a)?;
+    let events = generate(&a, false)?;
     println!("generated in {:.1}s", t.elapsed().as_secs_f64());
 
     title("fold (apply with every invariant check), 3 runs");
@@ -346,8 +381,9 @@ pub async fn run(a: Args) -> Result<()> {
     );
 
     if a.fold_only {
+        let ratio = budget_fold_ratio(&a, &events)?;
         println!(
-            "fold_events_per_s={fold:.0} decode_fold_events_per_s={decode_fold:.0} chained_fold_events_per_s={chained_fold:.0}"
+            "fold_budgets_ratio={ratio:.3} fold_events_per_s={fold:.0} decode_fold_events_per_s={decode_fold:.0} chained_fold_events_per_s={chained_fold:.0}"
         );
         return Ok(());
     }
@@ -398,4 +434,35 @@ pub async fn run(a: Args) -> Result<()> {
     );
     println!("fold_events_per_s={fold:.0} cold_start_ms={with_snap}");
     Ok(())
+}
+
+/// The fold of the same workload with budgets set against without, ABBA three times in this
+/// run (best of each): the cost of keeping consumption in budget windows.
+fn budget_fold_ratio(a: &Args, plain: &[pb::Event]) -> Result<f64> {
+    title("fold with budgets (a rolling and a calendar window) against without, ABBA x 3");
+    let budgeted = generate(a, true)?;
+    let fold = |events: &[pb::Event]| -> Result<f64> {
+        let mut l = Ledger::new();
+        let t = Instant::now();
+        l.apply_all(events)
+            .map_err(|e| anyhow::anyhow!("fold: {e}"))?;
+        Ok(events.len() as f64 / t.elapsed().as_secs_f64())
+    };
+    let (mut without, mut with) = (0f64, 0f64);
+    for round in 0..3 {
+        let a1 = fold(plain)?;
+        let b1 = fold(&budgeted)?;
+        let b2 = fold(&budgeted)?;
+        let a2 = fold(plain)?;
+        println!(
+            "round {}: without {a1:.0} / {a2:.0}, with budgets {b1:.0} / {b2:.0} events/s",
+            round + 1
+        );
+        without = without.max(a1).max(a2);
+        with = with.max(b1).max(b2);
+    }
+    let ratio = with / without;
+    println!("{:<40} {:>14.0}", "fold, no budget", without);
+    println!("{:<40} {:>14.0}  ({ratio:.3}x)", "fold, budgets set", with);
+    Ok(ratio)
 }

@@ -2,7 +2,7 @@
 //! `make deploy-check`: the allocator and the extender run as processes against the fake
 //! kube-apiserver, each with a kubeconfig whose bearer token is its ServiceAccount's user name,
 //! through every code path that talks to the API server (watch, bind, pod deletion, reservation
-//! expiry, node deletion). The fake server records (user, verb, group, resource, namespace);
+//! expiry, node deletion, GPUBudgets). The fake server records (user, verb, group, resource, namespace);
 //! with `GPULEDGER_RBAC_USAGE_OUT=<file>` the records are written there as JSON lines, and
 //! deploy/test/deploy_check.py compares them with the ClusterRoles in deploy/.
 
@@ -189,6 +189,39 @@ async fn components_api_requests() -> Result<()> {
     })
     .await?;
 
+    // Path 5, the GPUBudget watch: a demote budget's class is read, the budget written to the
+    // ledger, the object's status patched and an Event created on it.
+    apisrv
+        .store
+        .create(
+            "scheduling.k8s.io/v1",
+            "priorityclasses",
+            "",
+            json!({
+            "metadata": {"name": "gpu-low"}, "value": -10}),
+        )
+        .map_err(|e| anyhow::anyhow!("{}", e.message()))?;
+    apisrv
+        .store
+        .create(
+            "gpuledger.io/v1alpha1",
+            "gpubudgets",
+            "team-a",
+            json!({
+            "apiVersion": "gpuledger.io/v1alpha1", "kind": "GPUBudget",
+            "metadata": {"name": "gpu", "namespace": "team-a"},
+            "spec": {"amount": "100", "window": "day", "policy": "demote",
+                     "priorityClassName": "gpu-low"}}),
+        )
+        .map_err(|e| anyhow::anyhow!("{}", e.message()))?;
+    wait_until("GPUBudget applied", Duration::from_secs(10), || async {
+        let o = apisrv
+            .store
+            .get("gpuledger.io/v1alpha1", "gpubudgets", "team-a", "gpu");
+        Ok(o.is_ok_and(|o| o["status"]["state"] == "Applied"))
+    })
+    .await?;
+
     let reqs = apisrv.store.requests();
     let mut lines = String::new();
     for r in &reqs {
@@ -213,6 +246,10 @@ async fn components_api_requests() -> Result<()> {
         (ALLOCATOR, "list", "nodes"),
         (ALLOCATOR, "watch", "nodes"),
         (ALLOCATOR, "create", "tokenreviews"),
+        (ALLOCATOR, "list", "gpubudgets"),
+        (ALLOCATOR, "watch", "gpubudgets"),
+        (ALLOCATOR, "patch", "gpubudgets/status"),
+        (ALLOCATOR, "get", "priorityclasses"),
         (EXTENDER, "get", "pods"),
         (EXTENDER, "create", "pods/binding"),
     ] {

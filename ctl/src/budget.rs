@@ -2,14 +2,15 @@
 
 use std::collections::BTreeSet;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use gpuledger_ledger::state::{BudgetStatus, MS_PER_HOUR, budget_summary};
 use gpuledger_ledger::{Ledger, pb};
+use gpuledger_ops::budget_crd;
 use gpuledger_proto::allocator::v1 as api;
 
 use crate::client::{Target, connect, dump_of};
 use crate::table::Table;
-use crate::when::{fmt_time, now_ms, parse_duration_ms};
+use crate::when::{fmt_time, now_ms};
 
 /// The namespace name that stands for the cluster default budget on the command line.
 const CLUSTER_DEFAULT: &str = "*";
@@ -62,6 +63,8 @@ enum Action {
         #[command(flatten)]
         target: Target,
     },
+    /// Print the GPUBudget CustomResourceDefinition (`deploy/` ships this output).
+    Crd,
 }
 
 #[derive(clap::Args, Debug)]
@@ -121,6 +124,10 @@ pub async fn budget(a: BudgetArgs) -> Result<()> {
                 Format::Json => json(&l, now_ms()),
             };
             print!("{out}");
+            Ok(())
+        }
+        Action::Crd => {
+            print!("{}", budget_crd::crd_yaml()?);
             Ok(())
         }
         Action::Set(s) => {
@@ -198,60 +205,34 @@ fn ns_arg(ns: &str) -> String {
     }
 }
 
-/// The budget `gpuledger budget set` asks for; the allocator validates the rest.
+/// The budget `gpuledger budget set` asks for, read through the GPUBudget spec so that the
+/// flags and the object are refused for the same reasons (the allocator checks again).
 fn budget_of(s: &SetArgs) -> Result<pb::BudgetSet> {
-    let (unit, amount) = match s.unit {
-        Unit::MibHours => (
-            pb::BudgetUnit::GpuMibHours,
-            s.amount.parse::<u64>().with_context(|| {
-                format!(
-                    "--amount {:?} is not a whole number of GPU-MiB-hours",
-                    s.amount
-                )
-            })?,
-        ),
-        Unit::GpuHours => (pb::BudgetUnit::GpuCoreHours, parse_milli(&s.amount)?),
+    let spec = budget_crd::GPUBudgetSpec {
+        amount: s.amount.clone(),
+        unit: match s.unit {
+            Unit::MibHours => budget_crd::BudgetUnit::MibHours,
+            Unit::GpuHours => budget_crd::BudgetUnit::GpuHours,
+        },
+        window: s.window.clone(),
+        policy: match s.policy {
+            Policy::Demote => budget_crd::BudgetPolicy::Demote,
+            Policy::Deny => budget_crd::BudgetPolicy::Deny,
+            Policy::Warn => budget_crd::BudgetPolicy::Warn,
+        },
+        priority_class_name: s.priority_class.clone(),
+        quota: None,
     };
-    let (window, rolling_ms) = match s.window.as_str() {
-        "day" => (pb::BudgetWindow::Day, 0),
-        "week" => (pb::BudgetWindow::Week, 0),
-        "month" => (pb::BudgetWindow::Month, 0),
-        d => (
-            pb::BudgetWindow::Rolling,
-            parse_duration_ms(d).map_err(|e| {
-                anyhow::anyhow!("--window {d:?}: not day, week or month, nor a duration: {e}")
-            })?,
-        ),
-    };
-    let policy = match s.policy {
-        Policy::Demote => pb::BudgetPolicy::Demote,
-        Policy::Deny => pb::BudgetPolicy::Deny,
-        Policy::Warn => pb::BudgetPolicy::Warn,
-    };
-    Ok(pb::BudgetSet {
-        namespace: ns_arg(&s.namespace),
-        unit: unit as i32,
-        amount,
-        window: window as i32,
-        rolling_ms,
-        policy: policy as i32,
-        priority_class: s.priority_class.clone().unwrap_or_default(),
-        source: "gpuledger budget set".into(),
-    })
-}
-
-/// A decimal with up to three places in thousandths: "2.5" → 2500.
-fn parse_milli(s: &str) -> Result<u64> {
-    let bad = || format!("--amount {s:?} is not a number of GPU-hours with at most 3 decimals");
-    let (i, f) = s.split_once('.').unwrap_or((s, ""));
-    if f.len() > 3 || i.is_empty() || !f.chars().all(|c| c.is_ascii_digit()) {
-        bail!(bad());
-    }
-    let i: u64 = i.parse().with_context(bad)?;
-    let f: u64 = format!("{f:0<3}").parse().with_context(bad)?;
-    i.checked_mul(1000)
-        .and_then(|v| v.checked_add(f))
-        .with_context(bad)
+    spec.to_budget(&ns_arg(&s.namespace), "gpuledger budget set")
+        .map_err(|e| {
+            // The spec's field names are this command's flags.
+            let flag = if e.starts_with("amount ") || e.starts_with("window ") {
+                "--"
+            } else {
+                ""
+            };
+            anyhow::anyhow!("budget refused: {flag}{e}")
+        })
 }
 
 /// The namespaces a report covers: every one with a budget of its own or any consumption.
@@ -382,19 +363,4 @@ fn json(l: &Ledger, now: i64) -> String {
         .collect();
     let doc = serde_json::json!({ "now_ms": now, "seq": l.seq(), "namespaces": rows });
     format!("{doc}\n")
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn gpu_hours_parse_to_thousandths() {
-        assert_eq!(parse_milli("2.5").ok(), Some(2500));
-        assert_eq!(parse_milli("3").ok(), Some(3000));
-        assert_eq!(parse_milli("0.125").ok(), Some(125));
-        for bad in ["", ".5", "1.2345", "-1", "x", "1.x", "99999999999999999999"] {
-            assert!(parse_milli(bad).is_err(), "{bad:?} parsed");
-        }
-    }
 }

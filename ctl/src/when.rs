@@ -1,7 +1,7 @@
 //! Times on the command line and in the output: RFC 3339 and times relative to now in,
 //! RFC 3339 in UTC out, at the ledger's millisecond resolution.
 
-use jiff::{Span, SpanRelativeTo, Timestamp};
+use jiff::Timestamp;
 
 /// A time as given on the command line, resolved against one `now`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,23 +46,7 @@ pub fn parse_time(s: &str) -> Result<TimeArg, String> {
     }
 }
 
-/// A duration in milliseconds: whole numbers of s, m, h and d (24 hours), largest
-/// unit first, such as `90s` or `1h30m`.
-pub fn parse_duration_ms(s: &str) -> Result<i64, String> {
-    // jiff's friendly format also takes `3 hours`, `1.5h` and `1h ago`; the flag's form is the
-    // compact one it has always been, and the rest is jiff's.
-    if let Some(c) = s
-        .chars()
-        .find(|c| !c.is_ascii_digit() && !"smhd".contains(*c))
-    {
-        return Err(format!("unknown unit {c:?} in duration {s:?}"));
-    }
-    let span: Span = s.parse().map_err(|e| format!("duration {s:?}: {e}"))?;
-    let d = span
-        .to_duration(SpanRelativeTo::days_are_24_hours())
-        .map_err(|e| format!("duration {s:?}: {e}"))?;
-    i64::try_from(d.as_millis()).map_err(|_| format!("duration {s:?} is too large"))
-}
+pub use gpuledger_ops::budget_crd::parse_duration_ms;
 
 /// An RFC 3339 time (or an ISO 8601 relative of it, such as a space for the `T`) as
 /// milliseconds since the Unix epoch.

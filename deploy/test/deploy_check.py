@@ -1117,7 +1117,8 @@ def render_helm(c, helm, chart, values_sets):
     lint = run([helm, "lint", str(chart), "--namespace", NS])
     c.check("helm lint", [] if lint.returncode == 0 else [lint.stdout + lint.stderr])
     for label, sets in values_sets.items():
-        args = [helm, "template", "gpuledger", str(chart), "--namespace", NS]
+        # --include-crds: the chart's crds/ (the GPUBudget CRD) is compared with kustomize's too.
+        args = [helm, "template", "gpuledger", str(chart), "--namespace", NS, "--include-crds"]
         for s in sets:
             args += ["--set", s]
         r = run(args)

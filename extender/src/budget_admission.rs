@@ -12,6 +12,10 @@ use serde_json::Value;
 
 use crate::replica::Replica;
 
+/// The annotation a demoted pod gets: why, and when the budget recovers. The pod has no UID
+/// at admission, so the allocator's pod watch turns it into the pod's Event once it exists.
+pub const ANN_DEMOTED: &str = gpuledger_ops::budget_crd::ANN_DEMOTED;
+
 /// What admission does with a GPU pod, given its namespace's budget.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Verdict {
@@ -81,14 +85,30 @@ pub async fn check(replica: Option<&Replica>, ns: &str, now_ms: i64) -> Verdict 
         .unwrap_or(Verdict::Within)
 }
 
-/// The patch that demotes `pod` to `priority_class`: the class name set, and the integer
-/// priority removed so that the API server's Priority plugin derives it from the new class.
-pub fn demotion(pod: &Pod, priority_class: &str) -> Vec<PatchOperation> {
+/// The patch that demotes `pod` to `priority_class`: the class name set, the integer
+/// priority removed so that the API server's Priority plugin derives it from the new class,
+/// and [`ANN_DEMOTED`] saying `why`.
+pub fn demotion(pod: &Pod, priority_class: &str, why: &str) -> Vec<PatchOperation> {
     let spec = |f: &str| PointerBuf::from_tokens(["spec", f]);
-    let mut ops = vec![PatchOperation::Add(AddOperation {
-        path: spec("priorityClassName"),
-        value: Value::String(priority_class.to_owned()),
-    })];
+    let why = Value::String(why.to_owned());
+    let annotation = if pod.metadata.annotations.is_some() {
+        AddOperation {
+            path: PointerBuf::from_tokens(["metadata", "annotations", ANN_DEMOTED]),
+            value: why,
+        }
+    } else {
+        AddOperation {
+            path: PointerBuf::from_tokens(["metadata", "annotations"]),
+            value: serde_json::json!({ ANN_DEMOTED: why }),
+        }
+    };
+    let mut ops = vec![
+        PatchOperation::Add(AddOperation {
+            path: spec("priorityClassName"),
+            value: Value::String(priority_class.to_owned()),
+        }),
+        PatchOperation::Add(annotation),
+    ];
     if pod.spec.as_ref().is_some_and(|s| s.priority.is_some()) {
         ops.push(PatchOperation::Remove(RemoveOperation {
             path: spec("priority"),
@@ -193,15 +213,30 @@ mod tests {
     }
 
     #[test]
-    fn demotion_sets_the_class_and_drops_a_stale_priority() {
-        let mut pod = Pod::default();
-        let ops = demotion(&pod, "gpu-low");
-        assert_eq!(ops.len(), 1);
+    fn demotion_sets_the_class_says_why_and_drops_a_stale_priority() {
+        let mut pod = Pod {
+            spec: Some(Default::default()),
+            ..Default::default()
+        };
+        let apply = |pod: &Pod, ops: Vec<PatchOperation>| {
+            let mut v = serde_json::to_value(pod).expect("a pod serializes");
+            json_patch::patch(&mut v, &json_patch::Patch(ops)).expect("the patch applies");
+            v
+        };
+        let v = apply(&pod, demotion(&pod, "gpu-low", "spent"));
+        assert_eq!(v["spec"]["priorityClassName"], "gpu-low");
+        assert_eq!(v["metadata"]["annotations"][ANN_DEMOTED], "spent");
+        pod.metadata.annotations = Some([("keep".to_owned(), "me".to_owned())].into());
         pod.spec = Some(k8s_openapi::api::core::v1::PodSpec {
             priority: Some(1000),
             ..Default::default()
         });
-        let ops = demotion(&pod, "gpu-low");
-        assert!(matches!(&ops[1], PatchOperation::Remove(r) if r.path == "/spec/priority"));
+        let v = apply(&pod, demotion(&pod, "gpu-low", "spent"));
+        assert_eq!(
+            v["metadata"]["annotations"]["keep"], "me",
+            "other annotations stay"
+        );
+        assert_eq!(v["metadata"]["annotations"][ANN_DEMOTED], "spent");
+        assert!(v["spec"].get("priority").is_none(), "{v}");
     }
 }

@@ -277,7 +277,7 @@ async fn budget_hook(
             why,
         } => {
             info!(%priority_class, reason = %why, "demoted");
-            ops.0.extend(b::demotion(pod, &priority_class));
+            ops.0.extend(b::demotion(pod, &priority_class, &why));
             allowed.warnings = Some(vec![format!("demoted to {priority_class}: {why}")]);
         }
         Verdict::Warn(why) => allowed.warnings = Some(vec![why]),

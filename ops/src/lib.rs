@@ -1,8 +1,10 @@
 //! What every gpuledger binary shares to be operated: log setup, the Kubernetes client, pod
 //! Events for users, the Prometheus `/metrics` route, and the reader of the openb trace files
-//! the simulator and the chaos workloads share, and the ledger's audit archive.
+//! the simulator and the chaos workloads share, and the ledger's audit archive, and the
+//! `GPUBudget` custom resource.
 
 pub mod archive;
+pub mod budget_crd;
 pub mod clock;
 pub mod events;
 pub mod kube_client;

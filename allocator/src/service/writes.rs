@@ -261,6 +261,9 @@ pub(super) async fn set_budget(
     let b = r
         .budget
         .ok_or_else(|| Status::invalid_argument("budget is missing"))?;
+    if let Some(g) = svc.budget_guard_slot().get() {
+        g.check_budget(&b, r.remove).await?;
+    }
     svc.write(
         req,
         || {
@@ -288,6 +291,9 @@ pub(super) async fn set_quota(
         .quota
         .clone()
         .ok_or_else(|| Status::invalid_argument("quota is missing"))?;
+    if let Some(g) = svc.budget_guard_slot().get() {
+        g.check_owner(&q.namespace, "quota")?;
+    }
     svc.write(
         req,
         || Ok(Command::SetQuota(q.clone())),

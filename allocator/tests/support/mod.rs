@@ -88,3 +88,19 @@ pub fn spawn_allocator(
     )?;
     Ok((p, addr))
 }
+
+/// Poll `f` every 50 ms until it holds; how long that took, or an error naming `what`.
+pub async fn wait_until<F, Fut>(what: &str, timeout: Duration, mut f: F) -> anyhow::Result<Duration>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<bool>>,
+{
+    let t0 = Instant::now();
+    while t0.elapsed() < timeout {
+        if f().await? {
+            return Ok(t0.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    anyhow::bail!("{what}: not within {timeout:?}")
+}

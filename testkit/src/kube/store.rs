@@ -174,6 +174,8 @@ pub(crate) fn kind_of(resource: &str) -> String {
         "namespaces" => "Namespace".into(),
         "configmaps" => "ConfigMap".into(),
         "bindings" => "Binding".into(),
+        "priorityclasses" => "PriorityClass".into(),
+        "gpubudgets" => "GPUBudget".into(),
         other => {
             let s = other.strip_suffix('s').unwrap_or(other);
             let mut c = s.chars();

@@ -1,0 +1,584 @@
+//! GPUBudget objects into the ledger. Every replica watches them (the SetBudget and SetQuota
+//! RPCs refuse namespaces an object governs, from the same cache); only the leader writes, as
+//! `BudgetSet`/`BudgetRemoved`/`QuotaSet` through the same sequencer path as the RPCs, and
+//! only where the ledger differs, so restarts and failovers write nothing twice. The leader
+//! also writes each object's status and, when that changes, an Event on it.
+//!
+//! Rules: one GPUBudget governs a namespace (the first by name; the others are refused); the
+//! object named `default` in `--budget-default-namespace` is the cluster default. A budget a
+//! GPUBudget wrote carries `source = "GPUBudget ns/name"`: when no object governs its
+//! namespace any more, the budget is removed (and the namespace's quota cleared).
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use futures::StreamExt;
+use gpuledger_ledger::state::{Quota, budget_summary, same_budget};
+use gpuledger_ledger::{Command, pb};
+use gpuledger_ops::budget_crd::{
+    self, ANN_DEMOTED, CLUSTER_DEFAULT_NAME, GPUBudget, GPUBudgetStatus, SOURCE_PREFIX,
+    STATE_APPLIED, STATE_REFUSED,
+};
+use gpuledger_ops::events::{Kind, PodEvent, to_event};
+use k8s_openapi::api::core::v1::{Event, ObjectReference, Pod};
+use k8s_openapi::api::scheduling::v1::PriorityClass;
+use kube::ResourceExt;
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use tokio::sync::{Mutex, Notify};
+use tokio::task::JoinSet;
+use tonic::{Code, Status};
+use tracing::{debug, info, warn};
+
+use crate::service::Service;
+use crate::shared::Role;
+
+/// The default of `--budget-default-namespace`: the namespace `deploy/` installs into.
+const DEFAULT_NAMESPACE: &str = "gpuledger-system";
+
+/// How often the leader compares the objects with the ledger besides reacting to the watch
+/// (it catches a leadership change, and a PriorityClass created after its budget was refused).
+const RESYNC: Duration = Duration::from_secs(2);
+
+/// Flags of the GPUBudget watch.
+#[derive(clap::Args, Debug, Clone)]
+pub struct BudgetArgs {
+    /// The namespace whose GPUBudget named `default` is the cluster default budget (for
+    /// namespaces without their own): the allocator's own namespace.
+    #[arg(long, env = "GPULEDGER_BUDGET_DEFAULT_NAMESPACE", default_value = DEFAULT_NAMESPACE)]
+    pub budget_default_namespace: String,
+}
+
+impl Default for BudgetArgs {
+    fn default() -> Self {
+        BudgetArgs {
+            budget_default_namespace: DEFAULT_NAMESPACE.into(),
+        }
+    }
+}
+
+/// What the budget RPCs check against Kubernetes: which namespaces a GPUBudget governs, and
+/// whether a priority class exists. Set once the watch runs; absent without Kubernetes.
+#[derive(Clone)]
+pub struct BudgetGuard {
+    store: Store<GPUBudget>,
+    client: kube::Client,
+    default_ns: String,
+}
+
+/// Where [`Service`] keeps the guard once the watch sets it.
+pub type GuardSlot = Arc<OnceLock<BudgetGuard>>;
+
+impl BudgetGuard {
+    /// The GPUBudget ("ns/name") that governs ledger namespace `ns` ("" = cluster default).
+    pub fn governed_by(&self, ns: &str) -> Option<String> {
+        let groups = governing(&self.store.state(), &self.default_ns);
+        let o = groups.get(ns)?.first()?;
+        Some(format!(
+            "{}/{}",
+            o.namespace().unwrap_or_default(),
+            o.name_any()
+        ))
+    }
+
+    /// Whether PriorityClass `name` exists; an error when the API server cannot say.
+    pub async fn priority_class_exists(&self, name: &str) -> Result<bool, kube::Error> {
+        let api: Api<PriorityClass> = Api::all(self.client.clone());
+        Ok(api.get_opt(name).await?.is_some())
+    }
+
+    /// Refuse an RPC's budget change (`remove`: a removal) that a GPUBudget owns, or a demote
+    /// budget whose priority class does not exist. Nothing is written when it refuses.
+    pub async fn check_budget(&self, b: &pb::BudgetSet, remove: bool) -> Result<(), Status> {
+        self.check_owner(&b.namespace, "budget")?;
+        if remove || b.policy != pb::BudgetPolicy::Demote as i32 || b.priority_class.is_empty() {
+            return Ok(());
+        }
+        match self.priority_class_exists(&b.priority_class).await {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(Status::failed_precondition(no_class(&b.priority_class))),
+            Err(e) => Err(Status::unavailable(format!(
+                "could not check that priority class {:?} exists: {e}",
+                b.priority_class
+            ))),
+        }
+    }
+
+    /// Refuse a change to what a GPUBudget governs: the object is where it is changed.
+    pub fn check_owner(&self, ns: &str, what: &str) -> Result<(), Status> {
+        match self.governed_by(ns) {
+            Some(o) => Err(Status::failed_precondition(format!(
+                "the {what} of {} is set by GPUBudget {o}: change or delete that object \
+                 (kubectl edit gpubudget -n {})",
+                if ns.is_empty() {
+                    "the cluster default".to_owned()
+                } else {
+                    format!("namespace {ns}")
+                },
+                o.split('/').next().unwrap_or_default()
+            ))),
+            None => Ok(()),
+        }
+    }
+}
+
+fn no_class(name: &str) -> String {
+    format!(
+        "priority class {name:?} does not exist in the cluster: create the PriorityClass first \
+         (the API server would refuse every pod demoted to it)"
+    )
+}
+
+/// The objects by the ledger namespace they speak for, each list by name: the first governs.
+fn governing(objs: &[Arc<GPUBudget>], default_ns: &str) -> BTreeMap<String, Vec<Arc<GPUBudget>>> {
+    let mut m: BTreeMap<String, Vec<Arc<GPUBudget>>> = BTreeMap::new();
+    for o in objs {
+        if o.metadata.deletion_timestamp.is_some() {
+            continue;
+        }
+        m.entry(ledger_namespace(o, default_ns))
+            .or_default()
+            .push(o.clone());
+    }
+    for l in m.values_mut() {
+        l.sort_by_key(|o| o.name_any());
+    }
+    m
+}
+
+/// The ledger namespace an object speaks for: "" for the cluster default.
+fn ledger_namespace(o: &GPUBudget, default_ns: &str) -> String {
+    let ns = o.namespace().unwrap_or_default();
+    if ns == default_ns && o.name_any() == CLUSTER_DEFAULT_NAME {
+        String::new()
+    } else {
+        ns
+    }
+}
+
+/// The leader's side: the objects, the ledger, and the writes between them.
+struct Watch {
+    service: Service,
+    guard: BudgetGuard,
+    ready: AtomicBool,
+    /// One pass at a time: the watch and the resync both start passes.
+    pass: Mutex<()>,
+}
+
+/// What one object asks of the ledger, once checked.
+struct Wanted {
+    budget: pb::BudgetSet,
+    quota: Option<pb::QuotaSet>,
+}
+
+impl Watch {
+    fn leading(&self) -> bool {
+        self.service.shared().role_info().role == Role::Leader
+    }
+
+    /// Compare every object with the ledger and write the differences (leader only).
+    async fn reconcile(&self) {
+        let _one = self.pass.lock().await;
+        if !self.leading() || !self.ready.load(Ordering::Relaxed) {
+            return;
+        }
+        let groups = governing(&self.guard.store.state(), &self.guard.default_ns);
+        let (budgets, quotas) = {
+            let l = self.service.shared().view().await;
+            (l.budgets().budgets().clone(), l.quotas().clone())
+        };
+        for (ns, objs) in &groups {
+            let Some((first, rest)) = objs.split_first() else {
+                continue;
+            };
+            self.apply(ns, first, budgets.get(ns), quotas.get(ns).copied())
+                .await;
+            for o in rest {
+                let why = format!(
+                    "{} already has GPUBudget {}: one object per namespace, the first by name",
+                    if ns.is_empty() {
+                        "the cluster default".to_owned()
+                    } else {
+                        format!("namespace {ns}")
+                    },
+                    first.name_any()
+                );
+                self.refuse(o, why).await;
+            }
+        }
+        for (ns, b) in &budgets {
+            if !b.source.starts_with(SOURCE_PREFIX) || groups.contains_key(ns) {
+                continue;
+            }
+            let removed = self
+                .write(
+                    Command::RemoveBudget(pb::BudgetRemoved {
+                        namespace: ns.clone(),
+                        source: b.source.clone(),
+                    }),
+                    &format!("remove the budget of {ns:?}: {} is gone", b.source),
+                )
+                .await;
+            if removed.is_ok() && !ns.is_empty() && quotas.contains_key(ns) {
+                let _ = self
+                    .write(
+                        Command::SetQuota(pb::QuotaSet {
+                            namespace: ns.clone(),
+                            ..Default::default()
+                        }),
+                        &format!("clear the quota of {ns}: {} is gone", b.source),
+                    )
+                    .await;
+            }
+        }
+    }
+
+    /// What `o` asks for ledger namespace `ns`, or why it is refused.
+    fn wanted(ns: &str, o: &GPUBudget) -> Result<Wanted, String> {
+        let source = budget_crd::source_of(&o.namespace().unwrap_or_default(), &o.name_any());
+        let budget = o.spec.to_budget(ns, &source)?;
+        let quota = if ns.is_empty() {
+            if o.spec.quota.is_some() {
+                return Err(
+                    "the cluster default takes no quota: a quota caps one namespace".into(),
+                );
+            }
+            None
+        } else {
+            Some(o.spec.to_quota(ns)?)
+        };
+        Ok(Wanted { budget, quota })
+    }
+
+    /// Bring the ledger to what `o` asks for `ns`, given what it holds now.
+    async fn apply(&self, ns: &str, o: &GPUBudget, cur: Option<&pb::BudgetSet>, q: Option<Quota>) {
+        let w = match Self::wanted(ns, o) {
+            Ok(w) => w,
+            Err(why) => return self.refuse(o, why).await,
+        };
+        let budget_same = cur.is_some_and(|c| same_budget(c, &w.budget));
+        let quota_same = w.quota.as_ref().is_none_or(|x| {
+            q.unwrap_or_default()
+                == Quota {
+                    mem_mib: x.mem_mib,
+                    core_milli: x.core_milli,
+                }
+        });
+        let status = o.status.clone().unwrap_or_default();
+        let current =
+            status.state == STATE_APPLIED && status.observed_generation == o.metadata.generation;
+        if budget_same && quota_same && current {
+            return;
+        }
+        let class = &w.budget.priority_class;
+        if !budget_same && !class.is_empty() {
+            match self.guard.priority_class_exists(class).await {
+                Ok(true) => {}
+                Ok(false) => return self.refuse(o, no_class(class)).await,
+                Err(e) => {
+                    warn!(class = %class, error = %e, "could not read the priority class; retrying");
+                    return;
+                }
+            }
+        }
+        let what = format!("GPUBudget {}", name_of(o));
+        let mut seq = self.service.shared().view().await.seq();
+        if !budget_same {
+            match self
+                .write(Command::SetBudget(w.budget.clone()), &what)
+                .await
+            {
+                Ok(s) => seq = s,
+                Err(Some(why)) => return self.refuse(o, why).await,
+                Err(None) => return,
+            }
+        }
+        if let Some(quota) = w.quota.filter(|_| !quota_same) {
+            match self.write(Command::SetQuota(quota), &what).await {
+                Ok(s) => seq = s,
+                Err(Some(why)) => return self.refuse(o, why).await,
+                Err(None) => return,
+            }
+        }
+        let message = budget_summary(&w.budget);
+        self.set_status(o, STATE_APPLIED, Some(seq), &message).await;
+        if !budget_same || !quota_same {
+            self.event(
+                o,
+                Kind::Normal,
+                "BudgetApplied",
+                format!("written to the GPU ledger at seq {seq}: {message}"),
+            )
+            .await;
+        }
+    }
+
+    /// Submit `cmd` as the leader: the seq it committed at; `Err(Some(why))` when the ledger
+    /// refuses it, `Err(None)` when it should be tried again (not leading, leadership lost).
+    async fn write(&self, cmd: Command, what: &str) -> Result<u64, Option<String>> {
+        match self.service.local(cmd).await {
+            None => Err(None),
+            Some(Ok(c)) => {
+                info!(
+                    what,
+                    seq = c.seq,
+                    epoch = c.epoch,
+                    "ledger updated from a GPUBudget"
+                );
+                Ok(c.seq)
+            }
+            Some(Err(s))
+                if matches!(s.code(), Code::InvalidArgument | Code::FailedPrecondition) =>
+            {
+                Err(Some(s.message().to_owned()))
+            }
+            Some(Err(s)) => {
+                warn!(what, error = %s.message(), "budget write failed; retrying");
+                Err(None)
+            }
+        }
+    }
+
+    /// Refuse `o`: nothing is written; its status, a log line and (once) an Event say why.
+    async fn refuse(&self, o: &GPUBudget, why: String) {
+        let st = o.status.clone().unwrap_or_default();
+        if st.state == STATE_REFUSED
+            && st.message == why
+            && st.observed_generation == o.metadata.generation
+        {
+            return;
+        }
+        warn!(object = %name_of(o), reason = %why, "GPUBudget refused");
+        self.set_status(o, STATE_REFUSED, None, &why).await;
+        self.event(o, Kind::Warning, "BudgetRefused", why).await;
+    }
+
+    async fn set_status(&self, o: &GPUBudget, state: &str, seq: Option<u64>, message: &str) {
+        let want = GPUBudgetStatus {
+            observed_generation: o.metadata.generation,
+            state: state.into(),
+            seq,
+            message: message.into(),
+        };
+        if o.status.as_ref() == Some(&want) {
+            return;
+        }
+        // Every field named, nulls included: a merge patch keeps what it does not name.
+        let patch = k8s_openapi::serde_json::json!({"status": {
+            "observedGeneration": want.observed_generation,
+            "state": want.state,
+            "seq": want.seq,
+            "message": want.message,
+        }});
+        let api: Api<GPUBudget> = Api::namespaced(
+            self.guard.client.clone(),
+            &o.namespace().unwrap_or_default(),
+        );
+        if let Err(e) = api
+            .patch_status(
+                &o.name_any(),
+                &PatchParams::default(),
+                &Patch::Merge(&patch),
+            )
+            .await
+        {
+            warn!(object = %name_of(o), error = %e, "could not write the GPUBudget's status");
+        }
+    }
+
+    /// An Event on the object (what `kubectl describe gpubudget` shows).
+    async fn event(&self, o: &GPUBudget, kind: Kind, reason: &'static str, message: String) {
+        let ns = o.namespace().unwrap_or_default();
+        let mut ev = to_event(
+            &PodEvent {
+                namespace: ns.clone(),
+                name: o.name_any(),
+                uid: o.uid().unwrap_or_default(),
+                kind,
+                reason,
+                message,
+            },
+            "gpuledger-allocator",
+            None,
+        );
+        ev.involved_object = ObjectReference {
+            api_version: Some("gpuledger.io/v1alpha1".into()),
+            kind: Some("GPUBudget".into()),
+            name: Some(o.name_any()),
+            namespace: Some(ns.clone()),
+            uid: o.uid(),
+            resource_version: o.resource_version(),
+            ..Default::default()
+        };
+        let api: Api<Event> = Api::namespaced(self.guard.client.clone(), &ns);
+        if let Err(e) = api.create(&PostParams::default(), &ev).await {
+            warn!(object = %name_of(o), reason, error = %e, "could not create the GPUBudget Event");
+        }
+    }
+}
+
+/// Demoted pods told so: the webhook marks a pod it demoted with [`ANN_DEMOTED`] (the pod
+/// has no UID at admission); the leader's pod watch gives such a pod one Event while it waits
+/// to be scheduled. A new leader may tell a still-pending pod once more.
+#[derive(Default)]
+pub(crate) struct DemotedPods {
+    told: std::sync::Mutex<HashSet<String>>,
+}
+
+impl DemotedPods {
+    /// The Event `pod` should get now, if any.
+    pub(crate) fn event_for(&self, pod: &Pod) -> Option<PodEvent> {
+        let uid = pod.metadata.uid.clone()?;
+        let mut told = self.told.lock().unwrap_or_else(|p| p.into_inner());
+        let scheduled = pod.spec.as_ref().is_some_and(|s| s.node_name.is_some());
+        let why = pod.annotations().get(ANN_DEMOTED);
+        if scheduled || why.is_none() {
+            told.remove(&uid);
+            return None;
+        }
+        if !told.insert(uid.clone()) {
+            return None;
+        }
+        let class = pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.priority_class_name.clone())
+            .unwrap_or_default();
+        Some(PodEvent {
+            namespace: pod.namespace().unwrap_or_default(),
+            name: pod.name_any(),
+            uid,
+            kind: Kind::Warning,
+            reason: "GpuBudgetDemoted",
+            message: format!(
+                "admitted at priority class {class}, so in-budget pods may preempt it: {}",
+                why.map_or("", String::as_str)
+            ),
+        })
+    }
+
+    /// Forget a deleted pod.
+    pub(crate) fn forget(&self, uid: &str) {
+        self.told
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(uid);
+    }
+}
+
+fn name_of(o: &GPUBudget) -> String {
+    format!("{}/{}", o.namespace().unwrap_or_default(), o.name_any())
+}
+
+/// Start the watch as tasks of `tasks`, and hand the RPCs their guard.
+pub(crate) fn spawn(
+    tasks: &mut JoinSet<()>,
+    service: Service,
+    client: kube::Client,
+    args: &BudgetArgs,
+) {
+    let (store, writer) = reflector::store::<GPUBudget>();
+    let guard = BudgetGuard {
+        store,
+        client: client.clone(),
+        default_ns: args.budget_default_namespace.clone(),
+    };
+    let _ = service.budget_guard_slot().set(guard.clone());
+    let w = Arc::new(Watch {
+        service,
+        guard,
+        ready: AtomicBool::new(false),
+        pass: Mutex::new(()),
+    });
+    let changed = Arc::new(Notify::new());
+    let stream = reflector::reflector(
+        writer,
+        watcher(Api::<GPUBudget>::all(client), watcher::Config::default()),
+    )
+    .default_backoff();
+    let (ww, tell) = (w.clone(), changed.clone());
+    tasks.spawn(async move {
+        let mut s = std::pin::pin!(stream);
+        while let Some(ev) = s.next().await {
+            match ev {
+                Ok(watcher::Event::InitDone) => {
+                    ww.ready.store(true, Ordering::Relaxed);
+                    tell.notify_one();
+                }
+                Ok(watcher::Event::Init) => {}
+                Ok(_) => tell.notify_one(),
+                Err(e) => warn!(
+                    error = %e,
+                    "GPUBudget watch error (is the CRD from deploy/ installed?); retrying"
+                ),
+            }
+        }
+    });
+    tasks.spawn(async move {
+        loop {
+            tokio::select! {
+                _ = changed.notified() => {}
+                _ = tokio::time::sleep(RESYNC) => {}
+            }
+            w.reconcile().await;
+            debug!("GPUBudget pass done");
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpuledger_ops::budget_crd::{BudgetPolicy, BudgetUnit, GPUBudgetSpec};
+
+    fn obj(ns: &str, name: &str) -> Arc<GPUBudget> {
+        let mut o = GPUBudget::new(
+            name,
+            GPUBudgetSpec {
+                amount: "10".into(),
+                unit: BudgetUnit::MibHours,
+                window: "day".into(),
+                policy: BudgetPolicy::Deny,
+                priority_class_name: None,
+                quota: None,
+            },
+        );
+        o.metadata.namespace = Some(ns.into());
+        Arc::new(o)
+    }
+
+    #[test]
+    fn one_object_governs_a_namespace_and_default_is_the_cluster_default() {
+        let objs = [
+            obj("team-a", "zeta"),
+            obj("team-a", "alpha"),
+            obj("gpuledger-system", "default"),
+            obj("gpuledger-system", "own"),
+            obj("team-b", "default"),
+        ];
+        let g = governing(&objs, "gpuledger-system");
+        let names = |ns: &str| -> Vec<String> { g[ns].iter().map(|o| o.name_any()).collect() };
+        assert_eq!(names("team-a"), ["alpha", "zeta"]);
+        assert_eq!(names(""), ["default"]);
+        assert_eq!(names("gpuledger-system"), ["own"]);
+        assert_eq!(
+            names("team-b"),
+            ["default"],
+            "default elsewhere is an ordinary budget"
+        );
+    }
+
+    #[test]
+    fn the_cluster_default_takes_no_quota() {
+        let mut o = (*obj("gpuledger-system", "default")).clone();
+        assert!(Watch::wanted("", &o).is_ok_and(|w| w.quota.is_none()));
+        o.spec.quota = Some(Default::default());
+        assert!(Watch::wanted("", &o).is_err_and(|e| e.contains("no quota")));
+        let w = Watch::wanted("team-a", &obj("team-a", "x"));
+        assert!(w.is_ok_and(|w| w.budget.source == "GPUBudget team-a/x"
+            && w.quota.is_some_and(|q| q.mem_mib == 0 && q.core_milli == 0)));
+    }
+}
