@@ -324,6 +324,7 @@ impl Touches for api::ScoreRequest {}
 impl Touches for api::StatusRequest {}
 impl Touches for api::DumpRequest {}
 impl Touches for api::ReadLogRequest {}
+impl Touches for api::ReadSnapshotsRequest {}
 impl Touches for api::ReplicateRequest {}
 impl Touches for api::SetBudgetRequest {}
 impl Touches for api::SetQuotaRequest {}

@@ -208,6 +208,7 @@ impl Ids for api::SubscribeRequest {
 
 impl Ids for api::ReplicateRequest {}
 impl Ids for api::ReadLogRequest {}
+impl Ids for api::ReadSnapshotsRequest {}
 impl Ids for api::StatusRequest {}
 impl Ids for api::DumpRequest {}
 impl Ids for api::StatusResponse {}

@@ -3,10 +3,11 @@
 //!
 //! This file holds the service and the tonic trait, which routes each RPC to the file of its
 //! concern: `writes` (through `forward`: the local sequencer or the leader), `reads`, and
-//! the three streams `subscribe`, `replicate` and `read_log`.
+//! the streams `subscribe`, `replicate`, `read_log` and `read_snapshots`.
 
 mod forward;
 mod read_log;
+mod read_snapshots;
 mod reads;
 mod replicate;
 mod subscribe;
@@ -338,6 +339,18 @@ impl Allocator for Service {
     ) -> Result<Response<Self::ReadLogStream>, Status> {
         traced(self, Call::ReadLog, req, |req| {
             read_log::read_log(self, req)
+        })
+        .await
+    }
+
+    type ReadSnapshotsStream = BoxStream<api::SnapshotPart>;
+
+    async fn read_snapshots(
+        &self,
+        req: Request<api::ReadSnapshotsRequest>,
+    ) -> Result<Response<Self::ReadSnapshotsStream>, Status> {
+        traced(self, Call::ReadSnapshots, req, |req| {
+            read_snapshots::read_snapshots(self, req)
         })
         .await
     }

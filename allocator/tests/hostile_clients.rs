@@ -237,6 +237,10 @@ async fn every_rpc(c: &mut Client) -> Vec<(&'static str, Result<(), tonic::Statu
             to_seq: 0,
         })
     );
+    call!(
+        "ReadSnapshots",
+        c.read_snapshots(api::ReadSnapshotsRequest {})
+    );
     call!("Replicate", c.replicate(api::ReplicateRequest::default()));
     out
 }
@@ -244,7 +248,7 @@ async fn every_rpc(c: &mut Client) -> Vec<(&'static str, Result<(), tonic::Statu
 /// Fail unless every RPC through `c` is refused with `code`.
 async fn all_refused(c: &mut Client, code: Code, who: &str) {
     let outcomes = every_rpc(c).await;
-    assert_eq!(outcomes.len(), 16, "every RPC of the API");
+    assert_eq!(outcomes.len(), 17, "every RPC of the API");
     for (rpc, r) in outcomes {
         match r {
             Err(s) => assert_eq!(s.code(), code, "{who}: {rpc}: {s:?}"),

@@ -42,6 +42,8 @@ pub enum Call {
     Dump,
     /// `ReadLog`.
     ReadLog,
+    /// `ReadSnapshots`.
+    ReadSnapshots,
     /// `Replicate`.
     Replicate,
     /// The HTTP API's state (`/api/v1/state`, `/ui`): every tenant's pod names.
@@ -54,7 +56,7 @@ pub enum Call {
 
 impl Call {
     /// Every call, for tests and metrics.
-    pub const ALL: [Call; 19] = [
+    pub const ALL: [Call; 20] = [
         Call::RegisterNode,
         Call::RemoveNode,
         Call::SetDeviceHealth,
@@ -70,6 +72,7 @@ impl Call {
         Call::Status,
         Call::Dump,
         Call::ReadLog,
+        Call::ReadSnapshots,
         Call::Replicate,
         Call::HttpState,
         Call::SetBudget,
@@ -112,6 +115,7 @@ impl Call {
             Call::Status => "Status",
             Call::Dump => "Dump",
             Call::ReadLog => "ReadLog",
+            Call::ReadSnapshots => "ReadSnapshots",
             Call::Replicate => "Replicate",
             Call::HttpState => "HttpState",
             Call::SetBudget => "SetBudget",
@@ -183,9 +187,10 @@ pub fn rule_for(role: &Role, call: Call) -> Option<Rule> {
         (Role::NodeAgent { .. }, ReportViolation) => rule("node-agent-report-own-node", OwnNode),
         (Role::NodeAgent { .. }, Subscribe) => rule("node-agent-subscribe-own-node", OwnNode),
 
-        (Role::Viewer | Role::Admin, Dump | ReadLog | Subscribe | Filter | Score | HttpState) => {
-            rule("operator-read", None)
-        }
+        (
+            Role::Viewer | Role::Admin,
+            Dump | ReadLog | ReadSnapshots | Subscribe | Filter | Score | HttpState,
+        ) => rule("operator-read", None),
         (
             Role::Admin,
             RegisterNode | RemoveNode | SetDeviceHealth | Release | SetBudget | SetQuota,

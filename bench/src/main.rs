@@ -10,6 +10,7 @@ mod failover;
 mod node_agent;
 mod replay;
 mod scrape;
+mod verify;
 
 use clap::{Parser, Subcommand};
 
@@ -43,6 +44,8 @@ enum Cmd {
     Scrape(scrape::Args),
     /// The real kube-scheduler's pods/s, GPU pods vs plain pods; pod start on a real kubelet.
     E2e(e2e::Args),
+    /// `gpuledger verify` end to end over a long hash-chained log, archive + etcd.
+    Verify(verify::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -66,6 +69,7 @@ fn main() -> std::process::ExitCode {
             Cmd::Extender(a) => extender::run(a).await,
             Cmd::Scrape(a) => scrape::run(a).await,
             Cmd::E2e(a) => e2e::run(a).await,
+            Cmd::Verify(a) => verify::run(a).await,
         }
     });
     match res {

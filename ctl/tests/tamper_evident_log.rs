@@ -1,7 +1,8 @@
 //! The log is hash-chained from seq 1 through the archive and etcd: `gpuledger verify` passes
 //! on an untouched log and names the first batch that breaks the chain when one byte of an
-//! archived batch or of a batch in etcd is flipped, or a batch is deleted; a replica loading
-//! such a log (or a snapshot whose chain hash was changed) refuses to fold it.
+//! archived batch, of a batch in etcd or of a stored snapshot's state is flipped, or a batch
+//! is deleted; a replica loading such a log (or a snapshot whose chain hash was changed)
+//! refuses to fold it.
 
 use std::time::Duration;
 
@@ -10,6 +11,7 @@ use gpuledger_allocator::log::EtcdLog;
 use gpuledger_allocator::shared::Shared;
 use gpuledger_allocator::tail;
 use gpuledger_auth::identity::Role;
+use gpuledger_ledger::Ledger;
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
 use gpuledger_testkit::pki::credential_flags;
@@ -37,6 +39,25 @@ fn flip_one_byte(bytes: &[u8]) -> Vec<u8> {
         }
     }
     panic!("no byte of the batch flips into another valid batch");
+}
+
+/// `bytes` of a stored snapshot with one bit flipped in its state: it still decodes and loads,
+/// at the same seq and chain hash, into a different state.
+fn flip_snapshot_byte(bytes: &[u8]) -> Vec<u8> {
+    let s = pb::Snapshot::decode(bytes).expect("a stored snapshot decodes");
+    let l = Ledger::from_snapshot(&s).expect("a stored snapshot loads");
+    for i in (bytes.len() / 2..bytes.len()).rev() {
+        let mut t = bytes.to_vec();
+        t[i] ^= 0x01;
+        if let Ok(d) = pb::Snapshot::decode(t.as_slice())
+            && d.seq == s.seq
+            && d.chain_hash == s.chain_hash
+            && Ledger::from_snapshot(&d).is_ok_and(|m| !m.same_state(&l))
+        {
+            return t;
+        }
+    }
+    panic!("no byte of the snapshot flips into another valid state");
 }
 
 /// Why replica state `shared` stopped folding.
@@ -98,6 +119,38 @@ async fn a_flipped_byte_or_a_deleted_batch_breaks_the_chain_and_is_named() -> an
     let (ok, out) = ctl(&who, &["verify", &target]);
     assert!(ok, "verify of an untouched log failed:\n{out}");
     assert!(out.contains("every batch links"), "{out}");
+    assert!(
+        out.contains("stored snapshot(s)") && !out.contains(" and 0 stored snapshot"),
+        "verify checks the stored snapshots:\n{out}"
+    );
+
+    // One byte of a stored snapshot's state (its chain hash untouched).
+    let snap_seq = *log.snapshot_seqs().await?.last().expect("a snapshot");
+    let part = format!("/gpuledger/chain/snapdata/{snap_seq:020}/0000");
+    let original_snap = kv
+        .get(part.clone(), None)
+        .await?
+        .kvs()
+        .first()
+        .expect("the snapshot's first part")
+        .value()
+        .to_vec();
+    kv.put(part.clone(), flip_snapshot_byte(&original_snap), None)
+        .await?;
+    let (ok, out) = ctl(&who, &["verify", &target]);
+    assert!(
+        !ok,
+        "verify passed with a flipped byte in a snapshot:\n{out}"
+    );
+    assert!(
+        out.contains(&format!(
+            "DIFFERENCE snapshot at seq {snap_seq} (etcd {part})"
+        )),
+        "names the snapshot:\n{out}"
+    );
+    kv.put(part, original_snap, None).await?;
+    let (ok, out) = ctl(&who, &["verify", &target]);
+    assert!(ok, "verify of the restored snapshot failed:\n{out}");
 
     // One byte of a batch in etcd (not the newest: the batch after it carries its hash).
     let in_etcd = log.read_stored(head.saturating_sub(5), 0).await?;
@@ -194,6 +247,18 @@ async fn a_flipped_byte_or_a_deleted_batch_breaks_the_chain_and_is_named() -> an
         log.latest_snapshot(0).await?.map(|s| s.seq),
         Some(snap.seq),
         "no newer snapshot was written meanwhile"
+    );
+    let (ok, out) = ctl(&who, &["verify", &target]);
+    assert!(
+        !ok,
+        "verify passed with a changed snapshot chain hash:\n{out}"
+    );
+    assert!(
+        out.contains(&format!(
+            "snapshot at seq {} (etcd {part}): records chain hash",
+            snap.seq
+        )),
+        "{out}"
     );
     let probe = Shared::new("probe".into(), "127.0.0.1:1".into());
     assert!(

@@ -2,17 +2,19 @@
 # Build kube-apiserver, kube-scheduler, kubectl and kubelet from Debian bookworm's Kubernetes
 # source package (1.20.2) with Debian's Go, and cache them. `kubelet` carries the device-plugin
 # dial patch next to this script; `kubelet-unpatched` is the stock one, which no tonic device
-# plugin can serve (the test tier shows what the node agent does about it). Prints the
-# directory holding the binaries.
+# plugin can serve (the test tier shows what the node agent does about it). `kube-scheduler`
+# carries the extender-preemption patch (kubernetes#102971), without which it never calls an
+# extender's `preempt` verb. Prints the directory holding the binaries.
 #
-# Cache: $GPULEDGER_CACHE (default ~/.cache/gpuledger)/kube/<source version>-<patch sha256[:12]>-r<RECIPE>/,
-# so a second run, or a run after a change that is not the source, the patch or the recipe,
+# Cache: $GPULEDGER_CACHE (default ~/.cache/gpuledger)/kube/<source version>-<patches' sha256[:12]>-r<RECIPE>/,
+# so a second run, or a run after a change that is not the source, a patch or the recipe,
 # starts at once.
-# Offline with an empty apt list, the newest cached build with this patch is used.
+# Offline with an empty apt list, the newest cached build with these patches is used.
 # Progress goes to stderr; stdout is only the directory.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 PATCH="$here/kubelet-device-plugin-authority.patch"
+SCHED_PATCH="$here/kube-scheduler-extender-preemption.patch"
 CACHE="${GPULEDGER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpuledger}"
 COMPONENTS=(kube-apiserver kube-scheduler kubectl kubelet-unpatched kubelet)
 # Bump when the way the binaries are built changes (flags, components): the cache key has it.
@@ -32,7 +34,7 @@ need_pkgs() {
 
 complete() { local c; for c in "${COMPONENTS[@]}"; do [ -x "$1/$c" ] || return 1; done; }
 
-patch_key="$(sha256sum "$PATCH" | cut -c1-12)"
+patch_key="$(cat "$PATCH" "$SCHED_PATCH" | sha256sum | cut -c1-12)"
 
 # A deb-src line for the machine's own Debian mirror, in lists of our own: the system's apt
 # configuration is left as it is.
@@ -50,7 +52,7 @@ if apt-get "${APT_OPTS[@]}" update -qq >/dev/null 2>&1; then
     version="$(apt-cache "${APT_OPTS[@]}" showsrc kubernetes 2>/dev/null | awk '/^Version:/{print $2}' | sort -V | tail -1)"
 fi
 if [ -z "$version" ]; then
-    # Offline: any earlier build with the same patch will do.
+    # Offline: any earlier build with the same patches will do.
     cached="$(ls -d "$CACHE"/kube/*-"$patch_key-r$RECIPE" 2>/dev/null | sort -V | tail -1 || true)"
     if [ -n "$cached" ] && complete "$cached"; then say "apt unreachable; using $cached"; echo "$cached"; exit 0; fi
     die "cannot read the kubernetes source package's version from $mirror (deb-src), and nothing is cached"
@@ -117,14 +119,17 @@ build() { # build <output name> <cmd dir>
     fi
 }
 mkdir -p "$work/bin"
-for c in kube-apiserver kube-scheduler kubectl; do build "$c" "$c"; done
+for c in kube-apiserver kubectl; do build "$c" "$c"; done
 build kubelet-unpatched kubelet
+say "applying $(basename "$SCHED_PATCH")"
+patch -p1 --quiet < "$SCHED_PATCH" || die "the kube-scheduler patch does not apply to $version"
+build kube-scheduler kube-scheduler
 say "applying $(basename "$PATCH")"
 patch -p1 --quiet < "$PATCH" || die "the kubelet patch does not apply to $version"
 build kubelet kubelet
 
 mkdir -p "$(dirname "$out")"
 rm -rf "$out.tmp" && mv "$work/bin" "$out.tmp" && rm -rf "$out" && mv "$out.tmp" "$out"
-cp "$PATCH" "$out/"
+cp "$PATCH" "$SCHED_PATCH" "$out/"
 say "done in $(( $(date +%s) - start )) s: $(du -sh "$out" | cut -f1) in $out"
 echo "$out"

@@ -24,6 +24,8 @@ pub const EXTENDER_SA: &str = "gpuledger-extender";
 pub const NODE_AGENT_SA: &str = "gpuledger-node-agent";
 /// ServiceAccount whose tokens operators read the ledger with.
 pub const VIEWER_SA: &str = "gpuledger-viewer";
+/// ServiceAccount whose tokens operators write budgets and quotas with.
+pub const ADMIN_SA: &str = "gpuledger-admin";
 
 /// The ledger's cluster prefix in etcd.
 pub const CLUSTER: &str = "e2e";
@@ -138,13 +140,13 @@ pub fn counter(metrics: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
         .sum()
 }
 
-/// `gpuledger verify`, as the operator `gl.viewer_flags` name, against the replicas at
-/// `addrs`: its output, or why it failed.
-pub fn verify(gl: &Gpuledger, addrs: &[String]) -> Result<String> {
+/// `gpuledger <args>` against the replicas at `addrs`, as the operator `credentials` name
+/// (`Pki::token_flags`): its standard output and error, or why it failed.
+pub fn ctl(addrs: &[String], credentials: &[String], args: &[&str]) -> Result<String> {
     let out = std::process::Command::new(bin_path("gpuledger")?)
-        .arg("verify")
+        .args(args)
         .arg(format!("--allocator={}", addrs.join(",")))
-        .args(&gl.viewer_flags)
+        .args(credentials)
         .output()?;
     let text = format!(
         "{}{}",
@@ -152,7 +154,19 @@ pub fn verify(gl: &Gpuledger, addrs: &[String]) -> Result<String> {
         String::from_utf8_lossy(&out.stderr)
     );
     anyhow::ensure!(
-        out.status.success() && text.contains("verify: OK"),
+        out.status.success(),
+        "gpuledger {} failed:\n{text}",
+        args.join(" ")
+    );
+    Ok(text)
+}
+
+/// `gpuledger verify`, as the operator `gl.viewer_flags` name, against the replicas at
+/// `addrs`: its output, or why it failed.
+pub fn verify(gl: &Gpuledger, addrs: &[String]) -> Result<String> {
+    let text = ctl(addrs, &gl.viewer_flags, &["verify"])?;
+    anyhow::ensure!(
+        text.contains("verify: OK"),
         "gpuledger verify failed:\n{text}"
     );
     Ok(text)

@@ -4,7 +4,10 @@
 //!
 //! It follows an allocator replica's `Replicate` stream (a snapshot, then every committed batch,
 //! heartbeats), resumes from its last seq after a disconnect, and refuses an epoch lower than
-//! the highest it has seen. It answers only while it has heard from the allocator within
+//! the highest it has seen. Every batch must chain onto the one before it (the ledger's hash
+//! chain, recomputed here from the batch's bytes, not taken from the allocator's word): a batch
+//! that does not is refused, the replica drops its state and answers nothing until a fresh
+//! snapshot, so filter and prioritize go to the allocator. It answers only while it has heard from the allocator within
 //! `stale_after`; otherwise the caller asks the allocator over gRPC, so correctness never
 //! depends on the cache.
 //!
@@ -18,16 +21,18 @@ use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use backon::{BackoffBuilder, ExponentialBuilder};
+use gpuledger_ledger::chain::{Chain, hash_stored, short_hex};
 use gpuledger_ledger::placement::{PodShape, Workload};
-use gpuledger_ledger::{Ledger, PodRequest, Policy};
+use gpuledger_ledger::{Ledger, PodRequest, Policy, pb};
 use gpuledger_proto::allocator::v1 as api;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
+use prost::Message;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, instrument, warn};
+use tracing::{error, info, instrument, warn};
 
 use crate::allocator::Allocators;
 use crate::assume::InFlight;
@@ -59,6 +64,8 @@ impl Defaults {
 struct Inner {
     /// None until the first snapshot.
     ledger: Option<Ledger>,
+    /// The hash chain's end at the ledger's seq (None with the ledger).
+    chain: Option<Chain>,
     defaults: Defaults,
     /// When the allocator was last heard from (any message).
     heard: Option<Instant>,
@@ -83,6 +90,7 @@ struct ReplicaMetrics {
     seq: Gauge,
     lag: Gauge,
     synced: Gauge,
+    chain_breaks: Counter,
     answers: Family<Vec<(&'static str, &'static str)>, Counter>,
 }
 
@@ -95,6 +103,10 @@ enum StreamEnd {
     /// What arrived does not fold onto the replica (retryable: start again from a snapshot).
     #[error("{0}")]
     Diverged(String),
+    /// A batch that does not chain onto the replica's log (refused; start again from a
+    /// snapshot, answering nothing meanwhile).
+    #[error("{0}")]
+    ChainBroken(String),
 }
 
 impl Replica {
@@ -103,6 +115,7 @@ impl Replica {
         Arc::new(Replica {
             inner: RwLock::new(Inner {
                 ledger: None,
+                chain: None,
                 defaults: Defaults::default(),
                 heard: None,
             }),
@@ -131,6 +144,11 @@ impl Replica {
             "replica_synced",
             "1 while the replica follows the allocator and answers filter and prioritize, 0 while they go to the allocator",
             m.synced.clone(),
+        );
+        r.register(
+            "replica_chain_breaks",
+            "Batches the replica refused because they did not chain onto its log (each drops the replica's state)",
+            m.chain_breaks.clone(),
         );
         r.register(
             "answers",
@@ -213,7 +231,12 @@ impl Replica {
             match end {
                 Err(StreamEnd::Diverged(why)) => {
                     warn!(error = %why, "the ledger replica diverged; starting again from a snapshot");
-                    self.inner.write().unwrap_or_else(|p| p.into_inner()).ledger = None;
+                    self.drop_state();
+                }
+                Err(StreamEnd::ChainBroken(why)) => {
+                    error!(error = %why, "the ledger replica refused a batch that breaks the hash chain; filter and prioritize go to the allocator until a snapshot chains again");
+                    self.metrics.chain_breaks.inc();
+                    self.drop_state();
                 }
                 Err(StreamEnd::Broken(why)) => {
                     warn!(error = %why, seq = from, "ledger replica stream broken; resuming");
@@ -223,6 +246,12 @@ impl Replica {
             let pause = delays.next().unwrap_or(Duration::from_secs(2));
             tokio::time::sleep(pause).await;
         }
+    }
+
+    fn drop_state(&self) {
+        let mut g = self.inner.write().unwrap_or_else(|p| p.into_inner());
+        g.ledger = None;
+        g.chain = None;
     }
 
     /// One stream, until it ends.
@@ -276,21 +305,15 @@ impl Replica {
                     self.metrics.seq.set(l.seq() as i64);
                     self.applied.send_replace(l.seq());
                     *max_epoch = l.epoch();
+                    g.chain = Some(Chain::resume(l.seq(), &snap.chain_hash));
                     g.ledger = Some(l);
                 }
                 Some(Body::Batch(b)) => {
-                    let Some(l) = g.ledger.as_mut() else {
+                    let Inner { ledger, chain, .. } = &mut *g;
+                    let (Some(l), Some(chain)) = (ledger.as_mut(), chain.as_mut()) else {
                         return Err(StreamEnd::Diverged("a batch before any snapshot".into()));
                     };
-                    // The fold checks what a follower checks: seq gapless, epoch never lower.
-                    for ev in &b.events {
-                        if ev.seq <= l.seq() {
-                            continue;
-                        }
-                        l.apply(ev).map_err(|e| {
-                            StreamEnd::Diverged(format!("event {} does not fold: {e}", ev.seq))
-                        })?;
-                    }
+                    fold_batch(l, chain, b)?;
                     *max_epoch = l.epoch();
                     self.metrics.seq.set(l.seq() as i64);
                     self.applied.send_replace(l.seq());
@@ -303,6 +326,47 @@ impl Replica {
             }
         }
     }
+}
+
+/// Fold `b` onto `l` if it chains onto `chain`; a batch wholly at or below the replica's seq is
+/// a repeat and skipped. The link is checked against the hash of the batch's own bytes (as the
+/// allocator stored them), so an allocator that hands on a batch changed after it was read
+/// cannot pass it off with the stored hash.
+fn fold_batch(l: &mut Ledger, chain: &mut Chain, mut b: pb::EventBatch) -> Result<(), StreamEnd> {
+    let last = b.events.last().map_or(0, |e| e.seq);
+    if last <= l.seq() {
+        return Ok(());
+    }
+    if b.first_seq <= l.seq() {
+        return Err(StreamEnd::Diverged(format!(
+            "the batch at seq {}..{last} straddles the replica's seq {}",
+            b.first_seq,
+            l.seq()
+        )));
+    }
+    let stamped = b.stored.take();
+    let hash = hash_stored(&b.encode_to_vec());
+    let at = stamped.as_ref().map_or("", |s| s.location.as_str());
+    if let Some(s) = &stamped
+        && !s.hash.is_empty()
+        && s.hash != hash
+    {
+        return Err(StreamEnd::ChainBroken(format!(
+            "the batch at seq {} ({at}) hashes to {} but was stamped {}: changed after it was read",
+            b.first_seq,
+            short_hex(&hash),
+            short_hex(&s.hash)
+        )));
+    }
+    chain
+        .link(&b, hash)
+        .map_err(|e| StreamEnd::ChainBroken(format!("{e} ({at})")))?;
+    // The fold checks what a follower checks: seq gapless, epoch never lower.
+    for ev in &b.events {
+        l.apply(ev)
+            .map_err(|e| StreamEnd::Diverged(format!("event {} does not fold: {e}", ev.seq)))?;
+    }
+    Ok(())
 }
 
 fn workload_of(p: api::PlacementDefaults) -> Workload {
@@ -322,3 +386,6 @@ fn workload_of(p: api::PlacementDefaults) -> Workload {
         1.0,
     )
 }
+
+#[cfg(test)]
+mod tests;

@@ -147,6 +147,11 @@ async fn filter_and_prioritize_come_from_the_replica_and_equal_the_allocator() -
     let (f, _) = extender_answer(&ext, &probes[1]).await?;
     assert!(f["FailedNodes"]["n-small"].is_string(), "{f}");
     assert_eq!(f, allocator_answer(&stack, &probes[1]).await?.0);
+    // Every batch the allocator handed on chained onto the one before, hashed by the extender.
+    assert_eq!(
+        kit::metric(&stack, "gpuledger_extender_replica_chain_breaks_total ").await?,
+        0.0
+    );
 
     // The allocator dies: within the staleness bound the replica still answers, the same.
     let before = extender_answer(&ext, &probes[0]).await?;

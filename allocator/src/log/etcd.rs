@@ -398,6 +398,49 @@ impl EtcdLog {
         Ok(Some(snap))
     }
 
+    /// The snapshot at `seq` as stored: its meta key's `(parts, length)` and the key of each
+    /// part, for reading the parts one at a time with [`EtcdLog::get_raw`] (None: pruned).
+    pub async fn snapshot_layout(
+        &self,
+        seq: u64,
+    ) -> Result<Option<(u32, u64, Vec<String>)>, LogError> {
+        let meta_key = format!("{}snapmeta/{}", self.prefix, seq_key(seq));
+        let mut kv = self.kv.clone();
+        let meta = self.timed(kv.get(meta_key.clone(), None)).await?;
+        let Some(meta) = meta.kvs().first() else {
+            return Ok(None);
+        };
+        let meta = String::from_utf8_lossy(meta.value()).into_owned();
+        let corrupt = || LogError::Corrupt {
+            key: meta_key.clone(),
+            why: format!("{meta:?} is not \"<parts> <bytes>\""),
+        };
+        let (parts, len) = meta.split_once(' ').ok_or_else(corrupt)?;
+        let (parts, len): (u32, u64) = (
+            parts.parse().map_err(|_| corrupt())?,
+            len.parse().map_err(|_| corrupt())?,
+        );
+        let prefix = format!("{}snapdata/{}/", self.prefix, seq_key(seq));
+        let keys = self
+            .timed(kv.get(
+                prefix,
+                Some(GetOptions::new().with_prefix().with_keys_only()),
+            ))
+            .await?
+            .kvs()
+            .iter()
+            .map(|k| String::from_utf8_lossy(k.key()).into_owned())
+            .collect();
+        Ok(Some((parts, len, keys)))
+    }
+
+    /// The value of `key` as stored (None: no such key).
+    pub async fn get_raw(&self, key: &str) -> Result<Option<Vec<u8>>, LogError> {
+        let mut kv = self.kv.clone();
+        let resp = self.timed(kv.get(key, None)).await?;
+        Ok(resp.kvs().first().map(|k| k.value().to_vec()))
+    }
+
     /// Delete all but the newest `keep` snapshots.
     pub async fn prune_snapshots(&self, keep: usize) -> Result<(), LogError> {
         let seqs = self.snapshot_seqs().await?;

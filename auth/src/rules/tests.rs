@@ -69,7 +69,16 @@ fn which_role_may_make_which_call() {
     );
     assert_eq!(
         allowed(&Role::Viewer),
-        vec![Filter, Score, Subscribe, Status, Dump, ReadLog, HttpState]
+        vec![
+            Filter,
+            Score,
+            Subscribe,
+            Status,
+            Dump,
+            ReadLog,
+            ReadSnapshots,
+            HttpState
+        ]
     );
     assert_eq!(
         allowed(&Role::Admin),
@@ -84,6 +93,7 @@ fn which_role_may_make_which_call() {
             Status,
             Dump,
             ReadLog,
+            ReadSnapshots,
             HttpState,
             SetBudget,
             SetQuota

@@ -6,8 +6,13 @@ use std::collections::BTreeMap;
 use anyhow::{Result, bail};
 use gpuledger_ledger::chain::{Chain, ChainError, Hash, short_hex};
 use gpuledger_ledger::{Ledger, pb};
+use gpuledger_proto::allocator::v1 as api;
+use prost::Message;
 
-use crate::client::{Target, connect_one, dump_of, read_batches};
+use crate::client::{Client, Target, connect, connect_one, dump_of, read_batches};
+
+/// Largest snapshot `verify` assembles (its meta key says how large it is before any byte).
+const MAX_SNAPSHOT_BYTES: u64 = 2 * 1024 * 1024 * 1024;
 
 /// The hash chain as `verify` walks it.
 #[derive(Default)]
@@ -81,6 +86,30 @@ impl ChainCheck {
                 short_hex(ours)
             )
         })
+    }
+
+    /// Check a stored snapshot's `chain_hash` against the chain's hash at its seq.
+    pub fn snapshot(&self, name: &str, seq: u64, hash: &[u8]) -> Option<String> {
+        if self.broken.is_some() || seq == 0 {
+            return None;
+        }
+        let ours = self.at.get(&seq).filter(|h| **h != [0; 32]);
+        match ours {
+            _ if hash.is_empty() => (seq > self.unchained_until()).then(|| {
+                format!("{name}: records no chain hash although the log is chained at its seq")
+            }),
+            None if seq < self.chain.next_seq() => Some(format!(
+                "{name}: no batch of the log ends at its seq"
+            )),
+            None => None,
+            Some(ours) => (hash != ours).then(|| {
+                format!(
+                    "{name}: records chain hash {} but the log's batch ending at seq {seq} hashes to {}: the snapshot was changed",
+                    short_hex(hash),
+                    short_hex(ours)
+                )
+            }),
+        }
     }
 
     /// The last seq of the batches written before the log was chained (0: none).
@@ -161,6 +190,84 @@ pub fn diff(replayed: &Ledger, live: &Ledger) -> Vec<String> {
     d
 }
 
+/// One stored snapshot as `ReadSnapshots` streamed it: its parts joined.
+struct StoredSnapshot {
+    seq: u64,
+    /// Where it lives, for messages: `snapshot at seq N (etcd <first part's key>)`.
+    name: String,
+    bytes: Vec<u8>,
+    /// Parts and length its meta key records, and the parts that came.
+    parts: u32,
+    total_bytes: u64,
+    got_parts: u32,
+}
+
+impl StoredSnapshot {
+    /// The snapshot decoded and checked against its meta key and its seq.
+    fn decode(&self) -> Result<pb::Snapshot, String> {
+        if self.got_parts != self.parts || self.bytes.len() as u64 != self.total_bytes {
+            return Err(format!(
+                "{}: its meta key records {} part(s) of {} bytes in all, etcd holds {} part(s) of {} bytes",
+                self.name,
+                self.parts,
+                self.total_bytes,
+                self.got_parts,
+                self.bytes.len()
+            ));
+        }
+        let snap = pb::Snapshot::decode(self.bytes.as_slice())
+            .map_err(|e| format!("{}: does not decode: {e}", self.name))?;
+        if snap.seq != self.seq {
+            return Err(format!(
+                "{}: holds the state at seq {}, not at its key's seq",
+                self.name, snap.seq
+            ));
+        }
+        Ok(snap)
+    }
+}
+
+/// Every stored snapshot, through `ReadSnapshots`.
+async fn stored_snapshots(c: &mut Client) -> Result<Vec<StoredSnapshot>> {
+    let mut stream = c
+        .read_snapshots(api::ReadSnapshotsRequest {})
+        .await
+        .map_err(|s| anyhow::anyhow!("reading the snapshots: {}", s.message()))?
+        .into_inner();
+    let mut out: Vec<StoredSnapshot> = Vec::new();
+    while let Some(p) = stream
+        .message()
+        .await
+        .map_err(|s| anyhow::anyhow!("reading the snapshots: {}", s.message()))?
+    {
+        if out.last().is_none_or(|s| s.seq != p.seq) {
+            if p.total_bytes > MAX_SNAPSHOT_BYTES {
+                bail!(
+                    "the snapshot at seq {} ({}) says it is {} bytes, more than verify reads ({MAX_SNAPSHOT_BYTES})",
+                    p.seq,
+                    p.key,
+                    p.total_bytes
+                );
+            }
+            out.push(StoredSnapshot {
+                seq: p.seq,
+                name: format!("snapshot at seq {} (etcd {})", p.seq, p.key),
+                bytes: Vec::new(),
+                parts: p.parts,
+                total_bytes: p.total_bytes,
+                got_parts: 0,
+            });
+        }
+        let s = out.last_mut().expect("pushed above");
+        if (s.bytes.len() + p.data.len()) as u64 > MAX_SNAPSHOT_BYTES {
+            bail!("{}: its parts run past {MAX_SNAPSHOT_BYTES} bytes", s.name);
+        }
+        s.bytes.extend_from_slice(&p.data);
+        s.got_parts += 1;
+    }
+    Ok(out)
+}
+
 /// `gpuledger verify`.
 pub async fn verify(a: VerifyArgs) -> Result<()> {
     // Dumps first: the log can only be longer than any dump.
@@ -187,6 +294,31 @@ pub async fn verify(a: VerifyArgs) -> Result<()> {
     if dumps.is_empty() {
         bail!("no replica to compare with: {}", problems.join("; "));
     }
+    let replicas = dumps.len();
+    // Each stored snapshot is compared like a replica: its state and its chain hash.
+    let mut snap_hashes: Vec<(String, u64, Vec<u8>)> = Vec::new();
+    let stored = match connect(&a.target).await {
+        Ok(mut c) => stored_snapshots(&mut c).await,
+        Err(e) => Err(e),
+    };
+    match stored {
+        Ok(stored) => {
+            for s in &stored {
+                match s.decode().and_then(|snap| {
+                    let l = Ledger::from_snapshot(&snap)
+                        .map_err(|e| format!("{}: its state does not load: {e}", s.name))?;
+                    Ok((snap.chain_hash, l))
+                }) {
+                    Ok((hash, l)) => {
+                        snap_hashes.push((s.name.clone(), s.seq, hash));
+                        dumps.push((s.name.clone(), l));
+                    }
+                    Err(p) => problems.push(p),
+                }
+            }
+        }
+        Err(e) => problems.push(format!("snapshots: {e:#}")),
+    }
     dumps.sort_by_key(|(_, l)| l.seq());
     let mut l = Ledger::new();
     let mut next = 0;
@@ -202,7 +334,7 @@ pub async fn verify(a: VerifyArgs) -> Result<()> {
             }
         };
     compare(&l, &dumps, &mut next, &mut problems);
-    let mut chain = ChainCheck::new(dump_hashes.iter().map(|(_, s, _)| *s));
+    let mut chain = ChainCheck::new(dump_hashes.iter().chain(&snap_hashes).map(|(_, s, _)| *s));
     let read = read_batches(&a.target, 0, |b| {
         chain.batch(b);
         for e in &b.events {
@@ -227,6 +359,11 @@ pub async fn verify(a: VerifyArgs) -> Result<()> {
             problems.push(format!("chain: {p}"));
         }
     }
+    for (name, seq, hash) in &snap_hashes {
+        if let Some(p) = chain.snapshot(name, *seq, hash) {
+            problems.push(format!("chain: {p}"));
+        }
+    }
     if let Err(e) = l.check() {
         problems.push(format!("replayed state: {e}"));
     }
@@ -238,12 +375,12 @@ pub async fn verify(a: VerifyArgs) -> Result<()> {
         ));
     }
     println!(
-        "replayed {events} events to seq {} (epoch {}): {} nodes, {} allocations; compared {} replica(s)",
+        "replayed {events} events to seq {} (epoch {}): {} nodes, {} allocations; compared {replicas} replica(s) and {} stored snapshot(s)",
         l.seq(),
         l.epoch(),
         l.nodes().len(),
         l.allocs().len(),
-        dumps.len()
+        snap_hashes.len()
     );
     match chain.unchained_until() {
         0 => println!("hash chain: every batch links to the one before it"),
@@ -254,7 +391,7 @@ pub async fn verify(a: VerifyArgs) -> Result<()> {
     }
     if problems.is_empty() {
         println!(
-            "verify: OK — every invariant holds, the hash chain is unbroken and every replica equals the replayed log"
+            "verify: OK — every invariant holds, the hash chain is unbroken and every replica and stored snapshot equals the replayed log"
         );
         Ok(())
     } else {
