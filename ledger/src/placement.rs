@@ -86,9 +86,17 @@ pub fn evaluate(node: &NodeState, req: &PodRequest) -> Result<Candidate, Fit> {
         .collect();
     let mut free = before.clone();
     let workload = req.policy.is_fgd().then(|| workload_of(req));
+    // fgd-strand's baseline of the node, once per decision: both the GPU choice and the node
+    // score measure against it.
+    let strand_start = match (req.policy, workload) {
+        (Policy::FgdStrand, Some(w)) => Some(strand::Start::of(w, node, &frag_free(node, &before))),
+        _ => None,
+    };
+    // The cost of the one shared GPU a one-container pod takes: its node score, already known.
+    let mut strand_delta = None;
     let mut chosen_all = Vec::with_capacity(req.containers.len());
     let mut dot_score = None;
-    for c in &req.containers {
+    for (k, c) in req.containers.iter().enumerate() {
         let c = c.normalized();
         let cands: Vec<(usize, u64, f64)> = node
             .gpus
@@ -113,10 +121,20 @@ pub fn evaluate(node: &NodeState, req: &PodRequest) -> Result<Candidate, Fit> {
             Policy::FgdStrand if c.slices == 1 && c.core_milli < CORE_MILLI_PER_GPU => {
                 let w = workload.expect("fgd policies have a workload");
                 let cores = frag_free(node, &free);
+                let later;
+                let start = match &strand_start {
+                    Some(s) if k == 0 => s,
+                    _ => {
+                        later = strand::Start::of(w, node, &cores);
+                        &later
+                    }
+                };
                 let cands = cands.iter().map(|x| x.0);
-                strand::gpu(w, node, req, &cores, cands, c.core_milli)
-                    .into_iter()
-                    .collect()
+                let pick = strand::gpu(w, node, req, start, &cores, cands, c.core_milli);
+                if req.containers.len() == 1 {
+                    strand_delta = pick.map(|p| p.1);
+                }
+                pick.map(|p| p.0).into_iter().collect()
             }
             Policy::Fgd | Policy::FgdPack | Policy::FgdPackCpu
                 if c.slices == 1 && c.core_milli < CORE_MILLI_PER_GPU =>
@@ -137,7 +155,15 @@ pub fn evaluate(node: &NodeState, req: &PodRequest) -> Result<Candidate, Fit> {
         }
         chosen_all.push(chosen);
     }
-    let score = node_score(node, req, &before, &free, &chosen_all, workload, dot_score);
+    let score = match (&strand_start, strand_delta) {
+        (Some(_), Some(d)) => strand::score_of(node, req, &frag_free(node, &before), d),
+        (Some(start), None) => {
+            let w = workload.expect("fgd policies have a workload");
+            let (b, a) = (frag_free(node, &before), frag_free(node, &free));
+            strand::score(w, node, req, start, &b, &a)
+        }
+        _ => node_score(node, req, &before, &free, &chosen_all, workload, dot_score),
+    };
     Ok(Candidate {
         score,
         gpus: chosen_all,

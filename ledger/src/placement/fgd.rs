@@ -263,6 +263,24 @@ impl Workload {
     }
 }
 
+impl Workload {
+    /// The free GPU of a node (thousandths, all of `free`) that the one-GPU shapes could not use
+    /// at all with `cpu_left` millicores and `mem_left` MiB left, weighted by their probability:
+    /// the part of FGD's fragmentation that CPU and host memory decide.
+    pub(crate) fn cpu_blocked(&self, free: &[u32], cpu_left: u64, mem_left: u64) -> f64 {
+        let total: u64 = free.iter().map(|&f| u64::from(f)).sum();
+        if total == 0 {
+            return 0.0;
+        }
+        let p: f64 = self
+            .shapes()
+            .filter(|(s, _)| s.gpus == 1 && (cpu_left < s.cpu_milli || mem_left < s.memory_mib))
+            .map(|(_, p)| p)
+            .sum();
+        p * total as f64
+    }
+}
+
 /// FGD's score of a placement that takes a node's fragmentation from `before` to `after`
 /// (thousandths of a GPU), as the paper's simulator computes it: the sigmoid of the fragmentation
 /// removed, in GPUs, times 100 and truncated to an integer (kube-scheduler's 0..=100 node scores).

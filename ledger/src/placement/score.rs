@@ -62,7 +62,8 @@ pub(super) fn node_score(
         }
         Policy::FgdStrand => {
             let w = workload.expect("fgd policies have a workload");
-            strand::score(w, node, req, b.free, &frag_free(node, after))
+            let start = strand::Start::of(w, node, b.free);
+            strand::score(w, node, req, &start, b.free, &frag_free(node, after))
         }
         Policy::Random => 0.0,
         Policy::DotProduct => {
@@ -96,14 +97,64 @@ pub fn score_node(node: &NodeState, req: &PodRequest) -> u32 {
 }
 
 /// [`score_node`] for each named node, in order; None for a node the state does not know.
+/// Nodes [`alike`] a recently scored one take its score without evaluating again: a cluster's
+/// idle nodes of one kind are scored once per request (Prioritize sends thousands of names).
 pub fn score_nodes<'a>(
     ledger: &'a Ledger,
     names: impl IntoIterator<Item = &'a str> + 'a,
     req: &'a PodRequest,
 ) -> impl Iterator<Item = (&'a str, Option<u32>)> + 'a {
+    let mut score = scorer(req);
     names
         .into_iter()
-        .map(move |n| (n, ledger.node(n).map(|ns| score_node(ns, req))))
+        .map(move |n| (n, ledger.node(n).map(&mut score)))
+}
+
+/// [`score_node`] for the request, remembering the last few node states scored: a node
+/// [`alike`] one of them takes its score (unless a UUID selector tells their GPUs apart).
+pub(super) fn scorer<'a>(req: &'a PodRequest) -> impl FnMut(&'a NodeState) -> u32 {
+    let memo = req.selector.uuids.is_empty() && req.selector.uuids_exclude.is_empty();
+    let mut seen: Vec<(&'a NodeState, u32)> = Vec::with_capacity(MEMO_NODES);
+    let mut next = 0;
+    move |ns| {
+        if !memo {
+            return score_node(ns, req);
+        }
+        if let Some(&(_, s)) = seen.iter().find(|(o, _)| alike(o, ns)) {
+            return s;
+        }
+        let s = score_node(ns, req);
+        if seen.len() < MEMO_NODES {
+            seen.push((ns, s));
+        } else {
+            seen[next] = (ns, s);
+            next = (next + 1) % MEMO_NODES;
+        }
+        s
+    }
+}
+
+/// Distinct node states [`score_nodes`] remembers per request: few, since every miss compares
+/// against all of them.
+const MEMO_NODES: usize = 4;
+
+/// Whether a placement policy must treat the two nodes alike: the same GPUs in order (model,
+/// memory, health, memory and compute in use), the same CPU and host memory, allocatable and
+/// used, and the same pod kinds. Only names, UUIDs and indices may differ.
+fn alike(a: &NodeState, b: &NodeState) -> bool {
+    a.cpu_milli == b.cpu_milli
+        && a.cpu_used == b.cpu_used
+        && a.memory_mib == b.memory_mib
+        && a.memory_used == b.memory_used
+        && a.pod_kinds == b.pod_kinds
+        && a.gpus.len() == b.gpus.len()
+        && a.gpus.iter().zip(&b.gpus).all(|(x, y)| {
+            x.core_used == y.core_used
+                && x.mem_used == y.mem_used
+                && x.memory_mib == y.memory_mib
+                && x.healthy == y.healthy
+                && x.model == y.model
+        })
 }
 
 /// [`score_node`] for the common one-container, one-slice pod under binpack or spread, without

@@ -7,7 +7,9 @@
 //! - FGD's fragmentation for the multi-GPU shapes only (whole free GPUs on one node);
 //! - the free GPU that the node's free CPU or memory could no longer feed if the rest of the node
 //!   filled with the GPU pods that can land on *that* node (model, GPU count, CPU, memory), at
-//!   their mean CPU and memory per GPU.
+//!   their mean CPU and memory per GPU;
+//! - lightly, the free GPU that one-GPU shapes could no longer reach at all for lack of CPU or
+//!   memory (FGD's own check, for the shapes whose share fragmentation the values replace).
 
 use super::PodRequest;
 use super::fgd::{self, PodShape, Workload};
@@ -17,6 +19,11 @@ use crate::state::NodeState;
 /// Weight of stranded GPU against lost share value. Heavier weights leave whole nodes without the
 /// CPU that multi-GPU pods need; measured in `docs/placement.md`.
 const STRAND_WEIGHT: f64 = 0.25;
+
+/// Weight of the free GPU that one-GPU shapes can no longer reach for lack of CPU or memory
+/// ([`Workload::cpu_blocked`]): FGD's own feasibility check, which keeps cores where the cluster
+/// runs out of CPU first; heavier weights cost the mixes where it does not (`docs/placement.md`).
+const BLOCKED_WEIGHT: f64 = 0.1;
 
 /// Mean CPU (millicores) and host memory (MiB) per thousandth of GPU of the GPU pods that can land
 /// on a node.
@@ -75,11 +82,13 @@ impl Demand {
     }
 }
 
-/// The part of [`Start::delta`] that does not depend on the placement, computed once per node.
-struct Start {
+/// The part of [`Start::delta`] that does not depend on the placement: computed once per node
+/// and decision, whatever the number of GPUs tried.
+pub(crate) struct Start {
     demand: Option<Demand>,
     frag: f64,
     stranded: f64,
+    blocked: f64,
 }
 
 fn is_multi(s: &PodShape) -> bool {
@@ -91,19 +100,21 @@ fn sum(v: &[u32]) -> u64 {
 }
 
 impl Start {
-    fn of(w: &Workload, node: &NodeState, before: &[u32]) -> Start {
+    /// The baseline of `node` with `before` free GPU compute (thousandths, per GPU).
+    pub(crate) fn of(w: &Workload, node: &NodeState, before: &[u32]) -> Start {
         let (c0, m0) = (fgd::cpu_left(node, 0), fgd::mem_left(node, 0));
         let demand = Demand::of(w, node);
         Start {
             demand,
             frag: w.fragmentation_of(node, before, c0, m0, is_multi),
             stranded: demand.map_or(0.0, |d| d.stranded(sum(before), c0, m0)),
+            blocked: w.cpu_blocked(before, c0, m0),
         }
     }
 
     /// What a placement that takes the node's free GPU compute from `before` to `after` costs
     /// the pods to come, in thousandths of a GPU: multi-GPU fragmentation + weighted stranded GPU
-    /// + lost value.
+    /// + weighted GPU blocked for one-GPU shapes + lost value.
     fn delta(
         &self,
         w: &Workload,
@@ -127,21 +138,23 @@ impl Start {
             .filter(|(b, a)| b != a)
             .map(|(&b, &a)| g.value(b) - g.value(a))
             .sum();
-        frag + STRAND_WEIGHT * strand + value
+        let blocked = w.cpu_blocked(after, c1, m1) - self.blocked;
+        frag + STRAND_WEIGHT * strand + BLOCKED_WEIGHT * blocked + value
     }
 }
 
-/// The GPU of `cands` whose use by a one-slice share of `core` costs least ([`Start::delta`]);
-/// ties to the first (GPUs alike in free share and model cost the same: only the first is scored).
+/// The GPU of `cands` whose use by a one-slice share of `core` costs least ([`Start::delta`]),
+/// with that cost; ties to the first (GPUs alike in free share and model cost the same: only the
+/// first is scored). `start` is the node's baseline at `free`.
 pub(crate) fn gpu(
     w: &Workload,
     node: &NodeState,
     req: &PodRequest,
+    start: &Start,
     free: &[u32],
     cands: impl Iterator<Item = usize>,
     core: u32,
-) -> Option<usize> {
-    let start = Start::of(w, node, free);
+) -> Option<(usize, f64)> {
     let mut after = free.to_vec();
     let mut best: Option<(f64, usize)> = None;
     for i in super::distinct_gpus(node, free, cands) {
@@ -152,20 +165,26 @@ pub(crate) fn gpu(
             best = Some((d, i));
         }
     }
-    best.map(|b| b.1)
+    best.map(|(d, i)| (i, d))
 }
 
 /// The node score (0..=100, plus a tie-break fraction) of a placement that takes the node's free
-/// GPU compute from `before` to `after`: FGD's sigmoid of [`Start::delta`]. Among ties, a pod
-/// without GPUs goes to the node with the least free GPU, and other pods to a node in use.
+/// GPU compute from `before` (whose baseline is `start`) to `after`: see [`score_of`].
 pub(crate) fn score(
     w: &Workload,
     node: &NodeState,
     req: &PodRequest,
+    start: &Start,
     before: &[u32],
     after: &[u32],
 ) -> f64 {
-    let delta = Start::of(w, node, before).delta(w, node, req, before, after);
+    score_of(node, req, before, start.delta(w, node, req, before, after))
+}
+
+/// The node score of a placement that costs `delta` ([`Start::delta`]) from `before`: FGD's
+/// sigmoid of it. Among ties, a pod without GPUs goes to the node with the least free GPU, and
+/// other pods to a node in use.
+pub(crate) fn score_of(node: &NodeState, req: &PodRequest, before: &[u32], delta: f64) -> f64 {
     let base = fgd::paper_score(0.0, delta);
     if req.containers.is_empty() {
         let free: u64 = before.iter().map(|&f| u64::from(f)).sum();

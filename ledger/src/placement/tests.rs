@@ -516,3 +516,149 @@ fn gpus_alike_in_free_share_and_model_are_scored_once() {
     // GPU 2 and 5 are idle A100s like GPU 0, GPU 3 is GPU 1 again; the idle T4 is new.
     assert_eq!(kept, vec![0, 1, 4]);
 }
+
+/// A node of `gpus` A100s with `cpu` cores, of which `cpu_used` taken, and `used` thousandths of
+/// compute taken on each GPU (in order).
+fn busy_node(used: &[u32], cpu: u64, cpu_used: u64) -> NodeState {
+    let mut n = cpu_node("n", used.len() as u32, cpu * 1000);
+    for (g, &u) in n.gpus.iter_mut().zip(used) {
+        g.core_used = u;
+        g.mem_used = u64::from(u) * 16;
+    }
+    n.cpu_used = cpu_used * 1000;
+    n
+}
+
+fn mixed_workload() -> Arc<Workload> {
+    let cpu = |gpus, core_milli, cpu_milli| PodShape {
+        cpu_milli,
+        gpus,
+        core_milli,
+        ..Default::default()
+    };
+    Arc::new(Workload::from_counts(
+        [
+            (cpu(1, 1000, 8000), 40),
+            (cpu(1, 500, 4000), 30),
+            (cpu(1, 250, 2000), 20),
+            (cpu(2, 1000, 16_000), 6),
+            (cpu(4, 1000, 32_000), 3),
+            (cpu(0, 0, 6000), 10),
+        ],
+        1.0,
+    ))
+}
+
+proptest::proptest! {
+    /// Scoring many nodes remembers the scores of nodes alike: every node still gets exactly
+    /// the score it gets alone, under every policy.
+    #[test]
+    fn remembered_scores_are_the_scores(
+        nodes in proptest::collection::vec(
+            (proptest::collection::vec(proptest::sample::select(vec![0u32, 500, 1000]), 1..4),
+             proptest::sample::select(vec![0u64, 4, 12]), proptest::bool::ANY, proptest::bool::ANY),
+            1..24),
+        policy in proptest::sample::select(Policy::NAMES.to_vec()),
+        slices in 1u32..=2,
+        core in proptest::sample::select(vec![250u32, 500, 1000]),
+        cpu in proptest::sample::select(vec![0u64, 2000, 8000]),
+    ) {
+        let nodes: Vec<NodeState> = nodes
+            .iter()
+            .map(|(used, cpu_used, t4, sick)| {
+                let mut n = busy_node(used, 16, *cpu_used);
+                n.gpus[0].healthy = !sick;
+                if *t4 {
+                    n.gpus[0].model = "Tesla T4".into();
+                }
+                n
+            })
+            .collect();
+        let mut r = req(slices, 1000, policy.parse().expect("known name"));
+        r.containers[0].core_milli = core;
+        r.cpu_milli = cpu;
+        r.workload = Some(mixed_workload());
+        let mut score = super::score::scorer(&r);
+        for n in &nodes {
+            proptest::prop_assert_eq!(score(n), score_node(n, &r));
+        }
+    }
+
+    /// fgd-strand measures a node against one baseline per decision: its choice and score are
+    /// those of a baseline computed afresh, it never takes more than a GPU has, and it decides
+    /// the same every time.
+    #[test]
+    fn fgd_strand_decides_as_from_scratch(
+        used in proptest::collection::vec(proptest::sample::select(vec![0u32, 250, 500, 750, 1000]), 1..9),
+        cpu_used in 0u64..=32,
+        core in proptest::sample::select(vec![100u32, 250, 500, 1000]),
+        slices in 1u32..=3,
+        cpu in proptest::sample::select(vec![0u64, 2000, 8000, 16_000]),
+        two_containers in proptest::bool::ANY,
+    ) {
+        let n = busy_node(&used, 32, cpu_used);
+        let w = mixed_workload();
+        let mut r = req(if core < 1000 { 1 } else { slices }, 0, Policy::FgdStrand);
+        r.containers[0].core_milli = core;
+        if two_containers {
+            let mut c = r.containers[0].clone();
+            c.name = "d".into();
+            r.containers.push(c);
+        }
+        r.cpu_milli = cpu;
+        r.workload = Some(w.clone());
+        let Ok(c) = evaluate(&n, &r) else { return Ok(()) };
+        proptest::prop_assert_eq!(Ok(c.clone()), evaluate(&n, &r));
+        let before: Vec<u32> = n.gpus.iter().map(|g| g.core_free()).collect();
+        let mut after = before.clone();
+        for (cont, gpus) in r.containers.iter().zip(&c.gpus) {
+            let cont = cont.normalized();
+            let mut distinct = gpus.clone();
+            distinct.sort_unstable();
+            distinct.dedup();
+            proptest::prop_assert_eq!(distinct.len(), gpus.len());
+            for &i in gpus {
+                proptest::prop_assert!(after[i] >= cont.core_milli);
+                after[i] -= cont.core_milli;
+            }
+        }
+        let start = strand::Start::of(&w, &n, &before);
+        let fresh = strand::score(&w, &n, &r, &start, &before, &after);
+        proptest::prop_assert!((fresh - c.score).abs() < 1e-9, "{} != {}", fresh, c.score);
+    }
+}
+
+#[test]
+fn blocked_counts_the_free_gpu_one_gpu_shapes_lose_to_cpu() {
+    // mixed_workload: one-GPU shapes need 8, 4 and 2 cores (p 0.4, 0.3, 0.2 of 100 pods + 10
+    // CPU-only); multi-GPU shapes do not count here.
+    let w = mixed_workload();
+    // A node with one GPU idle, one half used, two full.
+    let free = [1000, 500, 0, 0];
+    // 8 cores left: every one-GPU shape still fits.
+    assert_eq!(w.cpu_blocked(&free, 8000, u64::MAX), 0.0);
+    // 3 cores left: the 8- and 4-core shapes cannot run here; their share of the 1500 free.
+    let p = (40.0 + 30.0) / 109.0;
+    assert!((w.cpu_blocked(&free, 3000, u64::MAX) - p * 1500.0).abs() < 1e-9);
+    // No free GPU, nothing to block.
+    assert_eq!(w.cpu_blocked(&[0, 0, 0, 0], 0, 0), 0.0);
+}
+
+#[test]
+fn fgd_strand_keeps_the_cores_one_gpu_pods_need() {
+    // A CPU-only pod of 12 cores on two otherwise alike nodes, each with 1 GPU free: on the
+    // 20-core node it leaves 8, enough for every one-GPU shape; on the 16-core node it leaves
+    // 4 and blocks the 8-core shape from the free GPU there.
+    let w = mixed_workload();
+    let mut r = req(1, 0, Policy::FgdStrand);
+    r.containers.clear();
+    r.cpu_milli = 12_000;
+    r.workload = Some(w.clone());
+    let tight = busy_node(&[1000, 1000, 1000, 0], 16, 0);
+    let roomy = busy_node(&[1000, 1000, 1000, 0], 20, 0);
+    let free = [0, 0, 0, 1000];
+    assert!(w.cpu_blocked(&free, 4000, u64::MAX) > 0.0);
+    assert_eq!(w.cpu_blocked(&free, 8000, u64::MAX), 0.0);
+    let s = |n: &NodeState| evaluate(n, &r).expect("fits").score;
+    assert!(s(&roomy) > s(&tight), "{} <= {}", s(&roomy), s(&tight));
+}
