@@ -15,8 +15,9 @@ use crate::kubectl::Kubectl;
 pub const OVERLAY: &str = "deploy/kustomize/overlays/kube-1.20";
 
 /// Kinds taken from the rendered overlay.
-const APPLIED: [&str; 8] = [
+const APPLIED: [&str; 9] = [
     "Namespace",
+    "CustomResourceDefinition",
     "ServiceAccount",
     "ClusterRole",
     "ClusterRoleBinding",

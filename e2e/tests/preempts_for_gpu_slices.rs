@@ -257,8 +257,27 @@ async fn a_namespace_over_budget_is_demoted_preempted_and_recovers() -> Result<(
         "a-2 is not demoted: {:?}",
         priority_of(&e, A, "a-2").await?
     );
-    // TODO(lead): once the budget branch's demotion Event lands (issue 19, "a demoted pod gets
-    // a Kubernetes Event"), assert it among a-2's Events below, next to Preempted.
+    // The leader's pod watch tells the demoted pod why, in an Event of its own.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let events = e.kubectl().ok(&[
+            "-n",
+            A,
+            "get",
+            "events",
+            "--field-selector=involvedObject.name=a-2,reason=GpuBudgetDemoted",
+        ])?;
+        if events.contains(&format!("admitted at priority class {DEMOTED}"))
+            && events.contains("recovers")
+        {
+            break;
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "a-2 has no GpuBudgetDemoted Event saying why after 20 s:\n{events}"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
     pods::wait_bound(&e.client, A, &["a-2".into()], Duration::from_secs(60)).await?;
 
     // B is within budget (it has none) at the default priority, and fits only where a-2 is:
