@@ -405,31 +405,7 @@ async fn webhook_budgets(
 ) -> Result<(hdrhistogram::Histogram<u64>, hdrhistogram::Histogram<u64>)> {
     let (free, spent) = ("bench-free", "bench-spent");
     stack
-        .api
-        .store
-        .create(
-            "scheduling.k8s.io/v1",
-            "priorityclasses",
-            "",
-            json!({"metadata": {"name": "gpu-low"}, "value": -10}),
-        )
-        .map_err(|e| anyhow::anyhow!("{}", e.message()))?;
-    stack
-        .allocs
-        .admin(0)?
-        .set_budget(api::SetBudgetRequest {
-            budget: Some(pb::BudgetSet {
-                namespace: spent.into(),
-                unit: pb::BudgetUnit::GpuMibHours as i32,
-                amount: 1,
-                window: pb::BudgetWindow::Day as i32,
-                policy: pb::BudgetPolicy::Demote as i32,
-                priority_class: "gpu-low".into(),
-                source: "gpuledger-bench".into(),
-                ..Default::default()
-            }),
-            remove: false,
-        })
+        .demote_budget(spent, "gpu-low", "gpuledger-bench")
         .await?;
     // 20,000 MiB held spends 1 MiB-hour in 180 ms.
     let hog = stack.api.add_pod(json!({"metadata": {"name": "hog", "namespace": spent},

@@ -8,7 +8,6 @@ mod kit;
 use std::time::{Duration, Instant};
 
 use gpuledger_proto::allocator::v1 as api;
-use gpuledger_proto::ledger::v1 as pb;
 use gpuledger_testkit::free_port;
 use gpuledger_testkit::kube::{KubeStack, StackOptions};
 use gpuledger_testkit::workload::inventory;
@@ -61,34 +60,8 @@ async fn a_demoted_pod_says_why_and_gets_one_event() -> anyhow::Result<()> {
         })
         .await?;
     stack.api.add_node("n1", 128)?;
-    stack
-        .api
-        .store
-        .create(
-            "scheduling.k8s.io/v1",
-            "priorityclasses",
-            "",
-            json!({"metadata": {"name": "gpu-low"}, "value": -10}),
-        )
-        .map_err(|e| anyhow::anyhow!("{}", e.message()))?;
     // 1 GPU-MiB-hour a day, spent in 225 ms by a pod holding 16,000 MiB.
-    stack
-        .allocs
-        .admin(0)?
-        .set_budget(api::SetBudgetRequest {
-            budget: Some(pb::BudgetSet {
-                namespace: "team-a".into(),
-                unit: pb::BudgetUnit::GpuMibHours as i32,
-                amount: 1,
-                window: pb::BudgetWindow::Day as i32,
-                policy: pb::BudgetPolicy::Demote as i32,
-                priority_class: "gpu-low".into(),
-                source: "test".into(),
-                ..Default::default()
-            }),
-            remove: false,
-        })
-        .await?;
+    stack.demote_budget("team-a", "gpu-low", "test").await?;
 
     // Within budget: admitted unchanged.
     let early = kit::admit(&hook, gpu_pod("early", "1000"))

@@ -7,6 +7,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Result, bail};
 
 use gpuledger_auth::identity::Role;
+use gpuledger_ledger::pb;
+use gpuledger_proto::allocator::v1 as api;
 
 use super::FakeApiServer;
 use super::scheduler::{ExtenderConfig, ExtenderTls};
@@ -122,6 +124,38 @@ impl KubeStack {
         )?;
         self.extender = Some(p);
         wait_http(self.extender_port, Duration::from_secs(20)).await?;
+        Ok(())
+    }
+
+    /// Give `namespace` a demote budget of 1 GPU-MiB-hour a day (spent in a fraction of a
+    /// second by a pod holding GPU memory), demoting to a PriorityClass `class` of value -10
+    /// created in the fake API server; written by an admin as `source`.
+    pub async fn demote_budget(&self, namespace: &str, class: &str, source: &str) -> Result<()> {
+        self.api
+            .store
+            .create(
+                "scheduling.k8s.io/v1",
+                "priorityclasses",
+                "",
+                serde_json::json!({"metadata": {"name": class}, "value": -10}),
+            )
+            .map_err(|e| anyhow::anyhow!("{}", e.message()))?;
+        self.allocs
+            .admin(0)?
+            .set_budget(api::SetBudgetRequest {
+                budget: Some(pb::BudgetSet {
+                    namespace: namespace.into(),
+                    unit: pb::BudgetUnit::GpuMibHours as i32,
+                    amount: 1,
+                    window: pb::BudgetWindow::Day as i32,
+                    policy: pb::BudgetPolicy::Demote as i32,
+                    priority_class: class.into(),
+                    source: source.into(),
+                    ..Default::default()
+                }),
+                remove: false,
+            })
+            .await?;
         Ok(())
     }
 
