@@ -21,28 +21,17 @@ use tonic::Code;
 
 /// The budget events in the whole log: (namespace, what).
 async fn budget_events(stack: &KubeStack, i: usize) -> anyhow::Result<Vec<(String, String)>> {
-    let mut s = stack
-        .allocs
-        .viewer(i)?
-        .read_log(api::ReadLogRequest {
-            from_seq: 1,
-            to_seq: 0,
-        })
-        .await?
-        .into_inner();
     let mut out = Vec::new();
-    while let Some(b) = s.message().await? {
-        for e in b.events {
-            match e.body {
-                Some(pb::event::Body::BudgetSet(b)) => out.push((b.namespace, b.source)),
-                Some(pb::event::Body::BudgetRemoved(b)) => {
-                    out.push((b.namespace, format!("removed by {}", b.source)))
-                }
-                Some(pb::event::Body::QuotaSet(q)) => {
-                    out.push((q.namespace, format!("quota {} {}", q.mem_mib, q.core_milli)))
-                }
-                _ => {}
+    for e in stack.allocs.events(i).await? {
+        match e.body {
+            Some(pb::event::Body::BudgetSet(b)) => out.push((b.namespace, b.source)),
+            Some(pb::event::Body::BudgetRemoved(b)) => {
+                out.push((b.namespace, format!("removed by {}", b.source)))
             }
+            Some(pb::event::Body::QuotaSet(q)) => {
+                out.push((q.namespace, format!("quota {} {}", q.mem_mib, q.core_milli)))
+            }
+            _ => {}
         }
     }
     Ok(out)

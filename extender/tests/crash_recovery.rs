@@ -53,24 +53,14 @@ fn require_crash_hooks() -> anyhow::Result<()> {
 }
 
 async fn released_reasons(stack: &KubeStack) -> anyhow::Result<Vec<String>> {
-    let mut s = stack
-        .allocs
-        .viewer(0)?
-        .read_log(api::ReadLogRequest {
-            from_seq: 1,
-            to_seq: 0,
+    let events = stack.allocs.events(0).await?;
+    Ok(events
+        .into_iter()
+        .filter_map(|e| match e.body {
+            Some(pb::event::Body::Released(r)) => Some(r.reason),
+            _ => None,
         })
-        .await?
-        .into_inner();
-    let mut out = Vec::new();
-    while let Some(b) = s.message().await? {
-        for e in b.events {
-            if let Some(pb::event::Body::Released(r)) = e.body {
-                out.push(r.reason);
-            }
-        }
-    }
-    Ok(out)
+        .collect())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -244,6 +244,23 @@ impl Allocators {
         self.client_as(i, &Role::Admin)
     }
 
+    /// Every event in the log, as replica `i` reads it.
+    pub async fn events(&self, i: usize) -> Result<Vec<gpuledger_ledger::pb::Event>> {
+        let mut s = self
+            .viewer(i)?
+            .read_log(api::ReadLogRequest {
+                from_seq: 1,
+                to_seq: 0,
+            })
+            .await?
+            .into_inner();
+        let mut out = Vec::new();
+        while let Some(b) = s.message().await? {
+            out.extend(b.events);
+        }
+        Ok(out)
+    }
+
     /// Replica `i`'s folded state, from its dump.
     pub async fn ledger(&self, i: usize) -> Result<gpuledger_ledger::Ledger> {
         let d = self
