@@ -268,19 +268,7 @@ impl Cluster {
 
     /// Every event in the log.
     pub async fn events(&self) -> Result<Vec<pb::Event>> {
-        let mut s = self
-            .viewer()?
-            .read_log(api::ReadLogRequest {
-                from_seq: 1,
-                to_seq: 0,
-            })
-            .await?
-            .into_inner();
-        let mut out = Vec::new();
-        while let Some(b) = s.message().await? {
-            out.extend(b.events);
-        }
-        Ok(out)
+        self.allocs.events(self.live()).await
     }
 
     /// Wait until there is a LimitViolated for each of `pids`; they are returned in that order.
