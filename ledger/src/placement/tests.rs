@@ -662,3 +662,23 @@ fn fgd_strand_keeps_the_cores_one_gpu_pods_need() {
     let s = |n: &NodeState| evaluate(n, &r).expect("fits").score;
     assert!(s(&roomy) > s(&tight), "{} <= {}", s(&roomy), s(&tight));
 }
+
+#[test]
+fn fgd_strand_tells_nodes_apart_for_an_eight_gpu_pod() {
+    // Typical pods: one whole GPU, 0.6 of one, or two GPUs. An 8-GPU pod on an idle 9-GPU node leaves one GPU
+    // that the 2-GPU shape cannot use; on an idle 10-GPU node it leaves two that it can. The
+    // GPUs the pod itself takes are worth the same on either node and must not drown the
+    // difference (eight whole GPUs of value put every node at the floor of FGD's sigmoid).
+    let w = Arc::new(Workload::from_counts(
+        [(shape(1, 1000), 2), (shape(1, 600), 2), (shape(2, 1000), 1)],
+        1.0,
+    ));
+    assert!(w.gap_values().value(1000) > 0.0);
+    let nine = cpu_node("nine", 9, 0);
+    let ten = cpu_node("ten", 10, 0);
+    let mut r = share_req(1000, Policy::FgdStrand, &w);
+    r.containers[0].slices = 8;
+    let s = |n: &NodeState| evaluate(n, &r).expect("fits").score;
+    assert!(s(&ten) > s(&nine), "{} <= {}", s(&ten), s(&nine));
+    assert_eq!(choose_node([&nine, &ten], &r).expect("fits").0.name, "ten");
+}
