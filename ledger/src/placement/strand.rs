@@ -3,8 +3,8 @@
 //!
 //! A placement is scored by how much it lowers four things on its node:
 //! - the value of the GPUs' free shares to the pods to come ([`super::GapValues`]), which measures
-//!   fragmentation of shared GPUs better than FGD's per-shape count (less the value of the whole
-//!   GPUs a multi-GPU pod takes beyond its first, which is the same on every node);
+//!   fragmentation of shared GPUs better than FGD's per-shape count (beyond the value of the
+//!   shares the pod takes, which is the same on every node);
 //! - FGD's fragmentation for the multi-GPU shapes only (whole free GPUs on one node);
 //! - the free GPU that the node's free CPU or memory could no longer feed if the rest of the node
 //!   filled with the GPU pods that can land on *that* node (model, GPU count, CPU, memory), at
@@ -115,8 +115,8 @@ impl Start {
 
     /// What a placement that takes the node's free GPU compute from `before` to `after` costs
     /// the pods to come, in thousandths of a GPU: multi-GPU fragmentation, weighted stranded GPU,
-    /// weighted GPU blocked for one-GPU shapes, and the value lost beyond the pod's own shares
-    /// but one.
+    /// weighted GPU blocked for one-GPU shapes, and the value lost beyond the pod's own shares,
+    /// from one whole GPU's value.
     fn delta(
         &self,
         w: &Workload,
@@ -133,20 +133,19 @@ impl Start {
         let strand = self
             .demand
             .map_or(0.0, |d| d.stranded(sum(after), c1, m1) - self.stranded);
-        // The value the GPUs lose, less that of the shares taken beyond the most valuable one.
-        // What a pod's shares are worth is the same on every node; counted in full, eight whole
-        // GPUs put an 8-GPU pod at the flat end of FGD's sigmoid, where every node scores 0 and
-        // the node order decides. Leaving out the first share too moves one-GPU pods to where the
-        // integer sigmoid ties fewer nodes, which measured worse (`docs/placement.md`).
+        // The value the GPUs lose beyond that of the shares taken (which is the same on every
+        // node), counted from one whole GPU's value: every placement sits at the same point of
+        // FGD's integer sigmoid. Counted in full, eight whole GPUs put an 8-GPU pod at its flat
+        // end, where every node scores 0 and the node order decides; counted from 0, the sigmoid
+        // splits nodes that its ties (to nodes in use) keep together better (`docs/placement.md`).
         let g = w.gap_values();
-        let (mut lost, mut taken, mut most) = (0.0, 0.0, 0.0_f64);
-        for (&b, &a) in before.iter().zip(after).filter(|(b, a)| b != a) {
-            lost += g.value(b) - g.value(a);
-            let t = g.value(b.saturating_sub(a));
-            taken += t;
-            most = most.max(t);
-        }
-        let value = lost - (taken - most);
+        let value = g.value(CORE_MILLI_PER_GPU)
+            + before
+                .iter()
+                .zip(after)
+                .filter(|(b, a)| b != a)
+                .map(|(&b, &a)| g.value(b) - g.value(a) - g.value(b.saturating_sub(a)))
+                .sum::<f64>();
         let blocked = w.cpu_blocked(after, c1, m1) - self.blocked;
         frag + STRAND_WEIGHT * strand + BLOCKED_WEIGHT * blocked + value
     }
