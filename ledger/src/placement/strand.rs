@@ -9,8 +9,8 @@
 //! - the free GPU that the node's free CPU or memory could no longer feed if the rest of the node
 //!   filled with the GPU pods that can land on *that* node (model, GPU count, CPU, memory), at
 //!   their mean CPU and memory per GPU;
-//! - lightly, the free GPU that one-GPU shapes could no longer reach at all for lack of CPU or
-//!   memory (FGD's own check, for the shapes whose share fragmentation the values replace).
+//! - at half weight, the free GPU that one-GPU shapes could no longer reach at all for lack of
+//!   CPU or memory (FGD's own check, for the shapes whose share fragmentation the values replace).
 
 use super::PodRequest;
 use super::fgd::{self, PodShape, Workload};
@@ -23,8 +23,9 @@ const STRAND_WEIGHT: f64 = 0.25;
 
 /// Weight of the free GPU that one-GPU shapes can no longer reach for lack of CPU or memory
 /// ([`Workload::cpu_blocked`]): FGD's own feasibility check, which keeps cores where the cluster
-/// runs out of CPU first; heavier weights cost the mixes where it does not (`docs/placement.md`).
-const BLOCKED_WEIGHT: f64 = 0.1;
+/// runs out of CPU first; heavier weights cost the mixes where it does not, lighter ones the
+/// CPU-heavy mixes (`docs/placement.md`).
+const BLOCKED_WEIGHT: f64 = 0.5;
 
 /// Mean CPU (millicores) and host memory (MiB) per thousandth of GPU of the GPU pods that can land
 /// on a node.
