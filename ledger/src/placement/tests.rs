@@ -665,10 +665,11 @@ fn fgd_strand_keeps_the_cores_one_gpu_pods_need() {
 
 #[test]
 fn fgd_strand_tells_nodes_apart_for_an_eight_gpu_pod() {
-    // Typical pods: one whole GPU, 0.6 of one, or two GPUs. An 8-GPU pod on an idle 9-GPU node leaves one GPU
-    // that the 2-GPU shape cannot use; on an idle 10-GPU node it leaves two that it can. The
-    // GPUs the pod itself takes are worth the same on either node and must not drown the
-    // difference (eight whole GPUs of value put every node at the floor of FGD's sigmoid).
+    // Typical pods: one whole GPU, 0.6 of one, or two GPUs. An 8-GPU pod on an idle 9-GPU node
+    // leaves one GPU that the 2-GPU shape cannot use; on an idle 10-GPU node it leaves two that
+    // it can. The GPUs the pod itself takes are worth the same on either node and must not
+    // drown the difference (eight whole GPUs of value put every node at the floor of FGD's
+    // sigmoid).
     let w = Arc::new(Workload::from_counts(
         [(shape(1, 1000), 2), (shape(1, 600), 2), (shape(2, 1000), 1)],
         1.0,
