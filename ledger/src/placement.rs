@@ -29,6 +29,31 @@ pub use request::{ContainerRequest, PodRequest, Policy, Selector};
 pub use score::{score_node, score_nodes};
 pub use value::GapValues;
 
+/// The nodes alike in capacity (CPU, host memory, and each GPU's model and memory), one of each
+/// kind with how many there are, in the order each kind first appears. Nodes of one kind can
+/// host the same pods when empty.
+pub fn node_kinds<'a>(nodes: impl IntoIterator<Item = &'a NodeState>) -> Vec<(&'a NodeState, u64)> {
+    type Capacity<'a> = (u64, u64, Vec<(&'a str, u64)>);
+    let mut at: std::collections::HashMap<Capacity<'a>, usize> = Default::default();
+    let mut kinds: Vec<(&'a NodeState, u64)> = Vec::new();
+    for n in nodes {
+        let mut gpus: Vec<(&str, u64)> = n
+            .gpus
+            .iter()
+            .map(|g| (g.model.as_str(), g.memory_mib))
+            .collect();
+        gpus.sort_unstable();
+        let i = *at
+            .entry((n.cpu_milli, n.memory_mib, gpus))
+            .or_insert_with(|| {
+                kinds.push((n, 0));
+                kinds.len() - 1
+            });
+        kinds[i].1 += 1;
+    }
+    kinds
+}
+
 /// The shares chosen for one container.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ContainerPlacement {

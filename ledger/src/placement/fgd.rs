@@ -68,6 +68,9 @@ pub struct Workload {
     /// Mean host memory (MiB) of the pods each shape stands for: the shape's own when shapes
     /// carry memory, else what the pods asked (the look-ahead of `fgd-strand` needs it).
     memory: Vec<f64>,
+    /// Share of the cluster's GPUs on nodes that could host each shape when empty; 1 until
+    /// [`Workload::on_cluster`] says otherwise.
+    hosts: Vec<f64>,
     /// The value of free GPU shares for these shapes, computed on first use.
     gaps: OnceLock<GapValues>,
 }
@@ -135,6 +138,7 @@ impl Workload {
             .map(|&n| n as f64 / kept.max(1) as f64)
             .collect();
         Workload {
+            hosts: vec![1.0; shapes.len()],
             shapes,
             counts,
             probs,
@@ -218,6 +222,33 @@ impl Workload {
         })
     }
 
+    /// This workload on a cluster of `nodes`: each shape learns which share of the cluster's
+    /// GPUs is on nodes that could host it when empty (GPU count and models, CPU, host memory).
+    /// A cluster without GPUs leaves every share at 1.
+    pub fn on_cluster<'a>(mut self, nodes: impl IntoIterator<Item = &'a NodeState>) -> Self {
+        let kinds = super::node_kinds(nodes);
+        let gpus = |(n, count): &(&NodeState, u64)| n.gpus.len() as u64 * count;
+        let total: u64 = kinds.iter().map(gpus).sum();
+        if total == 0 {
+            return self;
+        }
+        for (s, h) in self.shapes.iter().zip(self.hosts.iter_mut()) {
+            let on: u64 = kinds.iter().filter(|(n, _)| hosts(s, n)).map(gpus).sum();
+            *h = on as f64 / total as f64;
+        }
+        self
+    }
+
+    /// The typical shapes with their probabilities and the share of the cluster's GPUs on nodes
+    /// that could host them ([`Workload::on_cluster`]).
+    pub fn shapes_with_hosts(&self) -> impl Iterator<Item = (&PodShape, f64, f64)> {
+        self.shapes
+            .iter()
+            .zip(self.probs.iter().copied())
+            .zip(self.hosts.iter().copied())
+            .map(|((s, p), h)| (s, p, h))
+    }
+
     /// Whether no shape is known.
     pub fn is_empty(&self) -> bool {
         self.shapes.is_empty()
@@ -238,27 +269,27 @@ impl Workload {
         cpu_left: u64,
         mem_left: u64,
     ) -> f64 {
-        self.fragmentation_of(node, free, cpu_left, mem_left, |_| true)
+        self.fragmentation_of(node, free, cpu_left, mem_left, |_, p, _| p)
     }
 
-    /// [`Self::fragmentation`] counting only the shapes `keep` accepts.
+    /// [`Self::fragmentation`] with each shape weighted by `weight(shape, probability, share of
+    /// the cluster's GPUs that could host it)` instead of its probability (0 leaves it out).
     pub(crate) fn fragmentation_of(
         &self,
         node: &NodeState,
         free: &[u32],
         cpu_left: u64,
         mem_left: u64,
-        keep: impl Fn(&PodShape) -> bool,
+        weight: impl Fn(&PodShape, f64, f64) -> f64,
     ) -> f64 {
         let total: u64 = free.iter().map(|&f| u64::from(f)).sum();
         if total == 0 {
             return 0.0;
         }
-        self.shapes
-            .iter()
-            .zip(&self.probs)
-            .filter(|(s, _)| keep(s))
-            .map(|(s, p)| p * frag_for(s, node, free, total, cpu_left, mem_left) as f64)
+        self.shapes_with_hosts()
+            .map(|(s, p, h)| (s, weight(s, p, h)))
+            .filter(|&(_, w)| w > 0.0)
+            .map(|(s, w)| w * frag_for(s, node, free, total, cpu_left, mem_left) as f64)
             .sum()
     }
 }
@@ -309,6 +340,18 @@ pub(crate) fn mem_left(node: &NodeState, extra: u64) -> u64 {
     } else {
         node.memory_mib.saturating_sub(node.memory_used + extra)
     }
+}
+
+/// Whether `node`, empty, could host a pod of shape `s` (GPU count and models, CPU, memory).
+fn hosts(s: &PodShape, node: &NodeState) -> bool {
+    let gpus = node
+        .gpus
+        .iter()
+        .filter(|g| s.models.is_empty() || s.models.contains(&g.model))
+        .count();
+    gpus >= s.gpus as usize
+        && (node.cpu_milli == 0 || s.cpu_milli <= node.cpu_milli)
+        && (node.memory_mib == 0 || s.memory_mib <= node.memory_mib)
 }
 
 /// Fragmentation of the node for one typical shape: the free share that shape cannot use.

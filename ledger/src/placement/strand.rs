@@ -5,7 +5,10 @@
 //! - the value of the GPUs' free shares to the pods to come ([`super::GapValues`]), which measures
 //!   fragmentation of shared GPUs better than FGD's per-shape count (beyond the value of the
 //!   shares the pod takes, which is the same on every node);
-//! - FGD's fragmentation for the multi-GPU shapes only (whole free GPUs on one node);
+//! - FGD's fragmentation for the multi-GPU shapes only (whole free GPUs on one node), each shape
+//!   weighted by its probability over the square root of the share of the cluster's GPUs that
+//!   could host it ([`Workload::on_cluster`]): a node that is one of few hosts of a shape is
+//!   kept for it;
 //! - the free GPU that the node's free CPU or memory could no longer feed if the rest of the node
 //!   filled with the GPU pods that can land on *that* node (model, GPU count, CPU, memory), at
 //!   their mean CPU and memory per GPU;
@@ -93,9 +96,23 @@ pub(crate) struct Start {
     blocked: f64,
 }
 
-fn is_multi(s: &PodShape) -> bool {
-    s.gpus > 1
+/// The weight of a shape in the multi-GPU fragmentation term: 0 for one-GPU and CPU-only shapes,
+/// else its probability `p` over the square root of `hosts`, the share of the cluster's GPUs on
+/// nodes that could host it. FGD weighs by `p` alone (the chance that the next pod has this
+/// shape), which spends the only nodes big enough for a shape as readily as any other; `p /
+/// hosts` (the demand per GPU that could serve it) keeps small pools idle for pinned shapes that
+/// rarely come. Exponents 0.4 to 0.6 do both; 0.25 and 0.75 do not (`docs/placement.md`).
+fn multi(s: &PodShape, p: f64, hosts: f64) -> f64 {
+    if s.gpus > 1 {
+        p / hosts.max(MIN_HOSTS).sqrt()
+    } else {
+        0.0
+    }
 }
+
+/// The smallest host share [`multi`] divides by: a shape no node can host fragments nothing,
+/// and this keeps its weight finite.
+const MIN_HOSTS: f64 = 1e-4;
 
 fn sum(v: &[u32]) -> u64 {
     v.iter().map(|&f| u64::from(f)).sum()
@@ -108,7 +125,7 @@ impl Start {
         let demand = Demand::of(w, node);
         Start {
             demand,
-            frag: w.fragmentation_of(node, before, c0, m0, is_multi),
+            frag: w.fragmentation_of(node, before, c0, m0, multi),
             stranded: demand.map_or(0.0, |d| d.stranded(sum(before), c0, m0)),
             blocked: w.cpu_blocked(before, c0, m0),
         }
@@ -130,7 +147,7 @@ impl Start {
             fgd::cpu_left(node, req.cpu_milli),
             fgd::mem_left(node, req.memory_mib),
         );
-        let frag = w.fragmentation_of(node, after, c1, m1, is_multi) - self.frag;
+        let frag = w.fragmentation_of(node, after, c1, m1, multi) - self.frag;
         let strand = self
             .demand
             .map_or(0.0, |d| d.stranded(sum(after), c1, m1) - self.stranded);

@@ -683,3 +683,87 @@ fn fgd_strand_tells_nodes_apart_for_an_eight_gpu_pod() {
     assert!(s(&ten) > s(&nine), "{} <= {}", s(&ten), s(&nine));
     assert_eq!(choose_node([&nine, &ten], &r).expect("fits").0.name, "ten");
 }
+
+#[test]
+fn a_workload_on_a_cluster_knows_which_share_of_its_gpus_can_host_each_shape() {
+    let big = PodShape {
+        cpu_milli: 120_000,
+        ..shape(8, 1000)
+    };
+    let t4 = PodShape {
+        models: vec!["Tesla T4".into()],
+        ..shape(1, 1000)
+    };
+    let any = PodShape {
+        cpu_milli: 16_000,
+        ..shape(2, 1000)
+    };
+    let w = Workload::from_counts([(big.clone(), 1), (t4.clone(), 1), (any.clone(), 1)], 1.0);
+    let hosts = |w: &Workload, s: &PodShape| {
+        w.shapes_with_hosts()
+            .find(|(x, _, _)| *x == s)
+            .map(|(_, _, h)| h)
+            .expect("a typical shape")
+    };
+    // Unknown cluster: every shape can go anywhere.
+    assert_eq!(hosts(&w, &big), 1.0);
+    let mut small = cpu_node("t4", 2, 32_000);
+    for g in &mut small.gpus {
+        g.model = "Tesla T4".into();
+    }
+    let nodes = [
+        cpu_node("rich", 8, 128_000),
+        cpu_node("poor", 8, 96_000),
+        small,
+    ];
+    let w = w.on_cluster(&nodes);
+    // 18 GPUs: only the 128-core node's 8 host the 120-core pod, the T4 node's 2 the T4 pod.
+    assert!((hosts(&w, &big) - 8.0 / 18.0).abs() < 1e-12);
+    assert!((hosts(&w, &t4) - 2.0 / 18.0).abs() < 1e-12);
+    assert_eq!(hosts(&w, &any), 1.0);
+}
+
+#[test]
+fn fgd_strand_keeps_the_few_nodes_that_can_host_a_shape_for_it() {
+    // One node of ten has the 120 cores that an 8-GPU shape asks for. A 4-GPU pod with 60 cores
+    // fits it or an idle 96-core node; on the 128-core node it leaves more cores for the rest,
+    // and FGD's weight (the shape's probability alone) lets that win. Weighted by how few GPUs
+    // can host the 120-core shape, the pod goes to the 96-core node.
+    let with_cpu = |gpus, cpu_milli| PodShape {
+        cpu_milli,
+        ..shape(gpus, 1000)
+    };
+    let w = Workload::from_counts(
+        [
+            (with_cpu(8, 120_000), 1),
+            (with_cpu(8, 64_000), 2),
+            (with_cpu(4, 60_000), 2),
+            (with_cpu(4, 32_000), 2),
+            (with_cpu(1, 12_000), 8),
+        ],
+        1.0,
+    );
+    let rich = cpu_node("rich", 8, 128_000);
+    let mut cluster = vec![rich.clone()];
+    cluster.extend((0..9).map(|i| cpu_node(&format!("poor{i}"), 8, 96_000)));
+    let mut r = share_req(1000, Policy::FgdStrand, &Arc::new(w.clone()));
+    r.containers[0].slices = 4;
+    r.cpu_milli = 60_000;
+    let pick = |w: Workload| {
+        let r = PodRequest {
+            workload: Some(Arc::new(w)),
+            ..r.clone()
+        };
+        choose_node([&rich, &cluster[1]], &r)
+            .expect("fits")
+            .0
+            .name
+            .clone()
+    };
+    assert_eq!(
+        pick(w.clone()),
+        "rich",
+        "without the cluster, the richer node wins"
+    );
+    assert_eq!(pick(w.on_cluster(&cluster)), "poor0");
+}
