@@ -3,14 +3,16 @@
 //! Fragmentation gradient descent needs the distribution of pod shapes the cluster runs. Every
 //! replica follows the committed batches and keeps the shapes of the last `--fgd-window` pods
 //! reserved (GPUs, compute per GPU, CPU and host memory, from their `Reserved` events); while
-//! fewer than `--fgd-min-samples` have been seen, it uses [`Workload::prior`]. Requests with an
-//! FGD policy get the current distribution attached before they are evaluated.
+//! fewer than `--fgd-min-samples` have been seen, it uses [`Workload::prior`]. Each rebuilt
+//! distribution learns from the ledger's nodes which share of the cluster's GPUs could host each
+//! shape ([`Workload::on_cluster`]). Requests with an FGD policy get the current distribution
+//! attached before they are evaluated.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
-use gpuledger_ledger::CORE_MILLI_PER_GPU;
 use gpuledger_ledger::placement::{PodRequest, PodShape, Workload};
+use gpuledger_ledger::{CORE_MILLI_PER_GPU, Ledger};
 use gpuledger_proto::ledger::v1 as pb;
 use tokio::sync::broadcast::error::RecvError;
 use tokio::sync::watch;
@@ -72,11 +74,26 @@ impl Learned {
             .len()
     }
 
-    /// Count the pods reserved by one committed batch.
-    pub fn observe(&self, batch: &pb::EventBatch) {
+    /// Count the pods reserved by one committed batch, and rebuild the distribution on the
+    /// nodes of `cluster` when it is due.
+    pub fn observe(&self, batch: &pb::EventBatch, cluster: &Ledger) {
+        if let Some(w) = self.count(batch) {
+            self.publish(w, cluster);
+        }
+    }
+
+    /// Make `learned` the current distribution, on the nodes of `cluster`.
+    fn publish(&self, learned: Workload, cluster: &Ledger) {
+        let w = learned.on_cluster(cluster.nodes().values());
+        self.current.send_replace(Arc::new(w));
+    }
+
+    /// Count the pods reserved by one committed batch; the rebuilt distribution (not yet on a
+    /// cluster) when a rebuild is due.
+    fn count(&self, batch: &pb::EventBatch) -> Option<Workload> {
         let shapes = pod_shapes(batch);
         if shapes.is_empty() {
-            return;
+            return None;
         }
         let mut w = self.seen.lock().unwrap_or_else(|p| p.into_inner());
         for s in shapes {
@@ -95,15 +112,14 @@ impl Learned {
             }
         }
         let enough = w.shapes.len() >= self.min_samples;
-        if enough && (w.since_rebuild >= REBUILD_EVERY || w.shapes.len() == self.min_samples) {
-            w.since_rebuild = 0;
-            let learned = Workload::from_counts(
-                w.counts.iter().map(|(s, n)| (s.clone(), *n)),
-                Workload::DEFAULT_COVERAGE,
-            );
-            drop(w);
-            self.current.send_replace(Arc::new(learned));
+        if !(enough && (w.since_rebuild >= REBUILD_EVERY || w.shapes.len() == self.min_samples)) {
+            return None;
         }
+        w.since_rebuild = 0;
+        Some(Workload::from_counts(
+            w.counts.iter().map(|(s, n)| (s.clone(), *n)),
+            Workload::DEFAULT_COVERAGE,
+        ))
     }
 }
 
@@ -143,7 +159,12 @@ pub async fn follow(shared: Arc<Shared>, learned: Arc<Learned>) {
     let mut rx = shared.batches.subscribe();
     loop {
         match rx.recv().await {
-            Ok(b) => learned.observe(&b),
+            Ok(b) => {
+                // A view only when a rebuild is due (every few reservations), held briefly.
+                if let Some(w) = learned.count(&b) {
+                    learned.publish(w, &*shared.view().await);
+                }
+            }
             Err(RecvError::Lagged(_)) => continue,
             Err(RecvError::Closed) => return,
         }
@@ -191,22 +212,75 @@ mod tests {
         assert_eq!(shapes.len(), 2);
         assert_eq!((shapes[1].gpus, shapes[1].core_milli), (3, 1000));
         assert_eq!(shapes[1].cpu_milli, 1000);
-        l.observe(&b);
+        l.observe(&b, &Ledger::default());
         assert_ne!(*l.get(), Workload::prior(), "learned at min_samples");
         let quarter = |n: &str| pb::EventBatch {
             events: vec![reserved(n, &[250])],
             ..Default::default()
         };
         for n in ["c", "d"] {
-            l.observe(&quarter(n));
+            l.observe(&quarter(n), &Ledger::default());
         }
         assert_eq!(l.samples(), 3, "the window keeps the last 3 pods");
         // Rebuilt on the 16th shape; until then the old distribution stands. Feed enough.
         for i in 0..REBUILD_EVERY {
-            l.observe(&quarter(&format!("q{i}")));
+            l.observe(&quarter(&format!("q{i}")), &Ledger::default());
         }
         let only: Vec<_> = l.get().shapes().map(|(s, _)| s.clone()).collect();
         assert_eq!(only.len(), 1, "{only:?}");
         assert_eq!((only[0].gpus, only[0].core_milli), (1, 250));
+    }
+
+    /// A ledger with one node of `gpus` GPUs per entry.
+    fn cluster(gpus: &[u32]) -> Ledger {
+        let mut l = Ledger::new();
+        for (k, &n) in gpus.iter().enumerate() {
+            let node = format!("n{k}");
+            let inventory = pb::NodeInventory {
+                gpus: (0..n)
+                    .map(|i| pb::Gpu {
+                        uuid: format!("{node}-g{i}"),
+                        index: i,
+                        model: "A100".into(),
+                        memory_mib: 40_960,
+                        healthy: true,
+                    })
+                    .collect(),
+                node,
+                cpu_milli: 64_000,
+                memory_mib: 0,
+            };
+            l.apply(&pb::Event {
+                seq: k as u64 + 1,
+                epoch: 1,
+                body: Some(pb::event::Body::NodeRegistered(pb::NodeRegistered {
+                    inventory: Some(inventory),
+                })),
+                ..Default::default()
+            })
+            .expect("registers");
+        }
+        l
+    }
+
+    #[test]
+    fn the_learned_workload_knows_which_share_of_the_cluster_can_host_each_shape() {
+        let l = Learned::new(4, 2);
+        // Two 2-GPU nodes and one 8-GPU node: a 4-GPU pod fits only the 8 GPUs of 12.
+        let b = pb::EventBatch {
+            events: vec![reserved("a", &[1000; 4]), reserved("b", &[1000])],
+            ..Default::default()
+        };
+        l.observe(&b, &cluster(&[2, 2, 8]));
+        let hosts: Vec<(u32, f64)> = l
+            .get()
+            .shapes_with_hosts()
+            .map(|(s, _, h)| (s.gpus, h))
+            .collect();
+        assert_eq!(hosts.len(), 2, "{hosts:?}");
+        for (gpus, h) in hosts {
+            let want = if gpus == 4 { 8.0 / 12.0 } else { 1.0 };
+            assert!((h - want).abs() < 1e-9, "{gpus} GPUs: {h}");
+        }
     }
 }

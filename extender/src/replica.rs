@@ -282,10 +282,17 @@ impl Replica {
             self.metrics.synced.set(i64::from(g.ledger.is_some()));
             match msg.body {
                 Some(Body::Placement(p)) => {
-                    g.defaults = Defaults {
-                        policy: p.default_policy.parse().unwrap_or_default(),
-                        workload: (!p.workload.is_empty()).then(|| Arc::new(workload_of(p))),
-                    };
+                    let policy = p.default_policy.parse().unwrap_or_default();
+                    // The shares of the cluster that can host each shape, from this replica's
+                    // nodes (the allocator's own, as of the last batch folded).
+                    let workload = (!p.workload.is_empty()).then(|| {
+                        let w = workload_of(p);
+                        Arc::new(match &g.ledger {
+                            Some(l) => w.on_cluster(l.nodes().values()),
+                            None => w,
+                        })
+                    });
+                    g.defaults = Defaults { policy, workload };
                 }
                 Some(Body::Snapshot(snap)) => {
                     if snap.epoch < *max_epoch {
@@ -306,6 +313,12 @@ impl Replica {
                     self.applied.send_replace(l.seq());
                     *max_epoch = l.epoch();
                     g.chain = Some(Chain::resume(l.seq(), &snap.chain_hash));
+                    // The placement defaults come before the first snapshot: learn the
+                    // workload's hosts now that the nodes are known.
+                    if let Some(w) = g.defaults.workload.take() {
+                        let w = Workload::clone(&w).on_cluster(l.nodes().values());
+                        g.defaults.workload = Some(Arc::new(w));
+                    }
                     g.ledger = Some(l);
                 }
                 Some(Body::Batch(b)) => {
