@@ -5,6 +5,7 @@
 
 mod compare;
 mod engine;
+mod floor;
 mod gorand;
 mod plot;
 mod probe;
@@ -12,7 +13,6 @@ mod variants;
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, bail};
@@ -37,7 +37,9 @@ the shuffles and samples are drawn from Go's math/rand exactly as the paper's si
 so each seed gives the pod and node orders of the published run with that seed. Prints, per policy, \
 the GPU allocation ratio and the unallocated share at 50/80/90/100/130 % arrived workload (mean ± sd \
 over seeds), the unallocated share at 100 % as the paper's table computes it, the fragmentation \
-rate, and a last line `policy=<p> unallocated_pct_at_100=<x>` per policy."
+rate, and a last line `policy=<p> unallocated_pct_at_100=<x>` per policy. With --trace, one row per \
+trace and policy, with the floor: the unallocated share at 100 % that no placement could avoid on \
+the same pods (those that fit only a few kinds of node, more of them than those nodes can hold)."
 )]
 pub struct SimulateArgs {
     /// Node list CSV; columns by header name: sn, cpu_milli, memory_mib, gpu, model.
@@ -60,7 +62,9 @@ pub struct SimulateArgs {
     /// Placement policies to compare, comma-separated. Paper baselines: random, dotprod, bestfit,
     /// packing, clustering; the paper's policy: fgd; gpuledger's: binpack, spread, fgd-pack (FGD,
     /// ties to nodes already in use), fgd-pack-cpu (fgd-pack, and pods without GPUs to the tied
-    /// node with the least free GPU).
+    /// node with the least free GPU), fgd-strand (FGD with shares valued by what still packs into
+    /// them, a look-ahead for GPU that CPU and memory would strand, and the few hosts of a shape
+    /// kept for it; see docs/placement.md).
     #[arg(
         long,
         value_name = "P[,P...]",
@@ -188,6 +192,12 @@ impl PolicyReport {
         self.stat(|r| 100.0 * (1.0 - r.alloc_at[k])).0
     }
 
+    /// The unallocated GPU share (percent) at 100 % arrived workload that no placement could
+    /// avoid ([`RunResult::floor`]), mean over seeds.
+    pub fn floor_pct_at_100(&self) -> f64 {
+        self.stat(|r| 100.0 * r.floor).0
+    }
+
     /// The same as the paper's table states it: 100 − the mean over seeds of column 100 of
     /// [`RunResult::paper_columns`] (the mean allocation of the pods whose arrived workload rounds
     /// to 100 %). `None` if a run has no pod near 100 %.
@@ -215,7 +225,7 @@ pub fn simulate(
     args: &SimulateArgs,
     progress: &ProgressBar,
 ) -> Vec<PolicyReport> {
-    let workload = Arc::new(trace_workload(pods, args.coverage, args.frag_memory));
+    let workload = trace_workload(pods, args.coverage, args.frag_memory);
     let setup = Setup::new(nodes, pods, workload);
     let probe = Probe {
         policies: args.policy.clone(),

@@ -81,11 +81,13 @@ pub fn run(args: &SimulateArgs, nodes: &[NodeRow], base: &[PodRow]) -> anyhow::R
     );
     let first = args.policy[0];
     println!(
-        "unallocated GPU (%) at 100 % arrived workload, mean ± sd over seeds; ratios against {first}"
+        "unallocated GPU (%) at 100 % arrived workload, mean ± sd over seeds; ratios against \
+         {first}; floor: what no placement could allocate of the same pods (pods that fit only a \
+         few nodes, more of them than those nodes hold)"
     );
     println!(
-        "{:<16} {:<13} {:>16} {:>9} {:>12} {:>9}",
-        "trace", "policy", "unallocated (%)", "ratio", "µs/decision", "ratio"
+        "{:<16} {:<13} {:>16} {:>9} {:>9} {:>12} {:>9}",
+        "trace", "policy", "unallocated (%)", "ratio", "floor (%)", "µs/decision", "ratio"
     );
     let progress = progress_bar((traces.len() * args.policy.len() * args.seeds.0.len()) as u64);
     let mut all = Vec::new();
@@ -98,22 +100,24 @@ pub fn run(args: &SimulateArgs, nodes: &[NodeRow], base: &[PodRow]) -> anyhow::R
         for (r, c) in reports.iter().zip(&cost) {
             let (u, sd) = (r.unallocated_pct_at_100(), r.stat(unallocated).1);
             let ratio = u / base_u;
+            let floor = r.floor_pct_at_100();
             let cratio = c.micros() / base_c;
             progress.suspend(|| {
                 println!(
-                    "{:<16} {:<13} {:>8.2} ± {:<5.2} {:>9.3} {:>12.1} {:>9.2}",
+                    "{:<16} {:<13} {:>8.2} ± {:<5.2} {:>9.3} {:>9.2} {:>12.1} {:>9.2}",
                     name,
                     r.policy.to_string(),
                     u,
                     sd,
                     ratio,
+                    floor,
                     c.micros(),
                     cratio
                 );
             });
             lines.push(format!(
                 "trace={name} policy={} unallocated_pct_at_100={u:.2} ratio={ratio:.3} \
-                 us_per_decision={:.1} cost_ratio={cratio:.2}",
+                 floor_pct={floor:.2} us_per_decision={:.1} cost_ratio={cratio:.2}",
                 r.policy,
                 c.micros()
             ));
@@ -194,6 +198,26 @@ fn summarize(all: &[(String, Vec<PolicyReport>)]) {
             worst.0,
             best.1,
             best.0
+        );
+    }
+    // Where 0.9 × the first policy is below the floor, no policy can get there.
+    let out_of_reach: Vec<String> = all
+        .iter()
+        .filter(|(_, rs)| rs[0].floor_pct_at_100() > 0.9 * rs[0].unallocated_pct_at_100())
+        .map(|(name, rs)| {
+            format!(
+                "{name} (floor {:.2} %, {:.3} × {})",
+                rs[0].floor_pct_at_100(),
+                rs[0].floor_pct_at_100() / rs[0].unallocated_pct_at_100(),
+                rs[0].policy
+            )
+        })
+        .collect();
+    if !out_of_reach.is_empty() {
+        println!(
+            "0.9 × {} is below the floor, out of any placement's reach, on: {}",
+            first[0].policy,
+            out_of_reach.join(", ")
         );
     }
 }

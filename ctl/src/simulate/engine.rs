@@ -15,6 +15,7 @@ use rand::{Rng, SeedableRng};
 
 use gpuledger_ops::trace::{NodeRow, PodRow};
 
+use super::floor::{self, Kinds};
 use super::gorand::GoRand;
 use super::probe::{Cost, Diagnosis, Probe};
 
@@ -44,6 +45,9 @@ pub struct RunResult {
     pub cost: Vec<Cost>,
     /// Where the idle GPU is and which pods failed, when the arrived workload first reaches 100 %.
     pub diagnosis: Diagnosis,
+    /// Share of the GPU capacity that no placement could have allocated of the pods arrived by
+    /// 100 % ([`floor::floor`]): the same for every policy of a seed.
+    pub floor: f64,
 }
 
 /// Where the experiment's random draws come from.
@@ -247,12 +251,15 @@ pub struct Setup {
     capacity_milli: u64,
     workload: Arc<Workload>,
     pod_count: usize,
+    kinds: Kinds,
 }
 
 impl Setup {
-    /// Build the cluster and the requests; `workload` is what FGD measures fragmentation against.
-    pub fn new(node_rows: &[NodeRow], pods: &[PodRow], workload: Arc<Workload>) -> Self {
+    /// Build the cluster and the requests; `workload` is what FGD measures fragmentation against
+    /// (it learns which nodes of this cluster can host each of its shapes).
+    pub fn new(node_rows: &[NodeRow], pods: &[PodRow], workload: Workload) -> Self {
         let nodes: Vec<NodeState> = node_rows.iter().map(node_state).collect();
+        let workload = Arc::new(workload.on_cluster(&nodes));
         let capacity_milli = nodes.iter().map(|n| n.gpus.len() as u64 * 1000).sum();
         let mut index: HashMap<(u64, u64, u32, u32, &[String]), usize> = HashMap::new();
         let mut requests = Vec::new();
@@ -274,6 +281,7 @@ impl Setup {
             shape_of.push(id);
         }
         Setup {
+            kinds: Kinds::of(&nodes),
             nodes,
             node_rows: node_rows.to_vec(),
             shape_of,
@@ -391,7 +399,20 @@ impl Setup {
             }
         }
         let alloc_at = POINTS.iter().map(|&x| at(&curve, x)).collect();
+        // The pods whose arrival keeps the arrived workload at or below 100 %.
+        let mut by_shape = vec![0u64; self.requests.len()];
+        let mut sum = 0u64;
+        for &p in order.iter() {
+            let t = self.shape_of[p];
+            sum += self.gpu_request[t];
+            if sum > self.capacity_milli {
+                break;
+            }
+            by_shape[t] += 1;
+        }
         RunResult {
+            floor: floor::floor(&self.kinds, &self.requests, &self.gpu_request, &by_shape) as f64
+                / cap,
             seed,
             alloc_at,
             frag_rate_at_100: frag_rate_at_100.unwrap_or_else(|| frag_rate(&nodes, &self.workload)),
@@ -453,7 +474,7 @@ fn commit(node: &mut NodeState, req: &PodRequest, c: &Candidate) {
     node.memory_used += req.memory_mib;
 }
 
-fn node_state(n: &NodeRow) -> NodeState {
+pub(super) fn node_state(n: &NodeRow) -> NodeState {
     NodeState {
         name: n.name.clone(),
         gpus: (0..n.gpus)
