@@ -15,7 +15,7 @@ use rand::{Rng, SeedableRng};
 
 use gpuledger_ops::trace::{NodeRow, PodRow};
 
-use super::floor::{self, Kinds};
+use super::floor::Floor;
 use super::gorand::GoRand;
 use super::probe::{Cost, Diagnosis, Probe};
 
@@ -46,7 +46,7 @@ pub struct RunResult {
     /// Where the idle GPU is and which pods failed, when the arrived workload first reaches 100 %.
     pub diagnosis: Diagnosis,
     /// Share of the GPU capacity that no placement could have allocated of the pods arrived by
-    /// 100 % ([`floor::floor`]): the same for every policy of a seed.
+    /// 100 % ([`Floor::of`]): the same for every policy of a seed.
     pub floor: f64,
 }
 
@@ -251,7 +251,7 @@ pub struct Setup {
     capacity_milli: u64,
     workload: Arc<Workload>,
     pod_count: usize,
-    kinds: Kinds,
+    floor: Floor,
 }
 
 impl Setup {
@@ -281,7 +281,7 @@ impl Setup {
             shape_of.push(id);
         }
         Setup {
-            kinds: Kinds::of(&nodes),
+            floor: Floor::new(&nodes, &requests, &gpu_request),
             nodes,
             node_rows: node_rows.to_vec(),
             shape_of,
@@ -411,8 +411,7 @@ impl Setup {
             by_shape[t] += 1;
         }
         RunResult {
-            floor: floor::floor(&self.kinds, &self.requests, &self.gpu_request, &by_shape) as f64
-                / cap,
+            floor: self.floor.of(&by_shape) as f64 / cap,
             seed,
             alloc_at,
             frag_rate_at_100: frag_rate_at_100.unwrap_or_else(|| frag_rate(&nodes, &self.workload)),
