@@ -3,7 +3,7 @@
 //! not exist (nothing written), removed with the object; the CLI's RPCs refuse what an object
 //! governs. Real etcd, real gRPC, the fake API server over HTTPS.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

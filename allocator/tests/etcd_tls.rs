@@ -2,7 +2,7 @@
 //! allocator leads and grants against an etcd that accepts only clients its CA signed, and
 //! without a client certificate it cannot.
 
-mod support;
+use crate::support;
 
 use std::time::{Duration, Instant};
 

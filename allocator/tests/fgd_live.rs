@@ -2,7 +2,7 @@
 //! the ledger's recent reservations (the prior until enough are in), and node CPU and memory come
 //! from Kubernetes' node allocatable.
 
-mod support;
+use crate::support;
 
 use std::time::{Duration, Instant};
 

@@ -1,7 +1,7 @@
 //! The allocator watches Kubernetes: a deleted or finished pod frees its GPUs within 2 s, a
 //! deleted node frees everything on it.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

@@ -1,7 +1,7 @@
 //! Every RPC runs in a span that carries its ids: what a request names (pod uid, node,
 //! allocation) and what its answer says (seq, epoch) are on every log line of the call.
 
-mod support;
+use crate::support;
 
 use std::time::{Duration, Instant};
 

@@ -19,7 +19,7 @@ use gpuledger_testkit::workload::{churn, inventory};
 use gpuledger_testkit::{Allocators, EtcdCluster, eventually};
 use prost::Message;
 
-mod kit;
+use crate::kit;
 use kit::ctl;
 
 /// `bytes` with one bit flipped inside its events, where the result still decodes to a batch

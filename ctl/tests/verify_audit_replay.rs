@@ -13,7 +13,7 @@ use gpuledger_testkit::workload::{inventory, pod};
 use gpuledger_testkit::{Allocators, EtcdCluster};
 use prost::Message;
 
-mod kit;
+use crate::kit;
 use kit::ctl;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,7 +1,7 @@
 //! Malformed requests get HTTP 400 with an `Error`, never a crash; an unreachable ledger makes
 //! filter answer an `Error` that says the ledger is unavailable.
 
-mod kit;
+use crate::kit;
 
 use std::time::Duration;
 

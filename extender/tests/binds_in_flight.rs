@@ -3,7 +3,7 @@
 //! bind does. A pod the extender found feasible holds that capacity, on every node it was
 //! feasible on, until its bind says where it goes, or fails.
 
-mod kit;
+use crate::kit;
 
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_testkit::kube::{ExtenderClient, KubeStack, StackOptions};

@@ -3,7 +3,7 @@
 //! budget recovers; once the pod exists, the allocator leader gives it one Event saying so.
 //! Real etcd, real gRPC, the fake API server.
 
-mod kit;
+use crate::kit;
 
 use std::time::{Duration, Instant};
 

@@ -1,7 +1,7 @@
 //! The extender dies at the two worst moments of a bind; the allocator's reconcile against
 //! the API server repairs the ledger either way.
 
-mod kit;
+use crate::kit;
 
 use std::time::Duration;
 

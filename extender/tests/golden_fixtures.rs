@@ -3,7 +3,7 @@
 //! a real allocator on etcd and the fake API server, and answered correctly in the shapes the
 //! real components accepted.
 
-mod kit;
+use crate::kit;
 
 use std::collections::BTreeSet;
 use std::time::Duration;

@@ -3,7 +3,7 @@
 //! admitted by the webhook, placed by the scheduler emulator through the extender, and bound,
 //! without a change to their YAML.
 
-mod kit;
+use crate::kit;
 
 use std::time::{Duration, Instant};
 

@@ -4,7 +4,7 @@
 //! scheduler's own victims, drops the nodes where no eviction helps, and once the named pods
 //! are gone the pod does fit there.
 
-mod kit;
+use crate::kit;
 
 use std::time::{Duration, Instant};
 

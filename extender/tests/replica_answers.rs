@@ -3,7 +3,7 @@
 //! included), follow the ledger as it changes, survive the allocators for the staleness bound,
 //! and past it fall back to the allocator, which names the dead ledger.
 
-mod kit;
+use crate::kit;
 
 use std::time::{Duration, Instant};
 

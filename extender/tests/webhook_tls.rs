@@ -2,7 +2,7 @@
 //! broken one is not), and clients that stall the handshake or the headers, or send too large a
 //! body, are cut off.
 
-mod kit;
+use crate::kit;
 
 use std::time::{Duration, Instant};
 

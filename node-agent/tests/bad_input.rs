@@ -1,6 +1,6 @@
 //! Bad input: no NVML library, and Allocate for devices this agent does not advertise.
 
-mod support;
+use crate::support;
 
 use std::process::Command;
 use std::time::Duration;

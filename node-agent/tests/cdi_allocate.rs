@@ -4,7 +4,7 @@
 //! kubelet receives over the real gRPC socket is compared with a golden message that protoc
 //! encodes from the device-plugin proto, whose field numbers are pinned to upstream's.
 
-mod support;
+use crate::support;
 
 use std::io::Write;
 use std::path::PathBuf;

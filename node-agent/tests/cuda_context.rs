@@ -3,7 +3,7 @@
 //! (a 518 MiB context per process); a pod given 4096 MiB that fills them is left alone by
 //! default (--context-allowance-mib), and killed when the allowance is 0.
 
-mod support;
+use crate::support;
 
 use std::os::unix::process::ExitStatusExt;
 use std::time::Duration;

@@ -2,7 +2,7 @@
 //! reports over its allocation's limit is SIGKILLed (or, with `report`, left alone); either way
 //! a LimitViolated lands in the ledger. A GPU process on no allocation is reported as rogue.
 
-mod support;
+use crate::support;
 
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};

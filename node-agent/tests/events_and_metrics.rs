@@ -2,7 +2,7 @@
 //! corrected), created through an ordinary kubeconfig against the test kit's API server, and
 //! its `/metrics` (Allocate latency, NVML-measured memory, violations, health).
 
-mod support;
+use crate::support;
 
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};

@@ -5,7 +5,7 @@
 //! process claims, it is charged to the pod its cgroup names, a pod with nothing on the GPU is
 //! rogue, and a claimer in no pod can take nobody down but itself.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

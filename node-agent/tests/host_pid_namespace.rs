@@ -2,7 +2,7 @@
 //! DaemonSet without `hostPID: true`) would map those pids to other processes or none, so it
 //! refuses to enforce, says so in `/readyz`, its log and a metric, and touches nothing.
 
-mod support;
+use crate::support;
 
 use std::process::Command;
 use std::time::Duration;

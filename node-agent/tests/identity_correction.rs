@@ -3,7 +3,7 @@
 //! PreStartContainer + PodResources must correct the ledger so each pod is recorded on the GPU
 //! its container really got.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

@@ -2,7 +2,7 @@
 //! when NVML shows a different set (a GPU added), with ListAndWatch following; the memory the
 //! driver reserves is not registered as capacity.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

@@ -3,7 +3,7 @@
 //! nothing and admits the pod again. Whether it offers the same devices or others, every pod
 //! must end up admitted with its own allocation, not stuck behind a claim nobody will release.
 
-mod support;
+use crate::support;
 
 use std::time::{Duration, Instant};
 

@@ -4,7 +4,7 @@
 //! out next through `ns_last_pid`; needs root) between the sample and the kill, and nothing of
 //! the new process is touched: the kill goes through the pidfd the sample opened.
 
-mod support;
+use crate::support;
 
 use std::os::unix::process::ExitStatusExt;
 use std::process::{Child, Command};

@@ -5,7 +5,7 @@
 //! reads every other pod through `/../..` paths (with the cgroupfs driver, without `kubepods`
 //! in them at all): pods are still told apart, a forged allocation id still reaches nobody.
 
-mod support;
+use crate::support;
 
 use std::process::Command;
 use std::time::Duration;

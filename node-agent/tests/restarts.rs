@@ -1,6 +1,6 @@
 //! Restarts on the node: the agent killed while pods run, and the kubelet restarting.
 
-mod support;
+use crate::support;
 
 use std::time::{Duration, Instant};
 

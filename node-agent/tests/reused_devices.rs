@@ -3,7 +3,7 @@
 //! must not be taken for a repeat of the finished one (it would get the dead pod's allocation
 //! and scramble identities): it waits for the release and claims its own reservation.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

@@ -2,7 +2,7 @@
 //! from its last seq at another replica (after a leader failover when it was the leader), and
 //! new reservations keep reaching it.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

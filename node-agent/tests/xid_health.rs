@@ -1,7 +1,7 @@
 //! A critical Xid takes its GPU out of service: Unhealthy in ListAndWatch, unhealthy in the
 //! ledger, and no new reservation lands on it. Application Xids (13) change nothing.
 
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

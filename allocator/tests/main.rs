@@ -1,0 +1,24 @@
+//! Every integration test of this crate, in one test binary: each file beside this one is a
+//! module. One binary per crate links the workspace once instead of once per file, which keeps
+//! the build's disk and link time small (`autotests = false` in Cargo.toml).
+
+mod support;
+
+mod api_basics;
+mod budgets_from_kubernetes;
+mod etcd_tls;
+mod fgd_live;
+mod graceful_handover;
+mod hostile_clients;
+mod hostile_tokens;
+mod http_endpoints;
+mod kube_fake_apiserver;
+mod kube_lifecycle;
+mod leader_fencing;
+mod log_archive;
+mod metrics_cover_the_ledger;
+mod no_lost_grant;
+mod rpc_spans;
+mod snapshots_and_compaction;
+mod ui_api;
+mod ui_browser;

@@ -1,0 +1,12 @@
+//! Every integration test of this crate, in one test binary: each file beside this one is a
+//! module. One binary per crate links the workspace once instead of once per file, which keeps
+//! the build's disk and link time small (`autotests = false` in Cargo.toml).
+
+mod binds_in_flight;
+mod kubelet_that_does_not_watch;
+mod leader_killed_mid_batch;
+mod peer_pods_unchanged;
+mod placed_through_the_extender;
+mod preempts_for_gpu_slices;
+mod reasons_users_can_read;
+mod runs_on_a_real_kubelet;
