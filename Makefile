@@ -6,9 +6,13 @@ SHELL := /bin/bash
 CARGO ?= cargo
 DEMO_FLAGS ?=
 # Incremental compilation pays off only on rebuilds, and its cache is the largest thing a clean
-# build leaves in target/ (4 of 13 GB for `make test`): off unless asked for (CARGO_INCREMENTAL=1).
+# build leaves in target/ (4 GB after `make test`): off unless asked for (CARGO_INCREMENTAL=1).
 export CARGO_INCREMENTAL ?= 0
-# CI runs the demo on the debug build it already has (saves a second, release, build).
+# The one debug build the tests use. With every target, so with the features the tests'
+# dev-dependencies turn on, and so every later `cargo test --workspace …` finds it built: a plain
+# `cargo build`, or `cargo test -p X`, resolves other features and builds the workspace again.
+BUILD_FOR_TESTS := $(CARGO) build --workspace --all-targets
+# CI runs the demo on the debug build `make test` made (saves a second, release, build).
 DEMO_PROFILE ?= release
 # `make image` tag; push it to your registry and set it in deploy/ (see deploy/README.md).
 IMAGE ?= gpuledger:0.1.0
@@ -95,7 +99,7 @@ clippy: deps
 
 ## Everything CI runs: format, lints, the dependency checks, every test (real etcd, real processes).
 test: test-deps fmt-check clippy machete deny
-	$(CARGO) build --workspace
+	$(BUILD_FOR_TESTS)
 	$(CARGO) test --workspace -- --test-threads=2
 	./target/debug/gpuledger-chaos run --seed 1 --pods 150 --faults 7
 	./deploy/test/deploy-check.sh
@@ -107,14 +111,15 @@ test: test-deps fmt-check clippy machete deny
 e2e-deps: deps
 	@$(call apt_install,go:golang-go rsync:rsync dpkg-source:dpkg-dev patch:patch containerd:containerd runc:runc umoci:umoci skopeo:skopeo /bin/busybox:busybox-static /usr/lib/cni/loopback:containernetworking-plugins)
 
+# Only e2e's tests are #[ignore]d; --workspace keeps the build the one `make test` made.
 test-e2e: e2e-deps
-	$(CARGO) build --workspace
-	bin="$$(./e2e/kube/build.sh)" && GPULEDGER_KUBE_BIN="$$bin" $(CARGO) test -p gpuledger-e2e -- --ignored --test-threads=1
+	$(BUILD_FOR_TESTS)
+	bin="$$(./e2e/kube/build.sh)" && GPULEDGER_KUBE_BIN="$$bin" $(CARGO) test --workspace --test integration -- --ignored --test-threads=1
 
 ## deploy/: render the kustomize overlays and the Helm chart, validate them offline against the
 ## Kubernetes schemas, check flags, wiring and RBAC against the code (installs its tools).
 deploy-check: deps
-	$(CARGO) build --workspace
+	$(BUILD_FOR_TESTS)
 	./deploy/test/deploy-check.sh
 
 ## Install the CLI and the kubectl plugin (kubectl gpuledger …) into $(PREFIX)/bin.
@@ -134,7 +139,7 @@ chaos: release
 
 ## The local demo: etcd x3, allocator replicas, a workload, a leader kill, then inspect + verify.
 demo: deps
-	$(CARGO) build --workspace $(if $(filter release,$(DEMO_PROFILE)),--release,)
+	$(if $(filter release,$(DEMO_PROFILE)),$(CARGO) build --workspace --release,$(BUILD_FOR_TESTS))
 	./target/$(DEMO_PROFILE)/gpuledger-chaos demo $(DEMO_FLAGS)
 
 ## Benchmarks (release build; each prints a table and a final key=value line).

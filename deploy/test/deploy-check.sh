@@ -57,9 +57,10 @@ echo "deploy-check: $("$KUBECTL" version --client 2>/dev/null | tr '\n' ' ')"
 echo "deploy-check: helm $("$HELM" version --short 2>/dev/null)"
 
 # The components' real API requests, recorded by the fake kube-apiserver.
+# (--workspace, not -p: the same features, so the same build, as `make test`'s.)
 USAGE="$TOOLS/rbac-usage.jsonl"
 rm -f "$USAGE"
-GPULEDGER_RBAC_USAGE_OUT="$USAGE" ${CARGO:-cargo} test -q -p gpuledger-chaos --test integration deploy_rbac_usage:: \
+GPULEDGER_RBAC_USAGE_OUT="$USAGE" ${CARGO:-cargo} test -q --workspace --test integration deploy_rbac_usage:: \
     >"$TOOLS/rbac-usage.log" 2>&1 || { cat "$TOOLS/rbac-usage.log" >&2; exit 1; }
 
 exec "$VENV/bin/python" deploy/test/deploy_check.py --kubectl "$KUBECTL" --helm "$HELM" \
