@@ -192,13 +192,15 @@ impl Workload {
         self.shapes.iter().zip(self.counts.iter().copied())
     }
 
-    /// The typical shapes with their probabilities and the mean host memory (MiB) of their pods.
-    pub fn shapes_with_memory(&self) -> impl Iterator<Item = (&PodShape, f64, f64)> {
+    /// The typical shapes with their probabilities, the mean host memory (MiB) of their pods and
+    /// the share of the cluster's GPUs that could host them ([`Workload::on_cluster`]).
+    pub fn shapes_in_full(&self) -> impl Iterator<Item = (&PodShape, f64, f64, f64)> {
         self.shapes
             .iter()
             .zip(self.probs.iter().copied())
             .zip(self.memory.iter().copied())
-            .map(|((s, p), m)| (s, p, m))
+            .zip(self.hosts.iter().copied())
+            .map(|(((s, p), m), h)| (s, p, m, h))
     }
 
     /// What a GPU's free share is worth to these shapes ([`GapValues`]): each slice size of the

@@ -13,7 +13,10 @@
 //!   filled with the GPU pods that can land on *that* node (model, GPU count, CPU, memory), at
 //!   their mean CPU and memory per GPU;
 //! - at half weight, the free GPU that one-GPU shapes could no longer reach at all for lack of
-//!   CPU or memory (FGD's own check, for the shapes whose share fragmentation the values replace).
+//!   CPU or memory (FGD's own check, for the shapes whose share fragmentation the values replace);
+//! - the GPU the placement takes from the few hosts of one-GPU shapes, weighted by how short
+//!   those hosts are for them ([`Landing::reserve`]): pods that could go anywhere leave a small pool to the
+//!   pods pinned to it.
 
 use super::PodRequest;
 use super::fgd::{self, PodShape, Workload};
@@ -30,6 +33,11 @@ const STRAND_WEIGHT: f64 = 0.25;
 /// CPU-heavy mixes (`docs/placement.md`).
 const BLOCKED_WEIGHT: f64 = 0.5;
 
+/// Weight of the GPU taken from the hosts of one-GPU shapes that few nodes can host
+/// ([`Landing::reserve`]). Heavier weights push pods off pools their own pinned shapes would have used
+/// (`gpuspec-33`), lighter ones leave small pools to whoever comes first (`docs/placement.md`).
+const RESERVE_WEIGHT: f64 = 0.3;
+
 /// Mean CPU (millicores) and host memory (MiB) per thousandth of GPU of the GPU pods that can land
 /// on a node.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -38,18 +46,39 @@ pub(crate) struct Demand {
     mem: f64,
 }
 
-impl Demand {
-    /// The demand of the workload's GPU shapes that `node` could host when empty; None if none.
-    pub(crate) fn of(w: &Workload, node: &NodeState) -> Option<Demand> {
+/// The workload's GPU shapes that could land on a node (GPU count and models, CPU, mean memory),
+/// summed in one pass: their demand, and what the node is worth to those of them that one GPU
+/// serves and few nodes can host.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Landing {
+    /// Their mean CPU and memory per GPU; None if no GPU shape could land.
+    pub(crate) demand: Option<Demand>,
+    /// What a thousandth of GPU taken from the node costs the one-GPU shapes that only some
+    /// nodes can host: for each that could land here, its share of the workload's one-GPU
+    /// compute times `1/h - 1`, with `h` the share of the cluster's GPUs that could host it
+    /// ([`Workload::on_cluster`]). Demand over supply, less the 1 that every host of a shape any
+    /// node can host pays alike: 0 for such shapes, large for shapes pinned to a small pool, so
+    /// that pods that could go anywhere leave the small pools to them. Multi-GPU shapes have
+    /// their own term ([`multi`]).
+    pub(crate) reserve: f64,
+}
+
+impl Landing {
+    pub(crate) fn of(w: &Workload, node: &NodeState) -> Landing {
         let (mut g, mut c, mut m) = (0.0, 0.0, 0.0);
-        for (s, p, mem) in w.shapes_with_memory() {
-            if s.gpus == 0 || s.gpus as usize > node.gpus.len() {
+        let (mut kept, mut one_gpu) = (0.0, 0.0);
+        for (s, p, mem, h) in w.shapes_in_full() {
+            if s.gpus == 0 {
                 continue;
             }
-            if node.cpu_milli > 0 && s.cpu_milli > node.cpu_milli {
-                continue;
+            let gm = p * s.total_core_milli() as f64;
+            if s.gpus == 1 {
+                one_gpu += gm;
             }
-            if node.memory_mib > 0 && mem > node.memory_mib as f64 {
+            if s.gpus as usize > node.gpus.len()
+                || (node.cpu_milli > 0 && s.cpu_milli > node.cpu_milli)
+                || (node.memory_mib > 0 && mem > node.memory_mib as f64)
+            {
                 continue;
             }
             if !s.models.is_empty()
@@ -62,17 +91,24 @@ impl Demand {
             {
                 continue;
             }
-            let gm = s.total_core_milli() as f64;
-            g += p * gm;
+            g += gm;
             c += p * s.cpu_milli as f64;
             m += p * mem;
+            if s.gpus == 1 {
+                kept += gm * (1.0 / h.max(MIN_HOSTS) - 1.0);
+            }
         }
-        (g > 0.0).then(|| Demand {
-            cpu: c / g,
-            mem: m / g,
-        })
+        Landing {
+            demand: (g > 0.0).then(|| Demand {
+                cpu: c / g,
+                mem: m / g,
+            }),
+            reserve: if one_gpu > 0.0 { kept / one_gpu } else { 0.0 },
+        }
     }
+}
 
+impl Demand {
     /// GPU (thousandths) of `gpu_free` that `cpu_left` and `mem_left` cannot feed at this demand.
     pub(crate) fn stranded(&self, gpu_free: u64, cpu_left: u64, mem_left: u64) -> f64 {
         let fed = |left: u64, per: f64| {
@@ -94,6 +130,8 @@ pub(crate) struct Start {
     frag: f64,
     stranded: f64,
     blocked: f64,
+    /// [`Landing::reserve`] of the node.
+    reserve: f64,
 }
 
 /// The weight of a shape in the multi-GPU fragmentation term: 0 for one-GPU and CPU-only shapes,
@@ -110,7 +148,7 @@ fn multi(s: &PodShape, p: f64, hosts: f64) -> f64 {
     }
 }
 
-/// The smallest host share [`multi`] divides by: a shape no node can host fragments nothing,
+/// The smallest host share [`multi`] and [`Landing::reserve`] divide by: a shape no node can host fragments nothing,
 /// and this keeps its weight finite.
 const MIN_HOSTS: f64 = 1e-4;
 
@@ -122,19 +160,20 @@ impl Start {
     /// The baseline of `node` with `before` free GPU compute (thousandths, per GPU).
     pub(crate) fn of(w: &Workload, node: &NodeState, before: &[u32]) -> Start {
         let (c0, m0) = (fgd::cpu_left(node, 0), fgd::mem_left(node, 0));
-        let demand = Demand::of(w, node);
+        let Landing { demand, reserve } = Landing::of(w, node);
         Start {
             demand,
             frag: w.fragmentation_of(node, before, c0, m0, multi),
             stranded: demand.map_or(0.0, |d| d.stranded(sum(before), c0, m0)),
             blocked: w.cpu_blocked(before, c0, m0),
+            reserve,
         }
     }
 
     /// What a placement that takes the node's free GPU compute from `before` to `after` costs
     /// the pods to come, in thousandths of a GPU: multi-GPU fragmentation, weighted stranded GPU,
-    /// weighted GPU blocked for one-GPU shapes, and the value lost beyond the pod's own shares,
-    /// from one whole GPU's value.
+    /// weighted GPU blocked for one-GPU shapes, the value lost beyond the pod's own shares, from
+    /// one whole GPU's value, and the weighted GPU taken from scarce hosts.
     fn delta(
         &self,
         w: &Workload,
@@ -165,7 +204,11 @@ impl Start {
                 .map(|(&b, &a)| g.value(b) - g.value(a) - g.value(b.saturating_sub(a)))
                 .sum::<f64>();
         let blocked = w.cpu_blocked(after, c1, m1) - self.blocked;
-        frag + STRAND_WEIGHT * strand + BLOCKED_WEIGHT * blocked + value
+        let taken = sum(before).saturating_sub(sum(after)) as f64;
+        frag + STRAND_WEIGHT * strand
+            + BLOCKED_WEIGHT * blocked
+            + value
+            + RESERVE_WEIGHT * self.reserve * taken
     }
 }
 

@@ -423,8 +423,10 @@ fn strand_expects_only_the_pods_that_can_land_on_the_node() {
         g.model = "Tesla T4".into();
     }
     let (da, dt) = (
-        strand::Demand::of(&w, &a100).expect("unpinned pods fit"),
-        strand::Demand::of(&w, &t4).expect("both fit"),
+        strand::Landing::of(&w, &a100)
+            .demand
+            .expect("unpinned pods fit"),
+        strand::Landing::of(&w, &t4).demand.expect("both fit"),
     );
     // 4 GPUs free, 8 cores left: at 4 cores per GPU the A100 node feeds 2 GPUs (2000 stranded);
     // at 18 per GPU the T4 node feeds 8/18 of one.
@@ -432,7 +434,7 @@ fn strand_expects_only_the_pods_that_can_land_on_the_node() {
     assert!((dt.stranded(4000, 8000, u64::MAX) - (4000.0 - 8000.0 / 18.0)).abs() < 1e-6);
     // A node too small for every GPU shape expects nothing.
     let tiny = cpu_node("x", 4, 2000);
-    assert_eq!(strand::Demand::of(&w, &tiny), None);
+    assert_eq!(strand::Landing::of(&w, &tiny).demand, None);
 }
 
 #[test]
@@ -766,4 +768,33 @@ fn fgd_strand_keeps_the_few_nodes_that_can_host_a_shape_for_it() {
         "without the cluster, the richer node wins"
     );
     assert_eq!(pick(w.on_cluster(&cluster)), "poor0");
+}
+
+#[test]
+fn fgd_strand_leaves_a_small_pool_to_the_pods_pinned_to_it() {
+    // A fifth of the one-GPU pods must run on T4, and one node of nine has T4s. A pod that can
+    // run anywhere scores the same on an idle T4 node and an idle A100 node while the cluster is
+    // unknown (the first wins); on the cluster, the T4 node is short for its pinned pods and the
+    // pod goes to the A100 node.
+    let pinned = PodShape {
+        models: vec!["Tesla T4".into()],
+        ..shape(1, 1000)
+    };
+    let w = Workload::from_counts([(shape(1, 1000), 4), (pinned, 1)], 1.0);
+    let mut t4 = cpu_node("t4", 4, 64_000);
+    for g in &mut t4.gpus {
+        g.model = "Tesla T4".into();
+    }
+    let mut cluster = vec![t4.clone()];
+    cluster.extend((0..8).map(|i| cpu_node(&format!("a100-{i}"), 4, 64_000)));
+    let pick = |w: Workload| {
+        let r = share_req(1000, Policy::FgdStrand, &Arc::new(w));
+        choose_node([&t4, &cluster[1]], &r)
+            .expect("fits")
+            .0
+            .name
+            .clone()
+    };
+    assert_eq!(pick(w.clone()), "t4", "without the cluster, a tie");
+    assert_eq!(pick(w.on_cluster(&cluster)), "a100-0");
 }
