@@ -15,8 +15,8 @@
 //! - at half weight, the free GPU that one-GPU shapes could no longer reach at all for lack of
 //!   CPU or memory (FGD's own check, for the shapes whose share fragmentation the values replace);
 //! - the GPU the placement takes from the few hosts of one-GPU shapes, weighted by how short
-//!   those hosts are for them ([`Landing::reserve`]): pods that could go anywhere leave a small pool to the
-//!   pods pinned to it.
+//!   those hosts are for them ([`Landing::reserve`]): pods that could go anywhere leave a small
+//!   pool to the pods pinned to it.
 
 use super::PodRequest;
 use super::fgd::{self, PodShape, Workload};
@@ -34,8 +34,9 @@ const STRAND_WEIGHT: f64 = 0.25;
 const BLOCKED_WEIGHT: f64 = 0.5;
 
 /// Weight of the GPU taken from the hosts of one-GPU shapes that few nodes can host
-/// ([`Landing::reserve`]). Heavier weights push pods off pools their own pinned shapes would have used
-/// (`gpuspec-33`), lighter ones leave small pools to whoever comes first (`docs/placement.md`).
+/// ([`Landing::reserve`]). Heavier weights push pods off pools their own pinned shapes would have
+/// used (`gpuspec-33`), lighter ones leave small pools to whoever comes first
+/// (`docs/placement.md`).
 const RESERVE_WEIGHT: f64 = 0.3;
 
 /// Mean CPU (millicores) and host memory (MiB) per thousandth of GPU of the GPU pods that can land
@@ -148,8 +149,8 @@ fn multi(s: &PodShape, p: f64, hosts: f64) -> f64 {
     }
 }
 
-/// The smallest host share [`multi`] and [`Landing::reserve`] divide by: a shape no node can host fragments nothing,
-/// and this keeps its weight finite.
+/// The smallest host share [`multi`] and [`Landing::reserve`] divide by: a shape no node can host
+/// fragments nothing, and this keeps its weight finite.
 const MIN_HOSTS: f64 = 1e-4;
 
 fn sum(v: &[u32]) -> u64 {
