@@ -4,8 +4,8 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use gpuledger_ledger::chain::{Chain, Hash, batch_hash};
-use gpuledger_ledger::{Command, Ledger, Reply, pb};
+use gpuledger_ledger::chain::Hash;
+use gpuledger_ledger::{Command, FollowError, Follower, Ledger, Reply, pb};
 use gpuledger_ops::clock::{Clock, SystemClock};
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
 use tonic::Status;
@@ -75,18 +75,18 @@ pub struct Health {
 
 /// State shared by the tail, the sequencer, the gRPC service and the health loop.
 pub struct Shared {
-    /// The committed state (only committed events are ever folded in here). Only the fold
-    /// locks it; readers take a [`View`].
-    live: Mutex<Ledger>,
+    /// The committed state and its hash chain (only committed events are ever folded in
+    /// here). Only the fold locks it; readers take a [`View`].
+    live: Mutex<Follower>,
     /// Immutable views of `live` for readers, published off the commit path.
     pub(crate) views: Views,
     /// Seq of the last event folded into `live`.
     folded: AtomicU64,
     /// Role, epoch and leader address.
     pub role: watch::Sender<RoleInfo>,
-    /// The hash chain up to `live`'s seq, and the hashes of recent batches (by last seq) for
-    /// the snapshots written from views. Locked only while `live` is.
-    chain: Mutex<Links>,
+    /// The hashes of recent batches (by last seq) for the snapshots written from views.
+    /// Locked only while `live` is.
+    links: Mutex<VecDeque<(u64, Hash)>>,
     /// Committed batches as they are folded in.
     pub batches: broadcast::Sender<Arc<pb::EventBatch>>,
     recent: Mutex<VecDeque<Arc<pb::EventBatch>>>,
@@ -104,12 +104,6 @@ pub struct Shared {
     pub applied: watch::Sender<u64>,
     /// Where every time-based decision of the replica reads the time.
     pub clock: Arc<dyn Clock>,
-}
-
-/// The chain's end and the hashes of the recent batches.
-struct Links {
-    chain: Chain,
-    recent: VecDeque<(u64, Hash)>,
 }
 
 /// Role plus what goes with it.
@@ -138,12 +132,9 @@ impl Shared {
         });
         let (batches, _) = broadcast::channel(1024);
         Arc::new(Shared {
-            live: Mutex::new(Ledger::new()),
+            live: Mutex::new(Follower::new()),
             views: Views::new(&Ledger::new()),
-            chain: Mutex::new(Links {
-                chain: Chain::new(),
-                recent: VecDeque::new(),
-            }),
+            links: Mutex::new(VecDeque::new()),
             folded: AtomicU64::new(0),
             role,
             batches,
@@ -185,7 +176,7 @@ impl Shared {
     /// leader's copy when it takes over). Readers use [`Shared::view`]: this lock is the
     /// fold's.
     pub(crate) fn with_live<T>(&self, f: impl FnOnce(&Ledger) -> T) -> T {
-        f(&self.live.lock().unwrap_or_else(|p| p.into_inner()))
+        f(self.live.lock().unwrap_or_else(|p| p.into_inner()).ledger())
     }
 
     /// Replace the state (after loading a snapshot whose chain hash is `chain_hash`; empty:
@@ -194,14 +185,12 @@ impl Shared {
         let seq = l.seq();
         self.views.reset(&l).await;
         let mut live = self.live.lock().unwrap_or_else(|p| p.into_inner());
-        *live = l;
-        let chain = Chain::resume(seq, chain_hash);
-        let mut links = self.chain.lock().unwrap_or_else(|p| p.into_inner());
-        links.recent.clear();
-        if let Some(tip) = chain.tip() {
-            links.recent.push_back((seq, tip));
+        *live = Follower::resume(l, chain_hash);
+        let mut links = self.links.lock().unwrap_or_else(|p| p.into_inner());
+        links.clear();
+        if let Some(tip) = live.chain().tip() {
+            links.push_back((seq, tip));
         }
-        links.chain = chain;
         drop(links);
         drop(live);
         self.folded.store(seq, Ordering::SeqCst);
@@ -213,56 +202,52 @@ impl Shared {
     }
 
     /// Fold a committed batch into the state and fan it out. Returns false (and marks the
-    /// replica broken) when the batch breaks an invariant.
+    /// replica broken) when the batch does not chain or breaks an invariant.
     pub fn apply_committed(&self, batch: pb::EventBatch) -> bool {
         let batch = Arc::new(batch);
         {
-            let mut st = self.live.lock().unwrap_or_else(|p| p.into_inner());
-            // A batch already folded (a repeat) has nothing to link.
-            let fresh = batch.events.last().is_some_and(|e| e.seq > st.seq());
-            let mut links = self.chain.lock().unwrap_or_else(|p| p.into_inner());
-            let hash = batch_hash(&batch);
-            let linked = if fresh {
-                links.chain.link(&batch, hash)
-            } else {
-                Ok(())
-            };
-            if let Err(e) = linked {
+            let mut live = self.live.lock().unwrap_or_else(|p| p.into_inner());
+            let (seq, chained) = (live.seq(), live.chain().next_seq());
+            let followed = live.follow_read(&batch);
+            if let Err(e) = &followed
+                && !matches!(e, FollowError::Invariant { .. })
+            {
                 let at = batch.stored.as_ref().map_or("", |s| s.location.as_str());
-                error!(seq = batch.first_seq, at, error = %e, "a committed batch does not chain: this replica stops applying the log");
+                let why = match e {
+                    FollowError::Unchained { source, .. } => source.to_string(),
+                    e => e.to_string(),
+                };
+                error!(seq = batch.first_seq, at, error = %why, "a committed batch does not chain: this replica stops applying the log");
                 self.metrics.chain_breaks.inc();
                 self.health.lock().unwrap_or_else(|p| p.into_inner()).broken = Some(format!(
-                    "the log's hash chain breaks at seq {} ({at}): {e}",
+                    "the log's hash chain breaks at seq {} ({at}): {why}",
                     batch.first_seq
                 ));
                 return false;
             }
-            if fresh {
-                let last = links.chain.next_seq() - 1;
-                links.recent.push_back((last, hash));
-            }
-            while links.recent.len() > RECENT_BATCHES {
-                links.recent.pop_front();
-            }
-            drop(links);
-            let mut broken = None;
-            for ev in &batch.events {
-                if ev.seq <= st.seq() {
-                    continue;
+            if live.chain().next_seq() > chained
+                && let Some(tip) = live.chain().tip()
+            {
+                let mut links = self.links.lock().unwrap_or_else(|p| p.into_inner());
+                links.push_back((live.chain().next_seq() - 1, tip));
+                while links.len() > RECENT_BATCHES {
+                    links.pop_front();
                 }
+            }
+            for ev in batch
+                .events
+                .iter()
+                .filter(|e| e.seq > seq && e.seq <= live.seq())
+            {
                 self.metrics.event(ev.body.as_ref());
-                if let Err(e) = st.apply(ev) {
-                    broken = Some((ev.seq, e));
-                    break;
-                }
             }
             // The views follow the fold exactly, up to where it stopped.
             self.views.committed(batch.clone());
-            self.folded.store(st.seq(), Ordering::SeqCst);
-            if let Some((seq, e)) = broken {
-                error!(seq, error = %e, "committed event breaks an invariant; this replica stops applying the log");
+            self.folded.store(live.seq(), Ordering::SeqCst);
+            if let Err(FollowError::Invariant { seq, source }) = followed {
+                error!(seq, error = %source, "committed event breaks an invariant; this replica stops applying the log");
                 self.health.lock().unwrap_or_else(|p| p.into_inner()).broken =
-                    Some(format!("event {seq} breaks an invariant: {e}"));
+                    Some(format!("event {seq} breaks an invariant: {source}"));
                 return false;
             }
         }
@@ -295,22 +280,17 @@ impl Shared {
 
     /// The hash of the batch that ended at `seq`, while it is recent (for snapshots).
     pub fn chain_hash_at(&self, seq: u64) -> Option<Hash> {
-        let links = self.chain.lock().unwrap_or_else(|p| p.into_inner());
-        let i = links.recent.partition_point(|(s, _)| *s < seq);
-        links
-            .recent
-            .get(i)
-            .filter(|(s, _)| *s == seq)
-            .map(|(_, h)| *h)
+        let links = self.links.lock().unwrap_or_else(|p| p.into_inner());
+        let i = links.partition_point(|(s, _)| *s < seq);
+        links.get(i).filter(|(s, _)| *s == seq).map(|(_, h)| *h)
     }
 
     /// The hash of the last batch folded (None: resumed from a snapshot without one).
     pub fn chain_tip(&self) -> Option<Hash> {
-        let _live = self.live.lock().unwrap_or_else(|p| p.into_inner());
-        self.chain
+        self.live
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .chain
+            .chain()
             .tip()
     }
 

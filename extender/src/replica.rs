@@ -21,15 +21,13 @@ use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use backon::{BackoffBuilder, ExponentialBuilder};
-use gpuledger_ledger::chain::{Chain, hash_stored, short_hex};
 use gpuledger_ledger::placement::{PodShape, Workload};
-use gpuledger_ledger::{Ledger, PodRequest, Policy, pb};
+use gpuledger_ledger::{FollowError, Follower, Ledger, PodRequest, Policy};
 use gpuledger_proto::allocator::v1 as api;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
-use prost::Message;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, instrument, warn};
@@ -62,10 +60,8 @@ impl Defaults {
 }
 
 struct Inner {
-    /// None until the first snapshot.
-    ledger: Option<Ledger>,
-    /// The hash chain's end at the ledger's seq (None with the ledger).
-    chain: Option<Chain>,
+    /// The ledger and its hash chain; None until the first snapshot.
+    follower: Option<Follower>,
     defaults: Defaults,
     /// When the allocator was last heard from (any message).
     heard: Option<Instant>,
@@ -109,13 +105,22 @@ enum StreamEnd {
     ChainBroken(String),
 }
 
+impl From<FollowError> for StreamEnd {
+    fn from(e: FollowError) -> Self {
+        if e.breaks_chain() {
+            StreamEnd::ChainBroken(e.to_string())
+        } else {
+            StreamEnd::Diverged(e.to_string())
+        }
+    }
+}
+
 impl Replica {
     /// An empty replica that answers once synced and while heard from within `stale_after`.
     pub fn new(stale_after: Duration) -> Arc<Replica> {
         Arc::new(Replica {
             inner: RwLock::new(Inner {
-                ledger: None,
-                chain: None,
+                follower: None,
                 defaults: Defaults::default(),
                 heard: None,
             }),
@@ -184,7 +189,7 @@ impl Replica {
         }
         let g = self.inner.read().unwrap_or_else(|p| p.into_inner());
         let fresh = g.heard.is_some_and(|t| t.elapsed() <= self.stale_after);
-        let out = match (&g.ledger, fresh) {
+        let out = match (g.follower.as_ref().map(Follower::ledger), fresh) {
             (Some(l), true) if l.seq() >= want => f(l, &g.defaults),
             _ => None,
         };
@@ -205,7 +210,7 @@ impl Replica {
     /// The replica's seq (0 before the first snapshot).
     pub fn seq(&self) -> u64 {
         let g = self.inner.read().unwrap_or_else(|p| p.into_inner());
-        g.ledger.as_ref().map_or(0, Ledger::seq)
+        g.follower.as_ref().map_or(0, Follower::seq)
     }
 
     /// Follow the allocators until `shutdown`: snapshot, batches, resume after a break.
@@ -250,8 +255,7 @@ impl Replica {
 
     fn drop_state(&self) {
         let mut g = self.inner.write().unwrap_or_else(|p| p.into_inner());
-        g.ledger = None;
-        g.chain = None;
+        g.follower = None;
     }
 
     /// One stream, until it ends.
@@ -279,7 +283,7 @@ impl Replica {
             };
             let mut g = self.inner.write().unwrap_or_else(|p| p.into_inner());
             g.heard = Some(Instant::now());
-            self.metrics.synced.set(i64::from(g.ledger.is_some()));
+            self.metrics.synced.set(i64::from(g.follower.is_some()));
             match msg.body {
                 Some(Body::Placement(p)) => {
                     let policy = p.default_policy.parse().unwrap_or_default();
@@ -287,8 +291,8 @@ impl Replica {
                     // nodes (the allocator's own, as of the last batch folded).
                     let workload = (!p.workload.is_empty()).then(|| {
                         let w = workload_of(p);
-                        Arc::new(match &g.ledger {
-                            Some(l) => w.on_cluster(l.nodes().values()),
+                        Arc::new(match &g.follower {
+                            Some(f) => w.on_cluster(f.ledger().nodes().values()),
                             None => w,
                         })
                     });
@@ -302,7 +306,8 @@ impl Replica {
                             snap.epoch
                         )));
                     }
-                    let l = Ledger::from_snapshot(&snap).map_err(StreamEnd::Diverged)?;
+                    let f = Follower::from_snapshot(&snap)?;
+                    let l = f.ledger();
                     info!(
                         seq = l.seq(),
                         epoch = l.epoch(),
@@ -312,74 +317,32 @@ impl Replica {
                     self.metrics.seq.set(l.seq() as i64);
                     self.applied.send_replace(l.seq());
                     *max_epoch = l.epoch();
-                    g.chain = Some(Chain::resume(l.seq(), &snap.chain_hash));
                     // The placement defaults come before the first snapshot: learn the
                     // workload's hosts now that the nodes are known.
                     if let Some(w) = g.defaults.workload.take() {
                         let w = Workload::clone(&w).on_cluster(l.nodes().values());
                         g.defaults.workload = Some(Arc::new(w));
                     }
-                    g.ledger = Some(l);
+                    g.follower = Some(f);
                 }
-                Some(Body::Batch(b)) => {
-                    let Inner { ledger, chain, .. } = &mut *g;
-                    let (Some(l), Some(chain)) = (ledger.as_mut(), chain.as_mut()) else {
+                Some(Body::Batch(mut b)) => {
+                    let Some(f) = g.follower.as_mut() else {
                         return Err(StreamEnd::Diverged("a batch before any snapshot".into()));
                     };
-                    fold_batch(l, chain, b)?;
+                    f.follow_received(&mut b)?;
+                    let l = f.ledger();
                     *max_epoch = l.epoch();
                     self.metrics.seq.set(l.seq() as i64);
                     self.applied.send_replace(l.seq());
                 }
                 Some(Body::Heartbeat(h)) => {
-                    let seq = g.ledger.as_ref().map_or(0, Ledger::seq);
+                    let seq = g.follower.as_ref().map_or(0, Follower::seq);
                     self.metrics.lag.set(h.seq.saturating_sub(seq) as i64);
                 }
                 None => {}
             }
         }
     }
-}
-
-/// Fold `b` onto `l` if it chains onto `chain`; a batch wholly at or below the replica's seq is
-/// a repeat and skipped. The link is checked against the hash of the batch's own bytes (as the
-/// allocator stored them), so an allocator that hands on a batch changed after it was read
-/// cannot pass it off with the stored hash.
-fn fold_batch(l: &mut Ledger, chain: &mut Chain, mut b: pb::EventBatch) -> Result<(), StreamEnd> {
-    let last = b.events.last().map_or(0, |e| e.seq);
-    if last <= l.seq() {
-        return Ok(());
-    }
-    if b.first_seq <= l.seq() {
-        return Err(StreamEnd::Diverged(format!(
-            "the batch at seq {}..{last} straddles the replica's seq {}",
-            b.first_seq,
-            l.seq()
-        )));
-    }
-    let stamped = b.stored.take();
-    let hash = hash_stored(&b.encode_to_vec());
-    let at = stamped.as_ref().map_or("", |s| s.location.as_str());
-    if let Some(s) = &stamped
-        && !s.hash.is_empty()
-        && s.hash != hash
-    {
-        return Err(StreamEnd::ChainBroken(format!(
-            "the batch at seq {} ({at}) hashes to {} but was stamped {}: changed after it was read",
-            b.first_seq,
-            short_hex(&hash),
-            short_hex(&s.hash)
-        )));
-    }
-    chain
-        .link(&b, hash)
-        .map_err(|e| StreamEnd::ChainBroken(format!("{e} ({at})")))?;
-    // The fold checks what a follower checks: seq gapless, epoch never lower.
-    for ev in &b.events {
-        l.apply(ev)
-            .map_err(|e| StreamEnd::Diverged(format!("event {} does not fold: {e}", ev.seq)))?;
-    }
-    Ok(())
 }
 
 fn workload_of(p: api::PlacementDefaults) -> Workload {
@@ -399,6 +362,3 @@ fn workload_of(p: api::PlacementDefaults) -> Workload {
         1.0,
     )
 }
-
-#[cfg(test)]
-mod tests;

@@ -9,10 +9,12 @@
 
 pub mod chain;
 pub mod command;
+pub mod follower;
 pub mod placement;
 pub mod state;
 
 pub use command::{Command, CommandError, Reply};
+pub use follower::{FollowError, Followed, Follower};
 pub use gpuledger_proto::ledger::v1 as pb;
 pub use placement::{ContainerRequest, Fit, PodRequest, Policy, Selector};
 pub use state::{Alloc, AllocState, ApplyError, GpuState, Ledger, NodeState};
