@@ -20,7 +20,6 @@ mod retry;
 pub mod service;
 pub mod shared;
 pub mod tail;
-pub mod views;
 pub mod workload;
 
 pub use config::Config;

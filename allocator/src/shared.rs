@@ -3,6 +3,7 @@
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use gpuledger_ledger::chain::Hash;
 use gpuledger_ledger::{Command, FollowError, Follower, Ledger, Reply, pb};
@@ -11,7 +12,11 @@ use tokio::sync::{broadcast, mpsc, oneshot, watch};
 use tonic::Status;
 use tracing::error;
 
-use crate::views::{View, Views};
+/// An immutable view of the committed state (see [`gpuledger_view`]).
+pub type View = gpuledger_view::View<Ledger>;
+
+/// How often views are published when nobody asked (bounds the replay backlog).
+pub const MAINTAIN_VIEWS_EVERY: Duration = Duration::from_millis(100);
 
 /// How many recent committed batches a replica keeps for subscribers resuming from a seq.
 const RECENT_BATCHES: usize = 4096;
@@ -79,7 +84,7 @@ pub struct Shared {
     /// here). Only the fold locks it; readers take a [`View`].
     live: Mutex<Follower>,
     /// Immutable views of `live` for readers, published off the commit path.
-    pub(crate) views: Views,
+    pub(crate) views: gpuledger_view::Views<Ledger>,
     /// Seq of the last event folded into `live`.
     folded: AtomicU64,
     /// Role, epoch and leader address.
@@ -133,7 +138,7 @@ impl Shared {
         let (batches, _) = broadcast::channel(1024);
         Arc::new(Shared {
             live: Mutex::new(Follower::new()),
-            views: Views::new(&Ledger::new()),
+            views: gpuledger_view::Views::new(&Ledger::new()),
             links: Mutex::new(VecDeque::new()),
             folded: AtomicU64::new(0),
             role,
@@ -158,7 +163,7 @@ impl Shared {
     /// writes: after [`Shared::wait_applied`]`(seq)`, the view holds `seq`). Never waits for
     /// the fold; may wait for a reader still holding an older view.
     pub async fn view(&self) -> View {
-        self.views.at_least(self.seq()).await
+        self.views.current().await
     }
 
     /// [`Shared::view`] from a blocking thread (`spawn_blocking`), never from an async task.
@@ -167,9 +172,9 @@ impl Shared {
     }
 
     /// Keep publishing views while batches are folded, so that they never lag far behind
-    /// even when nobody reads (see [`Views::maintain`]). Runs until the process ends.
+    /// even when nobody reads (every [`MAINTAIN_VIEWS_EVERY`]). Runs until the process ends.
     pub async fn maintain_views(&self) {
-        self.views.maintain(|| self.seq()).await
+        self.views.maintain(MAINTAIN_VIEWS_EVERY).await
     }
 
     /// A short look at the committed state by the fold itself (its own seq checks, the
@@ -372,3 +377,6 @@ impl Shared {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests;

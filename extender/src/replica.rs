@@ -16,14 +16,17 @@
 //! ledger, so the worst case is a bind failure that the scheduler retries — never a GPU granted
 //! twice or beyond its capacity.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
 
 use backon::{BackoffBuilder, ExponentialBuilder};
 use gpuledger_ledger::placement::{PodShape, Workload};
-use gpuledger_ledger::{FollowError, Follower, Ledger, PodRequest, Policy};
+use gpuledger_ledger::{FollowError, Followed, Follower, Ledger, PodRequest, Policy};
 use gpuledger_proto::allocator::v1 as api;
+use gpuledger_view::Views;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -59,17 +62,20 @@ impl Defaults {
     }
 }
 
-struct Inner {
-    /// The ledger and its hash chain; None until the first snapshot.
-    follower: Option<Follower>,
-    defaults: Defaults,
-    /// When the allocator was last heard from (any message).
-    heard: Option<Instant>,
-}
-
-/// The replica and its freshness.
+/// The replica and its freshness. The stream's fold owns the ledger; filter and prioritize
+/// read views published from it, so no answer, however long, delays the fold.
 pub struct Replica {
-    inner: RwLock<Inner>,
+    /// Immutable views of the ledger the stream folds.
+    views: Views<Ledger>,
+    /// Whether the views follow the allocator: false before the first snapshot and from a
+    /// refused batch until the next snapshot.
+    synced: AtomicBool,
+    /// How the allocator places requests, as it last said.
+    defaults: ArcSwap<Defaults>,
+    /// When the allocator was last heard from (any message): milliseconds after `born`, 0 =
+    /// never.
+    heard_ms: AtomicU64,
+    born: Instant,
     /// The replica's seq, for waiters.
     applied: watch::Sender<u64>,
     /// The highest seq this extender wrote (Reserve, Release): answers wait for it, so a
@@ -119,11 +125,11 @@ impl Replica {
     /// An empty replica that answers once synced and while heard from within `stale_after`.
     pub fn new(stale_after: Duration) -> Arc<Replica> {
         Arc::new(Replica {
-            inner: RwLock::new(Inner {
-                follower: None,
-                defaults: Defaults::default(),
-                heard: None,
-            }),
+            views: Views::new(&Ledger::new()),
+            synced: AtomicBool::new(false),
+            defaults: ArcSwap::from_pointee(Defaults::default()),
+            heard_ms: AtomicU64::new(0),
+            born: Instant::now(),
             applied: watch::channel(0).0,
             written: AtomicU64::new(0),
             stale_after,
@@ -187,13 +193,14 @@ impl Replica {
             let mut rx = self.applied.subscribe();
             let _ = tokio::time::timeout(OWN_WRITES_WAIT, rx.wait_for(|s| *s >= want)).await;
         }
-        let g = self.inner.read().unwrap_or_else(|p| p.into_inner());
-        let fresh = g.heard.is_some_and(|t| t.elapsed() <= self.stale_after);
-        let out = match (g.follower.as_ref().map(Follower::ledger), fresh) {
-            (Some(l), true) if l.seq() >= want => f(l, &g.defaults),
-            _ => None,
+        let out = if self.synced.load(Ordering::Acquire) && self.fresh() {
+            let v = self.views.at_least(|l| l.seq() >= want).await;
+            (v.seq() >= want)
+                .then(|| f(&v, &self.defaults.load()))
+                .flatten()
+        } else {
+            None
         };
-        drop(g);
         let source = if out.is_some() {
             "replica"
         } else {
@@ -207,16 +214,28 @@ impl Replica {
         out
     }
 
-    /// The replica's seq (0 before the first snapshot).
-    pub fn seq(&self) -> u64 {
-        let g = self.inner.read().unwrap_or_else(|p| p.into_inner());
-        g.follower.as_ref().map_or(0, Follower::seq)
+    /// Whether the allocator was heard from within `stale_after`.
+    fn fresh(&self) -> bool {
+        let heard = self.heard_ms.load(Ordering::Relaxed);
+        heard > 0
+            && self.born.elapsed().as_millis() as u64 <= heard + self.stale_after.as_millis() as u64
     }
 
-    /// Follow the allocators until `shutdown`: snapshot, batches, resume after a break.
+    /// The seq of the published view (0 while not synced).
+    pub fn seq(&self) -> u64 {
+        if self.synced.load(Ordering::Acquire) {
+            self.views.latest().seq()
+        } else {
+            0
+        }
+    }
+
+    /// Follow the allocators until `shutdown`: snapshot, batches, resume after a break; the
+    /// views are published as soon as a batch is folded.
     pub async fn follow(self: Arc<Self>, allocators: Allocators, shutdown: CancellationToken) {
+        let publish = self.views.maintain(Duration::ZERO);
         shutdown
-            .run_until_cancelled(self.follow_forever(allocators))
+            .run_until_cancelled(async { tokio::join!(self.follow_forever(allocators), publish) })
             .await;
     }
 
@@ -229,19 +248,23 @@ impl Replica {
             .without_max_times();
         let mut delays = backoff.build();
         let mut max_epoch = 0u64;
+        // The ledger and its hash chain; None until the first snapshot.
+        let mut follower: Option<Follower> = None;
         loop {
-            let from = self.seq();
-            let end = self.stream(&allocators, from, &mut max_epoch).await;
+            let from = follower.as_ref().map_or(0, Follower::seq);
+            let end = self
+                .stream(&allocators, from, &mut follower, &mut max_epoch)
+                .await;
             self.metrics.synced.set(0);
             match end {
                 Err(StreamEnd::Diverged(why)) => {
                     warn!(error = %why, "the ledger replica diverged; starting again from a snapshot");
-                    self.drop_state();
+                    self.drop_state(&mut follower);
                 }
                 Err(StreamEnd::ChainBroken(why)) => {
                     error!(error = %why, "the ledger replica refused a batch that breaks the hash chain; filter and prioritize go to the allocator until a snapshot chains again");
                     self.metrics.chain_breaks.inc();
-                    self.drop_state();
+                    self.drop_state(&mut follower);
                 }
                 Err(StreamEnd::Broken(why)) => {
                     warn!(error = %why, seq = from, "ledger replica stream broken; resuming");
@@ -253,19 +276,19 @@ impl Replica {
         }
     }
 
-    fn drop_state(&self) {
-        let mut g = self.inner.write().unwrap_or_else(|p| p.into_inner());
-        g.follower = None;
+    fn drop_state(&self, follower: &mut Option<Follower>) {
+        self.synced.store(false, Ordering::Release);
+        *follower = None;
     }
 
-    /// One stream, until it ends.
+    /// One stream, until it ends, folding into `follower`.
     async fn stream(
         &self,
         allocators: &Allocators,
         from: u64,
+        follower: &mut Option<Follower>,
         max_epoch: &mut u64,
     ) -> Result<(), StreamEnd> {
-        use api::replicate_response::Body;
         let mut s = allocators
             .call("Replicate", |mut c| async move {
                 c.replicate(api::ReplicateRequest { from_seq: from }).await
@@ -281,67 +304,87 @@ impl Replica {
                 Ok(Ok(None)) => return Ok(()),
                 Ok(Ok(Some(m))) => m,
             };
-            let mut g = self.inner.write().unwrap_or_else(|p| p.into_inner());
-            g.heard = Some(Instant::now());
-            self.metrics.synced.set(i64::from(g.follower.is_some()));
-            match msg.body {
-                Some(Body::Placement(p)) => {
-                    let policy = p.default_policy.parse().unwrap_or_default();
-                    // The shares of the cluster that can host each shape, from this replica's
-                    // nodes (the allocator's own, as of the last batch folded).
-                    let workload = (!p.workload.is_empty()).then(|| {
-                        let w = workload_of(p);
-                        Arc::new(match &g.follower {
-                            Some(f) => w.on_cluster(f.ledger().nodes().values()),
-                            None => w,
-                        })
-                    });
-                    g.defaults = Defaults { policy, workload };
-                }
-                Some(Body::Snapshot(snap)) => {
-                    if snap.epoch < *max_epoch {
-                        // An allocator replica that has not seen the latest leader yet.
-                        return Err(StreamEnd::Broken(format!(
-                            "snapshot of epoch {} after epoch {max_epoch}",
-                            snap.epoch
-                        )));
-                    }
-                    let f = Follower::from_snapshot(&snap)?;
-                    let l = f.ledger();
-                    info!(
-                        seq = l.seq(),
-                        epoch = l.epoch(),
-                        nodes = l.nodes().len(),
-                        "ledger replica loaded a snapshot"
-                    );
-                    self.metrics.seq.set(l.seq() as i64);
-                    self.applied.send_replace(l.seq());
-                    *max_epoch = l.epoch();
-                    // The placement defaults come before the first snapshot: learn the
-                    // workload's hosts now that the nodes are known.
-                    if let Some(w) = g.defaults.workload.take() {
-                        let w = Workload::clone(&w).on_cluster(l.nodes().values());
-                        g.defaults.workload = Some(Arc::new(w));
-                    }
-                    g.follower = Some(f);
-                }
-                Some(Body::Batch(mut b)) => {
-                    let Some(f) = g.follower.as_mut() else {
-                        return Err(StreamEnd::Diverged("a batch before any snapshot".into()));
-                    };
-                    f.follow_received(&mut b)?;
-                    let l = f.ledger();
-                    *max_epoch = l.epoch();
-                    self.metrics.seq.set(l.seq() as i64);
-                    self.applied.send_replace(l.seq());
-                }
-                Some(Body::Heartbeat(h)) => {
-                    let seq = g.follower.as_ref().map_or(0, Follower::seq);
-                    self.metrics.lag.set(h.seq.saturating_sub(seq) as i64);
-                }
-                None => {}
-            }
+            self.fold(msg, follower, max_epoch).await?;
         }
+    }
+
+    /// Fold one message of the stream into `follower` and publish what changed.
+    async fn fold(
+        &self,
+        msg: api::ReplicateResponse,
+        follower: &mut Option<Follower>,
+        max_epoch: &mut u64,
+    ) -> Result<(), StreamEnd> {
+        use api::replicate_response::Body;
+        let now = self.born.elapsed().as_millis() as u64;
+        self.heard_ms.store(now.max(1), Ordering::Relaxed);
+        self.metrics.synced.set(i64::from(follower.is_some()));
+        match msg.body {
+            Some(Body::Placement(p)) => {
+                let policy = p.default_policy.parse().unwrap_or_default();
+                // The shares of the cluster that can host each shape, from this replica's
+                // nodes (the allocator's own, as of the last batch folded).
+                let workload = (!p.workload.is_empty()).then(|| {
+                    let w = workload_of(p);
+                    Arc::new(match follower {
+                        Some(f) => w.on_cluster(f.ledger().nodes().values()),
+                        None => w,
+                    })
+                });
+                self.defaults.store(Arc::new(Defaults { policy, workload }));
+            }
+            Some(Body::Snapshot(snap)) => {
+                if snap.epoch < *max_epoch {
+                    // An allocator replica that has not seen the latest leader yet.
+                    return Err(StreamEnd::Broken(format!(
+                        "snapshot of epoch {} after epoch {max_epoch}",
+                        snap.epoch
+                    )));
+                }
+                let f = Follower::from_snapshot(&snap)?;
+                let l = f.ledger();
+                self.views.reset(l).await;
+                self.synced.store(true, Ordering::Release);
+                info!(
+                    seq = l.seq(),
+                    epoch = l.epoch(),
+                    nodes = l.nodes().len(),
+                    "ledger replica loaded a snapshot"
+                );
+                self.metrics.seq.set(l.seq() as i64);
+                self.applied.send_replace(l.seq());
+                *max_epoch = l.epoch();
+                // The placement defaults come before the first snapshot: learn the
+                // workload's hosts now that the nodes are known.
+                let d = self.defaults.load_full();
+                if let Some(w) = &d.workload {
+                    let w = Workload::clone(w).on_cluster(l.nodes().values());
+                    self.defaults.store(Arc::new(Defaults {
+                        policy: d.policy,
+                        workload: Some(Arc::new(w)),
+                    }));
+                }
+                *follower = Some(f);
+            }
+            Some(Body::Batch(mut b)) => {
+                let Some(f) = follower.as_mut() else {
+                    return Err(StreamEnd::Diverged("a batch before any snapshot".into()));
+                };
+                if let Followed::Folded { .. } = f.follow_received(&mut b)? {
+                    self.views.committed(Arc::new(b));
+                }
+                let l = f.ledger();
+                *max_epoch = l.epoch();
+                self.metrics.seq.set(l.seq() as i64);
+                self.applied.send_replace(l.seq());
+            }
+            Some(Body::Heartbeat(h)) => {
+                let seq = follower.as_ref().map_or(0, Follower::seq);
+                self.metrics.lag.set(h.seq.saturating_sub(seq) as i64);
+            }
+            None => {}
+        }
+        Ok(())
     }
 }
 
@@ -362,3 +405,6 @@ fn workload_of(p: api::PlacementDefaults) -> Workload {
         1.0,
     )
 }
+
+#[cfg(test)]
+mod tests;

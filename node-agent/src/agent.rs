@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -10,6 +10,7 @@ use backon::{ConstantBuilder, Retryable};
 use gpuledger_ops::events::{PodEvent, Recorder};
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
+use gpuledger_view::Views;
 use prometheus_client::registry::Registry;
 use tokio::sync::{mpsc, watch};
 use tracing::{info, warn};
@@ -18,7 +19,7 @@ use crate::allocator::Pool;
 use crate::config::Config;
 use crate::metrics::Metrics;
 use crate::nvml::{GpuInfo, GpuState, NvmlBackend, XidEvent, is_critical_xid};
-use crate::view::{AllocateOptions, View};
+use crate::view::{AllocateOptions, Change, View};
 
 /// Retry a call to the allocator every second until it is accepted.
 fn every_second() -> ConstantBuilder {
@@ -35,8 +36,9 @@ pub struct Agent {
     pub pool: Pool,
     /// NVML.
     pub nvml: NvmlBackend,
-    /// The node's ledger view.
-    view: Mutex<View>,
+    /// The node's ledger view, published after each change: readers never hold up the
+    /// subscription or an Allocate.
+    view: Views<View>,
     /// Set once the first view arrived.
     synced: AtomicBool,
     /// Bumped on every view change (waiters for a reservation watch it).
@@ -92,7 +94,7 @@ impl Agent {
             cfg,
             pool,
             nvml,
-            view: Mutex::new(View::default()),
+            view: Views::new(&View::default()),
             synced: AtomicBool::new(false),
             view_rev: watch::Sender::new(0),
             gpus: watch::Sender::new(
@@ -121,14 +123,15 @@ impl Agent {
         }
     }
 
-    /// Read the view.
+    /// Read the view (as of the last change that returned).
     pub fn with_view<T>(&self, f: impl FnOnce(&View) -> T) -> T {
-        f(&self.view.lock().unwrap_or_else(|e| e.into_inner()))
+        f(&self.view.latest())
     }
 
-    /// Change the view and wake its waiters.
-    pub fn update_view(&self, f: impl FnOnce(&mut View)) {
-        f(&mut self.view.lock().unwrap_or_else(|e| e.into_inner()));
+    /// Change the view, publish it, and wake its waiters.
+    pub async fn update_view(&self, change: Change) {
+        self.view.committed(Arc::new(change));
+        drop(self.view.current().await);
         self.view_rev.send_modify(|r| *r += 1);
     }
 
@@ -161,20 +164,16 @@ impl Agent {
     }
 
     /// Fold one subscription message.
-    pub fn on_message(&self, m: api::SubscribeResponse) {
+    pub async fn on_message(&self, m: api::SubscribeResponse) {
         use api::subscribe_response::Body;
         match m.body {
             Some(Body::View(v)) => {
-                let synced = self.synced();
-                self.update_view(|cur| {
-                    // A lagging replica's view must not roll ours back.
-                    if !synced || v.seq >= cur.seq {
-                        *cur = View::from_node_view(v);
-                    }
-                });
+                let force = !self.synced();
+                let view = View::from_node_view(v);
+                self.update_view(Change::Reset { view, force }).await;
                 self.synced.store(true, Ordering::Release);
             }
-            Some(Body::Event(e)) => self.update_view(|cur| cur.apply(&e)),
+            Some(Body::Event(e)) => self.update_view(Change::Event(e)).await,
             None => {}
         }
     }

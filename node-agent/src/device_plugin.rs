@@ -19,7 +19,7 @@ use tracing::{Instrument, Span, info, info_span, warn};
 
 use crate::agent::Agent;
 use crate::nvml::GpuState;
-use crate::view::{container_response, device_id, parse_device_id};
+use crate::view::{Change, container_response, device_id, parse_device_id};
 
 /// The resource this plugin advertises.
 pub const RESOURCE: &str = "gpuledger.io/gpu";
@@ -157,7 +157,7 @@ impl Plugin {
                         total_us = started.elapsed().as_micros() as u64,
                         "Allocate: claimed the oldest pending reservation"
                     );
-                    a.update_view(|v| v.upsert(alloc.clone()));
+                    a.update_view(Change::Upsert(alloc.clone())).await;
                     return Ok(alloc);
                 }
                 // Assigned or released meanwhile (our view is behind), or the devices are still

@@ -82,7 +82,7 @@ async fn subscribe_once(
                             );
                             break;
                         }
-                        agent.on_message(m);
+                        agent.on_message(m).await;
                     }
                     Ok(None) => {
                         debug!("subscription ended");

@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, HashMap};
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::deviceplugin::v1beta1 as dp;
 use gpuledger_proto::ledger::v1 as pb;
+use gpuledger_view::Replay;
 use pb::event::Body;
 
 use crate::config::DeviceListStrategy;
@@ -19,6 +20,39 @@ pub struct View {
     pub inventory: Option<pb::NodeInventory>,
     /// Live allocations on the node by id (= the seq of their Reserved event: oldest first).
     pub allocs: BTreeMap<u64, pb::Allocation>,
+}
+
+/// A change the agent folds into its view, in the order it folds them.
+#[derive(Debug, Clone)]
+pub enum Change {
+    /// A whole view from the subscription: taken when `force` (the first one) or when it is
+    /// not behind (a lagging replica's view must not roll the agent's back).
+    Reset {
+        /// The node's view at its seq.
+        view: View,
+        /// Take it whatever its seq.
+        force: bool,
+    },
+    /// One of the node's events.
+    Event(pb::Event),
+    /// An allocation as the allocator returned it (an Assign answer), ahead of its event.
+    Upsert(pb::Allocation),
+}
+
+impl Replay for View {
+    type Change = Change;
+
+    fn replay(&mut self, change: &Change) {
+        match change {
+            Change::Reset { view, force } => {
+                if *force || view.seq >= self.seq {
+                    view.clone_into(self);
+                }
+            }
+            Change::Event(e) => self.apply(e),
+            Change::Upsert(a) => self.upsert(a.clone()),
+        }
+    }
 }
 
 impl View {

@@ -230,3 +230,35 @@ fn a_bound_reservation_is_guessed_before_an_older_unbound_one() {
     ));
     assert_eq!(v.pending(1).map(|a| a.id), Some(7));
 }
+
+#[test]
+fn a_lagging_replicas_view_does_not_roll_the_agents_back_but_the_first_is_taken() {
+    let mut v = View::default();
+    let mut newer = View::default();
+    newer.apply(&reserved(9, "a", "G0"));
+    let mut older = View::default();
+    older.apply(&reserved(4, "b", "G1"));
+    v.replay(&Change::Reset {
+        view: newer.clone(),
+        force: true,
+    });
+    assert_eq!(v, newer);
+    v.replay(&Change::Reset {
+        view: older.clone(),
+        force: false,
+    });
+    assert_eq!(v, newer, "a view behind the agent's is ignored");
+    v.replay(&Change::Reset {
+        view: older.clone(),
+        force: true,
+    });
+    assert_eq!(
+        v, older,
+        "the first view after a start is taken whatever its seq"
+    );
+    v.replay(&Change::Event(reserved(5, "c", "G0")));
+    let mut assigned = v.allocs[&5].clone();
+    assigned.device_ids = vec!["G0::1".into()];
+    v.replay(&Change::Upsert(assigned));
+    assert_eq!(v.by_devices(&["G0::1".into()]).map(|a| a.id), Some(5));
+}
