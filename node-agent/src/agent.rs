@@ -178,6 +178,11 @@ impl Agent {
         }
     }
 
+    /// A receiver that sees every change of the view from now on.
+    pub fn view_changes(&self) -> watch::Receiver<u64> {
+        self.view_rev.subscribe()
+    }
+
     /// Wait until `pred` holds on the view, or `timeout`. Returns its last answer.
     pub async fn wait_view<T>(
         &self,

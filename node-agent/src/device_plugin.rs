@@ -17,9 +17,12 @@ use tonic::{Request, Response, Status};
 use tracing::field::{self, Empty};
 use tracing::{Instrument, Span, info, info_span, warn};
 
+use self::allocate::{Allocate, Answered, Note, Step};
 use crate::agent::Agent;
 use crate::nvml::GpuState;
 use crate::view::{Change, container_response, device_id, parse_device_id};
+
+mod allocate;
 
 /// The resource this plugin advertises.
 pub const RESOURCE: &str = "gpuledger.io/gpu";
@@ -86,104 +89,89 @@ impl Plugin {
         })
     }
 
+    /// Run the [`Allocate`] state machine for one container's devices: feed it the view, the
+    /// time and the answers of PodResources and the allocator until it answers or refuses.
     async fn allocate_one(&self, ids: Vec<String>) -> Result<pb::Allocation, Status> {
         let a = &self.agent;
-        if let Some(done) = a.with_view(|v| v.by_devices(&ids).cloned())
-            && self.still_holds(&done, &ids).await
-        {
-            record_allocation(&done);
-            info!("Allocate repeated for assigned devices: same answer");
-            return Ok(done);
-        }
-        if let Some(lost) = self.wait_stale_holders(&ids).await? {
-            record_allocation(&lost);
-            return Ok(lost);
-        }
-        let started = Instant::now();
-        let deadline = started + a.cfg.allocate_wait;
-        let mut refusals = 0;
+        let mut m = Allocate::new(ids.clone(), &a.cfg.node_name, a.cfg.allocate_wait);
+        let mut changed = a.view_changes();
+        changed.mark_unchanged();
+        let mut step = a.with_view(|v| m.start(v, a.synced(), Instant::now()));
         loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let guess = a
-                .wait_view(left, |v| {
-                    if let Some(done) = v.by_devices(&ids) {
-                        return Some(Err(done.clone()));
+            step = match step {
+                Step::AskOwner(held) => {
+                    let holds = self.still_holds(&held, &ids).await;
+                    changed.mark_unchanged();
+                    a.with_view(|v| m.owner(holds, v, a.synced(), Instant::now()))
+                }
+                Step::Wait { until, note } => {
+                    match note {
+                        Some(Note::StaleHolders(stale)) => {
+                            warn!(allocations = ?stale, devices = ?ids,
+                            "devices handed out again while the ledger still has them on finished containers; waiting for their release")
+                        }
+                        Some(Note::Refused { allocation, status }) => warn!(
+                            allocation,
+                            "Assign refused ({status}); re-reading the ledger"
+                        ),
+                        None => {}
                     }
-                    v.pending(ids.len()).cloned().map(Ok)
-                })
-                .await;
-            let guess = match guess {
-                Some(Ok(g)) => g,
-                Some(Err(done)) => {
-                    record_allocation(&done);
-                    return Ok(done);
+                    let _ = tokio::time::timeout_at(until.into(), changed.changed()).await;
+                    changed.mark_unchanged();
+                    a.with_view(|v| m.view(v, a.synced(), Instant::now()))
                 }
-                None => {
-                    return Err(Status::failed_precondition(format!(
-                        "no pending gpuledger reservation of {} slice(s) on node {} (waited {:?})",
-                        ids.len(),
-                        a.cfg.node_name,
-                        a.cfg.allocate_wait
-                    )));
-                }
-            };
-            let waited = started.elapsed();
-            let sent = Instant::now();
-            let req = api::AssignRequest {
-                node: a.cfg.node_name.clone(),
-                allocation_id: guess.id,
-                device_ids: ids.clone(),
-            };
-            let r = a
-                .pool
-                .call("Assign", Duration::from_secs(10), |mut c| {
-                    let r = req.clone();
-                    async move { c.assign(r).await }
-                })
-                .await;
-            match r {
-                Ok(resp) => {
-                    let Some(alloc) = resp.allocation else {
-                        return Err(Status::internal("Assign answered without the allocation"));
+                Step::Assign(guess) => {
+                    let sent = Instant::now();
+                    let req = api::AssignRequest {
+                        node: a.cfg.node_name.clone(),
+                        allocation_id: guess,
+                        device_ids: ids.clone(),
                     };
+                    let r = a
+                        .pool
+                        .call("Assign", Duration::from_secs(10), |mut c| {
+                            let r = req.clone();
+                            async move { c.assign(r).await }
+                        })
+                        .await;
+                    let answer = r.map(|resp| {
+                        let span = Span::current();
+                        span.record("seq", resp.seq);
+                        span.record("epoch", resp.epoch);
+                        resp.allocation
+                    });
+                    changed.mark_unchanged();
+                    let seq = a.with_view(|v| v.seq);
+                    let next = m.assigned(answer, seq, Instant::now());
+                    if let Step::Answer(alloc, Answered::Claimed { started, refusals }) = &next {
+                        info!(
+                            waited_us = sent.duration_since(*started).as_micros() as u64,
+                            assign_us = sent.elapsed().as_micros() as u64,
+                            refusals,
+                            total_us = started.elapsed().as_micros() as u64,
+                            "Allocate: claimed the oldest pending reservation"
+                        );
+                        a.update_view(Change::Upsert(alloc.clone())).await;
+                    }
+                    next
+                }
+                Step::Answer(alloc, how) => {
                     record_allocation(&alloc);
-                    let span = Span::current();
-                    span.record("seq", resp.seq);
-                    span.record("epoch", resp.epoch);
-                    info!(
-                        waited_us = waited.as_micros() as u64,
-                        assign_us = sent.elapsed().as_micros() as u64,
-                        refusals,
-                        total_us = started.elapsed().as_micros() as u64,
-                        "Allocate: claimed the oldest pending reservation"
-                    );
-                    a.update_view(Change::Upsert(alloc.clone())).await;
+                    match how {
+                        Answered::Repeat => {
+                            info!("Allocate repeated for assigned devices: same answer");
+                        }
+                        Answered::Lost => {
+                            let pod = alloc.pod.clone().unwrap_or_default();
+                            warn!(allocation = alloc.id, pod = %format!("{}/{}", pod.namespace, pod.name), devices = ?ids,
+                                "no release came for the allocation on these devices: its Allocate answer was most likely lost; answering with it again");
+                        }
+                        Answered::Assigned | Answered::Claimed { .. } => {}
+                    }
                     return Ok(alloc);
                 }
-                // Assigned or released meanwhile (our view is behind), or the devices are still
-                // held by an allocation not yet released: wait for the ledger and look again,
-                // a few times, then let the kubelet retry the admission.
-                Err(s)
-                    if matches!(
-                        s.code(),
-                        tonic::Code::AlreadyExists
-                            | tonic::Code::FailedPrecondition
-                            | tonic::Code::NotFound
-                            | tonic::Code::Aborted
-                    ) && refusals < 5
-                        && Instant::now() < deadline =>
-                {
-                    refusals += 1;
-                    warn!(
-                        allocation = guess.id,
-                        "Assign refused ({s}); re-reading the ledger"
-                    );
-                    let seq = a.with_view(|v| v.seq);
-                    a.wait_view(Duration::from_millis(200), |v| (v.seq > seq).then_some(()))
-                        .await;
-                }
-                Err(s) => return Err(s),
-            }
+                Step::Refuse(status) => return Err(status),
+            };
         }
     }
 
@@ -204,52 +192,6 @@ impl Plugin {
                 true
             }
         }
-    }
-
-    /// Wait until no allocation of a finished container still holds any of `ids` in the
-    /// ledger (the kubelet reuses device IDs as soon as a pod ends, before its `Released`).
-    ///
-    /// A holder whose release does not come within `--allocate-wait` is most likely not a
-    /// finished container but one whose Allocate answer was lost (the agent restarted after
-    /// committing the claim, or the kubelet's call timed out): the kubelet is admitting its
-    /// pod again with the same devices. When that holder has exactly `ids`, it is the answer
-    /// (`Some`), as for a repeat; PreStartContainer then checks with PodResources which pod
-    /// really got the devices and corrects the ledger if it was another.
-    async fn wait_stale_holders(&self, ids: &[String]) -> Result<Option<pb::Allocation>, Status> {
-        let a = &self.agent;
-        let stale: Vec<u64> = a.with_view(|v| v.holding_any(ids).iter().map(|x| x.id).collect());
-        if stale.is_empty() {
-            return Ok(None);
-        }
-        warn!(allocations = ?stale, devices = ?ids,
-            "devices handed out again while the ledger still has them on finished containers; waiting for their release");
-        let gone = a
-            .wait_view(a.cfg.allocate_wait, |v| {
-                (!v.holding_any(ids).iter().any(|x| stale.contains(&x.id))).then_some(())
-            })
-            .await;
-        if gone.is_some() {
-            return Ok(None);
-        }
-        let exact = a.with_view(|v| {
-            let holders = v.holding_any(ids);
-            match holders.as_slice() {
-                [only] if stale.contains(&only.id) => {
-                    v.by_devices(ids).filter(|x| x.id == only.id).cloned()
-                }
-                _ => None,
-            }
-        });
-        if let Some(held) = exact {
-            let pod = held.pod.clone().unwrap_or_default();
-            warn!(allocation = held.id, pod = %format!("{}/{}", pod.namespace, pod.name), devices = ?ids,
-                "no release came for the allocation on these devices: its Allocate answer was most likely lost; answering with it again");
-            return Ok(Some(held));
-        }
-        Err(Status::unavailable(format!(
-            "devices {ids:?} are still held by allocation(s) {stale:?} in the ledger (their release has not arrived after {:?}); the kubelet will retry",
-            a.cfg.allocate_wait
-        )))
     }
 
     async fn owner_of(&self, ids: &[String]) -> Result<Option<(String, String, String)>, Status> {

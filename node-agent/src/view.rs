@@ -352,4 +352,4 @@ pub fn container_response(
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -1,6 +1,7 @@
 use super::*;
 
-fn reserved(seq: u64, uid: &str, gpu: &str) -> pb::Event {
+/// A reservation of one slice of `gpu` for pod `uid`, allocation id = `seq`.
+pub(crate) fn reserved(seq: u64, uid: &str, gpu: &str) -> pb::Event {
     pb::Event {
         seq,
         epoch: 1,
@@ -28,7 +29,8 @@ fn reserved(seq: u64, uid: &str, gpu: &str) -> pb::Event {
     }
 }
 
-fn ev(seq: u64, body: Body) -> pb::Event {
+/// Event `seq` with `body`.
+pub(crate) fn ev(seq: u64, body: Body) -> pb::Event {
     pb::Event {
         seq,
         epoch: 1,
