@@ -7,19 +7,19 @@
 //! Rules: one GPUBudget governs a namespace (the first by name; the others are refused); the
 //! object named `default` in `--budget-default-namespace` is the cluster default. A budget a
 //! GPUBudget wrote carries `source = "GPUBudget ns/name"`: when no object governs its
-//! namespace any more, the budget is removed (and the namespace's quota cleared).
+//! namespace any more, the budget is removed (and the namespace's quota cleared). What a pass
+//! decides is in [`plan`]; this shell gathers its inputs and applies its fixes.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use futures::StreamExt;
-use gpuledger_ledger::state::{Quota, budget_summary, same_budget};
+use gpuledger_ledger::state::budget_summary;
 use gpuledger_ledger::{Command, pb};
 use gpuledger_ops::budget_crd::{
-    self, ANN_DEMOTED, CLUSTER_DEFAULT_NAME, GPUBudget, GPUBudgetStatus, SOURCE_PREFIX,
-    STATE_APPLIED, STATE_REFUSED,
+    ANN_DEMOTED, GPUBudget, GPUBudgetStatus, STATE_APPLIED, STATE_REFUSED,
 };
 use gpuledger_ops::events::{Kind, PodEvent, to_event};
 use k8s_openapi::api::core::v1::{Event, ObjectReference, Pod};
@@ -33,8 +33,11 @@ use tokio::task::JoinSet;
 use tonic::{Code, Status};
 use tracing::{debug, info, warn};
 
+use self::plan::{Fix, governing, no_class};
 use crate::service::Service;
 use crate::shared::Role;
+
+pub mod plan;
 
 /// The default of `--budget-default-namespace`: the namespace `deploy/` installs into.
 const DEFAULT_NAMESPACE: &str = "gpuledger-system";
@@ -125,40 +128,6 @@ impl BudgetGuard {
     }
 }
 
-fn no_class(name: &str) -> String {
-    format!(
-        "priority class {name:?} does not exist in the cluster: create the PriorityClass first \
-         (the API server would refuse every pod demoted to it)"
-    )
-}
-
-/// The objects by the ledger namespace they speak for, each list by name: the first governs.
-fn governing(objs: &[Arc<GPUBudget>], default_ns: &str) -> BTreeMap<String, Vec<Arc<GPUBudget>>> {
-    let mut m: BTreeMap<String, Vec<Arc<GPUBudget>>> = BTreeMap::new();
-    for o in objs {
-        if o.metadata.deletion_timestamp.is_some() {
-            continue;
-        }
-        m.entry(ledger_namespace(o, default_ns))
-            .or_default()
-            .push(o.clone());
-    }
-    for l in m.values_mut() {
-        l.sort_by_key(|o| o.name_any());
-    }
-    m
-}
-
-/// The ledger namespace an object speaks for: "" for the cluster default.
-fn ledger_namespace(o: &GPUBudget, default_ns: &str) -> String {
-    let ns = o.namespace().unwrap_or_default();
-    if ns == default_ns && o.name_any() == CLUSTER_DEFAULT_NAME {
-        String::new()
-    } else {
-        ns
-    }
-}
-
 /// The leader's side: the objects, the ledger, and the writes between them.
 struct Watch {
     service: Service,
@@ -166,12 +135,6 @@ struct Watch {
     ready: AtomicBool,
     /// One pass at a time: the watch and the resync both start passes.
     pass: Mutex<()>,
-}
-
-/// What one object asks of the ledger, once checked.
-struct Wanted {
-    budget: pb::BudgetSet,
-    quota: Option<pb::QuotaSet>,
 }
 
 impl Watch {
@@ -186,95 +149,39 @@ impl Watch {
             return;
         }
         let groups = governing(&self.guard.store.state(), &self.guard.default_ns);
-        let (budgets, quotas) = {
+        let fixes = {
             let l = self.service.shared().view().await;
-            (l.budgets().budgets().clone(), l.quotas().clone())
+            plan::plan(&groups, l.budgets().budgets(), l.quotas())
         };
-        for (ns, objs) in &groups {
-            let Some((first, rest)) = objs.split_first() else {
-                continue;
-            };
-            self.apply(ns, first, budgets.get(ns), quotas.get(ns).copied())
-                .await;
-            for o in rest {
-                let why = format!(
-                    "{} already has GPUBudget {}: one object per namespace, the first by name",
-                    if ns.is_empty() {
-                        "the cluster default".to_owned()
-                    } else {
-                        format!("namespace {ns}")
-                    },
-                    first.name_any()
-                );
-                self.refuse(o, why).await;
-            }
-        }
-        for (ns, b) in &budgets {
-            if !b.source.starts_with(SOURCE_PREFIX) || groups.contains_key(ns) {
-                continue;
-            }
-            let removed = self
-                .write(
-                    Command::RemoveBudget(pb::BudgetRemoved {
-                        namespace: ns.clone(),
-                        source: b.source.clone(),
-                    }),
-                    &format!("remove the budget of {ns:?}: {} is gone", b.source),
-                )
-                .await;
-            if removed.is_ok() && !ns.is_empty() && quotas.contains_key(ns) {
-                let _ = self
-                    .write(
-                        Command::SetQuota(pb::QuotaSet {
-                            namespace: ns.clone(),
-                            ..Default::default()
-                        }),
-                        &format!("clear the quota of {ns}: {} is gone", b.source),
-                    )
-                    .await;
+        for fix in fixes {
+            match fix {
+                Fix::Apply {
+                    object,
+                    budget,
+                    write_budget,
+                    quota,
+                } => self.apply(&object, budget, write_budget, quota).await,
+                Fix::Refuse { object, why } => self.refuse(&object, why).await,
+                Fix::Remove {
+                    ns,
+                    source,
+                    clear_quota,
+                } => self.remove(&ns, &source, clear_quota).await,
             }
         }
     }
 
-    /// What `o` asks for ledger namespace `ns`, or why it is refused.
-    fn wanted(ns: &str, o: &GPUBudget) -> Result<Wanted, String> {
-        let source = budget_crd::source_of(&o.namespace().unwrap_or_default(), &o.name_any());
-        let budget = o.spec.to_budget(ns, &source)?;
-        let quota = if ns.is_empty() {
-            if o.spec.quota.is_some() {
-                return Err(
-                    "the cluster default takes no quota: a quota caps one namespace".into(),
-                );
-            }
-            None
-        } else {
-            Some(o.spec.to_quota(ns)?)
-        };
-        Ok(Wanted { budget, quota })
-    }
-
-    /// Bring the ledger to what `o` asks for `ns`, given what it holds now.
-    async fn apply(&self, ns: &str, o: &GPUBudget, cur: Option<&pb::BudgetSet>, q: Option<Quota>) {
-        let w = match Self::wanted(ns, o) {
-            Ok(w) => w,
-            Err(why) => return self.refuse(o, why).await,
-        };
-        let budget_same = cur.is_some_and(|c| same_budget(c, &w.budget));
-        let quota_same = w.quota.as_ref().is_none_or(|x| {
-            q.unwrap_or_default()
-                == Quota {
-                    mem_mib: x.mem_mib,
-                    core_milli: x.core_milli,
-                }
-        });
-        let status = o.status.clone().unwrap_or_default();
-        let current =
-            status.state == STATE_APPLIED && status.observed_generation == o.metadata.generation;
-        if budget_same && quota_same && current {
-            return;
-        }
-        let class = &w.budget.priority_class;
-        if !budget_same && !class.is_empty() {
+    /// Write what `o` asks (the budget when `write_budget`, the quota when given), then mark
+    /// it applied.
+    async fn apply(
+        &self,
+        o: &GPUBudget,
+        budget: pb::BudgetSet,
+        write_budget: bool,
+        quota: Option<pb::QuotaSet>,
+    ) {
+        let class = &budget.priority_class;
+        if write_budget && !class.is_empty() {
             match self.guard.priority_class_exists(class).await {
                 Ok(true) => {}
                 Ok(false) => return self.refuse(o, no_class(class)).await,
@@ -285,27 +192,25 @@ impl Watch {
             }
         }
         let what = format!("GPUBudget {}", name_of(o));
+        let changed = write_budget || quota.is_some();
         let mut seq = self.service.shared().view().await.seq();
-        if !budget_same {
-            match self
-                .write(Command::SetBudget(w.budget.clone()), &what)
-                .await
-            {
+        if write_budget {
+            match self.write(Command::SetBudget(budget.clone()), &what).await {
                 Ok(s) => seq = s,
                 Err(Some(why)) => return self.refuse(o, why).await,
                 Err(None) => return,
             }
         }
-        if let Some(quota) = w.quota.filter(|_| !quota_same) {
+        if let Some(quota) = quota {
             match self.write(Command::SetQuota(quota), &what).await {
                 Ok(s) => seq = s,
                 Err(Some(why)) => return self.refuse(o, why).await,
                 Err(None) => return,
             }
         }
-        let message = budget_summary(&w.budget);
+        let message = budget_summary(&budget);
         self.set_status(o, STATE_APPLIED, Some(seq), &message).await;
-        if !budget_same || !quota_same {
+        if changed {
             self.event(
                 o,
                 Kind::Normal,
@@ -313,6 +218,30 @@ impl Watch {
                 format!("written to the GPU ledger at seq {seq}: {message}"),
             )
             .await;
+        }
+    }
+
+    /// Remove the budget of `ns` that `source` wrote and is gone (and the quota with it).
+    async fn remove(&self, ns: &str, source: &str, clear_quota: bool) {
+        let removed = self
+            .write(
+                Command::RemoveBudget(pb::BudgetRemoved {
+                    namespace: ns.to_string(),
+                    source: source.to_string(),
+                }),
+                &format!("remove the budget of {ns:?}: {source} is gone"),
+            )
+            .await;
+        if removed.is_ok() && clear_quota {
+            let _ = self
+                .write(
+                    Command::SetQuota(pb::QuotaSet {
+                        namespace: ns.to_string(),
+                        ..Default::default()
+                    }),
+                    &format!("clear the quota of {ns}: {source} is gone"),
+                )
+                .await;
         }
     }
 
@@ -344,11 +273,7 @@ impl Watch {
 
     /// Refuse `o`: nothing is written; its status, a log line and (once) an Event say why.
     async fn refuse(&self, o: &GPUBudget, why: String) {
-        let st = o.status.clone().unwrap_or_default();
-        if st.state == STATE_REFUSED
-            && st.message == why
-            && st.observed_generation == o.metadata.generation
-        {
+        if plan::already_refused(o, &why) {
             return;
         }
         warn!(object = %name_of(o), reason = %why, "GPUBudget refused");
@@ -527,58 +452,4 @@ pub(crate) fn spawn(
             debug!("GPUBudget pass done");
         }
     });
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use gpuledger_ops::budget_crd::{BudgetPolicy, BudgetUnit, GPUBudgetSpec};
-
-    fn obj(ns: &str, name: &str) -> Arc<GPUBudget> {
-        let mut o = GPUBudget::new(
-            name,
-            GPUBudgetSpec {
-                amount: "10".into(),
-                unit: BudgetUnit::MibHours,
-                window: "day".into(),
-                policy: BudgetPolicy::Deny,
-                priority_class_name: None,
-                quota: None,
-            },
-        );
-        o.metadata.namespace = Some(ns.into());
-        Arc::new(o)
-    }
-
-    #[test]
-    fn one_object_governs_a_namespace_and_default_is_the_cluster_default() {
-        let objs = [
-            obj("team-a", "zeta"),
-            obj("team-a", "alpha"),
-            obj("gpuledger-system", "default"),
-            obj("gpuledger-system", "own"),
-            obj("team-b", "default"),
-        ];
-        let g = governing(&objs, "gpuledger-system");
-        let names = |ns: &str| -> Vec<String> { g[ns].iter().map(|o| o.name_any()).collect() };
-        assert_eq!(names("team-a"), ["alpha", "zeta"]);
-        assert_eq!(names(""), ["default"]);
-        assert_eq!(names("gpuledger-system"), ["own"]);
-        assert_eq!(
-            names("team-b"),
-            ["default"],
-            "default elsewhere is an ordinary budget"
-        );
-    }
-
-    #[test]
-    fn the_cluster_default_takes_no_quota() {
-        let mut o = (*obj("gpuledger-system", "default")).clone();
-        assert!(Watch::wanted("", &o).is_ok_and(|w| w.quota.is_none()));
-        o.spec.quota = Some(Default::default());
-        assert!(Watch::wanted("", &o).is_err_and(|e| e.contains("no quota")));
-        let w = Watch::wanted("team-a", &obj("team-a", "x"));
-        assert!(w.is_ok_and(|w| w.budget.source == "GPUBudget team-a/x"
-            && w.quota.is_some_and(|q| q.mem_mib == 0 && q.core_milli == 0)));
-    }
 }

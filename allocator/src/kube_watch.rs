@@ -1,9 +1,9 @@
 //! The allocator's Kubernetes side: pod and node watchers that release allocations, and the
 //! reconcile of reservations against what the API server says. Every replica watches; only
 //! the leader writes (`Service::local` is None elsewhere), and a periodic pass on the leader
-//! catches up with whatever happened while another replica led or the watch was down.
+//! catches up with whatever happened while another replica led or the watch was down. What
+//! the reconcile decides is in [`plan`]; this shell gathers its inputs and applies its fixes.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -11,7 +11,6 @@ use std::time::Duration;
 
 use backon::{ExponentialBuilder, Retryable};
 use futures::StreamExt;
-use gpuledger_ledger::state::AllocState;
 use gpuledger_ledger::{Command, Ledger};
 use gpuledger_ops::events::{Kind, PodEvent, Recorder};
 use k8s_openapi::api::core::v1::{Node, Pod};
@@ -19,13 +18,15 @@ use kube::api::Api;
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use tokio::task::JoinSet;
-use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
+use self::plan::{Fix, Held, Missing, PodFacts};
 use crate::service::Service;
 use crate::shared::Role;
+
+pub mod plan;
 
 /// Flags of the Kubernetes watchers.
 #[derive(clap::Args, Debug, Clone, Default)]
@@ -52,10 +53,6 @@ pub struct KubeArgs {
     #[command(flatten)]
     pub budgets: crate::budget_watch::BudgetArgs,
 }
-
-/// How long a fresh reservation may be missing from the pod cache before it counts as gone
-/// (the watch may simply not have delivered the pod yet).
-const YOUNG_MS: i64 = 5_000;
 
 /// Node capacity updates submitted at once by one reconcile pass.
 const SYNC_CONCURRENCY: usize = 64;
@@ -196,145 +193,130 @@ impl Watch {
         if !self.leading() {
             return;
         }
-        let Some(uid) = pod.metadata.uid.as_deref() else {
+        let Some(facts) = PodFacts::of(pod) else {
             return;
         };
         if let Some(ev) = self.demoted.event_for(pod) {
             self.events.emit(ev);
         }
-        if let Some(phase @ ("Succeeded" | "Failed")) =
-            pod.status.as_ref().and_then(|s| s.phase.as_deref())
-        {
-            self.release(uid, &format!("pod {}", phase.to_ascii_lowercase()))
-                .await;
-            return;
-        }
-        let Some(node) = pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) else {
-            return;
+        // Only a bound pod needs its allocations read: a finished one's are released anyway.
+        let held = if facts.finished.is_none() && facts.node.is_some() {
+            self.read(|l| plan::held_of(l, &facts.uid)).await
+        } else {
+            Vec::new()
         };
-        let reserved_here = self
-            .read(|l| {
-                l.allocs_of_pod(uid)
-                    .iter()
-                    .any(|a| a.state == AllocState::Reserved && a.node == node)
-            })
-            .await;
-        if reserved_here {
-            self.confirm(uid, node, "reconcile: the pod is bound to this node")
-                .await;
+        if let Some(fix) = plan::on_pod(&facts, &held) {
+            self.apply(fix).await;
+        }
+    }
+
+    /// Apply one fix of the reconcile, and the fixes that what it reads from the API server
+    /// leads to.
+    async fn apply(&self, fix: Fix) {
+        let mut todo = vec![fix];
+        while let Some(fix) = todo.pop() {
+            match fix {
+                Fix::Release { uid, reason } => {
+                    self.release(&uid, &reason).await;
+                }
+                Fix::Confirm { uid, node, reason } => self.confirm(&uid, &node, reason).await,
+                Fix::Read { uid, held, expired } => {
+                    let Some(first) = held.first() else { continue };
+                    let read = match self.pods_api_ns(&first.ns).get_opt(&first.name).await {
+                        Ok(read) => read,
+                        Err(e) => {
+                            debug!(error = %e, "reading a pod for reconcile failed");
+                            continue;
+                        }
+                    };
+                    let facts = read.as_ref().and_then(PodFacts::of);
+                    if let Some(p) = &read
+                        && facts.as_ref().is_some_and(|f| f.uid == uid)
+                        && let Some(ev) = self.demoted.event_for(p)
+                    {
+                        self.events.emit(ev);
+                    }
+                    let next = plan::after_read(&uid, &held, expired, facts.as_ref());
+                    todo.extend(next.into_iter().rev());
+                }
+                Fix::CheckExpired { uid, held } => {
+                    match self.pods_api_ns(&held.ns).get_opt(&held.name).await {
+                        Ok(read) => {
+                            let facts = read.as_ref().and_then(PodFacts::of);
+                            todo.push(plan::after_expiry_read(&uid, &held, facts.as_ref()));
+                        }
+                        Err(e) => debug!(error = %e, "reading a pod for expiry failed"),
+                    }
+                }
+                Fix::ReleaseExpired { uid, held } => {
+                    if self.release(&uid, "expired").await {
+                        self.tell_expired(&uid, &held);
+                    }
+                }
+                Fix::RemoveNode { node, reason } => {
+                    self.act(
+                        Command::RemoveNode {
+                            node: node.clone(),
+                            reason: reason.into(),
+                        },
+                        &format!("remove node {node}"),
+                    )
+                    .await;
+                }
+                Fix::SyncCapacity {
+                    node,
+                    cpu_milli,
+                    memory_mib,
+                } => self.sync_capacity(&node, (cpu_milli, memory_mib)).await,
+            }
         }
     }
 
     /// Compare the ledger with the cluster; fix what the watch did not (leader only).
-    async fn reconcile(&self, node_missing: &mut HashMap<String, Instant>, grace: Duration) {
+    async fn reconcile(&self, missing: &mut Missing, grace: Duration) {
         if !self.leading() || !self.pods_ready.load(Ordering::Relaxed) {
             return;
         }
-        let allocs: BTreeMap<String, Vec<Held>> = self
+        let held = self.read(plan::held_by_pod).await;
+        let clock = self.service.shared().clock.clone();
+        let cached = |ns: &str, name: &str| {
+            self.pods
+                .get(&ObjectRef::new(name).within(ns))
+                .and_then(|p| PodFacts::of(&p))
+        };
+        for fix in plan::plan_pods(&held, cached, clock.now_ms()) {
+            self.apply(fix).await;
+        }
+        if !self.nodes_ready.load(Ordering::Relaxed) {
+            return;
+        }
+        // One read for every node: its name and the CPU/memory the ledger has for it.
+        let ledger_nodes: Vec<(String, (u64, u64))> = self
             .read(|l| {
-                let mut m: BTreeMap<String, Vec<Held>> = BTreeMap::new();
-                for a in l.allocs().values() {
-                    m.entry(a.pod.uid.clone()).or_default().push(Held {
-                        ns: a.pod.namespace.clone(),
-                        name: a.pod.name.clone(),
-                        node: a.node.clone(),
-                        reserved: a.state == AllocState::Reserved,
-                        deadline_ms: a.deadline_ms,
-                        reserved_ms: a.reserved_ms,
-                    });
-                }
-                m
+                l.nodes()
+                    .values()
+                    .map(|n| (n.name.clone(), (n.cpu_milli, n.memory_mib)))
+                    .collect()
             })
             .await;
-        let clock = self.service.shared().clock.clone();
-        let now = clock.now_ms();
-        for (uid, list) in allocs {
-            let a = &list[0];
-            let cached = self
-                .pods
-                .get(&ObjectRef::new(&a.name).within(&a.ns))
-                .filter(|p| p.metadata.uid.as_deref() == Some(uid.as_str()));
-            match cached {
-                Some(p) => {
-                    let terminal = matches!(
-                        p.status.as_ref().and_then(|s| s.phase.as_deref()),
-                        Some("Succeeded" | "Failed")
-                    );
-                    let bound_to = p.spec.as_ref().and_then(|s| s.node_name.clone());
-                    if terminal || bound_to.as_deref() == Some(a.node.as_str()) {
-                        self.on_pod(&p).await;
-                        continue;
-                    }
-                    let expired = list.iter().any(|x| x.reserved && x.deadline_ms <= now);
-                    if expired {
-                        self.expire(&uid, a).await;
-                    }
-                }
-                None => {
-                    let young = list.iter().all(|x| now - x.reserved_ms < YOUNG_MS);
-                    let expired = list.iter().any(|x| x.reserved && x.deadline_ms <= now);
-                    if young && !expired {
-                        continue;
-                    }
-                    // Not in the cache: ask the API server before releasing anything.
-                    match self.pods_api_ns(&a.ns).get_opt(&a.name).await {
-                        Ok(Some(p)) if p.metadata.uid.as_deref() == Some(uid.as_str()) => {
-                            self.on_pod(&p).await;
-                            if expired
-                                && p.spec.as_ref().and_then(|s| s.node_name.as_deref())
-                                    != Some(a.node.as_str())
-                            {
-                                self.expire(&uid, a).await;
-                            }
-                        }
-                        Ok(_) => {
-                            self.release(&uid, "pod deleted").await;
-                        }
-                        Err(e) => debug!(error = %e, "reading a pod for reconcile failed"),
-                    }
-                }
-            }
+        let kube = |n: &str| {
+            self.nodes
+                .get(&ObjectRef::new(n))
+                .map(|k| plan::allocatable(&k))
+        };
+        let now = clock.now().into_std();
+        let fixes = plan::plan_nodes(&ledger_nodes, kube, missing, now, grace);
+        let (syncs, removals): (Vec<Fix>, Vec<Fix>) = fixes
+            .into_iter()
+            .partition(|f| matches!(f, Fix::SyncCapacity { .. }));
+        for fix in removals {
+            self.apply(fix).await;
         }
-        if self.nodes_ready.load(Ordering::Relaxed) {
-            // One read for every node: its name and the CPU/memory the ledger has for it.
-            let ledger_nodes: Vec<(String, (u64, u64))> = self
-                .read(|l| {
-                    l.nodes()
-                        .values()
-                        .map(|n| (n.name.clone(), (n.cpu_milli, n.memory_mib)))
-                        .collect()
-                })
-                .await;
-            let known: HashSet<&str> = ledger_nodes.iter().map(|(n, _)| n.as_str()).collect();
-            node_missing.retain(|n, _| known.contains(n.as_str()));
-            let mut syncs = Vec::new();
-            for (n, capacity) in &ledger_nodes {
-                if let Some(k) = self.nodes.get(&ObjectRef::new(n)) {
-                    node_missing.remove(n);
-                    if let Some(a) = allocatable(&k).filter(|a| a != capacity) {
-                        syncs.push((n.as_str(), a));
-                    }
-                    continue;
-                }
-                let since = *node_missing.entry(n.clone()).or_insert_with(|| clock.now());
-                if clock.now().saturating_duration_since(since) >= grace {
-                    self.act(
-                        Command::RemoveNode {
-                            node: n.clone(),
-                            reason: "node is not in Kubernetes".into(),
-                        },
-                        &format!("remove node {n}"),
-                    )
-                    .await;
-                    node_missing.remove(n);
-                }
-            }
-            // Many at once (a fresh allocator in a large cluster), so that group commit puts
-            // them in few etcd transactions instead of one transaction per node.
-            futures::stream::iter(syncs)
-                .for_each_concurrent(SYNC_CONCURRENCY, |(n, a)| self.sync_capacity(n, a))
-                .await;
-        }
+        // Many at once (a fresh allocator in a large cluster), so that group commit puts them
+        // in few etcd transactions instead of one transaction per node.
+        futures::stream::iter(syncs)
+            .for_each_concurrent(SYNC_CONCURRENCY, |fix| self.apply(fix))
+            .await;
     }
 
     /// Set the ledger's CPU and host memory of `name` to the node's allocatable (for node-level
@@ -355,54 +337,6 @@ impl Watch {
     fn pods_api_ns(&self, ns: &str) -> Api<Pod> {
         Api::namespaced(self.pods_api.clone().into_client(), ns)
     }
-
-    /// A reservation past its deadline: bound after all (the extender died after the
-    /// Binding) → confirm; otherwise release it as expired.
-    async fn expire(&self, uid: &str, a: &Held) {
-        match self.pods_api_ns(&a.ns).get_opt(&a.name).await {
-            Ok(Some(p)) if p.metadata.uid.as_deref() == Some(uid) => {
-                let node = p.spec.as_ref().and_then(|s| s.node_name.clone());
-                if node.as_deref() == Some(a.node.as_str()) {
-                    self.confirm(
-                        uid,
-                        &a.node,
-                        "reconcile: reservation deadline passed; the pod is bound",
-                    )
-                    .await;
-                } else if self.release(uid, "expired").await {
-                    self.tell_expired(uid, a);
-                }
-            }
-            Ok(_) => {
-                self.release(uid, "expired").await;
-            }
-            Err(e) => debug!(error = %e, "reading a pod for expiry failed"),
-        }
-    }
-}
-
-/// A node's allocatable CPU (millicores) and memory (MiB), when Kubernetes reports both.
-fn allocatable(n: &Node) -> Option<(u64, u64)> {
-    let a = n.status.as_ref()?.allocatable.as_ref()?;
-    let q = |k: &str| gpuledger_ops::quantity::parse(&a.get(k)?.0).ok();
-    let cpu = q("cpu")?;
-    let mem = q("memory")?;
-    (cpu > 0.0 && mem > 0.0).then(|| {
-        (
-            (cpu * 1000.0).round() as u64,
-            (mem / (1024.0 * 1024.0)).floor() as u64,
-        )
-    })
-}
-
-/// One allocation as the reconcile sees it.
-struct Held {
-    ns: String,
-    name: String,
-    node: String,
-    reserved: bool,
-    deadline_ms: i64,
-    reserved_ms: i64,
 }
 
 async fn run(service: Service, client: kube::Client, args: KubeArgs) {
@@ -497,7 +431,7 @@ async fn run(service: Service, client: kube::Client, args: KubeArgs) {
         args.reconcile_interval_ms
     });
     let grace = Duration::from_secs(args.node_gone_grace_s);
-    let mut missing = HashMap::new();
+    let mut missing = Missing::default();
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {

@@ -1,0 +1,198 @@
+use super::*;
+
+fn held(node: &str, reserved: bool, reserved_ms: i64, deadline_ms: i64) -> Held {
+    Held {
+        ns: "ns".into(),
+        name: "pod".into(),
+        node: node.into(),
+        reserved,
+        deadline_ms,
+        reserved_ms,
+    }
+}
+
+fn pod(uid: &str, finished: Option<&str>, node: Option<&str>) -> PodFacts {
+    PodFacts {
+        uid: uid.into(),
+        finished: finished.map(str::to_string),
+        node: node.map(str::to_string),
+    }
+}
+
+fn one(uid: &str, h: Held) -> BTreeMap<String, Vec<Held>> {
+    BTreeMap::from([(uid.to_string(), vec![h])])
+}
+
+#[test]
+fn a_finished_pod_is_released_and_a_bound_one_confirmed() {
+    let list = [held("n1", true, 0, 10_000)];
+    assert_eq!(
+        on_pod(&pod("u", Some("succeeded"), Some("n1")), &list),
+        Some(Fix::Release {
+            uid: "u".into(),
+            reason: "pod succeeded".into()
+        })
+    );
+    assert!(matches!(
+        on_pod(&pod("u", None, Some("n1")), &list),
+        Some(Fix::Confirm { node, .. }) if node == "n1"
+    ));
+    assert_eq!(
+        on_pod(&pod("u", None, Some("n2")), &list),
+        None,
+        "bound elsewhere"
+    );
+    assert_eq!(on_pod(&pod("u", None, None), &list), None, "not bound yet");
+    let bound = [held("n1", false, 0, 0)];
+    assert_eq!(
+        on_pod(&pod("u", None, Some("n1")), &bound),
+        None,
+        "confirmed already"
+    );
+}
+
+#[test]
+fn a_cached_pod_past_its_deadline_and_bound_nowhere_is_checked_with_the_api_server() {
+    let h = one("u", held("n1", true, 0, 10_000));
+    let cached = |_: &str, _: &str| Some(pod("u", None, None));
+    assert!(
+        plan_pods(&h, cached, 9_999).is_empty(),
+        "before its deadline"
+    );
+    assert_eq!(
+        plan_pods(&h, cached, 10_000),
+        [Fix::CheckExpired {
+            uid: "u".into(),
+            held: held("n1", true, 0, 10_000)
+        }]
+    );
+    // Bound there after all: confirmed from the cache, whatever the deadline.
+    let bound = |_: &str, _: &str| Some(pod("u", None, Some("n1")));
+    assert!(matches!(
+        plan_pods(&h, bound, 20_000).as_slice(),
+        [Fix::Confirm { .. }]
+    ));
+}
+
+#[test]
+fn a_young_reservation_missing_from_the_cache_is_left_alone_an_older_one_is_read() {
+    let h = one("u", held("n1", true, 1_000, 60_000));
+    let nothing = |_: &str, _: &str| None;
+    assert!(plan_pods(&h, nothing, 1_000 + YOUNG_MS - 1).is_empty());
+    assert_eq!(
+        plan_pods(&h, nothing, 1_000 + YOUNG_MS),
+        [Fix::Read {
+            uid: "u".into(),
+            held: vec![held("n1", true, 1_000, 60_000)],
+            expired: false
+        }]
+    );
+    // Another pod under the same name is not this one.
+    let other = |_: &str, _: &str| Some(pod("v", None, Some("n1")));
+    assert!(matches!(
+        plan_pods(&h, other, 60_000).as_slice(),
+        [Fix::Read { expired: true, .. }]
+    ));
+}
+
+#[test]
+fn what_the_api_server_says_decides_a_read_pod() {
+    let list = vec![held("n1", true, 0, 10_000)];
+    assert_eq!(
+        after_read("u", &list, false, None),
+        [Fix::Release {
+            uid: "u".into(),
+            reason: "pod deleted".into()
+        }]
+    );
+    assert_eq!(
+        after_read("u", &list, false, Some(&pod("v", None, None))),
+        [Fix::Release {
+            uid: "u".into(),
+            reason: "pod deleted".into()
+        }],
+        "a pod of the same name but another UID"
+    );
+    assert!(after_read("u", &list, false, Some(&pod("u", None, None))).is_empty());
+    assert!(matches!(
+        after_read("u", &list, true, Some(&pod("u", None, None))).as_slice(),
+        [Fix::CheckExpired { .. }]
+    ));
+    assert!(matches!(
+        after_read("u", &list, true, Some(&pod("u", None, Some("n1")))).as_slice(),
+        [Fix::Confirm { .. }]
+    ));
+}
+
+#[test]
+fn an_expired_reservation_is_confirmed_if_bound_else_released_and_its_pod_told() {
+    let h = held("n1", true, 0, 10_000);
+    assert!(matches!(
+        after_expiry_read("u", &h, Some(&pod("u", None, Some("n1")))),
+        Fix::Confirm { .. }
+    ));
+    assert_eq!(
+        after_expiry_read("u", &h, Some(&pod("u", None, Some("n2")))),
+        Fix::ReleaseExpired {
+            uid: "u".into(),
+            held: h.clone()
+        }
+    );
+    assert_eq!(
+        after_expiry_read("u", &h, None),
+        Fix::Release {
+            uid: "u".into(),
+            reason: "expired".into()
+        },
+        "gone: nobody to tell"
+    );
+}
+
+#[test]
+fn a_node_missing_from_kubernetes_is_removed_after_the_grace_and_capacities_sync() {
+    let grace = Duration::from_secs(30);
+    let t0 = Instant::now();
+    let nodes = vec![
+        ("gone".to_string(), (0, 0)),
+        ("kept".to_string(), (4000, 16_000)),
+        ("grown".to_string(), (4000, 16_000)),
+    ];
+    let kube = |n: &str| match n {
+        "kept" => Some(Some((4000, 16_000))),
+        "grown" => Some(Some((8000, 32_000))),
+        _ => None,
+    };
+    let mut missing = Missing::default();
+    assert_eq!(
+        plan_nodes(&nodes, kube, &mut missing, t0, grace),
+        [Fix::SyncCapacity {
+            node: "grown".into(),
+            cpu_milli: 8000,
+            memory_mib: 32_000
+        }]
+    );
+    let later = t0 + grace - Duration::from_millis(1);
+    assert_eq!(
+        plan_nodes(&nodes[..1], kube, &mut missing, later, grace),
+        []
+    );
+    assert_eq!(
+        plan_nodes(&nodes[..1], kube, &mut missing, t0 + grace, grace),
+        [Fix::RemoveNode {
+            node: "gone".into(),
+            reason: "node is not in Kubernetes"
+        }]
+    );
+    // Back in Kubernetes before the grace ran out: its clock starts over when it goes again.
+    let mut missing = Missing::default();
+    let _ = plan_nodes(&nodes[..1], kube, &mut missing, t0, grace);
+    let back = |_: &str| Some(None);
+    assert_eq!(
+        plan_nodes(&nodes[..1], back, &mut missing, t0 + grace, grace),
+        []
+    );
+    assert_eq!(
+        plan_nodes(&nodes[..1], kube, &mut missing, t0 + grace, grace),
+        []
+    );
+}
