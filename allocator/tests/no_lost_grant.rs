@@ -6,35 +6,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use gpuledger_allocator::log::EtcdLog;
+use gpuledger_auth::identity::Role;
 use gpuledger_ledger::Ledger;
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
-use gpuledger_testkit::allocators::Client;
-use gpuledger_testkit::workload::{inventory, pod, reserve_retry, retryable};
+use gpuledger_testkit::workload::{inventory, pod, reserve_retry, reserve_retry_via};
 use gpuledger_testkit::{Allocators, EtcdCluster};
-use tonic::Status;
-
-/// Reserve through `clients` (one per replica), starting at `start` and moving to the next
-/// replica after each retryable error until `deadline`, as the extender does.
-async fn reserve_any(
-    clients: &[Client],
-    start: usize,
-    req: api::ReserveRequest,
-    deadline: Instant,
-) -> Result<api::ReserveResponse, Status> {
-    let mut n = start;
-    loop {
-        let mut c = clients[n % clients.len()].clone();
-        match c.reserve(req.clone()).await {
-            Ok(r) => return Ok(r.into_inner()),
-            Err(s) if retryable(&s) && Instant::now() < deadline => {
-                n += 1;
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            Err(s) => return Err(s),
-        }
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acked_grants_survive_leader_kills_and_replay_equals_live() -> anyhow::Result<()> {
@@ -53,9 +30,8 @@ async fn acked_grants_survive_leader_kills_and_replay_equals_live() -> anyhow::R
             .await?;
     }
     let acked: Arc<Mutex<BTreeMap<String, Vec<pb::Allocation>>>> = Arc::default();
-    let clients = (0..allocs.addrs.len())
-        .map(|i| allocs.extender(i))
-        .collect::<anyhow::Result<Vec<_>>>()?;
+    // Reserving as the extender does: through the one client, failing over between replicas.
+    let clients = allocs.pool_as(&Role::Extender)?;
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mut workers = Vec::new();
     for w in 0..8 {
@@ -69,7 +45,7 @@ async fn acked_grants_survive_leader_kills_and_replay_equals_live() -> anyhow::R
                     node: format!("n{}", i % 4),
                     ttl_ms: 0,
                 };
-                if let Ok(r) = reserve_any(
+                if let Ok((r, _)) = reserve_retry_via(
                     &clients,
                     w + i,
                     req,

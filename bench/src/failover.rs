@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
+use gpuledger_auth::identity::Role;
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_testkit::workload::{inventory, pod, reserve_retry_via};
 use gpuledger_testkit::{Allocators, EtcdCluster};
@@ -47,11 +48,7 @@ pub async fn run(a: Args) -> Result<()> {
     let stop = Arc::new(AtomicBool::new(false));
     let last_ok_sent = Arc::new(AtomicU64::new(0));
     let mut workers = Vec::new();
-    let clients: Arc<Vec<_>> = Arc::new(
-        (0..allocs.addrs.len())
-            .map(|i| allocs.extender(i))
-            .collect::<Result<_>>()?,
-    );
+    let clients = Arc::new(allocs.pool_as(&Role::Extender)?);
     for w in 0..8usize {
         let (stop, last, clients) = (stop.clone(), last_ok_sent.clone(), clients.clone());
         workers.push(tokio::spawn(async move {

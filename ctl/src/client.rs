@@ -3,13 +3,14 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail};
-use gpuledger_auth::{AuthChannel, CredentialArgs, Credentials};
+use anyhow::{Context, Result};
+use gpuledger_auth::{CredentialArgs, Credentials};
+use gpuledger_client::{Allocators, Options};
 use gpuledger_ledger::pb;
 use gpuledger_proto::allocator::v1 as api;
-use gpuledger_proto::allocator::v1::allocator_client::AllocatorClient;
 use tokio::sync::OnceCell;
-use tracing::{Instrument, debug, debug_span};
+use tonic::Status;
+use tracing::debug;
 
 use crate::discover;
 
@@ -69,7 +70,7 @@ impl Target {
 }
 
 /// A client of the allocator API, carrying the operator's credentials.
-pub type Client = AllocatorClient<AuthChannel>;
+pub type Client = gpuledger_client::Client;
 
 impl Target {
     /// The operator's credentials: as given, or (through the kubeconfig) a fresh viewer
@@ -92,44 +93,53 @@ impl Target {
     }
 }
 
+/// How the CLI's connections behave: whole dumps and logs, a minute per call.
+fn options() -> Options {
+    Options {
+        connect_timeout: Duration::from_secs(2),
+        timeout: Some(Duration::from_secs(60)),
+        max_decoding: 512 * 1024 * 1024,
+        max_encoding: 64 * 1024 * 1024,
+        ..Options::default()
+    }
+}
+
+/// A client to the first of `a`'s replicas that answers a status call.
+async fn answering(a: &Allocators) -> Result<Client, Status> {
+    a.call("Status", Duration::ZERO, |mut c| async move {
+        let r = c.status(api::StatusRequest {}).await;
+        r.map(|_| tonic::Response::new(c))
+    })
+    .await
+}
+
 /// A gRPC client to one address (checks that it answers).
 pub async fn connect_one(addr: &str, creds: &Credentials) -> Result<Client> {
-    let ep = gpuledger_auth::endpoint(addr)
-        .with_context(|| format!("bad allocator address {addr:?}"))?
-        .connect_timeout(Duration::from_secs(2))
-        .timeout(Duration::from_secs(60));
-    let mut c = AllocatorClient::new(creds.channel(ep))
-        .max_decoding_message_size(512 * 1024 * 1024)
-        .max_encoding_message_size(64 * 1024 * 1024);
-    c.status(api::StatusRequest {})
+    let a = Allocators::new(&[addr.to_string()], creds, &options())?;
+    answering(&a)
         .await
         .map_err(|s| anyhow::anyhow!("{}", s.message()))
-        .with_context(|| format!("cannot reach the allocator at {addr}"))?;
-    Ok(c)
+        .with_context(|| format!("cannot reach the allocator at {addr}"))
 }
 
 /// The first replica that answers.
 pub async fn connect(t: &Target) -> Result<Client> {
-    let mut errs = Vec::new();
     let creds = t.credentials().await?;
-    for a in &t.addrs().await? {
-        let span = debug_span!("connect", allocator = %a);
-        match connect_one(a, &creds).instrument(span.clone()).await {
-            Ok(c) => {
-                span.in_scope(|| debug!("connected"));
-                return Ok(c);
-            }
-            Err(e) => {
-                span.in_scope(|| debug!("no answer, trying the next replica: {e:#}"));
-                errs.push(format!("{e:#}"));
-            }
-        }
-    }
-    bail!(
-        "no allocator replica answered ({}); set --allocator or GPULEDGER_ALLOCATOR",
-        errs.join("; ")
-    )
+    let a = Allocators::new(&t.addrs().await?, &creds, &options())?;
+    let c = answering(&a).await.map_err(|s| {
+        // The client says which replica said what; the operator is told where to look.
+        let m = s.message();
+        let said = m
+            .find(NO_ANSWER)
+            .map_or_else(|| format!("{NO_ANSWER} ({m})"), |i| m[i..].to_string());
+        anyhow::anyhow!("{said}; set --allocator or GPULEDGER_ALLOCATOR")
+    })?;
+    debug!("connected");
+    Ok(c)
 }
+
+/// How the error of a call no replica answered begins.
+const NO_ANSWER: &str = "no allocator replica answered";
 
 /// One replica's name and its whole state.
 pub async fn dump_of(c: &mut Client) -> Result<(String, pb::Snapshot)> {

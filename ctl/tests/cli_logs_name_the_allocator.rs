@@ -42,10 +42,9 @@ fn each_replica_tried_is_named_in_its_span_and_only_at_debug() -> anyhow::Result
     assert!(!ok);
     for addr in ["127.0.0.1:1", "127.0.0.1:2"] {
         assert!(
-            debug
-                .lines()
-                .any(|l| l.contains(&format!("connect{{allocator={addr}}}"))
-                    && l.contains("no answer")),
+            debug.lines().any(|l| l
+                .contains(&format!("allocator{{rpc=\"Status\" replica={addr}}}"))
+                && l.contains("no answer")),
             "no span names {addr}:\n{debug}"
         );
     }

@@ -6,9 +6,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use gpuledger_auth::identity::Role;
-use gpuledger_auth::{AuthChannel, CredentialArgs, Credentials};
+use gpuledger_auth::{CredentialArgs, Credentials};
+use gpuledger_client::Options;
 use gpuledger_proto::allocator::v1 as api;
-use gpuledger_proto::allocator::v1::allocator_client::AllocatorClient;
 
 use crate::bins::bin_path;
 use crate::etcd::EtcdCluster;
@@ -16,18 +16,30 @@ use crate::pki::{Identities, NAMESPACE, Pki};
 use crate::process::{Proc, free_port};
 
 /// A client of the allocator API, carrying its caller's credentials.
-pub type Client = AllocatorClient<AuthChannel>;
+pub type Client = gpuledger_client::Client;
+
+/// How the test kit's connections behave: whole dumps and logs, 10 s per call.
+fn options() -> Options {
+    Options {
+        max_decoding: 512 * 1024 * 1024,
+        max_encoding: 64 * 1024 * 1024,
+        ..Options::default()
+    }
+}
+
+/// The one client to `addrs` as the caller `creds` names (connects lazily).
+pub fn pool(addrs: &[String], creds: &CredentialArgs) -> Result<gpuledger_client::Allocators> {
+    let creds = Credentials::load(creds).context("loading test credentials")?;
+    Ok(gpuledger_client::Allocators::new(
+        addrs,
+        &creds,
+        &options(),
+    )?)
+}
 
 /// A client to one allocator address as the caller `creds` names (connects lazily).
 pub fn connect(addr: &str, creds: &CredentialArgs) -> Result<Client> {
-    let creds = Credentials::load(creds).context("loading test credentials")?;
-    let ep = gpuledger_auth::endpoint(addr)?
-        .connect_timeout(Duration::from_millis(500))
-        .timeout(Duration::from_secs(10))
-        .tcp_nodelay(true);
-    Ok(AllocatorClient::new(creds.channel(ep))
-        .max_decoding_message_size(512 * 1024 * 1024)
-        .max_encoding_message_size(64 * 1024 * 1024))
+    Ok(pool(&[addr.to_string()], creds)?.client(0).1)
 }
 
 /// A set of allocator replicas sharing one etcd and ledger.
@@ -211,6 +223,11 @@ impl Allocators {
             self.wait_seq(s.seq, timeout).await?;
         }
         Ok(())
+    }
+
+    /// The one client to every replica, calling as `role`.
+    pub fn pool_as(&self, role: &Role) -> Result<gpuledger_client::Allocators> {
+        pool(&self.addrs, &self.ids.credentials(role)?).context("allocator client")
     }
 
     /// A client to replica `i` calling as `role`.

@@ -1,15 +1,14 @@
-//! Building blocks for driving the allocator: inventories, pod requests, retrying clients.
+//! Building blocks for driving the allocator: inventories, pod requests, retried reservations.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use backon::{ConstantBuilder, Retryable};
+use gpuledger_auth::identity::Role;
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
-use tonic::{Code, Status};
+use tonic::Status;
 
 use crate::Allocators;
-use crate::allocators::Client;
 
 /// An inventory of `gpus` identical GPUs of `mem_mib` on node `name`.
 pub fn inventory(name: &str, gpus: u32, mem_mib: u64, model: &str) -> pb::NodeInventory {
@@ -50,50 +49,36 @@ pub fn pod(uid: &str, mem_mib: u64, core_pct: u32) -> api::PodRequest {
     }
 }
 
-/// Whether a status means "try again (maybe elsewhere)".
-pub fn retryable(s: &Status) -> bool {
-    matches!(
-        s.code(),
-        Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled | Code::Unknown
-    )
-}
-
-/// Reserve as the extender through any replica of `allocs`, starting at `start` and moving to
-/// the next replica after each retryable error, every 20 ms until `deadline`. Returns the
-/// response and how many attempts it took.
+/// Reserve as the extender through the one client to every replica of `allocs`, starting at
+/// replica `start`, until `deadline`. Returns the response and how many attempts it took.
 pub async fn reserve_retry(
     allocs: &Allocators,
     start: usize,
     req: api::ReserveRequest,
     deadline: Instant,
 ) -> Result<(api::ReserveResponse, u32), Status> {
-    let clients = (0..allocs.addrs.len())
-        .map(|i| allocs.extender(i))
-        .collect::<anyhow::Result<Vec<_>>>()
-        .map_err(|e| Status::unavailable(e.to_string()))?;
-    reserve_retry_via(&clients, start, req, deadline).await
+    let pool = allocs
+        .pool_as(&Role::Extender)
+        .map_err(|e| Status::unavailable(format!("{e:#}")))?;
+    reserve_retry_via(&pool, start, req, deadline).await
 }
 
-/// [`reserve_retry`] through `clients`, one per replica (connected once, reused).
+/// [`reserve_retry`] through `pool` (connected once, reused).
 pub async fn reserve_retry_via(
-    clients: &[Client],
+    pool: &gpuledger_client::Allocators,
     start: usize,
     req: api::ReserveRequest,
     deadline: Instant,
 ) -> Result<(api::ReserveResponse, u32), Status> {
     let attempts = AtomicU32::new(0);
-    let attempt = || {
-        let n = attempts.fetch_add(1, Ordering::Relaxed) as usize;
-        let mut c = clients[(start + n) % clients.len()].clone();
-        let req = req.clone();
-        async move { c.reserve(req).await.map(tonic::Response::into_inner) }
-    };
-    let every_20ms = ConstantBuilder::default()
-        .with_delay(Duration::from_millis(20))
-        .without_max_times();
-    let r = attempt
-        .retry(every_20ms)
-        .when(|s| retryable(s) && Instant::now() < deadline)
+    let budget = deadline.saturating_duration_since(Instant::now());
+    let r = pool
+        .starting_at(start)
+        .call("Reserve", budget, |mut c| {
+            attempts.fetch_add(1, Ordering::Relaxed);
+            let req = req.clone();
+            async move { c.reserve(req).await }
+        })
         .await?;
     Ok((r, attempts.load(Ordering::Relaxed)))
 }
