@@ -1,4 +1,4 @@
-//! Moving old ledger batches from etcd to the audit archive ([`gpuledger_ops::archive`]):
+//! Moving old ledger batches from etcd to the audit archive ([`gpuledger_archive`]):
 //! etcd's size stays bounded under constant churn, while `audit`, `replay`, `usage` and
 //! `verify` still read the whole history (archive + etcd as one, through `ReadLog`). Batches
 //! leave etcd only after the segment holding them is durable, in a transaction fenced on the
@@ -7,8 +7,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+pub use gpuledger_archive::{Archive, ArchiveError, Segment, last_seq};
 use gpuledger_ledger::pb;
-pub use gpuledger_ops::archive::{Archive, ArchiveError, Segment, last_seq};
 use tracing::{info, warn};
 
 use crate::log::{EtcdLog, LogError};

@@ -16,11 +16,9 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use futures::StreamExt;
+use gpuledger_crd::{ANN_DEMOTED, GPUBudget, GPUBudgetStatus, STATE_APPLIED, STATE_REFUSED};
 use gpuledger_ledger::state::budget_summary;
 use gpuledger_ledger::{Command, pb};
-use gpuledger_ops::budget_crd::{
-    ANN_DEMOTED, GPUBudget, GPUBudgetStatus, STATE_APPLIED, STATE_REFUSED,
-};
 use gpuledger_ops::events::{Kind, PodEvent, to_event};
 use k8s_openapi::api::core::v1::{Event, ObjectReference, Pod};
 use k8s_openapi::api::scheduling::v1::PriorityClass;

@@ -14,9 +14,9 @@ pub(crate) mod memory;
 use std::future::Future;
 use std::time::Duration;
 
+use gpuledger_archive::ArchiveError;
 use gpuledger_ledger::chain::{Hash, hash_stored};
 use gpuledger_ledger::pb;
-use gpuledger_ops::archive::ArchiveError;
 use prost::Message;
 
 pub use self::etcd::EtcdLog;

@@ -7,7 +7,7 @@ use crate::support;
 
 use std::time::Duration;
 
-use gpuledger_ops::budget_crd::{
+use gpuledger_crd::{
     BudgetPolicy, BudgetUnit, GPUBudget, GPUBudgetSpec, GPUQuota, STATE_APPLIED, STATE_REFUSED,
 };
 use gpuledger_proto::allocator::v1 as api;

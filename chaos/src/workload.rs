@@ -127,7 +127,7 @@ pub fn trace_pods(
     time_scale: f64,
     max_gpus: u32,
 ) -> anyhow::Result<(Vec<PodSpec>, usize)> {
-    let mut rows = gpuledger_ops::trace::read_pods(path)?;
+    let mut rows = gpuledger_trace::read_pods(path)?;
     rows.retain(|r| r.num_gpu > 0);
     let too_big = rows.iter().filter(|r| r.num_gpu > max_gpus).count();
     rows.retain(|r| r.num_gpu <= max_gpus);

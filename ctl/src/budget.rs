@@ -5,7 +5,6 @@ use std::collections::BTreeSet;
 use anyhow::{Context, Result};
 use gpuledger_ledger::state::{BudgetStatus, MS_PER_HOUR, budget_summary};
 use gpuledger_ledger::{Ledger, pb};
-use gpuledger_ops::budget_crd;
 use gpuledger_proto::allocator::v1 as api;
 
 use crate::client::{Target, connect, dump_of};
@@ -127,7 +126,7 @@ pub async fn budget(a: BudgetArgs) -> Result<()> {
             Ok(())
         }
         Action::Crd => {
-            print!("{}", budget_crd::crd_yaml()?);
+            print!("{}", gpuledger_crd::crd_yaml()?);
             Ok(())
         }
         Action::Set(s) => {
@@ -208,17 +207,17 @@ fn ns_arg(ns: &str) -> String {
 /// The budget `gpuledger budget set` asks for, read through the GPUBudget spec so that the
 /// flags and the object are refused for the same reasons (the allocator checks again).
 fn budget_of(s: &SetArgs) -> Result<pb::BudgetSet> {
-    let spec = budget_crd::GPUBudgetSpec {
+    let spec = gpuledger_crd::GPUBudgetSpec {
         amount: s.amount.clone(),
         unit: match s.unit {
-            Unit::MibHours => budget_crd::BudgetUnit::MibHours,
-            Unit::GpuHours => budget_crd::BudgetUnit::GpuHours,
+            Unit::MibHours => gpuledger_crd::BudgetUnit::MibHours,
+            Unit::GpuHours => gpuledger_crd::BudgetUnit::GpuHours,
         },
         window: s.window.clone(),
         policy: match s.policy {
-            Policy::Demote => budget_crd::BudgetPolicy::Demote,
-            Policy::Deny => budget_crd::BudgetPolicy::Deny,
-            Policy::Warn => budget_crd::BudgetPolicy::Warn,
+            Policy::Demote => gpuledger_crd::BudgetPolicy::Demote,
+            Policy::Deny => gpuledger_crd::BudgetPolicy::Deny,
+            Policy::Warn => gpuledger_crd::BudgetPolicy::Warn,
         },
         priority_class_name: s.priority_class.clone(),
         quota: None,

@@ -22,7 +22,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use engine::{
     GO_INFORMER_DRAWS, POINTS, Procedure, RunResult, Setup, Streams, Ties, trace_workload,
 };
-use gpuledger_ops::trace::{NodeRow, PodRow, read_nodes, read_pods};
+use gpuledger_trace::{NodeRow, PodRow, read_nodes, read_pods};
 use probe::{Cost, Probe};
 
 /// Arguments of `gpuledger simulate`.

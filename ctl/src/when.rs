@@ -46,7 +46,7 @@ pub fn parse_time(s: &str) -> Result<TimeArg, String> {
     }
 }
 
-pub use gpuledger_ops::budget_crd::parse_duration_ms;
+pub use gpuledger_crd::parse_duration_ms;
 
 /// An RFC 3339 time (or an ISO 8601 relative of it, such as a space for the `T`) as
 /// milliseconds since the Unix epoch.

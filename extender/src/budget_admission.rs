@@ -14,7 +14,7 @@ use crate::replica::Replica;
 
 /// The annotation a demoted pod gets: why, and when the budget recovers. The pod has no UID
 /// at admission, so the allocator's pod watch turns it into the pod's Event once it exists.
-pub const ANN_DEMOTED: &str = gpuledger_ops::budget_crd::ANN_DEMOTED;
+pub const ANN_DEMOTED: &str = gpuledger_crd::ANN_DEMOTED;
 
 /// What admission does with a GPU pod, given its namespace's budget.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,14 +1,10 @@
-//! What every gpuledger binary shares to be operated: log setup, the Kubernetes client, pod
-//! Events for users, the Prometheus `/metrics` route, and the reader of the openb trace files
-//! the simulator and the chaos workloads share, and the ledger's audit archive, and the
-//! `GPUBudget` custom resource.
+//! What every gpuledger component shares to run in a cluster and be operated: log setup, the
+//! Prometheus `/metrics` route, the injected clock, the Kubernetes client, pod Events for
+//! users, and Kubernetes resource quantities.
 
-pub mod archive;
-pub mod budget_crd;
 pub mod clock;
 pub mod events;
 pub mod kube_client;
 pub mod logging;
 pub mod metrics;
 pub mod quantity;
-pub mod trace;

@@ -4,11 +4,11 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use gpuledger_ledger::pb;
-use gpuledger_ledger::state::{Quota, same_budget};
-use gpuledger_ops::budget_crd::{
+use gpuledger_crd::{
     CLUSTER_DEFAULT_NAME, GPUBudget, SOURCE_PREFIX, STATE_APPLIED, STATE_REFUSED, source_of,
 };
+use gpuledger_ledger::pb;
+use gpuledger_ledger::state::{Quota, same_budget};
 use kube::ResourceExt;
 
 /// A write (or a refusal) a pass asks of the watch.

@@ -202,7 +202,7 @@ async fn replay_log(c: &mut LocalCluster) -> Result<Replay> {
         });
         tail.push(b);
     }
-    let archive = gpuledger_ops::archive::Archive::open(&c.dir.join("archive"))?;
+    let archive = gpuledger_archive::Archive::open(&c.dir.join("archive"))?;
     let mut batches = Vec::new();
     archive
         .read(1, 0, |b| {
@@ -210,10 +210,10 @@ async fn replay_log(c: &mut LocalCluster) -> Result<Replay> {
             true
         })
         .context("reading the log archive")?;
-    let archived = batches.last().map_or(0, gpuledger_ops::archive::last_seq);
+    let archived = batches.last().map_or(0, gpuledger_archive::last_seq);
     batches.extend(
         tail.into_iter()
-            .filter(|b| gpuledger_ops::archive::last_seq(b) > archived),
+            .filter(|b| gpuledger_archive::last_seq(b) > archived),
     );
     let mut r = Replay::from_batches(batches);
     // Every batch of a run is written by this version: all of them carry their link.
@@ -254,10 +254,8 @@ impl Replay {
                 let at = b.stored.as_ref().map_or("", |s| s.location.as_str());
                 r.violations.push(format!("chain: {e} ({at})"));
                 // Go on from this batch: one break, one violation.
-                r.chain = gpuledger_ledger::chain::Chain::resume(
-                    gpuledger_ops::archive::last_seq(&b),
-                    &hash,
-                );
+                r.chain =
+                    gpuledger_ledger::chain::Chain::resume(gpuledger_archive::last_seq(&b), &hash);
             }
             for e in &b.events {
                 r.apply(e);

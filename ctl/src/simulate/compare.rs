@@ -4,7 +4,7 @@
 use std::path::Path;
 
 use anyhow::{Context, bail};
-use gpuledger_ops::trace::{NodeRow, PodRow, read_pods};
+use gpuledger_trace::{NodeRow, PodRow, read_pods};
 
 use super::probe::{CLASSES, Cost};
 use super::variants::{self, Variant};

@@ -13,7 +13,7 @@ use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
-use gpuledger_ops::trace::{NodeRow, PodRow};
+use gpuledger_trace::{NodeRow, PodRow};
 
 use super::floor::Floor;
 use super::gorand::GoRand;

@@ -138,7 +138,7 @@ impl Floor {
 #[cfg(test)]
 mod tests {
     use gpuledger_ledger::placement::ContainerRequest;
-    use gpuledger_ops::trace::NodeRow;
+    use gpuledger_trace::NodeRow;
 
     use super::*;
 

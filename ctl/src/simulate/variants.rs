@@ -16,7 +16,7 @@ use rand::rngs::StdRng;
 use rand::seq::{IndexedRandom, SliceRandom};
 use rand::{Rng, SeedableRng};
 
-use gpuledger_ops::trace::{NodeRow, PodRow};
+use gpuledger_trace::{NodeRow, PodRow};
 
 /// What a variant changes in the base pod list.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]

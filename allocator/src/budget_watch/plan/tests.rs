@@ -1,6 +1,4 @@
-use gpuledger_ops::budget_crd::{
-    BudgetPolicy, BudgetUnit, GPUBudgetSpec, GPUBudgetStatus, GPUQuota,
-};
+use gpuledger_crd::{BudgetPolicy, BudgetUnit, GPUBudgetSpec, GPUBudgetStatus, GPUQuota};
 
 use super::*;
 

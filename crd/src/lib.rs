@@ -1,10 +1,9 @@
 //! The `GPUBudget` custom resource (`gpuledger.io/v1alpha1`): a namespace's GPU budget and quota
 //! as a Kubernetes object, and its translation into the ledger's `BudgetSet`/`QuotaSet`.
 //!
-//! It lives here, beside the Kubernetes client, because the allocator (which watches it) and
-//! the CLI (`gpuledger crd`, and `budget set`, which reads its flags through the same spec)
-//! both use it, and both already depend on this crate; the rules themselves are the ledger's
-//! ([`validate_budget`]), so the object, the CLI and the RPC refuse the same budgets.
+//! The allocator watches it; the CLI prints it (`gpuledger budget crd`) and reads `budget set`'s
+//! flags through the same spec. The rules themselves are the ledger's ([`validate_budget`]), so
+//! the object, the CLI and the RPC refuse the same budgets.
 
 use gpuledger_ledger::pb;
 use gpuledger_ledger::state::validate_budget;
