@@ -5,7 +5,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
 use backon::{ConstantBuilder, Retryable};
 use gpuledger_ops::events::{PodEvent, Recorder};
 use gpuledger_proto::allocator::v1 as api;
@@ -20,6 +19,17 @@ use crate::config::Config;
 use crate::metrics::Metrics;
 use crate::nvml::{GpuInfo, GpuState, NvmlBackend, XidEvent, is_critical_xid};
 use crate::view::{AllocateOptions, Change, View};
+
+/// Why the agent could not start. Not retryable: the node or the flags must change.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    /// NVML could not list the GPUs.
+    #[error("discovering GPUs: {0}")]
+    Discover(crate::nvml::Error),
+    /// The allocator addresses are missing or malformed.
+    #[error(transparent)]
+    Allocator(#[from] gpuledger_client::ClientError),
+}
 
 /// Retry a call to the allocator every second until it is accepted.
 fn every_second() -> ConstantBuilder {
@@ -71,8 +81,8 @@ impl Agent {
         cfg: Config,
         nvml: NvmlBackend,
         creds: &gpuledger_auth::Credentials,
-    ) -> anyhow::Result<Arc<Agent>> {
-        let gpus = nvml.gpus().context("discovering GPUs")?;
+    ) -> Result<Arc<Agent>, AgentError> {
+        let gpus = nvml.gpus().map_err(AgentError::Discover)?;
         for g in &gpus {
             info!(node = %cfg.node_name, gpu = %g.uuid, model = %g.model, usable_mib = g.memory_mib,
                 reserved_mib = g.reserved_mib, "discovered a GPU");

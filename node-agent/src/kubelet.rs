@@ -28,8 +28,19 @@ fn inode(p: &Path) -> Option<u64> {
     std::fs::metadata(p).ok().map(|m| m.ino())
 }
 
+/// Why a registration with the kubelet failed (retryable: the kubelet may be starting).
+#[derive(Debug, thiserror::Error)]
+enum RegisterError {
+    /// The kubelet's socket does not answer.
+    #[error("connecting to the kubelet: {0}")]
+    Connect(#[from] tonic::transport::Error),
+    /// The kubelet refused the registration.
+    #[error("the kubelet refused the registration: {0}")]
+    Refused(#[from] tonic::Status),
+}
+
 /// Register with the kubelet once.
-async fn register(kubelet_sock: &Path, endpoint: &str) -> anyhow::Result<()> {
+async fn register(kubelet_sock: &Path, endpoint: &str) -> Result<(), RegisterError> {
     let ch = crate::uds::channel(kubelet_sock).await?;
     let mut c = dp::registration_client::RegistrationClient::new(ch);
     c.register(dp::RegisterRequest {
@@ -86,7 +97,7 @@ pub async fn serve_and_register(agent: Arc<Agent>, shutdown: CancellationToken) 
                     break;
                 }
                 Err(e) => {
-                    tracing::debug!("registering with the kubelet: {e:#}");
+                    tracing::debug!("registering with the kubelet: {e}");
                     tokio::time::sleep(Duration::from_millis(500)).await;
                 }
             }

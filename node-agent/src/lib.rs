@@ -23,7 +23,6 @@ pub mod view;
 
 use std::time::Duration;
 
-use anyhow::Context;
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use tokio::signal::unix::{SignalKind, signal};
@@ -41,17 +40,37 @@ fn spawn_until(tasks: &TaskTracker, stop: &CancellationToken, fut: BoxFuture<'st
     tasks.spawn(stop.clone().run_until_cancelled_owned(fut));
 }
 
+/// Why the agent could not run. Not retryable: the node or the flags must change.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// A flag is missing or out of range.
+    #[error("{0}")]
+    Flag(&'static str),
+    /// NVML could not be loaded.
+    #[error(transparent)]
+    Nvml(#[from] nvml::Error),
+    /// The agent's credentials for the allocator could not be read.
+    #[error("the agent's credentials for the allocator: {0}")]
+    Credentials(#[from] gpuledger_auth::client::CredentialError),
+    /// The agent could not start.
+    #[error("starting the agent: {0}")]
+    Agent(#[from] agent::AgentError),
+    /// The signal handlers could not be installed.
+    #[error("installing the signal handlers: {0}")]
+    Signals(#[from] std::io::Error),
+}
+
 /// Run the agent until SIGTERM or SIGINT. Running containers are left untouched on exit.
-pub async fn run(cfg: Config) -> anyhow::Result<()> {
-    anyhow::ensure!(
-        !cfg.node_name.is_empty(),
-        "--node-name (NODE_NAME) is empty"
-    );
-    anyhow::ensure!(cfg.slots_per_gpu > 0, "--slots-per-gpu must be at least 1");
+pub async fn run(cfg: Config) -> Result<(), RunError> {
+    if cfg.node_name.is_empty() {
+        return Err(RunError::Flag("--node-name (NODE_NAME) is empty"));
+    }
+    if cfg.slots_per_gpu == 0 {
+        return Err(RunError::Flag("--slots-per-gpu must be at least 1"));
+    }
     let nvml = nvml::NvmlBackend::open(cfg.nvml_lib.as_deref())?;
-    let creds = gpuledger_auth::Credentials::load(&cfg.credentials)
-        .context("the agent's credentials for the allocator")?;
-    let agent = agent::Agent::new(cfg, nvml, &creds).context("starting the agent")?;
+    let creds = gpuledger_auth::Credentials::load(&cfg.credentials)?;
+    let agent = agent::Agent::new(cfg, nvml, &creds)?;
     match gpuledger_ops::kube_client::client(agent.cfg.kubeconfig.as_deref()).await {
         Ok(Some(client)) => {
             let rec = gpuledger_ops::events::Recorder::new(

@@ -5,8 +5,38 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use anyhow::{Context, bail};
 use csv::{Position, ReaderBuilder, StringRecord, Trim};
+
+/// Why a trace file could not be read. None is retryable: the file must change.
+#[derive(Debug, thiserror::Error)]
+pub enum TraceError {
+    /// The file could not be read.
+    #[error("cannot read {}: {error}", path.display())]
+    Read {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What the system said.
+        error: std::io::Error,
+    },
+    /// The file is not CSV.
+    #[error("{}: not readable as CSV: {error}", path.display())]
+    Csv {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What the CSV reader said.
+        error: csv::Error,
+    },
+    /// A header, row or cell is not what a trace holds; the message names the file and line.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Refuse with a message naming the file and line.
+macro_rules! invalid {
+    ($($arg:tt)*) => {
+        return Err(TraceError::Invalid(format!($($arg)*)))
+    };
+}
 
 /// One node of the node list.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -60,7 +90,7 @@ struct Table<'a> {
 }
 
 impl<'a> Table<'a> {
-    fn parse(file: &'a Path, text: &str) -> anyhow::Result<Self> {
+    fn parse(file: &'a Path, text: &str) -> Result<Self, TraceError> {
         // Flexible, so that a short or long row gets this reader's message with its line.
         let mut reader = ReaderBuilder::new()
             .has_headers(false)
@@ -72,8 +102,11 @@ impl<'a> Table<'a> {
             Err(_) => true,
         });
         let header = match records.next() {
-            None => bail!("{}: empty file, expected a CSV header", file.display()),
-            Some(r) => r.with_context(|| format!("{}: not readable as CSV", file.display()))?,
+            None => invalid!("{}: empty file, expected a CSV header", file.display()),
+            Some(r) => r.map_err(|error| TraceError::Csv {
+                path: file.to_path_buf(),
+                error,
+            })?,
         };
         let columns: HashMap<String, usize> = header
             .iter()
@@ -83,10 +116,13 @@ impl<'a> Table<'a> {
         let width = header.len();
         let mut rows = Vec::new();
         for r in records {
-            let rec = r.with_context(|| format!("{}: not readable as CSV", file.display()))?;
+            let rec = r.map_err(|error| TraceError::Csv {
+                path: file.to_path_buf(),
+                error,
+            })?;
             let line = rec.position().map_or(0, Position::line);
             if rec.len() != width {
-                bail!(
+                invalid!(
                     "{}:{line}: {} fields, the header has {width}",
                     file.display(),
                     rec.len(),
@@ -101,16 +137,16 @@ impl<'a> Table<'a> {
         })
     }
 
-    fn column(&self, names: &[&str]) -> anyhow::Result<usize> {
+    fn column(&self, names: &[&str]) -> Result<usize, TraceError> {
         names
             .iter()
             .find_map(|n| self.columns.get(*n).copied())
-            .with_context(|| {
-                format!(
+            .ok_or_else(|| {
+                TraceError::Invalid(format!(
                     "{}:1: missing column {:?} in the header",
                     self.file.display(),
                     names[0]
-                )
+                ))
             })
     }
 
@@ -120,13 +156,13 @@ impl<'a> Table<'a> {
         cells: &StringRecord,
         col: usize,
         name: &str,
-    ) -> anyhow::Result<T> {
+    ) -> Result<T, TraceError> {
         let cell = &cells[col];
         cell.parse().map_err(|_| {
-            anyhow::anyhow!(
+            TraceError::Invalid(format!(
                 "{}:{line}: column {name}: {cell:?} is not a non-negative integer",
                 self.file.display(),
-            )
+            ))
         })
     }
 }
@@ -136,18 +172,21 @@ fn is_blank(rec: &StringRecord) -> bool {
     rec.len() == 1 && rec[0].is_empty()
 }
 
-fn read(path: &Path) -> anyhow::Result<String> {
-    std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))
+fn read(path: &Path) -> Result<String, TraceError> {
+    std::fs::read_to_string(path).map_err(|error| TraceError::Read {
+        path: path.to_path_buf(),
+        error,
+    })
 }
 
 /// Read a node list (columns `sn`, `cpu_milli`, `memory_mib`, `gpu`, `model`, in any order).
-pub fn read_nodes(path: &Path) -> anyhow::Result<Vec<NodeRow>> {
+pub fn read_nodes(path: &Path) -> Result<Vec<NodeRow>, TraceError> {
     let text = read(path)?;
     parse_nodes(path, &text)
 }
 
 /// Parse a node list already read from `path`.
-pub fn parse_nodes(path: &Path, text: &str) -> anyhow::Result<Vec<NodeRow>> {
+pub fn parse_nodes(path: &Path, text: &str) -> Result<Vec<NodeRow>, TraceError> {
     let t = Table::parse(path, text)?;
     let (sn, cpu, mem, gpu, model) = (
         t.column(&["sn", "name", "node"])?,
@@ -161,13 +200,13 @@ pub fn parse_nodes(path: &Path, text: &str) -> anyhow::Result<Vec<NodeRow>> {
         let line = *line;
         let gpus: u32 = t.number(line, cells, gpu, "gpu")?;
         if gpus > 64 {
-            bail!(
+            invalid!(
                 "{}:{line}: column gpu: {gpus} GPUs on one node (at most 64)",
                 path.display()
             );
         }
         if cells[sn].is_empty() {
-            bail!("{}:{line}: column sn: empty node name", path.display());
+            invalid!("{}:{line}: column sn: empty node name", path.display());
         }
         out.push(NodeRow {
             name: cells[sn].to_string(),
@@ -178,20 +217,20 @@ pub fn parse_nodes(path: &Path, text: &str) -> anyhow::Result<Vec<NodeRow>> {
         });
     }
     if out.is_empty() {
-        bail!("{}: no nodes", path.display());
+        invalid!("{}: no nodes", path.display());
     }
     Ok(out)
 }
 
 /// Read a pod list (columns `name`, `cpu_milli`, `memory_mib`, `num_gpu`, `gpu_milli`,
 /// `gpu_spec`, in any order; other columns are ignored).
-pub fn read_pods(path: &Path) -> anyhow::Result<Vec<PodRow>> {
+pub fn read_pods(path: &Path) -> Result<Vec<PodRow>, TraceError> {
     let text = read(path)?;
     parse_pods(path, &text)
 }
 
 /// Parse a pod list already read from `path`.
-pub fn parse_pods(path: &Path, text: &str) -> anyhow::Result<Vec<PodRow>> {
+pub fn parse_pods(path: &Path, text: &str) -> Result<Vec<PodRow>, TraceError> {
     let t = Table::parse(path, text)?;
     let (name, cpu, mem, num, milli) = (
         t.column(&["name"])?,
@@ -209,31 +248,31 @@ pub fn parse_pods(path: &Path, text: &str) -> anyhow::Result<Vec<PodRow>> {
         let num_gpu: u32 = t.number(line, cells, num, "num_gpu")?;
         let gpu_milli: u32 = t.number(line, cells, milli, "gpu_milli")?;
         if num_gpu > 64 {
-            bail!(
+            invalid!(
                 "{}:{line}: column num_gpu: {num_gpu} GPUs (at most 64)",
                 path.display()
             );
         }
         let gpu_milli = match (num_gpu, gpu_milli) {
             (0, 0) => 0,
-            (0, m) => bail!(
+            (0, m) => invalid!(
                 "{}:{line}: column gpu_milli: {m} with num_gpu 0 (a CPU-only pod has gpu_milli 0)",
                 path.display()
             ),
             (1, m @ 1..=1000) => m,
-            (1, m) => bail!(
+            (1, m) => invalid!(
                 "{}:{line}: column gpu_milli: {m} is outside 1..=1000",
                 path.display()
             ),
             // Multi-GPU pods take whole GPUs.
             (_, 1000) => 1000,
-            (n, m) => bail!(
+            (n, m) => invalid!(
                 "{}:{line}: column gpu_milli: {m} with num_gpu {n} (multi-GPU pods use whole GPUs, 1000)",
                 path.display()
             ),
         };
         if cells[name].is_empty() {
-            bail!("{}:{line}: column name: empty pod name", path.display());
+            invalid!("{}:{line}: column name: empty pod name", path.display());
         }
         let gpu_spec = spec
             .map(|c| {
@@ -253,7 +292,7 @@ pub fn parse_pods(path: &Path, text: &str) -> anyhow::Result<Vec<PodRow>> {
             Some(d) if !cells[d].is_empty() => {
                 let end: u64 = t.number(line, cells, d, "deletion_time")?;
                 if end < created_s {
-                    bail!(
+                    invalid!(
                         "{}:{line}: column deletion_time: {end} is before creation_time {created_s}",
                         path.display()
                     );
@@ -274,7 +313,7 @@ pub fn parse_pods(path: &Path, text: &str) -> anyhow::Result<Vec<PodRow>> {
         });
     }
     if out.is_empty() {
-        bail!("{}: no pods", path.display());
+        invalid!("{}: no pods", path.display());
     }
     Ok(out)
 }
