@@ -1,4 +1,7 @@
+use super::validate::MAX_AMOUNT;
 use super::*;
+use crate::Ledger;
+use crate::pb::event::Body;
 use crate::placement::{ContainerRequest, Policy};
 use crate::{Command, CommandError, PodRequest};
 
