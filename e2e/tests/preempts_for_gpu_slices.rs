@@ -216,9 +216,9 @@ async fn a_namespace_over_budget_is_demoted_preempted_and_recovers() -> Result<(
     let (e, nodes) = E2e::with_gpu_nodes(Options::default(), 1, 1, A).await?;
     e.namespace(B).await?;
     priority_classes(&e.client, &[(DEMOTED, DEMOTED_VALUE)]).await?;
-    let admin =
-        e.cp.pki
-            .token_flags(&e.cp.pki.request_token(&e.client, ADMIN_SA).await?);
+    let admin = e
+        .certs
+        .token_flags(&e.cp.pki.request_token(&e.client, ADMIN_SA).await?);
     let addrs = &e.gl.allocs.addrs;
     let set = |policy: &str| {
         let mut args = vec![

@@ -69,6 +69,12 @@ impl EtcdCluster {
         Self::start_with_aliases(dir, n, &[]).await
     }
 
+    /// Like [`EtcdCluster::start_in`] with the `etcd` binary at `etcd` instead of the one on
+    /// PATH (the real-Kubernetes tier runs its API server on the etcd it builds).
+    pub async fn start_in_with(dir: &Path, n: usize, etcd: &Path) -> Result<EtcdCluster> {
+        Self::launch(dir, n, &[], etcd.to_path_buf()).await
+    }
+
     /// Like [`EtcdCluster::start_in`], every member also serving clients on the same port of
     /// each loopback address in `aliases` (e.g. `127.0.1.1`). A client that reaches etcd only
     /// through its own alias can be cut off from etcd by an iptables rule on that address
@@ -78,7 +84,15 @@ impl EtcdCluster {
         n: usize,
         aliases: &[String],
     ) -> Result<EtcdCluster> {
-        let etcd = find_etcd()?;
+        Self::launch(dir, n, aliases, find_etcd()?).await
+    }
+
+    async fn launch(
+        dir: &Path,
+        n: usize,
+        aliases: &[String],
+        etcd: PathBuf,
+    ) -> Result<EtcdCluster> {
         std::fs::create_dir_all(dir)?;
         let pki = Pki::new(dir)?;
         let member_cert = pki.peer("etcd-member")?;
