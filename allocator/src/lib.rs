@@ -22,6 +22,7 @@ pub mod shared;
 pub mod tail;
 pub mod views;
 pub mod workload;
+pub mod write_limits;
 
 pub use config::Config;
 pub use replica::run;
