@@ -9,6 +9,7 @@ mod binds_in_flight;
 mod budget_demotion;
 mod crash_recovery;
 mod golden_fixtures;
+mod hostile_requests;
 mod peer_pods_unchanged;
 mod preemption;
 mod replica_answers;
