@@ -9,6 +9,7 @@ mod budgets_from_kubernetes;
 mod etcd_out_of_space;
 mod etcd_tls;
 mod fgd_live;
+mod fuzz_grpc;
 mod graceful_handover;
 mod hostile_clients;
 mod hostile_tokens;

@@ -67,8 +67,9 @@ fn answer(mut resp: AdmissionResponse) -> Response {
     axum::Json(v).into_response()
 }
 
-/// The review's request and its pod (None for anything that is not a pod).
-fn parse(body: &[u8]) -> Result<(AdmissionRequest<DynamicObject>, Option<Pod>), String> {
+/// Decode an AdmissionReview body: its request and its pod (None for anything that is not a
+/// pod).
+pub fn parse(body: &[u8]) -> Result<(AdmissionRequest<DynamicObject>, Option<Pod>), String> {
     let review: AdmissionReview<DynamicObject> =
         serde_json::from_slice(body).map_err(|e| format!("malformed AdmissionReview: {e}"))?;
     let req: AdmissionRequest<DynamicObject> = review

@@ -8,6 +8,7 @@ mod bad_input;
 mod binds_in_flight;
 mod budget_demotion;
 mod crash_recovery;
+mod fuzz_inputs;
 mod golden_fixtures;
 mod hostile_requests;
 mod peer_pods_unchanged;
