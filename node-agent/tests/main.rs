@@ -9,6 +9,7 @@ mod cdi_allocate;
 mod cuda_context;
 mod enforcement;
 mod events_and_metrics;
+mod fake_pod_cgroup;
 mod forged_allocation_id;
 mod host_pid_namespace;
 mod identity_correction;
