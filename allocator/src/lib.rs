@@ -9,6 +9,7 @@ pub mod authz;
 pub mod budget_watch;
 pub mod config;
 pub mod election;
+pub mod expiry;
 pub mod grpc;
 pub mod http;
 pub mod kube_watch;
