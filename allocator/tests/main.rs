@@ -21,6 +21,7 @@ mod log_archive;
 mod metrics_cover_the_ledger;
 mod no_lost_grant;
 mod rpc_spans;
+mod slow_etcd;
 mod snapshots_and_compaction;
 mod ui_api;
 mod ui_browser;
