@@ -19,5 +19,6 @@ mod pid_reuse;
 mod private_cgroup_namespace;
 mod restarts;
 mod reused_devices;
+mod scheduler_skipped;
 mod subscription_failover;
 mod xid_health;
