@@ -77,7 +77,20 @@ fn inventory() -> impl Strategy<Value = pb::NodeInventory> {
 fn request() -> impl Strategy<Value = PodRequest> {
     (
         0u8..8,
-        prop::collection::vec((edgy_u32(), edgy_u64(), edgy_u32(), edgy_u32()), 0..4),
+        prop::collection::vec(
+            prop_oneof![
+                (edgy_u32(), edgy_u64(), edgy_u32(), edgy_u32()),
+                // Plausible shapes, so that absurd inventories meet requests that pass
+                // validation (a percentage of a GPU of absurd memory overflowed).
+                (
+                    1u32..4,
+                    prop_oneof![Just(0u64), edgy_u64()],
+                    0u32..=100,
+                    0u32..=1000
+                ),
+            ],
+            0..4,
+        ),
         edgy_u64(),
         edgy_u64(),
     )
