@@ -20,6 +20,7 @@ mod leader_fencing;
 mod log_archive;
 mod metrics_cover_the_ledger;
 mod no_lost_grant;
+mod rewritten_head;
 mod rpc_spans;
 mod slow_etcd;
 mod snapshots_and_compaction;
