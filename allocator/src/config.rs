@@ -171,6 +171,10 @@ pub struct Config {
     )]
     pub scheduler_names: Vec<String>,
 
+    /// What one caller may write (node agents' write rate, inventory size).
+    #[command(flatten)]
+    pub write_limits: crate::write_limits::WriteLimitArgs,
+
     /// The longest a token's verdict is cached, in seconds (never past the token's expiry).
     #[arg(long, env = "GPULEDGER_TOKEN_CACHE_MAX_S", default_value_t = 300)]
     pub token_cache_max_s: u64,

@@ -24,6 +24,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
+use crate::expiry::Expiry;
 use crate::service::Service;
 use crate::shared::Role;
 
@@ -52,10 +53,6 @@ pub struct KubeArgs {
     #[command(flatten)]
     pub budgets: crate::budget_watch::BudgetArgs,
 }
-
-/// How long a fresh reservation may be missing from the pod cache before it counts as gone
-/// (the watch may simply not have delivered the pod yet).
-const YOUNG_MS: i64 = 5_000;
 
 /// Node capacity updates submitted at once by one reconcile pass.
 const SYNC_CONCURRENCY: usize = 64;
@@ -226,7 +223,12 @@ impl Watch {
     }
 
     /// Compare the ledger with the cluster; fix what the watch did not (leader only).
-    async fn reconcile(&self, node_missing: &mut HashMap<String, Instant>, grace: Duration) {
+    async fn reconcile(
+        &self,
+        node_missing: &mut HashMap<String, Instant>,
+        expiry: &mut Expiry,
+        grace: Duration,
+    ) {
         if !self.leading() || !self.pods_ready.load(Ordering::Relaxed) {
             return;
         }
@@ -235,6 +237,7 @@ impl Watch {
                 let mut m: BTreeMap<String, Vec<Held>> = BTreeMap::new();
                 for a in l.allocs().values() {
                     m.entry(a.pod.uid.clone()).or_default().push(Held {
+                        id: a.id,
                         ns: a.pod.namespace.clone(),
                         name: a.pod.name.clone(),
                         node: a.node.clone(),
@@ -247,7 +250,14 @@ impl Watch {
             })
             .await;
         let clock = self.service.shared().clock.clone();
-        let now = clock.now_ms();
+        // Expiry runs on this replica's monotonic clock (see `expiry`): a leader whose wall
+        // clock differs from the reserving leader's never expires a reservation early.
+        let now = clock.now();
+        let held: HashSet<u64> = allocs.values().flatten().map(|x| x.id).collect();
+        expiry.retain(|id| held.contains(&id));
+        let expired_of = |e: &mut Expiry, x: &Held| {
+            x.reserved && e.expired(x.id, x.reserved_ms, x.deadline_ms, now)
+        };
         for (uid, list) in allocs {
             let a = &list[0];
             let cached = self
@@ -265,15 +275,13 @@ impl Watch {
                         self.on_pod(&p).await;
                         continue;
                     }
-                    let expired = list.iter().any(|x| x.reserved && x.deadline_ms <= now);
-                    if expired {
+                    if list.iter().any(|x| expired_of(expiry, x)) {
                         self.expire(&uid, a).await;
                     }
                 }
                 None => {
-                    let young = list.iter().all(|x| now - x.reserved_ms < YOUNG_MS);
-                    let expired = list.iter().any(|x| x.reserved && x.deadline_ms <= now);
-                    if young && !expired {
+                    let expired = list.iter().any(|x| expired_of(expiry, x));
+                    if !expired && list.iter().all(|x| expiry.young(x.id, now)) {
                         continue;
                     }
                     // Not in the cache: ask the API server before releasing anything.
@@ -397,6 +405,7 @@ fn allocatable(n: &Node) -> Option<(u64, u64)> {
 
 /// One allocation as the reconcile sees it.
 struct Held {
+    id: u64,
     ns: String,
     name: String,
     node: String,
@@ -498,10 +507,11 @@ async fn run(service: Service, client: kube::Client, args: KubeArgs) {
     });
     let grace = Duration::from_secs(args.node_gone_grace_s);
     let mut missing = HashMap::new();
+    let mut expiry = Expiry::default();
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        w.reconcile(&mut missing, grace).await;
+        w.reconcile(&mut missing, &mut expiry, grace).await;
     }
 }

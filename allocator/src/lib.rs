@@ -9,6 +9,7 @@ pub mod authz;
 pub mod budget_watch;
 pub mod config;
 pub mod election;
+pub mod expiry;
 pub mod grpc;
 pub mod http;
 pub mod kube_watch;
@@ -22,6 +23,7 @@ pub mod shared;
 pub mod tail;
 pub mod views;
 pub mod workload;
+pub mod write_limits;
 
 pub use config::Config;
 pub use replica::run;

@@ -57,6 +57,18 @@ pub enum LogError {
     },
 }
 
+/// What etcd answers a write with while its NOSPACE alarm is raised.
+const ETCD_NO_SPACE: &str = "database space exceeded";
+
+impl LogError {
+    /// etcd refused the request because its space quota is used up (its NOSPACE alarm): the
+    /// request certainly did not apply, and no write will until an operator frees space and
+    /// disarms the alarm.
+    pub fn is_no_space(&self) -> bool {
+        matches!(self, LogError::Etcd(e) if e.to_string().contains(ETCD_NO_SPACE))
+    }
+}
+
 /// Result of a fenced commit.
 #[derive(Debug)]
 pub enum Commit {

@@ -8,6 +8,7 @@ use gpuledger_ledger::pb::event::Body;
 use prometheus_client::encoding::text::{encode_eof, encode_registry};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
@@ -43,6 +44,15 @@ pub struct Metrics {
     pub leaderships: Counter,
     /// Committed batches this replica refused to fold because they do not chain.
     pub chain_breaks: Counter,
+    /// 1 while etcd's NOSPACE alarm is raised (it refuses every write), else 0.
+    pub etcd_nospace: Gauge,
+    /// Ledger batches etcd refused for want of space.
+    pub nospace_refusals: Counter,
+    /// Leaderships that ended before their first write (a `head` that does not match the log,
+    /// etcd refusing the takeover): the replica backs off before campaigning again.
+    pub failed_takeovers: Counter,
+    /// Writes refused by a limit of this replica, by limit.
+    pub writes_refused: Family<Vec<(&'static str, String)>, Counter>,
     /// Calls refused by the authorization table, by rule and caller role.
     denied: Family<Vec<(&'static str, String)>, Counter>,
     /// Events folded, by type (index into [`EVENT_TYPES`]): a fixed array, so counting an
@@ -77,6 +87,30 @@ impl Default for Metrics {
             "Batches refused because their prev_hash does not chain (the log was changed; this replica stops folding)",
             chain_breaks.clone(),
         );
+        let etcd_nospace = Gauge::default();
+        registry.register(
+            "etcd_nospace",
+            "1 while etcd's NOSPACE alarm is raised and it refuses every write (recover: compact, defragment, disarm; see gpuledger status)",
+            etcd_nospace.clone(),
+        );
+        let nospace_refusals = Counter::default();
+        registry.register(
+            "etcd_nospace_refusals",
+            "Ledger batches etcd refused because its space quota is used up (NOSPACE)",
+            nospace_refusals.clone(),
+        );
+        let failed_takeovers = Counter::default();
+        registry.register(
+            "failed_takeovers",
+            "Leaderships that ended before their first write (head does not match the log, or etcd refused it); the replica backs off before campaigning again",
+            failed_takeovers.clone(),
+        );
+        let writes_refused = Family::<Vec<(&'static str, String)>, Counter>::default();
+        registry.register(
+            "writes_refused",
+            "Writes refused by a limit of this replica (node_write_rate, gpus_per_node, gpu_memory), by limit",
+            writes_refused.clone(),
+        );
         let denied = Family::<Vec<(&'static str, String)>, Counter>::default();
         registry.register(
             "calls_denied",
@@ -89,6 +123,10 @@ impl Default for Metrics {
             batch_events,
             leaderships,
             chain_breaks,
+            etcd_nospace,
+            nospace_refusals,
+            failed_takeovers,
+            writes_refused,
             denied,
             events: Default::default(),
         }
@@ -124,6 +162,13 @@ impl Metrics {
                 ("rule", rule.to_string()),
                 ("role", role.to_string()),
             ])
+            .inc();
+    }
+
+    /// Count a write refused by `limit`.
+    pub fn refused(&self, limit: &str) {
+        self.writes_refused
+            .get_or_create(&vec![("limit", limit.to_string())])
             .inc();
     }
 

@@ -5,7 +5,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use backon::Retryable;
-use etcd_client::{Certificate, Client, ConnectOptions, Identity, TlsOptions};
+use etcd_client::{
+    AlarmAction, AlarmType, Certificate, Client, ConnectOptions, Identity, TlsOptions,
+};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument, info, info_span, warn};
@@ -127,7 +129,10 @@ pub async fn run_until(cfg: Config, stop: CancellationToken) -> anyhow::Result<(
         authz,
         peers,
     )
-    .with_archive(archive.clone());
+    .with_archive(archive.clone())
+    .with_write_limits(crate::write_limits::WriteLimits::new(
+        cfg.write_limits.clone(),
+    ));
     let http = tokio::net::TcpListener::bind(cfg.http_listen)
         .await
         .with_context(|| format!("listening on --http-listen {}", cfg.http_listen))?;
@@ -290,6 +295,7 @@ async fn lifecycle(
         confirm_linger: Duration::from_millis(cfg.confirm_linger_ms),
         load_linger: Duration::from_micros(cfg.commit_linger_us),
     };
+    let mut takeovers = TakeoverBackoff::default();
     loop {
         if stop.is_cancelled() {
             return Ok(());
@@ -310,7 +316,13 @@ async fn lifecycle(
         );
         let session = (|| Session::start(client, cfg.lease_ttl()))
             .retry(forever(Duration::from_millis(500)))
-            .notify(|e, _| warn!(error = %e, "cannot get an etcd lease; following only"));
+            .notify(|e, _| {
+                // Under etcd's NOSPACE alarm no lease can be granted; the health loop says
+                // so once, not twice a second.
+                if shared.nospace().is_none() {
+                    warn!(error = %e, "cannot get an etcd lease; following only")
+                }
+            });
         let session = stop.run_until_cancelled(session).await;
         let won = match &session {
             Some(Ok(session)) => {
@@ -382,6 +394,8 @@ async fn lifecycle(
         if let Some(t) = trimmer {
             let _ = t.await;
         }
+        // `Leader::run` announces the role only once its first event is written.
+        let took_over = shared.role_info().role == Role::Leader;
         let epoch = shared.role_info().epoch;
         shared.set_role(Role::Follower, epoch, String::new());
         // Resign by revoking the lease: the election key goes at once, so a follower takes
@@ -394,8 +408,52 @@ async fn lifecycle(
         if matches!(why, StepDown::Shutdown) {
             return Ok(());
         }
-        // Let another replica win before campaigning again.
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        // Let another replica win before campaigning again; after a takeover that failed
+        // before writing anything (a `head` that does not match the log, etcd refusing),
+        // longer each time, so a replica that cannot lead does not re-run elections many
+        // times a second.
+        let pause = match &why {
+            // etcd refuses writes until an operator makes room: try again soon after.
+            StepDown::Etcd(e) if e.is_no_space() => Duration::from_secs(1),
+            _ => takeovers.after(took_over),
+        };
+        if !pause.is_zero() && pause >= TakeoverBackoff::LOUD {
+            warn!(
+                pause_ms = pause.as_millis() as u64,
+                "the last takeovers failed before writing anything; waiting before campaigning again"
+            );
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(100) + pause) => {}
+            _ = stop.cancelled() => return Ok(()),
+        }
+    }
+}
+
+/// How long a replica waits before campaigning again after takeovers that failed before
+/// their first write: nothing after a real leadership, then doubling from 200 ms to 30 s.
+#[derive(Debug, Default)]
+struct TakeoverBackoff {
+    failed: u32,
+}
+
+impl TakeoverBackoff {
+    const FIRST: Duration = Duration::from_millis(200);
+    const MAX: Duration = Duration::from_secs(30);
+    /// From this pause on, each one is logged.
+    const LOUD: Duration = Duration::from_secs(1);
+
+    /// The pause after a leadership that took over (`took_over`) or failed to.
+    fn after(&mut self, took_over: bool) -> Duration {
+        if took_over {
+            self.failed = 0;
+            return Duration::ZERO;
+        }
+        let pause = Self::FIRST
+            .saturating_mul(1 << self.failed.min(16))
+            .min(Self::MAX);
+        self.failed = self.failed.saturating_add(1);
+        pause
     }
 }
 
@@ -404,6 +462,24 @@ async fn lifecycle(
 async fn health_loop(shared: Arc<Shared>, client: Client, log: EtcdLog) {
     loop {
         let head = log.head().await;
+        if head.is_ok() {
+            // Reads work under the NOSPACE alarm; only the alarm list says writes do not.
+            let mut c = client.clone();
+            let alarms = tokio::time::timeout(
+                Duration::from_secs(1),
+                c.alarm(AlarmAction::Get, AlarmType::None, None),
+            )
+            .await;
+            if let Ok(Ok(a)) = alarms {
+                let members: Vec<String> = a
+                    .alarms()
+                    .iter()
+                    .filter(|m| m.alarm() == AlarmType::Nospace)
+                    .map(|m| format!("{:x}", m.member_id()))
+                    .collect();
+                shared.set_nospace((!members.is_empty()).then(|| members.join(",")));
+            }
+        }
         let leader = election::current_leader(&client, &log.election_name()).await;
         {
             let mut h = shared.health.lock().unwrap_or_else(|p| p.into_inner());
@@ -433,5 +509,22 @@ async fn health_loop(shared: Arc<Shared>, client: Client, log: EtcdLog) {
             }
         }
         tokio::time::sleep(Duration::from_millis(if head.is_ok() { 1000 } else { 250 })).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failed_takeovers_back_off_and_a_real_leadership_resets() {
+        let mut b = TakeoverBackoff::default();
+        let pauses: Vec<u128> = (0..10).map(|_| b.after(false).as_millis()).collect();
+        assert_eq!(
+            pauses,
+            [200, 400, 800, 1600, 3200, 6400, 12800, 25600, 30000, 30000]
+        );
+        assert_eq!(b.after(true), Duration::ZERO);
+        assert_eq!(b.after(false), Duration::from_millis(200));
     }
 }

@@ -34,6 +34,7 @@ use crate::grpc::Ids;
 use crate::log::EtcdLog;
 use crate::shared::Shared;
 use crate::workload::Learned;
+use crate::write_limits::WriteLimits;
 
 /// Map a refused command to a gRPC status.
 pub fn status_of(e: &CommandError) -> Status {
@@ -74,6 +75,7 @@ pub struct Service {
     archive: Option<crate::archive::Archive>,
     authz: Arc<Authz>,
     budget_guard: crate::budget_watch::GuardSlot,
+    write_limits: Arc<WriteLimits>,
 }
 
 /// How requests that name no policy are placed, and the workload FGD learns.
@@ -117,6 +119,14 @@ where
         )));
     }
     span.record("caller", tracing::field::display(&caller));
+    if call.writes() {
+        svc.write_limits.admit(
+            &caller,
+            call,
+            req.get_ref().encoded_len(),
+            &svc.shared.metrics,
+        )?;
+    }
     let answer = handler(req).await;
     if let Ok(a) = &answer {
         a.get_ref().record(&span);
@@ -146,7 +156,14 @@ impl Service {
             archive: None,
             authz,
             budget_guard: Default::default(),
+            write_limits: Arc::default(),
         }
+    }
+
+    /// The same service, holding callers to `limits`.
+    pub fn with_write_limits(mut self, limits: WriteLimits) -> Self {
+        self.write_limits = Arc::new(limits);
+        self
     }
 
     /// The same service, reading history older than etcd's log from `archive`.

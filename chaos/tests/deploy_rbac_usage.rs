@@ -155,7 +155,8 @@ async fn components_api_requests() -> Result<()> {
         .as_str()
         .unwrap_or_default()
         .to_string();
-    let mut req = pod(&uid_b, 1_000, 10);
+    // What pod b asks for (the allocator reserves nothing else).
+    let mut req = pod(&uid_b, 2_000, 0);
     if let Some(r) = req.pod.as_mut() {
         r.name = "b".into();
         r.namespace = "team-a".into();

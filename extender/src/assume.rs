@@ -18,6 +18,13 @@
 //! pod, or another extender replica bound it) expires after [`TENTATIVE_FOR`].
 //! A pod feasible on more than [`TENTATIVE_NODES`] nodes is counted only once its bind
 //! arrives: then any node is unlikely to be the one both it and the next pod need.
+//!
+//! Filter's pod is whatever JSON reached the port, so a pod is counted before its bind only
+//! once the API server confirmed it ([`InFlight::verified`]): it exists with that UID, is
+//! pending, is scheduled by a gpuledger scheduler, and the request counted is the one the API
+//! server's copy asks for. A made-up pod holds nothing, and a real pod holds no more than its
+//! own request. At most [`MAX_VERIFYING`] checks run at once; a pod filtered while they are
+//! all busy is counted from its bind on, as before filter.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -26,6 +33,7 @@ use std::time::{Duration, Instant};
 use gpuledger_ledger::placement::{self, Filtered};
 use gpuledger_ledger::{Fit, Ledger, NodeState, PodRequest};
 use gpuledger_proto::allocator::v1 as api;
+use prometheus_client::metrics::counter::Counter;
 
 use crate::replica::Defaults;
 
@@ -50,6 +58,9 @@ pub const TENTATIVE_NODES: usize = 16;
 /// whatever the scheduler sends).
 const MAX_ENTRIES: usize = 4096;
 
+/// Filtered pods checked against the API server at once.
+pub const MAX_VERIFYING: usize = 16;
+
 struct Entry {
     /// Where it may land: every node its filter found feasible, then the one its bind names.
     nodes: Vec<String>,
@@ -58,14 +69,42 @@ struct Entry {
     bound: bool,
     /// The seq of its reservation, once the allocator answered.
     landed: Option<u64>,
+    /// The API server has the pod as filter described it, and `request` is its own (a bind's
+    /// entry is: bind read the pod). Only such entries are counted.
+    verified: bool,
     /// Forgotten from this instant on.
     until: Instant,
 }
 
 /// The pods placed and not yet in the ledger replica, by pod uid.
-#[derive(Default)]
 pub struct InFlight {
     entries: Mutex<HashMap<String, Entry>>,
+    verifying: Arc<tokio::sync::Semaphore>,
+    /// Filtered pods never counted: the API server does not have them as filter said, or
+    /// every check was busy.
+    unverified: Counter,
+}
+
+impl Default for InFlight {
+    fn default() -> Self {
+        InFlight {
+            entries: Mutex::default(),
+            verifying: Arc::new(tokio::sync::Semaphore::new(MAX_VERIFYING)),
+            unverified: Counter::default(),
+        }
+    }
+}
+
+/// A filtered pod to check against the API server before it counts; holds one of the
+/// [`MAX_VERIFYING`] slots until dropped.
+pub struct Verify {
+    /// Pod UID, as filter said.
+    pub uid: String,
+    /// Namespace, as filter said.
+    pub namespace: String,
+    /// Name, as filter said.
+    pub name: String,
+    _slot: tokio::sync::OwnedSemaphorePermit,
 }
 
 /// One assumed bind. Dropped before [`Assumed::landed`], the bind failed and is forgotten.
@@ -110,33 +149,51 @@ impl InFlight {
     }
 
     /// Filter found `request` feasible on `nodes`: the scheduler binds it to one of them next.
-    pub fn feasible(&self, request: &api::PodRequest, nodes: &[String]) {
-        self.feasible_at(request, nodes, Instant::now());
+    /// It counts once the API server confirms it: check the pod the answer names and report
+    /// with [`InFlight::verified`] (None: nothing to check, or no check slot free).
+    pub fn feasible(&self, request: &api::PodRequest, nodes: &[String]) -> Option<Verify> {
+        self.feasible_at(request, nodes, Instant::now())
     }
 
-    fn feasible_at(&self, request: &api::PodRequest, nodes: &[String], now: Instant) {
-        let Some(uid) = request.pod.as_ref().map(|p| p.uid.as_str()) else {
-            return;
-        };
+    fn feasible_at(
+        &self,
+        request: &api::PodRequest,
+        nodes: &[String],
+        now: Instant,
+    ) -> Option<Verify> {
+        let pod = request.pod.as_ref()?;
+        let uid = pod.uid.as_str();
         let mut e = self.lock();
         if e.get(uid).is_some_and(|x| x.bound) {
             // Its bind is under way; that node is where it goes.
-            return;
+            return None;
         }
         if nodes.is_empty() {
             e.remove(uid);
-            return;
+            return None;
         }
         if e.len() >= MAX_ENTRIES {
             e.retain(|_, x| x.until > now);
             if e.len() >= MAX_ENTRIES {
-                return;
+                return None;
             }
         }
         let nodes = if nodes.len() > TENTATIVE_NODES {
             Vec::new()
         } else {
             nodes.to_vec()
+        };
+        if let Some(x) = e.get_mut(uid).filter(|x| x.verified) {
+            // Filtered again (the scheduler's retry): still the pod the API server has, with
+            // its own request.
+            x.nodes = nodes;
+            x.until = now + TENTATIVE_FOR;
+            return None;
+        }
+        let Ok(slot) = self.verifying.clone().try_acquire_owned() else {
+            e.remove(uid);
+            self.unverified.inc();
+            return None;
         };
         e.insert(
             uid.to_string(),
@@ -146,8 +203,39 @@ impl InFlight {
                 bound: false,
                 landed: None,
                 until: now + TENTATIVE_FOR,
+                verified: false,
             },
         );
+        Some(Verify {
+            uid: uid.to_string(),
+            namespace: pod.namespace.clone(),
+            name: pod.name.clone(),
+            _slot: slot,
+        })
+    }
+
+    /// What the API server said of a filtered pod: `Some(its own request)` when it has the pod,
+    /// pending and scheduled by gpuledger (from then on it counts, with that request); None
+    /// when not (it is forgotten).
+    pub fn verified(&self, uid: &str, own: Option<api::PodRequest>) {
+        let mut e = self.lock();
+        match (e.get_mut(uid), own) {
+            (Some(x), _) if x.bound => {}
+            (Some(x), Some(r)) => {
+                x.request = r;
+                x.verified = true;
+            }
+            (Some(_), None) => {
+                e.remove(uid);
+                self.unverified.inc();
+            }
+            (None, _) => {}
+        }
+    }
+
+    /// Filtered pods never counted (made up, or every check was busy), for `/metrics`.
+    pub fn unverified(&self) -> &Counter {
+        &self.unverified
     }
 
     /// A bind of pod `uid` to `node` arrives: assumed at once on that node alone with the
@@ -160,7 +248,8 @@ impl InFlight {
                 return None;
             }
             let x = e.remove(uid)?;
-            (x.until > now).then_some(x.request)?
+            // An unconfirmed request is filter's JSON: the bind reads the pod itself.
+            (x.until > now && x.verified).then_some(x.request)?
         };
         Some(self.assume_at(uid, node, request, now))
     }
@@ -185,6 +274,7 @@ impl InFlight {
                 bound: true,
                 landed: None,
                 until: now + FORGET_AFTER,
+                verified: true,
             },
         );
         Assumed {
@@ -207,7 +297,7 @@ impl InFlight {
         e.retain(|_, x| x.until > now && x.landed.is_none_or(|s| s > ledger.seq()));
         let mut out: HashMap<String, NodeState> = HashMap::new();
         for (uid, x) in e.iter() {
-            if uid == pod_uid || !ledger.allocs_of_pod(uid).is_empty() {
+            if !x.verified || uid == pod_uid || !ledger.allocs_of_pod(uid).is_empty() {
                 continue;
             }
             let Ok(req) = d.request(x.request.clone()) else {

@@ -9,7 +9,7 @@ pub mod extender;
 pub mod metrics;
 pub mod parallel;
 pub mod replica;
-pub mod resources;
+pub use gpuledger_ops::gpu_request as resources;
 pub mod scheduler_text;
 #[cfg(feature = "test-hooks")]
 pub mod test_hooks;

@@ -84,6 +84,16 @@ struct Args {
     #[arg(long, env = "GPULEDGER_SCHEDULER_NAME")]
     scheduler_name: Option<String>,
 
+    /// The scheduler names whose pods /bind binds (comma-separated); a bind of a pod of any
+    /// other scheduler is refused. The allocator's --scheduler-names, which it checks too.
+    #[arg(
+        long,
+        env = "GPULEDGER_SCHEDULER_NAMES",
+        value_delimiter = ',',
+        default_value = "gpuledger-scheduler,default-scheduler"
+    )]
+    scheduler_names: Vec<String>,
+
     /// Log format: "human" or "json".
     #[arg(long, env = "GPULEDGER_LOG_FORMAT", default_value = "human", value_parser = ["human", "json"])]
     log_format: String,
@@ -186,6 +196,7 @@ async fn run(a: Args) -> anyhow::Result<()> {
         metrics,
         replica,
         tasks: tasks.clone(),
+        scheduler_names: a.scheduler_names.clone(),
     };
     let probes = tokio::net::TcpListener::bind(a.http_listen)
         .await

@@ -1,7 +1,8 @@
 //! Regression (e2e `binds_in_flight`, 1 of 61 binds refused under load): kube-scheduler binds
 //! asynchronously, so the next pod's filter can reach the extender before the previous pod's
 //! bind does. A pod the extender found feasible holds that capacity, on every node it was
-//! feasible on, until its bind says where it goes, or fails.
+//! feasible on, until its bind says where it goes, or fails — once the API server confirmed
+//! the pod: a made-up one (issue 28: fake filters made a node refuse real pods) holds nothing.
 
 use crate::kit;
 
@@ -45,10 +46,29 @@ async fn a_filtered_pod_holds_its_capacity_until_its_bind() -> anyhow::Result<()
     }
     let ext = kit::extender(&stack)?;
     let (a, b) = (pod("a"), pod("b"));
+    // A made-up pod (the API server has no such pod) holds nothing.
+    let (names, _) = fits(&ext, &pod("ghost")).await?;
+    assert_eq!(names, json!(["n1", "n2"]));
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let (names, failed) = fits(&ext, &b).await?;
+    assert_eq!(
+        names,
+        json!(["n1", "n2"]),
+        "a made-up pod held room: {failed}"
+    );
+    stack.api.add_pod(a.clone())?;
     let (names, _) = fits(&ext, &a).await?;
     assert_eq!(names, json!(["n1", "n2"]));
-    // a's bind has not arrived: b cannot have the room a may take on either node.
-    let (names, failed) = fits(&ext, &b).await?;
+    // a's bind has not arrived: b cannot have the room a may take on either node (once the
+    // API server confirmed a, which takes a moment).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let (names, failed) = loop {
+        let (names, failed) = fits(&ext, &b).await?;
+        if names == json!([]) || std::time::Instant::now() > deadline {
+            break (names, failed);
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
     assert_eq!(names, json!([]), "{failed}");
     assert!(
         failed["n1"]
@@ -56,7 +76,8 @@ async fn a_filtered_pod_holds_its_capacity_until_its_bind() -> anyhow::Result<()
             .is_some_and(|w| w.contains("counting binds in flight")),
         "{failed}"
     );
-    // a's bind fails (a is not in the API server): a is forgotten, b fits again.
+    // a's bind fails (a is gone from the API server): a is forgotten, b fits again.
+    stack.api.delete_pod("default", "a")?;
     let bind = json!({"PodName": "a", "PodNamespace": "default", "PodUID": "uid-a", "Node": "n1"});
     let r = ext.post("bind", &bind).await?;
     assert!(r["Error"].as_str().is_some_and(|e| !e.is_empty()), "{r}");

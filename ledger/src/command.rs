@@ -2,6 +2,8 @@
 //! the state, applies the resulting events and returns them with the reply. Commands are
 //! idempotent: asking again for what the ledger already says writes nothing and answers the same.
 
+pub mod bounds;
+
 use crate::pb;
 use crate::pb::event::Body;
 use crate::placement::{self, Fit, PodRequest};
@@ -166,6 +168,7 @@ impl Ledger {
     }
 
     fn decide(&self, cmd: Command) -> Result<(Vec<Body>, Reply), CommandError> {
+        check_bounds(&cmd).map_err(CommandError::Invalid)?;
         let unchanged = Ok((Vec::new(), Reply::Done { changed: false }));
         let changed = |b: Vec<Body>| Ok((b, Reply::Done { changed: true }));
         match cmd {
@@ -386,12 +389,7 @@ impl Ledger {
                         .collect(),
                 )
             }
-            Command::ReportViolation(v) => {
-                if v.node.is_empty() {
-                    return Err(CommandError::Invalid("violation without node".into()));
-                }
-                changed(vec![Body::LimitViolated(v)])
-            }
+            Command::ReportViolation(v) => changed(vec![Body::LimitViolated(v)]),
             Command::LeaderElected(l) => changed(vec![Body::LeaderElected(l)]),
             Command::SetQuota(q) => {
                 if !crate::state::is_dns_label(&q.namespace) {
@@ -514,16 +512,18 @@ impl Ledger {
         };
         let (held_m, held_c) = self.budgets().held(ns);
         let shares = placed.iter().flat_map(|p| &p.shares);
-        let m: u64 = shares.clone().map(|s| s.mem_mib).sum();
-        let c: u64 = shares.map(|s| u64::from(s.core_milli)).sum();
-        if q.mem_mib > 0 && held_m + m > q.mem_mib {
+        let m = shares
+            .clone()
+            .fold(0u64, |t, s| t.saturating_add(s.mem_mib));
+        let c = shares.fold(0u64, |t, s| t.saturating_add(u64::from(s.core_milli)));
+        if q.mem_mib > 0 && held_m.saturating_add(m) > q.mem_mib {
             return Err(CommandError::NoCapacity(format!(
                 "namespace {ns} is over its GPU memory quota: holds {held_m} MiB, asks {m} MiB, \
                  quota {} MiB",
                 q.mem_mib
             )));
         }
-        if q.core_milli > 0 && held_c + c > q.core_milli {
+        if q.core_milli > 0 && held_c.saturating_add(c) > q.core_milli {
             return Err(CommandError::NoCapacity(format!(
                 "namespace {ns} is over its GPU compute quota: holds {held_c}, asks {c}, quota {} \
                  (thousandths of a GPU)",
@@ -531,6 +531,65 @@ impl Ledger {
             )));
         }
         Ok(())
+    }
+}
+
+/// Why `cmd` carries more than an event may hold (see [`bounds`]), if it does.
+fn check_bounds(cmd: &Command) -> Result<(), String> {
+    use bounds::{device_ids, id, name, text};
+    match cmd {
+        Command::RegisterNode(inv) => bounds::InventoryLimits::CEILING.check(inv),
+        Command::RemoveNode { node, reason } => {
+            name("node name", node)?;
+            text("reason", reason)
+        }
+        Command::SetDeviceHealth(h) => {
+            name("node name", &h.node)?;
+            id("GPU uuid", &h.gpu_uuid)?;
+            text("reason", &h.reason)
+        }
+        // The request's own validation bounds its names and sizes.
+        Command::Reserve { node, .. } => name("node name", node),
+        Command::ConfirmBound {
+            pod_uid,
+            node,
+            reason,
+        } => {
+            id("pod uid", pod_uid)?;
+            name("node name", node)?;
+            text("reason", reason)
+        }
+        Command::Assign {
+            node,
+            device_ids: d,
+            ..
+        }
+        | Command::CorrectIdentity {
+            node,
+            device_ids: d,
+            ..
+        } => {
+            name("node name", node)?;
+            device_ids(d)
+        }
+        Command::Release {
+            pod_uid,
+            container,
+            reason,
+            ..
+        } => {
+            id("pod uid", pod_uid)?;
+            id("container name", container)?;
+            text("reason", reason)
+        }
+        Command::ReportViolation(v) => bounds::check_violation(v),
+        Command::LeaderElected(l) => {
+            text("replica", &l.replica)?;
+            text("address", &l.address)
+        }
+        Command::SetQuota(_) => Ok(()),
+        Command::SetBudget(b) => text("budget source", &b.source),
+        Command::RemoveBudget(b) => text("budget source", &b.source),
     }
 }
 

@@ -11,6 +11,7 @@ pub mod allocators;
 pub mod bins;
 pub mod cluster;
 pub mod etcd;
+pub mod fuzz;
 pub mod history;
 pub mod http;
 pub mod kube;

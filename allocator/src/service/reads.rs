@@ -63,9 +63,11 @@ pub(super) async fn status(
     };
     let serving = svc.shared.serving();
     let leader_known = role.role == Role::Leader || !role.leader.is_empty();
-    let not_ready = match (&serving, leader_known) {
-        (Err(e), _) => e.clone(),
-        (Ok(()), false) => "no allocator leader is elected right now".into(),
+    let nospace = svc.shared.nospace();
+    let not_ready = match (&serving, &nospace, leader_known) {
+        (Err(e), _, _) => e.clone(),
+        (Ok(()), Some(_), _) => crate::shared::NOSPACE_REFUSAL.into(),
+        (Ok(()), None, false) => "no allocator leader is elected right now".into(),
         _ => String::new(),
     };
     Ok(Response::new(api::StatusResponse {
@@ -79,6 +81,7 @@ pub(super) async fn status(
         not_ready_reason: not_ready,
         nodes,
         allocations,
+        etcd_alarm: nospace.map_or_else(String::new, |_| "NOSPACE".into()),
     }))
 }
 

@@ -137,8 +137,15 @@ pub(super) async fn filter(State(app): State<App>, body: Bytes) -> Response {
                 "filter"
             );
             if let Some(r) = &app.replica {
-                // The scheduler binds the pod to one of these next, before it tells us which.
-                r.in_flight.feasible(&req, &f.fits);
+                // The scheduler binds the pod to one of these next, before it tells us which:
+                // counted once the API server confirms the pod (off the scheduler's path).
+                if let (Some(v), Some(kube)) = (r.in_flight.feasible(&req, &f.fits), &app.kube) {
+                    let (r, kube, names) = (r.clone(), kube.clone(), app.scheduler_names.clone());
+                    app.tasks.spawn(async move {
+                        let own = own_request(kube, &names, &v).await;
+                        r.in_flight.verified(&v.uid, own);
+                    });
+                }
             }
             out.failed_nodes = f.wait.into_iter().chain(f.never.clone()).collect();
             out.failed_and_unresolvable_nodes = f.never.into_iter().collect();
@@ -157,6 +164,35 @@ pub(super) async fn filter(State(app): State<App>, body: Bytes) -> Response {
     let hint = out.node_names.as_ref().map_or(0, Vec::len) * 24
         + (out.failed_nodes.len() + out.failed_and_unresolvable_nodes.len()) * 64;
     json_sized(&out, hint.max(128))
+}
+
+/// The request of the pod `v` names as the API server has it, if it has that pod pending, with
+/// that UID and of one of gpuledger's schedulers (`names`); None otherwise or on an error.
+async fn own_request(
+    kube: kube::Client,
+    names: &[String],
+    v: &crate::assume::Verify,
+) -> Option<api::PodRequest> {
+    let pods: kube::Api<k8s_openapi::api::core::v1::Pod> =
+        kube::Api::namespaced(kube, &v.namespace);
+    let pod = match pods.get_opt(&v.name).await {
+        Ok(p) => p?,
+        Err(e) => {
+            debug!(error = %e, "cannot check a filtered pod; it counts from its bind on");
+            return None;
+        }
+    };
+    let spec = pod.spec.as_ref()?;
+    let ours = names
+        .iter()
+        .any(|n| Some(n.as_str()) == spec.scheduler_name.as_deref());
+    let real = pod.metadata.uid.as_deref() == Some(v.uid.as_str())
+        && spec.node_name.is_none()
+        && pod.metadata.deletion_timestamp.is_none();
+    if !(ours && real) {
+        return None;
+    }
+    resources::pod_request(&pod).ok().flatten()
 }
 
 fn unresolvable_everywhere(names: &[String], why: &str, out: &mut FilterResult) {

@@ -179,6 +179,7 @@ pub(super) fn shortage(
 
 /// The node's CPU and host memory take the pod (the node-level checks of `evaluate`).
 pub(super) fn node_has_room(node: &NodeState, req: &PodRequest) -> bool {
-    (node.cpu_milli == 0 || node.cpu_used + req.cpu_milli <= node.cpu_milli)
-        && (node.memory_mib == 0 || node.memory_used + req.memory_mib <= node.memory_mib)
+    (node.cpu_milli == 0 || node.cpu_used.saturating_add(req.cpu_milli) <= node.cpu_milli)
+        && (node.memory_mib == 0
+            || node.memory_used.saturating_add(req.memory_mib) <= node.memory_mib)
 }

@@ -272,23 +272,23 @@ impl Ledger {
             if !g.healthy {
                 return Err(format!("Reserved on unhealthy GPU {}", s.gpu_uuid));
             }
-            if g.mem_used + s.mem_mib > g.memory_mib {
+            if g.mem_used.saturating_add(s.mem_mib) > g.memory_mib {
                 return Err(format!(
                     "GPU {} memory over capacity: {} + {} > {} MiB",
                     g.uuid, g.mem_used, s.mem_mib, g.memory_mib
                 ));
             }
-            if g.core_used + s.core_milli > CORE_MILLI_PER_GPU {
+            if g.core_used.saturating_add(s.core_milli) > CORE_MILLI_PER_GPU {
                 return Err(format!(
                     "GPU {} compute over capacity: {} + {} > {CORE_MILLI_PER_GPU}",
                     g.uuid, g.core_used, s.core_milli
                 ));
             }
         }
-        if node.cpu_milli > 0 && node.cpu_used + r.cpu_milli > node.cpu_milli {
+        if node.cpu_milli > 0 && node.cpu_used.saturating_add(r.cpu_milli) > node.cpu_milli {
             return Err(format!("node {} CPU over capacity", r.node));
         }
-        if node.memory_mib > 0 && node.memory_used + r.memory_mib > node.memory_mib {
+        if node.memory_mib > 0 && node.memory_used.saturating_add(r.memory_mib) > node.memory_mib {
             return Err(format!("node {} host memory over capacity", r.node));
         }
         for (s, i) in r.shares.iter().zip(idx) {
@@ -297,8 +297,9 @@ impl Ledger {
             g.core_used += s.core_milli;
             g.holders += 1;
         }
-        node.cpu_used += r.cpu_milli;
-        node.memory_used += r.memory_mib;
+        // Unconstrained nodes (0) take any request: the sums saturate rather than wrap.
+        node.cpu_used = node.cpu_used.saturating_add(r.cpu_milli);
+        node.memory_used = node.memory_used.saturating_add(r.memory_mib);
         node.add_pod_kind(pod_kind(r.shares.len(), r.shares[0].core_milli));
         node.allocs.insert(r.allocation_id);
         self.index_insert(&pod.uid, &r.container, r.allocation_id);
@@ -449,8 +450,8 @@ impl Ledger {
             g.core_used -= s.core_milli;
             g.holders -= 1;
         }
-        node.cpu_used -= a.cpu_milli;
-        node.memory_used -= a.memory_mib;
+        node.cpu_used = node.cpu_used.saturating_sub(a.cpu_milli);
+        node.memory_used = node.memory_used.saturating_sub(a.memory_mib);
         node.remove_pod_kind(pod_kind(
             a.shares.len(),
             a.shares.first().map_or(0, |s| s.core_milli),
