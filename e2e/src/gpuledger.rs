@@ -93,7 +93,12 @@ impl Gpuledger {
             "extender",
             &bin_path("gpuledger-extender")?,
             args,
-            vec![("GPULEDGER_LOG".into(), "info".into())],
+            // GPULEDGER_EXTENDER_LOG overrides the level (e.g. debug, to see every filter's
+            // answer) without the test's own GPULEDGER_LOG leaking in.
+            vec![(
+                "GPULEDGER_LOG".into(),
+                std::env::var("GPULEDGER_EXTENDER_LOG").unwrap_or_else(|_| "info".into()),
+            )],
         )?;
         for p in [http_port, webhook_port, port] {
             wait_http(p, Duration::from_secs(20)).await?;

@@ -49,7 +49,7 @@ fn resource_names(p: &Pod) -> Vec<String> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "real Kubernetes (kube-apiserver, kube-scheduler 1.20.2): make test-e2e"]
+#[ignore = "real Kubernetes (kube-apiserver, kube-scheduler): make test-e2e"]
 async fn peer_pods_are_scheduled_without_a_yaml_change() -> Result<()> {
     let (e, _) = E2e::with_gpu_nodes(Options::default(), 3, 4, "peers").await?;
 

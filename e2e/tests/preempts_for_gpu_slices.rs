@@ -78,7 +78,7 @@ async fn evicted(e: &E2e, ns: &str, victim: &str) -> Result<()> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "real Kubernetes (kube-apiserver, kube-scheduler 1.20.2): make test-e2e"]
+#[ignore = "real Kubernetes (kube-apiserver, kube-scheduler): make test-e2e"]
 async fn a_higher_priority_pod_on_a_full_gpu() -> Result<()> {
     const NS: &str = "team-p";
     // One node, one 16 GiB GPU.
@@ -211,7 +211,7 @@ async fn replica_caught_up(e: &E2e) -> Result<()> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "real Kubernetes (kube-apiserver, kube-scheduler 1.20.2): make test-e2e"]
+#[ignore = "real Kubernetes (kube-apiserver, kube-scheduler): make test-e2e"]
 async fn a_namespace_over_budget_is_demoted_preempted_and_recovers() -> Result<()> {
     let (e, nodes) = E2e::with_gpu_nodes(Options::default(), 1, 1, A).await?;
     e.namespace(B).await?;

@@ -19,12 +19,15 @@
 //! A pod feasible on more than [`TENTATIVE_NODES`] nodes is counted only once its bind
 //! arrives: then any node is unlikely to be the one both it and the next pod need.
 //!
-//! Filter's pod is whatever JSON reached the port, so a pod is counted before its bind only
-//! once the API server confirmed it ([`InFlight::verified`]): it exists with that UID, is
-//! pending, is scheduled by a gpuledger scheduler, and the request counted is the one the API
-//! server's copy asks for. A made-up pod holds nothing, and a real pod holds no more than its
-//! own request. At most [`MAX_VERIFYING`] checks run at once; a pod filtered while they are
-//! all busy is counted from its bind on, as before filter.
+//! Filter's pod is whatever JSON reached the port (only kube-scheduler's certificate gets onto
+//! it), so each filtered pod is also checked against the API server
+//! ([`InFlight::verified`]): it exists with that UID, is pending, is scheduled by a gpuledger
+//! scheduler, and from then on the request counted is the one the API server's copy asks for.
+//! Until the check answers (milliseconds) the pod counts with filter's request, provisionally:
+//! the scheduler's next pod is filtered before that read returns, and must already see it. A
+//! made-up pod is forgotten when its check fails and never reaches a bind; a real pod holds no
+//! more than its own request once checked. At most [`MAX_VERIFYING`] checks run at once; a
+//! pod filtered while they are all busy counts with filter's request for [`UNCHECKED_FOR`].
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -45,6 +48,11 @@ const FORGET_AFTER: Duration = Duration::from_secs(30);
 /// follows its filter within milliseconds (a second or two on a loaded control plane); past
 /// this, the pod is not coming and would only hold capacity that others wait for.
 pub const TENTATIVE_FOR: Duration = Duration::from_secs(15);
+
+/// A filtered pod that could not be checked against the API server (every check busy) is
+/// counted for this long only: enough for kube-scheduler's bind to follow its filter, short
+/// enough that a flood of made-up pods holds nothing for long.
+pub const UNCHECKED_FOR: Duration = Duration::from_secs(2);
 
 /// A pod found feasible on more nodes than this is not counted on any of them before its bind
 /// arrives (its request is kept for that bind). Counting it on every feasible node costs a
@@ -115,6 +123,15 @@ pub struct Assumed {
 }
 
 impl Assumed {
+    /// The bind read the pod: from now on it counts with the pod's own `request` (what the
+    /// API server has, not what filter's JSON said).
+    pub fn confirm(&self, request: api::PodRequest) {
+        if let Some(x) = self.cache.lock().get_mut(&self.uid) {
+            x.request = request;
+            x.verified = true;
+        }
+    }
+
     /// The allocator reserved it at `seq`: it stays assumed until the replica has `seq`.
     pub fn landed(mut self, seq: u64) {
         let mut e = self.cache.lock();
@@ -191,8 +208,20 @@ impl InFlight {
             return None;
         }
         let Ok(slot) = self.verifying.clone().try_acquire_owned() else {
-            e.remove(uid);
+            // Every check is busy (a burst of pods, or a flood of made-up ones): counted with
+            // filter's request for UNCHECKED_FOR only, long enough for its bind to arrive.
             self.unverified.inc();
+            e.insert(
+                uid.to_string(),
+                Entry {
+                    nodes,
+                    request: request.clone(),
+                    bound: false,
+                    landed: None,
+                    until: now + UNCHECKED_FOR,
+                    verified: false,
+                },
+            );
             return None;
         };
         e.insert(
@@ -239,19 +268,23 @@ impl InFlight {
     }
 
     /// A bind of pod `uid` to `node` arrives: assumed at once on that node alone with the
-    /// request its filter carried, if filter saw it.
+    /// request its filter carried, if filter saw it, so that it counts without a gap while the
+    /// bind reads the pod (then [`Assumed::confirm`] sets the pod's own request).
     pub fn assume_seen(self: &Arc<Self>, uid: &str, node: &str) -> Option<Assumed> {
         let now = Instant::now();
-        let request = {
+        let (request, verified) = {
             let mut e = self.lock();
             if e.get(uid).is_none_or(|x| x.bound) {
                 return None;
             }
             let x = e.remove(uid)?;
-            // An unconfirmed request is filter's JSON: the bind reads the pod itself.
-            (x.until > now && x.verified).then_some(x.request)?
+            (x.until > now).then_some((x.request, x.verified))?
         };
-        Some(self.assume_at(uid, node, request, now))
+        let a = self.assume_at(uid, node, request, now);
+        if let Some(x) = self.lock().get_mut(uid) {
+            x.verified = verified;
+        }
+        Some(a)
     }
 
     /// A bind of pod `uid` to `node` with `request` begins.
@@ -297,7 +330,7 @@ impl InFlight {
         e.retain(|_, x| x.until > now && x.landed.is_none_or(|s| s > ledger.seq()));
         let mut out: HashMap<String, NodeState> = HashMap::new();
         for (uid, x) in e.iter() {
-            if !x.verified || uid == pod_uid || !ledger.allocs_of_pod(uid).is_empty() {
+            if uid == pod_uid || !ledger.allocs_of_pod(uid).is_empty() {
                 continue;
             }
             let Ok(req) = d.request(x.request.clone()) else {

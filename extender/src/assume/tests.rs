@@ -103,14 +103,14 @@ fn a_filtered_pod_is_assumed_on_every_feasible_node_until_its_bind_names_one() {
     let _check = cache.feasible(&request("p1", 10_000), &["n1".into(), "n2".into()]);
     assert_eq!(
         fits(&l, &cache),
-        ["n1", "n2", "n3"],
-        "not counted before the API server confirms it"
+        ["n3"],
+        "p1 may be bound to n1 or n2: neither has room for p2 as well, before its check answers"
     );
     cache.verified("p1", Some(request("p1", 10_000)));
     assert_eq!(
         fits(&l, &cache),
         ["n3"],
-        "p1 may be bound to n1 or n2: neither has room for p2 as well"
+        "and once the API server confirmed it"
     );
     let bind = cache.assume_seen("p1", "n2").expect("filter saw p1");
     assert_eq!(fits(&l, &cache), ["n1", "n3"], "the bind named n2");
@@ -193,17 +193,16 @@ fn the_cache_stays_bounded() {
 
 /// Regression (issue 28): made-up `/filter` calls made a node refuse real pods for 15 s.
 #[test]
-fn a_made_up_pod_holds_nothing_and_a_real_one_only_its_own_request() {
+fn a_made_up_pod_holds_nothing_once_checked_and_a_real_one_only_its_own_request() {
     let (l, cache) = (ledger(&["n1"]), InFlight::new());
     let check = cache.feasible(&request("junk", 10_000), &["n1".into()]);
     assert!(
         check.is_some(),
         "a filtered pod is checked against the API server"
     );
-    assert_eq!(
-        fits(&l, &cache),
-        ["n1"],
-        "unconfirmed, it counts for nothing"
+    assert!(
+        fits(&l, &cache).is_empty(),
+        "until its check answers, filter's request counts (the next pod's filter comes first)"
     );
     cache.verified("junk", None);
     drop(check);
@@ -211,6 +210,7 @@ fn a_made_up_pod_holds_nothing_and_a_real_one_only_its_own_request() {
         cache.lock().is_empty(),
         "the API server does not have it: forgotten"
     );
+    assert_eq!(fits(&l, &cache), ["n1"], "and it holds nothing any more");
     assert!(
         cache.assume_seen("junk", "n1").is_none(),
         "nor does a bind find its JSON"
@@ -220,16 +220,63 @@ fn a_made_up_pod_holds_nothing_and_a_real_one_only_its_own_request() {
     cache.verified("p1", Some(request("p1", 1)));
     drop(check);
     assert_eq!(fits(&l, &cache), ["n1"], "counted with the pod's own 1 MiB");
-    // Every check busy: a filtered pod is not counted at all.
+    // Every check busy: a filtered pod counts with filter's request, for UNCHECKED_FOR only.
     let busy: Vec<Verify> = (0..MAX_VERIFYING)
         .filter_map(|i| cache.feasible(&request(&format!("q{i}"), 1), &["n1".into()]))
         .collect();
     assert_eq!(busy.len(), MAX_VERIFYING);
+    drop(busy);
+    for i in 0..MAX_VERIFYING {
+        cache.verified(&format!("q{i}"), Some(request(&format!("q{i}"), 1)));
+    }
+    let _held: Vec<Verify> = (0..MAX_VERIFYING)
+        .filter_map(|i| cache.feasible(&request(&format!("r{i}"), 1), &["n1".into()]))
+        .collect();
     assert!(
         cache
-            .feasible(&request("late", 1), &["n1".into()])
-            .is_none()
+            .feasible(&request("late", 10_000), &["n1".into()])
+            .is_none(),
+        "no check slot left"
     );
-    assert!(!cache.lock().contains_key("late"));
+    let now = Instant::now();
+    assert!(fits_at(&l, &cache, now).is_empty(), "late counts at once");
+    assert_eq!(
+        fits_at(&l, &cache, now + UNCHECKED_FOR + Duration::from_millis(1)),
+        ["n1"],
+        "and only for UNCHECKED_FOR"
+    );
     assert_eq!(cache.unverified().get(), 2, "junk and late");
+}
+
+/// Regression (e2e `binds_in_flight` on a loaded control plane, 1 to 14 of 60 binds refused):
+/// a bind that arrived before its filter's check answered found nothing it could take, and the
+/// pod counted nowhere while the bind read it from the API server.
+#[test]
+fn a_bind_arriving_before_its_check_keeps_the_pod_counted() {
+    let (l, cache) = (ledger(&["n1", "n2"]), InFlight::new());
+    let check = cache.feasible(&request("p1", 10_000), &["n1".into(), "n2".into()]);
+    assert!(check.is_some());
+    assert!(fits(&l, &cache).is_empty(), "counted on both nodes");
+    let bind = cache
+        .assume_seen("p1", "n2")
+        .expect("the bind takes filter's request until it has read the pod");
+    assert_eq!(
+        fits(&l, &cache),
+        ["n1"],
+        "counted on n2 alone, without a gap"
+    );
+    bind.confirm(request("p1", 1));
+    assert_eq!(
+        fits(&l, &cache),
+        ["n1", "n2"],
+        "with the pod's own request once the bind read it"
+    );
+    cache.verified("p1", None);
+    assert_eq!(
+        fits(&l, &cache),
+        ["n1", "n2"],
+        "a late check does not undo the bind"
+    );
+    drop(bind);
+    drop(check);
 }

@@ -142,9 +142,14 @@ async fn do_bind(app: &App, a: &BindingArgs) -> Result<(), String> {
     let reserved = match req {
         None => None,
         Some(req) => {
-            let assumed = early.or_else(|| {
-                (app.replica.as_ref()).map(|rep| rep.in_flight.assume(&uid, &a.node, req.clone()))
-            });
+            let assumed = match early {
+                Some(x) => {
+                    x.confirm(req.clone());
+                    Some(x)
+                }
+                None => (app.replica.as_ref())
+                    .map(|rep| rep.in_flight.assume(&uid, &a.node, req.clone())),
+            };
             let rr = api::ReserveRequest {
                 request: Some(req),
                 node: a.node.clone(),
