@@ -10,6 +10,7 @@ mod etcd_tls;
 mod fgd_live;
 mod graceful_handover;
 mod hostile_clients;
+mod hostile_load;
 mod hostile_tokens;
 mod http_endpoints;
 mod kube_fake_apiserver;
