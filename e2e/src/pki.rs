@@ -109,7 +109,7 @@ impl Pki {
         let files = |(cert, key): (PathBuf, PathBuf)| CertFiles { cert, key };
         let apiserver = files(tls.server("apiserver")?);
         let extender = files(tls.server("extender")?);
-        let scheduler_client = files(tls.peer("kube-scheduler")?);
+        let scheduler_client = files(tls.peer("gpuledger-scheduler")?);
         let sa = KeyPair::generate()?;
         let sa_key = write("sa.key", &sa.serialize_pem())?;
         let sa_pub = write("sa.pub", &sa.public_key_pem())?;
