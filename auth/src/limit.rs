@@ -82,7 +82,9 @@ struct Counts<K> {
 }
 
 /// At most `total` slots at once, at most `per_key` of them for one key; each refusal counted
-/// in [`Bites`] under the limit's names.
+/// in [`Bites`] under the limit's names. The last tenth of the slots is kept for keys that hold
+/// few (under a sixteenth of `per_key`): attackers behind a handful of addresses can fill nine
+/// tenths of a listener, never the room an honest client with a connection or two needs.
 #[derive(Debug)]
 pub struct Slots<K> {
     total_name: &'static str,
@@ -135,7 +137,11 @@ impl<K: Hash + Eq + Clone> Slots<K> {
     /// A slot for `key`, or which bound refused it (counted).
     pub fn try_acquire(self: &Arc<Self>, key: K) -> Result<Slot<K>, Full> {
         let mut c = self.counts.lock().unwrap_or_else(|p| p.into_inner());
-        if c.total >= self.max_total {
+        let held = c.per_key.get(&key).copied().unwrap_or(0);
+        let reserved = self.max_total != usize::MAX
+            && c.total >= self.max_total - self.max_total / 10
+            && held >= (self.max_per_key / 16).max(1);
+        if c.total >= self.max_total || reserved {
             drop(c);
             self.bites.bite(self.total_name);
             return Err(Full::Total);
@@ -361,6 +367,23 @@ mod tests {
         assert_eq!(s.in_use_by(&"a"), 1);
         let _c1 = s.try_acquire("c").unwrap();
         assert_eq!(bites.counts(), vec![("all", 1), ("one", 1)]);
+    }
+
+    #[test]
+    fn the_last_tenth_is_kept_for_keys_that_hold_few() {
+        let s = Slots::new(("all", "one"), 100, 64, Bites::new());
+        // Two greedy keys take nine tenths.
+        let mut held = Vec::new();
+        for i in 0..90 {
+            held.push(s.try_acquire(i % 2).unwrap());
+        }
+        assert_eq!(s.try_acquire(0).unwrap_err(), Full::Total);
+        // A key with a few slots still gets in, up to 64 / 16 = 4.
+        for _ in 0..4 {
+            held.push(s.try_acquire(7).unwrap());
+        }
+        assert_eq!(s.try_acquire(7).unwrap_err(), Full::Total);
+        assert!(s.try_acquire(8).is_ok());
     }
 
     #[test]
