@@ -68,6 +68,7 @@ struct Ctx {
     nodes: Vec<String>,
     scheduler: ExtenderClient,
     extender: Client,
+    admin: Client,
     agents: Vec<Client>,
     seq: AtomicU64,
 }
@@ -173,8 +174,8 @@ async fn admit(ctx: &Ctx, connector: &tokio_rustls::TlsConnector, i: u64) -> Res
 }
 
 /// One honest operation: a bind through the extender, a reservation and its node agent's
-/// Assign, or an admission review.
-async fn honest(ctx: &Ctx, connector: &tokio_rustls::TlsConnector) -> Result<()> {
+/// Assign, or an admission review; the UID of the pod that now holds GPU, if any.
+async fn honest(ctx: &Ctx, connector: &tokio_rustls::TlsConnector) -> Result<Option<String>> {
     let i = ctx.next();
     let node = &ctx.nodes[i as usize % ctx.nodes.len()];
     match i % 3 {
@@ -189,6 +190,7 @@ async fn honest(ctx: &Ctx, connector: &tokio_rustls::TlsConnector) -> Result<()>
                 )
                 .await?;
             anyhow::ensure!(r["Error"] == "", "bind: {r}");
+            Ok(Some(uid))
         }
         1 => {
             let name = format!("reserve-{i}");
@@ -213,10 +215,10 @@ async fn honest(ctx: &Ctx, connector: &tokio_rustls::TlsConnector) -> Result<()>
                     device_ids: vec![format!("dev-{i}")],
                 })
                 .await?;
+            Ok(Some(uid))
         }
-        _ => admit(ctx, connector, i).await?,
+        _ => admit(ctx, connector, i).await.map(|()| None),
     }
-    Ok(())
 }
 
 /// Honest load for `d`: its latencies, successes and attempts, and the first error seen.
@@ -236,7 +238,21 @@ async fn measure(ctx: &Arc<Ctx>, d: Duration, concurrency: usize) -> Result<Phas
                 record(&mut p.latency, t.elapsed());
                 p.total += 1;
                 match r {
-                    Ok(()) => p.ok += 1,
+                    Ok(held) => {
+                        p.ok += 1;
+                        // Untimed: give the GPU back, so that every phase finds the same room.
+                        if let Some(uid) = held {
+                            let _ = ctx
+                                .admin
+                                .clone()
+                                .release(api::ReleaseRequest {
+                                    pod_uid: uid,
+                                    reason: "bench".into(),
+                                    ..Default::default()
+                                })
+                                .await;
+                        }
+                    }
                     Err(e) => {
                         if p.error.is_none() {
                             p.error = Some(format!("{e:#}"));
@@ -398,7 +414,8 @@ async fn attack(name: &str, ctx: Arc<Ctx>, a: &Args, stop: CancellationToken) ->
                             _ = stop.cancelled() => return,
                             _ = held => {}
                         }
-                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        // Refused or cut: try again, as often as holding streams could use.
+                        tokio::time::sleep(Duration::from_secs(1)).await;
                     }
                 });
             }
@@ -784,6 +801,10 @@ pub async fn run(a: Args) -> Result<()> {
         extender: connect(
             &stack.allocs.addrs[0],
             &stack.ids.credentials(&Role::Extender)?,
+        )?,
+        admin: connect(
+            &stack.allocs.addrs[0],
+            &stack.ids.credentials(&Role::Admin)?,
         )?,
         agents,
         seq: AtomicU64::new(0),
