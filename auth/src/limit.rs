@@ -111,8 +111,13 @@ impl<K: Hash + Eq + Clone> Slots<K> {
         max_per_key: usize,
         bites: Arc<Bites>,
     ) -> Arc<Self> {
-        bites.declare(names.0);
-        bites.declare(names.1);
+        // A bound that cannot bite gets no series.
+        if max_total > 0 {
+            bites.declare(names.0);
+        }
+        if max_per_key > 0 {
+            bites.declare(names.1);
+        }
         Arc::new(Slots {
             total_name: names.0,
             per_key_name: names.1,
