@@ -232,7 +232,6 @@ async fn an_allocator_token_cannot_forward_an_identity_it_did_not_verify() -> an
             inventory: Some(inventory("n1", 1, 16_000, "T4")),
         })
         .await?;
-    let seq = allocs.status(leader).await.map_or(0, |s| s.seq);
     // The allocator's own token, with a claim that an admin sent the write.
     let mut allocator = allocs.client_as(leader, &Role::Allocator)?;
     let invented = Caller {
@@ -268,11 +267,14 @@ async fn an_allocator_token_cannot_forward_an_identity_it_did_not_verify() -> an
         Some(Code::Unauthenticated),
         "{res:?}"
     );
-    assert_eq!(
-        allocs.status(leader).await.map_or(0, |s| s.seq),
-        seq,
-        "a forged forward wrote"
-    );
+    // Nothing was removed (the allocator's own node sync may have written meanwhile).
+    let removed = allocs.events(leader).await?.into_iter().any(|e| {
+        matches!(
+            e.body,
+            Some(gpuledger_ledger::pb::event::Body::NodeRemoved(_))
+        )
+    });
+    assert!(!removed, "a forged forward removed a node");
     // A real admin's write through the follower commits, recorded as the admin's, forwarded
     // by the follower.
     allocs
