@@ -47,6 +47,10 @@ pub enum LogError {
     /// The archive could not be read (see [`ArchiveError`]).
     #[error(transparent)]
     Archive(#[from] ArchiveError),
+    /// The thread decoding what was read went away (the process is stopping); retrying may
+    /// work.
+    #[error("decoding the log: {0}")]
+    Stopped(String),
     /// A stored value does not decode: the log is corrupt. Not retryable.
     #[error("corrupt value at {key}: {why}")]
     Corrupt {

@@ -58,6 +58,8 @@ pub struct Metrics {
     /// Events folded, by type (index into [`EVENT_TYPES`]): a fixed array, so counting an
     /// event in the fold neither allocates nor hashes.
     events: [AtomicU64; EVENT_TYPES.len()],
+    /// How often each limit on callers refused something (`limited_total{limit}`).
+    pub bites: std::sync::Arc<gpuledger_auth::limit::Bites>,
 }
 
 impl Default for Metrics {
@@ -129,6 +131,7 @@ impl Default for Metrics {
             writes_refused,
             denied,
             events: Default::default(),
+            bites: gpuledger_auth::limit::Bites::new(),
         }
     }
 }

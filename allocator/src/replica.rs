@@ -110,7 +110,7 @@ pub async fn run_until(cfg: Config, stop: CancellationToken) -> anyhow::Result<(
             None
         }
     };
-    let security = security(&cfg, &stop).await?;
+    let security = security(&cfg, &shared, &stop).await?;
     let peers = gpuledger_auth::Credentials::load(&cfg.peer)
         .context("this replica's credentials for calling the other replicas (--allocator-ca and --token-file or --client-cert/--client-key)")?;
     peers.spawn_reloader(cfg.tls.reload_every(), stop.clone());
@@ -132,7 +132,11 @@ pub async fn run_until(cfg: Config, stop: CancellationToken) -> anyhow::Result<(
     .with_archive(archive.clone())
     .with_write_limits(crate::write_limits::WriteLimits::new(
         cfg.write_limits.clone(),
-    ));
+    ))
+    .with_limits(
+        cfg.limits.max_streams_per_identity,
+        cfg.limits.heavy_read_threads,
+    );
     let http = tokio::net::TcpListener::bind(cfg.http_listen)
         .await
         .with_context(|| format!("listening on --http-listen {}", cfg.http_listen))?;
@@ -148,7 +152,7 @@ pub async fn run_until(cfg: Config, stop: CancellationToken) -> anyhow::Result<(
         stop.clone()
             .run_until_cancelled_owned(async move { views.maintain_views().await }),
     );
-    let router = crate::http::router(shared.clone(), cfg.http_state_api);
+    let router = crate::http::router(shared.clone(), cfg.http_state_api, cfg.metrics_namespaces);
     let http_stop = stop.clone();
     tasks.spawn(async move {
         let served = axum::serve(http, router)
@@ -181,8 +185,14 @@ pub async fn run_until(cfg: Config, stop: CancellationToken) -> anyhow::Result<(
 
 /// The gRPC endpoint's certificate and authenticator: client certificates from --client-ca,
 /// and ServiceAccount tokens reviewed by the API server when this replica has one.
-async fn security(cfg: &Config, stop: &CancellationToken) -> anyhow::Result<crate::grpc::Security> {
+async fn security(
+    cfg: &Config,
+    shared: &Shared,
+    stop: &CancellationToken,
+) -> anyhow::Result<crate::grpc::Security> {
     use gpuledger_auth::token::{KubeApi, ServiceAccounts, TokenAuthenticator};
+    let l = &cfg.limits;
+    let bites = shared.metrics.bites.clone();
     let tls = cfg
         .tls
         .load(&[b"h2"])
@@ -194,12 +204,15 @@ async fn security(cfg: &Config, stop: &CancellationToken) -> anyhow::Result<crat
             .context("the Kubernetes client that reviews callers' tokens")?;
         client.map(|c| {
             let api = Arc::new(KubeApi(c));
-            Arc::new(TokenAuthenticator::new(
-                api.clone(),
-                api,
-                ServiceAccounts::in_namespace(&cfg.auth_namespace),
-                Duration::from_secs(cfg.token_cache_max_s.max(1)),
-            ))
+            Arc::new(
+                TokenAuthenticator::new(
+                    api.clone(),
+                    api,
+                    ServiceAccounts::in_namespace(&cfg.auth_namespace),
+                    Duration::from_secs(cfg.token_cache_max_s.max(1)),
+                )
+                .with_failure_limit(l.max_failed_token_reviews_per_peer, bites.clone()),
+            )
         })
     } else {
         None
@@ -214,10 +227,35 @@ async fn security(cfg: &Config, stop: &CancellationToken) -> anyhow::Result<crat
             "no Kubernetes API: callers authenticate with client certificates only, and the extender's pods cannot be checked"
         );
     }
+    let open_files = gpuledger_auth::limit::raise_open_files();
+    let fds_needed = (l.max_connections as u64).saturating_add(1024);
+    if open_files.is_some_and(|n| n < fds_needed) {
+        warn!(
+            open_files = ?open_files,
+            max_connections = l.max_connections,
+            "the open-file limit is below --max-connections plus room for etcd and the API \
+             server: a flood of connections could exhaust file descriptors before the limit \
+             bites; lower --max-connections or raise the limit (ulimit -n)"
+        );
+    }
     Ok(crate::grpc::Security {
         tls,
-        handshake_timeout: cfg.tls.handshake_timeout(),
-        authenticator: gpuledger_auth::Authenticator::new(tokens),
+        listener: gpuledger_auth::tls::ListenerLimits {
+            hello_timeout: Duration::from_millis(l.tls_hello_timeout_ms.max(10)),
+            handshake_timeout: cfg.tls.handshake_timeout(),
+            max_handshakes: l.max_tls_handshakes,
+            max_handshakes_per_peer: l.max_tls_handshakes_per_peer,
+            max_connections: l.max_connections,
+            max_connections_per_peer: l.max_connections_per_peer,
+        },
+        max_streams_per_connection: l.max_streams_per_connection,
+        keepalive: (l.keepalive_ms > 0).then(|| Duration::from_millis(l.keepalive_ms)),
+        authenticator: gpuledger_auth::Authenticator::with_in_flight_limit(
+            tokens,
+            l.max_in_flight_per_identity,
+            bites.clone(),
+        ),
+        bites,
     })
 }
 

@@ -19,12 +19,16 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::Stream;
+use futures::{Stream, StreamExt};
+use gpuledger_auth::identity::Caller;
+use gpuledger_auth::limit::{Slot, Slots};
 use gpuledger_auth::rules::Call;
+use gpuledger_auth::server::Authenticated;
 use gpuledger_auth::{AuthChannel, Credentials};
 use gpuledger_ledger::{CommandError, PodRequest, pb};
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::allocator::v1::allocator_server::Allocator;
+use tokio::sync::Semaphore;
 use tonic::{Request, Response, Status};
 use tracing::Span;
 
@@ -76,7 +80,18 @@ pub struct Service {
     authz: Arc<Authz>,
     budget_guard: crate::budget_watch::GuardSlot,
     write_limits: Arc<WriteLimits>,
+    /// Open streams per verified identity.
+    streams: Arc<Slots<Caller>>,
+    /// Threads that answer CPU-heavy reads, off the async runtime.
+    heavy: Arc<Semaphore>,
 }
+
+/// The limit name of the streams-per-identity refusals.
+pub const BITE_STREAMS: &str = "streams_per_identity";
+/// Open streams per identity when not configured.
+const DEFAULT_STREAMS_PER_IDENTITY: usize = 64;
+/// Heavy-read threads when not configured.
+const DEFAULT_HEAVY_READ_THREADS: usize = 2;
 
 /// How requests that name no policy are placed, and the workload FGD learns.
 #[derive(Clone)]
@@ -90,6 +105,21 @@ pub struct Placement {
 type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
 
 impl<T> Ids for BoxStream<T> {}
+
+/// `r`'s stream, holding `slot` until the stream is dropped (the client went away or it ended).
+fn holding<T: Send + 'static>(
+    r: Result<Response<BoxStream<T>>, Status>,
+    slot: Option<Slot<Caller>>,
+) -> Result<Response<BoxStream<T>>, Status> {
+    r.map(|resp| {
+        resp.map(|s| -> BoxStream<T> {
+            Box::pin(s.map(move |item| {
+                let _held = &slot;
+                item
+            }))
+        })
+    })
+}
 
 /// Largest write request: a node of 64 GPUs or a pod of 64 containers is a few KiB, and each
 /// write's events must fit one etcd transaction (1.5 MiB) with room to spare.
@@ -145,10 +175,11 @@ impl Service {
         authz: Arc<Authz>,
         peers: Credentials,
     ) -> Self {
+        let heavy = Arc::new(Semaphore::new(DEFAULT_HEAVY_READ_THREADS));
         Service {
-            shared,
+            shared: shared.clone(),
             etcd,
-            log,
+            log: log.with_decoders(heavy.clone()),
             reserve_ttl,
             channels: Arc::new(Mutex::new(HashMap::new())),
             peers,
@@ -157,6 +188,13 @@ impl Service {
             authz,
             budget_guard: Default::default(),
             write_limits: Arc::default(),
+            streams: Slots::new(
+                ("streams", BITE_STREAMS),
+                0,
+                DEFAULT_STREAMS_PER_IDENTITY,
+                shared.metrics.bites.clone(),
+            ),
+            heavy,
         }
     }
 
@@ -164,6 +202,68 @@ impl Service {
     pub fn with_write_limits(mut self, limits: WriteLimits) -> Self {
         self.write_limits = Arc::new(limits);
         self
+    }
+
+    /// The same service with at most `streams_per_identity` open streams per verified
+    /// identity, and `heavy_threads` threads for CPU-heavy reads.
+    pub fn with_limits(mut self, streams_per_identity: usize, heavy_threads: usize) -> Self {
+        self.streams = Slots::new(
+            ("streams", BITE_STREAMS),
+            0,
+            streams_per_identity,
+            self.shared.metrics.bites.clone(),
+        );
+        self.heavy = Arc::new(Semaphore::new(heavy_threads.max(1)));
+        self.log = self.log.clone().with_decoders(self.heavy.clone());
+        self
+    }
+
+    /// The semaphore of the heavy-read threads (shared with the log's page decoding).
+    pub fn heavy_reads(&self) -> &Arc<Semaphore> {
+        &self.heavy
+    }
+
+    /// Run `f` on a view of the committed state on one of the heavy-read threads: a filter
+    /// over every node or a dump of a large ledger takes milliseconds of CPU, which must not
+    /// be taken from the runtime that keeps the leader's lease alive.
+    async fn on_view<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&gpuledger_ledger::Ledger) -> T + Send + 'static,
+    ) -> Result<T, Status> {
+        // The thread first, then the view: a view held while waiting would hold up the
+        // publication of newer ones.
+        let permit = self
+            .heavy
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| Status::unavailable("shutting down"))?;
+        let view = self.shared.view().await;
+        tokio::task::spawn_blocking(move || {
+            let _thread = permit;
+            f(&view)
+        })
+        .await
+        .map_err(|e| Status::internal(format!("the read failed: {e}")))
+    }
+
+    /// A slot of the caller's open streams, or RESOURCE_EXHAUSTED (no slot without a verified
+    /// identity: such a request is refused by authorization anyway).
+    fn stream_slot<Q>(&self, req: &Request<Q>) -> Result<Option<Slot<Caller>>, Status> {
+        let Some(a) = req.extensions().get::<Authenticated>() else {
+            return Ok(None);
+        };
+        self.streams
+            .try_acquire(a.caller.clone())
+            .map(Some)
+            .map_err(|_| {
+                Status::resource_exhausted(format!(
+                    "{} has {} streams open, as many as one identity may \
+                     (--max-streams-per-identity); close some",
+                    a.caller,
+                    self.streams.in_use_by(&a.caller)
+                ))
+            })
     }
 
     /// The same service, reading history older than etcd's log from `archive`.
@@ -303,10 +403,14 @@ impl Allocator for Service {
         &self,
         req: Request<api::SubscribeRequest>,
     ) -> Result<Response<Self::SubscribeStream>, Status> {
-        traced(self, Call::Subscribe, req, |req| {
-            subscribe::subscribe(self, req)
-        })
-        .await
+        let slot = self.stream_slot(&req)?;
+        holding(
+            traced(self, Call::Subscribe, req, |req| {
+                subscribe::subscribe(self, req)
+            })
+            .await,
+            slot,
+        )
     }
 
     type ReplicateStream = BoxStream<api::ReplicateResponse>;
@@ -315,10 +419,14 @@ impl Allocator for Service {
         &self,
         req: Request<api::ReplicateRequest>,
     ) -> Result<Response<Self::ReplicateStream>, Status> {
-        traced(self, Call::Replicate, req, |req| {
-            replicate::replicate(self, req)
-        })
-        .await
+        let slot = self.stream_slot(&req)?;
+        holding(
+            traced(self, Call::Replicate, req, |req| {
+                replicate::replicate(self, req)
+            })
+            .await,
+            slot,
+        )
     }
 
     async fn status(
@@ -361,10 +469,14 @@ impl Allocator for Service {
         &self,
         req: Request<api::ReadLogRequest>,
     ) -> Result<Response<Self::ReadLogStream>, Status> {
-        traced(self, Call::ReadLog, req, |req| {
-            read_log::read_log(self, req)
-        })
-        .await
+        let slot = self.stream_slot(&req)?;
+        holding(
+            traced(self, Call::ReadLog, req, |req| {
+                read_log::read_log(self, req)
+            })
+            .await,
+            slot,
+        )
     }
 
     type ReadSnapshotsStream = BoxStream<api::SnapshotPart>;
@@ -373,9 +485,13 @@ impl Allocator for Service {
         &self,
         req: Request<api::ReadSnapshotsRequest>,
     ) -> Result<Response<Self::ReadSnapshotsStream>, Status> {
-        traced(self, Call::ReadSnapshots, req, |req| {
-            read_snapshots::read_snapshots(self, req)
-        })
-        .await
+        let slot = self.stream_slot(&req)?;
+        holding(
+            traced(self, Call::ReadSnapshots, req, |req| {
+                read_snapshots::read_snapshots(self, req)
+            })
+            .await,
+            slot,
+        )
     }
 }

@@ -298,6 +298,7 @@ impl Shared {
             role: "allocator".into(),
             name: self.replica.clone(),
             node: String::new(),
+            via: String::new(),
         }
     }
 

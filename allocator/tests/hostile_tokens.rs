@@ -25,7 +25,7 @@ async fn stack() -> anyhow::Result<KubeStack> {
 }
 
 /// A client of replica 0 of `stack` that sends `token`.
-fn with_token(
+pub(crate) fn with_token(
     stack: &KubeStack,
     dir: &std::path::Path,
     name: &str,

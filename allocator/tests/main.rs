@@ -12,6 +12,7 @@ mod fgd_live;
 mod fuzz_grpc;
 mod graceful_handover;
 mod hostile_clients;
+mod hostile_load;
 mod hostile_tokens;
 mod http_endpoints;
 mod kube_fake_apiserver;

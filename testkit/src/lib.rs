@@ -8,6 +8,7 @@
 //! here is a mock of etcd or of a gpuledger component.
 
 pub mod allocators;
+pub mod attacker;
 pub mod bins;
 pub mod cluster;
 pub mod etcd;

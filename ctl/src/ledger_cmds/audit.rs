@@ -183,6 +183,7 @@ mod tests {
             role: "node-agent".into(),
             name: "gpuledger/agent".into(),
             node: "n1".into(),
+            ..Default::default()
         };
         assert_eq!(actor(Some(&node_agent)), "node-agent gpuledger/agent@n1");
     }

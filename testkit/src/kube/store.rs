@@ -103,6 +103,8 @@ pub struct Store {
     tx: broadcast::Sender<Arc<Change>>,
     requests: Mutex<BTreeSet<ApiRequest>>,
     tokens: Mutex<std::collections::HashMap<String, tokens::Issued>>,
+    /// TokenReviews answered so far.
+    token_reviews: std::sync::atomic::AtomicU64,
 }
 
 /// One kind of request a client made, in RBAC terms: who (the bearer token of its
@@ -203,6 +205,7 @@ impl Default for Store {
             tx,
             requests: Mutex::default(),
             tokens: Mutex::default(),
+            token_reviews: Default::default(),
         }
     }
 }
