@@ -347,6 +347,7 @@ pub fn pod_request(pod: &Pod) -> Result<Option<api::PodRequest>, RequestError> {
         placement: Some(placement(pod)?),
         cpu_milli: (sum_requests(pod, "cpu") * 1000.0).ceil() as u64,
         memory_mib: (sum_requests(pod, "memory") / (1024.0 * 1024.0)).ceil() as u64,
+        priority: pod.spec.as_ref().and_then(|s| s.priority).unwrap_or(0),
     }))
 }
 

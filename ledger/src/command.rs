@@ -7,6 +7,8 @@ use crate::pb::event::Body;
 use crate::placement::{self, Fit, PodRequest};
 use crate::state::{Alloc, AllocState, ApplyError, Ledger};
 
+mod nominate;
+
 /// A request to change the ledger.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Command {
@@ -81,6 +83,24 @@ pub enum Command {
     SetBudget(pb::BudgetSet),
     /// Remove a namespace's budget (it falls back to the cluster default, if any).
     RemoveBudget(pb::BudgetRemoved),
+    /// Keep the room a preemption frees for the pod that preempted: refused unless its shares
+    /// fit on the node once the victims (and the pods of `leaving`) are gone, with the room
+    /// nominated for pods of its priority or higher still taken. An identical nomination of
+    /// the same pod (same node and shares) is a repeat.
+    Nominate {
+        /// The nomination, as `Nominated` records it.
+        nomination: pb::Nominated,
+        /// UIDs of pods whose allocations are on their way out anyway (terminating), counted
+        /// as gone when checking the room; not recorded.
+        leaving: Vec<String>,
+    },
+    /// End a pod's nomination (nothing when it has none).
+    EndNomination {
+        /// The nominee's UID.
+        pod_uid: String,
+        /// Why (expired, pod deleted, …).
+        reason: String,
+    },
 }
 
 /// Why a command was refused. Nothing was written.
@@ -226,25 +246,30 @@ impl Ledger {
                         )));
                     }
                 }
-                changed(vec![Body::NodeRegistered(pb::NodeRegistered {
+                let kept: Vec<&str> = inv.gpus.iter().map(|g| g.uuid.as_str()).collect();
+                let mut b = self.nominations_ending_on(
+                    &inv.node,
+                    Some(&kept),
+                    "a nominated GPU left the node's inventory",
+                );
+                b.push(Body::NodeRegistered(pb::NodeRegistered {
                     inventory: Some(inv),
-                })])
+                }));
+                changed(b)
             }
             Command::RemoveNode { node, reason } => {
                 let Some(n) = self.node(&node) else {
                     return unchanged;
                 };
-                let mut b: Vec<Body> = n
-                    .allocs
-                    .iter()
-                    .map(|id| {
-                        Body::Released(pb::Released {
-                            allocation_id: *id,
-                            reason: format!("node removed: {reason}"),
-                            node: node.clone(),
-                        })
+                let mut b =
+                    self.nominations_ending_on(&node, None, &format!("node removed: {reason}"));
+                b.extend(n.allocs.iter().map(|id| {
+                    Body::Released(pb::Released {
+                        allocation_id: *id,
+                        reason: format!("node removed: {reason}"),
+                        node: node.clone(),
                     })
-                    .collect();
+                }));
                 b.push(Body::NodeRemoved(pb::NodeRemoved { node, reason }));
                 changed(b)
             }
@@ -422,6 +447,16 @@ impl Ledger {
                     unchanged
                 }
             }
+            Command::Nominate {
+                nomination,
+                leaving,
+            } => self.decide_nominate(nomination, &leaving),
+            Command::EndNomination { pod_uid, reason } => {
+                match self.end_nomination_body(&pod_uid, reason) {
+                    Some(b) => changed(vec![b]),
+                    None => unchanged,
+                }
+            }
         }
     }
 
@@ -464,33 +499,40 @@ impl Ledger {
             ));
         }
         let n = self
-            .node(&node)
+            .node_for(&node, &request)
             .ok_or_else(|| CommandError::NotFound(format!("node {node} is not registered")))?;
-        let placed = placement::place_on_node(n, &request).map_err(|f| match f {
-            Fit::Never(r) => CommandError::Unsatisfiable(format!("node {node}: {r}")),
-            Fit::Wait(r) => CommandError::NoCapacity(format!("node {node}: {r}")),
-            Fit::Fits => CommandError::NoCapacity(format!("node {node}")),
-        })?;
+        let placed = match self.nominated_placement(&n, &request) {
+            Some(p) => p,
+            None => placement::place_on_node(&n, &request).map_err(|f| match f {
+                Fit::Never(r) => CommandError::Unsatisfiable(format!("node {node}: {r}")),
+                Fit::Wait(r) => CommandError::NoCapacity(format!(
+                    "node {node}: {r}{}",
+                    self.room_kept(&node, &request)
+                )),
+                Fit::Fits => CommandError::NoCapacity(format!("node {node}")),
+            })?,
+        };
         self.check_quota(&request.pod.namespace, &placed)?;
-        let first = self.seq() + 1;
-        let bodies = placed
+        // The pod's own nomination, wherever it was, ends with its reservation.
+        let mut bodies: Vec<Body> = self
+            .end_nomination_body(&request.pod.uid, format!("reserved on node {node}"))
             .into_iter()
-            .enumerate()
-            .map(|(i, p)| {
-                Body::Reserved(pb::Reserved {
-                    allocation_id: first + i as u64,
-                    pod: Some(request.pod.clone()),
-                    container: p.container,
-                    node: node.clone(),
-                    shares: p.shares,
-                    deadline_ms,
-                    // The pod's node-level requests are counted once, on its first container.
-                    cpu_milli: if i == 0 { request.cpu_milli } else { 0 },
-                    memory_mib: if i == 0 { request.memory_mib } else { 0 },
-                    policy: request.policy.to_string(),
-                })
-            })
             .collect();
+        let first = self.seq() + 1 + bodies.len() as u64;
+        bodies.extend(placed.into_iter().enumerate().map(|(i, p)| {
+            Body::Reserved(pb::Reserved {
+                allocation_id: first + i as u64,
+                pod: Some(request.pod.clone()),
+                container: p.container,
+                node: node.clone(),
+                shares: p.shares,
+                deadline_ms,
+                // The pod's node-level requests are counted once, on its first container.
+                cpu_milli: if i == 0 { request.cpu_milli } else { 0 },
+                memory_mib: if i == 0 { request.memory_mib } else { 0 },
+                policy: request.policy.to_string(),
+            })
+        }));
         Ok((
             bodies,
             Reply::Reserved {

@@ -91,14 +91,15 @@ pub fn evaluate(node: &NodeState, req: &PodRequest) -> Result<Candidate, Fit> {
         return Err(Fit::Wait(format!(
             "node CPU: {}m requested, {}m free",
             req.cpu_milli,
-            node.cpu_milli - node.cpu_used
+            // Room nominated for other pods may count past capacity (`Ledger::node_for`).
+            node.cpu_milli.saturating_sub(node.cpu_used)
         )));
     }
     if node.memory_mib > 0 && node.memory_used + req.memory_mib > node.memory_mib {
         return Err(Fit::Wait(format!(
             "node memory: {} MiB requested, {} MiB free",
             req.memory_mib,
-            node.memory_mib - node.memory_used
+            node.memory_mib.saturating_sub(node.memory_used)
         )));
     }
     let before: Vec<Free> = node
