@@ -15,6 +15,7 @@ pub mod kube_watch;
 pub mod leader;
 pub mod log;
 pub mod metrics;
+pub mod preemption;
 pub mod replica;
 mod retry;
 pub mod service;

@@ -6,6 +6,7 @@
 //! the streams `subscribe`, `replicate`, `read_log` and `read_snapshots`.
 
 mod forward;
+mod preempt;
 mod read_log;
 mod read_snapshots;
 mod reads;
@@ -74,6 +75,7 @@ pub struct Service {
     archive: Option<crate::archive::Archive>,
     authz: Arc<Authz>,
     budget_guard: crate::budget_watch::GuardSlot,
+    preemption: Arc<crate::preemption::Preemption>,
 }
 
 /// How requests that name no policy are placed, and the workload FGD learns.
@@ -135,6 +137,7 @@ impl Service {
         authz: Arc<Authz>,
         peers: Credentials,
     ) -> Self {
+        let preemption = crate::preemption::Preemption::new(&Default::default(), &shared.metrics);
         Service {
             shared,
             etcd,
@@ -146,7 +149,19 @@ impl Service {
             archive: None,
             authz,
             budget_guard: Default::default(),
+            preemption,
         }
+    }
+
+    /// The same service, preempting as `p` bounds it.
+    pub fn with_preemption(mut self, p: Arc<crate::preemption::Preemption>) -> Self {
+        self.preemption = p;
+        self
+    }
+
+    /// gpuledger's own preemption: its bounds, Events and metrics.
+    pub fn preemption(&self) -> &Arc<crate::preemption::Preemption> {
+        &self.preemption
     }
 
     /// The same service, reading history older than etcd's log from `archive`.
@@ -336,6 +351,13 @@ impl Allocator for Service {
             writes::set_quota(self, req)
         })
         .await
+    }
+
+    async fn preempt(
+        &self,
+        req: Request<api::PreemptRequest>,
+    ) -> Result<Response<api::PreemptResponse>, Status> {
+        traced(self, Call::Preempt, req, |req| preempt::preempt(self, req)).await
     }
 
     type ReadLogStream = BoxStream<pb::EventBatch>;
