@@ -54,6 +54,8 @@ pub struct App {
     pub replica: Option<Arc<Replica>>,
     /// The work that follows a bind off the scheduler's path, waited for at shutdown.
     pub tasks: TaskTracker,
+    /// Preemption asked from filter, rate-limited per pod.
+    pub preemption: Arc<crate::preemption::Preemption>,
 }
 
 /// The verbs kube-scheduler calls, served at the root and under `/gpuledger` (over HTTPS, to
