@@ -9,6 +9,7 @@ mod binds_in_flight;
 mod budget_demotion;
 mod crash_recovery;
 mod golden_fixtures;
+mod gpu_preemption_on_a_stock_scheduler;
 mod peer_pods_unchanged;
 mod preemption;
 mod replica_answers;

@@ -176,6 +176,7 @@ pub(crate) fn kind_of(resource: &str) -> String {
         "bindings" => "Binding".into(),
         "priorityclasses" => "PriorityClass".into(),
         "gpubudgets" => "GPUBudget".into(),
+        "poddisruptionbudgets" => "PodDisruptionBudget".into(),
         other => {
             let s = other.strip_suffix('s').unwrap_or(other);
             let mut c = s.chars();
