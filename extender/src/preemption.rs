@@ -56,7 +56,7 @@ impl Preemption {
     pub fn register(&self, r: &mut Registry) {
         r.register(
             "preemptions_requested",
-            "Preemptions asked of the allocator by filter, by outcome: nominated, repeat (already nominated), none (no eviction helps), refused, error, throttled (--preempt-retry-ms)",
+            "Preemptions asked of the allocator by filter, by outcome: nominated, repeat (already nominated), none (no eviction helps), refused, busy, error, throttled (--preempt-retry-ms)",
             self.outcomes.clone(),
         );
     }
@@ -146,11 +146,19 @@ impl Preemption {
                     Err(s)
                         if matches!(
                             s.code(),
-                            Code::FailedPrecondition | Code::PermissionDenied | Code::NotFound
+                            Code::FailedPrecondition
+                                | Code::PermissionDenied
+                                | Code::NotFound
+                                | Code::AlreadyExists
                         ) =>
                     {
                         me.count("refused");
                         debug!(error = %s.message(), "preemption refused");
+                    }
+                    // The allocator's bound, or the room went to another nomination first.
+                    Err(s) if s.code() == Code::ResourceExhausted => {
+                        me.count("busy");
+                        debug!(error = %s.message(), "preemption deferred; the pod's next filter asks again");
                     }
                     Err(s) => {
                         me.count("error");

@@ -122,16 +122,23 @@ pub(super) async fn preempt(
         }));
     }
 
-    let pdbs = preemption::budgets(&client).await.map_err(|e| {
-        Status::unavailable(format!(
-            "cannot read PodDisruptionBudgets ({e}): preemption respects them; retry"
-        ))
-    })?;
     let pods = store.state();
     let mut nodes = r.nodes.clone();
     nodes.sort();
     nodes.dedup();
-    let (candidates, on_nodes) = {
+    let on_nodes = |pdbs: &[_], v: &gpuledger_ledger::Ledger| {
+        preemption::node_pods(
+            pods.iter().map(|p| &**p),
+            pdbs,
+            v,
+            &nodes,
+            pr.priority,
+            &uid,
+        )
+    };
+    // Most pods that fit nowhere outrank no GPU pod there: they are answered without asking
+    // the API server for the budgets.
+    let hopeless = {
         let v = svc.shared.view().await;
         if let Some(a) = v.allocs_of_pod(&uid).first() {
             p.outcome("refused");
@@ -142,14 +149,20 @@ pub(super) async fn preempt(
                 a.node
             )));
         }
-        let on_nodes = preemption::node_pods(
-            pods.iter().map(|p| &**p),
-            &pdbs,
-            &v,
-            &nodes,
-            pr.priority,
-            &uid,
-        );
+        on_nodes(&[], &v)
+            .iter()
+            .all(|n| n.evictable.is_empty() && n.leaving.is_empty())
+    };
+    let (candidates, on_nodes) = if hopeless {
+        (Vec::new(), Vec::new())
+    } else {
+        let pdbs = preemption::budgets(&client).await.map_err(|e| {
+            Status::unavailable(format!(
+                "cannot read PodDisruptionBudgets ({e}): preemption respects them; retry"
+            ))
+        })?;
+        let v = svc.shared.view().await;
+        let on_nodes = on_nodes(&pdbs, &v);
         (preempt::candidates(&v, &pr, &on_nodes), on_nodes)
     };
     let request = pr.clone();
