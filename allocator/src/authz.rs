@@ -48,6 +48,11 @@ impl Authz {
         let _ = self.pods.set((pods, client));
     }
 
+    /// The pod watch's store and the API client, once the watch runs.
+    pub fn pods(&self) -> Option<&(Store<Pod>, kube::Client)> {
+        self.pods.get()
+    }
+
     /// Calls refused so far.
     pub fn denied(&self) -> u64 {
         self.denied.load(Ordering::Relaxed)
@@ -328,6 +333,18 @@ impl Touches for api::ReleaseRequest {
     }
 }
 
+/// The pod a request's `PodRequest` names.
+fn requested(r: Option<&api::PodRequest>) -> PodOf<'_> {
+    match r.and_then(|r| r.pod.as_ref()) {
+        Some(p) => PodOf::Named(PodKey {
+            namespace: p.namespace.clone(),
+            name: p.name.clone(),
+            uid: p.uid.clone(),
+        }),
+        None => PodOf::Nothing,
+    }
+}
+
 impl Touches for api::ReserveRequest {
     fn target_node(&self) -> Option<&str> {
         Some(&self.node)
@@ -373,14 +390,7 @@ impl Touches for api::ReserveRequest {
         None
     }
     fn pod(&self) -> PodOf<'_> {
-        match self.request.as_ref().and_then(|r| r.pod.as_ref()) {
-            Some(p) => PodOf::Named(PodKey {
-                namespace: p.namespace.clone(),
-                name: p.name.clone(),
-                uid: p.uid.clone(),
-            }),
-            None => PodOf::Nothing,
-        }
+        requested(self.request.as_ref())
     }
 }
 
@@ -403,6 +413,12 @@ impl Touches for api::ConfirmBoundRequest {
     }
     fn pod(&self) -> PodOf<'_> {
         PodOf::Uid(&self.pod_uid)
+    }
+}
+
+impl Touches for api::PreemptRequest {
+    fn pod(&self) -> PodOf<'_> {
+        requested(self.request.as_ref())
     }
 }
 

@@ -122,6 +122,10 @@ pub struct Config {
     #[command(flatten)]
     pub kube: crate::kube_watch::KubeArgs,
 
+    /// gpuledger's own preemption of GPU slices (the extender's `Preempt`).
+    #[command(flatten)]
+    pub preempt: crate::preemption::PreemptArgs,
+
     /// Placement policy of pods that name none (annotation `gpuledger.io/policy`): binpack,
     /// spread, fgd, fgd-pack, fgd-pack-cpu, fgd-strand, random, dotprod, bestfit, packing or
     /// clustering.

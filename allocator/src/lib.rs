@@ -16,6 +16,7 @@ pub mod kube_watch;
 pub mod leader;
 pub mod log;
 pub mod metrics;
+pub mod preemption;
 pub mod replica;
 mod retry;
 pub mod service;

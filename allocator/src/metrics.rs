@@ -16,7 +16,7 @@ use prometheus_client::registry::Registry;
 pub(crate) const PREFIX: &str = "gpuledger_allocator";
 
 /// Ledger event types, in the order of [`Metrics`]' per-type counters.
-pub(crate) const EVENT_TYPES: [&str; 14] = [
+pub(crate) const EVENT_TYPES: [&str; 16] = [
     "node_registered",
     "node_removed",
     "device_health_changed",
@@ -30,6 +30,8 @@ pub(crate) const EVENT_TYPES: [&str; 14] = [
     "quota_set",
     "budget_set",
     "budget_removed",
+    "nominated",
+    "nomination_ended",
     "empty",
 ];
 
@@ -55,6 +57,10 @@ pub struct Metrics {
     pub writes_refused: Family<Vec<(&'static str, String)>, Counter>,
     /// Calls refused by the authorization table, by rule and caller role.
     denied: Family<Vec<(&'static str, String)>, Counter>,
+    /// `Preempt` calls by outcome.
+    pub(crate) preemptions: Family<Vec<(&'static str, &'static str)>, Counter>,
+    /// Evictions of preemption victims by outcome.
+    pub(crate) evictions: Family<Vec<(&'static str, &'static str)>, Counter>,
     /// Events folded, by type (index into [`EVENT_TYPES`]): a fixed array, so counting an
     /// event in the fold neither allocates nor hashes.
     events: [AtomicU64; EVENT_TYPES.len()],
@@ -119,6 +125,18 @@ impl Default for Metrics {
             "Calls refused by the authorization table, by the rule that refused and the caller's role",
             denied.clone(),
         );
+        let preemptions = Family::<Vec<(&'static str, &'static str)>, Counter>::default();
+        registry.register(
+            "preemptions",
+            "Preempt calls by outcome: nominated, repeat (the nomination was live), none (no eviction helps), refused, busy (--max-preemptions-in-flight)",
+            preemptions.clone(),
+        );
+        let evictions = Family::<Vec<(&'static str, &'static str)>, Counter>::default();
+        registry.register(
+            "evictions",
+            "Evictions of preemption victims by outcome: evicted, gone, refused (a PodDisruptionBudget), failed",
+            evictions.clone(),
+        );
         Metrics {
             registry,
             commit_latency,
@@ -130,6 +148,8 @@ impl Default for Metrics {
             failed_takeovers,
             writes_refused,
             denied,
+            preemptions,
+            evictions,
             events: Default::default(),
             bites: gpuledger_auth::limit::Bites::new(),
         }
@@ -153,7 +173,9 @@ impl Metrics {
             Some(Body::QuotaSet(_)) => 10,
             Some(Body::BudgetSet(_)) => 11,
             Some(Body::BudgetRemoved(_)) => 12,
-            None => 13,
+            Some(Body::Nominated(_)) => 13,
+            Some(Body::NominationEnded(_)) => 14,
+            None => 15,
         };
         self.events[i].fetch_add(1, Ordering::Relaxed);
     }

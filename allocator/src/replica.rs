@@ -117,6 +117,7 @@ pub async fn run_until(cfg: Config, stop: CancellationToken) -> anyhow::Result<(
     let kube = crate::kube_watch::enabled(&cfg.kube);
     let authz = Arc::new(crate::authz::Authz::new(kube, cfg.scheduler_names.clone()));
     let learned = Learned::new(cfg.fgd_window, cfg.fgd_min_samples);
+    let preemption = crate::preemption::Preemption::new(&cfg.preempt, &shared.metrics);
     let service = Service::new(
         shared.clone(),
         client.clone(),
@@ -136,7 +137,8 @@ pub async fn run_until(cfg: Config, stop: CancellationToken) -> anyhow::Result<(
     .with_limits(
         cfg.limits.max_streams_per_identity,
         cfg.limits.heavy_read_threads,
-    );
+    )
+    .with_preemption(preemption);
     let http = tokio::net::TcpListener::bind(cfg.http_listen)
         .await
         .with_context(|| format!("listening on --http-listen {}", cfg.http_listen))?;
@@ -163,6 +165,12 @@ pub async fn run_until(cfg: Config, stop: CancellationToken) -> anyhow::Result<(
         }
     });
     crate::kube_watch::spawn(service.clone(), &cfg.kube, &tasks, &stop);
+    crate::preemption::spawn(
+        service.clone(),
+        Duration::from_millis(cfg.kube.reconcile_interval_ms.max(1)),
+        &tasks,
+        &stop,
+    );
     tasks.spawn(crate::grpc::serve(
         service,
         listener,

@@ -6,6 +6,7 @@
 //! the streams `subscribe`, `replicate`, `read_log` and `read_snapshots`.
 
 mod forward;
+mod preempt;
 mod read_log;
 mod read_snapshots;
 mod reads;
@@ -84,6 +85,7 @@ pub struct Service {
     streams: Arc<Slots<Caller>>,
     /// Threads that answer CPU-heavy reads, off the async runtime.
     heavy: Arc<Semaphore>,
+    preemption: Arc<crate::preemption::Preemption>,
 }
 
 /// The limit name of the streams-per-identity refusals.
@@ -176,6 +178,7 @@ impl Service {
         peers: Credentials,
     ) -> Self {
         let heavy = Arc::new(Semaphore::new(DEFAULT_HEAVY_READ_THREADS));
+        let preemption = crate::preemption::Preemption::new(&Default::default(), &shared.metrics);
         Service {
             shared: shared.clone(),
             etcd,
@@ -195,6 +198,7 @@ impl Service {
                 shared.metrics.bites.clone(),
             ),
             heavy,
+            preemption,
         }
     }
 
@@ -264,6 +268,17 @@ impl Service {
                     self.streams.in_use_by(&a.caller)
                 ))
             })
+    }
+
+    /// The same service, preempting as `p` bounds it.
+    pub fn with_preemption(mut self, p: Arc<crate::preemption::Preemption>) -> Self {
+        self.preemption = p;
+        self
+    }
+
+    /// gpuledger's own preemption: its bounds, Events and metrics.
+    pub fn preemption(&self) -> &Arc<crate::preemption::Preemption> {
+        &self.preemption
     }
 
     /// The same service, reading history older than etcd's log from `archive`.
@@ -461,6 +476,13 @@ impl Allocator for Service {
             writes::set_quota(self, req)
         })
         .await
+    }
+
+    async fn preempt(
+        &self,
+        req: Request<api::PreemptRequest>,
+    ) -> Result<Response<api::PreemptResponse>, Status> {
+        traced(self, Call::Preempt, req, |req| preempt::preempt(self, req)).await
     }
 
     type ReadLogStream = BoxStream<pb::EventBatch>;

@@ -57,6 +57,8 @@ pub struct App {
     /// The `spec.schedulerName`s whose pods bind may bind; a pod of any other scheduler is
     /// refused.
     pub scheduler_names: Vec<String>,
+    /// Preemption asked from filter, rate-limited per pod.
+    pub preemption: Arc<crate::preemption::Preemption>,
 }
 
 /// The verbs kube-scheduler calls, served at the root and under `/gpuledger` (over HTTPS, to

@@ -8,6 +8,7 @@ pub mod budget_admission;
 pub mod extender;
 pub mod metrics;
 pub mod parallel;
+pub mod preemption;
 pub mod replica;
 pub use gpuledger_ops::gpu_request as resources;
 pub mod scheduler_text;

@@ -12,6 +12,7 @@ use gpuledger_auth::limit::Bites;
 use gpuledger_extender::allocator::Allocators;
 use gpuledger_extender::extender::{self, App};
 use gpuledger_extender::metrics::Metrics;
+use gpuledger_extender::preemption::Preemption;
 use gpuledger_extender::replica::Replica;
 use gpuledger_extender::webhook;
 use gpuledger_ops::events::Recorder;
@@ -79,6 +80,13 @@ struct Args {
     /// How this extender proves who it is to the allocator.
     #[command(flatten)]
     credentials: gpuledger_auth::CredentialArgs,
+
+    /// How often, per pending pod, filter may ask the allocator leader to preempt for it when
+    /// the pod fits on none of the scheduler's nodes for want of GPU room, in milliseconds
+    /// (kube-scheduler's own preemption cannot see GPU memory or compute). 0 = never: GPU
+    /// slices are then preempted only by a scheduler that calls the `preempt` verb.
+    #[arg(long, env = "GPULEDGER_PREEMPT_RETRY_MS", default_value_t = 5000)]
+    preempt_retry_ms: u64,
 
     /// Scheduler name the webhook sets on GPU pods that use the default scheduler (off when
     /// not set).
@@ -214,11 +222,13 @@ async fn run(a: Args) -> anyhow::Result<()> {
         ("scheduler", scheduler_bites.clone()),
         ("webhook", webhook_bites.clone()),
     ]);
+    let preemption = Preemption::new(Duration::from_millis(a.preempt_retry_ms));
     let metrics = Arc::new(Metrics::new(|r| {
         if let Some(rep) = &replica {
             rep.register(r);
         }
         r.register_collector(Box::new(limited));
+        preemption.register(r);
     }));
     if let Some(rep) = &replica {
         tasks.spawn(rep.clone().follow(allocators.clone(), shutdown.clone()));
@@ -267,6 +277,7 @@ async fn run(a: Args) -> anyhow::Result<()> {
         replica,
         tasks: tasks.clone(),
         scheduler_names: a.scheduler_names.clone(),
+        preemption,
     };
     let probes = tokio::net::TcpListener::bind(a.http_listen)
         .await

@@ -10,6 +10,7 @@ mod budget_demotion;
 mod crash_recovery;
 mod fuzz_inputs;
 mod golden_fixtures;
+mod gpu_preemption_on_a_stock_scheduler;
 mod hostile_listeners;
 mod hostile_requests;
 mod peer_pods_unchanged;

@@ -9,6 +9,8 @@ use crate::pb::event::Body;
 use crate::placement::{self, Fit, PodRequest};
 use crate::state::{Alloc, AllocState, ApplyError, Ledger};
 
+mod nominate;
+
 /// A request to change the ledger.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Command {
@@ -83,6 +85,24 @@ pub enum Command {
     SetBudget(pb::BudgetSet),
     /// Remove a namespace's budget (it falls back to the cluster default, if any).
     RemoveBudget(pb::BudgetRemoved),
+    /// Keep the room a preemption frees for the pod that preempted: refused unless its shares
+    /// fit on the node once the victims (and the pods of `leaving`) are gone, with the room
+    /// nominated for pods of its priority or higher still taken. An identical nomination of
+    /// the same pod (same node and shares) is a repeat.
+    Nominate {
+        /// The nomination, as `Nominated` records it.
+        nomination: pb::Nominated,
+        /// UIDs of pods whose allocations are on their way out anyway (terminating), counted
+        /// as gone when checking the room; not recorded.
+        leaving: Vec<String>,
+    },
+    /// End a pod's nomination (nothing when it has none).
+    EndNomination {
+        /// The nominee's UID.
+        pod_uid: String,
+        /// Why (expired, pod deleted, …).
+        reason: String,
+    },
 }
 
 /// Why a command was refused. Nothing was written.
@@ -229,25 +249,30 @@ impl Ledger {
                         )));
                     }
                 }
-                changed(vec![Body::NodeRegistered(pb::NodeRegistered {
+                let kept: Vec<&str> = inv.gpus.iter().map(|g| g.uuid.as_str()).collect();
+                let mut b = self.nominations_ending_on(
+                    &inv.node,
+                    Some(&kept),
+                    "a nominated GPU left the node's inventory",
+                );
+                b.push(Body::NodeRegistered(pb::NodeRegistered {
                     inventory: Some(inv),
-                })])
+                }));
+                changed(b)
             }
             Command::RemoveNode { node, reason } => {
                 let Some(n) = self.node(&node) else {
                     return unchanged;
                 };
-                let mut b: Vec<Body> = n
-                    .allocs
-                    .iter()
-                    .map(|id| {
-                        Body::Released(pb::Released {
-                            allocation_id: *id,
-                            reason: format!("node removed: {reason}"),
-                            node: node.clone(),
-                        })
+                let mut b =
+                    self.nominations_ending_on(&node, None, &format!("node removed: {reason}"));
+                b.extend(n.allocs.iter().map(|id| {
+                    Body::Released(pb::Released {
+                        allocation_id: *id,
+                        reason: format!("node removed: {reason}"),
+                        node: node.clone(),
                     })
-                    .collect();
+                }));
                 b.push(Body::NodeRemoved(pb::NodeRemoved { node, reason }));
                 changed(b)
             }
@@ -420,6 +445,16 @@ impl Ledger {
                     unchanged
                 }
             }
+            Command::Nominate {
+                nomination,
+                leaving,
+            } => self.decide_nominate(nomination, &leaving),
+            Command::EndNomination { pod_uid, reason } => {
+                match self.end_nomination_body(&pod_uid, reason) {
+                    Some(b) => changed(vec![b]),
+                    None => unchanged,
+                }
+            }
         }
     }
 
@@ -462,33 +497,40 @@ impl Ledger {
             ));
         }
         let n = self
-            .node(&node)
+            .node_for(&node, &request)
             .ok_or_else(|| CommandError::NotFound(format!("node {node} is not registered")))?;
-        let placed = placement::place_on_node(n, &request).map_err(|f| match f {
-            Fit::Never(r) => CommandError::Unsatisfiable(format!("node {node}: {r}")),
-            Fit::Wait(r) => CommandError::NoCapacity(format!("node {node}: {r}")),
-            Fit::Fits => CommandError::NoCapacity(format!("node {node}")),
-        })?;
+        let placed = match self.nominated_placement(&n, &request) {
+            Some(p) => p,
+            None => placement::place_on_node(&n, &request).map_err(|f| match f {
+                Fit::Never(r) => CommandError::Unsatisfiable(format!("node {node}: {r}")),
+                Fit::Wait(r) => CommandError::NoCapacity(format!(
+                    "node {node}: {r}{}",
+                    self.room_kept(&node, &request)
+                )),
+                Fit::Fits => CommandError::NoCapacity(format!("node {node}")),
+            })?,
+        };
         self.check_quota(&request.pod.namespace, &placed)?;
-        let first = self.seq() + 1;
-        let bodies = placed
+        // The pod's own nomination, wherever it was, ends with its reservation.
+        let mut bodies: Vec<Body> = self
+            .end_nomination_body(&request.pod.uid, format!("reserved on node {node}"))
             .into_iter()
-            .enumerate()
-            .map(|(i, p)| {
-                Body::Reserved(pb::Reserved {
-                    allocation_id: first + i as u64,
-                    pod: Some(request.pod.clone()),
-                    container: p.container,
-                    node: node.clone(),
-                    shares: p.shares,
-                    deadline_ms,
-                    // The pod's node-level requests are counted once, on its first container.
-                    cpu_milli: if i == 0 { request.cpu_milli } else { 0 },
-                    memory_mib: if i == 0 { request.memory_mib } else { 0 },
-                    policy: request.policy.to_string(),
-                })
-            })
             .collect();
+        let first = self.seq() + 1 + bodies.len() as u64;
+        bodies.extend(placed.into_iter().enumerate().map(|(i, p)| {
+            Body::Reserved(pb::Reserved {
+                allocation_id: first + i as u64,
+                pod: Some(request.pod.clone()),
+                container: p.container,
+                node: node.clone(),
+                shares: p.shares,
+                deadline_ms,
+                // The pod's node-level requests are counted once, on its first container.
+                cpu_milli: if i == 0 { request.cpu_milli } else { 0 },
+                memory_mib: if i == 0 { request.memory_mib } else { 0 },
+                policy: request.policy.to_string(),
+            })
+        }));
         Ok((
             bodies,
             Reply::Reserved {
@@ -590,6 +632,45 @@ fn check_bounds(cmd: &Command) -> Result<(), String> {
         Command::SetQuota(_) => Ok(()),
         Command::SetBudget(b) => text("budget source", &b.source),
         Command::RemoveBudget(b) => text("budget source", &b.source),
+        Command::Nominate {
+            nomination: n,
+            leaving,
+        } => {
+            name("node name", &n.node)?;
+            if n.containers.len() > bounds::MAX_CONTAINERS {
+                return Err(format!(
+                    "{} containers nominated, at most {}",
+                    n.containers.len(),
+                    bounds::MAX_CONTAINERS
+                ));
+            }
+            for c in &n.containers {
+                id("container name", &c.container)?;
+                if c.shares.len() > bounds::MAX_SLICES as usize {
+                    return Err(format!(
+                        "container {} nominated on {} GPUs, at most {}",
+                        c.container,
+                        c.shares.len(),
+                        bounds::MAX_SLICES
+                    ));
+                }
+            }
+            // A node holds at most MAX_SLICES GPUs' worth of slices per pod; victims and
+            // pods leaving are pods on one node.
+            for (what, n) in [
+                ("victims", n.victims.len()),
+                ("pods leaving", leaving.len()),
+            ] {
+                if n > bounds::MAX_VICTIMS {
+                    return Err(format!("{n} {what}, at most {}", bounds::MAX_VICTIMS));
+                }
+            }
+            leaving.iter().try_for_each(|u| id("pod uid", u))
+        }
+        Command::EndNomination { pod_uid, reason } => {
+            id("pod uid", pod_uid)?;
+            text("reason", reason)
+        }
     }
 }
 

@@ -91,6 +91,7 @@ pub fn evaluate(node: &NodeState, req: &PodRequest) -> Result<Candidate, Fit> {
         return Err(Fit::Wait(format!(
             "node CPU: {}m requested, {}m free",
             req.cpu_milli,
+            // Room nominated for other pods may count past capacity (`Ledger::node_for`).
             node.cpu_milli.saturating_sub(node.cpu_used)
         )));
     }

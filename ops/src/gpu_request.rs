@@ -375,6 +375,7 @@ pub fn pod_request(pod: &Pod) -> Result<Option<api::PodRequest>, RequestError> {
         placement: Some(placement(pod)?),
         cpu_milli: cpu_milli.ceil() as u64,
         memory_mib: memory_mib.ceil() as u64,
+        priority: pod.spec.as_ref().and_then(|s| s.priority).unwrap_or(0),
     }))
 }
 

@@ -15,6 +15,7 @@ use tracing::{Span, debug, instrument, warn};
 
 use super::wire::{ExtenderArgs, FilterResult, NodeList, node_name, take_node_names};
 use super::{App, bad_request, failed, json_sized, record_pod};
+use crate::preemption::Preemption;
 use crate::{parallel, resources};
 
 /// Keep the nodes named in `keep`, in the request's form: full nodes when it carried them
@@ -91,8 +92,9 @@ pub(super) async fn filter(State(app): State<App>, body: Bytes) -> Response {
                 Ok(pr) => {
                     let mut f = parallel::filter_nodes(l, &names, &pr);
                     r.in_flight.filter(l, d, &pr, &mut f);
+                    let nominated = nominee_waits(l, &pr, &mut f);
                     // A node the replica does not know yet may be registered by now: ask.
-                    (f.unregistered == 0).then(|| Ok((f, l.seq())))
+                    (f.unregistered == 0).then(|| Ok((f, l.seq(), nominated)))
                 }
                 Err(why) => Some(Err(tonic::Status::invalid_argument(why))),
             })
@@ -123,13 +125,15 @@ pub(super) async fn filter(State(app): State<App>, body: Bytes) -> Response {
                         ..Default::default()
                     },
                     r.seq,
+                    // Unknown here: the leader answers a live nomination as a repeat.
+                    false,
                 )),
                 Err(s) => Err((fr.nodes, s)),
             }
         }
     };
     match answer {
-        Ok((f, seq)) => {
+        Ok((f, seq, nominated)) => {
             Span::current().record("seq", seq);
             debug!(
                 feasible = f.fits.len(),
@@ -146,6 +150,13 @@ pub(super) async fn filter(State(app): State<App>, body: Bytes) -> Response {
                         r.in_flight.verified(&v.uid, own);
                     });
                 }
+            }
+            // Only GPU room is missing, and the scheduler's own preemption cannot see it.
+            if f.fits.is_empty() && !f.wait.is_empty() && !nominated && Preemption::may_preempt(pod)
+            {
+                let nodes = f.wait.iter().map(|(n, _)| n.clone()).collect();
+                app.preemption
+                    .ask(&app.allocators, &app.tasks, req.clone(), nodes);
             }
             out.failed_nodes = f.wait.into_iter().chain(f.never.clone()).collect();
             out.failed_and_unresolvable_nodes = f.never.into_iter().collect();
@@ -193,6 +204,35 @@ async fn own_request(
         return None;
     }
     resources::pod_request(&pod).ok().flatten()
+}
+
+/// Whether the pod of `req` is nominated; if so, its nominated node's reason says that the
+/// room there is being freed for it.
+fn nominee_waits(
+    l: &gpuledger_ledger::Ledger,
+    req: &placement::PodRequest,
+    f: &mut placement::Filtered,
+) -> bool {
+    let Some(n) = l.nominations().get(&req.pod.uid) else {
+        return false;
+    };
+    let victims: Vec<String> = n
+        .victims
+        .iter()
+        .filter_map(|v| v.pod.as_ref())
+        .map(|p| format!("{}/{}", p.namespace, p.name))
+        .collect();
+    for (_, why) in f.wait.iter_mut().filter(|(node, _)| *node == n.node) {
+        why.push_str(&if victims.is_empty() {
+            "; GPU room here is kept for this pod while the pods leaving free it".to_string()
+        } else {
+            format!(
+                "; GPU room here is kept for this pod while {} (preempted for it) leave",
+                victims.join(", ")
+            )
+        });
+    }
+    true
 }
 
 fn unresolvable_everywhere(names: &[String], why: &str, out: &mut FilterResult) {

@@ -20,6 +20,9 @@ pub const VIOLATION_ACTIONS: [&str; 4] = ["kill", "report", "rogue", "rogue-kill
 pub const MAX_DEVICE_IDS: usize = 64;
 /// Most containers of one pod that ask for GPUs.
 pub const MAX_CONTAINERS: usize = 64;
+/// Victims of one nomination, and pods counted as leaving: pods on one node (the kubelet's
+/// default is 110 pods a node; a node may be configured for more).
+pub const MAX_VICTIMS: usize = 1024;
 /// Most slices (distinct GPUs) one container may ask for.
 pub const MAX_SLICES: u32 = 64;
 /// Most entries in one of a pod's GPU selectors (types, UUIDs and their exclusions).

@@ -66,13 +66,21 @@ pub fn filter_nodes<S: AsRef<str> + Into<String>>(
 ) -> Filtered {
     let mut out = Filtered::default();
     for n in names {
-        match ledger.node(n.as_ref()).map(|ns| fit_node(ns, req)) {
+        // Room nominated for pods that outrank this one counts as taken.
+        let seen = ledger.node_for(n.as_ref(), req);
+        match seen.as_deref().map(|ns| fit_node(ns, req)) {
             None => {
                 out.unregistered += 1;
                 out.never.push((n.into(), NOT_REGISTERED.to_string()));
             }
             Some(Fit::Fits) => out.fits.push(n.into()),
-            Some(Fit::Wait(why)) => out.wait.push((n.into(), why)),
+            Some(Fit::Wait(why)) => {
+                let kept = match seen {
+                    Some(std::borrow::Cow::Owned(_)) => ledger.room_kept(n.as_ref(), req),
+                    _ => String::new(),
+                };
+                out.wait.push((n.into(), why + &kept));
+            }
             Some(Fit::Never(why)) => out.never.push((n.into(), why)),
         }
     }

@@ -223,6 +223,8 @@ pub struct PodRequest {
     pub workload: Option<Arc<Workload>>,
     /// Randomness for the `random` policy, drawn by the caller (placement itself has none).
     pub salt: u64,
+    /// The pod's priority: room nominated for pods of this priority or higher is taken to it.
+    pub priority: i32,
 }
 
 impl PodRequest {
@@ -259,6 +261,7 @@ impl PodRequest {
             policy,
             cpu_milli: r.cpu_milli,
             memory_mib: r.memory_mib,
+            priority: r.priority,
             ..Default::default()
         };
         req.validate()?;

@@ -48,6 +48,7 @@ impl Ledger {
                     .inventory
                     .as_ref()
                     .ok_or_else(|| bad("NodeRegistered without inventory".into()))?;
+                self.nominations_keep_gpus(inv).map_err(bad)?;
                 self.register(inv).map_err(bad)?;
             }
             Body::NodeRemoved(r) => {
@@ -60,6 +61,12 @@ impl Ledger {
                         "NodeRemoved of {} with {} live allocations",
                         r.node,
                         node.allocs.len()
+                    )));
+                }
+                if self.nominations.on_node(&r.node).next().is_some() {
+                    return Err(bad(format!(
+                        "NodeRemoved of {} with live nominations",
+                        r.node
                     )));
                 }
                 if let Some(n) = self.nodes.remove(&r.node) {
@@ -130,6 +137,8 @@ impl Ledger {
                     return Err(bad(format!("BudgetSet of {:?}: {why}", b.namespace)));
                 }
             }
+            Body::Nominated(n) => self.nominate(n).map_err(bad)?,
+            Body::NominationEnded(e) => self.end_nomination(e).map_err(bad)?,
         }
         self.account(body, before, ev.time_ms);
         self.seq = ev.seq;
@@ -243,6 +252,12 @@ impl Ledger {
         let pod = r.pod.as_ref().ok_or("Reserved without pod")?;
         if pod.uid.is_empty() {
             return Err("Reserved with an empty pod uid".into());
+        }
+        if self.nominations.get(&pod.uid).is_some() {
+            return Err(format!(
+                "pod {} reserves while nominated: its nomination must end first",
+                pod.uid
+            ));
         }
         if let Some(other) = self.by_pod.get(&pod.uid).and_then(|c| c.get(&r.container)) {
             return Err(format!(
