@@ -104,17 +104,20 @@ test: test-deps fmt-check clippy machete deny
 	./target/debug/gpuledger-chaos run --seed 1 --pods 150 --faults 7
 	./deploy/test/deploy-check.sh
 
-## The real-Kubernetes tier (docs/e2e.md): kube-apiserver, kube-scheduler, kubelet and kubectl
-## 1.20.2 built from Debian's source package by e2e/kube/build.sh (~25 min once, then cached in
-## ~/.cache/gpuledger), Debian's containerd and runc, pods that really run. Needs root, and a
-## kubectl with kustomize v5 (`make deploy-check` installs one) to render the shipped overlay.
+## The real-Kubernetes tier (docs/e2e.md): kube-apiserver, kube-controller-manager,
+## kube-scheduler, kubelet and kubectl of Kubernetes $(KUBE_VERSION), containerd 2 and etcd 3.6,
+## built from the Go module proxy by e2e/kube/build.sh (once, then cached in
+## ~/.cache/gpuledger), the machine's runc, pods that really run, the shipped install as it is.
+## Needs root and Go 1.26 or later on PATH. Another release: make test-e2e KUBE_VERSION=1.35.4
+KUBE_VERSION ?= 1.37.2
 e2e-deps: deps
-	@$(call apt_install,go:golang-go rsync:rsync dpkg-source:dpkg-dev patch:patch containerd:containerd runc:runc umoci:umoci skopeo:skopeo /bin/busybox:busybox-static /usr/lib/cni/loopback:containernetworking-plugins)
+	@command -v go >/dev/null || { echo "test-e2e needs Go 1.26 or later on PATH (https://go.dev/dl; Debian's golang-go is too old)" >&2; exit 1; }
+	@$(call apt_install,runc:runc umoci:umoci skopeo:skopeo openssl:openssl /bin/busybox:busybox-static /usr/lib/cni/loopback:containernetworking-plugins)
 
 # Only e2e's tests are #[ignore]d; --workspace keeps the build the one `make test` made.
 test-e2e: e2e-deps
 	$(BUILD_FOR_TESTS)
-	bin="$$(./e2e/kube/build.sh)" && GPULEDGER_KUBE_BIN="$$bin" $(CARGO) test --workspace --test integration -- --ignored --test-threads=1
+	bin="$$(KUBE_VERSION=$(KUBE_VERSION) ./e2e/kube/build.sh)" && GPULEDGER_KUBE_BIN="$$bin" $(CARGO) test --workspace --test integration -- --ignored --test-threads=1
 
 ## deploy/: render the kustomize overlays and the Helm chart, validate them offline against the
 ## Kubernetes schemas, check flags, wiring and RBAC against the code (installs its tools).

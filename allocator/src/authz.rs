@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use gpuledger_auth::identity::Caller;
-use gpuledger_auth::rules::{self, Call, Condition, Facts, PodFacts};
+use gpuledger_auth::rules::{self, Call, Condition, Denied, Facts, PodFacts};
 use gpuledger_auth::server::Authenticated;
 use gpuledger_ledger::{AllocState, Ledger};
 
@@ -48,6 +48,11 @@ impl Authz {
         let _ = self.pods.set((pods, client));
     }
 
+    /// The pod watch's store and the API client, once the watch runs.
+    pub fn pods(&self) -> Option<&(Store<Pod>, kube::Client)> {
+        self.pods.get()
+    }
+
     /// Calls refused so far.
     pub fn denied(&self) -> u64 {
         self.denied.load(Ordering::Relaxed)
@@ -70,17 +75,30 @@ impl Authz {
         let caller = auth.caller.clone();
         let q = req.get_ref();
         let condition = rules::rule_for(&caller.role, call).map(|r| r.condition);
+        let mut pod = None;
         let facts = match condition {
             Some(Condition::OwnNode | Condition::ReservationsOnly) => {
                 q.facts(&*shared.view().await)
             }
-            Some(Condition::AdmissiblePod) => Facts {
-                pod: Some(self.pod_facts(q.pod(), shared).await?),
-                ..Facts::default()
-            },
+            Some(Condition::AdmissiblePod) => {
+                let (facts, found) = self.pod_facts(q, shared).await?;
+                pod = found;
+                Facts {
+                    pod: Some(facts),
+                    ..Facts::default()
+                }
+            }
             Some(Condition::None) | None => Facts::default(),
         };
-        match rules::authorize(&caller, call, &facts, q.target_node()) {
+        let verdict = rules::authorize(&caller, call, &facts, q.target_node()).and_then(|r| {
+            // The table admits the pod; the call must also say of it what the API server
+            // says (a reservation's sizes, a confirmed binding).
+            match pod.as_ref().and_then(|p| q.disagrees(p)) {
+                Some(d) => Err(d),
+                None => Ok(r),
+            }
+        });
+        match verdict {
             Ok(_) => Ok(caller),
             Err(d) => {
                 self.denied.fetch_add(1, Ordering::Relaxed);
@@ -94,11 +112,16 @@ impl Authz {
         }
     }
 
-    async fn pod_facts(&self, pod: PodOf<'_>, shared: &Shared) -> Result<PodFacts, Status> {
+    /// The pod `q` is for as the API server has it: the facts the table needs, and the pod.
+    async fn pod_facts<Q: Touches>(
+        &self,
+        q: &Q,
+        shared: &Shared,
+    ) -> Result<(PodFacts, Option<Pod>), Status> {
         if !self.kube {
-            return Ok(PodFacts::NoApiServer);
+            return Ok((PodFacts::NoApiServer, None));
         }
-        let pod = match pod {
+        let pod = match q.pod() {
             PodOf::Named(key) => Some(key),
             // Named by UID only: its namespace and name are the ledger's.
             PodOf::Uid(uid) => shared
@@ -127,12 +150,18 @@ impl Authz {
             ));
         }
         let Some(key) = pod else {
-            return Ok(PodFacts::Missing);
+            return Ok((PodFacts::Missing, None));
         };
         let same = |p: &Pod| p.metadata.uid.as_deref() == Some(key.uid.as_str());
+        // A call that says the pod is bound may follow the Binding faster than the watch:
+        // a cached pod that is not bound there yet is read again.
+        let current = |p: &Pod| {
+            !q.needs_binding()
+                || p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == q.target_node()
+        };
         let cached = store
             .get(&ObjectRef::new(&key.name).within(&key.namespace))
-            .filter(|p| same(p))
+            .filter(|p| same(p) && current(p))
             .map(|p| (*p).clone());
         let found = match cached {
             Some(p) => Some(p),
@@ -151,18 +180,19 @@ impl Authz {
             }
         };
         Ok(match found {
-            None => PodFacts::Missing,
+            None => (PodFacts::Missing, None),
             Some(p) => {
                 let spec = p.spec.as_ref();
                 let phase = p.status.as_ref().and_then(|s| s.phase.as_deref());
-                PodFacts::Found {
+                let facts = PodFacts::Found {
                     gpuledger_scheduler: spec
                         .and_then(|s| s.scheduler_name.as_deref())
                         .is_some_and(|n| self.scheduler_names.iter().any(|m| m == n)),
                     node: spec.and_then(|s| s.node_name.clone()),
                     ended: p.metadata.deletion_timestamp.is_some()
                         || matches!(phase, Some("Succeeded" | "Failed")),
-                }
+                };
+                (facts, Some(p))
             }
         })
     }
@@ -198,6 +228,15 @@ pub trait Touches {
     /// The pod it is for (Reserve, ConfirmBound).
     fn pod(&self) -> PodOf<'_> {
         PodOf::Nothing
+    }
+    /// Whether it says the pod is bound to [`Touches::target_node`] (ConfirmBound).
+    fn needs_binding(&self) -> bool {
+        false
+    }
+    /// Where it contradicts the pod as the API server has it (the rule that refuses, and
+    /// why), if it does.
+    fn disagrees(&self, _pod: &Pod) -> Option<Denied> {
+        None
     }
 }
 
@@ -294,19 +333,64 @@ impl Touches for api::ReleaseRequest {
     }
 }
 
+/// The pod a request's `PodRequest` names.
+fn requested(r: Option<&api::PodRequest>) -> PodOf<'_> {
+    match r.and_then(|r| r.pod.as_ref()) {
+        Some(p) => PodOf::Named(PodKey {
+            namespace: p.namespace.clone(),
+            name: p.name.clone(),
+            uid: p.uid.clone(),
+        }),
+        None => PodOf::Nothing,
+    }
+}
+
 impl Touches for api::ReserveRequest {
     fn target_node(&self) -> Option<&str> {
         Some(&self.node)
     }
-    fn pod(&self) -> PodOf<'_> {
-        match self.request.as_ref().and_then(|r| r.pod.as_ref()) {
-            Some(p) => PodOf::Named(PodKey {
-                namespace: p.namespace.clone(),
-                name: p.name.clone(),
-                uid: p.uid.clone(),
-            }),
-            None => PodOf::Nothing,
+    fn disagrees(&self, pod: &Pod) -> Option<Denied> {
+        let deny = |why: String| {
+            Some(Denied {
+                rule: "extender-reserve-pod-request",
+                why,
+            })
+        };
+        let own = match gpuledger_request::pod_request(pod) {
+            Ok(Some(r)) => r,
+            Ok(None) => return deny("the pod asks for no gpuledger resource".into()),
+            Err(e) => return deny(format!("the pod's own request is invalid: {e}")),
+        };
+        let asked = self.request.as_ref()?;
+        let key = |c: &api::ContainerRequest| {
+            (
+                c.name.clone(),
+                c.slices,
+                c.mem_mib,
+                c.mem_percent,
+                c.core_milli,
+            )
+        };
+        let mut mine: Vec<_> = asked.containers.iter().map(key).collect();
+        let mut theirs: Vec<_> = own.containers.iter().map(key).collect();
+        mine.sort();
+        theirs.sort();
+        if mine != theirs {
+            return deny(format!(
+                "the reservation's sizes (container, slices, MiB, memory %, compute per mille) \
+                 {mine:?} are not what the pod asks for: {theirs:?}"
+            ));
         }
+        if (asked.cpu_milli, asked.memory_mib) != (own.cpu_milli, own.memory_mib) {
+            return deny(format!(
+                "the reservation counts {}m CPU and {} MiB memory; the pod requests {}m and {} MiB",
+                asked.cpu_milli, asked.memory_mib, own.cpu_milli, own.memory_mib
+            ));
+        }
+        None
+    }
+    fn pod(&self) -> PodOf<'_> {
+        requested(self.request.as_ref())
     }
 }
 
@@ -314,8 +398,27 @@ impl Touches for api::ConfirmBoundRequest {
     fn target_node(&self) -> Option<&str> {
         Some(&self.node)
     }
+    fn needs_binding(&self) -> bool {
+        true
+    }
+    fn disagrees(&self, pod: &Pod) -> Option<Denied> {
+        let bound = pod.spec.as_ref().and_then(|s| s.node_name.as_deref());
+        (bound != Some(self.node.as_str())).then(|| Denied {
+            rule: "extender-confirm-bound-pod",
+            why: match bound {
+                None => format!("the pod is not bound to any node yet, not to {}", self.node),
+                Some(n) => format!("the pod is bound to node {n}, not {}", self.node),
+            },
+        })
+    }
     fn pod(&self) -> PodOf<'_> {
         PodOf::Uid(&self.pod_uid)
+    }
+}
+
+impl Touches for api::PreemptRequest {
+    fn pod(&self) -> PodOf<'_> {
+        requested(self.request.as_ref())
     }
 }
 

@@ -122,6 +122,10 @@ pub struct Config {
     #[command(flatten)]
     pub kube: crate::kube_watch::KubeArgs,
 
+    /// gpuledger's own preemption of GPU slices (the extender's `Preempt`).
+    #[command(flatten)]
+    pub preempt: crate::preemption::PreemptArgs,
+
     /// Placement policy of pods that name none (annotation `gpuledger.io/policy`): binpack,
     /// spread, fgd, fgd-pack, fgd-pack-cpu, fgd-strand, random, dotprod, bestfit, packing or
     /// clustering.
@@ -171,9 +175,23 @@ pub struct Config {
     )]
     pub scheduler_names: Vec<String>,
 
+    /// What one caller may write (node agents' write rate, inventory size).
+    #[command(flatten)]
+    pub write_limits: crate::write_limits::WriteLimitArgs,
+
     /// The longest a token's verdict is cached, in seconds (never past the token's expiry).
     #[arg(long, env = "GPULEDGER_TOKEN_CACHE_MAX_S", default_value_t = 300)]
     pub token_cache_max_s: u64,
+
+    /// Bounds on what callers may hold of this replica.
+    #[command(flatten)]
+    pub limits: Limits,
+
+    /// Per-namespace series on /metrics (`*_namespace_*`: GPU held, quotas, budgets). Off by
+    /// default: they name every tenant's namespace and its usage, and that port has no
+    /// authentication; turn it on where only Prometheus reaches the port (a NetworkPolicy).
+    #[arg(long, env = "GPULEDGER_METRICS_NAMESPACES")]
+    pub metrics_namespaces: bool,
 
     /// Log format: "human" or "json".
     #[arg(long, env = "GPULEDGER_LOG_FORMAT", default_value = "human", value_parser = ["human", "json"])]
@@ -206,6 +224,86 @@ impl Config {
     pub fn lease_ttl(&self) -> Duration {
         Duration::from_secs(self.lease_ttl.max(1))
     }
+}
+
+/// What one caller may hold of a replica: connections and TLS handshakes (per peer address),
+/// streams and requests (per connection and per verified identity), reviews of tokens the API
+/// server refuses, and the threads heavy reads may take. Each refusal is counted in
+/// `gpuledger_allocator_limited_total{limit}`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct Limits {
+    /// Open gRPC connections at once (handshakes included); over it a new connection is closed
+    /// at once.
+    #[arg(long, env = "GPULEDGER_MAX_CONNECTIONS", default_value_t = 16_384)]
+    pub max_connections: usize,
+
+    /// Open gRPC connections at once from one peer address.
+    #[arg(
+        long,
+        env = "GPULEDGER_MAX_CONNECTIONS_PER_PEER",
+        default_value_t = 256
+    )]
+    pub max_connections_per_peer: usize,
+
+    /// TLS handshakes in progress at once.
+    #[arg(long, env = "GPULEDGER_MAX_TLS_HANDSHAKES", default_value_t = 1024)]
+    pub max_tls_handshakes: usize,
+
+    /// TLS handshakes in progress at once from one peer address.
+    #[arg(
+        long,
+        env = "GPULEDGER_MAX_TLS_HANDSHAKES_PER_PEER",
+        default_value_t = 64
+    )]
+    pub max_tls_handshakes_per_peer: usize,
+
+    /// A connection that sends no ClientHello within this many milliseconds is cut; so is a
+    /// handshake that takes longer while more than half of the handshake slots are taken.
+    #[arg(long, env = "GPULEDGER_TLS_HELLO_TIMEOUT_MS", default_value_t = 1000)]
+    pub tls_hello_timeout_ms: u64,
+
+    /// Concurrent gRPC streams on one connection (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS; a
+    /// client queues calls past it).
+    #[arg(
+        long,
+        env = "GPULEDGER_MAX_STREAMS_PER_CONNECTION",
+        default_value_t = 256
+    )]
+    pub max_streams_per_connection: u32,
+
+    /// Open Subscribe, Replicate, ReadLog and ReadSnapshots streams of one verified identity
+    /// (a node agent of one node, one certificate, one ServiceAccount); past it
+    /// RESOURCE_EXHAUSTED.
+    #[arg(long, env = "GPULEDGER_MAX_STREAMS_PER_IDENTITY", default_value_t = 64)]
+    pub max_streams_per_identity: usize,
+
+    /// Requests of one verified identity being answered at once; past it RESOURCE_EXHAUSTED.
+    #[arg(
+        long,
+        env = "GPULEDGER_MAX_IN_FLIGHT_PER_IDENTITY",
+        default_value_t = 256
+    )]
+    pub max_in_flight_per_identity: usize,
+
+    /// HTTP/2 keep-alive: a ping every this many milliseconds, and a connection whose peer
+    /// does not answer within half of it is closed with its streams (0 = off).
+    #[arg(long, env = "GPULEDGER_KEEPALIVE_MS", default_value_t = 20_000)]
+    pub keepalive_ms: u64,
+
+    /// Tokens the API server refused, per peer address and minute, before new tokens from that
+    /// address are no longer reviewed (RESOURCE_EXHAUSTED) until the minute passes; a token
+    /// that is not a JWT for audience gpuledger is refused without a review (0 = no bound).
+    #[arg(
+        long,
+        env = "GPULEDGER_MAX_FAILED_TOKEN_REVIEWS_PER_PEER",
+        default_value_t = 30
+    )]
+    pub max_failed_token_reviews_per_peer: u64,
+
+    /// Threads that answer CPU-heavy reads (Filter, Score, Dump, ReadLog pages) off the async
+    /// runtime, which keeps the leader's lease alive; further heavy reads wait for one.
+    #[arg(long, env = "GPULEDGER_HEAVY_READ_THREADS", default_value_t = 2)]
+    pub heavy_read_threads: usize,
 }
 
 fn parse_policy(s: &str) -> Result<gpuledger_ledger::Policy, String> {

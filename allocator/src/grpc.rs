@@ -11,7 +11,8 @@ use gpuledger_proto::allocator::v1::allocator_server::AllocatorServer;
 use std::sync::Arc;
 use std::time::Duration;
 
-use gpuledger_auth::tls::Reloading;
+use gpuledger_auth::limit::Bites;
+use gpuledger_auth::tls::{ListenerLimits, Reloading};
 use gpuledger_auth::{AuthLayer, Authenticator};
 use rustls::ServerConfig;
 use tokio_util::sync::CancellationToken;
@@ -42,14 +43,20 @@ fn rpc_span<B>(req: &http::Request<B>) -> Span {
     )
 }
 
-/// How the gRPC endpoint proves itself and learns who calls it.
+/// How the gRPC endpoint proves itself and learns who calls it, and what a caller may hold.
 pub struct Security {
     /// The server certificate (reloaded when its files change).
     pub tls: Arc<Reloading<ServerConfig>>,
-    /// A TLS handshake not finished by then is cut.
-    pub handshake_timeout: Duration,
+    /// Connections and TLS handshakes admitted, in total and per peer address.
+    pub listener: ListenerLimits,
+    /// Concurrent streams on one HTTP/2 connection.
+    pub max_streams_per_connection: u32,
+    /// HTTP/2 keep-alive ping interval (None = off); the peer must answer within half of it.
+    pub keepalive: Option<Duration>,
     /// Who each request is from (client certificate or ServiceAccount token).
     pub authenticator: Arc<Authenticator>,
+    /// Where refusals by the limits are counted.
+    pub bites: Arc<Bites>,
 }
 
 /// Serve `service` on `listener` over TLS, every request authenticated by `security` before
@@ -71,11 +78,15 @@ pub async fn serve(
     let incoming = gpuledger_auth::tls::incoming(
         listener,
         security.tls,
-        security.handshake_timeout,
+        security.listener,
+        security.bites,
         stop.clone(),
     );
     let served = tonic::transport::Server::builder()
         .tcp_nodelay(true)
+        .max_concurrent_streams(security.max_streams_per_connection.max(1))
+        .http2_keepalive_interval(security.keepalive)
+        .http2_keepalive_timeout(security.keepalive.map(|k| k / 2))
         .layer(spans)
         .layer(AuthLayer(security.authenticator))
         .add_service(

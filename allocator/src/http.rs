@@ -42,7 +42,8 @@ fn bad_request(e: ui::BadQuery) -> Response {
 
 /// The HTTP router: health and metrics always; the GPU map and its JSON when `state_api`
 /// (they name every tenant's pods, and this port has no authentication).
-pub fn router(shared: Arc<Shared>, state_api: bool) -> Router {
+/// `/metrics` carries per-namespace series only with `namespaces`.
+pub fn router(shared: Arc<Shared>, state_api: bool, namespaces: bool) -> Router {
     let r = Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route(
@@ -59,12 +60,12 @@ pub fn router(shared: Arc<Shared>, state_api: bool) -> Router {
         )
         .route(
             "/metrics",
-            get(|State(s): State<Arc<Shared>>| {
+            get(move |State(s): State<Arc<Shared>>| {
                 // prometheus-client writes the OpenMetrics text format (`# EOF`, `_total`).
                 blocking(
                     s,
                     "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                    metrics::render,
+                    move |s| metrics::render(s, namespaces),
                 )
             }),
         );

@@ -22,7 +22,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
-use self::plan::{Fix, Held, Missing, PodFacts};
+use self::plan::{Expiry, Fix, Held, Missing, PodFacts};
 use crate::service::Service;
 use crate::shared::Role;
 
@@ -273,7 +273,7 @@ impl Watch {
     }
 
     /// Compare the ledger with the cluster; fix what the watch did not (leader only).
-    async fn reconcile(&self, missing: &mut Missing, grace: Duration) {
+    async fn reconcile(&self, missing: &mut Missing, expiry: &mut Expiry, grace: Duration) {
         if !self.leading() || !self.pods_ready.load(Ordering::Relaxed) {
             return;
         }
@@ -284,7 +284,7 @@ impl Watch {
                 .get(&ObjectRef::new(name).within(ns))
                 .and_then(|p| PodFacts::of(&p))
         };
-        for fix in plan::plan_pods(&held, cached, clock.now_ms()) {
+        for fix in plan::plan_pods(&held, cached, expiry, clock.now()) {
             self.apply(fix).await;
         }
         if !self.nodes_ready.load(Ordering::Relaxed) {
@@ -432,10 +432,11 @@ async fn run(service: Service, client: kube::Client, args: KubeArgs) {
     });
     let grace = Duration::from_secs(args.node_gone_grace_s);
     let mut missing = Missing::default();
+    let mut expiry = Expiry::default();
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        w.reconcile(&mut missing, grace).await;
+        w.reconcile(&mut missing, &mut expiry, grace).await;
     }
 }

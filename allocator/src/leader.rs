@@ -28,7 +28,7 @@ pub use self::group_commit::{BatchLimits, LOAD_WAITERS, StepDown};
 use crate::archive::Archive;
 use crate::election::Lease;
 use crate::log::{Commit, Fence, LedgerLog, LogError, encode, stamp};
-use crate::shared::{Committed, Request, Role, Shared};
+use crate::shared::{Committed, NOSPACE_REFUSAL, Request, Role, Shared};
 
 /// How long a batch in flight when leadership ends may take to say whether it committed.
 const IN_FLIGHT_GRACE: Duration = Duration::from_secs(2);
@@ -79,7 +79,14 @@ impl<L: LedgerLog> Leader<L> {
         let (mut spec, mut head_rev, mut tip) =
             match announce(&shared, &log, &fence, archive.as_ref()).await {
                 Ok(x) => x,
-                Err(stop) => return stop,
+                Err(stop) => {
+                    // Elected, but not one event written: the replica backs off before it
+                    // campaigns again (`replica::lifecycle`), or it would take over and fail
+                    // again many times a second.
+                    shared.metrics.failed_takeovers.inc();
+                    warn!(epoch, reason = ?stop, "elected but could not take over; stepping down");
+                    return stop;
+                }
             };
         info!(epoch, seq = spec.seq(), replica = %shared.replica, "leading");
         shared.metrics.leaderships.inc();
@@ -156,6 +163,21 @@ impl<L: LedgerLog> Leader<L> {
                                 "batch committed");
                         }
                         Ok(Commit::Fenced) => policy.fenced(),
+                        Err(e) if e.is_no_space() => {
+                            // Certainly not written: fail it and what was decided on top of
+                            // it, and go on leading from the committed state. Writes resume
+                            // by themselves once an operator has made room.
+                            shared.metrics.nospace_refusals.inc();
+                            debug!(events = f.batch.events.len(), "etcd is out of space: batch refused");
+                            policy.refused(NOSPACE_REFUSAL);
+                            spec = shared.with_live(Ledger::clone);
+                            match shared.chain_tip() {
+                                Some(t) => tip = t,
+                                None => policy.stop(StepDown::Bug(
+                                    "no chain tip after a refused batch".into(),
+                                )),
+                            }
+                        }
                         Err(e) => policy.failed(e),
                     }
                 }
@@ -212,6 +234,7 @@ async fn chain_tip<L: LedgerLog>(
     head_hash: &[u8],
 ) -> Result<Hash, StepDown> {
     let corrupt = |why: String| {
+        shared.metrics.chain_breaks.inc();
         StepDown::Etcd(LogError::Corrupt {
             key: format!("{}head", log.location().trim_end_matches("log/")),
             why,

@@ -47,6 +47,10 @@ pub enum LogError {
     /// The archive could not be read (see [`ArchiveError`]).
     #[error(transparent)]
     Archive(#[from] ArchiveError),
+    /// The thread decoding what was read went away (the process is stopping); retrying may
+    /// work.
+    #[error("decoding the log: {0}")]
+    Stopped(String),
     /// A stored value does not decode: the log is corrupt. Not retryable.
     #[error("corrupt value at {key}: {why}")]
     Corrupt {
@@ -55,6 +59,18 @@ pub enum LogError {
         /// What is wrong with it.
         why: String,
     },
+}
+
+/// What etcd answers a write with while its NOSPACE alarm is raised.
+const ETCD_NO_SPACE: &str = "database space exceeded";
+
+impl LogError {
+    /// etcd refused the request because its space quota is used up (its NOSPACE alarm): the
+    /// request certainly did not apply, and no write will until an operator frees space and
+    /// disarms the alarm.
+    pub fn is_no_space(&self) -> bool {
+        matches!(self, LogError::Etcd(e) if e.to_string().contains(ETCD_NO_SPACE))
+    }
 }
 
 /// Result of a fenced commit.

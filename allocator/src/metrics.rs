@@ -8,6 +8,7 @@ use gpuledger_ledger::pb::event::Body;
 use prometheus_client::encoding::text::{encode_eof, encode_registry};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
@@ -15,7 +16,7 @@ use prometheus_client::registry::Registry;
 pub(crate) const PREFIX: &str = "gpuledger_allocator";
 
 /// Ledger event types, in the order of [`Metrics`]' per-type counters.
-pub(crate) const EVENT_TYPES: [&str; 14] = [
+pub(crate) const EVENT_TYPES: [&str; 16] = [
     "node_registered",
     "node_removed",
     "device_health_changed",
@@ -29,6 +30,8 @@ pub(crate) const EVENT_TYPES: [&str; 14] = [
     "quota_set",
     "budget_set",
     "budget_removed",
+    "nominated",
+    "nomination_ended",
     "empty",
 ];
 
@@ -43,11 +46,26 @@ pub struct Metrics {
     pub leaderships: Counter,
     /// Committed batches this replica refused to fold because they do not chain.
     pub chain_breaks: Counter,
+    /// 1 while etcd's NOSPACE alarm is raised (it refuses every write), else 0.
+    pub etcd_nospace: Gauge,
+    /// Ledger batches etcd refused for want of space.
+    pub nospace_refusals: Counter,
+    /// Leaderships that ended before their first write (a `head` that does not match the log,
+    /// etcd refusing the takeover): the replica backs off before campaigning again.
+    pub failed_takeovers: Counter,
+    /// Writes refused by a limit of this replica, by limit.
+    pub writes_refused: Family<Vec<(&'static str, String)>, Counter>,
     /// Calls refused by the authorization table, by rule and caller role.
     denied: Family<Vec<(&'static str, String)>, Counter>,
+    /// `Preempt` calls by outcome.
+    pub(crate) preemptions: Family<Vec<(&'static str, &'static str)>, Counter>,
+    /// Evictions of preemption victims by outcome.
+    pub(crate) evictions: Family<Vec<(&'static str, &'static str)>, Counter>,
     /// Events folded, by type (index into [`EVENT_TYPES`]): a fixed array, so counting an
     /// event in the fold neither allocates nor hashes.
     events: [AtomicU64; EVENT_TYPES.len()],
+    /// How often each limit on callers refused something (`limited_total{limit}`).
+    pub bites: std::sync::Arc<gpuledger_auth::limit::Bites>,
 }
 
 impl Default for Metrics {
@@ -77,11 +95,47 @@ impl Default for Metrics {
             "Batches refused because their prev_hash does not chain (the log was changed; this replica stops folding)",
             chain_breaks.clone(),
         );
+        let etcd_nospace = Gauge::default();
+        registry.register(
+            "etcd_nospace",
+            "1 while etcd's NOSPACE alarm is raised and it refuses every write (recover: compact, defragment, disarm; see gpuledger status)",
+            etcd_nospace.clone(),
+        );
+        let nospace_refusals = Counter::default();
+        registry.register(
+            "etcd_nospace_refusals",
+            "Ledger batches etcd refused because its space quota is used up (NOSPACE)",
+            nospace_refusals.clone(),
+        );
+        let failed_takeovers = Counter::default();
+        registry.register(
+            "failed_takeovers",
+            "Leaderships that ended before their first write (head does not match the log, or etcd refused it); the replica backs off before campaigning again",
+            failed_takeovers.clone(),
+        );
+        let writes_refused = Family::<Vec<(&'static str, String)>, Counter>::default();
+        registry.register(
+            "writes_refused",
+            "Writes refused by a limit of this replica (node_write_rate, gpus_per_node, gpu_memory), by limit",
+            writes_refused.clone(),
+        );
         let denied = Family::<Vec<(&'static str, String)>, Counter>::default();
         registry.register(
             "calls_denied",
             "Calls refused by the authorization table, by the rule that refused and the caller's role",
             denied.clone(),
+        );
+        let preemptions = Family::<Vec<(&'static str, &'static str)>, Counter>::default();
+        registry.register(
+            "preemptions",
+            "Preempt calls by outcome: nominated, repeat (the nomination was live), none (no eviction helps), refused, busy (--max-preemptions-in-flight)",
+            preemptions.clone(),
+        );
+        let evictions = Family::<Vec<(&'static str, &'static str)>, Counter>::default();
+        registry.register(
+            "evictions",
+            "Evictions of preemption victims by outcome: evicted, gone, refused (a PodDisruptionBudget), failed",
+            evictions.clone(),
         );
         Metrics {
             registry,
@@ -89,8 +143,15 @@ impl Default for Metrics {
             batch_events,
             leaderships,
             chain_breaks,
+            etcd_nospace,
+            nospace_refusals,
+            failed_takeovers,
+            writes_refused,
             denied,
+            preemptions,
+            evictions,
             events: Default::default(),
+            bites: gpuledger_auth::limit::Bites::new(),
         }
     }
 }
@@ -112,7 +173,9 @@ impl Metrics {
             Some(Body::QuotaSet(_)) => 10,
             Some(Body::BudgetSet(_)) => 11,
             Some(Body::BudgetRemoved(_)) => 12,
-            None => 13,
+            Some(Body::Nominated(_)) => 13,
+            Some(Body::NominationEnded(_)) => 14,
+            None => 15,
         };
         self.events[i].fetch_add(1, Ordering::Relaxed);
     }
@@ -124,6 +187,13 @@ impl Metrics {
                 ("rule", rule.to_string()),
                 ("role", role.to_string()),
             ])
+            .inc();
+    }
+
+    /// Count a write refused by `limit`.
+    pub fn refused(&self, limit: &str) {
+        self.writes_refused
+            .get_or_create(&vec![("limit", limit.to_string())])
             .inc();
     }
 

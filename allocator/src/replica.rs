@@ -5,7 +5,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use backon::Retryable;
-use etcd_client::{Certificate, Client, ConnectOptions, Identity, TlsOptions};
+use etcd_client::{
+    AlarmAction, AlarmType, Certificate, Client, ConnectOptions, Identity, TlsOptions,
+};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument, info, info_span, warn};
@@ -108,13 +110,14 @@ pub async fn run_until(cfg: Config, stop: CancellationToken) -> anyhow::Result<(
             None
         }
     };
-    let security = security(&cfg, &stop).await?;
+    let security = security(&cfg, &shared, &stop).await?;
     let peers = gpuledger_auth::Credentials::load(&cfg.peer)
         .context("this replica's credentials for calling the other replicas (--allocator-ca and --token-file or --client-cert/--client-key)")?;
     peers.spawn_reloader(cfg.tls.reload_every(), stop.clone());
     let kube = crate::kube_watch::enabled(&cfg.kube);
     let authz = Arc::new(crate::authz::Authz::new(kube, cfg.scheduler_names.clone()));
     let learned = Learned::new(cfg.fgd_window, cfg.fgd_min_samples);
+    let preemption = crate::preemption::Preemption::new(&cfg.preempt, &shared.metrics);
     let service = Service::new(
         shared.clone(),
         client.clone(),
@@ -127,7 +130,15 @@ pub async fn run_until(cfg: Config, stop: CancellationToken) -> anyhow::Result<(
         authz,
         peers,
     )
-    .with_archive(archive.clone());
+    .with_archive(archive.clone())
+    .with_write_limits(crate::write_limits::WriteLimits::new(
+        cfg.write_limits.clone(),
+    ))
+    .with_limits(
+        cfg.limits.max_streams_per_identity,
+        cfg.limits.heavy_read_threads,
+    )
+    .with_preemption(preemption);
     let http = tokio::net::TcpListener::bind(cfg.http_listen)
         .await
         .with_context(|| format!("listening on --http-listen {}", cfg.http_listen))?;
@@ -143,7 +154,7 @@ pub async fn run_until(cfg: Config, stop: CancellationToken) -> anyhow::Result<(
         stop.clone()
             .run_until_cancelled_owned(async move { views.maintain_views().await }),
     );
-    let router = crate::http::router(shared.clone(), cfg.http_state_api);
+    let router = crate::http::router(shared.clone(), cfg.http_state_api, cfg.metrics_namespaces);
     let http_stop = stop.clone();
     tasks.spawn(async move {
         let served = axum::serve(http, router)
@@ -154,6 +165,12 @@ pub async fn run_until(cfg: Config, stop: CancellationToken) -> anyhow::Result<(
         }
     });
     crate::kube_watch::spawn(service.clone(), &cfg.kube, &tasks, &stop);
+    crate::preemption::spawn(
+        service.clone(),
+        Duration::from_millis(cfg.kube.reconcile_interval_ms.max(1)),
+        &tasks,
+        &stop,
+    );
     tasks.spawn(crate::grpc::serve(
         service,
         listener,
@@ -176,8 +193,14 @@ pub async fn run_until(cfg: Config, stop: CancellationToken) -> anyhow::Result<(
 
 /// The gRPC endpoint's certificate and authenticator: client certificates from --client-ca,
 /// and ServiceAccount tokens reviewed by the API server when this replica has one.
-async fn security(cfg: &Config, stop: &CancellationToken) -> anyhow::Result<crate::grpc::Security> {
+async fn security(
+    cfg: &Config,
+    shared: &Shared,
+    stop: &CancellationToken,
+) -> anyhow::Result<crate::grpc::Security> {
     use gpuledger_auth::token::{KubeApi, ServiceAccounts, TokenAuthenticator};
+    let l = &cfg.limits;
+    let bites = shared.metrics.bites.clone();
     let tls = cfg
         .tls
         .load(&[b"h2"])
@@ -189,12 +212,15 @@ async fn security(cfg: &Config, stop: &CancellationToken) -> anyhow::Result<crat
             .context("the Kubernetes client that reviews callers' tokens")?;
         client.map(|c| {
             let api = Arc::new(KubeApi(c));
-            Arc::new(TokenAuthenticator::new(
-                api.clone(),
-                api,
-                ServiceAccounts::in_namespace(&cfg.auth_namespace),
-                Duration::from_secs(cfg.token_cache_max_s.max(1)),
-            ))
+            Arc::new(
+                TokenAuthenticator::new(
+                    api.clone(),
+                    api,
+                    ServiceAccounts::in_namespace(&cfg.auth_namespace),
+                    Duration::from_secs(cfg.token_cache_max_s.max(1)),
+                )
+                .with_failure_limit(l.max_failed_token_reviews_per_peer, bites.clone()),
+            )
         })
     } else {
         None
@@ -209,10 +235,35 @@ async fn security(cfg: &Config, stop: &CancellationToken) -> anyhow::Result<crat
             "no Kubernetes API: callers authenticate with client certificates only, and the extender's pods cannot be checked"
         );
     }
+    let open_files = gpuledger_auth::limit::raise_open_files();
+    let fds_needed = (l.max_connections as u64).saturating_add(1024);
+    if open_files.is_some_and(|n| n < fds_needed) {
+        warn!(
+            open_files = ?open_files,
+            max_connections = l.max_connections,
+            "the open-file limit is below --max-connections plus room for etcd and the API \
+             server: a flood of connections could exhaust file descriptors before the limit \
+             bites; lower --max-connections or raise the limit (ulimit -n)"
+        );
+    }
     Ok(crate::grpc::Security {
         tls,
-        handshake_timeout: cfg.tls.handshake_timeout(),
-        authenticator: gpuledger_auth::Authenticator::new(tokens),
+        listener: gpuledger_auth::tls::ListenerLimits {
+            hello_timeout: Duration::from_millis(l.tls_hello_timeout_ms.max(10)),
+            handshake_timeout: cfg.tls.handshake_timeout(),
+            max_handshakes: l.max_tls_handshakes,
+            max_handshakes_per_peer: l.max_tls_handshakes_per_peer,
+            max_connections: l.max_connections,
+            max_connections_per_peer: l.max_connections_per_peer,
+        },
+        max_streams_per_connection: l.max_streams_per_connection,
+        keepalive: (l.keepalive_ms > 0).then(|| Duration::from_millis(l.keepalive_ms)),
+        authenticator: gpuledger_auth::Authenticator::with_in_flight_limit(
+            tokens,
+            l.max_in_flight_per_identity,
+            bites.clone(),
+        ),
+        bites,
     })
 }
 
@@ -290,6 +341,7 @@ async fn lifecycle(
         confirm_linger: Duration::from_millis(cfg.confirm_linger_ms),
         load_linger: Duration::from_micros(cfg.commit_linger_us),
     };
+    let mut takeovers = TakeoverBackoff::default();
     loop {
         if stop.is_cancelled() {
             return Ok(());
@@ -310,7 +362,13 @@ async fn lifecycle(
         );
         let session = (|| Session::start(client, cfg.lease_ttl()))
             .retry(forever(Duration::from_millis(500)))
-            .notify(|e, _| warn!(error = %e, "cannot get an etcd lease; following only"));
+            .notify(|e, _| {
+                // Under etcd's NOSPACE alarm no lease can be granted; the health loop says
+                // so once, not twice a second.
+                if shared.nospace().is_none() {
+                    warn!(error = %e, "cannot get an etcd lease; following only")
+                }
+            });
         let session = stop.run_until_cancelled(session).await;
         let won = match &session {
             Some(Ok(session)) => {
@@ -382,6 +440,8 @@ async fn lifecycle(
         if let Some(t) = trimmer {
             let _ = t.await;
         }
+        // `Leader::run` announces the role only once its first event is written.
+        let took_over = shared.role_info().role == Role::Leader;
         let epoch = shared.role_info().epoch;
         shared.set_role(Role::Follower, epoch, String::new());
         // Resign by revoking the lease: the election key goes at once, so a follower takes
@@ -394,8 +454,52 @@ async fn lifecycle(
         if matches!(why, StepDown::Shutdown) {
             return Ok(());
         }
-        // Let another replica win before campaigning again.
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        // Let another replica win before campaigning again; after a takeover that failed
+        // before writing anything (a `head` that does not match the log, etcd refusing),
+        // longer each time, so a replica that cannot lead does not re-run elections many
+        // times a second.
+        let pause = match &why {
+            // etcd refuses writes until an operator makes room: try again soon after.
+            StepDown::Etcd(e) if e.is_no_space() => Duration::from_secs(1),
+            _ => takeovers.after(took_over),
+        };
+        if !pause.is_zero() && pause >= TakeoverBackoff::LOUD {
+            warn!(
+                pause_ms = pause.as_millis() as u64,
+                "the last takeovers failed before writing anything; waiting before campaigning again"
+            );
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(100) + pause) => {}
+            _ = stop.cancelled() => return Ok(()),
+        }
+    }
+}
+
+/// How long a replica waits before campaigning again after takeovers that failed before
+/// their first write: nothing after a real leadership, then doubling from 200 ms to 30 s.
+#[derive(Debug, Default)]
+struct TakeoverBackoff {
+    failed: u32,
+}
+
+impl TakeoverBackoff {
+    const FIRST: Duration = Duration::from_millis(200);
+    const MAX: Duration = Duration::from_secs(30);
+    /// From this pause on, each one is logged.
+    const LOUD: Duration = Duration::from_secs(1);
+
+    /// The pause after a leadership that took over (`took_over`) or failed to.
+    fn after(&mut self, took_over: bool) -> Duration {
+        if took_over {
+            self.failed = 0;
+            return Duration::ZERO;
+        }
+        let pause = Self::FIRST
+            .saturating_mul(1 << self.failed.min(16))
+            .min(Self::MAX);
+        self.failed = self.failed.saturating_add(1);
+        pause
     }
 }
 
@@ -404,6 +508,24 @@ async fn lifecycle(
 async fn health_loop(shared: Arc<Shared>, client: Client, log: EtcdLog) {
     loop {
         let head = log.head().await;
+        if head.is_ok() {
+            // Reads work under the NOSPACE alarm; only the alarm list says writes do not.
+            let mut c = client.clone();
+            let alarms = tokio::time::timeout(
+                Duration::from_secs(1),
+                c.alarm(AlarmAction::Get, AlarmType::None, None),
+            )
+            .await;
+            if let Ok(Ok(a)) = alarms {
+                let members: Vec<String> = a
+                    .alarms()
+                    .iter()
+                    .filter(|m| m.alarm() == AlarmType::Nospace)
+                    .map(|m| format!("{:x}", m.member_id()))
+                    .collect();
+                shared.set_nospace((!members.is_empty()).then(|| members.join(",")));
+            }
+        }
         let leader = election::current_leader(&client, &log.election_name()).await;
         {
             let mut h = shared.health.lock().unwrap_or_else(|p| p.into_inner());
@@ -433,5 +555,22 @@ async fn health_loop(shared: Arc<Shared>, client: Client, log: EtcdLog) {
             }
         }
         tokio::time::sleep(Duration::from_millis(if head.is_ok() { 1000 } else { 250 })).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failed_takeovers_back_off_and_a_real_leadership_resets() {
+        let mut b = TakeoverBackoff::default();
+        let pauses: Vec<u128> = (0..10).map(|_| b.after(false).as_millis()).collect();
+        assert_eq!(
+            pauses,
+            [200, 400, 800, 1600, 3200, 6400, 12800, 25600, 30000, 30000]
+        );
+        assert_eq!(b.after(true), Duration::ZERO);
+        assert_eq!(b.after(false), Duration::from_millis(200));
     }
 }

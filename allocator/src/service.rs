@@ -6,6 +6,7 @@
 //! the streams `subscribe`, `replicate`, `read_log` and `read_snapshots`.
 
 mod forward;
+mod preempt;
 mod read_log;
 mod read_snapshots;
 mod reads;
@@ -19,12 +20,16 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::Stream;
+use futures::{Stream, StreamExt};
+use gpuledger_auth::identity::Caller;
+use gpuledger_auth::limit::{Slot, Slots};
 use gpuledger_auth::rules::Call;
+use gpuledger_auth::server::Authenticated;
 use gpuledger_auth::{AuthChannel, Credentials};
 use gpuledger_ledger::{CommandError, PodRequest, pb};
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::allocator::v1::allocator_server::Allocator;
+use tokio::sync::Semaphore;
 use tonic::{Request, Response, Status};
 use tracing::Span;
 
@@ -34,6 +39,7 @@ use crate::grpc::Ids;
 use crate::log::EtcdLog;
 use crate::shared::Shared;
 use crate::workload::Learned;
+use crate::write_limits::WriteLimits;
 
 /// Map a refused command to a gRPC status.
 pub fn status_of(e: &CommandError) -> Status {
@@ -74,7 +80,20 @@ pub struct Service {
     archive: Option<crate::archive::Archive>,
     authz: Arc<Authz>,
     budget_guard: crate::budget_watch::GuardSlot,
+    write_limits: Arc<WriteLimits>,
+    /// Open streams per verified identity.
+    streams: Arc<Slots<Caller>>,
+    /// Threads that answer CPU-heavy reads, off the async runtime.
+    heavy: Arc<Semaphore>,
+    preemption: Arc<crate::preemption::Preemption>,
 }
+
+/// The limit name of the streams-per-identity refusals.
+pub const BITE_STREAMS: &str = "streams_per_identity";
+/// Open streams per identity when not configured.
+const DEFAULT_STREAMS_PER_IDENTITY: usize = 64;
+/// Heavy-read threads when not configured.
+const DEFAULT_HEAVY_READ_THREADS: usize = 2;
 
 /// How requests that name no policy are placed, and the workload FGD learns.
 #[derive(Clone)]
@@ -88,6 +107,21 @@ pub struct Placement {
 type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
 
 impl<T> Ids for BoxStream<T> {}
+
+/// `r`'s stream, holding `slot` until the stream is dropped (the client went away or it ended).
+fn holding<T: Send + 'static>(
+    r: Result<Response<BoxStream<T>>, Status>,
+    slot: Option<Slot<Caller>>,
+) -> Result<Response<BoxStream<T>>, Status> {
+    r.map(|resp| {
+        resp.map(|s| -> BoxStream<T> {
+            Box::pin(s.map(move |item| {
+                let _held = &slot;
+                item
+            }))
+        })
+    })
+}
 
 /// Largest write request: a node of 64 GPUs or a pod of 64 containers is a few KiB, and each
 /// write's events must fit one etcd transaction (1.5 MiB) with room to spare.
@@ -117,6 +151,14 @@ where
         )));
     }
     span.record("caller", tracing::field::display(&caller));
+    if call.writes() {
+        svc.write_limits.admit(
+            &caller,
+            call,
+            req.get_ref().encoded_len(),
+            &svc.shared.metrics,
+        )?;
+    }
     let answer = handler(req).await;
     if let Ok(a) = &answer {
         a.get_ref().record(&span);
@@ -135,10 +177,12 @@ impl Service {
         authz: Arc<Authz>,
         peers: Credentials,
     ) -> Self {
+        let heavy = Arc::new(Semaphore::new(DEFAULT_HEAVY_READ_THREADS));
+        let preemption = crate::preemption::Preemption::new(&Default::default(), &shared.metrics);
         Service {
-            shared,
+            shared: shared.clone(),
             etcd,
-            log,
+            log: log.with_decoders(heavy.clone()),
             reserve_ttl,
             channels: Arc::new(Mutex::new(HashMap::new())),
             peers,
@@ -146,7 +190,95 @@ impl Service {
             archive: None,
             authz,
             budget_guard: Default::default(),
+            write_limits: Arc::default(),
+            streams: Slots::new(
+                ("streams", BITE_STREAMS),
+                0,
+                DEFAULT_STREAMS_PER_IDENTITY,
+                shared.metrics.bites.clone(),
+            ),
+            heavy,
+            preemption,
         }
+    }
+
+    /// The same service, holding callers to `limits`.
+    pub fn with_write_limits(mut self, limits: WriteLimits) -> Self {
+        self.write_limits = Arc::new(limits);
+        self
+    }
+
+    /// The same service with at most `streams_per_identity` open streams per verified
+    /// identity, and `heavy_threads` threads for CPU-heavy reads.
+    pub fn with_limits(mut self, streams_per_identity: usize, heavy_threads: usize) -> Self {
+        self.streams = Slots::new(
+            ("streams", BITE_STREAMS),
+            0,
+            streams_per_identity,
+            self.shared.metrics.bites.clone(),
+        );
+        self.heavy = Arc::new(Semaphore::new(heavy_threads.max(1)));
+        self.log = self.log.clone().with_decoders(self.heavy.clone());
+        self
+    }
+
+    /// The semaphore of the heavy-read threads (shared with the log's page decoding).
+    pub fn heavy_reads(&self) -> &Arc<Semaphore> {
+        &self.heavy
+    }
+
+    /// Run `f` on a view of the committed state on one of the heavy-read threads: a filter
+    /// over every node or a dump of a large ledger takes milliseconds of CPU, which must not
+    /// be taken from the runtime that keeps the leader's lease alive.
+    async fn on_view<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&gpuledger_ledger::Ledger) -> T + Send + 'static,
+    ) -> Result<T, Status> {
+        // The thread first, then the view: a view held while waiting would hold up the
+        // publication of newer ones.
+        let permit = self
+            .heavy
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| Status::unavailable("shutting down"))?;
+        let view = self.shared.view().await;
+        tokio::task::spawn_blocking(move || {
+            let _thread = permit;
+            f(&view)
+        })
+        .await
+        .map_err(|e| Status::internal(format!("the read failed: {e}")))
+    }
+
+    /// A slot of the caller's open streams, or RESOURCE_EXHAUSTED (no slot without a verified
+    /// identity: such a request is refused by authorization anyway).
+    fn stream_slot<Q>(&self, req: &Request<Q>) -> Result<Option<Slot<Caller>>, Status> {
+        let Some(a) = req.extensions().get::<Authenticated>() else {
+            return Ok(None);
+        };
+        self.streams
+            .try_acquire(a.caller.clone())
+            .map(Some)
+            .map_err(|_| {
+                Status::resource_exhausted(format!(
+                    "{} has {} streams open, as many as one identity may \
+                     (--max-streams-per-identity); close some",
+                    a.caller,
+                    self.streams.in_use_by(&a.caller)
+                ))
+            })
+    }
+
+    /// The same service, preempting as `p` bounds it.
+    pub fn with_preemption(mut self, p: Arc<crate::preemption::Preemption>) -> Self {
+        self.preemption = p;
+        self
+    }
+
+    /// gpuledger's own preemption: its bounds, Events and metrics.
+    pub fn preemption(&self) -> &Arc<crate::preemption::Preemption> {
+        &self.preemption
     }
 
     /// The same service, reading history older than etcd's log from `archive`.
@@ -286,10 +418,14 @@ impl Allocator for Service {
         &self,
         req: Request<api::SubscribeRequest>,
     ) -> Result<Response<Self::SubscribeStream>, Status> {
-        traced(self, Call::Subscribe, req, |req| {
-            subscribe::subscribe(self, req)
-        })
-        .await
+        let slot = self.stream_slot(&req)?;
+        holding(
+            traced(self, Call::Subscribe, req, |req| {
+                subscribe::subscribe(self, req)
+            })
+            .await,
+            slot,
+        )
     }
 
     type ReplicateStream = BoxStream<api::ReplicateResponse>;
@@ -298,10 +434,14 @@ impl Allocator for Service {
         &self,
         req: Request<api::ReplicateRequest>,
     ) -> Result<Response<Self::ReplicateStream>, Status> {
-        traced(self, Call::Replicate, req, |req| {
-            replicate::replicate(self, req)
-        })
-        .await
+        let slot = self.stream_slot(&req)?;
+        holding(
+            traced(self, Call::Replicate, req, |req| {
+                replicate::replicate(self, req)
+            })
+            .await,
+            slot,
+        )
     }
 
     async fn status(
@@ -338,16 +478,27 @@ impl Allocator for Service {
         .await
     }
 
+    async fn preempt(
+        &self,
+        req: Request<api::PreemptRequest>,
+    ) -> Result<Response<api::PreemptResponse>, Status> {
+        traced(self, Call::Preempt, req, |req| preempt::preempt(self, req)).await
+    }
+
     type ReadLogStream = BoxStream<pb::EventBatch>;
 
     async fn read_log(
         &self,
         req: Request<api::ReadLogRequest>,
     ) -> Result<Response<Self::ReadLogStream>, Status> {
-        traced(self, Call::ReadLog, req, |req| {
-            read_log::read_log(self, req)
-        })
-        .await
+        let slot = self.stream_slot(&req)?;
+        holding(
+            traced(self, Call::ReadLog, req, |req| {
+                read_log::read_log(self, req)
+            })
+            .await,
+            slot,
+        )
     }
 
     type ReadSnapshotsStream = BoxStream<api::SnapshotPart>;
@@ -356,9 +507,13 @@ impl Allocator for Service {
         &self,
         req: Request<api::ReadSnapshotsRequest>,
     ) -> Result<Response<Self::ReadSnapshotsStream>, Status> {
-        traced(self, Call::ReadSnapshots, req, |req| {
-            read_snapshots::read_snapshots(self, req)
-        })
-        .await
+        let slot = self.stream_slot(&req)?;
+        holding(
+            traced(self, Call::ReadSnapshots, req, |req| {
+                read_snapshots::read_snapshots(self, req)
+            })
+            .await,
+            slot,
+        )
     }
 }

@@ -76,7 +76,15 @@ pub struct Health {
     pub head_seq: u64,
     /// The state met an invalid event and stopped applying (needs an operator).
     pub broken: Option<String>,
+    /// etcd's NOSPACE alarm is raised (on the members named here): etcd refuses every write
+    /// until an operator frees space and disarms it. Reads still work.
+    pub nospace: Option<String>,
 }
+
+/// What a write is told while etcd is out of space.
+pub const NOSPACE_REFUSAL: &str = "etcd is out of space (its NOSPACE alarm is raised): the \
+    ledger takes no writes until an operator compacts and defragments etcd and disarms the \
+    alarm (`gpuledger status` says how); retry later";
 
 /// State shared by the tail, the sequencer, the gRPC service and the health loop.
 pub struct Shared {
@@ -280,6 +288,7 @@ impl Shared {
             role: "allocator".into(),
             name: self.replica.clone(),
             node: String::new(),
+            via: String::new(),
         }
     }
 
@@ -339,6 +348,12 @@ impl Shared {
     /// known, and caught up with the head seq last seen in etcd.
     pub fn readiness(&self) -> Result<(), String> {
         self.serving()?;
+        if let Some(members) = self.nospace() {
+            return Err(format!(
+                "etcd is out of space: its NOSPACE alarm is raised (member {members}) and it \
+                 refuses every write; see `gpuledger status` to recover"
+            ));
+        }
         let role = self.role_info();
         if role.role != Role::Leader && role.leader.is_empty() {
             return Err("no allocator leader is elected right now".into());
@@ -355,6 +370,32 @@ impl Shared {
             ));
         }
         Ok(())
+    }
+
+    /// The etcd members whose NOSPACE alarm is raised, if any.
+    pub fn nospace(&self) -> Option<String> {
+        self.health
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .nospace
+            .clone()
+    }
+
+    /// Record whether etcd's NOSPACE alarm is raised (`members`: on which), logging the
+    /// change and keeping the metric.
+    pub fn set_nospace(&self, members: Option<String>) {
+        let mut h = self.health.lock().unwrap_or_else(|p| p.into_inner());
+        match (&h.nospace, &members) {
+            (None, Some(m)) => tracing::warn!(
+                members = %m,
+                "etcd is out of space (NOSPACE alarm): every ledger write is refused until an \
+                 operator compacts and defragments etcd and disarms the alarm (`gpuledger status`)"
+            ),
+            (Some(_), None) => tracing::info!("etcd's NOSPACE alarm is cleared: writes resume"),
+            _ => {}
+        }
+        self.metrics.etcd_nospace.set(i64::from(members.is_some()));
+        h.nospace = members;
     }
 
     /// Whether reads and grants may be served, and if not why.

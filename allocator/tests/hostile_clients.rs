@@ -886,3 +886,113 @@ async fn oversized_and_absurd_requests_are_refused_and_the_leader_stays() -> any
     .await?;
     Ok(())
 }
+
+/// A node agent's inventory is bounded where it enters, and its writes have a rate: a GPU of
+/// absurd memory (which used to overflow a later percent-of-memory request and panic the
+/// leader's sequencer), too many GPUs, a violation of an unknown action and a flood of
+/// violations are refused; the leader stays, another node's writes go on, and the metric counts
+/// what bit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_agent_cannot_register_absurd_gpus_or_flood_the_ledger() -> anyhow::Result<()> {
+    let etcd = EtcdCluster::start(1).await?;
+    let dir = tempfile::tempdir()?;
+    let allocs = Allocators::start(
+        dir.path(),
+        &etcd,
+        1,
+        "flood",
+        &["--node-writes-per-s=5", "--node-write-burst=20"],
+    )?;
+    let leader = allocs.wait_leader(Duration::from_secs(20)).await?;
+    let epoch = allocs.status(leader).await.map(|s| s.epoch);
+    let mut a = allocs.node_agent(leader, A)?;
+    let mut b = allocs.node_agent(leader, B)?;
+    b.register_node(api::RegisterNodeRequest {
+        inventory: Some(inventory(B, 2, 16_000, "T4")),
+    })
+    .await?;
+    let seq = allocs.status(leader).await.map(|s| s.seq);
+
+    let mut absurd = inventory(A, 1, 16_000, "T4");
+    absurd.gpus[0].memory_mib = u64::MAX / 2;
+    let r = a
+        .register_node(api::RegisterNodeRequest {
+            inventory: Some(absurd),
+        })
+        .await;
+    assert!(
+        matches!(&r, Err(s) if s.code() == Code::InvalidArgument
+            && s.message().contains("--max-gpu-memory-mib")),
+        "a GPU of 2^63 MiB: {r:?}"
+    );
+    let r = a
+        .register_node(api::RegisterNodeRequest {
+            inventory: Some(inventory(A, 65, 16_000, "T4")),
+        })
+        .await;
+    assert!(
+        matches!(&r, Err(s) if s.code() == Code::InvalidArgument
+            && s.message().contains("--max-gpus-per-node")),
+        "65 GPUs: {r:?}"
+    );
+    let violation = |node: &str, action: &str| api::ReportViolationRequest {
+        violation: Some(pb::LimitViolated {
+            allocation_id: 0,
+            node: node.into(),
+            gpu_uuid: format!("GPU-{node}-0"),
+            pid: 42,
+            used_mib: 1,
+            limit_mib: 0,
+            action: action.into(),
+        }),
+    };
+    let r = a.report_violation(violation(A, &"x".repeat(1000))).await;
+    assert!(
+        matches!(&r, Err(s) if s.code() == Code::InvalidArgument && s.message().contains("action")),
+        "a violation of an unknown action: {r:?}"
+    );
+    assert_eq!(
+        allocs.status(leader).await.map(|s| s.seq),
+        seq,
+        "refused writes changed the ledger"
+    );
+
+    // A flood: 100 reports as fast as one client sends them.
+    let t0 = std::time::Instant::now();
+    let (mut written, mut throttled) = (0u32, 0u32);
+    for _ in 0..100 {
+        match a.report_violation(violation(A, "rogue")).await {
+            Ok(_) => written += 1,
+            Err(s) if s.code() == Code::ResourceExhausted => {
+                assert!(s.message().contains("--node-writes-per-s"), "{s:?}");
+                throttled += 1;
+            }
+            Err(s) => panic!("a report failed otherwise: {s:?}"),
+        }
+    }
+    let allowed = 20.0 + 5.0 * t0.elapsed().as_secs_f64() + 1.0;
+    assert!(
+        f64::from(written) <= allowed && throttled > 0,
+        "{written} reports written, {throttled} refused in {:?}",
+        t0.elapsed()
+    );
+    // Another node's budget is its own; the leader stayed.
+    b.report_violation(violation(B, "rogue")).await?;
+    let st = allocs.status(leader).await.expect("status");
+    assert_eq!((st.role.as_str(), Some(st.epoch)), ("leader", epoch));
+    let (_, metrics) =
+        gpuledger_testkit::http::get(&format!("http://{}/metrics", allocs.http[leader])).await?;
+    for (limit, at_least) in [
+        ("node_write_rate", f64::from(throttled)),
+        ("gpu_memory", 1.0),
+        ("gpus_per_node", 1.0),
+    ] {
+        let series = format!("gpuledger_allocator_writes_refused_total{{limit=\"{limit}\"}}");
+        let v = gpuledger_testkit::promtext::value(&metrics, &series).unwrap_or(0.0);
+        assert!(
+            v >= at_least,
+            "{series} = {v}, expected at least {at_least}"
+        );
+    }
+    Ok(())
+}

@@ -25,7 +25,7 @@ async fn stack() -> anyhow::Result<KubeStack> {
 }
 
 /// A client of replica 0 of `stack` that sends `token`.
-fn with_token(
+pub(crate) fn with_token(
     stack: &KubeStack,
     dir: &std::path::Path,
     name: &str,
@@ -120,8 +120,8 @@ async fn the_extender_reserves_only_for_admissible_pods() -> anyhow::Result<()> 
             .await?;
     }
     let pod_of = |name: &str, scheduler: &str, node: Option<&str>| -> anyhow::Result<String> {
-        let mut spec = serde_json::json!({"schedulerName": scheduler,
-                                          "containers": [{"name": "main", "image": "x"}]});
+        let asks = gpuledger_testkit::workload::pod("", 1_000, 10);
+        let mut spec = gpuledger_testkit::workload::pod_spec(&asks, scheduler);
         if let Some(n) = node {
             spec["nodeName"] = serde_json::json!(n);
         }
@@ -176,5 +176,134 @@ async fn the_extender_reserves_only_for_admissible_pods() -> anyhow::Result<()> 
     // delivered it yet: the allocator asks the API server).
     let fine = pod_of("fine", "gpuledger-scheduler", None)?;
     ext.reserve(request("fine", &fine, "n1")).await?;
+    Ok(())
+}
+
+/// Fail unless `r` is PERMISSION_DENIED naming `rule`.
+fn denied<T: std::fmt::Debug>(
+    r: Result<tonic::Response<T>, tonic::Status>,
+    rule: &str,
+    what: &str,
+) {
+    match r {
+        Err(s) => {
+            assert_eq!(s.code(), Code::PermissionDenied, "{what}: {s:?}");
+            assert!(s.message().contains(rule), "{what}: {}", s.message());
+        }
+        Ok(v) => panic!("{what} was allowed: {v:?}"),
+    }
+}
+
+/// A compromised extender can reserve only what a pod itself asks for, and confirm only a pod
+/// the API server has bound to that node: it can no longer hold a whole GPU for a pod that asked
+/// for a slice, or for a pod that asked for no GPU, nor mark a pending pod bound so that its
+/// reservation never expires.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_extender_reserves_only_what_the_pod_asks_and_confirms_only_bound_pods()
+-> anyhow::Result<()> {
+    use gpuledger_testkit::workload::{inventory, pod, pod_spec};
+    let stack = stack().await?;
+    for n in ["n1", "n2"] {
+        stack
+            .allocs
+            .node_agent(0, n)?
+            .register_node(api::RegisterNodeRequest {
+                inventory: Some(inventory(n, 2, 16_000, "T4")),
+            })
+            .await?;
+    }
+    // What the pod asks for: 1000 MiB and 10 % of one GPU.
+    let asks = pod("", 1_000, 10);
+    let add = |name: &str, spec: serde_json::Value| -> anyhow::Result<String> {
+        let p = stack.api.add_pod(serde_json::json!({
+            "metadata": {"name": name, "namespace": "default"}, "spec": spec}))?;
+        Ok(p["metadata"]["uid"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string())
+    };
+    let request = |name: &str, uid: &str, mem: u64, core: u32| {
+        let mut r = pod(uid, mem, core);
+        if let Some(p) = r.pod.as_mut() {
+            p.name = name.into();
+        }
+        api::ReserveRequest {
+            request: Some(r),
+            node: "n1".into(),
+            ttl_ms: 0,
+        }
+    };
+    let small = add("small", pod_spec(&asks, "gpuledger-scheduler"))?;
+    let nginx = add(
+        "nginx",
+        serde_json::json!({"schedulerName": "gpuledger-scheduler",
+            "containers": [{"name": "main", "image": "nginx"}]}),
+    )?;
+    let mut ext = stack.allocs.extender(0)?;
+    let before = stack.allocs.status(0).await.map(|s| s.seq);
+    // A whole GPU for the pod that asked for a slice; any GPU for a pod that asked for none.
+    // (The allocator's pod watch may not have the pods yet: it asks the API server.)
+    denied(
+        ext.reserve(request("small", &small, 16_000, 100)).await,
+        "extender-reserve-pod-request",
+        "a whole GPU for a 1000 MiB pod",
+    );
+    denied(
+        ext.reserve(request("nginx", &nginx, 16_000, 100)).await,
+        "extender-reserve-pod-request",
+        "a GPU for a pod that asks for none",
+    );
+    assert_eq!(
+        stack.allocs.status(0).await.map(|s| s.seq),
+        before,
+        "refused reservations changed the ledger"
+    );
+    // Exactly what it asks for is reserved.
+    ext.reserve(request("small", &small, 1_000, 10)).await?;
+    let confirm = |node: &str| api::ConfirmBoundRequest {
+        pod_uid: small.clone(),
+        node: node.into(),
+    };
+    // Pending: it is not bound anywhere, so it is not confirmed.
+    let seq = stack.allocs.status(0).await.map(|s| s.seq);
+    denied(
+        ext.confirm_bound(confirm("n1")).await,
+        "extender-confirm-bound-pod",
+        "a confirm of a pending pod",
+    );
+    assert_eq!(stack.allocs.status(0).await.map(|s| s.seq), seq);
+    // Bound in the API server: confirmed at once (read again when the watch lags), but only
+    // to that node.
+    stack
+        .api
+        .store
+        .bind(
+            "default",
+            "small",
+            &serde_json::json!({"target": {"name": "n1"}}),
+        )
+        .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    denied(
+        ext.confirm_bound(confirm("n2")).await,
+        "rule extender-",
+        "a confirm to another node",
+    );
+    ext.confirm_bound(confirm("n1")).await?;
+    let bound = stack
+        .allocs
+        .viewer(0)?
+        .dump(api::DumpRequest {})
+        .await?
+        .into_inner()
+        .snapshot
+        .map(|s| s.allocations)
+        .unwrap_or_default();
+    assert!(
+        bound
+            .iter()
+            .any(|a| a.pod.as_ref().is_some_and(|p| p.uid == small)
+                && a.state == gpuledger_proto::ledger::v1::AllocationState::Bound as i32),
+        "the bound pod's allocation is not Bound: {bound:?}"
+    );
     Ok(())
 }

@@ -25,14 +25,15 @@ async fn live(stack: &KubeStack) -> anyhow::Result<Vec<pb::Allocation>> {
 
 /// Create the pod in the API server, reserve and bind it like the extender does.
 async fn place(stack: &KubeStack, name: &str, node: &str) -> anyhow::Result<String> {
+    let mut req = pod("", 2_000, 10);
     let p = stack
         .api
         .add_pod(json!({"metadata": {"name": name, "namespace": "default"},
-        "spec": {"schedulerName": SCHEDULER_NAME, "containers": [{"name": "main", "image": "x"}]}}))?;
+        "spec": gpuledger_testkit::workload::pod_spec(&req, SCHEDULER_NAME)}))?;
     let uid = p["metadata"]["uid"].as_str().expect("uid").to_string();
-    let mut req = pod(&uid, 2_000, 10);
     if let Some(r) = req.pod.as_mut() {
         r.name = name.into();
+        r.uid.clone_from(&uid);
     }
     reserve_admitted(
         &mut stack.allocs.extender(0)?,

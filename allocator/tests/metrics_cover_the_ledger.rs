@@ -44,7 +44,7 @@ fn expect(s: &HashMap<String, f64>, series: &str, want: f64, text: &str) {
 async fn metrics_report_what_the_ledger_holds() -> anyhow::Result<()> {
     let etcd = EtcdCluster::start(1).await?;
     let dir = tempfile::tempdir()?;
-    let allocs = Allocators::start(dir.path(), &etcd, 2, "metrics", &[])?;
+    let allocs = Allocators::start(dir.path(), &etcd, 2, "metrics", &["--metrics-namespaces"])?;
     let leader = allocs.wait_leader(Duration::from_secs(20)).await?;
     let follower = 1 - leader;
     let mut n1 = allocs.node_agent(leader, "n1")?;

@@ -5,7 +5,9 @@
 
 use std::convert::Infallible;
 use std::io;
+use std::net::IpAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use axum::Router;
@@ -15,53 +17,135 @@ use axum_server::tls_rustls::{RustlsAcceptor, RustlsConfig};
 use rustls::ServerConfig;
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
-use tracing::warn;
+use tower_http::timeout::RequestBodyDeadlineLayer;
+use tracing::debug;
 
-use crate::tls::Reloading;
+use crate::limit::{Bites, Conn, Slots, peer_key};
+use crate::tls::{Reloading, bite as tls_bite};
 
 /// How long requests in flight may finish after shutdown is asked for.
 const DRAIN: Duration = Duration::from_secs(5);
 
-/// What one client may hold of the server.
+/// What clients may hold of the server.
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
     /// Longest TLS handshake.
     pub handshake: Duration,
-    /// Longest wait for a request's headers, the first request's included.
+    /// Longest wait for a request's headers, the first request's included (and so the longest
+    /// a kept-alive connection may sit idle).
     pub header_read: Duration,
-    /// Largest request body, in bytes.
+    /// Largest request body, in bytes (413 above it).
     pub body_bytes: usize,
+    /// Longest time a request's body may take to arrive, however it trickles in.
+    pub body_time: Duration,
+    /// Open connections at once (handshakes included); 0 = no bound.
+    pub max_connections: usize,
+    /// Open connections at once from one peer address; 0 = no bound.
+    pub max_connections_per_peer: usize,
+    /// After answering a request whose body was not read (413), how long what the client still
+    /// sends is read and dropped before the connection is closed, so that the client reads the
+    /// answer instead of a reset connection.
+    pub linger: Duration,
 }
 
 impl Default for Limits {
     /// The API server gives a webhook 10 s and kube-scheduler an extender 5 s by default, so a
-    /// client slower than that to shake hands or send headers is not one worth waiting for.
-    /// 2 MiB bodies (axum's default) hold any pod or extender request: etcd refuses objects over
-    /// 1.5 MiB.
+    /// client slower than that to shake hands, send headers or send its body is not one worth
+    /// waiting for. 2 MiB bodies (axum's default) hold any pod or extender request: etcd
+    /// refuses objects over 1.5 MiB. The API server and kube-scheduler are a few addresses
+    /// with a pool of connections each.
     fn default() -> Self {
         Limits {
             handshake: Duration::from_secs(10),
             header_read: Duration::from_secs(10),
             body_bytes: 2 << 20,
+            body_time: Duration::from_secs(10),
+            max_connections: 1024,
+            max_connections_per_peer: 256,
+            linger: Duration::from_secs(2),
         }
     }
 }
 
-/// Sets TCP_NODELAY before the handshake: an answer leaves at once instead of waiting for the
-/// client's delayed ACK.
-#[derive(Debug, Clone, Copy)]
-struct NoDelay;
+/// The limit names [`serve`] counts refusals under (besides [`crate::tls::bite`]'s
+/// connection limits).
+pub mod bite {
+    /// A request body over the size limit (413).
+    pub const BODY_BYTES: &str = "http_body_bytes";
+    /// A request body that did not arrive in time (408).
+    pub const BODY_TIME: &str = "http_body_time";
+}
 
-impl<S> Accept<TcpStream, S> for NoDelay {
-    type Stream = TcpStream;
+/// Admits a connection while the connection limits allow (else closes it at once, before the
+/// TLS handshake), with TCP_NODELAY so that an answer leaves at once instead of waiting for the
+/// client's delayed ACK.
+#[derive(Debug, Clone)]
+struct Admit {
+    slots: Arc<Slots<IpAddr>>,
+    linger: Duration,
+}
+
+impl<S> Accept<TcpStream, S> for Admit {
+    type Stream = Conn;
     type Service = S;
-    type Future = std::future::Ready<io::Result<(TcpStream, S)>>;
+    type Future = std::future::Ready<io::Result<(Conn, S)>>;
 
     fn accept(&self, stream: TcpStream, service: S) -> Self::Future {
+        let peer = match stream.peer_addr() {
+            Ok(p) => p,
+            Err(e) => return std::future::ready(Err(e)),
+        };
+        let slot = match self.slots.try_acquire(peer_key(&peer)) {
+            Ok(s) => s,
+            Err(full) => {
+                return std::future::ready(Err(io::Error::other(format!(
+                    "too many connections ({full:?})"
+                ))));
+            }
+        };
         // Best effort: without it the connection still works, only slower.
         let _ = stream.set_nodelay(true);
-        std::future::ready(Ok((stream, service)))
+        std::future::ready(Ok((Conn::new(stream, slot, self.linger), service)))
     }
+}
+
+/// Turns the errors of the body limits into their status codes and counts them: axum answers
+/// a body over the size limit with 413 itself, and any other body error with 400, which for a
+/// body that did not arrive in time is 408.
+async fn body_errors(
+    bites: axum::extract::State<Arc<Bites>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    let timed_out = Arc::new(AtomicBool::new(false));
+    let flag = timed_out.clone();
+    let req = req.map(move |b| {
+        axum::body::Body::new(http_body_util::BodyExt::map_err(b, move |e| {
+            if is_timeout(&e) {
+                flag.store(true, Ordering::Relaxed);
+            }
+            e
+        }))
+    });
+    let mut res = next.run(req).await;
+    if res.status() == http::StatusCode::PAYLOAD_TOO_LARGE {
+        bites.bite(bite::BODY_BYTES);
+    } else if timed_out.load(Ordering::Relaxed) {
+        bites.bite(bite::BODY_TIME);
+        *res.status_mut() = http::StatusCode::REQUEST_TIMEOUT;
+    }
+    res
+}
+
+fn is_timeout(e: &axum::Error) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(s) = source {
+        if s.is::<tower_http::timeout::TimeoutError>() {
+            return true;
+        }
+        source = s.source();
+    }
+    false
 }
 
 /// Serve `app` over HTTPS/1.1 on `listener` with `tls` until `shutdown` is cancelled; requests
@@ -71,28 +155,46 @@ pub async fn serve(
     listener: TcpListener,
     tls: Arc<Reloading<ServerConfig>>,
     limits: Limits,
+    bites: Arc<Bites>,
     app: Router,
     shutdown: CancellationToken,
 ) -> io::Result<()> {
+    let slots = Slots::new(
+        (tls_bite::CONNECTIONS, tls_bite::CONNECTIONS_PER_PEER),
+        limits.max_connections,
+        limits.max_connections_per_peer,
+        bites.clone(),
+    );
+    bites.declare(bite::BODY_BYTES);
+    bites.declare(bite::BODY_TIME);
     let config = RustlsConfig::from_config(tls.current());
     let handle = axum_server::Handle::<std::net::SocketAddr>::new();
     let acceptor = RustlsAcceptor::new(config.clone())
         .handshake_timeout(limits.handshake)
-        .acceptor(NoDelay);
+        .acceptor(Admit {
+            slots,
+            linger: limits.linger,
+        });
     let mut server = axum_server::Server::from_listener(listener)
         .acceptor(acceptor)
         .handle(handle.clone())
         // Protocol detection, not http1_only(): only it serves upgrades (the fake API
         // server's port-forward websocket). ALPN offers what the caller configured.
         .first_request_timeout(limits.header_read)
+        // Debug only: under a flood of refused connections a line each would flood the log;
+        // the refusals are counted (connection limits) instead.
         .accept_error_handler(move |peer, e| {
-            warn!(?peer, listener = what, error = %e, "connection refused (TLS handshake or accept)");
+            debug!(?peer, listener = what, error = %e, "connection refused (limits, TLS handshake or accept)");
         });
     server
         .http_builder()
         .http1()
         .header_read_timeout(limits.header_read);
-    let app = app.layer(DefaultBodyLimit::max(limits.body_bytes));
+    // Outermost first: the body's deadline starts when the request's head is read.
+    let app = app
+        .layer(DefaultBodyLimit::max(limits.body_bytes))
+        .layer(axum::middleware::from_fn_with_state(bites, body_errors))
+        .layer(RequestBodyDeadlineLayer::new(limits.body_time));
     let mut changes = tls.subscribe();
     let follow = async {
         loop {

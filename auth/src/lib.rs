@@ -13,6 +13,7 @@ pub mod args;
 pub mod client;
 pub mod https;
 pub mod identity;
+pub mod limit;
 #[cfg(feature = "pki")]
 pub mod pki;
 pub mod rules;

@@ -5,15 +5,16 @@
 use std::path::{Path, PathBuf};
 
 use rcgen::{
-    BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa,
-    KeyPair, SanType,
+    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+    SanType,
 };
 
 use crate::identity::{Role, spiffe_id};
 
 /// A CA that signs server and client certificates.
 pub struct Ca {
-    issuer: CertifiedIssuer<'static, KeyPair>,
+    issuer: Issuer<'static, KeyPair>,
+    pem: String,
 }
 
 /// A certificate and its key, PEM.
@@ -43,14 +44,27 @@ impl Ca {
         let mut p = CertificateParams::new(Vec::<String>::new())?;
         p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
         p.distinguished_name.push(DnType::CommonName, name);
+        let key = KeyPair::generate()?;
+        let pem = p.self_signed(&key)?.pem();
         Ok(Ca {
-            issuer: CertifiedIssuer::self_signed(p, KeyPair::generate()?)?,
+            issuer: Issuer::new(p, key),
+            pem,
+        })
+    }
+
+    /// An existing CA from its certificate and private key (PEM), e.g. the one
+    /// `deploy/scripts/gpuledger-certs.sh` made, to issue more certificates of the same trust.
+    pub fn from_pem(cert_pem: &str, key_pem: &str) -> Result<Self, rcgen::Error> {
+        let key = KeyPair::from_pem(key_pem)?;
+        Ok(Ca {
+            issuer: Issuer::from_ca_cert_pem(cert_pem, key)?,
+            pem: cert_pem.to_string(),
         })
     }
 
     /// The CA certificate, PEM (what clients and servers trust).
     pub fn pem(&self) -> String {
-        self.issuer.pem()
+        self.pem.clone()
     }
 
     /// Write the CA certificate to `path`.

@@ -52,11 +52,13 @@ pub enum Call {
     SetBudget,
     /// `SetQuota`.
     SetQuota,
+    /// `Preempt`.
+    Preempt,
 }
 
 impl Call {
     /// Every call, for tests and metrics.
-    pub const ALL: [Call; 20] = [
+    pub const ALL: [Call; 21] = [
         Call::RegisterNode,
         Call::RemoveNode,
         Call::SetDeviceHealth,
@@ -77,6 +79,7 @@ impl Call {
         Call::HttpState,
         Call::SetBudget,
         Call::SetQuota,
+        Call::Preempt,
     ];
 
     /// Whether the call changes the ledger.
@@ -94,6 +97,7 @@ impl Call {
                 | Call::ReportViolation
                 | Call::SetBudget
                 | Call::SetQuota
+                | Call::Preempt
         )
     }
 
@@ -120,6 +124,7 @@ impl Call {
             Call::HttpState => "HttpState",
             Call::SetBudget => "SetBudget",
             Call::SetQuota => "SetQuota",
+            Call::Preempt => "Preempt",
         }
     }
 
@@ -179,6 +184,9 @@ pub fn rule_for(role: &Role, call: Call) -> Option<Rule> {
         (Role::Extender, Reserve) => rule("extender-reserve-admissible-pod", AdmissiblePod),
         (Role::Extender, ConfirmBound) => rule("extender-confirm-admissible-pod", AdmissiblePod),
         (Role::Extender, Release) => rule("extender-release-own-reservations", ReservationsOnly),
+        // Evicts other pods: only for a pending pod that exists and a gpuledger scheduler
+        // schedules; the allocator reads its priority and preemptionPolicy itself.
+        (Role::Extender, Preempt) => rule("extender-preempt-admissible-pod", AdmissiblePod),
 
         (Role::NodeAgent { .. }, RegisterNode) => rule("node-agent-register-own-node", OwnNode),
         (Role::NodeAgent { .. }, SetDeviceHealth) => rule("node-agent-health-own-node", OwnNode),

@@ -1,6 +1,7 @@
 //! The server side: every request is authenticated before anything reads or writes, by its
 //! client certificate or its bearer token, in one tower layer in front of the service.
 
+use std::net::IpAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
@@ -14,11 +15,22 @@ use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
 use tracing::warn;
 
 use crate::identity::{Caller, Role, from_spiffe_id};
-use crate::token::{TokenAuthenticator, TokenError};
+use crate::limit::{Bites, Slot, Slots, peer_key};
+use crate::token::{TokenAuthenticator, TokenError, Unreviewed};
 
-/// The header through which a follower tells the leader whom it forwards a write for.
-/// Honoured only from an authenticated allocator; anyone else's is dropped and counted.
+/// The header through which a follower tells the leader whom it forwards a write for, when
+/// that caller authenticated with a client certificate. Honoured only from an allocator that
+/// itself authenticated with a client certificate (it holds the allocator's key); anyone
+/// else's is dropped and counted.
 pub const ON_BEHALF_OF: &str = "x-gpuledger-on-behalf-of";
+
+/// The header through which a follower hands the leader the `authorization` value of the
+/// caller it forwards a write for (a ServiceAccount token): the leader reviews the token
+/// itself, so a forwarder can vouch only for a caller whose credential it holds.
+pub const FORWARDED_AUTHORIZATION: &str = "x-gpuledger-forwarded-authorization";
+
+/// The limit name of [`Authenticator::with_in_flight_limit`]'s refusals.
+pub const BITE_IN_FLIGHT: &str = "in_flight_per_identity";
 
 /// A request's verified identity, in its extensions for the handlers.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -27,6 +39,19 @@ pub struct Authenticated {
     pub caller: Caller,
     /// The allocator replica that forwarded it, if one did.
     pub forwarded_by: Option<String>,
+    /// The token that proved `caller`, when a token did (a follower forwards it, so that the
+    /// leader checks the caller itself).
+    pub token: Option<BearerToken>,
+}
+
+/// An `authorization: Bearer …` value that proved a caller; never printed.
+#[derive(Clone, PartialEq, Eq)]
+pub struct BearerToken(pub HeaderValue);
+
+impl std::fmt::Debug for BearerToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("BearerToken(…)")
+    }
 }
 
 /// Why a request was refused before it reached the service.
@@ -38,6 +63,8 @@ pub enum Refusal {
     PermissionDenied(String),
     /// The API server could not check the token: try again.
     Unavailable(String),
+    /// The caller (or its address) is over a limit: try again later.
+    Throttled(String),
 }
 
 impl Refusal {
@@ -47,6 +74,7 @@ impl Refusal {
             Refusal::Unauthenticated(m) => tonic::Status::unauthenticated(m.clone()),
             Refusal::PermissionDenied(m) => tonic::Status::permission_denied(m.clone()),
             Refusal::Unavailable(m) => tonic::Status::unavailable(m.clone()),
+            Refusal::Throttled(m) => tonic::Status::resource_exhausted(m.clone()),
         }
     }
 
@@ -55,6 +83,7 @@ impl Refusal {
             Refusal::Unauthenticated(_) => http::StatusCode::UNAUTHORIZED,
             Refusal::PermissionDenied(_) => http::StatusCode::FORBIDDEN,
             Refusal::Unavailable(_) => http::StatusCode::SERVICE_UNAVAILABLE,
+            Refusal::Throttled(_) => http::StatusCode::TOO_MANY_REQUESTS,
         }
     }
 
@@ -64,6 +93,7 @@ impl Refusal {
             Refusal::Unauthenticated(_) => "unauthenticated",
             Refusal::PermissionDenied(_) => "permission_denied",
             Refusal::Unavailable(_) => "unavailable",
+            Refusal::Throttled(_) => "throttled",
         }
     }
 }
@@ -79,6 +109,13 @@ pub struct Authenticator {
     certs: std::sync::RwLock<std::collections::HashMap<Box<[u8]>, CertIdentity>>,
     forged: AtomicU64,
     refused: AtomicU64,
+    in_flight: Option<Arc<Slots<Caller>>>,
+}
+
+/// How a request's sender proved who it is.
+enum Proof {
+    Certificate,
+    Token,
 }
 
 /// The identity a client certificate's URI SAN names (None: the certificate names none).
@@ -130,6 +167,40 @@ impl Authenticator {
             certs: Default::default(),
             forged: AtomicU64::new(0),
             refused: AtomicU64::new(0),
+            in_flight: None,
+        })
+    }
+
+    /// Certificates only (`tokens` None), or tokens too; at most `max_in_flight` requests of
+    /// one caller at once (0 = no bound), refusals counted in `bites`.
+    pub fn with_in_flight_limit(
+        tokens: Option<Arc<TokenAuthenticator>>,
+        max_in_flight: usize,
+        bites: Arc<Bites>,
+    ) -> Arc<Self> {
+        Arc::new(Authenticator {
+            tokens,
+            certs: Default::default(),
+            forged: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
+            in_flight: Some(Slots::new(
+                ("in_flight", BITE_IN_FLIGHT),
+                0,
+                max_in_flight,
+                bites,
+            )),
+        })
+    }
+
+    /// A slot of `caller`'s in-flight requests, held while its request runs.
+    fn in_flight(&self, caller: &Caller) -> Result<Option<Slot<Caller>>, Refusal> {
+        let Some(slots) = &self.in_flight else {
+            return Ok(None);
+        };
+        slots.try_acquire(caller.clone()).map(Some).map_err(|_| {
+            Refusal::Throttled(format!(
+                "{caller} has too many requests in flight (--max-in-flight-per-identity); retry"
+            ))
         })
     }
 
@@ -148,44 +219,80 @@ impl Authenticator {
         self.refused.load(Ordering::Relaxed)
     }
 
-    /// Who sent a request with these headers over a connection with these client certificates.
+    /// Who sent a request with these headers over a connection with these client certificates,
+    /// from `peer`.
     pub async fn authenticate(
         &self,
         headers: &HeaderMap,
         peer_certs: Option<&[CertificateDer<'static>]>,
+        peer: Option<IpAddr>,
     ) -> Result<Authenticated, Refusal> {
-        let r = self.direct(headers, peer_certs).await;
-        let caller = match r {
+        let r = self.direct(headers, peer_certs, peer).await;
+        let (caller, proof) = match r {
             Ok(c) => c,
             Err(e) => {
                 self.refused.fetch_add(1, Ordering::Relaxed);
                 return Err(e);
             }
         };
-        let Some(fwd) = headers.get(ON_BEHALF_OF) else {
+        let own_token = match proof {
+            Proof::Token => headers
+                .get(http::header::AUTHORIZATION)
+                .cloned()
+                .map(BearerToken),
+            Proof::Certificate => None,
+        };
+        let token = headers.get(FORWARDED_AUTHORIZATION);
+        let claim = headers.get(ON_BEHALF_OF);
+        if token.is_none() && claim.is_none() {
             return Ok(Authenticated {
                 caller,
                 forwarded_by: None,
+                token: own_token,
             });
-        };
+        }
         if caller.role != Role::Allocator {
             self.forged.fetch_add(1, Ordering::Relaxed);
             warn!(caller = %caller, "a forwarding header from a caller that is no allocator; ignored");
             return Ok(Authenticated {
                 caller,
                 forwarded_by: None,
+                token: own_token,
             });
         }
-        match decode_on_behalf_of(fwd) {
-            Some(original) => Ok(Authenticated {
+        let original = if let Some(t) = token {
+            // The caller's own token: reviewed here, whoever forwards it.
+            self.bearer(t, peer).await
+        } else {
+            // A certificate identity: only the allocator's own key vouches for it (a stolen
+            // allocator token does not).
+            match proof {
+                Proof::Certificate => claim.and_then(decode_on_behalf_of).ok_or_else(|| {
+                    Refusal::Unauthenticated(format!(
+                        "malformed {ON_BEHALF_OF} header from {caller}"
+                    ))
+                }),
+                Proof::Token => {
+                    self.forged.fetch_add(1, Ordering::Relaxed);
+                    warn!(caller = %caller, "a forwarded identity claim from an allocator that sent a token, not a certificate; refused");
+                    Err(Refusal::Unauthenticated(format!(
+                        "{caller} forwards an identity claim ({ON_BEHALF_OF}) but authenticated \
+                         with a token: only an allocator with a client certificate may vouch for \
+                         a caller; a token caller's own token is forwarded \
+                         ({FORWARDED_AUTHORIZATION})"
+                    )))
+                }
+            }
+        };
+        match original {
+            Ok(original) => Ok(Authenticated {
                 caller: original,
                 forwarded_by: Some(caller.subject),
+                token: token.cloned().map(BearerToken),
             }),
-            None => {
+            Err(e) => {
                 self.refused.fetch_add(1, Ordering::Relaxed);
-                Err(Refusal::Unauthenticated(format!(
-                    "malformed {ON_BEHALF_OF} header from {caller}"
-                )))
+                Err(e)
             }
         }
     }
@@ -215,10 +322,11 @@ impl Authenticator {
         &self,
         headers: &HeaderMap,
         peer_certs: Option<&[CertificateDer<'static>]>,
-    ) -> Result<Caller, Refusal> {
+        peer: Option<IpAddr>,
+    ) -> Result<(Caller, Proof), Refusal> {
         if let Some(leaf) = peer_certs.and_then(|c| c.first()) {
             return match self.caller_of_cert_cached(leaf) {
-                Some(Ok(c)) => Ok(c),
+                Some(Ok(c)) => Ok((c, Proof::Certificate)),
                 Some(Err(e)) => Err(Refusal::Unauthenticated(format!("client certificate: {e}"))),
                 None => Err(Refusal::Unauthenticated(
                     "the client certificate names no gpuledger identity (a spiffe://gpuledger/… URI SAN)"
@@ -233,6 +341,11 @@ impl Authenticator {
                     .into(),
             ));
         };
+        Ok((self.bearer(auth, peer).await?, Proof::Token))
+    }
+
+    /// The caller an `authorization: Bearer …` value names.
+    async fn bearer(&self, auth: &HeaderValue, peer: Option<IpAddr>) -> Result<Caller, Refusal> {
         let token = auth
             .to_str()
             .ok()
@@ -247,11 +360,12 @@ impl Authenticator {
                     .into(),
             ));
         };
-        match tokens.authenticate(token).await {
+        match tokens.authenticate_from(token, peer).await {
             Ok(Ok(c)) => Ok(c),
             Ok(Err(e @ TokenError::NoRole(..))) => Err(Refusal::PermissionDenied(e.to_string())),
             Ok(Err(e)) => Err(Refusal::Unauthenticated(e.to_string())),
-            Err(e) => Err(Refusal::Unavailable(e.to_string())),
+            Err(e @ Unreviewed::Throttled(_)) => Err(Refusal::Throttled(e.to_string())),
+            Err(Unreviewed::Unavailable(e)) => Err(Refusal::Unavailable(e.to_string())),
         }
     }
 }
@@ -304,15 +418,20 @@ where
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let auth = self.auth.clone();
         Box::pin(async move {
-            let certs = req
-                .extensions()
-                .get::<TlsConnectInfo<TcpConnectInfo>>()
-                .and_then(|i| i.peer_certs());
-            match auth
-                .authenticate(req.headers(), certs.as_deref().map(|v| &v[..]))
+            let info = req.extensions().get::<TlsConnectInfo<TcpConnectInfo>>();
+            let certs = info.and_then(|i| i.peer_certs());
+            let peer = info
+                .and_then(|i| i.get_ref().remote_addr())
+                .map(|a| peer_key(&a));
+            let authenticated = match auth
+                .authenticate(req.headers(), certs.as_deref().map(|v| &v[..]), peer)
                 .await
             {
-                Ok(a) => {
+                Ok(a) => auth.in_flight(&a.caller).map(|slot| (a, slot)),
+                Err(e) => Err(e),
+            };
+            match authenticated {
+                Ok((a, _slot)) => {
                     req.extensions_mut().insert(a);
                     inner.call(req).await
                 }
@@ -322,7 +441,8 @@ where
                     let text = match &refusal {
                         Refusal::Unauthenticated(m)
                         | Refusal::PermissionDenied(m)
-                        | Refusal::Unavailable(m) => format!("{m}\n"),
+                        | Refusal::Unavailable(m)
+                        | Refusal::Throttled(m) => format!("{m}\n"),
                     };
                     let mut r = Response::new(Body::new(http_body_util::Full::new(
                         bytes::Bytes::from(text),

@@ -5,15 +5,22 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use rustls::client::danger::HandshakeSignatureValid;
 use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, UnixTime};
 use rustls::server::WebPkiClientVerifier;
-use rustls::{ClientConfig, RootCertStore, ServerConfig};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Semaphore, mpsc, watch};
+use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
+use rustls::{
+    ClientConfig, DigitallySignedStruct, DistinguishedName, RootCertStore, ServerConfig,
+    SignatureScheme,
+};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, watch};
 use tokio_rustls::server::TlsStream;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
+
+use crate::limit::{Bites, Conn, Slots, peer_key};
 
 /// A certificate, key or CA bundle that could not be used.
 #[derive(Debug, thiserror::Error)]
@@ -190,6 +197,39 @@ pub fn server_config(
     clients: ClientCerts,
     alpn: &[&[u8]],
 ) -> Result<Arc<Reloading<ServerConfig>>, TlsError> {
+    build_server(cert, key_file, clients, None, alpn)
+}
+
+/// A server's TLS configuration that admits only clients with a certificate `ca` signed that
+/// names one of `names` (its subject's common name, a DNS name or a URI in its subject
+/// alternative names); another certificate fails the handshake, counted in `bites` as
+/// [`bite::CLIENT_NAME`]. For a port only one peer may call (kube-scheduler's extender
+/// port), where `ca` also signs other identities.
+pub fn server_config_for_named_clients(
+    cert: &Path,
+    key_file: &Path,
+    ca: &Path,
+    names: Vec<String>,
+    bites: Arc<Bites>,
+    alpn: &[&[u8]],
+) -> Result<Arc<Reloading<ServerConfig>>, TlsError> {
+    bites.declare(bite::CLIENT_NAME);
+    build_server(
+        cert,
+        key_file,
+        ClientCerts::Required(ca.to_path_buf()),
+        Some((names, bites)),
+        alpn,
+    )
+}
+
+fn build_server(
+    cert: &Path,
+    key_file: &Path,
+    clients: ClientCerts,
+    named: Option<(Vec<String>, Arc<Bites>)>,
+    alpn: &[&[u8]],
+) -> Result<Arc<Reloading<ServerConfig>>, TlsError> {
     let mut paths = vec![cert.to_path_buf(), key_file.to_path_buf()];
     if let ClientCerts::Optional(ca) | ClientCerts::Required(ca) = &clients {
         paths.push(ca.clone());
@@ -209,9 +249,15 @@ pub fn server_config(
                 } else {
                     v
                 };
-                builder.with_client_cert_verifier(
-                    v.build().map_err(|e| TlsError::Verifier(e.to_string()))?,
-                )
+                let v = v.build().map_err(|e| TlsError::Verifier(e.to_string()))?;
+                match &named {
+                    None => builder.with_client_cert_verifier(v),
+                    Some((names, bites)) => builder.with_client_cert_verifier(Arc::new(Named {
+                        inner: v,
+                        names: names.clone(),
+                        bites: bites.clone(),
+                    })),
+                }
             }
         };
         let mut cfg = builder.with_single_cert(
@@ -221,6 +267,97 @@ pub fn server_config(
         cfg.alpn_protocols = alpn.clone();
         Ok(cfg)
     })
+}
+
+/// Every name a certificate goes by: its subject's common names, DNS names and URIs.
+pub fn names_of(cert: &CertificateDer<'_>) -> Vec<String> {
+    let Ok((_, parsed)) = x509_parser::parse_x509_certificate(cert.as_ref()) else {
+        return Vec::new();
+    };
+    let mut names: Vec<String> = parsed
+        .subject()
+        .iter_common_name()
+        .filter_map(|cn| cn.as_str().ok().map(str::to_string))
+        .collect();
+    if let Ok(Some(san)) = parsed.subject_alternative_name() {
+        for n in &san.value.general_names {
+            match n {
+                x509_parser::extensions::GeneralName::DNSName(d) => names.push(d.to_string()),
+                x509_parser::extensions::GeneralName::URI(u) => names.push(u.to_string()),
+                _ => {}
+            }
+        }
+    }
+    names
+}
+
+/// A client-certificate verifier that also demands one of `names` (see
+/// [`server_config_for_named_clients`]).
+#[derive(Debug)]
+struct Named {
+    inner: Arc<dyn ClientCertVerifier>,
+    names: Vec<String>,
+    bites: Arc<Bites>,
+}
+
+impl ClientCertVerifier for Named {
+    fn offer_client_auth(&self) -> bool {
+        self.inner.offer_client_auth()
+    }
+
+    fn client_auth_mandatory(&self) -> bool {
+        self.inner.client_auth_mandatory()
+    }
+
+    fn root_hint_subjects(&self) -> &[DistinguishedName] {
+        self.inner.root_hint_subjects()
+    }
+
+    fn verify_client_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: UnixTime,
+    ) -> Result<ClientCertVerified, rustls::Error> {
+        let ok = self
+            .inner
+            .verify_client_cert(end_entity, intermediates, now)?;
+        let names = names_of(end_entity);
+        if names.iter().any(|n| self.names.contains(n)) {
+            return Ok(ok);
+        }
+        self.bites.bite(bite::CLIENT_NAME);
+        warn!(
+            presented = ?names,
+            expected = ?self.names,
+            "refused a client certificate of the right CA that names another identity"
+        );
+        Err(rustls::Error::InvalidCertificate(
+            rustls::CertificateError::ApplicationVerificationFailure,
+        ))
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.inner.supported_verify_schemes()
+    }
 }
 
 /// A client's TLS configuration trusting the servers `ca` signed, presenting `identity`
@@ -250,21 +387,86 @@ pub fn client_config(
     })
 }
 
-/// Handshakes in progress at once; a client that never finishes its handshake holds one
-/// for at most the handshake timeout.
-const MAX_HANDSHAKES: usize = 1024;
+/// What one TLS listener admits: handshakes and connections, in total and per peer address,
+/// and how long a handshake may take.
+#[derive(Debug, Clone, Copy)]
+pub struct ListenerLimits {
+    /// The ClientHello must arrive within this after the connection is accepted (a client
+    /// sends it at once; a socket that sends nothing holds a handshake slot no longer).
+    pub hello_timeout: Duration,
+    /// The whole handshake must finish within this; while more than half of the handshake
+    /// slots are taken, within `hello_timeout` again (an honest handshake takes milliseconds).
+    pub handshake_timeout: Duration,
+    /// Handshakes in progress at once.
+    pub max_handshakes: usize,
+    /// Handshakes in progress at once from one peer address.
+    pub max_handshakes_per_peer: usize,
+    /// Open connections (handshakes included) at once; 0 = no bound.
+    pub max_connections: usize,
+    /// Open connections at once from one peer address; 0 = no bound.
+    pub max_connections_per_peer: usize,
+}
 
-/// TLS connections accepted on `listener`: each handshake runs on its own task and is cut
-/// after `timeout`, so a slow client holds up nobody. Ends when the stream is dropped or
-/// `stop` is cancelled.
+impl Default for ListenerLimits {
+    /// A node agent holds one connection, an extender a few, a CLI one for a moment: 256
+    /// connections per address leave room for every honest client behind one address and for
+    /// tests that run a whole cluster on 127.0.0.1.
+    fn default() -> Self {
+        ListenerLimits {
+            hello_timeout: Duration::from_secs(1),
+            handshake_timeout: Duration::from_secs(5),
+            max_handshakes: 1024,
+            max_handshakes_per_peer: 64,
+            max_connections: 16_384,
+            max_connections_per_peer: 256,
+        }
+    }
+}
+
+/// The limit names [`incoming`] counts refusals under.
+pub mod bite {
+    /// Every handshake slot was taken.
+    pub const HANDSHAKES: &str = "tls_handshakes";
+    /// The peer held as many handshake slots as one peer may.
+    pub const HANDSHAKES_PER_PEER: &str = "tls_handshakes_per_peer";
+    /// A ClientHello did not come in time.
+    pub const HELLO_TIMEOUT: &str = "tls_hello_timeout";
+    /// A handshake did not finish in time.
+    pub const HANDSHAKE_TIMEOUT: &str = "tls_handshake_timeout";
+    /// A client certificate of the right CA that names none of the identities admitted.
+    pub const CLIENT_NAME: &str = "tls_client_name";
+    /// Every connection slot was taken.
+    pub const CONNECTIONS: &str = "connections";
+    /// The peer held as many connections as one peer may.
+    pub const CONNECTIONS_PER_PEER: &str = "connections_per_peer";
+}
+
+/// TLS connections accepted on `listener`: each handshake runs on its own task within
+/// `limits`, so a slow or silent client holds up nobody, and a connection keeps its slot of
+/// the connection limits until it closes. Refusals are counted in `bites`. Ends when the
+/// stream is dropped or `stop` is cancelled.
 pub fn incoming(
     listener: TcpListener,
     tls: Arc<Reloading<ServerConfig>>,
-    timeout: Duration,
+    limits: ListenerLimits,
+    bites: Arc<Bites>,
     stop: CancellationToken,
-) -> impl futures::Stream<Item = std::io::Result<TlsStream<TcpStream>>> + Send + 'static {
+) -> impl futures::Stream<Item = std::io::Result<TlsStream<Conn>>> + Send + 'static {
     let (tx, rx) = mpsc::channel(128);
-    let slots = Arc::new(Semaphore::new(MAX_HANDSHAKES));
+    let connections = Slots::new(
+        (bite::CONNECTIONS, bite::CONNECTIONS_PER_PEER),
+        limits.max_connections,
+        limits.max_connections_per_peer,
+        bites.clone(),
+    );
+    let handshakes = Slots::new(
+        (bite::HANDSHAKES, bite::HANDSHAKES_PER_PEER),
+        limits.max_handshakes.max(1),
+        limits.max_handshakes_per_peer,
+        bites.clone(),
+    );
+    bites.declare(bite::HELLO_TIMEOUT);
+    bites.declare(bite::HANDSHAKE_TIMEOUT);
     tokio::spawn(async move {
         loop {
             let accepted = tokio::select! {
@@ -281,21 +483,57 @@ pub fn incoming(
                     continue;
                 }
             };
-            let _ = tcp.set_nodelay(true);
-            let Ok(slot) = slots.clone().try_acquire_owned() else {
+            let key = peer_key(&peer);
+            // Refused at once: the socket (and its file descriptor) is closed here.
+            let Ok(conn_slot) = connections.try_acquire(key) else {
+                debug!(%peer, "too many connections; connection dropped");
+                continue;
+            };
+            let Ok(slot) = handshakes.try_acquire(key) else {
                 debug!(%peer, "too many TLS handshakes in progress; connection dropped");
                 continue;
             };
-            let acceptor = tokio_rustls::TlsAcceptor::from(tls.current());
+            let _ = tcp.set_nodelay(true);
+            let busy = handshakes.in_use() > handshakes.max_total() / 2;
+            let timeout = if busy {
+                limits.hello_timeout.min(limits.handshake_timeout)
+            } else {
+                limits.handshake_timeout
+            };
+            let config = tls.current();
             let tx = tx.clone();
+            let bites = bites.clone();
+            let hello_timeout = limits.hello_timeout;
             tokio::spawn(async move {
                 let _slot = slot;
-                match tokio::time::timeout(timeout, acceptor.accept(tcp)).await {
+                let conn = Conn::new(tcp, conn_slot, Duration::ZERO);
+                let start = tokio::time::Instant::now();
+                let lazy = tokio_rustls::LazyConfigAcceptor::new(
+                    rustls::server::Acceptor::default(),
+                    conn,
+                );
+                let hello = match tokio::time::timeout(hello_timeout.min(timeout), lazy).await {
+                    Ok(Ok(h)) => h,
+                    Ok(Err(e)) => {
+                        debug!(%peer, error = %e, "TLS handshake failed");
+                        return;
+                    }
+                    Err(_) => {
+                        bites.bite(bite::HELLO_TIMEOUT);
+                        debug!(%peer, "no ClientHello in time; connection cut");
+                        return;
+                    }
+                };
+                let left = timeout.saturating_sub(start.elapsed());
+                match tokio::time::timeout(left, hello.into_stream(config)).await {
                     Ok(Ok(s)) => {
                         let _ = tx.send(Ok(s)).await;
                     }
                     Ok(Err(e)) => debug!(%peer, error = %e, "TLS handshake failed"),
-                    Err(_) => debug!(%peer, ?timeout, "TLS handshake timed out; connection cut"),
+                    Err(_) => {
+                        bites.bite(bite::HANDSHAKE_TIMEOUT);
+                        debug!(%peer, ?timeout, "TLS handshake timed out; connection cut");
+                    }
                 }
             });
         }

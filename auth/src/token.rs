@@ -7,6 +7,7 @@
 //! one review per cache lifetime however many calls it makes.
 
 use std::collections::BTreeMap;
+use std::net::IpAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -16,6 +17,7 @@ use futures::future::BoxFuture;
 use sha2::{Digest, Sha256};
 
 use crate::identity::{Caller, Role};
+use crate::limit::Bites;
 
 /// The audience gpuledger's tokens are requested for.
 pub const AUDIENCE: &str = "gpuledger";
@@ -149,7 +151,34 @@ pub struct TokenAuthenticator {
     cache: moka::future::Cache<[u8; 32], Cached>,
     max_ttl: Duration,
     reviews: AtomicU64,
+    /// Reviews that refused the token, per peer address, in the current window.
+    failures: moka::future::Cache<IpAddr, Arc<AtomicU64>>,
+    max_failures_per_peer: u64,
+    bites: Arc<Bites>,
 }
+
+/// Why a token was not reviewed.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum Unreviewed {
+    /// The API server could not answer (retry later; nothing is cached).
+    #[error(transparent)]
+    Unavailable(#[from] Unavailable),
+    /// The caller's address sent too many tokens that the API server refused, lately: new
+    /// tokens from it are not reviewed until the window passes (retry later).
+    #[error(
+        "too many refused tokens from {0} in the last {FAILURE_WINDOW:?}: new tokens from it are \
+         not reviewed for now (--max-failed-token-reviews-per-peer); retry later"
+    )]
+    Throttled(IpAddr),
+}
+
+/// The limit name refused reviews are counted under.
+pub const BITE_FAILED_REVIEWS: &str = "token_reviews_failed_per_peer";
+/// The window over which a peer's refused reviews are counted.
+pub const FAILURE_WINDOW: Duration = Duration::from_secs(60);
+/// How far a token's expiry may lie in the past (clock skew with the API server) before it
+/// is refused without a review.
+const EXPIRY_SKEW_S: u64 = 300;
 
 /// How long a refusal is remembered (so a client retrying a bad token costs few reviews).
 const REFUSAL_TTL: Duration = Duration::from_secs(10);
@@ -174,7 +203,22 @@ impl TokenAuthenticator {
                 .build(),
             max_ttl,
             reviews: AtomicU64::new(0),
+            failures: moka::future::Cache::builder()
+                .max_capacity(100_000)
+                .time_to_live(FAILURE_WINDOW)
+                .build(),
+            max_failures_per_peer: u64::MAX,
+            bites: Bites::new(),
         }
+    }
+
+    /// Review at most `max` refused tokens per peer address per [`FAILURE_WINDOW`] (0 = no
+    /// bound), counting what is throttled in `bites`.
+    pub fn with_failure_limit(mut self, max: u64, bites: Arc<Bites>) -> Self {
+        bites.declare(BITE_FAILED_REVIEWS);
+        self.max_failures_per_peer = if max == 0 { u64::MAX } else { max };
+        self.bites = bites;
+        self
     }
 
     /// TokenReviews sent so far.
@@ -184,7 +228,44 @@ impl TokenAuthenticator {
 
     /// The caller `token` authenticates. Concurrent calls with the same token share one review.
     pub async fn authenticate(&self, token: &str) -> Result<Verdict, Unavailable> {
+        match self.authenticate_from(token, None).await {
+            Ok(v) => Ok(v),
+            Err(Unreviewed::Unavailable(u)) => Err(u),
+            // Without a peer nothing is throttled; were it, the token would be refused.
+            Err(e @ Unreviewed::Throttled(_)) => Ok(Err(TokenError::Invalid(e.to_string()))),
+        }
+    }
+
+    /// [`TokenAuthenticator::authenticate`] for a caller at `peer`: a token that is not even
+    /// shaped like one of the API server's (a JWT for audience gpuledger that has not expired)
+    /// is refused without a review, and a peer whose tokens the API server keeps refusing
+    /// gets no more reviews for a while.
+    pub async fn authenticate_from(
+        &self,
+        token: &str,
+        peer: Option<IpAddr>,
+    ) -> Result<Verdict, Unreviewed> {
         let key: [u8; 32] = Sha256::digest(token.as_bytes()).into();
+        if let Some(c) = self.cache.get(&key).await {
+            return Ok(c.verdict);
+        }
+        if let Err(why) = plausible(token, now_unix()) {
+            return Ok(Err(TokenError::Invalid(why)));
+        }
+        let failures = match peer {
+            Some(p) => {
+                let n = self
+                    .failures
+                    .get_with(p, async { Arc::new(AtomicU64::new(0)) })
+                    .await;
+                if n.load(Ordering::Relaxed) >= self.max_failures_per_peer {
+                    self.bites.bite(BITE_FAILED_REVIEWS);
+                    return Err(Unreviewed::Throttled(p));
+                }
+                Some(n)
+            }
+            None => None,
+        };
         let cached = self
             .cache
             .try_get_with(key, async {
@@ -192,7 +273,12 @@ impl TokenAuthenticator {
                 let verdict = self.verify(token).await?;
                 let ttl = match &verdict {
                     Ok(_) => ttl_until_expiry(token, now_unix()).map_or(UNKNOWN_EXPIRY_TTL, |t| t),
-                    Err(_) => REFUSAL_TTL,
+                    Err(_) => {
+                        if let Some(n) = &failures {
+                            n.fetch_add(1, Ordering::Relaxed);
+                        }
+                        REFUSAL_TTL
+                    }
                 }
                 .min(self.max_ttl);
                 Ok::<_, Unavailable>(Cached { verdict, ttl })
@@ -274,6 +360,36 @@ fn now_unix() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
+}
+
+/// Whether `token` can be a ServiceAccount token for gpuledger at all: a JWT whose claims name
+/// the audience `gpuledger` and an expiry not long past. Read without checking the signature:
+/// it only spares the API server reviews of what it would refuse anyway.
+pub fn plausible(token: &str, now_unix: u64) -> Result<(), String> {
+    let claims = token
+        .split('.')
+        .nth(1)
+        .filter(|_| token.split('.').count() == 3)
+        .and_then(|p| {
+            base64::engine::general_purpose::URL_SAFE_NO_PAD
+                .decode(p.trim_end_matches('='))
+                .ok()
+        })
+        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+        .ok_or_else(|| "not a ServiceAccount token (a JWT)".to_string())?;
+    let aud = match claims.get("aud") {
+        Some(serde_json::Value::String(a)) => a == AUDIENCE,
+        Some(serde_json::Value::Array(a)) => a.iter().any(|a| a.as_str() == Some(AUDIENCE)),
+        _ => false,
+    };
+    if !aud {
+        return Err(format!("the token is not issued for audience {AUDIENCE:?}"));
+    }
+    match claims.get("exp").and_then(serde_json::Value::as_u64) {
+        Some(exp) if exp.saturating_add(EXPIRY_SKEW_S) >= now_unix => Ok(()),
+        Some(_) => Err("the token has expired".into()),
+        None => Err("the token carries no expiry".into()),
+    }
 }
 
 /// How long until the JWT `token` expires (its `exp` claim), read without checking the

@@ -1,4 +1,4 @@
-//! `gpuledger-bench e2e`: the real kube-scheduler 1.20.2 (the shipped configuration) placing
+//! `gpuledger-bench e2e`: the real kube-scheduler (the shipped configuration) placing
 //! GPU pods through the extender on kubelet-less nodes, against the same scheduler placing
 //! plain CPU pods on the same nodes in the same run; then the time from creating a GPU pod to
 //! its container running with its GPU environment on a real kubelet. Needs root (containerd,
@@ -13,7 +13,7 @@ use gpuledger_e2e::cluster::REAL_NODE;
 use gpuledger_e2e::gpuledger::counter;
 use gpuledger_e2e::nodes::NodeShape;
 use gpuledger_e2e::pods;
-use gpuledger_e2e::real_node::{KubeletBuild, container_log, host_network};
+use gpuledger_e2e::real_node::{CDI_ENV, host_network};
 use gpuledger_e2e::{E2e, Options, until};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::Api;
@@ -118,12 +118,13 @@ async fn schedule(e: &E2e, ns: &str, specs: Vec<Value>, parallel: usize) -> Resu
 
 /// Run the benchmark.
 pub async fn run(a: Args) -> Result<()> {
+    let version = gpuledger_e2e::bins::KubeBins::get()?.version()?;
     title(&format!(
-        "e2e: kube-apiserver + kube-scheduler 1.20.2, {} kubelet-less nodes x {} GPUs, {} GPU pods and {} CPU pods; a real kubelet",
-        a.nodes, a.gpus_per_node, a.pods, a.pods
+        "e2e: kube-apiserver + kube-scheduler {}, {} kubelet-less nodes x {} GPUs, {} GPU pods and {} CPU pods; a real kubelet",
+        version, a.nodes, a.gpus_per_node, a.pods, a.pods
     ));
     let e = E2e::start(Options {
-        real_node: Some(KubeletBuild::Patched),
+        real_node: true,
         scheduler_qps: a.scheduler_qps,
         ..Options::default()
     })
@@ -202,12 +203,16 @@ pub async fn run(a: Args) -> Result<()> {
             .uid
             .unwrap_or_default();
         let name = format!("run-{i}");
+        let node = e.node.as_ref().context("no real node")?;
+        let seen = format!("{CDI_ENV}=GPU-");
         until(
             "the container prints its GPU environment",
             Duration::from_secs(120),
             || async {
-                let log = container_log("bench", &name, &uid, "main").unwrap_or_default();
-                Ok(log.contains("NVIDIA_VISIBLE_DEVICES=GPU-").then_some(()))
+                let log = node
+                    .container_log("bench", &name, &uid, "main")
+                    .unwrap_or_default();
+                Ok(log.contains(&seen).then_some(()))
             },
         )
         .await
@@ -219,7 +224,10 @@ pub async fn run(a: Args) -> Result<()> {
     let rejected_pct = 100.0 * rejected / a.pods as f64;
     println!(
         "\n{:<44} {:>10} {:>12} {:>14}",
-        "pods through kube-scheduler 1.20.2", "pods", "total s", "steady pods/s"
+        format!("pods through kube-scheduler {version}"),
+        "pods",
+        "total s",
+        "steady pods/s"
     );
     println!(
         "{:<44} {:>10} {:>12.1} {:>14.1}",

@@ -408,13 +408,17 @@ async fn webhook_budgets(
         .demote_budget(spent, "gpu-low", "gpuledger-bench")
         .await?;
     // 20,000 MiB held spends 1 MiB-hour in 180 ms.
-    let hog = stack.api.add_pod(json!({"metadata": {"name": "hog", "namespace": spent},
-        "spec": {"schedulerName": "gpuledger-scheduler", "containers": [{"name": "c", "image": "x"}]}}))?;
-    let mut req = api_pod(hog["metadata"]["uid"].as_str().unwrap_or(""), "");
+    let mut req = api_pod("", "");
+    req.containers[0].mem_mib = 20_000;
+    // The allocator reserves only what the pod itself asks for.
+    let hog = stack
+        .api
+        .add_pod(json!({"metadata": {"name": "hog", "namespace": spent},
+        "spec": gpuledger_testkit::workload::pod_spec(&req, "gpuledger-scheduler")}))?;
     if let Some(p) = req.pod.as_mut() {
         (p.namespace, p.name) = (spent.into(), "hog".into());
+        p.uid = hog["metadata"]["uid"].as_str().unwrap_or("").into();
     }
-    req.containers[0].mem_mib = 20_000;
     let mut c = stack.allocs.extender(0)?;
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {

@@ -7,6 +7,7 @@ mod common;
 mod e2e;
 mod extender;
 mod failover;
+mod hostile;
 mod node_agent;
 mod replay;
 mod scrape;
@@ -46,6 +47,9 @@ enum Cmd {
     E2e(e2e::Args),
     /// `gpuledger verify` end to end over a long hash-chained log, archive + etcd.
     Verify(verify::Args),
+    /// Honest binds, reservations and admission reviews, quiet and under each hostile-load
+    /// attack (slow bodies, idle sockets, stream floods, forged identities, …): success and p99.
+    Hostile(hostile::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -70,6 +74,7 @@ fn main() -> std::process::ExitCode {
             Cmd::Scrape(a) => scrape::run(a).await,
             Cmd::E2e(a) => e2e::run(a).await,
             Cmd::Verify(a) => verify::run(a).await,
+            Cmd::Hostile(a) => hostile::run(a).await,
         }
     });
     match res {

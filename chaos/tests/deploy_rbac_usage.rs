@@ -2,7 +2,7 @@
 //! `make deploy-check`: the allocator and the extender run as processes against the fake
 //! kube-apiserver, each with a kubeconfig whose bearer token is its ServiceAccount's user name,
 //! through every code path that talks to the API server (watch, bind, pod deletion, reservation
-//! expiry, node deletion, GPUBudgets). The fake server records (user, verb, group, resource, namespace);
+//! expiry, node deletion, GPUBudgets, preemption). The fake server records (user, verb, group, resource, namespace);
 //! with `GPULEDGER_RBAC_USAGE_OUT=<file>` the records are written there as JSON lines, and
 //! deploy/test/deploy_check.py compares them with the ClusterRoles in deploy/.
 
@@ -155,7 +155,8 @@ async fn components_api_requests() -> Result<()> {
         .as_str()
         .unwrap_or_default()
         .to_string();
-    let mut req = pod(&uid_b, 1_000, 10);
+    // What pod b asks for (the allocator reserves nothing else).
+    let mut req = pod(&uid_b, 2_000, 0);
     if let Some(r) = req.pod.as_mut() {
         r.name = "b".into();
         r.namespace = "team-a".into();
@@ -222,6 +223,53 @@ async fn components_api_requests() -> Result<()> {
     })
     .await?;
 
+    // Path 6, preemption from filter: n1's two GPUs are full of lower-priority pods; a pending
+    // pod's filter makes the leader read the PodDisruptionBudgets, evict one pod through the
+    // Eviction API and tell both pods why.
+    for name in ["low-0", "low-1"] {
+        let mut p = gpu_pod(name);
+        p["spec"]["priority"] = json!(-5);
+        p["spec"]["nodeName"] = json!("n1");
+        p["status"] = json!({"phase": "Running"});
+        let created = apisrv.add_pod(p)?;
+        let uid = created["metadata"]["uid"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        let mut req = pod(&uid, 15_000, 10);
+        if let Some(r) = req.pod.as_mut() {
+            r.name = name.into();
+            r.namespace = "team-a".into();
+        }
+        let c = allocs.extender(0)?;
+        // Until the allocator's pod watch has the pod.
+        wait_until(&format!("{name} reserved"), Duration::from_secs(10), || {
+            let (mut c, req) = (c.clone(), req.clone());
+            async move {
+                Ok(c.reserve(api::ReserveRequest {
+                    request: Some(req),
+                    node: "n1".into(),
+                    ttl_ms: 0,
+                })
+                .await
+                .is_ok())
+            }
+        })
+        .await?;
+    }
+    let mut high = gpu_pod("high");
+    high["spec"]["priority"] = json!(100);
+    high["spec"]["containers"][0]["resources"]["limits"]["gpuledger.io/gpu-mem"] = json!("10000");
+    let high: Pod = serde_json::from_value(apisrv.add_pod(high)?)?;
+    let n1: Vec<Node> = vec![serde_json::from_value(json!({"metadata": {"name": "n1"}}))?];
+    wait_until("a low pod evicted", Duration::from_secs(20), || async {
+        ext.post("filter", &ext.args(&high, &n1)?).await?;
+        Ok(["low-0", "low-1"]
+            .iter()
+            .any(|n| apisrv.pod("team-a", n).is_none()))
+    })
+    .await?;
+
     let reqs = apisrv.store.requests();
     let mut lines = String::new();
     for r in &reqs {
@@ -250,6 +298,8 @@ async fn components_api_requests() -> Result<()> {
         (ALLOCATOR, "watch", "gpubudgets"),
         (ALLOCATOR, "patch", "gpubudgets/status"),
         (ALLOCATOR, "get", "priorityclasses"),
+        (ALLOCATOR, "create", "pods/eviction"),
+        (ALLOCATOR, "list", "poddisruptionbudgets"),
         (EXTENDER, "get", "pods"),
         (EXTENDER, "create", "pods/binding"),
     ] {

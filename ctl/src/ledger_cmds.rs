@@ -47,6 +47,7 @@ pub async fn status(t: Target) -> Result<()> {
         "REPLICA", "ADDRESS", "ROLE", "LEADER", "EPOCH", "SEQ", "NODES", "ALLOCS", "READY",
     ]);
     let mut any = false;
+    let mut nospace = false;
     let creds = t.credentials().await?;
     for a in &t.addrs().await? {
         match connect_one(a, &creds).await {
@@ -54,6 +55,7 @@ pub async fn status(t: Target) -> Result<()> {
                 Ok(s) => {
                     any = true;
                     let s = s.into_inner();
+                    nospace |= s.etcd_alarm == "NOSPACE";
                     table.row(vec![
                         s.replica,
                         s.address,
@@ -80,11 +82,32 @@ pub async fn status(t: Target) -> Result<()> {
         }
     }
     print!("{}", table.render());
+    if nospace {
+        print!("{NOSPACE_RECOVERY}");
+    }
     if !any {
         bail!("no allocator replica answered");
     }
     Ok(())
 }
+
+/// What `status` tells an operator whose etcd is out of space.
+const NOSPACE_RECOVERY: &str = "
+etcd is OUT OF SPACE: its NOSPACE alarm is raised and it refuses every write, so no GPU is
+granted, bound or released until it is cleared. Reads (filter, inspect) still work.
+To recover (etcdctl with the allocators' etcd endpoints and certificates):
+  1. Make room for the future: run the allocators with --archive-dir (old ledger batches move
+     out of etcd), or raise etcd's --quota-backend-bytes (8 GiB is etcd's suggested maximum).
+  2. Compact etcd's history to its current revision:
+       rev=$(etcdctl endpoint status --write-out=json | grep -o '\"revision\":[0-9]*' | head -n1 | cut -d: -f2)
+       etcdctl compaction --physical \"$rev\"
+  3. Defragment every member (gives the freed space back):
+       etcdctl defrag --cluster
+  4. Disarm the alarm:
+       etcdctl alarm disarm
+The allocators notice within a second or two and write again by themselves (metric
+gpuledger_allocator_etcd_nospace goes back to 0).
+";
 
 fn pct(a: u64, b: u64) -> String {
     (a * 100)

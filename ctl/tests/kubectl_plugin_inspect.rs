@@ -82,12 +82,13 @@ async fn kubectl_gpuledger_inspect_equals_gpuledger_inspect() -> anyhow::Result<
         .await?;
     let mut ext = allocs.extender(leader)?;
     for (uid, mem) in [("u1", 4_000), ("u2", 6_000)] {
+        let asks = pod(uid, mem, 20);
         kube.add_pod(json!({
             "metadata": {"name": format!("pod-{uid}"), "namespace": "default", "uid": uid},
-            "spec": {"schedulerName": SCHEDULER_NAME, "containers": [{"name": "main", "image": "x"}]},
+            "spec": gpuledger_testkit::workload::pod_spec(&asks, SCHEDULER_NAME),
         }))?;
         let req = api::ReserveRequest {
-            request: Some(pod(uid, mem, 20)),
+            request: Some(asks),
             node: "node-a".into(),
             ttl_ms: 0,
         };

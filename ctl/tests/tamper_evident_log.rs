@@ -169,6 +169,11 @@ async fn a_flipped_byte_or_a_deleted_batch_breaks_the_chain_and_is_named() -> an
         out.contains(&format!("etcd {key}")),
         "names the key:\n{out}"
     );
+    // Never "every batch links" beside a broken link.
+    assert!(
+        !out.contains("every batch links") && out.contains("hash chain: BROKEN"),
+        "the summary contradicts the difference:\n{out}"
+    );
     // A replica loading this log stops at the broken link.
     let probe = Shared::new("probe".into(), "127.0.0.1:1".into());
     let loaded = tail::load(&probe, &log, false, Some(&archive)).await;
@@ -280,6 +285,10 @@ async fn a_flipped_byte_or_a_deleted_batch_breaks_the_chain_and_is_named() -> an
     kv.delete(key, None).await?;
     let (ok, out) = ctl(&who, &["verify", &target]);
     assert!(!ok, "verify passed with a deleted batch:\n{out}");
+    assert!(
+        !out.contains("every batch links"),
+        "the summary contradicts the difference:\n{out}"
+    );
     assert!(
         out.contains(&format!(
             "seqs {}..{} are missing",

@@ -1,135 +1,140 @@
 #!/usr/bin/env bash
-# Build kube-apiserver, kube-scheduler, kubectl and kubelet from Debian bookworm's Kubernetes
-# source package (1.20.2) with Debian's Go, and cache them. `kubelet` carries the device-plugin
-# dial patch next to this script; `kubelet-unpatched` is the stock one, which no tonic device
-# plugin can serve (the test tier shows what the node agent does about it). `kube-scheduler`
-# carries the extender-preemption patch (kubernetes#102971), without which it never calls an
-# extender's `preempt` verb. Prints the directory holding the binaries.
+# Build the real-Kubernetes tier's binaries from the Go module proxy, with the Go on PATH, and
+# cache them: kube-apiserver, kube-scheduler, kube-controller-manager, kubelet and kubectl of
+# Kubernetes $KUBE_VERSION (default below), containerd 2 with its runc shim and ctr, and etcd
+# 3.6 for the API server. Stock upstream code: nothing is patched.
 #
-# Cache: $GPULEDGER_CACHE (default ~/.cache/gpuledger)/kube/<source version>-<patches' sha256[:12]>-r<RECIPE>/,
-# so a second run, or a run after a change that is not the source, a patch or the recipe,
-# starts at once.
-# Offline with an empty apt list, the newest cached build with these patches is used.
-# Progress goes to stderr; stdout is only the directory.
+#   e2e/kube/build.sh                     # the default version
+#   KUBE_VERSION=1.35.4 e2e/kube/build.sh # another release (1.35 or later)
+#
+# k8s.io/kubernetes requires its staging modules (k8s.io/api, k8s.io/client-go, ...) at v0.0.0
+# and replaces them with ./staging/..., which Go ignores in a dependency (kubernetes#79384); a
+# scratch module replaces each of them, as listed by the go.mod the proxy serves, with its
+# published v0.<minor>.<patch>. The version is stamped as Kubernetes' own build does.
+#
+# Cache: $GPULEDGER_CACHE (default ~/.cache/gpuledger)/kube/v<kube>-containerd<c>-etcd<e>-r<RECIPE>/
+# (540 MB), so a second run starts at once, and Go's module cache beside it (go/mod, 1.4 GB), so
+# a build of another version downloads only what differs. Go's build cache (4.6 GB for one
+# version) is removed after a successful build: nothing else reuses it. Progress goes to
+# stderr; stdout is only the directory that holds the binaries.
 set -euo pipefail
-here="$(cd "$(dirname "$0")" && pwd)"
-PATCH="$here/kubelet-device-plugin-authority.patch"
-SCHED_PATCH="$here/kube-scheduler-extender-preemption.patch"
+KUBE_VERSION="${KUBE_VERSION:-1.37.2}"
+KUBE_VERSION="${KUBE_VERSION#v}"
+CONTAINERD_VERSION="${CONTAINERD_VERSION:-2.2.9}"
+ETCD_VERSION="${ETCD_VERSION:-3.6.16}"
 CACHE="${GPULEDGER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpuledger}"
-COMPONENTS=(kube-apiserver kube-scheduler kubectl kubelet-unpatched kubelet)
 # Bump when the way the binaries are built changes (flags, components): the cache key has it.
-RECIPE=2
-SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo
+RECIPE=1
+KUBE_CMDS=(kube-apiserver kube-scheduler kube-controller-manager kubelet kubectl)
+CONTAINERD_CMDS=(containerd containerd-shim-runc-v2 ctr)
+COMPONENTS=("${KUBE_CMDS[@]}" "${CONTAINERD_CMDS[@]}" etcd)
 
 say() { printf '[kube-build %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 die() { say "error: $*"; exit 1; }
-
-need_pkgs() {
-    local missing=() p
-    for p in "$@"; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'ok installed' || missing+=("$p"); done
-    [ ${#missing[@]} -eq 0 ] && return 0
-    say "installing ${missing[*]} (apt)"
-    $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >&2
-}
-
 complete() { local c; for c in "${COMPONENTS[@]}"; do [ -x "$1/$c" ] || return 1; done; }
 
-patch_key="$(cat "$PATCH" "$SCHED_PATCH" | sha256sum | cut -c1-12)"
+[[ "$KUBE_VERSION" =~ ^1\.([0-9]+)\.([0-9]+)$ ]] || die "KUBE_VERSION=$KUBE_VERSION is not a release like 1.37.2"
+minor="${BASH_REMATCH[1]}"
+[ "$minor" -ge 35 ] || die "KUBE_VERSION=$KUBE_VERSION: the tier runs Kubernetes 1.35 or later"
+staging="v0.$minor.${BASH_REMATCH[2]}"
 
-# A deb-src line for the machine's own Debian mirror, in lists of our own: the system's apt
-# configuration is left as it is.
-apt_dir="$CACHE/apt-src"
-mkdir -p "$apt_dir/lists/partial" "$apt_dir/cache/archives/partial"
-mirror="$(awk '/^URIs:/{print $2; exit}' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)"
-[ -n "$mirror" ] || mirror="$(awk '$1=="deb"{print $2; exit}' /etc/apt/sources.list 2>/dev/null || true)"
-[ -n "$mirror" ] || die "no Debian mirror found in /etc/apt/sources.list.d/debian.sources or /etc/apt/sources.list"
-echo "deb-src $mirror bookworm main" > "$apt_dir/sources.list"
-APT_OPTS=(-o "Dir::Etc::SourceList=$apt_dir/sources.list" -o "Dir::Etc::SourceParts=-"
-          -o "Dir::State::Lists=$apt_dir/lists" -o "Dir::Cache=$apt_dir/cache")
-
-version=""
-if apt-get "${APT_OPTS[@]}" update -qq >/dev/null 2>&1; then
-    version="$(apt-cache "${APT_OPTS[@]}" showsrc kubernetes 2>/dev/null | awk '/^Version:/{print $2}' | sort -V | tail -1)"
-fi
-if [ -z "$version" ]; then
-    # Offline: any earlier build with the same patches will do.
-    cached="$(ls -d "$CACHE"/kube/*-"$patch_key-r$RECIPE" 2>/dev/null | sort -V | tail -1 || true)"
-    if [ -n "$cached" ] && complete "$cached"; then say "apt unreachable; using $cached"; echo "$cached"; exit 0; fi
-    die "cannot read the kubernetes source package's version from $mirror (deb-src), and nothing is cached"
-fi
-out="$CACHE/kube/$version-$patch_key-r$RECIPE"
+out="$CACHE/kube/v$KUBE_VERSION-containerd$CONTAINERD_VERSION-etcd$ETCD_VERSION-r$RECIPE"
 if complete "$out"; then echo "$out"; exit 0; fi
 
-start=$(date +%s)
-say "building Kubernetes $version (patch $patch_key) into $out; about 10-15 minutes on 2 cores"
-need_pkgs golang-go rsync golang-github-modern-go-reflect2-dev dpkg-dev
-reflect2=/usr/share/gocode/src/github.com/modern-go/reflect2
-[ -d "$reflect2" ] || die "$reflect2 missing (Debian package golang-github-modern-go-reflect2-dev)"
+command -v go >/dev/null || die "no go on PATH: install Go 1.26 or later (https://go.dev/dl, or the machine's own)"
+go_minor="$(go env GOVERSION | sed -n 's/^go1\.\([0-9]*\).*/\1/p')"
+[ -n "$go_minor" ] && [ "$go_minor" -ge 26 ] || die "$(go env GOVERSION) on PATH: Kubernetes 1.$minor needs Go 1.26 or later"
 
+export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-mod=mod GOPROXY="${GOPROXY:-$(go env GOPROXY)}"
+export GOMODCACHE="$CACHE/go/mod" GOCACHE="$CACHE/go/build"
+mkdir -p "$GOMODCACHE" "$GOCACHE"
+
+start=$(date +%s)
 work="$(mktemp -d "${TMPDIR:-/tmp}/gpuledger-kube-build.XXXXXX")"
 trap 'rm -rf "$work"' EXIT
-cd "$work"
-say "fetching the source package"
-apt-get "${APT_OPTS[@]}" source --download-only "kubernetes=$version" >/dev/null 2>&1 \
-    || die "apt-get source kubernetes=$version failed"
-dpkg-source -x kubernetes_*.dsc src >/dev/null 2>&1 || die "dpkg-source -x failed"
-rm -f kubernetes_*
-
-# The vendored reflect2 v1.0.1 faults under go >= 1.18; Debian's newer copy works.
-rm -rf src/vendor/github.com/modern-go/reflect2
-cp -r "$reflect2" src/vendor/github.com/modern-go/
-
-# GOPATH mode: the tree must sit at $GOPATH/src/k8s.io/kubernetes. Nothing is fetched.
-mkdir -p gopath/src/k8s.io && ln -s "$work/src" gopath/src/k8s.io/kubernetes
-export GOPATH="$work/gopath" GOCACHE="$work/gocache" GO111MODULE=off CGO_ENABLED=0 GOPROXY=off GOFLAGS=
-cd gopath/src/k8s.io/kubernetes
-
-say "generating the OpenAPI definitions (make gen_openapi)"
-make gen_openapi >"$work/gen_openapi.log" 2>&1 || { tail -30 "$work/gen_openapi.log" >&2; die "make gen_openapi failed"; }
-
-# What `kubectl version` and the node's kubeletVersion report (hack/lib/version.sh sets the
-# same variables): Debian's "1.20.5+really1.20.2-1.1+deb12u1" is upstream 1.20.2.
-upstream="${version#*really}"; upstream="${upstream%%-*}"; upstream="${upstream#*:}"
-minor="${upstream#*.}"; minor="${minor%%.*}"
-ldflags="-s -w"
-for kv in "gitVersion=v$upstream" "gitMajor=${upstream%%.*}" "gitMinor=$minor" "gitTreeState=clean" \
-          "gitCommit=debian-$version" "buildDate=$(date -u +%Y-%m-%dT%H:%M:%SZ)"; do
-    for pkg in client-go/pkg/version component-base/version; do
-        ldflags="$ldflags -X k8s.io/kubernetes/vendor/k8s.io/$pkg.$kv"
-    done
-done
+say "building Kubernetes $KUBE_VERSION, containerd $CONTAINERD_VERSION and etcd $ETCD_VERSION into $out"
+say "cold on 2 cores: about 30-40 minutes and 1.5 GB of modules; cached afterwards"
 
 # go build -v names each package as it is compiled: a progress line every 10 %.
 progress() { # progress <name> <total> <log>: count the names on stdin
     local n=0 next=0 line
     while IFS= read -r line; do
         printf '%s\n' "$line" >> "$3"
+        case "$line" in go:\ *|*:[0-9]*:*|\#*) continue ;; esac
         n=$((n + 1))
         if [ $((n * 100)) -ge $((next * $2)) ]; then
             say "$1: $n/$2 packages compiled"; next=$((next + 10))
         fi
     done
 }
-build() { # build <output name> <cmd dir>
-    local total; total="$(go list -deps "./cmd/$2" 2>/dev/null | wc -l)"
-    say "go build ./cmd/$2 -> $1 ($total packages, less those already compiled)"
-    if ! go build -v -ldflags "$ldflags" -o "$work/bin/$1" "./cmd/$2" 2>&1 | progress "$1" "$total" "$work/build-$1.log" \
-            || [ ! -x "$work/bin/$1" ]; then
-        tail -30 "$work/build-$1.log" >&2; die "go build ./cmd/$2 failed"
+# gobuild <name> <module dir> <ldflags> <tags> <package>...: into $work/bin
+gobuild() {
+    local name="$1" dir="$2" ld="$3" tags="$4"; shift 4
+    local total log="$work/build-$name.log"
+    total="$(cd "$dir" && go list -tags "$tags" -deps "$@" 2>>"$log" | sort -u | wc -l)"
+    say "$name: go build $* ($total packages, less those already compiled)"
+    if ! (cd "$dir" && go build -v -trimpath -tags "$tags" -ldflags "$ld" -o "$work/bin/" "$@") 2>&1 \
+            | progress "$name" "$total" "$log"; then
+        tail -30 "$log" >&2; die "$name: go build failed (log above)"
     fi
 }
-mkdir -p "$work/bin"
-for c in kube-apiserver kubectl; do build "$c" "$c"; done
-build kubelet-unpatched kubelet
-say "applying $(basename "$SCHED_PATCH")"
-patch -p1 --quiet < "$SCHED_PATCH" || die "the kube-scheduler patch does not apply to $version"
-build kube-scheduler kube-scheduler
-say "applying $(basename "$PATCH")"
-patch -p1 --quiet < "$PATCH" || die "the kubelet patch does not apply to $version"
-build kubelet kubelet
+# scratch <dir> <module@version>: a module that requires it, ready for go build
+scratch() {
+    mkdir -p "$1"
+    printf 'module gpuledger.invalid/build\n\ngo 1.26.0\n' > "$1/go.mod"
+    (cd "$1" && go mod edit -require="$2")
+}
 
+mkdir -p "$work/bin"
+
+# --- Kubernetes --------------------------------------------------------------------------------
+say "kubernetes: fetching k8s.io/kubernetes@v$KUBE_VERSION's go.mod"
+gomod="$(go mod download -json "k8s.io/kubernetes@v$KUBE_VERSION" | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",\{0,1\}$/\1/p')"
+[ -f "$gomod" ] || die "k8s.io/kubernetes@v$KUBE_VERSION: the module proxy served no go.mod (is $GOPROXY reachable?)"
+k="$work/kubernetes"
+scratch "$k" "k8s.io/kubernetes@v$KUBE_VERSION"
+replaced=0
+for m in $(sed -n 's|^[[:space:]]*\(k8s.io/[a-z0-9-]*\) => \./staging/.*|\1|p' "$gomod"); do
+    (cd "$k" && go mod edit -replace="$m=$m@$staging")
+    replaced=$((replaced + 1))
+done
+[ "$replaced" -gt 0 ] || die "k8s.io/kubernetes@v$KUBE_VERSION's go.mod replaces no staging module: the recipe needs a look"
+say "kubernetes: $replaced staging modules at $staging; resolving the module graph (downloads)"
+# The cmd packages are main packages, which Go refuses to import: resolve them with `go list`.
+(cd "$k" && go list -deps $(printf 'k8s.io/kubernetes/cmd/%s ' "${KUBE_CMDS[@]}") >/dev/null 2>"$work/resolve.log") \
+    || { tail -30 "$work/resolve.log" >&2; die "kubernetes: resolving the module graph failed"; }
+ld="-s -w"
+for kv in "gitVersion=v$KUBE_VERSION" "gitMajor=1" "gitMinor=$minor" "gitTreeState=clean" \
+          "buildDate=$(date -u +%Y-%m-%dT%H:%M:%SZ)"; do
+    ld="$ld -X k8s.io/component-base/version.$kv -X k8s.io/client-go/pkg/version.$kv"
+done
+gobuild kubernetes "$k" "$ld" "" $(printf 'k8s.io/kubernetes/cmd/%s ' "${KUBE_CMDS[@]}")
+
+# --- containerd 2 (CDI is on by default in its CRI plugin) --------------------------------------
+c="$work/containerd"
+say "containerd: resolving github.com/containerd/containerd/v2@v$CONTAINERD_VERSION"
+scratch "$c" "github.com/containerd/containerd/v2@v$CONTAINERD_VERSION"
+(cd "$c" && go list -tags no_btrfs,no_devmapper,no_zfs -deps github.com/containerd/containerd/v2/cmd/containerd \
+    >/dev/null 2>"$work/resolve-c.log") || { tail -30 "$work/resolve-c.log" >&2; die "containerd: resolving failed"; }
+gobuild containerd "$c" "-s -w -X github.com/containerd/containerd/v2/version.Version=v$CONTAINERD_VERSION" \
+    no_btrfs,no_devmapper,no_zfs \
+    github.com/containerd/containerd/v2/cmd/containerd \
+    github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2 \
+    github.com/containerd/containerd/v2/cmd/ctr
+
+# --- etcd 3.6, for the API server (the ledger's etcd is the machine's own) ------------------------
+e="$work/etcd"
+say "etcd: resolving go.etcd.io/etcd/server/v3@v$ETCD_VERSION"
+scratch "$e" "go.etcd.io/etcd/server/v3@v$ETCD_VERSION"
+(cd "$e" && go list -deps go.etcd.io/etcd/server/v3 >/dev/null 2>"$work/resolve-e.log") \
+    || { tail -30 "$work/resolve-e.log" >&2; die "etcd: resolving failed"; }
+gobuild etcd "$e" "-s -w" "" go.etcd.io/etcd/server/v3
+# Go names a /vN module's binary after the element before the version: server.
+mv "$work/bin/server" "$work/bin/etcd"
+
+complete "$work/bin" || die "a binary is missing from $work/bin: $(ls "$work/bin" | tr '\n' ' ')"
 mkdir -p "$(dirname "$out")"
 rm -rf "$out.tmp" && mv "$work/bin" "$out.tmp" && rm -rf "$out" && mv "$out.tmp" "$out"
-cp "$PATCH" "$SCHED_PATCH" "$out/"
-say "done in $(( $(date +%s) - start )) s: $(du -sh "$out" | cut -f1) in $out"
+go clean -cache
+say "done in $(( $(date +%s) - start )) s: $(du -sh "$out" | cut -f1) in $out ($(du -sh "$CACHE/go" | cut -f1) of Go caches beside it)"
 echo "$out"

@@ -1,5 +1,6 @@
-//! The Kubernetes binaries the tier runs: built from Debian's source package by
-//! `e2e/kube/build.sh`, cached under `~/.cache/gpuledger/kube/<source version>-<patch>/`.
+//! The binaries the tier runs: Kubernetes (`$KUBE_VERSION`, default in `e2e/kube/build.sh`),
+//! containerd 2 and etcd 3.6, built from the Go module proxy by `e2e/kube/build.sh` and cached
+//! under `~/.cache/gpuledger/kube/`.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -8,19 +9,23 @@ use std::sync::OnceLock;
 use anyhow::{Context, Result, bail};
 
 /// Where the binaries are: `$GPULEDGER_KUBE_BIN` when set, else the directory `build.sh`
-/// prints (it builds on first use, ~15 min on 2 cores, and prints its progress).
+/// prints (it builds on first use, tens of minutes on 2 cores, and prints its progress).
 #[derive(Debug, Clone)]
 pub struct KubeBins {
     dir: PathBuf,
 }
 
 /// The programs a complete directory holds.
-pub const PROGRAMS: [&str; 5] = [
+pub const PROGRAMS: [&str; 9] = [
     "kube-apiserver",
     "kube-scheduler",
-    "kubectl",
+    "kube-controller-manager",
     "kubelet",
-    "kubelet-unpatched",
+    "kubectl",
+    "containerd",
+    "containerd-shim-runc-v2",
+    "ctr",
+    "etcd",
 ];
 
 impl KubeBins {
@@ -42,6 +47,24 @@ impl KubeBins {
     /// The directory.
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// The Kubernetes version of these binaries (`v1.37.2`), as kubectl reports it.
+    pub fn version(&self) -> Result<String> {
+        let out = Command::new(self.path("kubectl"))
+            .args(["version", "--client", "-o", "json"])
+            .output()
+            .context("running kubectl version")?;
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).with_context(|| {
+            format!(
+                "kubectl version printed {:?}",
+                String::from_utf8_lossy(&out.stdout)
+            )
+        })?;
+        v["clientVersion"]["gitVersion"]
+            .as_str()
+            .map(str::to_string)
+            .context("kubectl version printed no clientVersion.gitVersion")
     }
 }
 

@@ -7,13 +7,14 @@ use anyhow::Result;
 use gpuledger_testkit::free_port;
 
 use crate::bins::KubeBins;
+use crate::certs::Shipped;
 use crate::control_plane::ControlPlane;
 use crate::gpuledger::{ALLOCATOR_SA, EXTENDER_SA, Gpuledger, NODE_AGENT_SA};
 use crate::kubectl::Kubectl;
 use crate::manifests::Installed;
 use crate::nodes::NodeShape;
 use crate::pki::Identity;
-use crate::real_node::{KubeletBuild, RealNode};
+use crate::real_node::RealNode;
 
 /// The name of the real node.
 pub const REAL_NODE: &str = "e2e-gpu-node";
@@ -23,8 +24,11 @@ pub const REAL_NODE: &str = "e2e-gpu-node";
 pub struct Options {
     /// Allocator replicas.
     pub allocators: usize,
-    /// A real node with a kubelet of this build, or none.
-    pub real_node: Option<KubeletBuild>,
+    /// Whether to start a real node (containerd, kubelet, node agent).
+    pub real_node: bool,
+    /// The real node's agent serves its device-plugin socket outside the kubelet's
+    /// device-plugin directory (a DaemonSet with the wrong hostPath).
+    pub misplaced_plugin_socket: bool,
     /// Fake GPUs of the real node: (count, MiB each).
     pub real_node_gpus: (u32, u64),
     /// Extra extender flags.
@@ -37,7 +41,8 @@ impl Default for Options {
     fn default() -> Options {
         Options {
             allocators: 2,
-            real_node: None,
+            real_node: false,
+            misplaced_plugin_socket: false,
             real_node_gpus: (2, 16_384),
             extender_flags: Vec::new(),
             scheduler_qps: None,
@@ -47,6 +52,8 @@ impl Default for Options {
 
 /// The running tier. Dropping it stops everything (the real node first).
 pub struct E2e {
+    /// Renews the kubelet-less nodes' Leases.
+    pub heartbeat: crate::nodes::Heartbeat,
     /// The real node, when started.
     pub node: Option<RealNode>,
     /// gpuledger's processes.
@@ -55,6 +62,8 @@ pub struct E2e {
     pub cp: ControlPlane,
     /// What the shipped overlay installed.
     pub installed: Installed,
+    /// gpuledger's certificates, as the shipped script installed them.
+    pub certs: Shipped,
     /// An admin client.
     pub client: kube::Client,
     /// The Kubernetes binaries.
@@ -79,6 +88,7 @@ impl E2e {
         }
         let identities = [
             Identity::Scheduler,
+            Identity::ControllerManager,
             Identity::Node(REAL_NODE.into()),
             Identity::ServiceAccount(ALLOCATOR_SA.into()),
             Identity::ServiceAccount(EXTENDER_SA.into()),
@@ -86,22 +96,22 @@ impl E2e {
         ];
         let mut cp = ControlPlane::start(&dir, &bins, &identities).await?;
         let webhook_port = free_port()?;
-        let installed =
-            crate::manifests::install(&cp.kubectl(), webhook_port, &cp.pki.ca_bundle())?;
+        let installed = crate::manifests::install(&cp.kubectl(), webhook_port)?;
         let client = cp.client().await?;
+        let certs = Shipped::install(&dir, &bins, &cp.admin_kubeconfig, &client).await?;
         let gl = Gpuledger::start(
             &dir,
-            &cp.pki,
+            (&cp.pki, &certs),
             (&cp.server, &client),
             (o.allocators, webhook_port),
             &o.extender_flags,
         )
         .await?;
-        cp.start_scheduler(&gl.extender_url, o.scheduler_qps)
+        cp.start_scheduler(&gl.extender_url, o.scheduler_qps, &certs)
             .await?;
         let node = match o.real_node {
-            None => None,
-            Some(build) => Some(
+            false => None,
+            true => Some(
                 RealNode::start(
                     &dir,
                     &bins,
@@ -110,17 +120,19 @@ impl E2e {
                     &client,
                     &gl.allocs,
                     REAL_NODE,
-                    build,
                     o.real_node_gpus,
+                    o.misplaced_plugin_socket,
                 )
                 .await?,
             ),
         };
         Ok(E2e {
+            heartbeat: crate::nodes::Heartbeat::start(&client),
             node,
             gl,
             cp,
             installed,
+            certs,
             client,
             bins,
             dir,
@@ -147,20 +159,26 @@ impl E2e {
         Ok((e, names))
     }
 
-    /// kubectl 1.20.2 as the admin.
+    /// The cluster's kubectl as the admin.
     pub fn kubectl(&self) -> Kubectl {
         self.cp.kubectl()
     }
 
-    /// Create namespace `ns`, opted into the webhooks the way the overlay asks.
+    /// Create namespace `ns` (the webhooks see every namespace but those the overlay
+    /// excludes) and wait for its `default` ServiceAccount.
     pub async fn namespace(&self, ns: &str) -> Result<()> {
-        let (k, v) = &self.installed.webhook_label;
-        crate::pods::namespace(&self.client, ns, &[(k.as_str(), v.as_str())]).await
+        crate::pods::namespace(&self.client, ns, &[]).await
     }
 
     /// Add kubelet-less GPU nodes.
     pub async fn add_nodes(&self, names: &[String], shape: &NodeShape) -> Result<()> {
-        crate::nodes::add(&self.client, &self.gl.allocs, names, shape).await
+        crate::nodes::add(
+            &self.client,
+            (&self.gl.allocs, &self.heartbeat),
+            names,
+            shape,
+        )
+        .await
     }
 
     /// The run directory (every process's log is `<name>.log` there).

@@ -1,11 +1,8 @@
-//! The Kubernetes control plane: an etcd of its own, kube-apiserver (static tokens, RBAC and
-//! Node authorization) and kube-scheduler running the shipped scheduler configuration.
-//!
-//! There is no kube-controller-manager: nothing creates ServiceAccounts or their tokens (so the
-//! `ServiceAccount` admission plugin is off), nothing marks silent nodes NotReady or evicts from
-//! them and nothing lifts the not-ready taint of new nodes (so kubelet-less nodes stay
-//! schedulable, and `TaintNodesByCondition` is off), nothing deletes pods for a kubelet that is
-//! not there (tests force-delete them).
+//! The Kubernetes control plane: an etcd of its own (the 3.6 that `e2e/kube/build.sh` builds),
+//! kube-apiserver (static tokens, RBAC and Node authorization, NodeRestriction),
+//! kube-controller-manager (ServiceAccounts and the root CA, garbage collection, node
+//! lifecycle, the resource-claim controller) and kube-scheduler running the shipped scheduler
+//! configuration.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -30,6 +27,8 @@ pub struct ControlPlane {
     pub admin_kubeconfig: PathBuf,
     /// kube-scheduler, once started.
     pub scheduler: Option<Proc>,
+    /// kube-controller-manager.
+    pub controller_manager: Option<Proc>,
     /// kube-apiserver.
     pub apiserver: Proc,
     bins: KubeBins,
@@ -46,7 +45,8 @@ impl ControlPlane {
         identities: &[Identity],
     ) -> Result<ControlPlane> {
         let pki = Pki::create(dir, identities)?;
-        let etcd = EtcdCluster::start_in(&dir.join("kube-etcd"), 1).await?;
+        let etcd =
+            EtcdCluster::start_in_with(&dir.join("kube-etcd"), 1, &bins.path("etcd")).await?;
         let port = free_port()?;
         let server = format!("https://127.0.0.1:{port}");
         let mut args = vec![
@@ -54,8 +54,6 @@ impl ControlPlane {
             "--bind-address=127.0.0.1".into(),
             "--advertise-address=127.0.0.1".into(),
             format!("--secure-port={port}"),
-            // 1.20 still serves an unauthenticated port (8080) unless told not to.
-            "--insecure-port=0".into(),
             "--endpoint-reconciler-type=none".into(),
             format!("--cert-dir={}", dir.join("apiserver-certs").display()),
             format!("--tls-cert-file={}", pki.apiserver.cert.display()),
@@ -69,9 +67,9 @@ impl ControlPlane {
                 pki.sa_key.display()
             ),
             "--service-account-issuer=https://kubernetes.default.svc".into(),
-            // No controller-manager: nobody makes the `default` ServiceAccounts the first plugin
-            // requires, nobody lifts the not-ready taint the second puts on every new node.
-            "--disable-admission-plugins=ServiceAccount,TaintNodesByCondition".into(),
+            // As clusters run it (kubeadm turns it on): a kubelet may change only its own
+            // node and the pods bound to it.
+            "--enable-admission-plugins=NodeRestriction".into(),
             "--profiling=false".into(),
             "--v=1".into(),
         ];
@@ -84,21 +82,70 @@ impl ControlPlane {
             vec![],
         )?;
         let admin_kubeconfig = pki.kubeconfig(&server, &Identity::Admin)?;
-        let cp = ControlPlane {
+        let mut cp = ControlPlane {
             pki,
             server,
             admin_kubeconfig,
             scheduler: None,
+            controller_manager: None,
             apiserver,
             bins: bins.clone(),
             dir: dir.to_path_buf(),
             _etcd: etcd,
         };
         cp.wait_ready(Duration::from_secs(60)).await?;
+        cp.start_controller_manager().await?;
         Ok(cp)
     }
 
-    /// kubectl (1.20.2, the same build) as the admin.
+    /// Start kube-controller-manager with every default controller (ServiceAccounts and their
+    /// `kube-root-ca.crt`, garbage collection, node lifecycle, the resource-claim controller,
+    /// ...) as `system:kube-controller-manager`, each controller with its own ServiceAccount as
+    /// clusters run it; wait until the `default` ServiceAccount of `default` exists.
+    async fn start_controller_manager(&mut self) -> Result<()> {
+        let kc = self
+            .pki
+            .kubeconfig(&self.server, &Identity::ControllerManager)?;
+        let args = vec![
+            format!("--kubeconfig={}", kc.display()),
+            format!("--authentication-kubeconfig={}", kc.display()),
+            format!("--authorization-kubeconfig={}", kc.display()),
+            "--bind-address=127.0.0.1".into(),
+            format!("--secure-port={}", free_port()?),
+            format!(
+                "--cert-dir={}",
+                self.dir.join("controller-manager-certs").display()
+            ),
+            format!(
+                "--service-account-private-key-file={}",
+                self.pki.sa_key.display()
+            ),
+            format!("--root-ca-file={}", self.pki.ca_file.display()),
+            "--use-service-account-credentials=true".into(),
+            // One instance: no lease to wait for at every start.
+            "--leader-elect=false".into(),
+            "--profiling=false".into(),
+            "--v=1".into(),
+        ];
+        self.controller_manager = Some(Proc::spawn(
+            &self.dir,
+            "kube-controller-manager",
+            &self.bins.path("kube-controller-manager"),
+            args,
+            vec![],
+        )?);
+        let k = self.kubectl();
+        let started = self.controller_manager.as_mut().context("just started")?;
+        until_up(started, "make the `default` ServiceAccount", || {
+            Ok(
+                k.run(&["-n", "default", "get", "serviceaccount", "default"])?
+                    .ok,
+            )
+        })
+        .await
+    }
+
+    /// kubectl (the cluster's own version) as the admin.
     pub fn kubectl(&self) -> Kubectl {
         Kubectl::new(self.bins.path("kubectl"), self.admin_kubeconfig.clone())
     }
@@ -130,17 +177,21 @@ impl ControlPlane {
 
     /// Start kube-scheduler with the shipped configuration, its extender at `extender_url`
     /// (`https://127.0.0.1:<port>/gpuledger`, called with the run's scheduler client
-    /// certificate) and, if given, a client QPS of its own instead of the default 50; wait
+    /// certificate the shipped script made) and, if given, a client QPS of its own instead of the default 50; wait
     /// until it holds its leader lease.
-    pub async fn start_scheduler(&mut self, extender_url: &str, qps: Option<u32>) -> Result<()> {
+    pub async fn start_scheduler(
+        &mut self,
+        extender_url: &str,
+        qps: Option<u32>,
+        certs: &crate::certs::Shipped,
+    ) -> Result<()> {
         let mut config = scheduler_config(
             &crate::repo_root().join(SCHEDULER_CONFIG),
             &Runnable {
                 kubeconfig: &self.pki.kubeconfig(&self.server, &Identity::Scheduler)?,
                 extender_url,
-                client: &self.pki.scheduler_client,
-                ca: &self.pki.ca_file,
-                server_name: EXTENDER_SERVER_NAME,
+                client: &certs.scheduler,
+                ca: &certs.ca_file,
             },
         )?;
         if let Some(q) = qps {
@@ -158,8 +209,6 @@ impl ControlPlane {
         std::fs::write(&path, config)?;
         let args = vec![
             format!("--config={}", path.display()),
-            // 1.20 serves an unauthenticated port (10251) unless told not to.
-            "--port=0".into(),
             format!("--secure-port={}", free_port()?),
             "--bind-address=127.0.0.1".into(),
             "--v=2".into(),
@@ -172,8 +221,8 @@ impl ControlPlane {
             vec![],
         )?);
         let k = self.kubectl();
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while Instant::now() < deadline {
+        let started = self.scheduler.as_mut().context("just started")?;
+        until_up(started, "take its leader lease", || {
             let o = k.run(&[
                 "-n",
                 "kube-system",
@@ -183,28 +232,31 @@ impl ControlPlane {
                 "-o",
                 "jsonpath={.spec.holderIdentity}",
             ])?;
-            if o.ok && !o.stdout.trim().is_empty() {
-                return Ok(());
-            }
-            if let Some(p) = self.scheduler.as_mut()
-                && let Some(st) = p.exited()
-            {
-                bail!("kube-scheduler exited ({st}):\n{}", p.log_tail(30));
-            }
-            tokio::time::sleep(Duration::from_millis(250)).await;
-        }
-        let tail = self
-            .scheduler
-            .as_ref()
-            .map(|p| p.log_tail(30))
-            .unwrap_or_default();
-        bail!("kube-scheduler did not take its leader lease within 60 s:\n{tail}")
+            Ok(o.ok && !o.stdout.trim().is_empty())
+        })
+        .await
     }
 
     /// The run directory.
     pub fn dir(&self) -> &Path {
         &self.dir
     }
+}
+
+/// Wait up to 60 s until `ready` says the component `p` started is up, failing at once with
+/// its log if it exits, or with its log and what it did not do (`what`) at the deadline.
+async fn until_up(p: &mut Proc, what: &str, ready: impl Fn() -> Result<bool>) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline {
+        if ready()? {
+            return Ok(());
+        }
+        if let Some(st) = p.exited() {
+            bail!("{} exited ({st}):\n{}", p.name, p.log_tail(30));
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    bail!("{} did not {what} within 60 s:\n{}", p.name, p.log_tail(30))
 }
 
 /// kube-apiserver's flags for the test kit's etcd, which serves TLS and demands a client
@@ -227,10 +279,6 @@ fn etcd_tls_flags(etcd: &EtcdCluster) -> Result<Vec<String>> {
         .collect()
 }
 
-/// The name kube-scheduler checks the extender's certificate for when the shipped
-/// configuration sets `tlsConfig.serverName` (the run's extender certificate names it).
-pub const EXTENDER_SERVER_NAME: &str = "localhost";
-
 /// What [`scheduler_config`] puts into the shipped configuration.
 #[derive(Debug, Clone, Copy)]
 pub struct Runnable<'a> {
@@ -242,14 +290,12 @@ pub struct Runnable<'a> {
     pub client: &'a CertFiles,
     /// The CA of the extender's serving certificate (`tlsConfig.caFile`).
     pub ca: &'a Path,
-    /// `tlsConfig.serverName`, where the shipped configuration sets one.
-    pub server_name: &'a str,
 }
 
-/// The shipped KubeSchedulerConfiguration made runnable here: the API version 1.20 reads
-/// (`v1beta1`; `v1` is 1.25+), this run's kubeconfig, extender address and the files of the
-/// extender's `tlsConfig`. Everything else is the file as shipped (HTTPS and a client
-/// certificate included); a change to the lines replaced here fails loudly.
+/// The shipped KubeSchedulerConfiguration made runnable here: this run's kubeconfig, extender
+/// address and the files of the extender's `tlsConfig`. Everything else is the file as shipped
+/// (`v1`, HTTPS with a client certificate, the `serverName` the extender's certificate names);
+/// a change to the lines replaced here fails loudly.
 pub fn scheduler_config(shipped: &Path, run: &Runnable<'_>) -> Result<String> {
     let text = std::fs::read_to_string(shipped)
         .with_context(|| format!("reading {}", shipped.display()))?;
@@ -280,7 +326,8 @@ fn runnable(text: &str, run: &Runnable<'_>) -> Result<String> {
                 if body.trim() != "apiVersion: kubescheduler.config.k8s.io/v1" {
                     bail!("expected `apiVersion: kubescheduler.config.k8s.io/v1`, found {body:?}");
                 }
-                Some("kubescheduler.config.k8s.io/v1beta1".to_string())
+                *seen.entry(key).or_default() += 1;
+                None
             }
             (false, "kubeconfig") => Some(run.kubeconfig.display().to_string()),
             (false, "urlPrefix") => Some(run.extender_url.to_string()),
@@ -300,7 +347,6 @@ fn runnable(text: &str, run: &Runnable<'_>) -> Result<String> {
             (true, "certFile") => Some(run.client.cert.display().to_string()),
             (true, "keyFile") => Some(run.client.key.display().to_string()),
             (true, "caFile") => Some(run.ca.display().to_string()),
-            (true, "serverName") => Some(run.server_name.to_string()),
             (true, "insecure") if body.trim() != "insecure: false" => {
                 bail!("the extender's tlsConfig skips verification ({body:?})")
             }
@@ -352,7 +398,6 @@ mod tests {
             extender_url: "https://127.0.0.1:4443/gpuledger",
             client,
             ca: Path::new("/run/ca.crt"),
-            server_name: EXTENDER_SERVER_NAME,
         }
     }
 
@@ -364,7 +409,8 @@ mod tests {
         };
         let out = scheduler_config(&crate::repo_root().join(SCHEDULER_CONFIG), &run(&client))?;
         for line in [
-            "apiVersion: kubescheduler.config.k8s.io/v1beta1",
+            "apiVersion: kubescheduler.config.k8s.io/v1",
+            "      serverName: gpuledger-extender.gpuledger-system.svc",
             "  kubeconfig: /run/scheduler.kubeconfig",
             "  - urlPrefix: https://127.0.0.1:4443/gpuledger",
             "    enableHTTPS: true",

@@ -3,9 +3,10 @@
 //! of its shipped ServiceAccount so that the shipped RBAC is what authorizes it. Every gRPC
 //! call is TLS and authenticated: the extender and `gpuledger verify` send ServiceAccount
 //! tokens the API server issued (audience `gpuledger`), which the allocator has the API server
-//! review; the allocator replicas and the node agents present client certificates of the run's
-//! CA. The extender's scheduler-facing port is HTTPS and demands kube-scheduler's client
-//! certificate.
+//! review; the allocator replicas and the node agents present client certificates of the
+//! shipped CA. The serving certificates and kube-scheduler's client certificate, which the
+//! extender's scheduler-facing port demands, are the ones `deploy/scripts/gpuledger-certs.sh`
+//! installed.
 
 use std::path::Path;
 use std::time::Duration;
@@ -14,6 +15,7 @@ use anyhow::Result;
 use gpuledger_testkit::kube::stack::wait_http;
 use gpuledger_testkit::{Allocators, EtcdCluster, Proc, bin_path, free_port};
 
+use crate::certs::Shipped;
 use crate::pki::{Identity, Pki};
 
 /// ServiceAccount (shipped name) of the allocator.
@@ -54,7 +56,7 @@ impl Gpuledger {
     /// the API server for the ServiceAccount tokens.
     pub async fn start(
         dir: &Path,
-        pki: &Pki,
+        (pki, certs): (&Pki, &Shipped),
         (server, client): (&str, &kube::Client),
         (allocators, webhook_port): (usize, u16),
         extra: &[String],
@@ -69,7 +71,7 @@ impl Gpuledger {
             &vec![etcd.endpoints_flag(); allocators.max(1)],
             CLUSTER,
             &refs,
-            pki.identities(),
+            certs.identities(),
         )?;
         allocs.wait_leader(Duration::from_secs(30)).await?;
         let (port, http_port) = (free_port()?, free_port()?);
@@ -80,18 +82,23 @@ impl Gpuledger {
             format!("--allocator={}", allocs.addrs.join(",")),
             format!("--kubeconfig={}", kc.display()),
             format!("--webhook-listen=127.0.0.1:{webhook_port}"),
-            format!("--tls-cert={}", pki.extender.cert.display()),
-            format!("--tls-key={}", pki.extender.key.display()),
-            format!("--client-ca={}", pki.ca_file.display()),
+            format!("--tls-cert={}", certs.extender.cert.display()),
+            format!("--tls-key={}", certs.extender.key.display()),
+            format!("--client-ca={}", certs.ca_file.display()),
         ];
-        args.extend(pki.token_flags(&pki.request_token(client, EXTENDER_SA).await?));
+        args.extend(certs.token_flags(&pki.request_token(client, EXTENDER_SA).await?));
         args.extend(extra.iter().cloned());
         let extender = Proc::spawn(
             dir,
             "extender",
             &bin_path("gpuledger-extender")?,
             args,
-            vec![("GPULEDGER_LOG".into(), "info".into())],
+            // GPULEDGER_EXTENDER_LOG overrides the level (e.g. debug, to see every filter's
+            // answer) without the test's own GPULEDGER_LOG leaking in.
+            vec![(
+                "GPULEDGER_LOG".into(),
+                std::env::var("GPULEDGER_EXTENDER_LOG").unwrap_or_else(|_| "info".into()),
+            )],
         )?;
         for p in [http_port, webhook_port, port] {
             wait_http(p, Duration::from_secs(20)).await?;
@@ -103,7 +110,7 @@ impl Gpuledger {
             extender_http: format!("http://127.0.0.1:{http_port}"),
             webhook_port,
             etcd,
-            viewer_flags: pki.token_flags(&pki.request_token(client, VIEWER_SA).await?),
+            viewer_flags: certs.token_flags(&pki.request_token(client, VIEWER_SA).await?),
         })
     }
 

@@ -1,5 +1,5 @@
 //! Container images without a registry: Debian's static busybox packed as OCI images with
-//! `umoci`, turned into an archive with `skopeo` and imported into containerd with `ctr`.
+//! `umoci`, turned into an archive with `skopeo` and imported into containerd with its `ctr`.
 //! The pause image is the same busybox, sleeping.
 
 use std::path::Path;
@@ -67,19 +67,20 @@ pub fn build(dir: &Path, name: &str, cmd: &[&str]) -> Result<std::path::PathBuf>
     Ok(archive)
 }
 
-/// Import an archive into containerd's `k8s.io` namespace (the one the CRI plugin uses).
-pub fn import(containerd_sock: &Path, archive: &Path) -> Result<()> {
-    run(Command::new("ctr")
+/// Import an archive into containerd's `k8s.io` namespace (the one the CRI plugin uses) with
+/// `ctr`, containerd's own client.
+pub fn import(ctr: &Path, containerd_sock: &Path, archive: &Path) -> Result<()> {
+    run(Command::new(ctr)
         .arg(format!("--address={}", containerd_sock.display()))
         .args(["-n", "k8s.io", "images", "import"])
         .arg(archive))
 }
 
 /// Build and import the test image and the pause image.
-pub fn prepare(dir: &Path, containerd_sock: &Path) -> Result<()> {
+pub fn prepare(dir: &Path, ctr: &Path, containerd_sock: &Path) -> Result<()> {
     let busybox = build(dir, crate::pods::IMAGE, &["sh"])?;
     let pause = build(dir, PAUSE_IMAGE, &["sleep", "2147483647"])?;
-    import(containerd_sock, &busybox)?;
-    import(containerd_sock, &pause)?;
+    import(ctr, containerd_sock, &busybox)?;
+    import(ctr, containerd_sock, &pause)?;
     Ok(())
 }

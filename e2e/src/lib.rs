@@ -1,10 +1,12 @@
 //! gpuledger's real-Kubernetes test tier (`make test-e2e`).
 //!
-//! A real kube-apiserver, kube-scheduler and kubelet (Kubernetes 1.20.2, built from Debian's
-//! source package by `e2e/kube/build.sh` and cached), Debian's containerd and runc, and
-//! gpuledger's own processes, all on 127.0.0.1 in one run directory. The scheduler runs the
-//! shipped `deploy/scheduler/default-scheduler-config.yaml`; RBAC and the admission webhooks come
-//! from the shipped kustomize base through the `deploy/kustomize/overlays/kube-1.20` overlay.
+//! A real kube-apiserver, kube-controller-manager, kube-scheduler and kubelet of a current
+//! Kubernetes, containerd 2 and etcd 3.6 (built from the Go module proxy by
+//! `e2e/kube/build.sh` and cached), the machine's runc, and gpuledger's own processes, all on
+//! 127.0.0.1 in one run directory. The scheduler runs the shipped
+//! `deploy/scheduler/default-scheduler-config.yaml`; the shipped
+//! `deploy/kustomize/overlays/default-scheduler` is applied server-side and the shipped
+//! `deploy/scripts/gpuledger-certs.sh` makes and installs the certificates.
 //! Nodes are either kubelet-less (created through the API with GPU capacity, registered with the
 //! allocator as a node agent would) or one real kubelet with a node agent and the fake NVML.
 //!
@@ -12,6 +14,7 @@
 //! Kubernetes binaries or root; `make test-e2e` runs them with `--ignored`.
 
 pub mod bins;
+pub mod certs;
 pub mod cluster;
 pub mod control_plane;
 pub mod gpuledger;

@@ -1,93 +1,61 @@
-//! The shipped manifests on this cluster: `deploy/kustomize/overlays/kube-1.20` rendered by
-//! kustomize v5 (as an operator would), its RBAC and admission webhooks applied by kubectl 1.20.
-//! The components themselves run as processes here, so Deployments, DaemonSets and Services are
-//! left out, and the webhooks point at the extender's address instead of its Service.
-
-use std::path::PathBuf;
-use std::process::Command;
+//! The shipped install on this cluster: `deploy/kustomize/overlays/default-scheduler` rendered
+//! by kustomize (the cluster's own kubectl, as an operator would run `kubectl apply -k`) and
+//! applied server-side, unchanged but for addresses. The components run as processes of the
+//! test (there is no image registry), so the workloads (Deployments, the DaemonSet, the etcd
+//! StatefulSet) are only admitted by a server-side dry run; every other object is applied as
+//! rendered. Two addresses change: the webhooks keep their Service reference and call the
+//! extender's webhook port of this run, and the Service `gpuledger-extender` is an
+//! ExternalName of `localhost`, so the API server dials the extender on loopback while it
+//! still checks the extender's certificate for `gpuledger-extender.gpuledger-system.svc`, the
+//! name the shipped certificates carry.
 
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 
 use crate::kubectl::Kubectl;
 
-/// The overlay for Kubernetes clusters without webhook `matchConditions` (< 1.28).
-pub const OVERLAY: &str = "deploy/kustomize/overlays/kube-1.20";
+/// The overlay for clusters whose default kube-scheduler calls the extender (the shipped
+/// `deploy/scheduler/default-scheduler-config.yaml`).
+pub const OVERLAY: &str = "deploy/kustomize/overlays/default-scheduler";
 
-/// Kinds taken from the rendered overlay.
-const APPLIED: [&str; 9] = [
-    "Namespace",
-    "CustomResourceDefinition",
-    "ServiceAccount",
-    "ClusterRole",
-    "ClusterRoleBinding",
-    "Role",
-    "RoleBinding",
-    "MutatingWebhookConfiguration",
-    "ValidatingWebhookConfiguration",
-];
+/// Kinds that run gpuledger's images: admitted by a dry run only (the tier runs the
+/// components as processes).
+const WORKLOADS: [&str; 3] = ["Deployment", "DaemonSet", "StatefulSet"];
 
-/// What the installed webhooks select.
+/// The Service the webhooks call.
+const WEBHOOK_SERVICE: &str = "gpuledger-extender";
+
+/// What the install applied.
 #[derive(Debug, Clone)]
 pub struct Installed {
-    /// The namespace label (key, value) that opts a namespace into the webhooks.
-    pub webhook_label: (String, String),
-    /// Names of the objects applied, as `Kind/name`.
+    /// The namespaces whose pods the webhooks never see (their `namespaceSelector`).
+    pub webhook_excluded: Vec<String>,
+    /// The objects applied, as `Kind/name`.
     pub objects: Vec<String>,
+    /// The workloads admitted by a server-side dry run, as `Kind/name`.
+    pub dry_run: Vec<String>,
 }
 
-/// A kubectl whose `kustomize` is kustomize v5 (the shipped kustomizations need it):
-/// `$GPULEDGER_KUSTOMIZE`, the `kubectl` on PATH, or the one `make deploy-check` installs.
-pub fn kustomize_kubectl() -> Result<PathBuf> {
-    if let Some(p) = std::env::var_os("GPULEDGER_KUSTOMIZE") {
-        return Ok(PathBuf::from(p));
-    }
-    let tools = std::env::var_os("GPULEDGER_DEPLOY_TOOLS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| crate::repo_root().join("target/deploy-tools"));
-    for cand in [
-        PathBuf::from("kubectl"),
-        tools.join("layer/kubectl/kubectl"),
-    ] {
-        let v = Command::new(&cand).args(["version", "--client"]).output();
-        if let Ok(o) = v
-            && String::from_utf8_lossy(&o.stdout).contains("Kustomize Version: v5")
-        {
-            return Ok(cand);
-        }
-    }
-    bail!(
-        "no kubectl with kustomize v5 found (PATH, {}): run `make deploy-check` once (it installs one) or set GPULEDGER_KUSTOMIZE",
-        tools.display()
-    )
-}
-
-/// Render the overlay, then apply its RBAC and webhooks with the webhooks served at
-/// `https://127.0.0.1:<webhook_port>` and trusted through `ca_bundle`.
-pub fn install(kubectl: &Kubectl, webhook_port: u16, ca_bundle: &str) -> Result<Installed> {
+/// Render the overlay and apply it, the webhooks calling `https://localhost:<webhook_port>`
+/// through their Service.
+pub fn install(kubectl: &Kubectl, webhook_port: u16) -> Result<Installed> {
     let overlay = crate::repo_root().join(OVERLAY);
-    let kz = kustomize_kubectl()?;
-    let out = Command::new(&kz)
-        .arg("kustomize")
-        .arg(&overlay)
-        .output()
-        .with_context(|| format!("running {} kustomize", kz.display()))?;
-    if !out.status.success() {
+    let rendered = kubectl.run(&["kustomize", &overlay.display().to_string()])?;
+    if !rendered.ok {
         bail!(
-            "kustomize {}: {}",
+            "kubectl kustomize {}: {}",
             overlay.display(),
-            String::from_utf8_lossy(&out.stderr)
+            rendered.stderr
         );
     }
-    let yaml = String::from_utf8_lossy(&out.stdout).into_owned();
-    // kubectl (1.20, the server's own version) turns the YAML into JSON without applying it.
+    // The cluster's kubectl turns the YAML into JSON without applying it.
     let conv = kubectl.run_with_input(
         &["create", "--dry-run=client", "-o", "json", "-f", "-"],
-        Some(&yaml),
+        Some(&rendered.stdout),
     )?;
     if !conv.ok {
         bail!(
-            "kubectl 1.20 cannot read the rendered {OVERLAY}: {}",
+            "kubectl cannot read the rendered {OVERLAY}: {}",
             conv.stderr
         );
     }
@@ -96,86 +64,112 @@ pub fn install(kubectl: &Kubectl, webhook_port: u16, ca_bundle: &str) -> Result<
         .into_iter::<Value>()
         .collect::<Result<Vec<_>, _>>()
         .context("reading kubectl's JSON")?;
-    let mut keep = Vec::new();
-    let mut all = Vec::new();
-    let mut label = None;
+    let (mut apply, mut workloads, mut excluded) = (Vec::new(), Vec::new(), None);
     for mut o in items {
-        all.push(o.clone());
         let kind = o["kind"].as_str().unwrap_or_default().to_string();
-        if !APPLIED.contains(&kind.as_str()) {
+        if WORKLOADS.contains(&kind.as_str()) {
+            workloads.push(o);
             continue;
         }
         if kind.ends_with("WebhookConfiguration") {
-            let hooks = o["webhooks"]
-                .as_array_mut()
-                .context("a webhook configuration without webhooks")?;
-            for h in hooks {
-                let path = h
-                    .pointer("/clientConfig/service/path")
-                    .and_then(Value::as_str)
-                    .context("a webhook without clientConfig.service.path")?
-                    .to_string();
-                h["clientConfig"] = json!({
-                    "url": format!("https://127.0.0.1:{webhook_port}{path}"),
-                    "caBundle": ca_bundle,
-                });
-                let sel = h
-                    .pointer("/namespaceSelector/matchLabels")
-                    .and_then(Value::as_object);
-                let exprs = h.pointer("/namespaceSelector/matchExpressions");
-                match (sel, exprs) {
-                    (Some(m), None) if m.len() == 1 => {
-                        let (k, v) = m.iter().next().expect("one entry");
-                        let l = (k.clone(), v.as_str().unwrap_or_default().to_string());
-                        if label.as_ref().is_some_and(|x| *x != l) {
-                            bail!("the webhooks of {OVERLAY} select different namespace labels");
-                        }
-                        label = Some(l);
-                    }
-                    _ => bail!(
-                        "{OVERLAY}: webhook {} must select namespaces by exactly one opt-in label (namespaceSelector.matchLabels), got {}",
-                        h["name"],
-                        h.get("namespaceSelector").unwrap_or(&Value::Null)
-                    ),
-                }
+            let ns = webhook_at(&mut o, webhook_port)?;
+            if excluded.as_ref().is_some_and(|x| *x != ns) {
+                bail!("the webhooks of {OVERLAY} exclude different namespaces");
             }
+            excluded = Some(ns);
         }
-        keep.push(o);
+        if kind == "Service" && o["metadata"]["name"] == WEBHOOK_SERVICE {
+            let ports: Vec<Value> = o["spec"]["ports"]
+                .as_array()
+                .context("Service gpuledger-extender has no ports")?
+                .iter()
+                .map(|p| json!({"name": p["name"], "port": p["port"], "targetPort": p["targetPort"]}))
+                .collect();
+            o["spec"] =
+                json!({"type": "ExternalName", "externalName": "localhost", "ports": ports});
+        }
+        apply.push(o);
     }
-    let objects: Vec<String> = keep
-        .iter()
-        .map(|o| {
-            format!(
-                "{}/{}",
-                o["kind"].as_str().unwrap_or("?"),
-                o["metadata"]["name"].as_str().unwrap_or("?")
-            )
-        })
-        .collect();
-    let (namespaces, rest): (Vec<Value>, Vec<Value>) =
-        keep.into_iter().partition(|o| o["kind"] == "Namespace");
-    create(kubectl, &namespaces, false)?;
-    // Every other object of the overlay, workloads included, must be one 1.20 accepts.
-    let others: Vec<Value> = all
-        .into_iter()
-        .filter(|o| o["kind"] != "Namespace")
-        .collect();
-    create(kubectl, &others, true)
-        .with_context(|| format!("kube-apiserver 1.20 refuses objects of {OVERLAY}"))?;
-    create(kubectl, &rest, false)?;
-    Ok(Installed {
-        webhook_label: label.with_context(|| format!("{OVERLAY} has no admission webhook"))?,
-        objects,
-    })
+    let name = |o: &Value| {
+        format!(
+            "{}/{}",
+            o["kind"].as_str().unwrap_or("?"),
+            o["metadata"]["name"].as_str().unwrap_or("?")
+        )
+    };
+    let installed = Installed {
+        webhook_excluded: excluded
+            .with_context(|| format!("{OVERLAY} has no admission webhook"))?,
+        objects: apply.iter().map(name).collect(),
+        dry_run: workloads.iter().map(name).collect(),
+    };
+    // Namespaces and CRDs first: the rest lives in the one or is watched through the other.
+    let (first, rest): (Vec<Value>, Vec<Value>) = apply.into_iter().partition(|o| {
+        matches!(
+            o["kind"].as_str(),
+            Some("Namespace" | "CustomResourceDefinition")
+        )
+    });
+    server_side(kubectl, &first, false)?;
+    server_side(kubectl, &rest, false)?;
+    server_side(kubectl, &workloads, true)
+        .with_context(|| format!("kube-apiserver refuses the workloads of {OVERLAY}"))?;
+    Ok(installed)
 }
 
-/// `kubectl create` the objects (server-side dry run: validated and admitted, not stored).
-fn create(kubectl: &Kubectl, objects: &[Value], dry_run: bool) -> Result<()> {
+/// Point a webhook configuration's Service references at `port`; the namespaces its
+/// `namespaceSelector` leaves out (every webhook of the configuration must agree).
+fn webhook_at(o: &mut Value, port: u16) -> Result<Vec<String>> {
+    let hooks = o["webhooks"]
+        .as_array_mut()
+        .context("a webhook configuration without webhooks")?;
+    let mut excluded: Option<Vec<String>> = None;
+    for h in hooks {
+        let hook = h["name"].clone();
+        let svc = h
+            .pointer_mut("/clientConfig/service")
+            .context("a webhook without clientConfig.service")?;
+        if svc["name"] != WEBHOOK_SERVICE {
+            bail!(
+                "{OVERLAY}: webhook {hook} calls {} instead of {WEBHOOK_SERVICE}",
+                svc["name"]
+            );
+        }
+        svc["port"] = json!(port);
+        let exprs = h
+            .pointer("/namespaceSelector/matchExpressions")
+            .and_then(Value::as_array)
+            .context("a webhook without namespaceSelector.matchExpressions")?;
+        let ns: Vec<String> = exprs
+            .iter()
+            .filter(|e| e["key"] == "kubernetes.io/metadata.name" && e["operator"] == "NotIn")
+            .flat_map(|e| e["values"].as_array().cloned().unwrap_or_default())
+            .filter_map(|v| v.as_str().map(str::to_string))
+            .collect();
+        if excluded.as_ref().is_some_and(|x| *x != ns) {
+            bail!(
+                "{OVERLAY}: the webhooks of {} exclude different namespaces",
+                o["metadata"]["name"]
+            );
+        }
+        excluded = Some(ns);
+    }
+    excluded.context("a webhook configuration without webhooks")
+}
+
+/// `kubectl apply --server-side` the objects, or only their server-side dry run.
+fn server_side(kubectl: &Kubectl, objects: &[Value], dry_run: bool) -> Result<()> {
     if objects.is_empty() {
         return Ok(());
     }
     let list = json!({"apiVersion": "v1", "kind": "List", "items": objects});
-    let mut args = vec!["create", "-f", "-"];
+    let mut args = vec![
+        "apply",
+        "--server-side",
+        "--field-manager=gpuledger-e2e",
+        "-f",
+        "-",
+    ];
     if dry_run {
         args.push("--dry-run=server");
     }

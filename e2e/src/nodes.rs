@@ -1,15 +1,21 @@
 //! Kubelet-less GPU nodes, for scheduling at scale: a Node object with the capacity a node
 //! agent's device plugin would advertise, and the same GPUs registered with the allocator as
-//! the node agent would register them. Pods bound there never run.
+//! the node agent would register them. Pods bound there never run. kube-controller-manager's
+//! node lifecycle controller watches them as any node: a [`Heartbeat`] renews their Leases as
+//! their kubelets would, and a new node is used once the controller has lifted the
+//! `not-ready` taint the API server put on it.
 
 use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use anyhow::{Context, Result};
 use futures::StreamExt;
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Node;
-use kube::api::{Api, PostParams};
+use kube::api::{Api, Patch, PatchParams, PostParams};
 use serde_json::json;
 
 /// Device IDs the node agent advertises per GPU by default (`--slots-per-gpu`).
@@ -82,28 +88,120 @@ pub fn node_object(name: &str, shape: &NodeShape) -> Result<Node> {
             "capacity": res,
             "allocatable": res,
             "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletLess",
+                            "lastHeartbeatTime": now(),
                             "message": "created by the e2e tier; no kubelet runs here"}],
         },
     }))?)
 }
 
-/// Create `names` as kubelet-less nodes of `shape` and register their GPUs with replica 0 of
-/// `allocs`, each as its node's agent would (up to 64 at a time).
+/// Now as a Kubernetes `Time` (whole seconds).
+fn now() -> String {
+    k8s_openapi::jiff::Timestamp::now()
+        .strftime("%Y-%m-%dT%H:%M:%SZ")
+        .to_string()
+}
+
+/// Now as a Kubernetes `MicroTime` (exactly six fractional digits).
+fn micro_now() -> String {
+    k8s_openapi::jiff::Timestamp::now()
+        .strftime("%Y-%m-%dT%H:%M:%S%.6fZ")
+        .to_string()
+}
+
+/// How often a kubelet-less node's Lease is renewed (kube-controller-manager's grace period is
+/// 50 s, a kubelet's renewal interval 10 s).
+pub const LEASE_RENEWAL: Duration = Duration::from_secs(15);
+
+/// Renews the Leases of the kubelet-less nodes in `kube-node-lease`, as their kubelets would,
+/// so that the node lifecycle controller keeps them Ready. Stops when dropped.
+pub struct Heartbeat {
+    names: Arc<Mutex<Vec<String>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Heartbeat {
+    /// Start renewing (no node yet).
+    pub fn start(client: &kube::Client) -> Heartbeat {
+        let names: Arc<Mutex<Vec<String>>> = Arc::default();
+        let leases: Api<Lease> = Api::namespaced(client.clone(), "kube-node-lease");
+        let task = tokio::spawn({
+            let names = names.clone();
+            async move {
+                loop {
+                    tokio::time::sleep(LEASE_RENEWAL).await;
+                    let now: Vec<String> = names.lock().map(|n| n.clone()).unwrap_or_default();
+                    futures::stream::iter(now)
+                        .for_each_concurrent(32, |n| {
+                            let leases = leases.clone();
+                            async move {
+                                if let Err(e) = renew(&leases, &n).await {
+                                    eprintln!("renewing the Lease of kubelet-less node {n}: {e:#}");
+                                }
+                            }
+                        })
+                        .await;
+                }
+            }
+        });
+        Heartbeat { names, task }
+    }
+
+    fn add(&self, name: &str) {
+        if let Ok(mut n) = self.names.lock() {
+            n.push(name.to_string());
+        }
+    }
+}
+
+impl Drop for Heartbeat {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Create or renew the node's Lease, as its kubelet does.
+async fn renew(leases: &Api<Lease>, node: &str) -> Result<()> {
+    let lease = json!({
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": {"name": node, "namespace": "kube-node-lease"},
+        "spec": {"holderIdentity": node, "leaseDurationSeconds": 40, "renewTime": micro_now()},
+    });
+    leases
+        .patch(
+            node,
+            &PatchParams::apply("gpuledger-e2e-heartbeat").force(),
+            &Patch::Apply(&lease),
+        )
+        .await?;
+    Ok(())
+}
+
+/// Create `names` as kubelet-less nodes of `shape`, keep them alive with `heartbeat` and
+/// register their GPUs with replica 0 of `allocs`, each as its node's agent would (up to 64 at
+/// a time); return once the node lifecycle controller has lifted every new node's `not-ready`
+/// taint.
 pub async fn add(
     client: &kube::Client,
-    allocs: &gpuledger_testkit::Allocators,
+    (allocs, heartbeat): (&gpuledger_testkit::Allocators, &Heartbeat),
     names: &[String],
     shape: &NodeShape,
 ) -> Result<()> {
     let nodes: Api<Node> = Api::all(client.clone());
+    let leases: Api<Lease> = Api::namespaced(client.clone(), "kube-node-lease");
     let results = futures::stream::iter(names.iter().cloned().map(|n| {
         let nodes = nodes.clone();
+        let leases = leases.clone();
         let shape = shape.clone();
         async move {
             nodes
                 .create(&PostParams::default(), &node_object(&n, &shape)?)
                 .await
                 .with_context(|| format!("creating node {n}"))?;
+            renew(&leases, &n)
+                .await
+                .with_context(|| format!("creating the Lease of node {n}"))?;
+            heartbeat.add(&n);
             let mut c = allocs.node_agent(0, &n)?;
             c.register_node(api::RegisterNodeRequest {
                 inventory: Some(inventory(&n, &shape)),
@@ -117,5 +215,26 @@ pub async fn add(
     .collect::<Vec<_>>()
     .await;
     results.into_iter().collect::<Result<Vec<_>>>()?;
-    Ok(())
+    crate::until(
+        "the node lifecycle controller lifts the new nodes' not-ready taint",
+        Duration::from_secs(60 + names.len() as u64 / 20),
+        || async {
+            let list = nodes
+                .list(&kube::api::ListParams::default().labels("gpuledger.io/e2e=kubelet-less"))
+                .await?;
+            let tainted = list
+                .items
+                .iter()
+                .filter(|n| names.iter().any(|x| Some(x) == n.metadata.name.as_ref()))
+                .filter(|n| {
+                    n.spec
+                        .as_ref()
+                        .and_then(|s| s.taints.as_ref())
+                        .is_some_and(|t| !t.is_empty())
+                })
+                .count();
+            Ok((tainted == 0).then_some(()))
+        },
+    )
+    .await
 }

@@ -1,19 +1,14 @@
-//! Certificates, identities and kubeconfigs: the one place where the tier decides how every
-//! component proves who it is and whom it trusts. One CA per run (the test kit's) signs every
-//! certificate: the API server's and the extender's serving certificates, kube-scheduler's
-//! client certificate for the extender, and the allocator's server and callers' client
-//! certificates (`spiffe://gpuledger/<role>`). The API server authenticates static tokens, one
-//! per identity below, authorized by the real RBAC and Node authorizers, and issues the
-//! ServiceAccount tokens (audience `gpuledger`) that the extender and the operator's CLI call
-//! the allocator with; the allocator checks those with the API server's TokenReview.
+//! The cluster's certificates, identities and kubeconfigs: a CA of the run signs the API
+//! server's serving certificate; the API server authenticates static tokens, one per identity
+//! below, authorized by the real RBAC and Node authorizers, and issues the ServiceAccount
+//! tokens (audience `gpuledger`) that the extender and the operator's CLI call the allocator
+//! with; the allocator checks those with the API server's TokenReview. gpuledger's own
+//! certificates are the shipped script's ([`crate::certs`]).
 
 use std::path::{Path, PathBuf};
 
-use std::sync::Arc;
-
 use anyhow::{Context, Result};
 use base64::Engine;
-use gpuledger_testkit::pki::Identities;
 use rand::Rng;
 use rcgen::KeyPair;
 
@@ -27,6 +22,8 @@ pub enum Identity {
     Admin,
     /// kube-scheduler: the built-in `system:kube-scheduler` user and its bootstrap RBAC.
     Scheduler,
+    /// kube-controller-manager: `system:kube-controller-manager` and its bootstrap RBAC.
+    ControllerManager,
     /// A kubelet: `system:node:<name>` in `system:nodes` (the Node authorizer's subjects).
     Node(String),
     /// A gpuledger component by its shipped ServiceAccount name (`gpuledger-allocator`, …):
@@ -40,6 +37,7 @@ impl Identity {
         match self {
             Identity::Admin => ("e2e-admin".into(), vec!["system:masters".into()]),
             Identity::Scheduler => ("system:kube-scheduler".into(), vec![]),
+            Identity::ControllerManager => ("system:kube-controller-manager".into(), vec![]),
             Identity::Node(n) => (format!("system:node:{n}"), vec!["system:nodes".into()]),
             Identity::ServiceAccount(sa) => (
                 format!("system:serviceaccount:{GPULEDGER_NAMESPACE}:{sa}"),
@@ -55,6 +53,7 @@ impl Identity {
         match self {
             Identity::Admin => "admin".into(),
             Identity::Scheduler => "kube-scheduler".into(),
+            Identity::ControllerManager => "kube-controller-manager".into(),
             Identity::Node(n) => format!("node-{n}"),
             Identity::ServiceAccount(sa) => sa.clone(),
         }
@@ -73,20 +72,12 @@ pub struct CertFiles {
 /// The run's CA, serving certificates, ServiceAccount signing key and token file.
 pub struct Pki {
     dir: PathBuf,
-    /// The run's CA and the certificates gpuledger's components present.
-    pub tls: Arc<gpuledger_testkit::pki::Pki>,
-    /// The CA certificate (PEM) every client trusts.
+    /// The CA certificate (PEM) of the API server's serving certificate.
     pub ca_pem: String,
     /// The CA certificate file.
     pub ca_file: PathBuf,
     /// kube-apiserver's serving certificate (127.0.0.1, localhost).
     pub apiserver: CertFiles,
-    /// The extender's serving certificate, of its scheduler-facing port and its admission
-    /// webhook (127.0.0.1, localhost).
-    pub extender: CertFiles,
-    /// kube-scheduler's client certificate, which the extender demands (the scheduler
-    /// configuration's `tlsConfig`).
-    pub scheduler_client: CertFiles,
     /// ServiceAccount token signing key (ECDSA P-256).
     pub sa_key: PathBuf,
     /// Its public half, which the API server verifies tokens with.
@@ -108,8 +99,6 @@ impl Pki {
         };
         let files = |(cert, key): (PathBuf, PathBuf)| CertFiles { cert, key };
         let apiserver = files(tls.server("apiserver")?);
-        let extender = files(tls.server("extender")?);
-        let scheduler_client = files(tls.peer("kube-scheduler")?);
         let sa = KeyPair::generate()?;
         let sa_key = write("sa.key", &sa.serialize_pem())?;
         let sa_pub = write("sa.pub", &sa.public_key_pem())?;
@@ -144,23 +133,14 @@ impl Pki {
             .with_context(|| format!("reading {}", ca_file.display()))?;
         Ok(Pki {
             dir: dir.clone(),
-            tls,
             ca_file,
             ca_pem,
             apiserver,
-            extender,
-            scheduler_client,
             sa_key,
             sa_pub,
             tokens_file: write("tokens.csv", &csv)?,
             tokens,
         })
-    }
-
-    /// How gpuledger's callers prove who they are to the allocator: client certificates of
-    /// this run's CA.
-    pub fn identities(&self) -> Identities {
-        Identities::certs(self.tls.clone())
     }
 
     /// Ask the API server for a token of gpuledger's ServiceAccount `account` with audience
@@ -193,14 +173,6 @@ impl Pki {
         Ok(p)
     }
 
-    /// The flags with which a gpuledger binary calls the allocator with the token in `file`.
-    pub fn token_flags(&self, file: &Path) -> Vec<String> {
-        vec![
-            format!("--allocator-ca={}", self.ca_file.display()),
-            format!("--token-file={}", file.display()),
-        ]
-    }
-
     /// The bearer token of `who`.
     pub fn token(&self, who: &Identity) -> Result<&str> {
         self.tokens
@@ -210,8 +182,8 @@ impl Pki {
             .with_context(|| format!("no token was made for {who:?}"))
     }
 
-    /// The CA as a webhook's `caBundle` (base64 of the PEM).
-    pub fn ca_bundle(&self) -> String {
+    /// The CA as base64 of the PEM (a kubeconfig's `certificate-authority-data`).
+    fn ca_bundle(&self) -> String {
         base64::engine::general_purpose::STANDARD.encode(&self.ca_pem)
     }
 

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use k8s_openapi::api::core::v1::{Event, Namespace, Pod};
+use k8s_openapi::api::core::v1::{Event, Namespace, Pod, ServiceAccount};
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use serde_json::{Value, json};
 
@@ -34,7 +34,8 @@ pub fn pod(name: &str, limits: &[(&str, &str)], command: Option<&[&str]>) -> Val
     })
 }
 
-/// Create namespace `ns` with `labels`.
+/// Create namespace `ns` with `labels`; wait until kube-controller-manager made its `default`
+/// ServiceAccount, without which the API server admits no pod there.
 pub async fn namespace(client: &kube::Client, ns: &str, labels: &[(&str, &str)]) -> Result<()> {
     let labels: BTreeMap<&str, &str> = labels.iter().copied().collect();
     let o: Namespace = serde_json::from_value(json!({"metadata": {"name": ns, "labels": labels}}))?;
@@ -42,7 +43,13 @@ pub async fn namespace(client: &kube::Client, ns: &str, labels: &[(&str, &str)])
         .create(&PostParams::default(), &o)
         .await
         .with_context(|| format!("creating namespace {ns}"))?;
-    Ok(())
+    let accounts: Api<ServiceAccount> = Api::namespaced(client.clone(), ns);
+    crate::until(
+        &format!("ServiceAccount {ns}/default"),
+        Duration::from_secs(30),
+        || async { Ok(accounts.get_opt("default").await?.map(|_| ())) },
+    )
+    .await
 }
 
 /// Create `pod` in `ns`; the API server's answer (mutated by the webhook, if it ran).

@@ -1,13 +1,18 @@
-//! One real GPU node: Debian's containerd and runc, a real kubelet (1.20.2) and a
+//! One real GPU node: containerd 2 (with CDI) and runc, a stock kubelet and a
 //! `gpuledger-node-agent` on the fake NVML library, all as processes of this run.
 //!
-//! Some paths are the host's and not the run directory's, because kubelet 1.20 fixes them
-//! whatever `--root-dir` says: `/var/lib/kubelet/device-plugins/` (where the agent registers)
-//! and `/var/log/pods/`, `/var/log/containers/` (container logs); what this node adds there is
-//! removed when it stops.
-//! Only one real node can run on a machine at a time. The kubelet sets three kernel tunables at
-//! start (`vm.overcommit_memory`, `kernel.panic`, `kernel.panic_on_oops`); they are put back
-//! when the node stops.
+//! The kubelet keeps everything under its `--root-dir` and the run directory (its pod logs
+//! through `podLogsDir`) but for one fixed path: the device-plugin registration socket,
+//! `/var/lib/kubelet/device-plugins/kubelet.sock` whatever `--root-dir` says (upstream's
+//! `pluginapi.KubeletSocket`), where the agent registers as in a cluster; what this node adds
+//! there is removed when it stops. Only one real node can run on a machine at a time. The
+//! kubelet sets three kernel tunables at start (`vm.overcommit_memory`, `kernel.panic`,
+//! `kernel.panic_on_oops`); they are put back when the node stops.
+//!
+//! The fake GPUs reach containers as CDI devices: the agent answers `Allocate` with
+//! `nvidia.com/gpu=<UUID>` (its shipped `--device-list-strategy`), and the CDI spec of this
+//! node, written where `nvidia-ctk cdi generate` would put NVIDIA's, gives each GPU a device
+//! node and an environment variable that containerd adds to the container.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -17,31 +22,20 @@ use gpuledger_testkit::kubelet::node::{FakeNvml, fake_nvml_lib};
 use gpuledger_testkit::{Proc, bin_path, free_port};
 use k8s_openapi::api::core::v1::Node;
 use kube::api::Api;
+use serde_json::json;
 
 use crate::bins::KubeBins;
 use crate::gpuledger::NODE_AGENT_SA;
 use crate::pki::{Identity, Pki};
 
-/// The device-plugin directory kubelet 1.20 uses whatever its `--root-dir`.
+/// The device-plugin directory of every kubelet, whatever its `--root-dir`.
 pub const DEVICE_PLUGIN_DIR: &str = "/var/lib/kubelet/device-plugins";
 
-/// Which kubelet binary runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum KubeletBuild {
-    /// With the device-plugin dial patch (upstream PR #112597, in every kubelet from 1.26).
-    Patched,
-    /// Stock 1.20.2: its ListAndWatch dial sends the socket path as `:authority`.
-    Unpatched,
-}
+/// The CDI kind of the fake GPUs (the agent's default `--cdi-kind`, NVIDIA's).
+pub const CDI_KIND: &str = "nvidia.com/gpu";
 
-impl KubeletBuild {
-    fn program(self) -> &'static str {
-        match self {
-            KubeletBuild::Patched => "kubelet",
-            KubeletBuild::Unpatched => "kubelet-unpatched",
-        }
-    }
-}
+/// The variable the node's CDI spec sets in a container for each GPU it is given.
+pub const CDI_ENV: &str = "E2E_CDI_GPU";
 
 const SYSCTLS: [&str; 3] = [
     "/proc/sys/vm/overcommit_memory",
@@ -62,17 +56,18 @@ pub struct RealNode {
     pub pod_resources_socket: PathBuf,
     /// containerd's socket.
     pub containerd_sock: PathBuf,
+    /// Where the kubelet keeps the containers' logs (`podLogsDir`).
+    pub pod_logs: PathBuf,
     /// The kubelet.
     pub kubelet: Proc,
     /// The node agent.
     pub agent: Proc,
     containerd: Proc,
     sysctls: Vec<(&'static str, String)>,
-    kubelet_args: Vec<String>,
     bins: KubeBins,
     dir: PathBuf,
-    /// What the kubelet's fixed log directories held before this node started.
-    logs_before: Vec<PathBuf>,
+    /// The agent's `--kubelet-dir`, when it is not the kubelet's device-plugin directory.
+    misplaced: Option<PathBuf>,
 }
 
 impl RealNode {
@@ -87,41 +82,58 @@ impl RealNode {
         client: &kube::Client,
         allocators: &gpuledger_testkit::Allocators,
         name: &str,
-        kubelet: KubeletBuild,
         (gpus, gpu_mem_mib): (u32, u64),
+        misplaced: bool,
     ) -> Result<RealNode> {
         if !nix::unistd::Uid::effective().is_root() {
             bail!("the real node needs root (containerd, runc and the kubelet)");
         }
         let dir = dir.join(format!("node-{name}"));
         std::fs::create_dir_all(&dir)?;
-        let logs_before = host_logs();
         let sysctls = SYSCTLS
             .iter()
             .map(|p| Ok((*p, std::fs::read_to_string(p)?.trim().to_string())))
             .collect::<Result<Vec<_>>>()?;
 
+        let nvml = FakeNvml::new(&dir, name, gpus, gpu_mem_mib)?;
         let containerd_sock = dir.join("containerd/containerd.sock");
-        let config = containerd_config(&dir)?;
+        let config = containerd_config(&dir, &nvml)?;
         let containerd = Proc::spawn(
             &dir,
             "containerd",
-            Path::new("containerd"),
+            &bins.path("containerd"),
             vec![format!("--config={}", config.display())],
-            vec![],
+            // Its runc shim is the one built beside it; runc is the machine's.
+            vec![("PATH".into(), path_with(bins.dir()))],
         )?;
         wait_for(&containerd_sock, Duration::from_secs(30))
             .await
-            .context("containerd did not start")?;
-        crate::images::prepare(&dir, &containerd_sock)?;
+            .with_context(|| format!("containerd did not start:\n{}", containerd.log_tail(20)))?;
+        crate::images::prepare(&dir, &bins.path("ctr"), &containerd_sock)?;
 
         // A kubelet of an earlier run may have left its registration socket and checkpoint here.
         clean_device_plugin_dir()?;
-        let nvml = FakeNvml::new(&dir, name, gpus, gpu_mem_mib)?;
         let root = dir.join("kubelet");
         let pod_resources_socket = root.join("pod-resources/kubelet.sock");
         let agent_http = format!("127.0.0.1:{}", free_port()?);
         let agent_kc = pki.kubeconfig(server, &Identity::ServiceAccount(NODE_AGENT_SA.into()))?;
+        // A DaemonSet whose hostPath is not the kubelet's device-plugin directory: the agent
+        // reaches the kubelet's registration socket (here through a link), but the kubelet
+        // looks for the agent's socket in its own directory and cannot dial it.
+        let misplaced = if misplaced {
+            let d = dir.join("device-plugins-elsewhere");
+            std::fs::create_dir_all(&d)?;
+            std::os::unix::fs::symlink(
+                Path::new(DEVICE_PLUGIN_DIR).join("kubelet.sock"),
+                d.join("kubelet.sock"),
+            )?;
+            Some(d)
+        } else {
+            None
+        };
+        let kubelet_dir = misplaced
+            .clone()
+            .unwrap_or_else(|| PathBuf::from(DEVICE_PLUGIN_DIR));
         let agent = Proc::spawn(
             &dir,
             "node-agent",
@@ -130,13 +142,14 @@ impl RealNode {
                 format!("--node-name={name}"),
                 format!("--allocator={}", allocators.addrs.join(",")),
                 format!("--nvml-lib={}", fake_nvml_lib()?.display()),
-                format!("--kubelet-dir={DEVICE_PLUGIN_DIR}"),
+                format!("--kubelet-dir={}", kubelet_dir.display()),
                 format!("--pod-resources-socket={}", pod_resources_socket.display()),
                 format!("--health-listen={agent_http}"),
                 format!("--kubeconfig={}", agent_kc.display()),
-                // Debian's containerd 1.6 has no CDI and the fake GPUs no CDI spec: the
-                // NVIDIA runtime's variable is how this node names a container's GPUs.
-                "--device-list-strategy=envvar".into(),
+                // As the shipped DaemonSet names the GPUs: CDI devices, in the CRI field and
+                // in annotations.
+                "--device-list-strategy=cdi-annotations".into(),
+                "--device-list-strategy=cdi-cri".into(),
             ]
             .into_iter()
             .chain(
@@ -154,58 +167,31 @@ impl RealNode {
         )?;
 
         let kc = pki.kubeconfig(server, &Identity::Node(name.to_string()))?;
+        let pod_logs = dir.join("pod-logs");
+        let kubelet_config = kubelet_config(&dir, &root, &pod_logs, &containerd_sock)?;
         let args = vec![
+            format!("--config={}", kubelet_config.display()),
             format!("--kubeconfig={}", kc.display()),
             format!("--root-dir={}", root.display()),
             format!("--cert-dir={}", root.join("pki").display()),
-            "--container-runtime=remote".into(),
-            format!(
-                "--container-runtime-endpoint=unix://{}",
-                containerd_sock.display()
-            ),
-            "--cgroups-per-qos=false".into(),
-            "--enforce-node-allocatable=".into(),
-            "--cgroup-driver=cgroupfs".into(),
-            "--fail-swap-on=false".into(),
             format!("--hostname-override={name}"),
-            "--address=127.0.0.1".into(),
-            format!("--port={}", free_port()?),
-            "--healthz-port=0".into(),
-            "--read-only-port=0".into(),
-            format!("--pod-infra-container-image={}", crate::images::PAUSE_IMAGE),
-            // The machine's disk is shared: never garbage-collect the imported images, never
-            // evict a test pod for disk the other tenants use.
-            "--image-gc-high-threshold=100".into(),
-            "--image-gc-low-threshold=99".into(),
-            "--eviction-hard=memory.available<1Mi,nodefs.available<1Mi,imagefs.available<1Mi"
-                .into(),
-            format!(
-                "--volume-plugin-dir={}",
-                root.join("volume-plugins").display()
-            ),
             "--v=2".into(),
         ];
-        let kubelet = Proc::spawn(
-            &dir,
-            "kubelet",
-            &bins.path(kubelet.program()),
-            args.clone(),
-            vec![],
-        )?;
+        let kubelet = Proc::spawn(&dir, "kubelet", &bins.path("kubelet"), args, vec![])?;
         let node = RealNode {
             name: name.to_string(),
             nvml,
             agent_http,
             pod_resources_socket,
             containerd_sock,
+            pod_logs,
             kubelet,
             agent,
             containerd,
             sysctls,
-            kubelet_args: args,
             bins: bins.clone(),
             dir,
-            logs_before,
+            misplaced,
         };
         node.wait_ready(client, Duration::from_secs(90)).await?;
         Ok(node)
@@ -243,17 +229,42 @@ impl RealNode {
         self.kubelet.start()
     }
 
-    /// Stop the kubelet and start the `build` one with the same flags (an upgrade).
-    pub fn replace_kubelet(&mut self, build: KubeletBuild) -> Result<()> {
-        self.kubelet.terminate(Duration::from_secs(10));
-        self.kubelet = Proc::spawn(
-            &self.dir,
-            "kubelet",
-            &self.bins.path(build.program()),
-            self.kubelet_args.clone(),
-            vec![],
-        )?;
-        Ok(())
+    /// What a container printed: the file the kubelet keeps under `podLogsDir`
+    /// (`<ns>_<pod>_<uid>/<container>/0.log`, CRI format: time, stream, tag, text), as
+    /// `kubectl logs` serves it.
+    pub fn container_log(&self, ns: &str, pod: &str, uid: &str, container: &str) -> Result<String> {
+        let p = self
+            .pod_logs
+            .join(format!("{ns}_{pod}_{uid}/{container}/0.log"));
+        let text =
+            std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
+        Ok(text
+            .lines()
+            .filter_map(|l| l.splitn(4, ' ').nth(3))
+            .map(|l| format!("{l}\n"))
+            .collect())
+    }
+
+    /// Make a misplaced agent's socket reachable where the kubelet dials it (a link in the
+    /// kubelet's device-plugin directory), as an operator fixing the DaemonSet's hostPath
+    /// would; the agent's next registration succeeds.
+    pub fn expose_plugin_socket(&self) -> Result<()> {
+        let from = self
+            .misplaced
+            .as_ref()
+            .context("the agent's socket is in the kubelet's directory already")?;
+        let name = "gpuledger.sock";
+        std::os::unix::fs::symlink(from.join(name), Path::new(DEVICE_PLUGIN_DIR).join(name))
+            .context("linking the agent's socket into the kubelet's device-plugin directory")
+    }
+
+    /// The CDI device of the fake GPU `uuid`: (the container's device node, its index).
+    pub fn cdi_device_node(&self, uuid: &str) -> Option<String> {
+        self.nvml
+            .gpus
+            .iter()
+            .position(|g| g.uuid == uuid)
+            .map(|i| format!("/dev/nvidia{i}"))
     }
 }
 
@@ -262,18 +273,6 @@ impl RealNode {
 pub fn host_network(mut pod: serde_json::Value) -> serde_json::Value {
     pod["spec"]["hostNetwork"] = serde_json::Value::Bool(true);
     pod
-}
-
-/// What a container printed, from the file the kubelet writes and `kubectl logs` serves
-/// (`/var/log/pods/<ns>_<pod>_<uid>/<container>/0.log`, CRI format: time, stream, tag, text).
-pub fn container_log(ns: &str, pod: &str, uid: &str, container: &str) -> Result<String> {
-    let p = PathBuf::from(format!("/var/log/pods/{ns}_{pod}_{uid}/{container}/0.log"));
-    let text = std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
-    Ok(text
-        .lines()
-        .filter_map(|l| l.splitn(4, ' ').nth(3))
-        .map(|l| format!("{l}\n"))
-        .collect())
 }
 
 /// Whether the node's Ready condition is True.
@@ -300,8 +299,9 @@ impl Drop for RealNode {
         self.agent.terminate(Duration::from_secs(5));
         // The kubelet is gone: stop the pods' containers so no shim outlives the run.
         let sock = self.containerd_sock.display().to_string();
+        let ctr_bin = self.bins.path("ctr");
         let ctr = |args: &[&str]| {
-            std::process::Command::new("ctr")
+            std::process::Command::new(&ctr_bin)
                 .arg(format!("--address={sock}"))
                 .args(["-n", "k8s.io"])
                 .args(args)
@@ -320,27 +320,11 @@ impl Drop for RealNode {
         // The kubelet bind-mounts its root directory and containerd mounts a shm per sandbox;
         // neither unmounts them on exit, and the run directory could not be removed.
         unmount_under(&self.dir);
-        // The pods' logs under /var/log are this run's: remove them with it.
-        for p in host_logs() {
-            if !self.logs_before.contains(&p) {
-                let _ = std::fs::remove_dir_all(&p).or_else(|_| std::fs::remove_file(&p));
-            }
-        }
         for (p, v) in &self.sysctls {
             let _ = std::fs::write(p, v);
         }
         let _ = clean_device_plugin_dir();
     }
-}
-
-/// The entries of the kubelet's fixed log directories, `/var/log/pods` and `/var/log/containers`.
-fn host_logs() -> Vec<PathBuf> {
-    ["/var/log/pods", "/var/log/containers"]
-        .iter()
-        .filter_map(|d| std::fs::read_dir(d).ok())
-        .flatten()
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .collect()
 }
 
 /// Detach every mount at or below `dir`, deepest first.
@@ -386,43 +370,124 @@ async fn wait_for(p: &Path, timeout: Duration) -> Result<()> {
     bail!("{} did not appear within {timeout:?}", p.display())
 }
 
-/// containerd's configuration: everything under `dir`, the local pause image, runc, and a
-/// loopback-only CNI network: enough for the runtime (and so the node) to be network-ready,
-/// while the tests' pods use the host's network and no interface is made on the machine.
-fn containerd_config(dir: &Path) -> Result<PathBuf> {
+/// `PATH` with `dir` first.
+fn path_with(dir: &Path) -> String {
+    format!(
+        "{}:{}",
+        dir.display(),
+        std::env::var("PATH").unwrap_or_default()
+    )
+}
+
+/// The kubelet's configuration file: the machine's cgroup v1 (which kubelets from 1.35 refuse
+/// unless told), cgroupfs without QoS cgroups, this run's containerd and directories, the
+/// kubelet's API on loopback with webhook authentication and authorization as clusters run
+/// it, and nothing evicted or garbage-collected for the disk the machine's other tenants use.
+fn kubelet_config(dir: &Path, root: &Path, pod_logs: &Path, containerd: &Path) -> Result<PathBuf> {
+    std::fs::create_dir_all(pod_logs)?;
+    let config = json!({
+        "apiVersion": "kubelet.config.k8s.io/v1beta1",
+        "kind": "KubeletConfiguration",
+        "failCgroupV1": false,
+        "cgroupDriver": "cgroupfs",
+        "cgroupsPerQOS": false,
+        "enforceNodeAllocatable": [],
+        "failSwapOn": false,
+        "containerRuntimeEndpoint": format!("unix://{}", containerd.display()),
+        "address": "127.0.0.1",
+        "port": free_port()?,
+        "healthzPort": 0,
+        "readOnlyPort": 0,
+        "podLogsDir": pod_logs,
+        "volumePluginDir": root.join("volume-plugins"),
+        "authentication": {"anonymous": {"enabled": false}, "webhook": {"enabled": true}},
+        "authorization": {"mode": "Webhook"},
+        "imageGCHighThresholdPercent": 100,
+        "imageGCLowThresholdPercent": 99,
+        "evictionHard": {"memory.available": "1Mi", "nodefs.available": "1Mi", "imagefs.available": "1Mi"},
+    });
+    let p = dir.join("kubelet-config.json");
+    std::fs::write(&p, serde_json::to_string_pretty(&config)?)?;
+    Ok(p)
+}
+
+/// The CDI spec of the node's fake GPUs, as `nvidia-ctk cdi generate` writes NVIDIA's: one
+/// device per GPU, named by its UUID, with a device node and a variable that say which GPU a
+/// container got. (The fake GPU's node is `/dev/null`'s, which every container may open.)
+fn cdi_spec(nvml: &FakeNvml) -> serde_json::Value {
+    let devices: Vec<serde_json::Value> = nvml
+        .gpus
+        .iter()
+        .enumerate()
+        .map(|(i, g)| {
+            json!({
+                "name": g.uuid,
+                "containerEdits": {
+                    "env": [format!("{CDI_ENV}={}", g.uuid)],
+                    "deviceNodes": [{"path": format!("/dev/nvidia{i}"), "hostPath": "/dev/null"}],
+                },
+            })
+        })
+        .collect();
+    json!({"cdiVersion": "0.6.0", "kind": CDI_KIND, "devices": devices})
+}
+
+/// containerd's configuration (version 3, containerd 2): everything under `dir`, the local
+/// pause image, runc, CDI from this node's spec directory, no NRI socket, and a loopback-only
+/// CNI network: enough for the runtime (and so the node) to be network-ready, while the
+/// tests' pods use the host's network and no interface is made on the machine.
+fn containerd_config(dir: &Path, nvml: &FakeNvml) -> Result<PathBuf> {
     let base = dir.join("containerd");
     let netd = dir.join("cni");
-    std::fs::create_dir_all(&base)?;
-    std::fs::create_dir_all(&netd)?;
+    let cdi = dir.join("cdi");
+    for d in [&base, &netd, &cdi] {
+        std::fs::create_dir_all(d)?;
+    }
     std::fs::write(
         netd.join("10-e2e.conflist"),
         r#"{"cniVersion": "0.4.0", "name": "e2e-loopback", "plugins": [{"type": "loopback"}]}"#,
     )?;
+    std::fs::write(
+        cdi.join("nvidia.json"),
+        serde_json::to_string_pretty(&cdi_spec(nvml))?,
+    )?;
     let toml = format!(
-        r#"version = 2
+        r#"version = 3
 root = "{b}/root"
 state = "{b}/state"
 [grpc]
   address = "{b}/containerd.sock"
-[plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = "{pause}"
-  stream_server_address = "127.0.0.1"
-  stream_server_port = "0"
+[ttrpc]
+  address = "{b}/containerd.sock.ttrpc"
+[plugins.'io.containerd.internal.v1.opt']
+  path = "{b}/opt"
+[plugins.'io.containerd.nri.v1.nri']
+  disable = true
+[plugins.'io.containerd.cri.v1.images']
+  snapshotter = "overlayfs"
+  [plugins.'io.containerd.cri.v1.images'.pinned_images]
+    sandbox = "{pause}"
+[plugins.'io.containerd.cri.v1.runtime']
+  enable_cdi = true
+  cdi_spec_dirs = ["{cdi}"]
   # The kubelet asks for negative OOM scores that this machine does not let root set
   # (no CAP_SYS_RESOURCE): clamp them to containerd's own instead of failing the sandbox.
   restrict_oom_score_adj = true
-  [plugins."io.containerd.grpc.v1.cri".containerd]
-    snapshotter = "overlayfs"
+  [plugins.'io.containerd.cri.v1.runtime'.containerd]
     default_runtime_name = "runc"
-    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+    [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"
-  [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = "/usr/lib/cni"
+  [plugins.'io.containerd.cri.v1.runtime'.cni]
+    bin_dirs = ["/usr/lib/cni"]
     conf_dir = "{netd}"
+[plugins.'io.containerd.grpc.v1.cri']
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
 "#,
         b = base.display(),
         pause = crate::images::PAUSE_IMAGE,
         netd = netd.display(),
+        cdi = cdi.display(),
     );
     let p = base.join("config.toml");
     std::fs::write(&p, toml)?;

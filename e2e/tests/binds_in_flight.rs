@@ -12,7 +12,7 @@ use gpuledger_e2e::pods::{self, ledger_nodes};
 use gpuledger_e2e::{E2e, Options};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "real Kubernetes (kube-apiserver, kube-scheduler 1.20.2): make test-e2e"]
+#[ignore = "real Kubernetes (kube-apiserver, kube-scheduler): make test-e2e"]
 async fn pods_created_together_are_bound_without_a_rejected_bind() -> Result<()> {
     let (e, _) = E2e::with_gpu_nodes(Options::default(), 6, 4, "burst").await?;
 
@@ -52,7 +52,10 @@ async fn pods_created_together_are_bound_without_a_rejected_bind() -> Result<()>
     );
     let answers: Vec<&str> = m
         .lines()
-        .filter(|l| l.starts_with("gpuledger_extender_answers_total"))
+        .filter(|l| {
+            l.starts_with("gpuledger_extender_answers_total")
+                || l.starts_with("gpuledger_extender_filtered_pods_unverified")
+        })
         .collect();
     ensure!(
         refused == 0.0,

@@ -3,7 +3,7 @@
 //! the build's disk and link time small (`autotests = false` in Cargo.toml).
 
 mod binds_in_flight;
-mod kubelet_that_does_not_watch;
+mod kubelet_that_cannot_reach_the_plugin;
 mod leader_killed_mid_batch;
 mod peer_pods_unchanged;
 mod placed_through_the_extender;

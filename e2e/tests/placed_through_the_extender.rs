@@ -15,7 +15,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::Api;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "real Kubernetes (kube-apiserver, kube-scheduler 1.20.2): make test-e2e"]
+#[ignore = "real Kubernetes (kube-apiserver, kube-scheduler): make test-e2e"]
 async fn gpu_pods_land_where_the_ledger_reserved_and_come_back_when_deleted() -> Result<()> {
     let (e, _) = E2e::with_gpu_nodes(Options::default(), 4, 2, "team-a").await?;
 

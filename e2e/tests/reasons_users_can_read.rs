@@ -1,7 +1,8 @@
-//! What a user reads when gpuledger says no: `kubectl create` refuses an invalid pod with the
-//! webhook's reason; a pod that fits nowhere stays Pending and `kubectl describe` shows, per
-//! node, gpuledger's reason (kube-scheduler 1.20 reads only `FailedNodes`), with every `%`
-//! intact (kube-scheduler formats extender text as a Go format string).
+//! What a user reads when gpuledger says no: `kubectl create` refuses an invalid pod, and one no
+//! GPU of the cluster can ever hold, with the webhook's reason; a pod that fits on none of the
+//! nodes (a GPU type the cluster does not have yet, or compute that is taken) stays Pending and
+//! `kubectl describe` shows, per node, gpuledger's reason, with every `%` intact
+//! (kube-scheduler formats extender text as a Go format string).
 
 use std::time::Duration;
 
@@ -10,7 +11,7 @@ use gpuledger_e2e::pods;
 use gpuledger_e2e::{E2e, Options, until};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "real Kubernetes (kube-apiserver, kube-scheduler 1.20.2): make test-e2e"]
+#[ignore = "real Kubernetes (kube-apiserver, kube-scheduler): make test-e2e"]
 async fn refusals_and_pending_reasons_read_as_gpuledger_wrote_them() -> Result<()> {
     let (e, nodes) = E2e::with_gpu_nodes(Options::default(), 2, 1, "users").await?;
     let k = e.kubectl();
@@ -41,9 +42,27 @@ async fn refusals_and_pending_reasons_read_as_gpuledger_wrote_them() -> Result<(
     let o = k.run(&["-n", "users", "get", "pod", "too-much-compute"])?;
     ensure!(!o.ok, "the refused pod was stored anyway");
 
-    // Never fits (larger than any GPU): Pending, gpuledger's reason for each node.
+    // Larger than any GPU of the cluster: refused at create, with the reason.
     let huge = pods::pod("huge", &[("gpuledger.io/gpu-mem", "40000")], None);
-    pods::create(&e.client, "users", &huge).await?;
+    let o = k.run_with_input(
+        &["-n", "users", "create", "-f", "-"],
+        Some(&huge.to_string()),
+    )?;
+    ensure!(
+        !o.ok
+            && o.stderr
+                .contains("no node in the cluster can ever hold this pod")
+            && o.stderr
+                .contains("container main needs 40000 MiB per GPU, largest GPU has 16384 MiB"),
+        "kubectl create of a pod larger than every GPU: ok={} {}{}",
+        o.ok,
+        o.stdout,
+        o.stderr
+    );
+    // A GPU type no node has (one may come): admitted, Pending, the reason for each node.
+    let mut other = pods::pod("other-type", &[("gpuledger.io/gpu-mem", "4000")], None);
+    other["metadata"]["annotations"] = serde_json::json!({"gpuledger.io/gpu-type": "NVIDIA H100"});
+    pods::create(&e.client, "users", &other).await?;
     // Does not fit now (the GPUs' compute is taken): the reason names what is free, in percent.
     for i in 0..nodes.len() {
         let full = pods::pod(
@@ -62,7 +81,7 @@ async fn refusals_and_pending_reasons_read_as_gpuledger_wrote_them() -> Result<(
         "FailedScheduling with gpuledger's reasons",
         Duration::from_secs(60),
         || async {
-            let huge = k.ok(&["-n", "users", "describe", "pod", "huge"])?;
+            let huge = k.ok(&["-n", "users", "describe", "pod", "other-type"])?;
             let wait = k.ok(&["-n", "users", "describe", "pod", "waits"])?;
             let both = huge.contains("FailedScheduling") && wait.contains("FailedScheduling");
             Ok(both.then_some((huge, wait)))
@@ -70,8 +89,8 @@ async fn refusals_and_pending_reasons_read_as_gpuledger_wrote_them() -> Result<(
     )
     .await?;
     ensure!(
-        huge_text.contains("container main needs 40000 MiB per GPU, largest GPU has 16384 MiB"),
-        "`kubectl describe` does not show why the pod can never fit:\n{huge_text}\n{}",
+        huge_text.contains("no GPU on the node matches the pod's gpu-type/gpu-uuid selectors"),
+        "`kubectl describe` does not show why the pod fits on no node:\n{huge_text}\n{}",
         e.log_tails(10)
     );
     ensure!(

@@ -1,15 +1,16 @@
-//! On a real kubelet (containerd, runc) with the node agent and the fake NVML: the agent
-//! registers and the node advertises `gpuledger.io/gpu`; a GPU pod's container runs and sees
-//! its GPU in its environment; the kubelet's PodResources API names the devices the ledger
-//! recorded; a kubelet restart makes the agent register again; pods that end or are deleted
-//! give their GPUs back.
+//! On a stock kubelet (containerd 2 with CDI, runc) with the node agent and the fake NVML: the
+//! agent registers and the node advertises `gpuledger.io/gpu`; a GPU pod's container runs with
+//! its GPU given as a CDI device, so it has the device node and the variable the node's CDI
+//! spec adds for that GPU, and its limits in its environment; the kubelet's PodResources API
+//! names the devices the ledger recorded; a kubelet restart makes the agent register again;
+//! pods that end or are deleted give their GPUs back.
 
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
 use gpuledger_e2e::cluster::REAL_NODE;
 use gpuledger_e2e::pods;
-use gpuledger_e2e::real_node::{KubeletBuild, allocatable_gpu, container_log, host_network};
+use gpuledger_e2e::real_node::{CDI_ENV, allocatable_gpu, host_network};
 use gpuledger_e2e::{E2e, Options, until};
 use gpuledger_proto::podresources::v1 as podres;
 use gpuledger_testkit::eventually;
@@ -25,7 +26,7 @@ fn registrations(log: &str) -> usize {
 #[ignore = "real Kubernetes with a real kubelet, containerd and root: make test-e2e"]
 async fn a_gpu_pod_runs_on_a_real_kubelet_and_gives_its_gpu_back() -> Result<()> {
     let mut e = E2e::start(Options {
-        real_node: Some(KubeletBuild::Patched),
+        real_node: true,
         ..Options::default()
     })
     .await?;
@@ -51,7 +52,11 @@ async fn a_gpu_pod_runs_on_a_real_kubelet_and_gives_its_gpu_back() -> Result<()>
             ("gpuledger.io/gpu-mem", "2048"),
             ("gpuledger.io/gpu-core", "25"),
         ],
-        Some(&["sh", "-c", "env | sort; sleep 3600"]),
+        Some(&[
+            "sh",
+            "-c",
+            "env | sort; ls /dev/ | sed 's|^|dev=|'; sleep 3600",
+        ]),
     ));
     let uid = pods::create(&e.client, "run", &spec)
         .await?
@@ -62,8 +67,10 @@ async fn a_gpu_pod_runs_on_a_real_kubelet_and_gives_its_gpu_back() -> Result<()>
         "the container runs and prints its GPU environment",
         Duration::from_secs(90),
         || async {
-            let text = container_log("run", "cuda", &uid, "main").unwrap_or_default();
-            Ok(text.contains("NVIDIA_VISIBLE_DEVICES=").then_some(text))
+            let text = node
+                .container_log("run", "cuda", &uid, "main")
+                .unwrap_or_default();
+            Ok(text.contains("GPULEDGER_ALLOCATION_ID=").then_some(text))
         },
     )
     .await
@@ -86,11 +93,25 @@ async fn a_gpu_pod_runs_on_a_real_kubelet_and_gives_its_gpu_back() -> Result<()>
             .find_map(|l| l.strip_prefix(&format!("{k}=")))
             .map(str::to_string)
     };
+    // containerd applied the CDI device the agent named: the spec's variable and device
+    // node of the GPU the ledger granted, and of no other.
+    let granted = &a.shares[0].gpu_uuid;
     ensure!(
-        env("NVIDIA_VISIBLE_DEVICES") == Some(a.shares[0].gpu_uuid.clone()),
-        "the container sees {:?}, the ledger granted {}\n{logs}",
-        env("NVIDIA_VISIBLE_DEVICES"),
-        a.shares[0].gpu_uuid
+        env(CDI_ENV).as_ref() == Some(granted),
+        "the container got CDI device {:?}, the ledger granted {granted}\n{logs}",
+        env(CDI_ENV),
+    );
+    let dev = node
+        .cdi_device_node(granted)
+        .context("the granted GPU is not one of the node's")?;
+    let devs: Vec<&str> = logs
+        .lines()
+        .filter_map(|l| l.strip_prefix("dev="))
+        .filter(|d| d.starts_with("nvidia"))
+        .collect();
+    ensure!(
+        devs == [dev.trim_start_matches("/dev/")],
+        "the container has GPU device nodes {devs:?}, the CDI spec gives {dev}\n{logs}"
     );
     ensure!(
         env("GPULEDGER_ALLOCATION_ID") == Some(a.id.to_string()),
@@ -154,7 +175,7 @@ async fn a_gpu_pod_runs_on_a_real_kubelet_and_gives_its_gpu_back() -> Result<()>
     let once = host_network(pods::pod(
         "once",
         &[("gpuledger.io/gpu-mem", "1024")],
-        Some(&["sh", "-c", "test -n \"$NVIDIA_VISIBLE_DEVICES\""]),
+        Some(&["sh", "-c", &format!("test -n \"${CDI_ENV}\"")]),
     ));
     pods::create(&e.client, "run", &once).await?;
     eventually(

@@ -18,6 +18,16 @@
 //! pod, or another extender replica bound it) expires after [`TENTATIVE_FOR`].
 //! A pod feasible on more than [`TENTATIVE_NODES`] nodes is counted only once its bind
 //! arrives: then any node is unlikely to be the one both it and the next pod need.
+//!
+//! Filter's pod is whatever JSON reached the port (only kube-scheduler's certificate gets onto
+//! it), so each filtered pod is also checked against the API server
+//! ([`InFlight::verified`]): it exists with that UID, is pending, is scheduled by a gpuledger
+//! scheduler, and from then on the request counted is the one the API server's copy asks for.
+//! Until the check answers (milliseconds) the pod counts with filter's request, provisionally:
+//! the scheduler's next pod is filtered before that read returns, and must already see it. A
+//! made-up pod is forgotten when its check fails and never reaches a bind; a real pod holds no
+//! more than its own request once checked. At most [`MAX_VERIFYING`] checks run at once; a
+//! pod filtered while they are all busy counts with filter's request for [`UNCHECKED_FOR`].
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -26,6 +36,7 @@ use std::time::{Duration, Instant};
 use gpuledger_ledger::placement::{self, Filtered};
 use gpuledger_ledger::{Fit, Ledger, NodeState, PodRequest};
 use gpuledger_proto::allocator::v1 as api;
+use prometheus_client::metrics::counter::Counter;
 
 use crate::replica::Defaults;
 
@@ -37,6 +48,11 @@ const FORGET_AFTER: Duration = Duration::from_secs(30);
 /// follows its filter within milliseconds (a second or two on a loaded control plane); past
 /// this, the pod is not coming and would only hold capacity that others wait for.
 pub const TENTATIVE_FOR: Duration = Duration::from_secs(15);
+
+/// A filtered pod that could not be checked against the API server (every check busy) is
+/// counted for this long only: enough for kube-scheduler's bind to follow its filter, short
+/// enough that a flood of made-up pods holds nothing for long.
+pub const UNCHECKED_FOR: Duration = Duration::from_secs(2);
 
 /// A pod found feasible on more nodes than this is not counted on any of them before its bind
 /// arrives (its request is kept for that bind). Counting it on every feasible node costs a
@@ -50,6 +66,9 @@ pub const TENTATIVE_NODES: usize = 16;
 /// whatever the scheduler sends).
 const MAX_ENTRIES: usize = 4096;
 
+/// Filtered pods checked against the API server at once.
+pub const MAX_VERIFYING: usize = 16;
+
 struct Entry {
     /// Where it may land: every node its filter found feasible, then the one its bind names.
     nodes: Vec<String>,
@@ -58,14 +77,42 @@ struct Entry {
     bound: bool,
     /// The seq of its reservation, once the allocator answered.
     landed: Option<u64>,
+    /// The API server has the pod as filter described it, and `request` is its own (a bind's
+    /// entry is: bind read the pod). Only such entries are counted.
+    verified: bool,
     /// Forgotten from this instant on.
     until: Instant,
 }
 
 /// The pods placed and not yet in the ledger replica, by pod uid.
-#[derive(Default)]
 pub struct InFlight {
     entries: Mutex<HashMap<String, Entry>>,
+    verifying: Arc<tokio::sync::Semaphore>,
+    /// Filtered pods never counted: the API server does not have them as filter said, or
+    /// every check was busy.
+    unverified: Counter,
+}
+
+impl Default for InFlight {
+    fn default() -> Self {
+        InFlight {
+            entries: Mutex::default(),
+            verifying: Arc::new(tokio::sync::Semaphore::new(MAX_VERIFYING)),
+            unverified: Counter::default(),
+        }
+    }
+}
+
+/// A filtered pod to check against the API server before it counts; holds one of the
+/// [`MAX_VERIFYING`] slots until dropped.
+pub struct Verify {
+    /// Pod UID, as filter said.
+    pub uid: String,
+    /// Namespace, as filter said.
+    pub namespace: String,
+    /// Name, as filter said.
+    pub name: String,
+    _slot: tokio::sync::OwnedSemaphorePermit,
 }
 
 /// One assumed bind. Dropped before [`Assumed::landed`], the bind failed and is forgotten.
@@ -76,6 +123,15 @@ pub struct Assumed {
 }
 
 impl Assumed {
+    /// The bind read the pod: from now on it counts with the pod's own `request` (what the
+    /// API server has, not what filter's JSON said).
+    pub fn confirm(&self, request: api::PodRequest) {
+        if let Some(x) = self.cache.lock().get_mut(&self.uid) {
+            x.request = request;
+            x.verified = true;
+        }
+    }
+
     /// The allocator reserved it at `seq`: it stays assumed until the replica has `seq`.
     pub fn landed(mut self, seq: u64) {
         let mut e = self.cache.lock();
@@ -110,33 +166,63 @@ impl InFlight {
     }
 
     /// Filter found `request` feasible on `nodes`: the scheduler binds it to one of them next.
-    pub fn feasible(&self, request: &api::PodRequest, nodes: &[String]) {
-        self.feasible_at(request, nodes, Instant::now());
+    /// It counts once the API server confirms it: check the pod the answer names and report
+    /// with [`InFlight::verified`] (None: nothing to check, or no check slot free).
+    pub fn feasible(&self, request: &api::PodRequest, nodes: &[String]) -> Option<Verify> {
+        self.feasible_at(request, nodes, Instant::now())
     }
 
-    fn feasible_at(&self, request: &api::PodRequest, nodes: &[String], now: Instant) {
-        let Some(uid) = request.pod.as_ref().map(|p| p.uid.as_str()) else {
-            return;
-        };
+    fn feasible_at(
+        &self,
+        request: &api::PodRequest,
+        nodes: &[String],
+        now: Instant,
+    ) -> Option<Verify> {
+        let pod = request.pod.as_ref()?;
+        let uid = pod.uid.as_str();
         let mut e = self.lock();
         if e.get(uid).is_some_and(|x| x.bound) {
             // Its bind is under way; that node is where it goes.
-            return;
+            return None;
         }
         if nodes.is_empty() {
             e.remove(uid);
-            return;
+            return None;
         }
         if e.len() >= MAX_ENTRIES {
             e.retain(|_, x| x.until > now);
             if e.len() >= MAX_ENTRIES {
-                return;
+                return None;
             }
         }
         let nodes = if nodes.len() > TENTATIVE_NODES {
             Vec::new()
         } else {
             nodes.to_vec()
+        };
+        if let Some(x) = e.get_mut(uid).filter(|x| x.verified) {
+            // Filtered again (the scheduler's retry): still the pod the API server has, with
+            // its own request.
+            x.nodes = nodes;
+            x.until = now + TENTATIVE_FOR;
+            return None;
+        }
+        let Ok(slot) = self.verifying.clone().try_acquire_owned() else {
+            // Every check is busy (a burst of pods, or a flood of made-up ones): counted with
+            // filter's request for UNCHECKED_FOR only, long enough for its bind to arrive.
+            self.unverified.inc();
+            e.insert(
+                uid.to_string(),
+                Entry {
+                    nodes,
+                    request: request.clone(),
+                    bound: false,
+                    landed: None,
+                    until: now + UNCHECKED_FOR,
+                    verified: false,
+                },
+            );
+            return None;
         };
         e.insert(
             uid.to_string(),
@@ -146,23 +232,59 @@ impl InFlight {
                 bound: false,
                 landed: None,
                 until: now + TENTATIVE_FOR,
+                verified: false,
             },
         );
+        Some(Verify {
+            uid: uid.to_string(),
+            namespace: pod.namespace.clone(),
+            name: pod.name.clone(),
+            _slot: slot,
+        })
+    }
+
+    /// What the API server said of a filtered pod: `Some(its own request)` when it has the pod,
+    /// pending and scheduled by gpuledger (from then on it counts, with that request); None
+    /// when not (it is forgotten).
+    pub fn verified(&self, uid: &str, own: Option<api::PodRequest>) {
+        let mut e = self.lock();
+        match (e.get_mut(uid), own) {
+            (Some(x), _) if x.bound => {}
+            (Some(x), Some(r)) => {
+                x.request = r;
+                x.verified = true;
+            }
+            (Some(_), None) => {
+                e.remove(uid);
+                self.unverified.inc();
+            }
+            (None, _) => {}
+        }
+    }
+
+    /// Filtered pods never counted (made up, or every check was busy), for `/metrics`.
+    pub fn unverified(&self) -> &Counter {
+        &self.unverified
     }
 
     /// A bind of pod `uid` to `node` arrives: assumed at once on that node alone with the
-    /// request its filter carried, if filter saw it.
+    /// request its filter carried, if filter saw it, so that it counts without a gap while the
+    /// bind reads the pod (then [`Assumed::confirm`] sets the pod's own request).
     pub fn assume_seen(self: &Arc<Self>, uid: &str, node: &str) -> Option<Assumed> {
         let now = Instant::now();
-        let request = {
+        let (request, verified) = {
             let mut e = self.lock();
             if e.get(uid).is_none_or(|x| x.bound) {
                 return None;
             }
             let x = e.remove(uid)?;
-            (x.until > now).then_some(x.request)?
+            (x.until > now).then_some((x.request, x.verified))?
         };
-        Some(self.assume_at(uid, node, request, now))
+        let a = self.assume_at(uid, node, request, now);
+        if let Some(x) = self.lock().get_mut(uid) {
+            x.verified = verified;
+        }
+        Some(a)
     }
 
     /// A bind of pod `uid` to `node` with `request` begins.
@@ -185,6 +307,7 @@ impl InFlight {
                 bound: true,
                 landed: None,
                 until: now + FORGET_AFTER,
+                verified: true,
             },
         );
         Assumed {

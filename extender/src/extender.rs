@@ -54,6 +54,11 @@ pub struct App {
     pub replica: Option<Arc<Replica>>,
     /// The work that follows a bind off the scheduler's path, waited for at shutdown.
     pub tasks: TaskTracker,
+    /// The `spec.schedulerName`s whose pods bind may bind; a pod of any other scheduler is
+    /// refused.
+    pub scheduler_names: Vec<String>,
+    /// Preemption asked from filter, rate-limited per pod.
+    pub preemption: Arc<crate::preemption::Preemption>,
 }
 
 /// The verbs kube-scheduler calls, served at the root and under `/gpuledger` (over HTTPS, to

@@ -8,8 +8,9 @@ pub mod budget_admission;
 pub mod extender;
 pub mod metrics;
 pub mod parallel;
+pub mod preemption;
 pub mod replica;
-pub mod resources;
+pub use gpuledger_request as resources;
 pub mod scheduler_text;
 #[cfg(feature = "test-hooks")]
 pub mod test_hooks;

@@ -8,9 +8,11 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
+use gpuledger_auth::limit::Bites;
 use gpuledger_extender::allocator::Allocators;
 use gpuledger_extender::extender::{self, App};
 use gpuledger_extender::metrics::Metrics;
+use gpuledger_extender::preemption::Preemption;
 use gpuledger_extender::replica::Replica;
 use gpuledger_extender::webhook;
 use gpuledger_ops::events::Recorder;
@@ -79,10 +81,66 @@ struct Args {
     #[command(flatten)]
     credentials: gpuledger_auth::CredentialArgs,
 
+    /// How often, per pending pod, filter may ask the allocator leader to preempt for it when
+    /// the pod fits on none of the scheduler's nodes for want of GPU room, in milliseconds
+    /// (kube-scheduler's own preemption cannot see GPU memory or compute). 0 = never: GPU
+    /// slices are then preempted only by a scheduler that calls the `preempt` verb.
+    #[arg(long, env = "GPULEDGER_PREEMPT_RETRY_MS", default_value_t = 5000)]
+    preempt_retry_ms: u64,
+
     /// Scheduler name the webhook sets on GPU pods that use the default scheduler (off when
     /// not set).
     #[arg(long, env = "GPULEDGER_SCHEDULER_NAME")]
     scheduler_name: Option<String>,
+
+    /// The scheduler names whose pods /bind binds (comma-separated); a bind of a pod of any
+    /// other scheduler is refused. The allocator's --scheduler-names, which it checks too.
+    #[arg(
+        long,
+        env = "GPULEDGER_SCHEDULER_NAMES",
+        value_delimiter = ',',
+        default_value = "gpuledger-scheduler,default-scheduler"
+    )]
+    scheduler_names: Vec<String>,
+    /// The identities the scheduler port admits: a client certificate that --client-ca signed
+    /// must also name one of these (its subject's common name, a DNS name or a URI SAN),
+    /// comma-separated. gpuledger-certs.sh and the cert-manager install issue kube-scheduler's
+    /// certificate as `gpuledger-scheduler`; the same CA's other certificates (a viewer's, a
+    /// node agent's) are refused in the handshake.
+    #[arg(
+        long,
+        env = "GPULEDGER_SCHEDULER_CLIENT_NAMES",
+        value_delimiter = ',',
+        default_value = "gpuledger-scheduler"
+    )]
+    scheduler_client_names: Vec<String>,
+
+    /// Open connections at once on each HTTPS port (webhook, scheduler), handshakes included;
+    /// over it a new connection is closed at once.
+    #[arg(long, env = "GPULEDGER_MAX_CONNECTIONS", default_value_t = 1024)]
+    max_connections: usize,
+
+    /// Open connections at once on each HTTPS port from one peer address.
+    #[arg(
+        long,
+        env = "GPULEDGER_MAX_CONNECTIONS_PER_PEER",
+        default_value_t = 256
+    )]
+    max_connections_per_peer: usize,
+
+    /// Largest request body, in bytes (413 above it).
+    #[arg(long, env = "GPULEDGER_MAX_BODY_BYTES", default_value_t = 2 << 20)]
+    max_body_bytes: usize,
+
+    /// Longest time a request's headers, and then its body, may take to arrive, in
+    /// milliseconds (a kept-alive connection idle this long is closed too); a body still
+    /// arriving then is answered 408.
+    #[arg(
+        long,
+        env = "GPULEDGER_REQUEST_READ_TIMEOUT_MS",
+        default_value_t = 10_000
+    )]
+    request_read_timeout_ms: u64,
 
     /// Log format: "human" or "json".
     #[arg(long, env = "GPULEDGER_LOG_FORMAT", default_value = "human", value_parser = ["human", "json"])]
@@ -113,17 +171,40 @@ async fn run(a: Args) -> anyhow::Result<()> {
          (the scheduler configuration's tlsConfig.certFile); the scheduler-facing port refuses \
          callers without one",
     )?;
-    let scheduler_tls = gpuledger_auth::tls::server_config(
+    let (scheduler_bites, webhook_bites) = (Bites::new(), Bites::new());
+    let scheduler_tls = gpuledger_auth::tls::server_config_for_named_clients(
         &a.tls.cert,
         &a.tls.key,
-        gpuledger_auth::tls::ClientCerts::Required(scheduler_ca),
+        &scheduler_ca,
+        a.scheduler_client_names.clone(),
+        scheduler_bites.clone(),
         &[b"http/1.1"],
     )?;
     scheduler_tls.spawn_reloader(a.tls.reload_every(), shutdown.clone());
+    let read = Duration::from_millis(a.request_read_timeout_ms.max(100));
     let limits = gpuledger_auth::https::Limits {
         handshake: a.tls.handshake_timeout(),
+        header_read: read,
+        body_bytes: a.max_body_bytes,
+        body_time: read,
+        max_connections: a.max_connections,
+        max_connections_per_peer: a.max_connections_per_peer,
         ..Default::default()
     };
+    let open_files = gpuledger_auth::limit::raise_open_files();
+    let fds_needed = (a.max_connections as u64)
+        .saturating_mul(2)
+        .saturating_add(512);
+    if open_files.is_some_and(|n| n < fds_needed) {
+        tracing::warn!(
+            open_files = ?open_files,
+            max_connections = a.max_connections,
+            "the open-file limit is below twice --max-connections (webhook and scheduler port) \
+             plus room for the allocator and the API server: a flood of connections could \
+             exhaust file descriptors before the limit bites; lower --max-connections or raise \
+             the limit (ulimit -n)"
+        );
+    }
     let creds = gpuledger_auth::Credentials::load(&a.credentials)?;
     creds.spawn_reloader(a.tls.reload_every(), shutdown.clone());
     let allocators = Allocators::new(
@@ -137,10 +218,17 @@ async fn run(a: Args) -> anyhow::Result<()> {
     }
     let replica =
         (a.replica_stale_ms > 0).then(|| Replica::new(Duration::from_millis(a.replica_stale_ms)));
+    let limited = gpuledger_extender::metrics::Limited(vec![
+        ("scheduler", scheduler_bites.clone()),
+        ("webhook", webhook_bites.clone()),
+    ]);
+    let preemption = Preemption::new(Duration::from_millis(a.preempt_retry_ms));
     let metrics = Arc::new(Metrics::new(|r| {
         if let Some(rep) = &replica {
             rep.register(r);
         }
+        r.register_collector(Box::new(limited));
+        preemption.register(r);
     }));
     if let Some(rep) = &replica {
         tasks.spawn(rep.clone().follow(allocators.clone(), shutdown.clone()));
@@ -168,7 +256,9 @@ async fn run(a: Args) -> anyhow::Result<()> {
         info!(%addr, "admission webhook listening (HTTPS)");
         let stop = shutdown.clone();
         tasks.spawn(async move {
-            if let Err(e) = gpuledger_auth::https::serve("webhook", l, tls, limits, app, stop).await
+            if let Err(e) =
+                gpuledger_auth::https::serve("webhook", l, tls, limits, webhook_bites, app, stop)
+                    .await
             {
                 tracing::error!("the admission webhook stopped: {e:#}");
             }
@@ -186,6 +276,8 @@ async fn run(a: Args) -> anyhow::Result<()> {
         metrics,
         replica,
         tasks: tasks.clone(),
+        scheduler_names: a.scheduler_names.clone(),
+        preemption,
     };
     let probes = tokio::net::TcpListener::bind(a.http_listen)
         .await
@@ -209,6 +301,7 @@ async fn run(a: Args) -> anyhow::Result<()> {
         l,
         scheduler_tls,
         limits,
+        scheduler_bites,
         extender::router(app),
         shutdown.clone(),
     )

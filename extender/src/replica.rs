@@ -166,6 +166,11 @@ impl Replica {
             "Filter and prioritize answers by source (replica or allocator)",
             m.answers.clone(),
         );
+        r.register(
+            "filtered_pods_unverified",
+            "Filtered pods not counted as binds in flight: the API server does not have them as filter described them (made up), or all checks were busy",
+            self.in_flight.unverified().clone(),
+        );
         for verb in ["filter", "prioritize"] {
             for source in ["replica", "allocator"] {
                 let _ = m

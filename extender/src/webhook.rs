@@ -20,7 +20,7 @@ use kube::core::DynamicObject;
 use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview};
 use serde_json::{Value, json};
 use tracing::field::{self, Empty};
-use tracing::{Span, info, instrument, warn};
+use tracing::{Span, debug, info, instrument, warn};
 
 use crate::allocator::Allocators;
 use crate::resources::{self, ContainerGpu};
@@ -67,8 +67,9 @@ fn answer(mut resp: AdmissionResponse) -> Response {
     axum::Json(v).into_response()
 }
 
-/// The review's request and its pod (None for anything that is not a pod).
-fn parse(body: &[u8]) -> Result<(AdmissionRequest<DynamicObject>, Option<Pod>), String> {
+/// Decode an AdmissionReview body: its request and its pod (None for anything that is not a
+/// pod).
+pub fn parse(body: &[u8]) -> Result<(AdmissionRequest<DynamicObject>, Option<Pod>), String> {
     let review: AdmissionReview<DynamicObject> =
         serde_json::from_slice(body).map_err(|e| format!("malformed AdmissionReview: {e}"))?;
     let req: AdmissionRequest<DynamicObject> = review
@@ -298,17 +299,48 @@ pub async fn check(allocators: &Allocators, pod: &Pod) -> Option<String> {
     if let Err(e) = resources::placement(pod) {
         return Some(e.to_string());
     }
-    let mut most = 0;
+    let mut sizes = Vec::with_capacity(cs.len());
     for c in &cs {
         match c.to_api() {
-            Ok(r) => most = most.max(r.slices),
+            Ok(r) => sizes.push(r),
             Err(e) => return Some(e.to_string()),
         }
     }
-    if most <= 1 {
-        return None;
+    let most = sizes.iter().map(|c| c.slices).max().unwrap_or(0);
+    if most > 1 {
+        // Can any node ever hold `most` slices on distinct GPUs? Ask with a minimal request.
+        let one = api::ContainerRequest {
+            name: "probe".into(),
+            slices: most,
+            mem_mib: 1,
+            ..Default::default()
+        };
+        if let Some(why) = never_fits(allocators, vec![one]).await {
+            let name = cs
+                .iter()
+                .find(|c| c.slices.unwrap_or(1.0) as u32 == most)
+                .map_or("?", |c| c.name.as_str());
+            debug!(%why, "no node has enough GPUs");
+            return Some(format!(
+                "container {name:?} asks for {most} GPU slices ({}), each on a distinct GPU, but no \
+                 node in the cluster has {most} GPUs",
+                resources::GPU
+            ));
+        }
     }
-    // Can any node ever hold `most` slices on distinct GPUs? Ask with a minimal request.
+    // Can any node ever hold the sizes it asks for (selectors aside: a GPU type may come)?
+    never_fits(allocators, sizes)
+        .await
+        .map(|why| format!("no node in the cluster can ever hold this pod: {why}"))
+}
+
+/// Why no registered node can ever hold `containers` (each node answers "never"), if so. No
+/// node registered, or the allocator not answering, is no reason to refuse: the scheduler's
+/// filter says so again, and refusing pods for an outage is worse.
+async fn never_fits(
+    allocators: &Allocators,
+    containers: Vec<api::ContainerRequest>,
+) -> Option<String> {
     let probe = api::FilterRequest {
         request: Some(api::PodRequest {
             pod: Some(pb::PodRef {
@@ -316,12 +348,7 @@ pub async fn check(allocators: &Allocators, pod: &Pod) -> Option<String> {
                 namespace: "probe".into(),
                 name: "probe".into(),
             }),
-            containers: vec![api::ContainerRequest {
-                name: "probe".into(),
-                slices: most,
-                mem_mib: 1,
-                ..Default::default()
-            }],
+            containers,
             ..Default::default()
         }),
         nodes: Vec::new(),
@@ -334,19 +361,14 @@ pub async fn check(allocators: &Allocators, pod: &Pod) -> Option<String> {
         .await
     {
         Ok(r) if r.nodes.is_empty() && r.failed.is_empty() && !r.unresolvable.is_empty() => {
-            let name = cs
-                .iter()
-                .find(|c| c.slices.unwrap_or(1.0) as u32 == most)
-                .map_or("?", |c| c.name.as_str());
-            Some(format!(
-                "container {name:?} asks for {most} GPU slices ({}), each on a distinct GPU, but no \
-                 node in the cluster has {most} GPUs",
-                resources::GPU
-            ))
+            let mut why: Vec<(String, String)> = r.unresolvable.into_iter().collect();
+            why.sort();
+            why.first()
+                .map(|(node, why)| format!("{why} (node {node}, and every other node)"))
         }
         Ok(_) => None,
+        Err(s) if s.code() == tonic::Code::InvalidArgument => Some(s.message().to_string()),
         Err(s) => {
-            // The scheduler's filter will say so again; refusing pods for an outage is worse.
             warn!(error = %s.message(), "validate could not ask the allocator; admitting");
             None
         }

@@ -1,7 +1,9 @@
 //! Regression (e2e `binds_in_flight`, 1 of 61 binds refused under load): kube-scheduler binds
 //! asynchronously, so the next pod's filter can reach the extender before the previous pod's
 //! bind does. A pod the extender found feasible holds that capacity, on every node it was
-//! feasible on, until its bind says where it goes, or fails.
+//! feasible on, until its bind says where it goes, or fails. Each filtered pod is checked
+//! against the API server: a made-up one (fake filters once made a node refuse real pods) holds
+//! nothing once its check fails, milliseconds later.
 
 use crate::kit;
 
@@ -45,9 +47,23 @@ async fn a_filtered_pod_holds_its_capacity_until_its_bind() -> anyhow::Result<()
     }
     let ext = kit::extender(&stack)?;
     let (a, b) = (pod("a"), pod("b"));
+    // A made-up pod (the API server has no such pod) holds nothing once it is checked.
+    let (names, _) = fits(&ext, &pod("ghost")).await?;
+    assert_eq!(names, json!(["n1", "n2"]));
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let (names, failed) = fits(&ext, &b).await?;
+    assert_eq!(
+        names,
+        json!(["n1", "n2"]),
+        "a made-up pod held room: {failed}"
+    );
+    // b is not in the API server either: let its check fail before a is filtered.
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    stack.api.add_pod(a.clone())?;
     let (names, _) = fits(&ext, &a).await?;
     assert_eq!(names, json!(["n1", "n2"]));
-    // a's bind has not arrived: b cannot have the room a may take on either node.
+    // a's bind has not arrived: b cannot have the room a may take on either node, at once
+    // (the scheduler filters the next pod before a's check answers).
     let (names, failed) = fits(&ext, &b).await?;
     assert_eq!(names, json!([]), "{failed}");
     assert!(
@@ -56,7 +72,8 @@ async fn a_filtered_pod_holds_its_capacity_until_its_bind() -> anyhow::Result<()
             .is_some_and(|w| w.contains("counting binds in flight")),
         "{failed}"
     );
-    // a's bind fails (a is not in the API server): a is forgotten, b fits again.
+    // a's bind fails (a is gone from the API server): a is forgotten, b fits again.
+    stack.api.delete_pod("default", "a")?;
     let bind = json!({"PodName": "a", "PodNamespace": "default", "PodUID": "uid-a", "Node": "n1"});
     let r = ext.post("bind", &bind).await?;
     assert!(r["Error"].as_str().is_some_and(|e| !e.is_empty()), "{r}");

@@ -1,8 +1,11 @@
-//! kube-scheduler's `preempt` call, in the shape 1.20 sends it, to a real extender backed by a
-//! real allocator on etcd and the fake API server: on a GPU full of lower-priority slices the
+//! kube-scheduler's `preempt` call to a real extender backed by a real allocator on etcd and the
+//! fake API server, as a scheduler makes it when its own dry run found victims (a resource it
+//! sees conflicts too; GPU memory alone never gets this far, see
+//! `gpu_preemption_on_a_stock_scheduler.rs`): on a GPU full of lower-priority slices the
 //! answer names the fewest pods whose slices free a fit (then the lowest priorities), keeps the
 //! scheduler's own victims, drops the nodes where no eviction helps, and once the named pods
-//! are gone the pod does fit there.
+//! are gone the pod does fit there. The extender's own preemption from filter is off here
+//! (`--preempt-retry-ms=0`), so that only the verb acts.
 
 use crate::kit;
 
@@ -83,7 +86,10 @@ async fn preempt(stack: &KubeStack, ext: &ExtenderClient, args: &Value) -> anyho
 async fn preemption_frees_a_gpu_with_the_fewest_lowest_priority_victims() -> anyhow::Result<()> {
     let stack = KubeStack::start(StackOptions {
         allocators: 1,
-        extender_flags: Some(vec!["--replica-stale-ms=3000".into()]),
+        extender_flags: Some(vec![
+            "--replica-stale-ms=3000".into(),
+            "--preempt-retry-ms=0".into(),
+        ]),
         ..Default::default()
     })
     .await?;

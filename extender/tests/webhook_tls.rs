@@ -103,6 +103,7 @@ async fn stalled_handshakes_and_headers_and_large_bodies_are_cut_off() -> anyhow
         handshake: Duration::from_millis(300),
         header_read: Duration::from_millis(300),
         body_bytes: 64 << 10,
+        ..Default::default()
     };
     let tls = gpuledger_auth::tls::server_config(
         &certs.cert_path(),
@@ -116,6 +117,7 @@ async fn stalled_handshakes_and_headers_and_large_bodies_are_cut_off() -> anyhow
         listener,
         tls,
         limits,
+        gpuledger_auth::limit::Bites::new(),
         app,
         stop.clone(),
     ));

@@ -2,10 +2,14 @@
 //! the state, applies the resulting events and returns them with the reply. Commands are
 //! idempotent: asking again for what the ledger already says writes nothing and answers the same.
 
+pub mod bounds;
+
 use crate::pb;
 use crate::pb::event::Body;
 use crate::placement::{self, Fit, PodRequest};
 use crate::state::{Alloc, AllocState, ApplyError, Ledger};
+
+mod nominate;
 
 /// A request to change the ledger.
 #[derive(Debug, Clone, PartialEq)]
@@ -81,6 +85,24 @@ pub enum Command {
     SetBudget(pb::BudgetSet),
     /// Remove a namespace's budget (it falls back to the cluster default, if any).
     RemoveBudget(pb::BudgetRemoved),
+    /// Keep the room a preemption frees for the pod that preempted: refused unless its shares
+    /// fit on the node once the victims (and the pods of `leaving`) are gone, with the room
+    /// nominated for pods of its priority or higher still taken. An identical nomination of
+    /// the same pod (same node and shares) is a repeat.
+    Nominate {
+        /// The nomination, as `Nominated` records it.
+        nomination: pb::Nominated,
+        /// UIDs of pods whose allocations are on their way out anyway (terminating), counted
+        /// as gone when checking the room; not recorded.
+        leaving: Vec<String>,
+    },
+    /// End a pod's nomination (nothing when it has none).
+    EndNomination {
+        /// The nominee's UID.
+        pod_uid: String,
+        /// Why (expired, pod deleted, …).
+        reason: String,
+    },
 }
 
 /// Why a command was refused. Nothing was written.
@@ -166,6 +188,7 @@ impl Ledger {
     }
 
     fn decide(&self, cmd: Command) -> Result<(Vec<Body>, Reply), CommandError> {
+        check_bounds(&cmd).map_err(CommandError::Invalid)?;
         let unchanged = Ok((Vec::new(), Reply::Done { changed: false }));
         let changed = |b: Vec<Body>| Ok((b, Reply::Done { changed: true }));
         match cmd {
@@ -226,25 +249,30 @@ impl Ledger {
                         )));
                     }
                 }
-                changed(vec![Body::NodeRegistered(pb::NodeRegistered {
+                let kept: Vec<&str> = inv.gpus.iter().map(|g| g.uuid.as_str()).collect();
+                let mut b = self.nominations_ending_on(
+                    &inv.node,
+                    Some(&kept),
+                    "a nominated GPU left the node's inventory",
+                );
+                b.push(Body::NodeRegistered(pb::NodeRegistered {
                     inventory: Some(inv),
-                })])
+                }));
+                changed(b)
             }
             Command::RemoveNode { node, reason } => {
                 let Some(n) = self.node(&node) else {
                     return unchanged;
                 };
-                let mut b: Vec<Body> = n
-                    .allocs
-                    .iter()
-                    .map(|id| {
-                        Body::Released(pb::Released {
-                            allocation_id: *id,
-                            reason: format!("node removed: {reason}"),
-                            node: node.clone(),
-                        })
+                let mut b =
+                    self.nominations_ending_on(&node, None, &format!("node removed: {reason}"));
+                b.extend(n.allocs.iter().map(|id| {
+                    Body::Released(pb::Released {
+                        allocation_id: *id,
+                        reason: format!("node removed: {reason}"),
+                        node: node.clone(),
                     })
-                    .collect();
+                }));
                 b.push(Body::NodeRemoved(pb::NodeRemoved { node, reason }));
                 changed(b)
             }
@@ -386,12 +414,7 @@ impl Ledger {
                         .collect(),
                 )
             }
-            Command::ReportViolation(v) => {
-                if v.node.is_empty() {
-                    return Err(CommandError::Invalid("violation without node".into()));
-                }
-                changed(vec![Body::LimitViolated(v)])
-            }
+            Command::ReportViolation(v) => changed(vec![Body::LimitViolated(v)]),
             Command::LeaderElected(l) => changed(vec![Body::LeaderElected(l)]),
             Command::SetQuota(q) => {
                 if !crate::state::is_dns_label(&q.namespace) {
@@ -420,6 +443,16 @@ impl Ledger {
                     changed(vec![Body::BudgetRemoved(b)])
                 } else {
                     unchanged
+                }
+            }
+            Command::Nominate {
+                nomination,
+                leaving,
+            } => self.decide_nominate(nomination, &leaving),
+            Command::EndNomination { pod_uid, reason } => {
+                match self.end_nomination_body(&pod_uid, reason) {
+                    Some(b) => changed(vec![b]),
+                    None => unchanged,
                 }
             }
         }
@@ -464,33 +497,40 @@ impl Ledger {
             ));
         }
         let n = self
-            .node(&node)
+            .node_for(&node, &request)
             .ok_or_else(|| CommandError::NotFound(format!("node {node} is not registered")))?;
-        let placed = placement::place_on_node(n, &request).map_err(|f| match f {
-            Fit::Never(r) => CommandError::Unsatisfiable(format!("node {node}: {r}")),
-            Fit::Wait(r) => CommandError::NoCapacity(format!("node {node}: {r}")),
-            Fit::Fits => CommandError::NoCapacity(format!("node {node}")),
-        })?;
+        let placed = match self.nominated_placement(&n, &request) {
+            Some(p) => p,
+            None => placement::place_on_node(&n, &request).map_err(|f| match f {
+                Fit::Never(r) => CommandError::Unsatisfiable(format!("node {node}: {r}")),
+                Fit::Wait(r) => CommandError::NoCapacity(format!(
+                    "node {node}: {r}{}",
+                    self.room_kept(&node, &request)
+                )),
+                Fit::Fits => CommandError::NoCapacity(format!("node {node}")),
+            })?,
+        };
         self.check_quota(&request.pod.namespace, &placed)?;
-        let first = self.seq() + 1;
-        let bodies = placed
+        // The pod's own nomination, wherever it was, ends with its reservation.
+        let mut bodies: Vec<Body> = self
+            .end_nomination_body(&request.pod.uid, format!("reserved on node {node}"))
             .into_iter()
-            .enumerate()
-            .map(|(i, p)| {
-                Body::Reserved(pb::Reserved {
-                    allocation_id: first + i as u64,
-                    pod: Some(request.pod.clone()),
-                    container: p.container,
-                    node: node.clone(),
-                    shares: p.shares,
-                    deadline_ms,
-                    // The pod's node-level requests are counted once, on its first container.
-                    cpu_milli: if i == 0 { request.cpu_milli } else { 0 },
-                    memory_mib: if i == 0 { request.memory_mib } else { 0 },
-                    policy: request.policy.to_string(),
-                })
-            })
             .collect();
+        let first = self.seq() + 1 + bodies.len() as u64;
+        bodies.extend(placed.into_iter().enumerate().map(|(i, p)| {
+            Body::Reserved(pb::Reserved {
+                allocation_id: first + i as u64,
+                pod: Some(request.pod.clone()),
+                container: p.container,
+                node: node.clone(),
+                shares: p.shares,
+                deadline_ms,
+                // The pod's node-level requests are counted once, on its first container.
+                cpu_milli: if i == 0 { request.cpu_milli } else { 0 },
+                memory_mib: if i == 0 { request.memory_mib } else { 0 },
+                policy: request.policy.to_string(),
+            })
+        }));
         Ok((
             bodies,
             Reply::Reserved {
@@ -514,16 +554,18 @@ impl Ledger {
         };
         let (held_m, held_c) = self.budgets().held(ns);
         let shares = placed.iter().flat_map(|p| &p.shares);
-        let m: u64 = shares.clone().map(|s| s.mem_mib).sum();
-        let c: u64 = shares.map(|s| u64::from(s.core_milli)).sum();
-        if q.mem_mib > 0 && held_m + m > q.mem_mib {
+        let m = shares
+            .clone()
+            .fold(0u64, |t, s| t.saturating_add(s.mem_mib));
+        let c = shares.fold(0u64, |t, s| t.saturating_add(u64::from(s.core_milli)));
+        if q.mem_mib > 0 && held_m.saturating_add(m) > q.mem_mib {
             return Err(CommandError::NoCapacity(format!(
                 "namespace {ns} is over its GPU memory quota: holds {held_m} MiB, asks {m} MiB, \
                  quota {} MiB",
                 q.mem_mib
             )));
         }
-        if q.core_milli > 0 && held_c + c > q.core_milli {
+        if q.core_milli > 0 && held_c.saturating_add(c) > q.core_milli {
             return Err(CommandError::NoCapacity(format!(
                 "namespace {ns} is over its GPU compute quota: holds {held_c}, asks {c}, quota {} \
                  (thousandths of a GPU)",
@@ -531,6 +573,104 @@ impl Ledger {
             )));
         }
         Ok(())
+    }
+}
+
+/// Why `cmd` carries more than an event may hold (see [`bounds`]), if it does.
+fn check_bounds(cmd: &Command) -> Result<(), String> {
+    use bounds::{device_ids, id, name, text};
+    match cmd {
+        Command::RegisterNode(inv) => bounds::InventoryLimits::CEILING.check(inv),
+        Command::RemoveNode { node, reason } => {
+            name("node name", node)?;
+            text("reason", reason)
+        }
+        Command::SetDeviceHealth(h) => {
+            name("node name", &h.node)?;
+            id("GPU uuid", &h.gpu_uuid)?;
+            text("reason", &h.reason)
+        }
+        // The request's own validation bounds its names and sizes.
+        Command::Reserve { node, .. } => name("node name", node),
+        Command::ConfirmBound {
+            pod_uid,
+            node,
+            reason,
+        } => {
+            id("pod uid", pod_uid)?;
+            name("node name", node)?;
+            text("reason", reason)
+        }
+        Command::Assign {
+            node,
+            device_ids: d,
+            ..
+        }
+        | Command::CorrectIdentity {
+            node,
+            device_ids: d,
+            ..
+        } => {
+            name("node name", node)?;
+            device_ids(d)
+        }
+        Command::Release {
+            pod_uid,
+            container,
+            reason,
+            ..
+        } => {
+            id("pod uid", pod_uid)?;
+            id("container name", container)?;
+            text("reason", reason)
+        }
+        Command::ReportViolation(v) => bounds::check_violation(v),
+        Command::LeaderElected(l) => {
+            text("replica", &l.replica)?;
+            text("address", &l.address)
+        }
+        Command::SetQuota(_) => Ok(()),
+        Command::SetBudget(b) => text("budget source", &b.source),
+        Command::RemoveBudget(b) => text("budget source", &b.source),
+        Command::Nominate {
+            nomination: n,
+            leaving,
+        } => {
+            name("node name", &n.node)?;
+            if n.containers.len() > bounds::MAX_CONTAINERS {
+                return Err(format!(
+                    "{} containers nominated, at most {}",
+                    n.containers.len(),
+                    bounds::MAX_CONTAINERS
+                ));
+            }
+            for c in &n.containers {
+                id("container name", &c.container)?;
+                if c.shares.len() > bounds::MAX_SLICES as usize {
+                    return Err(format!(
+                        "container {} nominated on {} GPUs, at most {}",
+                        c.container,
+                        c.shares.len(),
+                        bounds::MAX_SLICES
+                    ));
+                }
+            }
+            // A node holds at most MAX_SLICES GPUs' worth of slices per pod; victims and
+            // pods leaving are pods on one node.
+            for (what, n) in [
+                ("victims", n.victims.len()),
+                ("pods leaving", leaving.len()),
+            ] {
+                if n > bounds::MAX_VICTIMS {
+                    return Err(format!("{n} {what}, at most {}", bounds::MAX_VICTIMS));
+                }
+            }
+            leaving.iter().try_for_each(|u| id("pod uid", u))
+        }
+        Command::EndNomination { pod_uid, reason } => {
+            id("pod uid", pod_uid)?;
+            text("reason", reason)
+        }
     }
 }
 

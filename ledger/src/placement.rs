@@ -87,18 +87,19 @@ pub fn evaluate(node: &NodeState, req: &PodRequest) -> Result<Candidate, Fit> {
     if let Some(never) = never_fits(node, req) {
         return Err(Fit::Never(never));
     }
-    if node.cpu_milli > 0 && node.cpu_used + req.cpu_milli > node.cpu_milli {
+    if node.cpu_milli > 0 && node.cpu_used.saturating_add(req.cpu_milli) > node.cpu_milli {
         return Err(Fit::Wait(format!(
             "node CPU: {}m requested, {}m free",
             req.cpu_milli,
-            node.cpu_milli - node.cpu_used
+            // Room nominated for other pods may count past capacity (`Ledger::node_for`).
+            node.cpu_milli.saturating_sub(node.cpu_used)
         )));
     }
-    if node.memory_mib > 0 && node.memory_used + req.memory_mib > node.memory_mib {
+    if node.memory_mib > 0 && node.memory_used.saturating_add(req.memory_mib) > node.memory_mib {
         return Err(Fit::Wait(format!(
             "node memory: {} MiB requested, {} MiB free",
             req.memory_mib,
-            node.memory_mib - node.memory_used
+            node.memory_mib.saturating_sub(node.memory_used)
         )));
     }
     let before: Vec<Free> = node

@@ -9,6 +9,7 @@ mod budget;
 mod check;
 mod fold;
 mod nodes;
+mod nominations;
 mod snapshot;
 mod types;
 
@@ -17,6 +18,8 @@ pub use budget::{
     is_dns_label, same_budget, validate_budget,
 };
 pub use nodes::Nodes;
+pub(crate) use nominations::take_nominated;
+pub use nominations::{Nominations, nominee};
 use types::Containers;
 pub use types::{Alloc, AllocState, GpuState, NodeState, POD_KINDS, pod_kind};
 
@@ -67,6 +70,7 @@ pub struct Ledger {
     by_pod: FxHashMap<String, Containers>,
     gpu_owner: FxHashMap<String, String>,
     budgets: Budgets,
+    nominations: Nominations,
     violations: u64,
 }
 
@@ -144,6 +148,7 @@ impl Ledger {
             && self.by_pod == other.by_pod
             && self.gpu_owner == other.gpu_owner
             && self.budgets == other.budgets
+            && self.nominations == other.nominations
     }
 }
 

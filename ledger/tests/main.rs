@@ -2,5 +2,6 @@
 //! module. One binary per crate links the workspace once instead of once per file, which keeps
 //! the build's disk and link time small (`autotests = false` in Cargo.toml).
 
+mod absurd_commands;
 mod placement_props;
 mod replay_equals_live;

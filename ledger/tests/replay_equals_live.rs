@@ -65,14 +65,63 @@ fn pod_request(
     }
 }
 
+/// Pod `p` nominated on node `n` for `m` MiB and `c` thousandths of GPU `g`, evicting `victims`
+/// (pod, priority).
+fn nomination(
+    p: u8,
+    n: usize,
+    g: usize,
+    m: u64,
+    c: u32,
+    prio: i32,
+    victims: &[(u8, i32)],
+) -> pb::Nominated {
+    let r = |uid: u8| pb::PodRef {
+        uid: format!("uid-{uid}"),
+        namespace: "ns".into(),
+        name: format!("p{uid}"),
+    };
+    pb::Nominated {
+        pod: Some(r(p)),
+        priority: prio,
+        node: format!("n{n}"),
+        containers: vec![pb::NominatedContainer {
+            container: "main".into(),
+            shares: vec![pb::GpuShare {
+                gpu_uuid: format!("GPU-{n}-{g}"),
+                mem_mib: m,
+                core_milli: c,
+            }],
+        }],
+        victims: victims
+            .iter()
+            .map(|&(v, vp)| pb::Victim {
+                pod: Some(r(v)),
+                priority: vp,
+            })
+            .collect(),
+        deadline_ms: 5_000,
+        cpu_milli: 0,
+        memory_mib: 0,
+    }
+}
+
 fn command() -> impl Strategy<Value = Command> {
     prop_oneof![
-        4 => (0u8..24, 0..NODES, 1u32..3, 0u64..20_000, 0u32..700, any::<bool>(), any::<bool>(), any::<bool>())
-            .prop_map(|(p, n, s, m, c, pc, sp, t4)| Command::Reserve {
-                request: pod_request(p, s, m, c, pc, sp, t4),
+        4 => (0u8..24, 0..NODES, 1u32..3, 0u64..20_000, 0u32..700, any::<bool>(), any::<bool>(), any::<bool>(), -2i32..3)
+            .prop_map(|(p, n, s, m, c, pc, sp, t4, prio)| Command::Reserve {
+                request: PodRequest { priority: prio, ..pod_request(p, s, m, c, pc, sp, t4) },
                 node: format!("n{n}"),
                 deadline_ms: 1000,
             }),
+        2 => (0u8..24, 0..NODES, 0usize..4, 0u64..24_000, 0u32..1000, -2i32..3, prop::collection::vec((0u8..24, -3i32..3), 0..3), prop::collection::vec(0u8..24, 0..2))
+            .prop_map(|(p, n, g, m, c, prio, victims, leaving)| Command::Nominate {
+                nomination: nomination(p, n, g, m, c, prio, &victims),
+                leaving: leaving.into_iter().map(|v| format!("uid-{v}")).collect(),
+            }),
+        1 => (0u8..24).prop_map(|p| Command::EndNomination {
+            pod_uid: format!("uid-{p}"), reason: "expired".into()
+        }),
         2 => (0u8..24).prop_map(|p| Command::Release {
             pod_uid: format!("uid-{p}"), container: String::new(), allocation_id: 0, reason: "done".into()
         }),

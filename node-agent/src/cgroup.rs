@@ -7,8 +7,13 @@
 //! alike. The path is relative to the *reader's* cgroup namespace: an agent in its own
 //! namespace (the default for containers on cgroup v2) reads `/../../kubepods-besteffort-pod…`
 //! or, with cgroupfs, `/../../besteffort/pod<uid>/…` with no `kubepods` left in it. So the pod
-//! is found by the shape of one path component, wherever it is; the outermost one counts, since
-//! the kubelet created it and a process can only make cgroups below its own.
+//! is found by the shape of one path component; the outermost one counts, since the kubelet
+//! created it and a process can only make cgroups below its own. That component must also sit
+//! where the kubelet puts pods: under a `kubepods` cgroup at the hierarchy's root (or below one
+//! cgroup root, `--cgroup-root`) and its QoS level, or reached from a private namespace by `..`
+//! straight to the QoS level. A cgroup named like a pod anywhere else (a user's delegated
+//! `user@1000.service/pod<uid>`, a `system.slice/pod<uid>`) is no pod, so a process there cannot
+//! pass its GPU use off as another pod's and get that pod's processes killed.
 
 /// What a process's cgroups say about its pod.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -29,9 +34,15 @@ pub fn pod_of(text: &str) -> PodCgroup {
         let Some(path) = line.splitn(3, ':').nth(2) else {
             continue;
         };
-        if let Some(uid) = path.split('/').find_map(pod_uid_of_component)
-            && !pods.contains(&uid)
-        {
+        let parts: Vec<&str> = path.split('/').collect();
+        let Some((at, uid)) = parts
+            .iter()
+            .enumerate()
+            .find_map(|(i, c)| pod_uid_of_component(c).map(|u| (i, u)))
+        else {
+            continue;
+        };
+        if kubelet_made(&parts[..at]) && !pods.contains(&uid) {
             pods.push(uid);
         }
     }
@@ -52,6 +63,34 @@ fn pod_uid_of_component(c: &str) -> Option<String> {
     let (_qos, uid) = slice.rsplit_once("pod")?;
     let uid = uid.replace('_', "-");
     is_uid(&uid).then_some(uid)
+}
+
+/// Whether the cgroups above a pod's (`prefix`, the path's components before it) are where the
+/// kubelet makes pod cgroups: `[<cgroup root>/]kubepods[/<qos>]` from the hierarchy's root
+/// (`kubepods.slice/kubepods-<qos>.slice` with systemd), or `../..[/<qos>]` from a private
+/// cgroup namespace rooted in another pod's container.
+fn kubelet_made(prefix: &[&str]) -> bool {
+    let qos = |c: &str| {
+        matches!(c, "burstable" | "besteffort" | "guaranteed")
+            || (c.starts_with("kubepods-") && c.ends_with(".slice"))
+    };
+    let kubepods = |c: &str| c == "kubepods" || c == "kubepods.slice";
+    let mut rest = prefix;
+    if rest.first() == Some(&"") {
+        rest = &rest[1..];
+    }
+    let relative = rest.first() == Some(&"..");
+    while rest.first() == Some(&"..") {
+        rest = &rest[1..];
+    }
+    while rest.last().is_some_and(|c| qos(c)) {
+        rest = &rest[..rest.len() - 1];
+    }
+    match rest {
+        [] => relative,
+        [k] | [_, k] => kubepods(k),
+        _ => false,
+    }
 }
 
 /// A Kubernetes object UID: a UUID in its 8-4-4-4-12 lowercase hex form.
@@ -121,6 +160,26 @@ mod tests {
         let victim = "11111111-2222-3333-4444-555555555555";
         let nested = format!("0::/kubepods/besteffort/pod{UID}/c1/pod{victim}/x\n");
         assert_eq!(pod_of(&nested), pod());
+    }
+
+    /// Issue 28: a cgroup anyone with a delegated subtree can make, named like the victim's
+    /// pod, must not make its processes count as the victim's.
+    #[test]
+    fn a_cgroup_named_like_a_pod_outside_kubepods_is_no_pod() {
+        for text in [
+            format!("0::/user.slice/user-1000.slice/user@1000.service/pod{UID}/x\n"),
+            format!("0::/user.slice/user-1000.slice/user@1000.service/kubepods/pod{UID}/x\n"),
+            format!("0::/system.slice/kubepods-burstable-pod{UID_}.slice/x.scope\n"),
+            format!("0::/pod{UID}\n"),
+            format!("0::/../../../../user.slice/user-1000.slice/pod{UID}/x\n"),
+            format!("0::/evil/more/kubepods/burstable/pod{UID}/c\n"),
+        ] {
+            assert_eq!(pod_of(&text), PodCgroup::NoPod, "{text:?}");
+        }
+        // Below one cgroup root (--cgroup-root, or a test's own tree) is still the kubelet's.
+        let rooted = format!("0::/kubelet/kubepods/burstable/pod{UID}/c\n");
+        assert_eq!(pod_of(&rooted), pod());
+        assert_eq!(pod_of(&format!("0::/kubepods/pod{UID}/c\n")), pod());
     }
 
     #[test]

@@ -24,6 +24,12 @@ pub const VERSION: &str = "v1beta1";
 /// before 1.26 send the socket path as `:authority`, which this server refuses).
 pub const WATCH_WAIT: Duration = Duration::from_secs(10);
 
+/// How often a failed registration is tried again.
+const REGISTER_RETRY: Duration = Duration::from_millis(500);
+
+/// A kubelet that cannot be reached is logged as a warning once every this many tries (~30 s).
+const REGISTER_WARN_EVERY: u32 = 60;
+
 fn inode(p: &Path) -> Option<u64> {
     std::fs::metadata(p).ok().map(|m| m.ino())
 }
@@ -86,6 +92,7 @@ pub async fn serve_and_register(agent: Arc<Agent>, shutdown: CancellationToken) 
         );
         // Register (retrying until the kubelet is there), then watch both sockets.
         let mut kubelet_inode;
+        let mut failures = 0u32;
         loop {
             kubelet_inode = inode(&kubelet_sock);
             if inode(&sock) != my_inode {
@@ -97,8 +104,30 @@ pub async fn serve_and_register(agent: Arc<Agent>, shutdown: CancellationToken) 
                     break;
                 }
                 Err(e) => {
-                    tracing::debug!("registering with the kubelet: {e}");
-                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    // A kubelet that answers and refuses us is misconfigured: say why at once.
+                    // One that is not there yet (starting, restarting) is normal for a moment:
+                    // said every REGISTER_WARN_EVERY tries.
+                    if let RegisterError::Refused(s) = &e {
+                        warn!(
+                            kubelet = %kubelet_sock.display(),
+                            endpoint = %agent.cfg.plugin_socket,
+                            tries = failures + 1,
+                            "the kubelet refused the registration: {}; retrying every {REGISTER_RETRY:?} \
+                             (the kubelet dials the endpoint in its own device-plugin directory: \
+                             --kubelet-dir must be that directory)",
+                            s.message()
+                        );
+                    } else if failures % REGISTER_WARN_EVERY == REGISTER_WARN_EVERY - 1 {
+                        warn!(
+                            kubelet = %kubelet_sock.display(),
+                            tries = failures + 1,
+                            "cannot reach the kubelet's registration socket: {e:#}; retrying every {REGISTER_RETRY:?}"
+                        );
+                    } else {
+                        tracing::debug!("registering with the kubelet: {e:#}");
+                    }
+                    failures = failures.saturating_add(1);
+                    tokio::time::sleep(REGISTER_RETRY).await;
                 }
             }
         }

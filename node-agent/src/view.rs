@@ -128,7 +128,9 @@ impl View {
             | Body::LeaderElected(_)
             | Body::QuotaSet(_)
             | Body::BudgetSet(_)
-            | Body::BudgetRemoved(_) => {}
+            | Body::BudgetRemoved(_)
+            | Body::Nominated(_)
+            | Body::NominationEnded(_) => {}
         }
     }
 

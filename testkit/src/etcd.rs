@@ -31,6 +31,8 @@ pub struct EtcdCluster {
     initial_cluster: String,
     /// Loopback addresses the members also serve clients on, besides 127.0.0.1.
     alias_hosts: Vec<String>,
+    /// More flags for every member (e.g. a small `--quota-backend-bytes`).
+    extra_flags: Vec<String>,
     /// The etcd CA, the members' certificate, and the client certificate allocators use.
     pki: std::sync::Arc<Pki>,
     member_cert: (PathBuf, PathBuf),
@@ -69,6 +71,23 @@ impl EtcdCluster {
         Self::start_with_aliases(dir, n, &[]).await
     }
 
+    /// Like [`EtcdCluster::start_in`] with the `etcd` binary at `etcd` instead of the one on
+    /// PATH (the real-Kubernetes tier runs its API server on the etcd it builds).
+    pub async fn start_in_with(dir: &Path, n: usize, etcd: &Path) -> Result<EtcdCluster> {
+        Self::launch(dir, n, &[], etcd.to_path_buf(), &[]).await
+    }
+
+    /// [`EtcdCluster::start`] with more flags for every member.
+    pub async fn start_with_flags(n: usize, flags: &[&str]) -> Result<EtcdCluster> {
+        let tmp = tempfile::Builder::new()
+            .prefix("gpuledger-etcd-")
+            .tempdir()
+            .context("creating a temp dir for etcd")?;
+        let mut c = Self::launch(tmp.path(), n, &[], find_etcd()?, flags).await?;
+        c._tmp = Some(tmp);
+        Ok(c)
+    }
+
     /// Like [`EtcdCluster::start_in`], every member also serving clients on the same port of
     /// each loopback address in `aliases` (e.g. `127.0.1.1`). A client that reaches etcd only
     /// through its own alias can be cut off from etcd by an iptables rule on that address
@@ -78,7 +97,16 @@ impl EtcdCluster {
         n: usize,
         aliases: &[String],
     ) -> Result<EtcdCluster> {
-        let etcd = find_etcd()?;
+        Self::launch(dir, n, aliases, find_etcd()?, &[]).await
+    }
+
+    async fn launch(
+        dir: &Path,
+        n: usize,
+        aliases: &[String],
+        etcd: PathBuf,
+        flags: &[&str],
+    ) -> Result<EtcdCluster> {
         std::fs::create_dir_all(dir)?;
         let pki = Pki::new(dir)?;
         let member_cert = pki.peer("etcd-member")?;
@@ -105,6 +133,7 @@ impl EtcdCluster {
             etcd,
             initial_cluster,
             alias_hosts: aliases.to_vec(),
+            extra_flags: flags.iter().map(|f| f.to_string()).collect(),
             pki,
             member_cert,
             client_cert,
@@ -128,7 +157,7 @@ impl EtcdCluster {
             )
             .collect();
         let (ca, (cert, key)) = (self.pki.ca_file(), &self.member_cert);
-        let args = vec![
+        let mut args = vec![
             format!("--cert-file={}", cert.display()),
             format!("--key-file={}", key.display()),
             format!("--trusted-ca-file={}", ca.display()),
@@ -151,6 +180,7 @@ impl EtcdCluster {
             "--log-level=warn".into(),
             "--logger=zap".into(),
         ];
+        args.extend(self.extra_flags.iter().cloned());
         let p = Proc::spawn(&self.dir, &m.name, &self.etcd, args, Vec::new())?;
         self.members[i].proc = Some(p);
         Ok(())

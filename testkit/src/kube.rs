@@ -15,5 +15,5 @@ pub mod stack;
 pub mod store;
 
 pub use apiserver::FakeApiServer;
-pub use scheduler::{ExtenderClient, ExtenderConfig, ExtenderTls, SchedulerEmulator};
+pub use scheduler::{ExtenderClient, ExtenderConfig, ExtenderTls, Preemption, SchedulerEmulator};
 pub use stack::{KubeStack, StackOptions};

@@ -8,9 +8,11 @@
 //! here is a mock of etcd or of a gpuledger component.
 
 pub mod allocators;
+pub mod attacker;
 pub mod bins;
 pub mod cluster;
 pub mod etcd;
+pub mod fuzz;
 pub mod history;
 pub mod http;
 pub mod kube;

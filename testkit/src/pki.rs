@@ -49,6 +49,37 @@ impl Pki {
         }))
     }
 
+    /// An existing CA (its certificate and private key as PEM files, e.g. what
+    /// `deploy/scripts/gpuledger-certs.sh` made) with its files under `<dir>/pki`;
+    /// `issued` are certificates it already issued, `name` → (certificate, key), served as
+    /// they are instead of new ones.
+    pub fn adopt(
+        dir: &Path,
+        ca_cert: &Path,
+        ca_key: &Path,
+        issued: &[(&str, (PathBuf, PathBuf))],
+    ) -> Result<Arc<Pki>> {
+        let dir = dir.join("pki");
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let read = |p: &Path| {
+            std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))
+        };
+        let ca = Ca::from_pem(&read(ca_cert)?, &read(ca_key)?)
+            .with_context(|| format!("loading the CA {}", ca_cert.display()))?;
+        let ca_file = dir.join("ca.crt");
+        ca.write(&ca_file)?;
+        let issued = issued
+            .iter()
+            .map(|(n, files)| (n.to_string(), files.clone()))
+            .collect();
+        Ok(Arc::new(Pki {
+            dir,
+            ca,
+            ca_file,
+            issued: Mutex::new(issued),
+        }))
+    }
+
     /// The CA certificate every client and server of the run trusts.
     pub fn ca_file(&self) -> &Path {
         &self.ca_file

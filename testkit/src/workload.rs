@@ -46,7 +46,47 @@ pub fn pod(uid: &str, mem_mib: u64, core_pct: u32) -> api::PodRequest {
         placement: None,
         cpu_milli: 0,
         memory_mib: 0,
+        priority: 0,
     }
+}
+
+/// The `spec` of a pod, scheduled by `scheduler`, that asks for exactly what `r` asks for in
+/// gpuledger's resource names: the allocator compares an extender's reservation with it.
+pub fn pod_spec(r: &api::PodRequest, scheduler: &str) -> serde_json::Value {
+    use serde_json::{Map, Value, json};
+    let mut containers: Vec<Value> = r
+        .containers
+        .iter()
+        .map(|c| {
+            let mut limits = Map::new();
+            limits.insert("gpuledger.io/gpu".into(), json!(c.slices.to_string()));
+            if c.mem_mib > 0 {
+                limits.insert("gpuledger.io/gpu-mem".into(), json!(c.mem_mib.to_string()));
+            }
+            if c.mem_percent > 0 {
+                limits.insert(
+                    "gpuledger.io/gpu-mem-percent".into(),
+                    json!(c.mem_percent.to_string()),
+                );
+            }
+            if c.core_milli > 0 {
+                let pct = format!("{}.{}", c.core_milli / 10, c.core_milli % 10);
+                limits.insert("gpuledger.io/gpu-core".into(), json!(pct));
+            }
+            json!({"name": c.name, "image": "x", "resources": {"limits": limits}})
+        })
+        .collect();
+    let mut requests = Map::new();
+    if r.cpu_milli > 0 {
+        requests.insert("cpu".into(), json!(format!("{}m", r.cpu_milli)));
+    }
+    if r.memory_mib > 0 {
+        requests.insert("memory".into(), json!(format!("{}Mi", r.memory_mib)));
+    }
+    if let Some(first) = containers.first_mut() {
+        first["resources"]["requests"] = Value::Object(requests);
+    }
+    json!({"schedulerName": scheduler, "containers": containers})
 }
 
 /// Reserve as the extender through the one client to every replica of `allocs`, starting at

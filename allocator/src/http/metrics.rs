@@ -27,12 +27,18 @@ use crate::shared::{Role, Shared};
 
 /// Render every metric in the OpenMetrics text format: the hot-path metrics of
 /// [`crate::metrics::Metrics`] and the view of the ledger, read from the state at scrape time.
-pub fn render(shared: &Arc<Shared>) -> String {
-    let view = View::of(shared);
+/// The per-namespace families only with `namespaces` (`--metrics-namespaces`): they name
+/// tenants and their usage to whoever reaches the port.
+pub fn render(shared: &Arc<Shared>, namespaces: bool) -> String {
+    let mut view = View::of(shared);
+    if !namespaces {
+        view.namespaces.clear();
+    }
     let mut per_scrape = Registry::with_prefix(PREFIX);
     per_scrape.register_collector(Box::new(LedgerCollector {
         view,
         events: shared.metrics.event_counts(),
+        limited: shared.metrics.bites.counts(),
     }));
     shared.metrics.encode_with(&per_scrape)
 }
@@ -199,6 +205,8 @@ fn namespaces(l: &Ledger, now_ms: i64) -> Vec<NsRow> {
 struct LedgerCollector {
     view: View,
     events: [u64; EVENT_TYPES.len()],
+    /// How often each limit on callers refused something.
+    limited: Vec<(&'static str, u64)>,
 }
 
 impl LedgerCollector {
@@ -373,6 +381,17 @@ impl Collector for LedgerCollector {
             }
         }
         encode_namespaces(&mut enc, &v.namespaces)?;
+        {
+            let mut m = enc.encode_descriptor(
+                "limited",
+                "Connections, handshakes, requests, streams or token reviews a limit on callers refused, by limit",
+                None,
+                MetricType::Counter,
+            )?;
+            for (limit, n) in &self.limited {
+                ConstCounter::new(*n).encode(m.encode_family(&[("limit", *limit)])?)?;
+            }
+        }
         Ok(())
     }
 }

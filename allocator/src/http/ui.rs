@@ -380,6 +380,21 @@ fn describe(e: &pb::Event) -> (&'static str, &str, String) {
         Some(Body::BudgetRemoved(b)) => {
             ("budget_removed", "", ns_or_default(&b.namespace).to_owned())
         }
+        Some(Body::Nominated(n)) => (
+            "nominated",
+            &n.node,
+            format!(
+                "{} (priority {}) evicting {} pod(s)",
+                pod(&n.pod),
+                n.priority,
+                n.victims.len()
+            ),
+        ),
+        Some(Body::NominationEnded(x)) => (
+            "nomination_ended",
+            &x.node,
+            format!("{}: {}", pod(&x.pod), x.reason),
+        ),
         None => ("empty", "", String::new()),
     }
 }

@@ -1,21 +1,23 @@
 //! What the reconcile of the ledger against Kubernetes decides, as pure functions: the ledger's
 //! allocations and nodes, what the watch caches (or the API server) show, and the time in;
-//! the fixes out. The watcher gathers the inputs and applies the fixes.
+//! the fixes out. The watcher gathers the inputs and applies the fixes. Reservations expire
+//! on this replica's monotonic clock ([`Expiry`]), never on the wall clock of the leader that
+//! wrote their deadline.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
+
+pub use crate::expiry::Expiry;
 
 use gpuledger_ledger::state::AllocState;
 use gpuledger_ledger::{Alloc, Ledger};
 use k8s_openapi::api::core::v1::{Node, Pod};
 
-/// How long a fresh reservation may be missing from the pod cache before it counts as gone
-/// (the watch may simply not have delivered the pod yet).
-pub const YOUNG_MS: i64 = 5_000;
-
 /// One allocation as the reconcile sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Held {
+    /// The allocation's id.
+    pub id: u64,
     /// The pod's namespace.
     pub ns: String,
     /// The pod's name.
@@ -120,6 +122,7 @@ pub enum Fix {
 impl Held {
     fn of(a: &Alloc) -> Held {
         Held {
+            id: a.id,
             ns: a.pod.namespace.clone(),
             name: a.pod.name.clone(),
             node: a.node.clone(),
@@ -163,17 +166,23 @@ pub fn on_pod(pod: &PodFacts, held: &[Held]) -> Option<Fix> {
         })
 }
 
-/// Compare every pod's allocations with the pod cache at `now_ms`: `cached` finds a pod by
-/// namespace and name (the caller checks the UID).
+/// Compare every pod's allocations with the pod cache at `now` (this replica's monotonic
+/// clock): `cached` finds a pod by namespace and name (the caller checks the UID); `expiry`
+/// remembers when this replica first saw each reservation, and forgets those no longer held.
 pub fn plan_pods(
     held: &BTreeMap<String, Vec<Held>>,
     cached: impl Fn(&str, &str) -> Option<PodFacts>,
-    now_ms: i64,
+    expiry: &mut Expiry,
+    now: tokio::time::Instant,
 ) -> Vec<Fix> {
+    let ids: HashSet<u64> = held.values().flatten().map(|x| x.id).collect();
+    expiry.retain(|id| ids.contains(&id));
     let mut fixes = Vec::new();
     for (uid, list) in held {
         let Some(a) = list.first() else { continue };
-        let expired = list.iter().any(|x| x.reserved && x.deadline_ms <= now_ms);
+        let expired = list
+            .iter()
+            .any(|x| x.reserved && expiry.expired(x.id, x.reserved_ms, x.deadline_ms, now));
         match cached(&a.ns, &a.name).filter(|p| &p.uid == uid) {
             Some(p) => {
                 if p.finished.is_some() || p.node.as_deref() == Some(a.node.as_str()) {
@@ -186,7 +195,7 @@ pub fn plan_pods(
                 }
             }
             None => {
-                let young = list.iter().all(|x| now_ms - x.reserved_ms < YOUNG_MS);
+                let young = list.iter().all(|x| expiry.young(x.id, now));
                 if young && !expired {
                     continue;
                 }

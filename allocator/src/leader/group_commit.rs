@@ -279,6 +279,20 @@ impl<W> GroupCommit<W> {
         self.in_flight_failed(UNKNOWN, StepDown::Etcd(e));
     }
 
+    /// etcd refused the batch in flight and certainly did not write it (its space quota is
+    /// used up): its waiters, and those of the batch filling behind it (decided on top of
+    /// it), are told `why`, and leadership goes on from the committed state — the shell
+    /// drops its speculative state back to it.
+    pub fn refused(&mut self, why: &'static str) {
+        let Some(waiters) = self.in_flight.take() else {
+            return;
+        };
+        self.fail(waiters, why);
+        let pending = std::mem::replace(&mut self.pending, Pending::new());
+        self.fail(pending.waiters, why);
+        self.finish_stopping();
+    }
+
     fn in_flight_failed(&mut self, why: &'static str, reason: StepDown) {
         let Some(waiters) = self.in_flight.take() else {
             return;

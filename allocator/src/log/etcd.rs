@@ -1,5 +1,6 @@
 //! The log in etcd: key layout, fenced commits, range reads, snapshots.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use etcd_client::{Compare, CompareOp, GetOptions, KvClient, SortOrder, SortTarget, Txn, TxnOp};
@@ -24,6 +25,9 @@ pub struct EtcdLog {
     writer: KvClient,
     prefix: String,
     timeout: Duration,
+    /// When set, pages read are decoded on a blocking thread holding one of these permits,
+    /// not on the async runtime (a long ReadLog is CPU-heavy).
+    decoders: Option<Arc<tokio::sync::Semaphore>>,
 }
 
 fn seq_key(seq: u64) -> String {
@@ -42,7 +46,41 @@ impl EtcdLog {
             kv,
             prefix: format!("/gpuledger/{cluster}/"),
             timeout,
+            decoders: None,
         }
+    }
+
+    /// The same log, decoding what it reads on blocking threads, at most as many at once as
+    /// `decoders` has permits.
+    pub fn with_decoders(mut self, decoders: Arc<tokio::sync::Semaphore>) -> Self {
+        self.decoders = Some(decoders);
+        self
+    }
+
+    /// Decode a page of batches (key, value), off the runtime when decoders are set.
+    async fn decode_page(
+        &self,
+        kvs: Vec<etcd_client::KeyValue>,
+    ) -> Result<Vec<(pb::EventBatch, etcd_client::KeyValue)>, LogError> {
+        let decode = move |kvs: Vec<etcd_client::KeyValue>| {
+            kvs.into_iter()
+                .map(|kv| decode_batch(kv.key(), kv.value()).map(|b| (b, kv)))
+                .collect::<Result<Vec<_>, LogError>>()
+        };
+        let Some(decoders) = &self.decoders else {
+            return decode(kvs);
+        };
+        let permit = decoders
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| LogError::Stopped("shutting down".into()))?;
+        tokio::task::spawn_blocking(move || {
+            let _thread = permit;
+            decode(kvs)
+        })
+        .await
+        .map_err(|e| LogError::Stopped(e.to_string()))?
     }
 
     /// The same log, with its commits sent through `client` (a connection to the member that
@@ -301,9 +339,10 @@ impl EtcdLog {
                     ),
                 )
                 .await?;
-            let kvs = resp.kvs();
-            for kvp in kvs {
-                let b = decode_batch(kvp.key(), kvp.value())?;
+            let more = resp.more();
+            let mut resp = resp;
+            let page = self.decode_page(resp.take_kvs()).await?;
+            for (b, kvp) in &page {
                 let last = b.events.last().map_or(b.first_seq, |e| e.seq);
                 if last < from {
                     continue;
@@ -311,14 +350,13 @@ impl EtcdLog {
                 if to > 0 && b.first_seq > to {
                     return Ok(rev);
                 }
-                if !f(b, kvp.value()) {
+                if !f(b.clone(), kvp.value()) {
                     return Ok(rev);
                 }
             }
-            if !resp.more() || kvs.is_empty() {
+            let Some((_, last)) = page.last().filter(|_| more) else {
                 return Ok(rev);
-            }
-            let last = kvs.last().expect("non-empty page");
+            };
             let mut next = last.key().to_vec();
             next.push(0);
             start = String::from_utf8_lossy(&next).into_owned();

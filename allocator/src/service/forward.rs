@@ -116,11 +116,16 @@ impl Service {
     {
         let forwarded = req.metadata().get(FORWARDED).is_some();
         let (_, mut extensions, inner) = req.into_parts();
-        // The leader judges a forwarded write as its original caller's.
-        let caller = extensions.remove::<Authenticated>().map(|a| a.caller);
-        let actor = caller
-            .as_ref()
-            .map_or_else(|| self.shared.actor(), actor_of);
+        // The leader judges a forwarded write as its original caller's, and records the
+        // replica that forwarded it.
+        let auth = extensions.remove::<Authenticated>();
+        let actor = auth.as_ref().map_or_else(
+            || self.shared.actor(),
+            |a| pb::Actor {
+                via: a.forwarded_by.clone().unwrap_or_default(),
+                ..actor_of(&a.caller)
+            },
+        );
         let started = tokio::time::Instant::now();
         let mut attempts = 0u32;
         let attempt = || {
@@ -129,7 +134,7 @@ impl Service {
             let refresh = attempts > 1;
             let inner = inner.clone();
             let (cmd, local_reply, call) = (&cmd, &local_reply, &call);
-            let caller = caller.as_ref();
+            let auth = auth.as_ref();
             let actor = &actor;
             async move {
                 if let Some(r) = self
@@ -150,11 +155,31 @@ impl Service {
                 let mut r = Request::new(inner);
                 r.metadata_mut()
                     .insert(FORWARDED, tonic::metadata::MetadataValue::from_static("1"));
-                if let Some(v) = caller
-                    .map(server::on_behalf_of)
-                    .and_then(|v| v.to_str().ok().and_then(|v| v.parse().ok()))
-                {
-                    r.metadata_mut().insert(server::ON_BEHALF_OF, v);
+                // A token caller's own token, which the leader reviews itself; for a
+                // certificate caller, a claim this replica's own certificate vouches for.
+                match auth {
+                    Some(Authenticated { token: Some(t), .. }) => {
+                        let v =
+                            t.0.to_str()
+                                .ok()
+                                .and_then(|v| v.parse().ok())
+                                .ok_or_else(|| {
+                                    Attempt::Final(Status::invalid_argument(
+                                        "the caller's token cannot be forwarded to the leader",
+                                    ))
+                                })?;
+                        r.metadata_mut().insert(server::FORWARDED_AUTHORIZATION, v);
+                    }
+                    Some(a) => {
+                        if let Some(v) = server::on_behalf_of(&a.caller)
+                            .to_str()
+                            .ok()
+                            .and_then(|v| v.parse().ok())
+                        {
+                            r.metadata_mut().insert(server::ON_BEHALF_OF, v);
+                        }
+                    }
+                    None => {}
                 }
                 r.set_timeout(Duration::from_secs(10));
                 match call(AllocatorClient::new(ch), r).await {
@@ -188,6 +213,7 @@ pub fn actor_of(c: &gpuledger_auth::identity::Caller) -> pb::Actor {
         role: c.role.kind().into(),
         name: c.subject.clone(),
         node: c.node().unwrap_or_default().into(),
+        via: String::new(),
     }
 }
 

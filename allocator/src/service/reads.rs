@@ -14,21 +14,22 @@ pub(super) async fn filter(
     svc.check_serving()?;
     let r = req.into_inner();
     let pr = svc.request(r.request)?;
-    let resp = {
-        let l = &*svc.shared.view().await;
-        let names: Vec<String> = if r.nodes.is_empty() {
-            l.nodes().keys().cloned().collect()
-        } else {
-            r.nodes
-        };
-        let f = placement::filter_nodes(l, names, &pr);
-        api::FilterResponse {
-            nodes: f.fits,
-            failed: f.wait.into_iter().collect(),
-            unresolvable: f.never.into_iter().collect(),
-            seq: l.seq(),
-        }
-    };
+    let resp = svc
+        .on_view(move |l| {
+            let names: Vec<String> = if r.nodes.is_empty() {
+                l.nodes().keys().cloned().collect()
+            } else {
+                r.nodes
+            };
+            let f = placement::filter_nodes(l, names, &pr);
+            api::FilterResponse {
+                nodes: f.fits,
+                failed: f.wait.into_iter().collect(),
+                unresolvable: f.never.into_iter().collect(),
+                seq: l.seq(),
+            }
+        })
+        .await?;
     Ok(Response::new(resp))
 }
 
@@ -39,16 +40,17 @@ pub(super) async fn score(
     svc.check_serving()?;
     let r = req.into_inner();
     let pr = svc.request(r.request)?;
-    let l = svc.shared.view().await;
-    let resp = api::ScoreResponse {
-        seq: l.seq(),
-        scores: placement::score_nodes(&l, r.nodes.iter().map(String::as_str), &pr)
-            .map(|(n, score)| api::NodeScore {
-                node: n.to_string(),
-                score: score.unwrap_or(0),
-            })
-            .collect(),
-    };
+    let resp = svc
+        .on_view(move |l| api::ScoreResponse {
+            seq: l.seq(),
+            scores: placement::score_nodes(l, r.nodes.iter().map(String::as_str), &pr)
+                .map(|(n, score)| api::NodeScore {
+                    node: n.to_string(),
+                    score: score.unwrap_or(0),
+                })
+                .collect(),
+        })
+        .await?;
     Ok(Response::new(resp))
 }
 
@@ -63,9 +65,11 @@ pub(super) async fn status(
     };
     let serving = svc.shared.serving();
     let leader_known = role.role == Role::Leader || !role.leader.is_empty();
-    let not_ready = match (&serving, leader_known) {
-        (Err(e), _) => e.clone(),
-        (Ok(()), false) => "no allocator leader is elected right now".into(),
+    let nospace = svc.shared.nospace();
+    let not_ready = match (&serving, &nospace, leader_known) {
+        (Err(e), _, _) => e.clone(),
+        (Ok(()), Some(_), _) => crate::shared::NOSPACE_REFUSAL.into(),
+        (Ok(()), None, false) => "no allocator leader is elected right now".into(),
         _ => String::new(),
     };
     Ok(Response::new(api::StatusResponse {
@@ -79,6 +83,7 @@ pub(super) async fn status(
         not_ready_reason: not_ready,
         nodes,
         allocations,
+        etcd_alarm: nospace.map_or_else(String::new, |_| "NOSPACE".into()),
     }))
 }
 
@@ -86,12 +91,18 @@ pub(super) async fn dump(
     svc: &Service,
     _req: Request<api::DumpRequest>,
 ) -> Result<Response<api::DumpResponse>, Status> {
-    let view = svc.shared.view().await;
-    let mut snapshot = view.to_snapshot();
-    // With the chain's hash at its seq, `verify` checks the replica folded the log it reads.
-    if let Some(h) = svc.shared.chain_hash_at(view.seq()) {
-        snapshot.chain_hash = h.to_vec();
-    }
+    let shared = svc.shared.clone();
+    let snapshot = svc
+        .on_view(move |view| {
+            let mut snapshot = view.to_snapshot();
+            // With the chain's hash at its seq, `verify` checks the replica folded the log it
+            // reads.
+            if let Some(h) = shared.chain_hash_at(view.seq()) {
+                snapshot.chain_hash = h.to_vec();
+            }
+            snapshot
+        })
+        .await?;
     Ok(Response::new(api::DumpResponse {
         snapshot: Some(snapshot),
         replica: svc.shared.replica.clone(),

@@ -131,6 +131,8 @@ fn event_node(e: &pb::Event) -> Option<&str> {
         Body::IdentityCorrected(c) => &c.node,
         Body::Released(r) => &r.node,
         Body::LimitViolated(v) => &v.node,
+        Body::Nominated(n) => &n.node,
+        Body::NominationEnded(x) => &x.node,
         Body::LeaderElected(_)
         | Body::QuotaSet(_)
         | Body::BudgetSet(_)

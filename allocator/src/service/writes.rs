@@ -27,6 +27,8 @@ pub(super) async fn register_node(
         .inventory
         .clone()
         .ok_or_else(|| Status::invalid_argument("inventory is missing"))?;
+    svc.write_limits
+        .check_inventory(&inv, &svc.shared.metrics)?;
     svc.write(
         req,
         || Ok(Command::RegisterNode(inv.clone())),
@@ -79,8 +81,6 @@ pub(super) async fn set_device_health(
 
 /// The longest a reservation may wait to be bound (the allocator's --reserve-ttl is 60 s).
 const MAX_RESERVE_TTL_MS: u64 = 3_600_000;
-/// Containers of one pod that may ask for GPUs.
-const MAX_CONTAINERS: usize = 64;
 
 pub(super) async fn reserve(
     svc: &Service,
@@ -96,12 +96,6 @@ pub(super) async fn reserve(
         return Err(Status::invalid_argument(format!(
             "ttl_ms {} is over {MAX_RESERVE_TTL_MS} (an hour): a reservation that is never bound must expire",
             r.ttl_ms
-        )));
-    }
-    let containers = r.request.as_ref().map_or(0, |p| p.containers.len());
-    if containers > MAX_CONTAINERS {
-        return Err(Status::invalid_argument(format!(
-            "{containers} containers ask for GPUs; a pod may have at most {MAX_CONTAINERS}"
         )));
     }
     let pr = svc.request(r.request.clone())?;

@@ -1,6 +1,6 @@
 //! What the allocator's tests share: a lone replica started by hand, and the pods the
 //! extender's `Reserve` needs (with a Kubernetes API, the allocator admits it only for a pod
-//! the API server has, scheduled by gpuledger).
+//! the API server has, scheduled by gpuledger, asking for what is reserved).
 
 #![allow(dead_code)]
 
@@ -17,8 +17,8 @@ use gpuledger_testkit::{Identities, Proc, bin_path, free_port};
 use k8s_openapi::serde_json::{Value, json};
 use tonic::{Code, Status};
 
-/// Create `r`'s pod in the fake API server (its namespace, name and uid), pending and
-/// scheduled by gpuledger's scheduler.
+/// Create `r`'s pod in the fake API server (its namespace, name and uid), pending, scheduled
+/// by gpuledger's scheduler and asking for what `r` asks for.
 pub fn add_api_pod(api: &FakeApiServer, r: &api::PodRequest) -> anyhow::Result<Value> {
     let p = r
         .pod
@@ -26,10 +26,7 @@ pub fn add_api_pod(api: &FakeApiServer, r: &api::PodRequest) -> anyhow::Result<V
         .ok_or_else(|| anyhow::anyhow!("the request names no pod"))?;
     api.add_pod(json!({
         "metadata": {"name": p.name, "namespace": p.namespace, "uid": p.uid},
-        "spec": {
-            "schedulerName": SCHEDULER_NAME,
-            "containers": [{"name": "main", "image": "x"}],
-        },
+        "spec": gpuledger_testkit::workload::pod_spec(r, SCHEDULER_NAME),
     }))
 }
 

@@ -52,7 +52,8 @@ fn which_role_may_make_which_call() {
             ConfirmBound,
             Release,
             Status,
-            Replicate
+            Replicate,
+            Preempt
         ]
     );
     assert_eq!(
@@ -200,6 +201,30 @@ fn the_extender_reserves_only_for_admissible_pods() {
         ..Facts::default()
     };
     assert!(authorize(&ext, Call::Reserve, &no_api, Some("n1")).is_ok());
+}
+
+#[test]
+fn the_extender_preempts_only_for_pending_admissible_pods() {
+    let ext = caller(Role::Extender);
+    // Preempt names no node: a pod bound anywhere may not evict others.
+    assert!(authorize(&ext, Call::Preempt, &pod(true, None, false), None).is_ok());
+    for (facts, why) in [
+        (pod(true, Some("n1"), false), "bound to node n1"),
+        (
+            pod(false, None, false),
+            "not scheduled by a gpuledger scheduler",
+        ),
+        (pod(true, None, true), "ended"),
+        (Facts::default(), "no pod with this UID"),
+    ] {
+        let e = authorize(&ext, Call::Preempt, &facts, None).unwrap_err();
+        assert!(e.why.contains(why), "{e} (want {why})");
+        assert_eq!(e.rule, "extender-preempt-admissible-pod");
+    }
+    for role in [Role::Viewer, Role::Admin, Role::Allocator] {
+        assert!(rule_for(&role, Call::Preempt).is_none(), "{role:?}");
+    }
+    assert!(rule_for(&Role::NodeAgent { node: "a".into() }, Call::Preempt).is_none());
 }
 
 #[test]

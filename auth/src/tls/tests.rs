@@ -3,6 +3,7 @@ use std::time::Instant;
 use futures::StreamExt;
 use rustls::pki_types::ServerName;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
 
 use super::*;
 use crate::identity::Role;
@@ -47,7 +48,12 @@ async fn echo(
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = l.local_addr().unwrap().port();
     let stop = CancellationToken::new();
-    let mut conns = Box::pin(incoming(l, tls.clone(), timeout, stop.clone()));
+    let limits = ListenerLimits {
+        hello_timeout: timeout,
+        handshake_timeout: timeout,
+        ..ListenerLimits::default()
+    };
+    let mut conns = Box::pin(incoming(l, tls.clone(), limits, Bites::new(), stop.clone()));
     tokio::spawn(async move {
         while let Some(Ok(mut s)) = conns.next().await {
             tokio::spawn(async move {
@@ -111,7 +117,7 @@ async fn a_client_the_ca_signed_is_served_and_its_identity_read() {
     assert_eq!(c.role, Role::NodeAgent { node: "n1".into() });
     let a = Authenticator::new(None);
     let got = a
-        .authenticate(&http::HeaderMap::new(), Some(&[der]))
+        .authenticate(&http::HeaderMap::new(), Some(&[der]), None)
         .await
         .unwrap();
     assert_eq!(got.caller, c);
@@ -188,14 +194,14 @@ async fn a_client_that_never_finishes_its_handshake_is_cut_and_holds_up_nobody()
 #[tokio::test]
 async fn no_credentials_and_unknown_certificates_are_unauthenticated() {
     let a = Authenticator::new(None);
-    let r = a.authenticate(&http::HeaderMap::new(), None).await;
+    let r = a.authenticate(&http::HeaderMap::new(), None, None).await;
     assert!(
         matches!(r, Err(Refusal::Unauthenticated(ref m)) if m.contains("no credentials")),
         "{r:?}"
     );
     let mut h = http::HeaderMap::new();
     h.insert(http::header::AUTHORIZATION, "Bearer abc".parse().unwrap());
-    let r = a.authenticate(&h, None).await;
+    let r = a.authenticate(&h, None, None).await;
     assert!(
         matches!(r, Err(Refusal::Unauthenticated(ref m)) if m.contains("client certificates only")),
         "{r:?}"
@@ -208,7 +214,9 @@ async fn no_credentials_and_unknown_certificates_are_unauthenticated() {
         .next()
         .unwrap()
         .unwrap();
-    let r = a.authenticate(&http::HeaderMap::new(), Some(&[der])).await;
+    let r = a
+        .authenticate(&http::HeaderMap::new(), Some(&[der]), None)
+        .await;
     assert!(
         matches!(r, Err(Refusal::Unauthenticated(ref m)) if m.contains("names no gpuledger identity")),
         "{r:?}"
@@ -239,7 +247,11 @@ async fn a_forwarding_header_counts_only_from_an_allocator() {
 
     // A node agent claiming to forward for an admin stays a node agent.
     let forged = a
-        .authenticate(&h, Some(&[der(Role::NodeAgent { node: "n1".into() })]))
+        .authenticate(
+            &h,
+            Some(&[der(Role::NodeAgent { node: "n1".into() })]),
+            None,
+        )
         .await
         .unwrap();
     assert_eq!(forged.caller.role, Role::NodeAgent { node: "n1".into() });
@@ -248,7 +260,7 @@ async fn a_forwarding_header_counts_only_from_an_allocator() {
 
     // An allocator replica forwarding for an admin: the admin is the caller.
     let fwd = a
-        .authenticate(&h, Some(&[der(Role::Allocator)]))
+        .authenticate(&h, Some(&[der(Role::Allocator)]), None)
         .await
         .unwrap();
     assert_eq!(fwd.caller, admin);

@@ -88,8 +88,45 @@ pub fn describe(e: &pb::Event) -> String {
             budget_owner(&b.namespace),
             b.source
         ),
+        Some(Body::Nominated(n)) => {
+            let victims: Vec<String> = n
+                .victims
+                .iter()
+                .map(|v| format!("{} (priority {})", pod_name(v.pod.as_ref()), v.priority))
+                .collect();
+            let shares: Vec<String> = n
+                .containers
+                .iter()
+                .flat_map(|c| &c.shares)
+                .map(|s| format!("{} {}MiB {}%", s.gpu_uuid, s.mem_mib, s.core_milli / 10))
+                .collect();
+            format!(
+                "{} (priority {}) nominated on {} for {} until {}, evicting {}",
+                pod_name(n.pod.as_ref()),
+                n.priority,
+                n.node,
+                shares.join(", "),
+                fmt_time(n.deadline_ms),
+                if victims.is_empty() {
+                    "nothing (the room was already being freed)".to_string()
+                } else {
+                    victims.join(", ")
+                }
+            )
+        }
+        Some(Body::NominationEnded(x)) => format!(
+            "nomination of {} on {} ended ({})",
+            pod_name(x.pod.as_ref()),
+            x.node,
+            x.reason
+        ),
         None => "(empty event)".into(),
     }
+}
+
+/// `namespace/name` of a pod reference.
+fn pod_name(p: Option<&pb::PodRef>) -> String {
+    p.map_or_else(|| "?".into(), |p| format!("{}/{}", p.namespace, p.name))
 }
 
 /// Whose budget an event is about: a namespace, or "" for the cluster default.
@@ -120,8 +157,19 @@ pub async fn audit(a: AuditArgs) -> Result<()> {
     let mut ids: Vec<u64> = Vec::new();
     let mut t = Table::new(&["SEQ", "EPOCH", "TIME", "ACTOR", "EVENT"]);
     let mut found = 0;
+    let is = |p: Option<&pb::PodRef>| {
+        let p = p.cloned().unwrap_or_default();
+        match ns {
+            Some(ns) => p.namespace == ns && p.name == name,
+            None => p.uid == name || p.name == name,
+        }
+    };
     read_log(&a.target, 0, |e| {
         let mine = match &e.body {
+            Some(Body::Nominated(n)) => {
+                is(n.pod.as_ref()) || n.victims.iter().any(|v| is(v.pod.as_ref()))
+            }
+            Some(Body::NominationEnded(x)) => is(x.pod.as_ref()),
             Some(Body::Reserved(r)) => {
                 let p = r.pod.clone().unwrap_or_default();
                 let hit = match ns {
@@ -183,6 +231,7 @@ mod tests {
             role: "node-agent".into(),
             name: "gpuledger/agent".into(),
             node: "n1".into(),
+            ..Default::default()
         };
         assert_eq!(actor(Some(&node_agent)), "node-agent gpuledger/agent@n1");
     }

@@ -382,7 +382,19 @@ pub async fn verify(a: VerifyArgs) -> Result<()> {
         l.allocs().len(),
         snap_hashes.len()
     );
+    let chain_problems = problems.iter().filter(|p| p.starts_with("chain: ")).count();
+    let log_read = !problems.iter().any(|p| p.starts_with("log: "));
     match chain.unchained_until() {
+        // Never "every batch links" beside a difference that says otherwise.
+        _ if chain.broken.is_some() => {
+            println!("hash chain: BROKEN (see the chain DIFFERENCE below)")
+        }
+        _ if chain_problems > 0 => println!(
+            "hash chain: the log links, but {chain_problems} replica or snapshot hash(es) differ from it (see DIFFERENCE below)"
+        ),
+        _ if !log_read => {
+            println!("hash chain: not checked to the end: the log could not be read to its head")
+        }
         0 => println!("hash chain: every batch links to the one before it"),
         n => println!(
             "hash chain: unchained before seq {} (batches written before the log was hash-chained; not a sign of tampering, and not covered by the chain); linked from there on",

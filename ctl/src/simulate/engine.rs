@@ -527,6 +527,7 @@ fn request(p: &PodRow, id: usize, workload: &Arc<Workload>) -> PodRequest {
         memory_mib: p.memory_mib,
         workload: Some(workload.clone()),
         salt: 0,
+        priority: 0,
     }
 }
 

@@ -124,15 +124,32 @@ async fn do_bind(app: &App, a: &BindingArgs) -> Result<(), String> {
             a.pod_namespace, a.pod_name, pod.metadata.uid, a.pod_uid
         ));
     }
+    // The API server defaults an unset schedulerName to the default scheduler's.
+    let scheduler = (pod.spec.as_ref())
+        .and_then(|s| s.scheduler_name.as_deref())
+        .unwrap_or("default-scheduler");
+    if !app.scheduler_names.iter().any(|n| n == scheduler) {
+        return Err(format!(
+            "pod {}/{} is scheduled by {scheduler:?}, not by a gpuledger scheduler ({}): not bound",
+            a.pod_namespace,
+            a.pod_name,
+            app.scheduler_names.join(", ")
+        ));
+    }
     let uid = pod.metadata.uid.clone().unwrap_or_default();
     Span::current().record("pod_uid", uid.as_str());
     let req = resources::pod_request(&pod).map_err(|e| e.to_string())?;
     let reserved = match req {
         None => None,
         Some(req) => {
-            let assumed = early.or_else(|| {
-                (app.replica.as_ref()).map(|rep| rep.in_flight.assume(&uid, &a.node, req.clone()))
-            });
+            let assumed = match early {
+                Some(x) => {
+                    x.confirm(req.clone());
+                    Some(x)
+                }
+                None => (app.replica.as_ref())
+                    .map(|rep| rep.in_flight.assume(&uid, &a.node, req.clone())),
+            };
             let rr = api::ReserveRequest {
                 request: Some(req),
                 node: a.node.clone(),

@@ -15,6 +15,7 @@ use tracing::{Span, debug, instrument, warn};
 
 use super::wire::{ExtenderArgs, FilterResult, NodeList, node_name, take_node_names};
 use super::{App, bad_request, failed, json_sized, record_pod};
+use crate::preemption::Preemption;
 use crate::{parallel, resources};
 
 /// Keep the nodes named in `keep`, in the request's form: full nodes when it carried them
@@ -91,8 +92,9 @@ pub(super) async fn filter(State(app): State<App>, body: Bytes) -> Response {
                 Ok(pr) => {
                     let mut f = parallel::filter_nodes(l, &names, &pr);
                     r.in_flight.filter(l, d, &pr, &mut f);
+                    let nominated = nominee_waits(l, &pr, &mut f);
                     // A node the replica does not know yet may be registered by now: ask.
-                    (f.unregistered == 0).then(|| Ok((f, l.seq())))
+                    (f.unregistered == 0).then(|| Ok((f, l.seq(), nominated)))
                 }
                 Err(why) => Some(Err(tonic::Status::invalid_argument(why))),
             })
@@ -123,13 +125,15 @@ pub(super) async fn filter(State(app): State<App>, body: Bytes) -> Response {
                         ..Default::default()
                     },
                     r.seq,
+                    // Unknown here: the leader answers a live nomination as a repeat.
+                    false,
                 )),
                 Err(s) => Err((fr.nodes, s)),
             }
         }
     };
     match answer {
-        Ok((f, seq)) => {
+        Ok((f, seq, nominated)) => {
             Span::current().record("seq", seq);
             debug!(
                 feasible = f.fits.len(),
@@ -137,8 +141,22 @@ pub(super) async fn filter(State(app): State<App>, body: Bytes) -> Response {
                 "filter"
             );
             if let Some(r) = &app.replica {
-                // The scheduler binds the pod to one of these next, before it tells us which.
-                r.in_flight.feasible(&req, &f.fits);
+                // The scheduler binds the pod to one of these next, before it tells us which:
+                // counted once the API server confirms the pod (off the scheduler's path).
+                if let (Some(v), Some(kube)) = (r.in_flight.feasible(&req, &f.fits), &app.kube) {
+                    let (r, kube, names) = (r.clone(), kube.clone(), app.scheduler_names.clone());
+                    app.tasks.spawn(async move {
+                        let own = own_request(kube, &names, &v).await;
+                        r.in_flight.verified(&v.uid, own);
+                    });
+                }
+            }
+            // Only GPU room is missing, and the scheduler's own preemption cannot see it.
+            if f.fits.is_empty() && !f.wait.is_empty() && !nominated && Preemption::may_preempt(pod)
+            {
+                let nodes = f.wait.iter().map(|(n, _)| n.clone()).collect();
+                app.preemption
+                    .ask(&app.allocators, &app.tasks, req.clone(), nodes);
             }
             out.failed_nodes = f.wait.into_iter().chain(f.never.clone()).collect();
             out.failed_and_unresolvable_nodes = f.never.into_iter().collect();
@@ -157,6 +175,64 @@ pub(super) async fn filter(State(app): State<App>, body: Bytes) -> Response {
     let hint = out.node_names.as_ref().map_or(0, Vec::len) * 24
         + (out.failed_nodes.len() + out.failed_and_unresolvable_nodes.len()) * 64;
     json_sized(&out, hint.max(128))
+}
+
+/// The request of the pod `v` names as the API server has it, if it has that pod pending, with
+/// that UID and of one of gpuledger's schedulers (`names`); None otherwise or on an error.
+async fn own_request(
+    kube: kube::Client,
+    names: &[String],
+    v: &crate::assume::Verify,
+) -> Option<api::PodRequest> {
+    let pods: kube::Api<k8s_openapi::api::core::v1::Pod> =
+        kube::Api::namespaced(kube, &v.namespace);
+    let pod = match pods.get_opt(&v.name).await {
+        Ok(p) => p?,
+        Err(e) => {
+            debug!(error = %e, "cannot check a filtered pod; it counts from its bind on");
+            return None;
+        }
+    };
+    let spec = pod.spec.as_ref()?;
+    let ours = names
+        .iter()
+        .any(|n| Some(n.as_str()) == spec.scheduler_name.as_deref());
+    let real = pod.metadata.uid.as_deref() == Some(v.uid.as_str())
+        && spec.node_name.is_none()
+        && pod.metadata.deletion_timestamp.is_none();
+    if !(ours && real) {
+        return None;
+    }
+    resources::pod_request(&pod).ok().flatten()
+}
+
+/// Whether the pod of `req` is nominated; if so, its nominated node's reason says that the
+/// room there is being freed for it.
+fn nominee_waits(
+    l: &gpuledger_ledger::Ledger,
+    req: &placement::PodRequest,
+    f: &mut placement::Filtered,
+) -> bool {
+    let Some(n) = l.nominations().get(&req.pod.uid) else {
+        return false;
+    };
+    let victims: Vec<String> = n
+        .victims
+        .iter()
+        .filter_map(|v| v.pod.as_ref())
+        .map(|p| format!("{}/{}", p.namespace, p.name))
+        .collect();
+    for (_, why) in f.wait.iter_mut().filter(|(node, _)| *node == n.node) {
+        why.push_str(&if victims.is_empty() {
+            "; GPU room here is kept for this pod while the pods leaving free it".to_string()
+        } else {
+            format!(
+                "; GPU room here is kept for this pod while {} (preempted for it) leave",
+                victims.join(", ")
+            )
+        });
+    }
+    true
 }
 
 fn unresolvable_everywhere(names: &[String], why: &str, out: &mut FilterResult) {

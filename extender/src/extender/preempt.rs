@@ -1,14 +1,18 @@
 //! `preempt`: for each of the scheduler's candidate nodes, the pods to evict so that the pod's
 //! GPU slices fit there, or no answer for the node when no eviction makes them fit.
 //!
-//! kube-scheduler 1.20's dry run does not see GPU memory or compute (`ignoredByScheduler`): it
-//! removes every lower-priority pod, finds that the pod "fits", and reprieves all it can, so the
-//! victims it offers rarely free a slice. It accepts any pod of the node in the answer
-//! (`convertPodUIDToPod` looks the UID up among the node's pods) and evicts exactly what is
-//! returned. So the answer is the scheduler's own victims (its CPU and memory need them) plus
-//! the fewest lower-priority pods whose slices let the pod fit on one GPU (or the GPUs it
-//! needs), chosen by [`preempt::choose_victims`] on the ledger replica; their priorities come
-//! from the API server's pods on the node, which also name the pods already terminating.
+//! kube-scheduler calls this verb only for nodes where its own dry run found victims, which
+//! needs a conflict on a resource it sees (CPU, memory, `gpuledger.io/gpu` slots): GPU memory
+//! and compute are `ignoredByScheduler`, and when only they are short the dry run reprieves
+//! every pod and the verb is never called (kubernetes#139270; filter then asks the allocator to
+//! preempt, see [`crate::preemption`]). When it is called, the scheduler's victims rarely free
+//! a slice; it accepts any pod of the node in the answer (`convertPodUIDToPod` looks the UID up
+//! among the node's pods) and evicts exactly what is returned. So the answer is the
+//! scheduler's own victims (its CPU and memory need them) plus the fewest lower-priority pods
+//! whose slices let the pod fit on one GPU (or the GPUs it needs), chosen by
+//! [`preempt::choose_victims`] on the ledger replica, with the room nominated for pods that
+//! outrank this one counted as taken; their priorities come from the API server's pods on the
+//! node, which also name the pods already terminating.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
@@ -145,7 +149,7 @@ fn choose(
     offered: &Offered,
     pods: Option<&[Pod]>,
 ) -> Option<Value> {
-    let node = l.node(n)?;
+    let node = l.node_for(n, req)?;
     let allocs: Vec<&Alloc> = node.allocs.iter().filter_map(|id| l.alloc(*id)).collect();
     let mut leaving: BTreeSet<String> = offered.uids.iter().cloned().collect();
     let mut evictable = Vec::new();
@@ -164,7 +168,7 @@ fn choose(
             });
         }
     }
-    let v = preempt::choose_victims(node, &allocs, req, priority, &leaving, &evictable)?;
+    let v = preempt::choose_victims(&node, &allocs, req, priority, &leaving, &evictable)?;
     let mut all: Vec<String> = offered.uids.iter().chain(&v.pods).cloned().collect();
     // The scheduler reads the first victim as the most important one (pickOneNodeForPreemption);
     // a pod whose priority is unknown is one it offered, already in its order.

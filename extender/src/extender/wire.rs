@@ -141,7 +141,7 @@ pub struct PreemptionResult {
 }
 
 /// The node names of the request, taken out of it (names, or the names of full nodes).
-pub(super) fn take_node_names<'a>(args: &mut ExtenderArgs<'a>) -> Vec<Cow<'a, str>> {
+pub fn take_node_names<'a>(args: &mut ExtenderArgs<'a>) -> Vec<Cow<'a, str>> {
     if let Some(n) = args.node_names.take() {
         return n.into_iter().map(|n| n.0).collect();
     }
@@ -157,6 +157,7 @@ pub(super) fn take_node_names<'a>(args: &mut ExtenderArgs<'a>) -> Vec<Cow<'a, st
         .unwrap_or_default()
 }
 
-pub(super) fn node_name(v: &Value) -> Option<String> {
+/// The name of a node as the scheduler sent it (its `metadata.name`).
+pub fn node_name(v: &Value) -> Option<String> {
     v.pointer("/metadata/name")?.as_str().map(String::from)
 }

@@ -331,7 +331,8 @@ pub(crate) fn cpu_left(node: &NodeState, extra: u64) -> u64 {
     if node.cpu_milli == 0 {
         u64::MAX
     } else {
-        node.cpu_milli.saturating_sub(node.cpu_used + extra)
+        node.cpu_milli
+            .saturating_sub(node.cpu_used.saturating_add(extra))
     }
 }
 

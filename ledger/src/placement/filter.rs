@@ -66,13 +66,21 @@ pub fn filter_nodes<S: AsRef<str> + Into<String>>(
 ) -> Filtered {
     let mut out = Filtered::default();
     for n in names {
-        match ledger.node(n.as_ref()).map(|ns| fit_node(ns, req)) {
+        // Room nominated for pods that outrank this one counts as taken.
+        let seen = ledger.node_for(n.as_ref(), req);
+        match seen.as_deref().map(|ns| fit_node(ns, req)) {
             None => {
                 out.unregistered += 1;
                 out.never.push((n.into(), NOT_REGISTERED.to_string()));
             }
             Some(Fit::Fits) => out.fits.push(n.into()),
-            Some(Fit::Wait(why)) => out.wait.push((n.into(), why)),
+            Some(Fit::Wait(why)) => {
+                let kept = match seen {
+                    Some(std::borrow::Cow::Owned(_)) => ledger.room_kept(n.as_ref(), req),
+                    _ => String::new(),
+                };
+                out.wait.push((n.into(), why + &kept));
+            }
             Some(Fit::Never(why)) => out.never.push((n.into(), why)),
         }
     }
@@ -179,6 +187,7 @@ pub(super) fn shortage(
 
 /// The node's CPU and host memory take the pod (the node-level checks of `evaluate`).
 pub(super) fn node_has_room(node: &NodeState, req: &PodRequest) -> bool {
-    (node.cpu_milli == 0 || node.cpu_used + req.cpu_milli <= node.cpu_milli)
-        && (node.memory_mib == 0 || node.memory_used + req.memory_mib <= node.memory_mib)
+    (node.cpu_milli == 0 || node.cpu_used.saturating_add(req.cpu_milli) <= node.cpu_milli)
+        && (node.memory_mib == 0
+            || node.memory_used.saturating_add(req.memory_mib) <= node.memory_mib)
 }

@@ -4,14 +4,17 @@
 //! scheduler), so it cannot tell which pods free a fit; this answers it from the ledger: the
 //! fewest pods whose slices, once released, let [`evaluate`] place the request, then the lowest
 //! priorities. Evicting a pod whose slices are on other GPUs than the ones the request lands on
-//! helps nobody, and such a pod is never in the answer.
+//! helps nobody, and such a pod is never in the answer. [`choose_victims`] answers for one node
+//! (the scheduler's `preempt` verb); [`choose_nomination`] picks the node as well (the
+//! allocator's own preemption, which nominates the pod for the room).
 
 use std::collections::BTreeSet;
 
 use rustc_hash::FxHashMap;
 
 use super::{ContainerPlacement, PodRequest, evaluate, materialize};
-use crate::state::{Alloc, NodeState, pod_kind};
+use crate::pb;
+use crate::state::{Alloc, Ledger, NodeState, pod_kind};
 
 /// Placement evaluations spent on the exhaustive search before it settles for an irreducible set
 /// found greedily: a node with many small pods would otherwise cost C(n, k) evaluations.
@@ -172,6 +175,161 @@ pub fn choose_victims(
         .iter()
         .for_each(|&i| freed[i].apply(&mut scratch, false));
     answer(&scratch, &chosen)
+}
+
+/// What Kubernetes says about the pods of one candidate node.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NodePods {
+    /// The node.
+    pub node: String,
+    /// Its pods that may be evicted, with their priorities (the caller leaves out pods a
+    /// PodDisruptionBudget protects and pods already terminating).
+    pub evictable: Vec<Evictable>,
+    /// UIDs of its pods on their way out anyway (terminating, or ended).
+    pub leaving: BTreeSet<String>,
+}
+
+/// Where to preempt for a pod, and what.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plan {
+    /// The node.
+    pub node: String,
+    /// The pods to evict, with their priorities, lowest priority first; empty when the pod
+    /// fits there once the pods already leaving are gone.
+    pub victims: Vec<Evictable>,
+    /// Where the pod's containers land once they are gone.
+    pub placement: Vec<ContainerPlacement>,
+}
+
+impl Plan {
+    /// The `Nominated` event of this plan for `req`, ending at `deadline_ms`; `pods` names the
+    /// victims (namespace and name by UID; unknown ones keep only their UID).
+    pub fn nomination(
+        &self,
+        req: &PodRequest,
+        deadline_ms: i64,
+        pods: &dyn Fn(&str) -> Option<pb::PodRef>,
+    ) -> pb::Nominated {
+        pb::Nominated {
+            pod: Some(req.pod.clone()),
+            priority: req.priority,
+            node: self.node.clone(),
+            containers: self
+                .placement
+                .iter()
+                .map(|c| pb::NominatedContainer {
+                    container: c.container.clone(),
+                    shares: c.shares.clone(),
+                })
+                .collect(),
+            victims: self
+                .victims
+                .iter()
+                .map(|v| pb::Victim {
+                    pod: Some(pods(&v.pod_uid).unwrap_or_else(|| pb::PodRef {
+                        uid: v.pod_uid.clone(),
+                        ..Default::default()
+                    })),
+                    priority: v.priority,
+                })
+                .collect(),
+            deadline_ms,
+            cpu_milli: req.cpu_milli,
+            memory_mib: req.memory_mib,
+        }
+    }
+}
+
+/// One candidate node for [`choose_among`], taken out of the state so that the search can run
+/// without holding it: the node as the preemptor sees it ([`Ledger::node_for`]), its live
+/// allocations, and what Kubernetes says about its pods.
+#[derive(Debug, Clone)]
+pub struct Candidate {
+    /// The node, nominated room of pods that outrank the preemptor counted as taken.
+    pub node: NodeState,
+    /// Its live allocations.
+    pub allocs: Vec<Alloc>,
+    /// Its pods' priorities and who is leaving.
+    pub pods: NodePods,
+}
+
+/// The candidates of `pods` as `req` sees them in `ledger` (unknown nodes left out, and nodes
+/// where no pod may be evicted and none is leaving: nothing can free room there).
+pub fn candidates(ledger: &Ledger, req: &PodRequest, pods: &[NodePods]) -> Vec<Candidate> {
+    pods.iter()
+        .filter(|p| !p.evictable.is_empty() || !p.leaving.is_empty())
+        .filter_map(|p| {
+            let node = ledger.node_for(&p.node, req)?.into_owned();
+            let allocs = node
+                .allocs
+                .iter()
+                .filter_map(|id| ledger.alloc(*id).cloned())
+                .collect();
+            Some(Candidate {
+                node,
+                allocs,
+                pods: p.clone(),
+            })
+        })
+        .collect()
+}
+
+/// The best of `candidates` to preempt on for `req` (at `req.priority`), or None when no
+/// eviction makes it fit on any. Nodes are compared as kube-scheduler compares its
+/// candidates: the lowest highest victim priority, then the lowest sum of priorities, then the
+/// fewest victims; ties go to the first in the caller's order. A node that needs no eviction
+/// (its leaving pods free the room) beats every other.
+pub fn choose_among(req: &PodRequest, candidates: &[Candidate]) -> Option<Plan> {
+    let mut best: Option<((i32, i64, usize), Plan)> = None;
+    for c in candidates {
+        let allocs: Vec<&Alloc> = c.allocs.iter().collect();
+        let p = &c.pods;
+        let Some(v) = choose_victims(
+            &c.node,
+            &allocs,
+            req,
+            req.priority,
+            &p.leaving,
+            &p.evictable,
+        ) else {
+            continue;
+        };
+        let prio = |uid: &String| {
+            p.evictable
+                .iter()
+                .find(|e| &e.pod_uid == uid)
+                .map_or(0, |e| e.priority)
+        };
+        let victims: Vec<Evictable> = v
+            .pods
+            .iter()
+            .map(|u| Evictable {
+                pod_uid: u.clone(),
+                priority: prio(u),
+            })
+            .collect();
+        let key = (
+            victims.iter().map(|e| e.priority).max().unwrap_or(i32::MIN),
+            victims.iter().map(|e| i64::from(e.priority)).sum::<i64>(),
+            victims.len(),
+        );
+        if best.as_ref().is_none_or(|(b, _)| key < *b) {
+            best = Some((
+                key,
+                Plan {
+                    node: p.node.clone(),
+                    victims,
+                    placement: v.placement,
+                },
+            ));
+        }
+    }
+    best.map(|(_, p)| p)
+}
+
+/// [`choose_among`] the candidates of `pods` in `ledger`.
+pub fn choose_nomination(ledger: &Ledger, req: &PodRequest, pods: &[NodePods]) -> Option<Plan> {
+    choose_among(req, &candidates(ledger, req, pods))
 }
 
 enum Search {

@@ -159,7 +159,10 @@ impl ContainerRequest {
     /// Memory this container needs on `gpu` per slice.
     pub fn mem_on(&self, gpu: &GpuState) -> u64 {
         if self.mem_percent > 0 {
-            (gpu.memory_mib * u64::from(self.mem_percent)).div_ceil(100)
+            // Saturating: inventory is bounded where it enters, this is the second fence.
+            gpu.memory_mib
+                .saturating_mul(u64::from(self.mem_percent))
+                .div_ceil(100)
         } else {
             self.mem_mib
         }
@@ -220,6 +223,8 @@ pub struct PodRequest {
     pub workload: Option<Arc<Workload>>,
     /// Randomness for the `random` policy, drawn by the caller (placement itself has none).
     pub salt: u64,
+    /// The pod's priority: room nominated for pods of this priority or higher is taken to it.
+    pub priority: i32,
 }
 
 impl PodRequest {
@@ -256,6 +261,7 @@ impl PodRequest {
             policy,
             cpu_milli: r.cpu_milli,
             memory_mib: r.memory_mib,
+            priority: r.priority,
             ..Default::default()
         };
         req.validate()?;
@@ -264,21 +270,64 @@ impl PodRequest {
 
     /// Reject requests that can never be served anywhere, with a reason a user understands.
     pub fn validate(&self) -> Result<(), String> {
+        use crate::command::bounds::{self, InventoryLimits};
         if self.pod.uid.is_empty() {
             return Err("pod uid is empty".into());
         }
+        bounds::id("pod uid", &self.pod.uid)?;
+        bounds::name("pod namespace", &self.pod.namespace)?;
+        bounds::name("pod name", &self.pod.name)?;
         if self.containers.is_empty() {
             return Err("the pod has no container asking for a GPU slice".into());
         }
+        if self.containers.len() > bounds::MAX_CONTAINERS {
+            return Err(format!(
+                "{} containers ask for GPUs; a pod may have at most {}",
+                self.containers.len(),
+                bounds::MAX_CONTAINERS
+            ));
+        }
+        if self.cpu_milli > bounds::MAX_CPU_MILLI || self.memory_mib > bounds::MAX_HOST_MEMORY_MIB {
+            return Err(format!(
+                "the pod requests {}m CPU and {} MiB memory; no node has that much",
+                self.cpu_milli, self.memory_mib
+            ));
+        }
+        let s = &self.selector;
+        for list in [
+            &s.types,
+            &s.types_exclude,
+            &s.uuids,
+            &s.uuids_exclude,
+            &s.models,
+        ] {
+            if list.len() > bounds::MAX_SELECTOR_ENTRIES {
+                return Err(format!(
+                    "a GPU selector lists {} entries; at most {}",
+                    list.len(),
+                    bounds::MAX_SELECTOR_ENTRIES
+                ));
+            }
+            list.iter()
+                .try_for_each(|x| bounds::id("GPU selector entry", x))?;
+        }
         let mut names = std::collections::BTreeSet::new();
         for c in &self.containers {
+            bounds::id("container name", &c.name)?;
             if !names.insert(c.name.as_str()) {
                 return Err(format!("container {:?} is listed twice", c.name));
             }
             if c.slices == 0 {
                 return Err(format!("container {:?} asks for 0 GPU slices", c.name));
             }
-            if c.slices > 64 {
+            let most = InventoryLimits::CEILING.max_gpu_memory_mib;
+            if c.mem_mib > most {
+                return Err(format!(
+                    "container {:?} asks for {} MiB per GPU; no GPU has more than {most} MiB",
+                    c.name, c.mem_mib
+                ));
+            }
+            if c.slices > bounds::MAX_SLICES {
                 return Err(format!(
                     "container {:?} asks for {} GPU slices; no node has that many GPUs",
                     c.name, c.slices

@@ -105,9 +105,16 @@ pub fn score_nodes<'a>(
     req: &'a PodRequest,
 ) -> impl Iterator<Item = (&'a str, Option<u32>)> + 'a {
     let mut score = scorer(req);
-    names
-        .into_iter()
-        .map(move |n| (n, ledger.node(n).map(&mut score)))
+    names.into_iter().map(move |n| {
+        // A node where room is nominated for pods that outrank this one is scored as they
+        // will leave it, never from the memo of nodes alike.
+        let s = match ledger.node_for(n, req) {
+            None => None,
+            Some(std::borrow::Cow::Borrowed(ns)) => Some(score(ns)),
+            Some(std::borrow::Cow::Owned(ns)) => Some(score_node(&ns, req)),
+        };
+        (n, s)
+    })
 }
 
 /// [`score_node`] for the request, remembering the last few node states scored: a node

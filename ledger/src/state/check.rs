@@ -109,6 +109,6 @@ impl Ledger {
                 }
             }
         }
-        Ok(())
+        self.check_nominations()
     }
 }

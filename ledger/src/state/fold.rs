@@ -48,6 +48,7 @@ impl Ledger {
                     .inventory
                     .as_ref()
                     .ok_or_else(|| bad("NodeRegistered without inventory".into()))?;
+                self.nominations_keep_gpus(inv).map_err(bad)?;
                 self.register(inv).map_err(bad)?;
             }
             Body::NodeRemoved(r) => {
@@ -60,6 +61,12 @@ impl Ledger {
                         "NodeRemoved of {} with {} live allocations",
                         r.node,
                         node.allocs.len()
+                    )));
+                }
+                if self.nominations.on_node(&r.node).next().is_some() {
+                    return Err(bad(format!(
+                        "NodeRemoved of {} with live nominations",
+                        r.node
                     )));
                 }
                 if let Some(n) = self.nodes.remove(&r.node) {
@@ -130,6 +137,8 @@ impl Ledger {
                     return Err(bad(format!("BudgetSet of {:?}: {why}", b.namespace)));
                 }
             }
+            Body::Nominated(n) => self.nominate(n).map_err(bad)?,
+            Body::NominationEnded(e) => self.end_nomination(e).map_err(bad)?,
         }
         self.account(body, before, ev.time_ms);
         self.seq = ev.seq;
@@ -244,6 +253,12 @@ impl Ledger {
         if pod.uid.is_empty() {
             return Err("Reserved with an empty pod uid".into());
         }
+        if self.nominations.get(&pod.uid).is_some() {
+            return Err(format!(
+                "pod {} reserves while nominated: its nomination must end first",
+                pod.uid
+            ));
+        }
         if let Some(other) = self.by_pod.get(&pod.uid).and_then(|c| c.get(&r.container)) {
             return Err(format!(
                 "pod {} container {} already holds allocation {other}",
@@ -272,23 +287,23 @@ impl Ledger {
             if !g.healthy {
                 return Err(format!("Reserved on unhealthy GPU {}", s.gpu_uuid));
             }
-            if g.mem_used + s.mem_mib > g.memory_mib {
+            if g.mem_used.saturating_add(s.mem_mib) > g.memory_mib {
                 return Err(format!(
                     "GPU {} memory over capacity: {} + {} > {} MiB",
                     g.uuid, g.mem_used, s.mem_mib, g.memory_mib
                 ));
             }
-            if g.core_used + s.core_milli > CORE_MILLI_PER_GPU {
+            if g.core_used.saturating_add(s.core_milli) > CORE_MILLI_PER_GPU {
                 return Err(format!(
                     "GPU {} compute over capacity: {} + {} > {CORE_MILLI_PER_GPU}",
                     g.uuid, g.core_used, s.core_milli
                 ));
             }
         }
-        if node.cpu_milli > 0 && node.cpu_used + r.cpu_milli > node.cpu_milli {
+        if node.cpu_milli > 0 && node.cpu_used.saturating_add(r.cpu_milli) > node.cpu_milli {
             return Err(format!("node {} CPU over capacity", r.node));
         }
-        if node.memory_mib > 0 && node.memory_used + r.memory_mib > node.memory_mib {
+        if node.memory_mib > 0 && node.memory_used.saturating_add(r.memory_mib) > node.memory_mib {
             return Err(format!("node {} host memory over capacity", r.node));
         }
         for (s, i) in r.shares.iter().zip(idx) {
@@ -297,8 +312,9 @@ impl Ledger {
             g.core_used += s.core_milli;
             g.holders += 1;
         }
-        node.cpu_used += r.cpu_milli;
-        node.memory_used += r.memory_mib;
+        // Unconstrained nodes (0) take any request: the sums saturate rather than wrap.
+        node.cpu_used = node.cpu_used.saturating_add(r.cpu_milli);
+        node.memory_used = node.memory_used.saturating_add(r.memory_mib);
         node.add_pod_kind(pod_kind(r.shares.len(), r.shares[0].core_milli));
         node.allocs.insert(r.allocation_id);
         self.index_insert(&pod.uid, &r.container, r.allocation_id);
@@ -449,8 +465,8 @@ impl Ledger {
             g.core_used -= s.core_milli;
             g.holders -= 1;
         }
-        node.cpu_used -= a.cpu_milli;
-        node.memory_used -= a.memory_mib;
+        node.cpu_used = node.cpu_used.saturating_sub(a.cpu_milli);
+        node.memory_used = node.memory_used.saturating_sub(a.memory_mib);
         node.remove_pod_kind(pod_kind(
             a.shares.len(),
             a.shares.first().map_or(0, |s| s.core_milli),

@@ -18,6 +18,7 @@ impl Ledger {
             ..pb::Snapshot::default()
         };
         self.budgets.to_snapshot(&mut s);
+        s.nominations = self.nominations.iter().cloned().collect();
         s
     }
 
@@ -92,6 +93,9 @@ impl Ledger {
             h.1 += c;
         }
         l.budgets = super::Budgets::from_snapshot(s, held)?;
+        for n in &s.nominations {
+            l.nominate(n)?;
+        }
         l.seq = s.seq;
         l.epoch = s.epoch;
         l.time_ms = s.time_ms;

@@ -69,6 +69,14 @@ impl TestCgroups {
         Ok(dir)
     }
 
+    /// The cgroup `rel` of the test's tree, wherever it is (e.g. where the kubelet would
+    /// never put a pod).
+    pub fn other(&self, rel: &str) -> Result<PathBuf> {
+        let dir = self.root.join(rel);
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        Ok(dir)
+    }
+
     /// A `sleep` in cgroup `dir`, with `GPULEDGER_ALLOCATION_ID` set when `claim` is given.
     /// Returns once it runs `sleep` inside the cgroup.
     pub fn spawn(&self, dir: &Path, claim: Option<u64>) -> Result<Sleeper> {

@@ -85,8 +85,11 @@ impl FakeApiServer {
             );
         let stop = CancellationToken::new();
         let serving = stop.clone();
+        // Every component of a test cluster watches it from 127.0.0.1: no connection bounds.
         let limits = gpuledger_auth::https::Limits {
             body_bytes: 8 << 20,
+            max_connections: 0,
+            max_connections_per_peer: 0,
             ..Default::default()
         };
         tokio::spawn(gpuledger_auth::https::serve(
@@ -94,6 +97,7 @@ impl FakeApiServer {
             l,
             tls,
             limits,
+            gpuledger_auth::limit::Bites::new(),
             app,
             serving,
         ));

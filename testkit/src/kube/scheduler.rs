@@ -1,9 +1,11 @@
 //! A kube-scheduler emulator: takes pending pods of one scheduler name from the API server and
 //! runs them through an extender's filter → prioritize → bind over HTTP, with the JSON
 //! kube-scheduler sends. Like the real one, only pods that request a managed resource go to
-//! the extender; the others are bound directly.
+//! the extender; the others are bound directly. A pod that fits on no node goes through
+//! DefaultPreemption as current kube-scheduler runs it ([`preemption`]).
 
 mod extender;
+mod preemption;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -17,6 +19,7 @@ use serde_json::{Value, json};
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 pub use extender::{ExtenderClient, ExtenderConfig, ExtenderTls};
+pub use preemption::Preemption;
 
 use crate::history::{Outcome, PodAt};
 use extender::{FilterAnswer, HostScore, unreachable};
@@ -44,7 +47,30 @@ pub struct Stats {
     pub extender_failovers: AtomicU64,
     /// Every bind call and what came back.
     pub history: crate::history::History,
+    /// Calls of the extender's `preempt` verb (only for candidates the dry run found victims
+    /// on, as kube-scheduler makes them).
+    pub preempt_calls: AtomicU64,
+    /// `namespace/name` of every pod the emulator's own preemption deleted.
+    pub preempted: Mutex<Vec<String>>,
+    /// What each preemption attempt came to, by pod.
+    pub preemptions: Mutex<Vec<(String, Preemption)>>,
 }
+
+/// A scheduling cycle that found no node: kube-scheduler's FitError, with the nodes whose
+/// status leaves room for preemption (failed, not failed-and-unresolvable).
+#[derive(Debug)]
+struct FitError {
+    message: String,
+    unschedulable: Vec<String>,
+}
+
+impl std::fmt::Display for FitError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for FitError {}
 
 /// How many feasible nodes kube-scheduler looks for before it stops filtering
 /// (`numFeasibleNodesToFind`): only those reach the extender.
@@ -152,7 +178,20 @@ async fn decide(
             .unwrap_or_default(),
     };
     if feasible.is_empty() {
-        bail!("0/{} nodes are available: {}", nodes.len(), f.failed_nodes);
+        let keys = |v: &Value| -> Vec<String> {
+            v.as_object()
+                .map(|m| m.keys().cloned().collect())
+                .unwrap_or_default()
+        };
+        let never = keys(&f.failed_and_unresolvable_nodes);
+        return Err(FitError {
+            message: format!("0/{} nodes are available: {}", nodes.len(), f.failed_nodes),
+            unschedulable: keys(&f.failed_nodes)
+                .into_iter()
+                .filter(|n| !never.contains(n))
+                .collect(),
+        }
+        .into());
     }
     if feasible.len() == 1 {
         return Ok(feasible[0].clone());
@@ -415,6 +454,25 @@ impl SchedulerEmulator {
                     let (node, i) = match decided {
                         Ok(d) => d,
                         Err(e) => {
+                            // PostFilter, in the scheduling cycle as kube-scheduler runs it.
+                            if let Some(fe) = e.downcast_ref::<FitError>() {
+                                let ext = &exts[rr % exts.len()];
+                                let r = preemption::preempt(
+                                    &kube,
+                                    ext,
+                                    &pod,
+                                    &nodes,
+                                    &fe.unschedulable,
+                                    &st,
+                                )
+                                .await;
+                                if let Ok(r) = r {
+                                    st.preemptions
+                                        .lock()
+                                        .unwrap_or_else(|p| p.into_inner())
+                                        .push((k.clone(), r));
+                                }
+                            }
                             finish(&st, &in_flight, &retry_at, &k, Err(e), backoff);
                             drop(permit);
                             continue;

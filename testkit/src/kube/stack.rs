@@ -184,9 +184,11 @@ pub fn extender_tls_flags(pki: &Pki) -> Result<Vec<String>> {
     ])
 }
 
-/// kube-scheduler's `tlsConfig` for calling the extender: the CA and its client certificate.
+/// kube-scheduler's `tlsConfig` for calling the extender: the CA and its client certificate,
+/// named `gpuledger-scheduler` as the installs issue it (the extender's
+/// `--scheduler-client-names` default).
 pub fn scheduler_tls(pki: &Pki) -> Result<ExtenderTls> {
-    let (cert, key) = pki.peer("kube-scheduler")?;
+    let (cert, key) = pki.peer("gpuledger-scheduler")?;
     Ok(ExtenderTls {
         ca: pki.ca_file().to_path_buf(),
         cert,

@@ -103,6 +103,8 @@ pub struct Store {
     tx: broadcast::Sender<Arc<Change>>,
     requests: Mutex<BTreeSet<ApiRequest>>,
     tokens: Mutex<std::collections::HashMap<String, tokens::Issued>>,
+    /// TokenReviews answered so far.
+    token_reviews: std::sync::atomic::AtomicU64,
 }
 
 /// One kind of request a client made, in RBAC terms: who (the bearer token of its
@@ -176,6 +178,7 @@ pub(crate) fn kind_of(resource: &str) -> String {
         "bindings" => "Binding".into(),
         "priorityclasses" => "PriorityClass".into(),
         "gpubudgets" => "GPUBudget".into(),
+        "poddisruptionbudgets" => "PodDisruptionBudget".into(),
         other => {
             let s = other.strip_suffix('s').unwrap_or(other);
             let mut c = s.chars();
@@ -203,6 +206,7 @@ impl Default for Store {
             tx,
             requests: Mutex::default(),
             tokens: Mutex::default(),
+            token_reviews: Default::default(),
         }
     }
 }
@@ -471,6 +475,82 @@ impl Store {
         Ok(())
     }
 
+    /// Evict a pod, as `POST pods/{name}/eviction` (policy/v1) does: refused with 429 when a
+    /// PodDisruptionBudget of its namespace that selects it allows no disruption (else one
+    /// fewer is allowed), with 409 when the body's UID precondition names another pod; then
+    /// the pod is deleted (as this server deletes: at once).
+    pub fn evict(&self, namespace: &str, name: &str, eviction: &Value) -> Result<(), ApiError> {
+        use kube::core::{Selector, SelectorExt};
+        let pod = self.get("v1", "pods", namespace, name)?;
+        let uid = pod
+            .pointer("/metadata/uid")
+            .and_then(Value::as_str)
+            .unwrap_or("");
+        if let Some(want) = eviction
+            .pointer("/deleteOptions/preconditions/uid")
+            .and_then(Value::as_str)
+            .filter(|w| *w != uid)
+        {
+            return Err(ApiError::new(
+                409,
+                "Conflict",
+                format!(
+                    "Precondition failed: UID in precondition: {want}, UID in object meta: {uid}"
+                ),
+            ));
+        }
+        let labels: std::collections::BTreeMap<String, String> = pod
+            .pointer("/metadata/labels")
+            .and_then(|l| serde_json::from_value(l.clone()).ok())
+            .unwrap_or_default();
+        let scope = Scope {
+            gv: "policy/v1".into(),
+            resource: "poddisruptionbudgets".into(),
+            namespace: namespace.into(),
+        };
+        let (_, pdbs) = self.list(&scope, &Filter::default());
+        for b in pdbs {
+            let Some(sel) = b
+                .pointer("/spec/selector")
+                .and_then(|s| {
+                    serde_json::from_value::<
+                        k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector,
+                    >(s.clone())
+                    .ok()
+                })
+                .and_then(|s| Selector::try_from(s).ok())
+            else {
+                continue;
+            };
+            if !sel.matches(&labels) {
+                continue;
+            }
+            let pdb = b
+                .pointer("/metadata/name")
+                .and_then(Value::as_str)
+                .unwrap_or("")
+                .to_string();
+            let allowed = b
+                .pointer("/status/disruptionsAllowed")
+                .and_then(Value::as_i64)
+                .unwrap_or(0);
+            if allowed < 1 {
+                return Err(ApiError::new(
+                    429,
+                    "TooManyRequests",
+                    format!(
+                        "Cannot evict pod as it would violate the pod's disruption budget. The disruption budget {pdb} needs 1 healthy pods and has 0 currently"
+                    ),
+                ));
+            }
+            self.update("policy/v1", "poddisruptionbudgets", namespace, &pdb, |o| {
+                o["status"]["disruptionsAllowed"] = json!(allowed - 1);
+                Ok(())
+            })?;
+        }
+        self.delete("v1", "pods", namespace, name).map(|_| ())
+    }
+
     /// The objects of `scope` that `f` matches, and the resourceVersion of the list.
     pub fn list(&self, scope: &Scope, f: &Filter) -> (u64, Vec<Value>) {
         let inner = self.lock();
@@ -548,3 +628,6 @@ impl Store {
         self.list(&scope, &Filter::default()).1
     }
 }
+
+#[cfg(test)]
+mod tests;

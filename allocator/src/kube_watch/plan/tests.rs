@@ -2,6 +2,7 @@ use super::*;
 
 fn held(node: &str, reserved: bool, reserved_ms: i64, deadline_ms: i64) -> Held {
     Held {
+        id: 7,
         ns: "ns".into(),
         name: "pod".into(),
         node: node.into(),
@@ -16,6 +17,35 @@ fn pod(uid: &str, finished: Option<&str>, node: Option<&str>) -> PodFacts {
         uid: uid.into(),
         finished: finished.map(str::to_string),
         node: node.map(str::to_string),
+    }
+}
+
+/// The reconcile at `ms` milliseconds after the first look, on one replica's monotonic clock.
+struct Clocked {
+    expiry: Expiry,
+    t0: tokio::time::Instant,
+}
+
+impl Clocked {
+    fn new() -> Clocked {
+        Clocked {
+            expiry: Expiry::default(),
+            t0: tokio::time::Instant::now(),
+        }
+    }
+
+    fn plan(
+        &mut self,
+        h: &BTreeMap<String, Vec<Held>>,
+        cached: impl Fn(&str, &str) -> Option<PodFacts>,
+        ms: u64,
+    ) -> Vec<Fix> {
+        plan_pods(
+            h,
+            cached,
+            &mut self.expiry,
+            self.t0 + Duration::from_millis(ms),
+        )
     }
 }
 
@@ -55,12 +85,11 @@ fn a_finished_pod_is_released_and_a_bound_one_confirmed() {
 fn a_cached_pod_past_its_deadline_and_bound_nowhere_is_checked_with_the_api_server() {
     let h = one("u", held("n1", true, 0, 10_000));
     let cached = |_: &str, _: &str| Some(pod("u", None, None));
-    assert!(
-        plan_pods(&h, cached, 9_999).is_empty(),
-        "before its deadline"
-    );
+    let mut c = Clocked::new();
+    assert!(c.plan(&h, cached, 0).is_empty(), "first seen");
+    assert!(c.plan(&h, cached, 9_999).is_empty(), "before its TTL");
     assert_eq!(
-        plan_pods(&h, cached, 10_000),
+        c.plan(&h, cached, 10_000),
         [Fix::CheckExpired {
             uid: "u".into(),
             held: held("n1", true, 0, 10_000)
@@ -69,7 +98,7 @@ fn a_cached_pod_past_its_deadline_and_bound_nowhere_is_checked_with_the_api_serv
     // Bound there after all: confirmed from the cache, whatever the deadline.
     let bound = |_: &str, _: &str| Some(pod("u", None, Some("n1")));
     assert!(matches!(
-        plan_pods(&h, bound, 20_000).as_slice(),
+        c.plan(&h, bound, 20_000).as_slice(),
         [Fix::Confirm { .. }]
     ));
 }
@@ -78,9 +107,12 @@ fn a_cached_pod_past_its_deadline_and_bound_nowhere_is_checked_with_the_api_serv
 fn a_young_reservation_missing_from_the_cache_is_left_alone_an_older_one_is_read() {
     let h = one("u", held("n1", true, 1_000, 60_000));
     let nothing = |_: &str, _: &str| None;
-    assert!(plan_pods(&h, nothing, 1_000 + YOUNG_MS - 1).is_empty());
+    let mut c = Clocked::new();
+    let young = crate::expiry::YOUNG.as_millis() as u64;
+    assert!(c.plan(&h, nothing, 0).is_empty());
+    assert!(c.plan(&h, nothing, young - 1).is_empty());
     assert_eq!(
-        plan_pods(&h, nothing, 1_000 + YOUNG_MS),
+        c.plan(&h, nothing, young),
         [Fix::Read {
             uid: "u".into(),
             held: vec![held("n1", true, 1_000, 60_000)],
@@ -90,7 +122,7 @@ fn a_young_reservation_missing_from_the_cache_is_left_alone_an_older_one_is_read
     // Another pod under the same name is not this one.
     let other = |_: &str, _: &str| Some(pod("v", None, Some("n1")));
     assert!(matches!(
-        plan_pods(&h, other, 60_000).as_slice(),
+        c.plan(&h, other, 59_000).as_slice(),
         [Fix::Read { expired: true, .. }]
     ));
 }

@@ -299,3 +299,23 @@ fn a_bug_or_shutdown_with_nothing_in_flight_steps_down_at_once() {
         ]
     );
 }
+
+#[test]
+fn a_batch_etcd_refused_for_space_fails_with_what_followed_and_leadership_goes_on() {
+    let (mut p, t0) = policy(BatchLimits::default());
+    p.decided(t0, urgent(1, 1));
+    p.tick(t0, true);
+    assert_eq!(said(&mut p, t0), ["launch 1-1"]);
+    // Decided on top of the batch in flight.
+    p.decided(t0, urgent(2, 2));
+    p.refused("no space");
+    assert_eq!(said(&mut p, t0), ["fail 1: no space", "fail 2: no space"]);
+    assert!(!p.stopping(), "a refused batch does not end the leadership");
+    assert!(p.idle(), "nothing in flight, nothing pending");
+    // The next request, decided again from the committed state, goes out as usual.
+    p.decided(t0 + MS, urgent(3, 1));
+    p.tick(t0 + MS, true);
+    assert_eq!(said(&mut p, t0), ["launch 1-1"]);
+    p.committed(t0 + 2 * MS);
+    assert_eq!(said(&mut p, t0), ["ack 3"]);
+}

@@ -374,3 +374,122 @@ proptest! {
         }
     }
 }
+
+/// Nodes `n1` and `n2`, one 80 GiB GPU each, each full with a 40 GiB pod of priority 1000
+/// (`x1`, `x2`) and the 40 GiB pods `on_n1` and `on_n2` (uid, priority).
+fn two_nodes(on_n1: (&str, i32), on_n2: (&str, i32)) -> (Ledger, Vec<NodePods>) {
+    use crate::command::Command;
+    let mut l = Ledger::new();
+    let mut pods = Vec::new();
+    for (n, (uid, prio)) in [("n1", on_n1), ("n2", on_n2)] {
+        let inv = pb::NodeInventory {
+            node: n.into(),
+            gpus: vec![pb::Gpu {
+                uuid: format!("GPU-{n}"),
+                index: 0,
+                model: "A100".into(),
+                memory_mib: 80 * GIB,
+                healthy: true,
+            }],
+            cpu_milli: 0,
+            memory_mib: 0,
+        };
+        l.execute(Command::RegisterNode(inv), 1, 0)
+            .expect("register");
+        for u in [uid.to_string(), format!("x{}", &n[1..])] {
+            let mut r = req(1, 40 * GIB, 0);
+            r.pod.uid.clone_from(&u);
+            r.pod.name.clone_from(&u);
+            l.execute(
+                Command::Reserve {
+                    request: r,
+                    node: n.into(),
+                    deadline_ms: 0,
+                },
+                1,
+                0,
+            )
+            .expect("reserve");
+        }
+        pods.push(NodePods {
+            node: n.into(),
+            evictable: vec![Evictable {
+                pod_uid: uid.into(),
+                priority: prio,
+            }],
+            leaving: BTreeSet::new(),
+        });
+    }
+    (l, pods)
+}
+
+fn preemptor(prio: i32) -> PodRequest {
+    PodRequest {
+        priority: prio,
+        ..req(1, 40 * GIB, 0)
+    }
+}
+
+#[test]
+fn the_node_whose_victims_matter_least_is_chosen() {
+    let (l, mut pods) = two_nodes(("a", 10), ("b", 5));
+    let p = choose_nomination(&l, &preemptor(100), &pods).expect("a plan");
+    assert_eq!(p.node, "n2");
+    assert_eq!(
+        p.victims,
+        [Evictable {
+            pod_uid: "b".into(),
+            priority: 5
+        }]
+    );
+    assert_eq!(p.placement[0].shares[0].gpu_uuid, "GPU-n2");
+    // b is protected (the caller leaves it out): a goes instead.
+    pods[1].evictable.clear();
+    assert_eq!(
+        choose_nomination(&l, &preemptor(100), &pods)
+            .expect("a plan")
+            .node,
+        "n1"
+    );
+    // Nobody below the preemptor's priority: no plan.
+    assert!(choose_nomination(&l, &preemptor(5), &pods).is_none());
+}
+
+#[test]
+fn a_node_whose_leaving_pods_free_the_room_needs_no_victim() {
+    let (l, mut pods) = two_nodes(("a", 10), ("b", 5));
+    pods[0].evictable.clear();
+    pods[0].leaving.insert("a".into());
+    let p = choose_nomination(&l, &preemptor(100), &pods).expect("a plan");
+    assert_eq!((p.node.as_str(), p.victims.len()), ("n1", 0));
+}
+
+#[test]
+fn room_kept_for_a_pod_that_outranks_is_not_offered_again() {
+    use crate::command::Command;
+    let (mut l, pods) = two_nodes(("a", 10), ("b", 5));
+    let first = choose_nomination(&l, &preemptor(500), &pods).expect("a plan");
+    assert_eq!(first.node, "n2");
+    let mut high = preemptor(500);
+    high.pod.uid = "high".into();
+    let n = first.nomination(&high, 9_000, &|_| None);
+    l.execute(
+        Command::Nominate {
+            nomination: n,
+            leaving: Vec::new(),
+        },
+        1,
+        1,
+    )
+    .expect("nominate");
+    // n2's room is kept for `high`: a lower preemptor evicts a on n1 instead.
+    let p = choose_nomination(&l, &preemptor(100), &pods).expect("a plan");
+    assert_eq!(p.node, "n1");
+    // One that outranks `high` may still take n2's room.
+    assert_eq!(
+        choose_nomination(&l, &preemptor(900), &pods)
+            .expect("a plan")
+            .node,
+        "n2"
+    );
+}

@@ -237,6 +237,10 @@ async fn route(
             store.bind(&t.namespace, name, &body_json(&body)?)?;
             Ok((StatusCode::CREATED, axum::Json(json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}))).into_response())
         }
+        (&Method::POST, Some(name), Some("eviction")) if t.resource == "pods" => {
+            store.evict(&t.namespace, name, &body_json(&body)?)?;
+            Ok((StatusCode::CREATED, axum::Json(json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}))).into_response())
+        }
         (&Method::PUT, Some(name), None | Some("status")) => {
             let new = body_json(&body)?;
             let status_only = t.sub.is_some();
@@ -327,6 +331,10 @@ mod tests {
         assert_eq!(
             r(Method::POST, "/api/v1/namespaces/ns/pods/p/binding", &h).3,
             "pods/binding"
+        );
+        assert_eq!(
+            r(Method::POST, "/api/v1/namespaces/ns/pods/p/eviction", &h),
+            (s("alice"), s("create"), s(""), s("pods/eviction"), s("ns"))
         );
         assert_eq!(
             r(

@@ -38,6 +38,11 @@ pub struct ExtenderConfig {
     pub managed_resources: Vec<String>,
     /// Whether the extender binds (bindVerb set).
     pub bind: bool,
+    /// Whether the extender answers preemption (preemptVerb set).
+    pub preempt: bool,
+    /// The managed resources marked `ignoredByScheduler`: the scheduler's own filters and its
+    /// preemption dry run do not count them.
+    pub ignored_by_scheduler: Vec<String>,
     /// Per-call timeout (kube-scheduler's httpTimeout, 5 s by default).
     pub timeout: Duration,
     /// The profile's `percentageOfNodesToScore`: 0 = kube-scheduler's adaptive default
@@ -61,6 +66,14 @@ impl ExtenderConfig {
             .map(String::from)
             .to_vec(),
             bind: true,
+            preempt: true,
+            ignored_by_scheduler: [
+                "gpuledger.io/gpu-mem",
+                "gpuledger.io/gpu-mem-percent",
+                "gpuledger.io/gpu-core",
+            ]
+            .map(String::from)
+            .to_vec(),
             timeout: Duration::from_secs(5),
             percentage_of_nodes_to_score: 100,
         }
@@ -208,6 +221,8 @@ pub(super) struct FilterAnswer {
     pub(super) nodes: Option<NodeItems>,
     #[serde(default)]
     pub(super) failed_nodes: Value,
+    #[serde(default)]
+    pub(super) failed_and_unresolvable_nodes: Value,
     #[serde(default)]
     pub(super) error: String,
 }

@@ -88,8 +88,16 @@ impl Store {
             .map(|i| format!("system:serviceaccount:{}:{}", i.namespace, i.account))
     }
 
+    /// TokenReviews answered so far.
+    pub fn token_reviews(&self) -> u64 {
+        self.token_reviews
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// What a TokenReview of `token` for `audiences` answers: its `status`.
     pub fn review_token(&self, token: &str, audiences: &[String]) -> Value {
+        self.token_reviews
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let refused = |why: String| json!({"authenticated": false, "user": {}, "error": why});
         let issued = self
             .tokens

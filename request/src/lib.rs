@@ -1,9 +1,13 @@
 //! What a pod asks of gpuledger: Kubernetes quantities, gpuledger resource names and the
 //! gpushare/HAMi/gpu-manager aliases, placement annotations, turned into the allocator's
-//! `PodRequest`.
+//! `PodRequest`. The extender sends what it reads here; the allocator reads the same pod from
+//! the API server and checks that a reservation asks for exactly this.
 
 use std::collections::BTreeMap;
 
+use gpuledger_ledger::command::bounds::{
+    InventoryLimits, MAX_CONTAINERS, MAX_CPU_MILLI, MAX_HOST_MEMORY_MIB,
+};
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
 use k8s_openapi::api::core::v1::{Container, Pod};
@@ -175,6 +179,15 @@ impl ContainerGpu {
                 "{GPU_MEM} must be more than 0 MiB (got {mem}) in container {name:?}"
             ));
         }
+        let most = InventoryLimits::CEILING.max_gpu_memory_mib;
+        if let Some(mem) = self.mem_mib
+            && mem > most as f64
+        {
+            return err(format!(
+                "{GPU_MEM} asks for {mem} MiB per GPU in container {name:?}; no GPU has more \
+                 than {most} MiB"
+            ));
+        }
         if let Some(p) = self.mem_percent
             && !(p > 0.0 && p <= 100.0)
         {
@@ -295,7 +308,8 @@ pub fn placement(pod: &Pod) -> Result<api::Placement, RequestError> {
     })
 }
 
-/// The GPU-asking containers of a pod (regular containers; init containers get no GPU).
+/// The GPU-asking containers of a pod (regular containers; init containers get no GPU), at
+/// most [`MAX_CONTAINERS`] of them.
 pub fn containers(pod: &Pod) -> Result<Vec<ContainerGpu>, RequestError> {
     let Some(spec) = pod.spec.as_ref() else {
         return Ok(Vec::new());
@@ -306,6 +320,13 @@ pub fn containers(pod: &Pod) -> Result<Vec<ContainerGpu>, RequestError> {
         if g.wants_gpu() {
             out.push(g);
         }
+    }
+    if out.len() > MAX_CONTAINERS {
+        return Err(RequestError::Invalid(format!(
+            "{} containers of the pod ask for GPUs; gpuledger places at most {MAX_CONTAINERS} \
+             per pod",
+            out.len()
+        )));
     }
     Ok(out)
 }
@@ -336,6 +357,13 @@ pub fn pod_request(pod: &Pod) -> Result<Option<api::PodRequest>, RequestError> {
         .iter()
         .map(ContainerGpu::to_api)
         .collect::<Result<Vec<_>, _>>()?;
+    let cpu_milli = sum_requests(pod, "cpu") * 1000.0;
+    let memory_mib = sum_requests(pod, "memory") / (1024.0 * 1024.0);
+    if cpu_milli > MAX_CPU_MILLI as f64 || memory_mib > MAX_HOST_MEMORY_MIB as f64 {
+        return Err(RequestError::Invalid(format!(
+            "the pod requests {cpu_milli}m CPU and {memory_mib} MiB memory; no node has that much"
+        )));
+    }
     let m = &pod.metadata;
     Ok(Some(api::PodRequest {
         pod: Some(pb::PodRef {
@@ -345,8 +373,9 @@ pub fn pod_request(pod: &Pod) -> Result<Option<api::PodRequest>, RequestError> {
         }),
         containers,
         placement: Some(placement(pod)?),
-        cpu_milli: (sum_requests(pod, "cpu") * 1000.0).ceil() as u64,
-        memory_mib: (sum_requests(pod, "memory") / (1024.0 * 1024.0)).ceil() as u64,
+        cpu_milli: cpu_milli.ceil() as u64,
+        memory_mib: memory_mib.ceil() as u64,
+        priority: pod.spec.as_ref().and_then(|s| s.priority).unwrap_or(0),
     }))
 }
 
@@ -498,5 +527,34 @@ mod tests {
         assert!(e(&[(GPU, "100")], &[]).contains("no node has that many"));
         assert!(e(&[(GPU_MEM, "lots")], &[]).contains("not a Kubernetes quantity"));
         assert!(e(&[(GPU, "1")], &[(ANN_POLICY, "fastest")]).contains("unknown placement policy"));
+        // Absurd quantities are refused, not saturated into a size that can never fit.
+        assert!(e(&[(GPU_MEM, "1e30")], &[]).contains("no GPU has more than"));
+        assert!(e(&[(ALIYUN_GPU_MEM, "9E")], &[]).contains("no GPU has more than"));
+        assert!(e(&[(GPU_MEM, "1"), ("cpu", "1e20")], &[]).contains("no node has that much"));
+    }
+
+    #[test]
+    fn more_than_64_gpu_containers_are_refused_with_a_reason() {
+        let c = |i: usize| {
+            serde_json::json!({"name": format!("c{i}"),
+            "resources": {"limits": {GPU_MEM: "1000"}}})
+        };
+        let pod = |n: usize| -> Pod {
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": "p", "namespace": "ns", "uid": "u1"},
+                "spec": {"containers": (0..n).map(c).collect::<Vec<_>>()}
+            }))
+            .expect("valid pod")
+        };
+        assert_eq!(
+            pod_request(&pod(64))
+                .expect("64 are fine")
+                .map(|r| r.containers.len()),
+            Some(64)
+        );
+        match pod_request(&pod(65)) {
+            Err(RequestError::Invalid(m)) => assert!(m.contains("at most 64"), "{m}"),
+            other => panic!("65 GPU containers were accepted: {other:?}"),
+        }
     }
 }

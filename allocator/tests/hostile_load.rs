@@ -1,0 +1,312 @@
+//! Availability against hostile callers, on real allocator processes over real TLS: sockets
+//! that never send a ClientHello do not lock new clients out, a viewer cannot open streams
+//! without bound (and the leader keeps its lease while it tries), junk tokens cost no
+//! TokenReview, and an allocator's token cannot forward a write under an identity it did not
+//! verify. Each limit that bites is counted in `gpuledger_allocator_limited_total{limit}`.
+
+use std::time::{Duration, Instant};
+
+use gpuledger_auth::identity::{Caller, Role};
+use gpuledger_auth::server::{FORWARDED_AUTHORIZATION, ON_BEHALF_OF, on_behalf_of};
+use gpuledger_proto::allocator::v1 as api;
+use gpuledger_testkit::attacker::tcp_from;
+use gpuledger_testkit::kube::{KubeStack, StackOptions};
+use gpuledger_testkit::workload::inventory;
+use gpuledger_testkit::{Allocators, EtcdCluster};
+use tonic::Code;
+use tonic::metadata::MetadataValue;
+
+use crate::hostile_tokens::with_token;
+
+/// The value of `gpuledger_allocator_limited_total{limit="<limit>"}` on replica `i`.
+async fn limited(allocs: &Allocators, i: usize, limit: &str) -> anyhow::Result<f64> {
+    let (_, text) =
+        gpuledger_testkit::http::get(&format!("http://{}/metrics", allocs.http[i])).await?;
+    let prefix = format!("gpuledger_allocator_limited_total{{limit=\"{limit}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .and_then(|v| v.trim().parse().ok())
+        .ok_or_else(|| anyhow::anyhow!("no series {prefix}in /metrics"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_sockets_from_one_address_do_not_lock_new_clients_out() -> anyhow::Result<()> {
+    let etcd = EtcdCluster::start(1).await?;
+    let dir = tempfile::tempdir()?;
+    let allocs = Allocators::start(dir.path(), &etcd, 1, "silent", &[])?;
+    allocs.wait_leader(Duration::from_secs(20)).await?;
+    // More idle sockets than there are handshake slots (1,024), from one address, none of
+    // which ever sends a ClientHello.
+    let mut silent = Vec::new();
+    for _ in 0..1_100 {
+        if let Ok(s) = tcp_from("127.0.0.2", allocs.addrs[0].parse()?).await {
+            silent.push(s);
+        }
+    }
+    assert!(
+        silent.len() >= 1_024,
+        "only {} sockets opened",
+        silent.len()
+    );
+    // A new client (the CLI, a node agent after a restart) gets in while they sit there.
+    let t0 = Instant::now();
+    let mut fresh = allocs.viewer(0)?;
+    let status =
+        tokio::time::timeout(Duration::from_secs(3), fresh.status(api::StatusRequest {})).await;
+    assert!(
+        matches!(status, Ok(Ok(_))),
+        "a new client while 1,100 sockets stall: {status:?} after {:?}",
+        t0.elapsed()
+    );
+    // Past 64 handshakes in progress from one address, the rest are closed at accept.
+    assert!(limited(&allocs, 0, "tls_handshakes_per_peer").await? >= 1_000.0);
+    // The silent ones are cut once the ClientHello is overdue.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    assert!(limited(&allocs, 0, "tls_hello_timeout").await? >= 1.0);
+    drop(silent);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_viewer_cannot_hold_streams_without_bound_and_the_leader_keeps_its_lease()
+-> anyhow::Result<()> {
+    let etcd = EtcdCluster::start(1).await?;
+    let dir = tempfile::tempdir()?;
+    let allocs = Allocators::start(dir.path(), &etcd, 1, "streams", &[])?;
+    allocs.wait_leader(Duration::from_secs(20)).await?;
+    allocs
+        .node_agent(0, "n1")?
+        .register_node(api::RegisterNodeRequest {
+            inventory: Some(inventory("n1", 2, 16_000, "T4")),
+        })
+        .await?;
+    let epoch = allocs.status(0).await.map(|s| s.epoch);
+    // 300 Subscribe streams on one connection, by one viewer.
+    let viewer = allocs.viewer(0)?;
+    let mut opened = Vec::new();
+    for _ in 0..300 {
+        let mut v = viewer.clone();
+        opened.push(tokio::spawn(async move {
+            v.subscribe(api::SubscribeRequest {
+                node: "n1".into(),
+                from_seq: 0,
+            })
+            .await
+        }));
+    }
+    let (mut held, mut refused) = (Vec::new(), 0);
+    for o in opened {
+        match tokio::time::timeout(Duration::from_secs(20), o).await?? {
+            Ok(s) => held.push(s.into_inner()),
+            Err(s) if s.code() == Code::ResourceExhausted => refused += 1,
+            Err(s) => anyhow::bail!("a stream refused otherwise: {s:?}"),
+        }
+    }
+    assert_eq!(
+        held.len(),
+        64,
+        "streams per identity (--max-streams-per-identity)"
+    );
+    assert_eq!(refused, 236);
+    assert_eq!(limited(&allocs, 0, "streams_per_identity").await?, 236.0);
+    // Meanwhile the node agent follows its node and writes go through.
+    let mut agent = allocs.node_agent(0, "n1")?;
+    let mut own = agent
+        .subscribe(api::SubscribeRequest {
+            node: "n1".into(),
+            from_seq: 0,
+        })
+        .await?
+        .into_inner();
+    tokio::time::timeout(Duration::from_secs(5), own.message())
+        .await??
+        .expect("the node's view");
+    agent
+        .set_device_health(api::SetDeviceHealthRequest {
+            node: "n1".into(),
+            gpu_uuid: "GPU-n1-0".into(),
+            healthy: false,
+            reason: "Xid 79".into(),
+            xid: 79,
+        })
+        .await?;
+    let s = allocs.status(0).await.expect("status");
+    assert_eq!(
+        (s.role.as_str(), Some(s.epoch)),
+        ("leader", epoch),
+        "the leader kept its lease"
+    );
+    // Closed streams give their slots back.
+    drop(held);
+    let mut v = viewer.clone();
+    let mut again = None;
+    for _ in 0..50 {
+        match v
+            .subscribe(api::SubscribeRequest {
+                node: "n1".into(),
+                from_seq: 0,
+            })
+            .await
+        {
+            Ok(s) => {
+                again = Some(s);
+                break;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+    assert!(again.is_some(), "a stream after the others closed");
+    Ok(())
+}
+
+/// One allocator that reviews tokens with the fake API server.
+async fn token_stack(allocators: usize) -> anyhow::Result<KubeStack> {
+    KubeStack::start(StackOptions {
+        etcd_members: 1,
+        allocators,
+        allocator_flags: vec![],
+        extender_flags: None,
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn junk_and_forged_tokens_cost_few_token_reviews() -> anyhow::Result<()> {
+    let stack = token_stack(1).await?;
+    let dir = tempfile::tempdir()?;
+    let reviews = || stack.api.store.token_reviews();
+    let mut honest = stack.allocs.viewer(0)?;
+    honest.status(api::StatusRequest {}).await?;
+    let before = reviews();
+    // 300 distinct tokens that are not even JWTs: refused, no review.
+    for i in 0..300 {
+        let mut c = with_token(&stack, dir.path(), "junk", &format!("junk-{i}"))?;
+        let r = c.status(api::StatusRequest {}).await;
+        assert_eq!(r.map_err(|s| s.code()).err(), Some(Code::Unauthenticated));
+    }
+    assert_eq!(reviews(), before, "junk tokens were reviewed");
+    // JWT-shaped forgeries for gpuledger: the first few are reviewed, then that address is
+    // throttled.
+    let b64 = |s: &str| {
+        use base64::Engine;
+        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(s)
+    };
+    let mut throttled = 0;
+    for i in 0..100 {
+        let forged = format!(
+            "{}.{}.sig",
+            b64("{}"),
+            b64(&format!(
+                r#"{{"aud":["gpuledger"],"exp":4000000000,"n":{i}}}"#
+            ))
+        );
+        let mut c = with_token(&stack, dir.path(), "forged", &forged)?;
+        match c.status(api::StatusRequest {}).await {
+            Err(s) if s.code() == Code::ResourceExhausted => throttled += 1,
+            Err(s) => assert_eq!(s.code(), Code::Unauthenticated, "{s:?}"),
+            Ok(_) => anyhow::bail!("a forged token was accepted"),
+        }
+    }
+    assert!(
+        reviews() - before <= 30,
+        "{} reviews for 100 forgeries from one address",
+        reviews() - before
+    );
+    assert_eq!(throttled, 70);
+    assert!(limited(&stack.allocs, 0, "token_reviews_failed_per_peer").await? >= 70.0);
+    // The honest caller, whose token is known, is served throughout.
+    honest.status(api::StatusRequest {}).await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_allocator_token_cannot_forward_an_identity_it_did_not_verify() -> anyhow::Result<()> {
+    let stack = token_stack(2).await?;
+    let allocs = &stack.allocs;
+    let leader = allocs.wait_leader(Duration::from_secs(20)).await?;
+    let follower = 1 - leader;
+    stack.api.add_node("n1", 64)?;
+    allocs
+        .admin(leader)?
+        .register_node(api::RegisterNodeRequest {
+            inventory: Some(inventory("n1", 1, 16_000, "T4")),
+        })
+        .await?;
+    // The allocator's own token, with a claim that an admin sent the write.
+    let mut allocator = allocs.client_as(leader, &Role::Allocator)?;
+    let invented = Caller {
+        role: Role::Admin,
+        subject: "system:serviceaccount:gpuledger-system:nobody-at-all".into(),
+    };
+    let mut r = tonic::Request::new(api::RemoveNodeRequest {
+        node: "n1".into(),
+        reason: "forged".into(),
+    });
+    r.metadata_mut().insert(
+        ON_BEHALF_OF,
+        MetadataValue::try_from(on_behalf_of(&invented).to_str()?)?,
+    );
+    let res = allocator.remove_node(r).await;
+    assert_eq!(
+        res.as_ref().map_err(tonic::Status::code).err(),
+        Some(Code::Unauthenticated),
+        "{res:?}"
+    );
+    // A forwarded token it made up: reviewed, and refused.
+    let mut r = tonic::Request::new(api::RemoveNodeRequest {
+        node: "n1".into(),
+        reason: "forged".into(),
+    });
+    r.metadata_mut().insert(
+        FORWARDED_AUTHORIZATION,
+        MetadataValue::from_static("Bearer made-up"),
+    );
+    let res = allocator.remove_node(r).await;
+    assert_eq!(
+        res.as_ref().map_err(tonic::Status::code).err(),
+        Some(Code::Unauthenticated),
+        "{res:?}"
+    );
+    // Nothing was removed (the allocator's own node sync may have written meanwhile).
+    let removed = allocs.events(leader).await?.into_iter().any(|e| {
+        matches!(
+            e.body,
+            Some(gpuledger_ledger::pb::event::Body::NodeRemoved(_))
+        )
+    });
+    assert!(!removed, "a forged forward removed a node");
+    // A real admin's write through the follower commits, recorded as the admin's, forwarded
+    // by the follower.
+    allocs
+        .admin(follower)?
+        .set_device_health(api::SetDeviceHealthRequest {
+            node: "n1".into(),
+            gpu_uuid: "GPU-n1-0".into(),
+            healthy: false,
+            reason: "Xid 79".into(),
+            xid: 79,
+        })
+        .await?;
+    let events = allocs.events(leader).await?;
+    let actor = events
+        .iter()
+        .rev()
+        .find(|e| {
+            matches!(
+                &e.body,
+                Some(gpuledger_ledger::pb::event::Body::DeviceHealthChanged(h)) if h.node == "n1"
+            )
+        })
+        .and_then(|e| e.actor.clone())
+        .expect("the write's actor");
+    assert_eq!(actor.role, "admin");
+    assert_eq!(
+        actor.name,
+        "system:serviceaccount:gpuledger-system:gpuledger-admin"
+    );
+    assert_eq!(
+        actor.via, "system:serviceaccount:gpuledger-system:gpuledger-allocator",
+        "the forwarding replica is recorded"
+    );
+    Ok(())
+}

@@ -1,0 +1,197 @@
+//! The extender's two HTTPS ports against hostile clients, on the real binary: the scheduler
+//! port admits kube-scheduler's certificate only (not a viewer's or a node agent's from the
+//! same CA); connections are bounded per address and the last tenth of a listener is kept for
+//! addresses that hold few, so a flood from many addresses leaves both ports answering; a body that trickles in is cut (408), and one over the size limit is
+//! answered 413, not with a broken connection. Each refusal is counted in
+//! `gpuledger_extender_limited_total{listener,limit}`.
+
+use crate::kit;
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use gpuledger_auth::identity::Role;
+use gpuledger_testkit::kube::{ExtenderClient, KubeStack, StackOptions};
+use gpuledger_testkit::{attacker, free_port};
+use serde_json::json;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+fn filter_args() -> serde_json::Value {
+    json!({"Pod": {"metadata": {"name": "p", "namespace": "default", "uid": "u"},
+                   "spec": {"containers": []}},
+           "Nodes": null, "NodeNames": []})
+}
+
+fn pod() -> serde_json::Value {
+    json!({"metadata": {"name": "p", "namespace": "default"},
+           "spec": {"containers": [{"name": "c", "image": "x",
+              "resources": {"limits": {"aliyun.com/gpu-mem": "3"}}}]}})
+}
+
+async fn stack(extra: &[&str]) -> anyhow::Result<(KubeStack, u16)> {
+    let hook = free_port()?;
+    let mut flags = vec![kit::webhook_flag(hook)];
+    flags.extend(extra.iter().map(|s| s.to_string()));
+    let stack = KubeStack::start(StackOptions {
+        etcd_members: 1,
+        allocators: 1,
+        allocator_flags: vec![],
+        extender_flags: Some(flags),
+    })
+    .await?;
+    gpuledger_testkit::kube::stack::wait_http(hook, Duration::from_secs(20)).await?;
+    Ok((stack, hook))
+}
+
+/// A TLS connection from `source` to the webhook, trusting the stack's CA.
+async fn tls_from(
+    stack: &KubeStack,
+    source: &str,
+    port: u16,
+) -> anyhow::Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>> {
+    let tls = attacker::tls_trusting(stack.ids.pki.ca_file())?;
+    Ok(attacker::tls_from(&tls, source, SocketAddr::from(([127, 0, 0, 1], port))).await?)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_scheduler_port_admits_only_the_schedulers_identity() -> anyhow::Result<()> {
+    let (stack, _) = stack(&[]).await?;
+    let body = serde_json::to_vec(&filter_args())?;
+    let scheduler = ExtenderClient::new(stack.extender_config()?)?;
+    assert_eq!(scheduler.post_raw("filter", body.clone()).await?.0, 200);
+    // Certificates from the very CA --client-ca names, of other gpuledger identities.
+    for role in [Role::Viewer, Role::NodeAgent { node: "n1".into() }] {
+        let (cert, key) = stack.ids.pki.client_cert(&role, "eve")?;
+        let mut cfg = stack.extender_config()?;
+        if let Some(t) = cfg.tls.as_mut() {
+            t.cert = cert;
+            t.key = key;
+        }
+        let r = ExtenderClient::new(cfg)?
+            .post_raw("filter", body.clone())
+            .await;
+        assert!(
+            r.is_err(),
+            "a {} certificate was answered: {r:?}",
+            role.kind()
+        );
+    }
+    let refused = kit::metric(
+        &stack,
+        "gpuledger_extender_limited_total{listener=\"scheduler\",limit=\"tls_client_name\"} ",
+    )
+    .await?;
+    assert!(refused >= 2.0, "refusals counted: {refused}");
+    assert_eq!(scheduler.post_raw("filter", body).await?.0, 200);
+    Ok(())
+}
+
+/// How often the webhook's `limit` refused something.
+async fn webhook_limited(stack: &KubeStack, limit: &str) -> anyhow::Result<f64> {
+    let line =
+        format!("gpuledger_extender_limited_total{{listener=\"webhook\",limit=\"{limit}\"}} ");
+    kit::metric(stack, &line).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_slow_clients_leaves_both_ports_answering() -> anyhow::Result<()> {
+    let (stack, hook) = stack(&["--request-read-timeout-ms=2000"]).await?;
+    let honest = kit::webhook_client(&stack, hook)?;
+    let scheduler = ExtenderClient::new(stack.extender_config()?)?;
+    // Eight addresses each open more connections than one peer may hold, twice the
+    // listener's 1,024 in all: past the per-peer limit they are closed at once, and the last
+    // tenth of the listener stays for clients that hold few.
+    let mut flood = Vec::new();
+    for source in 2..10 {
+        for _ in 0..260 {
+            let to = SocketAddr::from(([127, 0, 0, 1], hook));
+            if let Ok(s) = attacker::tcp_from(&format!("127.0.0.{source}"), to).await {
+                flood.push(s);
+            }
+        }
+    }
+    let mut closed = 0;
+    for s in &mut flood {
+        if let Ok(Ok(0)) =
+            tokio::time::timeout(Duration::from_millis(5), s.read(&mut [0u8; 1])).await
+        {
+            closed += 1;
+        }
+    }
+    assert!(
+        closed >= 500,
+        "only {closed} of 2,080 connections over the limits were closed"
+    );
+    // Another address sends bodies a byte at a time (as few as a small client holds).
+    let mut slow = Vec::new();
+    for _ in 0..10 {
+        let mut s = tls_from(&stack, "127.0.0.20", hook).await?;
+        s.write_all(
+            b"POST /mutate HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: 1000000\r\n\r\n{",
+        )
+        .await?;
+        slow.push(s);
+    }
+    // Meanwhile both ports answer honest calls.
+    let t0 = Instant::now();
+    let (status, _) = honest.post("/mutate", &kit::review(&pod(), "u")).await?;
+    assert_eq!(status, 200, "the API server's review during the flood");
+    let (status, _) = scheduler
+        .post_raw("filter", serde_json::to_vec(&filter_args())?)
+        .await?;
+    assert_eq!(status, 200, "kube-scheduler's filter during the flood");
+    // The trickling bodies are cut once the read timeout passes: 408.
+    for s in &mut slow {
+        let _ = s.write_all(b" ").await;
+    }
+    for mut s in slow {
+        let mut answer = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(6), s.read_to_end(&mut answer)).await;
+        assert!(
+            read.is_ok(),
+            "a slow body still held after {:?}",
+            t0.elapsed()
+        );
+        let text = String::from_utf8_lossy(&answer);
+        assert!(text.starts_with("HTTP/1.1 408"), "answered {text:?}");
+    }
+    assert!(webhook_limited(&stack, "connections_per_peer").await? >= 1.0);
+    assert!(webhook_limited(&stack, "connections").await? >= 100.0);
+    assert!(webhook_limited(&stack, "http_body_time").await? >= 10.0);
+    drop(flood);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_50_mb_body_is_answered_413() -> anyhow::Result<()> {
+    let (stack, hook) = stack(&[]).await?;
+    // A client that writes its whole request before it reads (as many simple clients do).
+    let mut s = tls_from(&stack, "127.0.0.1", hook).await?;
+    let body = vec![b' '; 50 << 20];
+    let head = format!(
+        "POST /mutate HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    let wrote = async {
+        s.write_all(head.as_bytes()).await?;
+        s.write_all(&body).await?;
+        s.flush().await
+    }
+    .await;
+    // The connection is not torn down under it (a client that sees a broken pipe reports
+    // that, not the answer).
+    assert!(wrote.is_ok(), "writing the request failed: {wrote:?}");
+    let mut answer = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut answer)).await;
+    let text = String::from_utf8_lossy(&answer);
+    assert!(
+        text.starts_with("HTTP/1.1 413"),
+        "answered {:?} (write: {wrote:?}, read: {read:?})",
+        &text[..text.len().min(200)]
+    );
+    let (status, _) = kit::webhook_client(&stack, hook)?
+        .post("/mutate", &kit::review(&pod(), "u"))
+        .await?;
+    assert_eq!(status, 200, "and the webhook goes on");
+    Ok(())
+}

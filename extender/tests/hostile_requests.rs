@@ -1,0 +1,123 @@
+//! What a caller of the extender's verbs can make it do with requests that are well-formed but
+//! hostile or impossible: `/bind` of another scheduler's pod is refused and binds nothing; a pod
+//! with more than 64 GPU containers is refused by filter (every node, with the reason) and by
+//! the webhook, instead of passing filter and failing Reserve forever; the webhook refuses sizes
+//! no node can ever hold and absurd quantities instead of saturating them.
+
+use crate::kit;
+
+use gpuledger_proto::allocator::v1 as api;
+use gpuledger_testkit::free_port;
+use gpuledger_testkit::kube::{KubeStack, StackOptions};
+use gpuledger_testkit::workload::inventory;
+use serde_json::{Value, json};
+
+async fn stack(port: u16) -> anyhow::Result<KubeStack> {
+    let stack = KubeStack::start(StackOptions {
+        allocators: 1,
+        extender_flags: Some(vec![
+            kit::webhook_flag(port),
+            "--scheduler-name=gpuledger-scheduler".into(),
+        ]),
+        ..Default::default()
+    })
+    .await?;
+    gpuledger_testkit::kube::stack::wait_http(port, std::time::Duration::from_secs(10)).await?;
+    stack
+        .allocs
+        .node_agent(0, "n1")?
+        .register_node(api::RegisterNodeRequest {
+            inventory: Some(inventory("n1", 2, 24_000, "NVIDIA A10")),
+        })
+        .await?;
+    stack.api.add_node("n1", 128)?;
+    Ok(stack)
+}
+
+fn gpu_pod(name: &str, scheduler: &str, containers: usize, mem: &str) -> Value {
+    let cs: Vec<Value> = (0..containers)
+        .map(|i| {
+            json!({"name": format!("c{i}"), "image": "x",
+                   "resources": {"limits": {"gpuledger.io/gpu-mem": mem}}})
+        })
+        .collect();
+    json!({"metadata": {"name": name, "namespace": "default"},
+           "spec": {"schedulerName": scheduler, "containers": cs}})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bind_refuses_other_schedulers_pods_and_impossible_pods_are_refused_early()
+-> anyhow::Result<()> {
+    let port = free_port()?;
+    let stack = stack(port).await?;
+    let ext = kit::extender(&stack)?;
+    let seq = stack.allocs.status(0).await.map(|s| s.seq);
+
+    // Another scheduler's pod, bound through gpuledger's extender by whoever reaches it.
+    let theirs = stack
+        .api
+        .add_pod(gpu_pod("theirs", "some-other-scheduler", 1, "1000"))?;
+    let r = ext
+        .post_raw(
+            "bind",
+            serde_json::to_vec(&json!({"PodName": "theirs", "PodNamespace": "default",
+                "PodUID": theirs["metadata"]["uid"], "Node": "n1"}))?,
+        )
+        .await?;
+    let text = String::from_utf8_lossy(&r.1);
+    assert!(
+        text.contains("not by a gpuledger scheduler"),
+        "bind of another scheduler's pod: HTTP {} {text}",
+        r.0
+    );
+    let pod = stack
+        .api
+        .store
+        .get("v1", "pods", "default", "theirs")
+        .map_err(|e| anyhow::anyhow!("{}", e.message()))?;
+    assert_eq!(
+        pod["spec"]["nodeName"].as_str(),
+        None,
+        "the pod was bound: {pod}"
+    );
+    assert_eq!(
+        stack.allocs.status(0).await.map(|s| s.seq),
+        seq,
+        "the refused bind wrote to the ledger"
+    );
+
+    // 65 GPU containers: filter refuses every node, saying why (it used to pass filter and
+    // then fail Reserve forever).
+    let many = gpu_pod("many", "gpuledger-scheduler", 65, "10");
+    let args = json!({"Pod": many, "Nodes": null, "NodeNames": ["n1"]});
+    let f = ext.post("filter", &args).await?;
+    let why = f["FailedAndUnresolvableNodes"]["n1"].as_str().unwrap_or("");
+    assert!(why.contains("at most 64"), "filter of 65 containers: {f}");
+    assert_eq!(f["NodeNames"], json!([]), "{f}");
+    let hook = kit::webhook_client(&stack, port)?;
+    let refused = kit::admit(&hook, gpu_pod("many", "gpuledger-scheduler", 65, "10")).await?;
+    assert!(
+        refused.as_ref().is_err_and(|m| m.contains("at most 64")),
+        "{refused:?}"
+    );
+
+    // Sizes no node can ever hold, and absurd quantities, are refused at admission.
+    let huge = kit::admit(&hook, gpu_pod("huge", "gpuledger-scheduler", 1, "100000")).await?;
+    assert!(
+        huge.as_ref()
+            .is_err_and(|m| m.contains("can ever hold") && m.contains("24000 MiB")),
+        "{huge:?}"
+    );
+    let absurd = kit::admit(&hook, gpu_pod("absurd", "gpuledger-scheduler", 1, "1e30")).await?;
+    assert!(
+        absurd
+            .as_ref()
+            .is_err_and(|m| m.contains("no GPU has more than")),
+        "{absurd:?}"
+    );
+    // What fits is admitted.
+    kit::admit(&hook, gpu_pod("fine", "gpuledger-scheduler", 1, "8000"))
+        .await?
+        .map_err(anyhow::Error::msg)?;
+    Ok(())
+}

@@ -1,0 +1,143 @@
+//! Bounds on what a command may carry. Every name and free string that ends up in an event has
+//! a length limit, every list a count limit, and every size that arithmetic touches (GPU memory,
+//! node CPU and memory, a pod's requests) a ceiling far above any real machine and far below
+//! where a sum of them could overflow. A command past a bound is refused with
+//! [`CommandError::Invalid`](super::CommandError::Invalid) before anything is decided, so it
+//! can neither grow an event without limit nor make the sequencer panic.
+
+use crate::pb;
+
+/// Longest node, pod or namespace name (a Kubernetes object name: a DNS subdomain).
+pub const MAX_NAME_BYTES: usize = 253;
+/// Longest GPU UUID, GPU model, device ID, container name or pod UID.
+pub const MAX_ID_BYTES: usize = 128;
+/// Longest free text: a reason, a replica's name or address.
+pub const MAX_TEXT_BYTES: usize = 1024;
+/// The actions a `LimitViolated` may name: a node agent's `--on-violation` (kill, report) and
+/// `--rogue-policy` (rogue, rogue-kill).
+pub const VIOLATION_ACTIONS: [&str; 4] = ["kill", "report", "rogue", "rogue-kill"];
+/// Most device IDs in one `Assign` or `CorrectIdentity` (a container's slices).
+pub const MAX_DEVICE_IDS: usize = 64;
+/// Most containers of one pod that ask for GPUs.
+pub const MAX_CONTAINERS: usize = 64;
+/// Victims of one nomination, and pods counted as leaving: pods on one node (the kubelet's
+/// default is 110 pods a node; a node may be configured for more).
+pub const MAX_VICTIMS: usize = 1024;
+/// Most slices (distinct GPUs) one container may ask for.
+pub const MAX_SLICES: u32 = 64;
+/// Most entries in one of a pod's GPU selectors (types, UUIDs and their exclusions).
+pub const MAX_SELECTOR_ENTRIES: usize = 64;
+/// Largest node CPU or pod CPU request, in millicores (a billion cores).
+pub const MAX_CPU_MILLI: u64 = 1 << 40;
+/// Largest node host memory or pod memory request, in MiB (an exbibyte).
+pub const MAX_HOST_MEMORY_MIB: u64 = 1 << 40;
+
+/// How large one node's inventory may be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InventoryLimits {
+    /// Most GPUs on one node.
+    pub max_gpus: usize,
+    /// Most memory of one GPU, in MiB.
+    pub max_gpu_memory_mib: u64,
+}
+
+impl InventoryLimits {
+    /// What the ledger itself holds every inventory to, whatever the allocator's flags say: a
+    /// thousand GPUs of a pebibyte each. Sums over a node and percentages of a GPU stay far
+    /// from overflowing below it.
+    pub const CEILING: InventoryLimits = InventoryLimits {
+        max_gpus: 1024,
+        max_gpu_memory_mib: 1 << 30,
+    };
+
+    /// These limits, no higher than [`Self::CEILING`].
+    pub fn capped(self) -> InventoryLimits {
+        InventoryLimits {
+            max_gpus: self.max_gpus.min(Self::CEILING.max_gpus),
+            max_gpu_memory_mib: self
+                .max_gpu_memory_mib
+                .min(Self::CEILING.max_gpu_memory_mib),
+        }
+    }
+
+    /// Why `inv` is refused under these limits, if it is.
+    pub fn check(&self, inv: &pb::NodeInventory) -> Result<(), String> {
+        name("node name", &inv.node)?;
+        if inv.gpus.len() > self.max_gpus {
+            return Err(format!(
+                "node {} reports {} GPUs; at most {} per node",
+                inv.node,
+                inv.gpus.len(),
+                self.max_gpus
+            ));
+        }
+        if inv.cpu_milli > MAX_CPU_MILLI || inv.memory_mib > MAX_HOST_MEMORY_MIB {
+            return Err(format!(
+                "node {} reports {}m CPU and {} MiB host memory; at most {MAX_CPU_MILLI}m and \
+                 {MAX_HOST_MEMORY_MIB} MiB",
+                inv.node, inv.cpu_milli, inv.memory_mib
+            ));
+        }
+        for g in &inv.gpus {
+            id("GPU uuid", &g.uuid)?;
+            id("GPU model", &g.model)?;
+            if g.memory_mib > self.max_gpu_memory_mib {
+                return Err(format!(
+                    "node {}: GPU {} reports {} MiB of memory; at most {} MiB per GPU",
+                    inv.node, g.uuid, g.memory_mib, self.max_gpu_memory_mib
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Refuse a name longer than [`MAX_NAME_BYTES`].
+pub(crate) fn name(what: &str, s: &str) -> Result<(), String> {
+    limit(what, s, MAX_NAME_BYTES)
+}
+
+/// Refuse an identifier longer than [`MAX_ID_BYTES`].
+pub(crate) fn id(what: &str, s: &str) -> Result<(), String> {
+    limit(what, s, MAX_ID_BYTES)
+}
+
+/// Refuse a free text longer than [`MAX_TEXT_BYTES`].
+pub(crate) fn text(what: &str, s: &str) -> Result<(), String> {
+    limit(what, s, MAX_TEXT_BYTES)
+}
+
+fn limit(what: &str, s: &str, max: usize) -> Result<(), String> {
+    if s.len() > max {
+        return Err(format!("{what} is {} bytes; at most {max}", s.len()));
+    }
+    Ok(())
+}
+
+/// Refuse more than [`MAX_DEVICE_IDS`] device IDs, or one that is too long.
+pub(crate) fn device_ids(ids: &[String]) -> Result<(), String> {
+    if ids.len() > MAX_DEVICE_IDS {
+        return Err(format!(
+            "{} device ids; at most {MAX_DEVICE_IDS}",
+            ids.len()
+        ));
+    }
+    ids.iter().try_for_each(|d| id("device id", d))
+}
+
+/// Why a `LimitViolated` report is refused, if it is: an unknown action or an overlong field.
+pub fn check_violation(v: &pb::LimitViolated) -> Result<(), String> {
+    if v.node.is_empty() {
+        return Err("violation without node".into());
+    }
+    name("node name", &v.node)?;
+    id("GPU uuid", &v.gpu_uuid)?;
+    if !VIOLATION_ACTIONS.contains(&v.action.as_str()) {
+        let shown: String = v.action.chars().take(32).collect();
+        return Err(format!(
+            "violation action {shown:?} is not one of {}",
+            VIOLATION_ACTIONS.join(", ")
+        ));
+    }
+    Ok(())
+}
