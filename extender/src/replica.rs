@@ -219,6 +219,23 @@ impl Replica {
         out
     }
 
+    /// Wait up to `timeout` for the replica to fold a state in which `done` holds; whether it
+    /// did.
+    pub async fn wait_for(&self, timeout: Duration, done: impl Fn(&Ledger) -> bool) -> bool {
+        let mut rx = self.applied.subscribe();
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            rx.borrow_and_update();
+            if done(&*self.views.current().await) {
+                return true;
+            }
+            match tokio::time::timeout_at(deadline, rx.changed()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) | Err(_) => return false,
+            }
+        }
+    }
+
     /// Whether the allocator was heard from within `stale_after`.
     fn fresh(&self) -> bool {
         let heard = self.heard_ms.load(Ordering::Relaxed);

@@ -2,20 +2,22 @@
 //! preemption, and which never can.
 
 use std::borrow::Cow;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use gpuledger_ledger::placement;
 use gpuledger_proto::allocator::v1 as api;
+use gpuledger_proto::ledger::v1 as pb;
 use tonic::Code;
 use tracing::field::Empty;
-use tracing::{Span, debug, instrument, warn};
+use tracing::{Span, debug, info, instrument, warn};
 
 use super::wire::{ExtenderArgs, FilterResult, NodeList, node_name, take_node_names};
 use super::{App, bad_request, failed, json_sized, record_pod};
 use crate::preemption::Preemption;
+use crate::replica::Replica;
 use crate::{parallel, resources};
 
 /// Keep the nodes named in `keep`, in the request's form: full nodes when it carried them
@@ -85,22 +87,27 @@ pub(super) async fn filter(State(app): State<App>, body: Bytes) -> Response {
             return axum::Json(out).into_response();
         }
     };
-    let local = match &app.replica {
+    let mut local = match &app.replica {
         None => None,
-        Some(r) => {
-            r.read("filter", |l, d| match d.request(req.clone()) {
-                Ok(pr) => {
-                    let mut f = parallel::filter_nodes(l, &names, &pr);
-                    r.in_flight.filter(l, d, &pr, &mut f);
-                    let nominated = nominee_waits(l, &pr, &mut f);
-                    // A node the replica does not know yet may be registered by now: ask.
-                    (f.unregistered == 0).then(|| Ok((f, l.seq(), nominated)))
-                }
-                Err(why) => Some(Err(tonic::Status::invalid_argument(why))),
-            })
-            .await
-        }
+        Some(r) => on_replica(r, &names, &req).await,
     };
+    // A nominated pod whose victims are gone from the API server, retried by the scheduler
+    // on their deletion: the allocator releases their GPUs on that same deletion, a moment
+    // later, and no other event would make the scheduler try the pod again. Wait for it.
+    if let (Some(r), Some(Ok((f, _, Some(victims))))) = (&app.replica, &local)
+        && f.fits.is_empty()
+        && !victims.is_empty()
+        && victims_gone(&app, victims).await
+    {
+        let uids: Vec<String> = victims.iter().map(|v| v.uid.clone()).collect();
+        let released =
+            |l: &gpuledger_ledger::Ledger| uids.iter().all(|u| l.allocs_of_pod(u).is_empty());
+        if r.wait_for(VICTIMS_RELEASE_WAIT, released).await {
+            info!("the victims' GPUs were released while filter waited");
+            local = on_replica(r, &names, &req).await;
+        }
+    }
+    let local = local.map(|x| x.map(|(f, seq, victims)| (f, seq, victims.is_some())));
     let answer = match local {
         Some(Ok(r)) => Ok(r),
         Some(Err(s)) => Err((names, s)),
@@ -206,20 +213,72 @@ async fn own_request(
     resources::pod_request(&pod).ok().flatten()
 }
 
-/// Whether the pod of `req` is nominated; if so, its nominated node's reason says that the
-/// room there is being freed for it.
+/// How long filter waits for the ledger to release the GPUs of a nominated pod's victims once
+/// the API server no longer has them.
+const VICTIMS_RELEASE_WAIT: Duration = Duration::from_secs(1);
+
+/// At most this many victims of one nomination are looked up in the API server per filter.
+const VICTIMS_LOOKED_UP: usize = 16;
+
+/// What filter found on the replica: the nodes, the seq, and for a nominated pod the victims
+/// that still hold GPUs.
+type OnReplica = Option<Result<(placement::Filtered, u64, Option<Vec<pb::PodRef>>), tonic::Status>>;
+
+/// Filter on the extender's replica; None when the allocator must answer.
+async fn on_replica(r: &Replica, names: &[String], req: &api::PodRequest) -> OnReplica {
+    r.read("filter", |l, d| match d.request(req.clone()) {
+        Ok(pr) => {
+            let mut f = parallel::filter_nodes(l, names, &pr);
+            r.in_flight.filter(l, d, &pr, &mut f);
+            let victims = nominee_waits(l, &pr, &mut f);
+            // A node the replica does not know yet may be registered by now: ask.
+            (f.unregistered == 0).then(|| Ok((f, l.seq(), victims)))
+        }
+        Err(why) => Some(Err(tonic::Status::invalid_argument(why))),
+    })
+    .await
+}
+
+/// Whether none of `victims` is in the API server any more (deleted, or another pod of that
+/// name); false when one is, when it cannot be read, or there are too many to look up.
+async fn victims_gone(app: &App, victims: &[pb::PodRef]) -> bool {
+    let Some(kube) = &app.kube else {
+        return false;
+    };
+    if victims.len() > VICTIMS_LOOKED_UP {
+        return false;
+    }
+    for v in victims {
+        let pods: kube::Api<k8s_openapi::api::core::v1::Pod> =
+            kube::Api::namespaced(kube.clone(), &v.namespace);
+        match pods.get_opt(&v.name).await {
+            Ok(Some(p)) if p.metadata.uid.as_deref() == Some(v.uid.as_str()) => return false,
+            Ok(_) => {}
+            Err(e) => {
+                debug!(error = %e, "cannot read a preemption victim");
+                return false;
+            }
+        }
+    }
+    true
+}
+
+/// When the pod of `req` is nominated: the victims that still hold GPUs in the ledger, and its
+/// nominated node's reason says that the room there is being freed for it. None otherwise.
 fn nominee_waits(
     l: &gpuledger_ledger::Ledger,
     req: &placement::PodRequest,
     f: &mut placement::Filtered,
-) -> bool {
-    let Some(n) = l.nominations().get(&req.pod.uid) else {
-        return false;
-    };
-    let victims: Vec<String> = n
+) -> Option<Vec<pb::PodRef>> {
+    let n = l.nominations().get(&req.pod.uid)?;
+    let holding: Vec<pb::PodRef> = n
         .victims
         .iter()
-        .filter_map(|v| v.pod.as_ref())
+        .filter_map(|v| v.pod.clone())
+        .filter(|p| !l.allocs_of_pod(&p.uid).is_empty())
+        .collect();
+    let victims: Vec<String> = holding
+        .iter()
         .map(|p| format!("{}/{}", p.namespace, p.name))
         .collect();
     for (_, why) in f.wait.iter_mut().filter(|(node, _)| *node == n.node) {
@@ -232,7 +291,7 @@ fn nominee_waits(
             )
         });
     }
-    true
+    Some(holding)
 }
 
 fn unresolvable_everywhere(names: &[String], why: &str, out: &mut FilterResult) {
