@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 
+use gpuledger_auth::Role;
 use gpuledger_testkit::cluster::{ClusterOptions, LocalCluster, SCHEDULER_NAME};
 
 /// Flags of `gpuledger-chaos up`.
@@ -63,11 +64,30 @@ pub async fn run(a: UpArgs) -> Result<()> {
     })
     .await?;
     let alloc = c.allocs.addrs.join(",");
-    println!("\ngpuledger local cluster is up. Point the tools at it:\n");
-    println!("  gpuledger status --allocator {alloc}");
-    println!("  gpuledger inspect --allocator {alloc}");
-    println!("  gpuledger verify --allocator {alloc}");
-    println!("  export GPULEDGER_ALLOCATOR={alloc}   # instead of --allocator");
+    // The allocators demand TLS and an identity: a viewer's, and an admin's for writes.
+    let viewer = c.ids.credentials(&Role::Viewer)?;
+    let admin = c.ids.credentials(&Role::Admin)?;
+    println!("\ngpuledger local cluster is up. Point the tools at it, as a viewer:\n");
+    println!("  export GPULEDGER_ALLOCATOR={alloc}");
+    for (var, path) in [
+        ("GPULEDGER_ALLOCATOR_CA", &viewer.ca),
+        ("GPULEDGER_TOKEN_FILE", &viewer.token_file),
+        ("GPULEDGER_CLIENT_CERT", &viewer.client_cert),
+        ("GPULEDGER_CLIENT_KEY", &viewer.client_key),
+    ] {
+        if let Some(p) = path {
+            println!("  export {var}={}", p.display());
+        }
+    }
+    println!("  gpuledger status");
+    println!("  gpuledger inspect");
+    println!("  gpuledger verify");
+    if let Some(t) = admin.token_file.as_ref().or(admin.client_cert.as_ref()) {
+        println!(
+            "\n  an admin's credential (remove a node, release): {}",
+            t.display()
+        );
+    }
     println!(
         "\n  kubeconfig (fake kube-apiserver {}): {}",
         c.api.url(),
