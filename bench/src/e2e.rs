@@ -4,7 +4,7 @@
 //! its container running with its GPU environment on a real kubelet. Needs root (containerd,
 //! the kubelet) and the Kubernetes binaries of `e2e/kube/build.sh` (docs/e2e.md).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
@@ -58,6 +58,71 @@ struct Batch {
 fn on_kubelet_less(mut p: Value) -> Value {
     p["spec"]["nodeSelector"] = json!({"gpuledger.io/e2e": "kubelet-less"});
     p
+}
+
+/// CPU seconds used so far by this process ("bench") and each of its descendants, summed by
+/// the name the kernel gives them (`comm`: kube-apiserver, etcd, gpuledger-alloc, …).
+fn cpu_by_process() -> BTreeMap<String, f64> {
+    let tick = 100.0; // USER_HZ on Linux
+    let mut parent: HashMap<u32, (u32, String, f64)> = HashMap::new();
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // `pid (comm) state ppid … utime stime …`: comm may hold spaces, the rest does not.
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            continue;
+        };
+        let comm = stat[open + 1..close].to_string();
+        let f: Vec<&str> = stat[close + 1..].split_whitespace().collect();
+        let num = |i: usize| f.get(i).and_then(|x| x.parse::<f64>().ok()).unwrap_or(0.0);
+        let ppid = f.get(1).and_then(|x| x.parse().ok()).unwrap_or(0);
+        parent.insert(pid, (ppid, comm, (num(11) + num(12)) / tick));
+    }
+    let me = std::process::id();
+    let mut out = BTreeMap::new();
+    for (pid, (_, comm, cpu)) in &parent {
+        let mut p = *pid;
+        let mut ours = false;
+        for _ in 0..64 {
+            if p == me {
+                ours = true;
+                break;
+            }
+            match parent.get(&p) {
+                Some((pp, _, _)) if *pp != 0 => p = *pp,
+                _ => break,
+            }
+        }
+        if ours {
+            let name = if *pid == me {
+                "bench".to_string()
+            } else {
+                comm.clone()
+            };
+            *out.entry(name).or_insert(0.0) += cpu;
+        }
+    }
+    out
+}
+
+/// Milliseconds of CPU per pod, by process, between two [`cpu_by_process`] readings.
+fn cpu_per_pod(
+    before: &BTreeMap<String, f64>,
+    after: &BTreeMap<String, f64>,
+    pods: usize,
+) -> BTreeMap<String, f64> {
+    after
+        .iter()
+        .map(|(k, v)| {
+            let d = v - before.get(k).copied().unwrap_or(0.0);
+            (k.clone(), 1e3 * d.max(0.0) / pods as f64)
+        })
+        .filter(|(_, ms)| *ms >= 0.05)
+        .collect()
 }
 
 /// Create `specs` in `ns` (`parallel` at a time) and time until every one is bound.
@@ -147,7 +212,9 @@ pub async fn run(a: Args) -> Result<()> {
     let cpu: Vec<Value> = (0..a.pods)
         .map(|i| on_kubelet_less(pods::pod(&format!("cpu-{i}"), &[("cpu", "100m")], None)))
         .collect();
+    let cpu0 = cpu_by_process();
     let plain = schedule(&e, "bench", cpu, a.parallel).await?;
+    let cpu1 = cpu_by_process();
     let before = e.gl.extender_metrics().await?;
     let gpu: Vec<Value> = (0..a.pods)
         .map(|i| {
@@ -159,6 +226,7 @@ pub async fn run(a: Args) -> Result<()> {
         })
         .collect();
     let gpus = schedule(&e, "bench", gpu, a.parallel).await?;
+    let cpu2 = cpu_by_process();
     // A bind is counted when its answer is sent, just after the Binding the watch saw.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let after = e.gl.extender_metrics().await?;
@@ -244,6 +312,25 @@ pub async fn run(a: Args) -> Result<()> {
         gpus.steady
     );
     println!("{verbs}");
+    // The cost model: on a machine whose cores every process shares, pods/s is bounded by
+    // the cores divided by the CPU one pod costs the whole cluster.
+    let (plain_cpu, gpu_cpu) = (
+        cpu_per_pod(&cpu0, &cpu1, a.pods),
+        cpu_per_pod(&cpu1, &cpu2, a.pods),
+    );
+    println!("\nCPU ms per pod, by process        plain      GPU");
+    let names: std::collections::BTreeSet<&String> =
+        plain_cpu.keys().chain(gpu_cpu.keys()).collect();
+    for n in names {
+        println!(
+            "  {:<28} {:>8.2} {:>8.2}",
+            n,
+            plain_cpu.get(n).copied().unwrap_or(0.0),
+            gpu_cpu.get(n).copied().unwrap_or(0.0)
+        );
+    }
+    let (pt, gt): (f64, f64) = (plain_cpu.values().sum(), gpu_cpu.values().sum());
+    println!("  {:<28} {:>8.2} {:>8.2}", "all", pt, gt);
     let qps = a
         .scheduler_qps
         .map_or("50, the default".to_string(), |q| q.to_string());
@@ -259,7 +346,7 @@ pub async fn run(a: Args) -> Result<()> {
         q_ms(&h, 1.0)
     );
     println!(
-        "gpu_pods_per_s={:.1} plain_pods_per_s={:.1} ratio={ratio:.2} bind_rejected_pct={rejected_pct:.2} kubelet_start_p50_ms={:.0} kubelet_start_max_ms={:.0}",
+        "gpu_pods_per_s={:.1} plain_pods_per_s={:.1} ratio={ratio:.2} bind_rejected_pct={rejected_pct:.2} kubelet_start_p50_ms={:.0} kubelet_start_max_ms={:.0} cpu_ms_per_plain_pod={pt:.2} cpu_ms_per_gpu_pod={gt:.2}",
         gpus.steady,
         plain.steady,
         q_ms(&h, 0.5),
