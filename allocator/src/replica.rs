@@ -17,11 +17,11 @@ use crate::election::{self, Session};
 use crate::leader::{BatchLimits, Leader, StepDown};
 use crate::log::{EtcdLog, Fence, LogError};
 use crate::retry::forever;
-use crate::service::Placement;
-use crate::service::Service;
+use crate::service::{Leaders, Placement, Service};
 use crate::shared::{Role, Shared};
 use crate::tail;
 use crate::workload::Learned;
+use crate::writer::{self, Inbox};
 
 /// Connect to etcd (lazily: the connection is made by the first request).
 pub async fn connect(endpoints: &[String], tls: Option<&EtcdTls>) -> anyhow::Result<Client> {
@@ -118,17 +118,18 @@ pub async fn run_until(cfg: Config, stop: CancellationToken) -> anyhow::Result<(
     let authz = Arc::new(crate::authz::Authz::new(kube, cfg.scheduler_names.clone()));
     let learned = Learned::new(cfg.fgd_window, cfg.fgd_min_samples);
     let preemption = crate::preemption::Preemption::new(&cfg.preempt, &shared.metrics);
+    let (writer, inbox) = writer::channel(shared.actor());
     let service = Service::new(
         shared.clone(),
-        client.clone(),
+        writer.clone(),
+        Leaders::new(client.clone(), log.election_name(), peers),
         log.clone(),
         Duration::from_secs(cfg.reserve_ttl),
         Placement {
             default_policy: cfg.default_policy,
             learned: learned.clone(),
         },
-        authz,
-        peers,
+        authz.clone(),
     )
     .with_archive(archive.clone())
     .with_write_limits(crate::write_limits::WriteLimits::new(
@@ -138,7 +139,7 @@ pub async fn run_until(cfg: Config, stop: CancellationToken) -> anyhow::Result<(
         cfg.limits.max_streams_per_identity,
         cfg.limits.heavy_read_threads,
     )
-    .with_preemption(preemption);
+    .with_preemption(preemption.clone());
     let http = tokio::net::TcpListener::bind(cfg.http_listen)
         .await
         .with_context(|| format!("listening on --http-listen {}", cfg.http_listen))?;
@@ -164,9 +165,24 @@ pub async fn run_until(cfg: Config, stop: CancellationToken) -> anyhow::Result<(
             warn!(error = %e, "the HTTP endpoint stopped");
         }
     });
-    crate::kube_watch::spawn(service.clone(), &cfg.kube, &tasks, &stop);
+    crate::kube_watch::spawn(
+        crate::kube_watch::Ties {
+            shared: shared.clone(),
+            writer: writer.clone(),
+            authz: authz.clone(),
+            budget_guard: service.budget_guard_slot().clone(),
+        },
+        &cfg.kube,
+        &tasks,
+        &stop,
+    );
     crate::preemption::spawn(
-        service.clone(),
+        crate::preemption::Sweep {
+            preemption,
+            shared: shared.clone(),
+            writer,
+            authz,
+        },
         Duration::from_millis(cfg.kube.reconcile_interval_ms.max(1)),
         &tasks,
         &stop,
@@ -183,7 +199,7 @@ pub async fn run_until(cfg: Config, stop: CancellationToken) -> anyhow::Result<(
         log.clone(),
     )));
 
-    let result = lifecycle(&cfg, &shared, &client, &log, archive, &stop).await;
+    let result = lifecycle(&cfg, &shared, &inbox, &client, &log, archive, &stop).await;
     stop.cancel();
     tasks.close();
     // Give in-flight RPCs a moment, then stop serving.
@@ -309,6 +325,7 @@ async fn etcd_leader_client(cfg: &Config, client: &Client) -> Option<Client> {
 async fn lifecycle(
     cfg: &Config,
     shared: &Arc<Shared>,
+    inbox: &Inbox,
     client: &Client,
     log: &EtcdLog,
     archive: Option<crate::archive::Archive>,
@@ -426,6 +443,7 @@ async fn lifecycle(
         });
         let leader = Leader {
             shared: shared.clone(),
+            inbox: inbox.clone(),
             log: leader_log,
             fence: Fence::from(&key),
             limits,
