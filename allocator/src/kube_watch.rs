@@ -13,6 +13,7 @@ use backon::{ExponentialBuilder, Retryable};
 use futures::StreamExt;
 use gpuledger_ledger::{Command, Ledger};
 use gpuledger_ops::events::{Kind, PodEvent, Recorder};
+use gpuledger_ops::kube_client::KubeClientError;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::Api;
 use kube::runtime::reflector::{self, ObjectRef, Store};
@@ -94,9 +95,7 @@ pub fn spawn(ties: Ties, args: &KubeArgs, tasks: &TaskTracker, stop: &Cancellati
             .without_max_times();
         let connected = (|| client(&args))
             .retry(backoff)
-            .notify(
-                |e, _| warn!(error = %format!("{e:#}"), "Kubernetes client not ready; retrying"),
-            )
+            .notify(|e, _| warn!(error = %e, "Kubernetes client not ready; retrying"))
             .await;
         if let Ok(client) = connected {
             run(ties, client, args).await;
@@ -104,10 +103,21 @@ pub fn spawn(ties: Ties, args: &KubeArgs, tasks: &TaskTracker, stop: &Cancellati
     }));
 }
 
-async fn client(args: &KubeArgs) -> anyhow::Result<kube::Client> {
+/// Why the watchers have no Kubernetes client (yet: they keep trying).
+#[derive(Debug, thiserror::Error)]
+enum ClientError {
+    /// The configuration names a cluster, but no client can be made from it.
+    #[error(transparent)]
+    Kube(#[from] KubeClientError),
+    /// Neither --kubeconfig nor an in-cluster configuration is there any more.
+    #[error("no --kubeconfig and no in-cluster config")]
+    NoConfig,
+}
+
+async fn client(args: &KubeArgs) -> Result<kube::Client, ClientError> {
     gpuledger_ops::kube_client::client(args.kubeconfig.as_deref())
         .await?
-        .ok_or_else(|| anyhow::anyhow!("no --kubeconfig and no in-cluster config"))
+        .ok_or(ClientError::NoConfig)
 }
 
 /// The watchers' view and the writes they make.
