@@ -53,6 +53,7 @@ pub struct KubeArgs {
     #[arg(long, env = "GPULEDGER_NODE_GONE_GRACE", default_value_t = 30)]
     pub node_gone_grace_s: u64,
 
+    /// GPUBudget objects into the ledger (which namespace holds the cluster default).
     #[command(flatten)]
     pub budgets: crate::budget_watch::BudgetArgs,
 }
