@@ -18,7 +18,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use gpuledger_crd::{ANN_DEMOTED, GPUBudget, GPUBudgetStatus, STATE_APPLIED, STATE_REFUSED};
 use gpuledger_ledger::state::budget_summary;
-use gpuledger_ledger::{Command, pb};
+use gpuledger_ledger::{Command, CommandError, pb};
 use gpuledger_ops::events::{Kind, PodEvent, to_event};
 use k8s_openapi::api::core::v1::{Event, ObjectReference, Pod};
 use k8s_openapi::api::scheduling::v1::PriorityClass;
@@ -28,12 +28,12 @@ use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use tokio::sync::{Mutex, Notify};
 use tokio::task::JoinSet;
-use tonic::{Code, Status};
+use tonic::Status;
 use tracing::{debug, info, warn};
 
 use self::plan::{Fix, governing, no_class};
-use crate::service::Service;
-use crate::shared::Role;
+use crate::shared::{Role, Shared};
+use crate::writer::{WriteError, Writer};
 
 pub mod plan;
 
@@ -70,7 +70,7 @@ pub struct BudgetGuard {
     default_ns: String,
 }
 
-/// Where [`Service`] keeps the guard once the watch sets it.
+/// Where the gRPC service finds the guard once the watch sets it.
 pub type GuardSlot = Arc<OnceLock<BudgetGuard>>;
 
 impl BudgetGuard {
@@ -128,7 +128,8 @@ impl BudgetGuard {
 
 /// The leader's side: the objects, the ledger, and the writes between them.
 struct Watch {
-    service: Service,
+    shared: Arc<Shared>,
+    writer: Writer,
     guard: BudgetGuard,
     ready: AtomicBool,
     /// One pass at a time: the watch and the resync both start passes.
@@ -137,7 +138,7 @@ struct Watch {
 
 impl Watch {
     fn leading(&self) -> bool {
-        self.service.shared().role_info().role == Role::Leader
+        self.shared.role_info().role == Role::Leader
     }
 
     /// Compare every object with the ledger and write the differences (leader only).
@@ -148,7 +149,7 @@ impl Watch {
         }
         let groups = governing(&self.guard.store.state(), &self.guard.default_ns);
         let fixes = {
-            let l = self.service.shared().view().await;
+            let l = self.shared.view().await;
             plan::plan(&groups, l.budgets().budgets(), l.quotas())
         };
         for fix in fixes {
@@ -191,7 +192,7 @@ impl Watch {
         }
         let what = format!("GPUBudget {}", name_of(o));
         let changed = write_budget || quota.is_some();
-        let mut seq = self.service.shared().view().await.seq();
+        let mut seq = self.shared.view().await.seq();
         if write_budget {
             match self.write(Command::SetBudget(budget.clone()), &what).await {
                 Ok(s) => seq = s,
@@ -246,9 +247,9 @@ impl Watch {
     /// Submit `cmd` as the leader: the seq it committed at; `Err(Some(why))` when the ledger
     /// refuses it, `Err(None)` when it should be tried again (not leading, leadership lost).
     async fn write(&self, cmd: Command, what: &str) -> Result<u64, Option<String>> {
-        match self.service.local(cmd).await {
-            None => Err(None),
-            Some(Ok(c)) => {
+        match self.writer.submit(cmd).await {
+            Err(WriteError::NotLeader) => Err(None),
+            Ok(c) => {
                 info!(
                     what,
                     seq = c.seq,
@@ -257,13 +258,11 @@ impl Watch {
                 );
                 Ok(c.seq)
             }
-            Some(Err(s))
-                if matches!(s.code(), Code::InvalidArgument | Code::FailedPrecondition) =>
-            {
-                Err(Some(s.message().to_owned()))
-            }
-            Some(Err(s)) => {
-                warn!(what, error = %s.message(), "budget write failed; retrying");
+            Err(WriteError::Refused(
+                CommandError::Invalid(why) | CommandError::Unsatisfiable(why),
+            )) => Err(Some(why)),
+            Err(e) => {
+                warn!(what, error = %e, "budget write failed; retrying");
                 Err(None)
             }
         }
@@ -396,29 +395,33 @@ fn name_of(o: &GPUBudget) -> String {
     format!("{}/{}", o.namespace().unwrap_or_default(), o.name_any())
 }
 
-/// Start the watch as tasks of `tasks`, and hand the RPCs their guard.
+/// Start the watch as tasks of `tasks`, writing through `writer` what differs from `shared`'s
+/// state, and hand the RPCs their guard in `slot`.
 pub(crate) fn spawn(
     tasks: &mut JoinSet<()>,
-    service: Service,
+    shared: Arc<Shared>,
+    writer: Writer,
+    slot: &GuardSlot,
     client: kube::Client,
     args: &BudgetArgs,
 ) {
-    let (store, writer) = reflector::store::<GPUBudget>();
+    let (store, objects) = reflector::store::<GPUBudget>();
     let guard = BudgetGuard {
         store,
         client: client.clone(),
         default_ns: args.budget_default_namespace.clone(),
     };
-    let _ = service.budget_guard_slot().set(guard.clone());
+    let _ = slot.set(guard.clone());
     let w = Arc::new(Watch {
-        service,
+        shared,
+        writer,
         guard,
         ready: AtomicBool::new(false),
         pass: Mutex::new(()),
     });
     let changed = Arc::new(Notify::new());
     let stream = reflector::reflector(
-        writer,
+        objects,
         watcher(Api::<GPUBudget>::all(client), watcher::Config::default()),
     )
     .default_backoff();

@@ -184,6 +184,32 @@ impl Session {
     }
 }
 
+/// What one keep-alive round leads to.
+#[derive(Debug, PartialEq, Eq)]
+enum Round {
+    /// etcd renewed the lease: it cannot expire before this.
+    Renewed(Instant),
+    /// etcd says the lease is gone.
+    Expired,
+    /// No answer, but the lease may still be valid: open the stream again.
+    Reopen,
+    /// No answer, and the lease may have expired already.
+    Lost,
+}
+
+/// The round whose keep-alive was sent at `sent` and answered with `answer` (the seconds etcd
+/// says the lease has left; None: no answer in time, or the stream failed), judged at `now`
+/// against the lease's `deadline`. A renewal counts from when the keep-alive was sent, not
+/// from when the answer came: the lease cannot have been renewed past `sent + ttl`.
+fn after_round(sent: Instant, answer: Option<i64>, deadline: Instant, now: Instant) -> Round {
+    match answer {
+        Some(ttl) if ttl > 0 => Round::Renewed(sent + Duration::from_secs(ttl as u64)),
+        Some(_) => Round::Expired,
+        None if now >= deadline => Round::Lost,
+        None => Round::Reopen,
+    }
+}
+
 async fn keep_alive(client: Client, id: i64, ttl: Duration, keeper: LeaseKeeper) {
     let every = ttl / 3;
     let lease = client.lease_client();
@@ -205,21 +231,21 @@ async fn keep_alive(client: Client, id: i64, ttl: Duration, keeper: LeaseKeeper)
                 keeper_tx.keep_alive().await?;
                 stream.message().await
             };
-            match tokio::time::timeout(every, ok).await {
-                Ok(Ok(Some(resp))) if resp.ttl() > 0 => {
-                    keeper.renew(sent + Duration::from_secs(resp.ttl() as u64));
-                }
-                Ok(Ok(Some(_))) => {
+            let answer = match tokio::time::timeout(every, ok).await {
+                Ok(Ok(Some(resp))) => Some(resp.ttl()),
+                Ok(Ok(None)) | Ok(Err(_)) | Err(_) => None,
+            };
+            match after_round(sent, answer, keeper.deadline(), Instant::now()) {
+                Round::Renewed(until) => keeper.renew(until),
+                Round::Expired => {
                     warn!(lease = id, "lease expired (etcd answered ttl 0)");
                     return;
                 }
-                Ok(Ok(None)) | Ok(Err(_)) | Err(_) => {
-                    if Instant::now() >= keeper.deadline() {
-                        warn!(lease = id, "lease keep-alive failed past the deadline");
-                        return;
-                    }
-                    continue 'outer;
+                Round::Lost => {
+                    warn!(lease = id, "lease keep-alive failed past the deadline");
+                    return;
                 }
+                Round::Reopen => continue 'outer,
             }
             let next = sent + every;
             tokio::time::sleep_until(next).await;
@@ -255,3 +281,6 @@ pub async fn current_leader(client: &Client, name: &str) -> Option<(String, i64)
         _ => None,
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,6 +1,6 @@
 //! The allocator's Kubernetes side: pod and node watchers that release allocations, and the
 //! reconcile of reservations against what the API server says. Every replica watches; only
-//! the leader writes (`Service::local` is None elsewhere), and a periodic pass on the leader
+//! the leader writes (its [`Writer`] answers `NotLeader` elsewhere), and a periodic pass on the leader
 //! catches up with whatever happened while another replica led or the watch was down. What
 //! the reconcile decides is in [`plan`]; this shell gathers its inputs and applies its fixes.
 
@@ -13,6 +13,7 @@ use backon::{ExponentialBuilder, Retryable};
 use futures::StreamExt;
 use gpuledger_ledger::{Command, Ledger};
 use gpuledger_ops::events::{Kind, PodEvent, Recorder};
+use gpuledger_ops::kube_client::KubeClientError;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::Api;
 use kube::runtime::reflector::{self, ObjectRef, Store};
@@ -23,8 +24,10 @@ use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
 use self::plan::{Expiry, Fix, Held, Missing, PodFacts};
-use crate::service::Service;
-use crate::shared::Role;
+use crate::authz::Authz;
+use crate::budget_watch::GuardSlot;
+use crate::shared::{Role, Shared};
+use crate::writer::{WriteError, Writer};
 
 pub mod plan;
 
@@ -50,6 +53,7 @@ pub struct KubeArgs {
     #[arg(long, env = "GPULEDGER_NODE_GONE_GRACE", default_value_t = 30)]
     pub node_gone_grace_s: u64,
 
+    /// GPUBudget objects into the ledger (which namespace holds the cluster default).
     #[command(flatten)]
     pub budgets: crate::budget_watch::BudgetArgs,
 }
@@ -62,8 +66,21 @@ pub fn enabled(args: &KubeArgs) -> bool {
     !args.no_kube && (args.kubeconfig.is_some() || gpuledger_ops::kube_client::in_cluster())
 }
 
+/// The parts of the replica the watchers read from, write through and keep informed.
+#[derive(Clone)]
+pub struct Ties {
+    /// The committed state and the role.
+    pub shared: Arc<Shared>,
+    /// Where the watchers' decisions are written (on the leader).
+    pub writer: Writer,
+    /// Authorization, which checks the extender's writes against the pod watch.
+    pub authz: Arc<Authz>,
+    /// Where the budget RPCs find what the GPUBudget watch knows.
+    pub budget_guard: GuardSlot,
+}
+
 /// Start the watchers, if configured, as tasks of `tasks` that end when `stop` is cancelled.
-pub fn spawn(service: Service, args: &KubeArgs, tasks: &TaskTracker, stop: &CancellationToken) {
+pub fn spawn(ties: Ties, args: &KubeArgs, tasks: &TaskTracker, stop: &CancellationToken) {
     if args.no_kube {
         return;
     }
@@ -79,25 +96,35 @@ pub fn spawn(service: Service, args: &KubeArgs, tasks: &TaskTracker, stop: &Canc
             .without_max_times();
         let connected = (|| client(&args))
             .retry(backoff)
-            .notify(
-                |e, _| warn!(error = %format!("{e:#}"), "Kubernetes client not ready; retrying"),
-            )
+            .notify(|e, _| warn!(error = %e, "Kubernetes client not ready; retrying"))
             .await;
         if let Ok(client) = connected {
-            run(service, client, args).await;
+            run(ties, client, args).await;
         }
     }));
 }
 
-async fn client(args: &KubeArgs) -> anyhow::Result<kube::Client> {
+/// Why the watchers have no Kubernetes client (yet: they keep trying).
+#[derive(Debug, thiserror::Error)]
+enum ClientError {
+    /// The configuration names a cluster, but no client can be made from it.
+    #[error(transparent)]
+    Kube(#[from] KubeClientError),
+    /// Neither --kubeconfig nor an in-cluster configuration is there any more.
+    #[error("no --kubeconfig and no in-cluster config")]
+    NoConfig,
+}
+
+async fn client(args: &KubeArgs) -> Result<kube::Client, ClientError> {
     gpuledger_ops::kube_client::client(args.kubeconfig.as_deref())
         .await?
-        .ok_or_else(|| anyhow::anyhow!("no --kubeconfig and no in-cluster config"))
+        .ok_or(ClientError::NoConfig)
 }
 
 /// The watchers' view and the writes they make.
 struct Watch {
-    service: Service,
+    shared: Arc<Shared>,
+    writer: Writer,
     pods_api: Api<Pod>,
     pods: Store<Pod>,
     nodes: Store<Node>,
@@ -109,17 +136,17 @@ struct Watch {
 
 impl Watch {
     fn leading(&self) -> bool {
-        self.service.shared().role_info().role == Role::Leader
+        self.shared.role_info().role == Role::Leader
     }
 
     /// Submit `cmd` when leading; logs the outcome. True when the ledger took it.
     async fn act(&self, cmd: Command, what: &str) -> bool {
-        match self.service.local(cmd).await {
-            None => {
+        match self.writer.submit(cmd).await {
+            Err(WriteError::NotLeader) => {
                 debug!(what, "not the leader: leaving it to the leader");
                 false
             }
-            Some(Ok(c)) => {
+            Ok(c) => {
                 info!(
                     what,
                     seq = c.seq,
@@ -128,8 +155,8 @@ impl Watch {
                 );
                 true
             }
-            Some(Err(s)) => {
-                warn!(what, error = %s.message(), "ledger update refused");
+            Err(e) => {
+                warn!(what, error = %e, "ledger update refused");
                 false
             }
         }
@@ -137,7 +164,7 @@ impl Watch {
 
     /// Read a view of the committed state.
     async fn read<T>(&self, f: impl FnOnce(&Ledger) -> T) -> T {
-        f(&*self.service.shared().view().await)
+        f(&*self.shared.view().await)
     }
 
     async fn holds(&self, uid: &str) -> bool {
@@ -278,7 +305,7 @@ impl Watch {
             return;
         }
         let held = self.read(plan::held_by_pod).await;
-        let clock = self.service.shared().clock.clone();
+        let clock = self.shared.clock.clone();
         let cached = |ns: &str, name: &str| {
             self.pods
                 .get(&ObjectRef::new(name).within(ns))
@@ -339,21 +366,24 @@ impl Watch {
     }
 }
 
-async fn run(service: Service, client: kube::Client, args: KubeArgs) {
+async fn run(ties: Ties, client: kube::Client, args: KubeArgs) {
     let (pods, pod_writer) = reflector::store::<Pod>();
     let (nodes, node_writer) = reflector::store::<Node>();
     // The extender's writes are checked against the same pods.
-    service.authz().set_pods(pods.clone(), client.clone());
+    ties.authz.set_pods(pods.clone(), client.clone());
     // The watchers live as long as this task: dropping the set ends them.
     let mut watchers = JoinSet::new();
     crate::budget_watch::spawn(
         &mut watchers,
-        service.clone(),
+        ties.shared.clone(),
+        ties.writer.clone(),
+        &ties.budget_guard,
         client.clone(),
         &args.budgets,
     );
     let w = Arc::new(Watch {
-        service,
+        shared: ties.shared,
+        writer: ties.writer,
         pods_api: Api::all(client.clone()),
         pods,
         nodes,

@@ -17,10 +17,9 @@ use std::time::Duration;
 use gpuledger_ledger::chain::Hash;
 use gpuledger_ledger::{Command, CommandError, Ledger, pb};
 use gpuledger_ops::clock::Clock;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tonic::Status;
 use tracing::{debug, info, warn};
 
 use self::group_commit::{Ack, Action, Decided, GroupCommit};
@@ -28,13 +27,14 @@ pub use self::group_commit::{BatchLimits, LOAD_WAITERS, StepDown};
 use crate::archive::Archive;
 use crate::election::Lease;
 use crate::log::{Commit, Fence, LedgerLog, LogError, encode, stamp};
-use crate::shared::{Committed, NOSPACE_REFUSAL, Request, Role, Shared};
+use crate::shared::{NOSPACE_REFUSAL, Role, Shared};
+use crate::writer::{Committed, Inbox, Request, WriteError};
 
 /// How long a batch in flight when leadership ends may take to say whether it committed.
 const IN_FLIGHT_GRACE: Duration = Duration::from_secs(2);
 
 /// Who waits for a decided command's answer.
-type Waiter = oneshot::Sender<Result<Committed, Status>>;
+type Waiter = oneshot::Sender<Result<Committed, WriteError>>;
 
 /// The transaction in flight. Its future is polled by the sequencer's own task (not
 /// spawned): its answer wakes the sequencer directly, one task hop less between etcd's reply
@@ -50,6 +50,8 @@ struct InFlight<'a> {
 pub struct Leader<L> {
     /// Shared replica state.
     pub shared: Arc<Shared>,
+    /// Where the writers' commands arrive while this replica leads.
+    pub inbox: Inbox,
     /// The log.
     pub log: L,
     /// The election key won; its create_revision is the epoch.
@@ -68,6 +70,7 @@ impl<L: LedgerLog> Leader<L> {
     pub async fn run(self, lease: &Lease, shutdown: CancellationToken) -> StepDown {
         let Leader {
             shared,
+            inbox,
             log,
             fence,
             limits,
@@ -90,8 +93,7 @@ impl<L: LedgerLog> Leader<L> {
             };
         info!(epoch, seq = spec.seq(), replica = %shared.replica, "leading");
         shared.metrics.leaderships.inc();
-        let (tx, mut inbox) = mpsc::channel::<Request>(4096);
-        *shared.sequencer.lock().unwrap_or_else(|p| p.into_inner()) = Some(tx);
+        let mut requests = inbox.open();
         shared.set_role(Role::Leader, epoch, shared.address.clone());
 
         let mut policy = GroupCommit::<Waiter>::new(limits, epoch, clock.now());
@@ -120,7 +122,7 @@ impl<L: LedgerLog> Leader<L> {
             if policy.stopping() {
                 if !closed {
                     closed = true;
-                    stop_taking_requests(&shared, &mut inbox);
+                    inbox.close(&mut requests);
                 }
                 // Only the batch in flight is left to say how it ended.
                 let Some(f) = in_flight.take() else {
@@ -182,13 +184,13 @@ impl<L: LedgerLog> Leader<L> {
                     }
                 }
                 _ = async { tokio::time::sleep_until(wake.expect("guarded")).await }, if wake.is_some() => {}
-                req = inbox.recv(), if accepting => match req {
+                req = requests.recv(), if accepting => match req {
                     None => policy.stop(StepDown::Shutdown),
                     Some(req) => {
                         decide(&mut spec, &mut policy, req, epoch, clock.as_ref());
                         // Take whatever else is already queued into the same batch.
                         while policy.accepting() {
-                            let Ok(req) = inbox.try_recv() else { break };
+                            let Ok(req) = requests.try_recv() else { break };
                             decide(&mut spec, &mut policy, req, epoch, clock.as_ref());
                         }
                     }
@@ -202,7 +204,7 @@ impl<L: LedgerLog> Leader<L> {
             }
         };
         if !closed {
-            stop_taking_requests(&shared, &mut inbox);
+            inbox.close(&mut requests);
         }
         match &reason {
             StepDown::Shutdown => info!(epoch, "leader shutting down"),
@@ -344,26 +346,13 @@ fn decide(
             )
         }
         Err(CommandError::Bug(e)) => {
-            let _ = req.reply.send(Err(Status::internal(format!(
-                "refused to write an invalid event: {e}"
-            ))));
-            policy.stop(StepDown::Bug(e.to_string()));
+            let why = e.to_string();
+            let _ = req.reply.send(Err(WriteError::InvalidEvent(e)));
+            policy.stop(StepDown::Bug(why));
         }
         Err(e) => {
-            let _ = req.reply.send(Err(crate::service::status_of(&e)));
+            let _ = req.reply.send(Err(WriteError::Refused(e)));
         }
-    }
-}
-
-/// Stop granting at once: no new request reaches this sequencer, and those queued are
-/// told to retry (elsewhere).
-fn stop_taking_requests(shared: &Shared, inbox: &mut mpsc::Receiver<Request>) {
-    *shared.sequencer.lock().unwrap_or_else(|p| p.into_inner()) = None;
-    inbox.close();
-    while let Ok(r) = inbox.try_recv() {
-        let _ = r
-            .reply
-            .send(Err(Status::unavailable("leadership lost; retry")));
     }
 }
 
@@ -379,7 +368,7 @@ fn answer(acks: Vec<Ack<Waiter>>, epoch: u64) {
 
 fn fail(waiters: Vec<Waiter>, why: &str) {
     for w in waiters {
-        let _ = w.send(Err(Status::unavailable(why.to_string())));
+        let _ = w.send(Err(WriteError::Unavailable(why.to_string())));
     }
 }
 

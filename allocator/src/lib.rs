@@ -21,9 +21,11 @@ pub mod replica;
 mod retry;
 pub mod service;
 pub mod shared;
+pub mod span;
 pub mod tail;
 pub mod workload;
 pub mod write_limits;
+pub mod writer;
 
 pub use config::Config;
 pub use replica::run;

@@ -15,6 +15,8 @@ async fn main() -> std::process::ExitCode {
     match gpuledger_allocator::run(cfg).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
+            // The error and each of its causes, on one line.
+            let e = anyhow::Error::from(e);
             tracing::error!("{e:#}");
             eprintln!("gpuledger-allocator: {e:#}");
             std::process::ExitCode::FAILURE

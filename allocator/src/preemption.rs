@@ -35,8 +35,9 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
-use crate::service::Service;
-use crate::shared::Role;
+use crate::authz::Authz;
+use crate::shared::{Role, Shared};
+use crate::writer::{WriteError, Writer};
 
 /// Flags of gpuledger's own preemption.
 #[derive(clap::Args, Debug, Clone)]
@@ -223,9 +224,15 @@ pub fn pod_name(p: Option<&pb::PodRef>) -> String {
 
 /// Evict the victims of `n` that are still running, tell them and the preemptor why, and end
 /// the nomination when a PodDisruptionBudget refuses an eviction (the next attempt leaves that
-/// pod out). Victims already terminating or gone are left alone, so repeating it is harmless.
-pub async fn evict(svc: &Service, store: &Store<Pod>, client: &kube::Client, n: &pb::Nominated) {
-    let p = svc.preemption();
+/// pod out, and `writer` writes the end). Victims already terminating or gone are left alone,
+/// so repeating it is harmless.
+pub async fn evict(
+    p: &Preemption,
+    writer: &Writer,
+    store: &Store<Pod>,
+    client: &kube::Client,
+    n: &pb::Nominated,
+) {
     let events = p.events(client);
     let preemptor = n.pod.clone().unwrap_or_default();
     let mut refused = Vec::new();
@@ -311,7 +318,7 @@ pub async fn evict(svc: &Service, store: &Store<Pod>, client: &kube::Client, n: 
                 n.node
             ),
         });
-        end(svc, &preemptor.uid, why).await;
+        end(writer, &preemptor.uid, why).await;
     }
 }
 
@@ -344,58 +351,73 @@ async fn eviction(client: &kube::Client, victim: &pb::PodRef) -> Result<(), kube
 }
 
 /// End `uid`'s nomination (leader only); logs the outcome.
-async fn end(svc: &Service, uid: &str, reason: String) {
+async fn end(writer: &Writer, uid: &str, reason: String) {
     let cmd = Command::EndNomination {
         pod_uid: uid.to_string(),
         reason: reason.clone(),
     };
-    match svc.local(cmd).await {
-        Some(Ok(c)) => info!(pod_uid = uid, seq = c.seq, %reason, "nomination ended"),
-        Some(Err(s)) => warn!(pod_uid = uid, error = %s.message(), "ending a nomination failed"),
-        None => debug!(
+    match writer.submit(cmd).await {
+        Ok(c) => info!(pod_uid = uid, seq = c.seq, %reason, "nomination ended"),
+        Err(WriteError::NotLeader) => debug!(
             pod_uid = uid,
             "not the leader: the leader ends the nomination"
         ),
+        Err(e) => warn!(pod_uid = uid, error = %e, "ending a nomination failed"),
     }
+}
+
+/// What the sweep of nominations reads and writes through.
+pub struct Sweep {
+    /// The preemption's bounds, Events and metrics.
+    pub preemption: Arc<Preemption>,
+    /// The replica's committed state: its nominations, its role and its clock.
+    pub shared: Arc<Shared>,
+    /// Where the ends of nominations are written.
+    pub writer: Writer,
+    /// Where the pod watch is found once the Kubernetes watchers run.
+    pub authz: Arc<Authz>,
 }
 
 /// On the leader, every `interval`: end the nominations whose deadline passed, and those whose
 /// pod is gone, has ended, or is bound without a reservation (it no longer waits for the
 /// room).
-pub fn spawn(svc: Service, interval: Duration, tasks: &TaskTracker, stop: &CancellationToken) {
+pub fn spawn(sweep: Sweep, interval: Duration, tasks: &TaskTracker, stop: &CancellationToken) {
     tasks.spawn(stop.clone().run_until_cancelled_owned(async move {
         let mut tick = tokio::time::interval(interval.max(Duration::from_millis(50)));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
-            if svc.shared().role_info().role == Role::Leader {
-                sweep(&svc).await;
+            if sweep.shared.role_info().role == Role::Leader {
+                sweep.pass().await;
             }
         }
     }));
 }
 
-async fn sweep(svc: &Service) {
-    let now = svc.shared().clock.now_ms();
-    let live: Vec<pb::Nominated> = svc
-        .shared()
-        .view()
-        .await
-        .nominations()
-        .iter()
-        .cloned()
-        .collect();
-    for n in live {
-        let p = n.pod.clone().unwrap_or_default();
-        if n.deadline_ms <= now {
-            end(
-                svc,
-                &p.uid,
-                "expired: the pod did not reserve the room in time (--nomination-ttl-ms)".into(),
-            )
-            .await;
-            if let Some((_, client)) = svc.authz().pods() {
-                svc.preemption().events(client).emit(PodEvent {
+impl Sweep {
+    /// End what is due now.
+    async fn pass(&self) {
+        let now = self.shared.clock.now_ms();
+        let live: Vec<pb::Nominated> = self
+            .shared
+            .view()
+            .await
+            .nominations()
+            .iter()
+            .cloned()
+            .collect();
+        for n in live {
+            let p = n.pod.clone().unwrap_or_default();
+            if n.deadline_ms <= now {
+                end(
+                    &self.writer,
+                    &p.uid,
+                    "expired: the pod did not reserve the room in time (--nomination-ttl-ms)"
+                        .into(),
+                )
+                .await;
+                if let Some((_, client)) = self.authz.pods() {
+                    self.preemption.events(client).emit(PodEvent {
                     namespace: p.namespace.clone(),
                     name: p.name.clone(),
                     uid: p.uid.clone(),
@@ -406,33 +428,34 @@ async fn sweep(svc: &Service) {
                         n.node
                     ),
                 });
+                }
+                continue;
             }
-            continue;
-        }
-        let Some((store, client)) = svc.authz().pods() else {
-            continue;
-        };
-        let gone = match current_pod(store, client, &p).await {
-            Ok(None) => Some("pod deleted"),
-            Ok(Some(x)) => {
-                let phase = x.status.as_ref().and_then(|s| s.phase.as_deref());
-                if x.metadata.deletion_timestamp.is_some()
-                    || matches!(phase, Some("Succeeded" | "Failed"))
-                {
-                    Some("pod ended or is being deleted")
-                } else if x.spec.as_ref().is_some_and(|s| s.node_name.is_some()) {
-                    Some("pod bound without a GPU reservation")
-                } else {
+            let Some((store, client)) = self.authz.pods() else {
+                continue;
+            };
+            let gone = match current_pod(store, client, &p).await {
+                Ok(None) => Some("pod deleted"),
+                Ok(Some(x)) => {
+                    let phase = x.status.as_ref().and_then(|s| s.phase.as_deref());
+                    if x.metadata.deletion_timestamp.is_some()
+                        || matches!(phase, Some("Succeeded" | "Failed"))
+                    {
+                        Some("pod ended or is being deleted")
+                    } else if x.spec.as_ref().is_some_and(|s| s.node_name.is_some()) {
+                        Some("pod bound without a GPU reservation")
+                    } else {
+                        None
+                    }
+                }
+                Err(e) => {
+                    debug!(error = %e, "reading a nominated pod failed");
                     None
                 }
+            };
+            if let Some(why) = gone {
+                end(&self.writer, &p.uid, why.into()).await;
             }
-            Err(e) => {
-                debug!(error = %e, "reading a nominated pod failed");
-                None
-            }
-        };
-        if let Some(why) = gone {
-            end(svc, &p.uid, why.into()).await;
         }
     }
 }

@@ -1,60 +1,31 @@
 //! One allocator replica: serve the API, load and follow the ledger, campaign, lead.
 
+mod setup;
+
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Context;
 use backon::Retryable;
-use etcd_client::{
-    AlarmAction, AlarmType, Certificate, Client, ConnectOptions, Identity, TlsOptions,
-};
+use etcd_client::{AlarmAction, AlarmType, Client};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument, info, info_span, warn};
 
-use crate::config::{Config, EtcdTls};
+pub use self::setup::{StartError, connect};
+use self::setup::{etcd_leader_client, security};
+use crate::config::Config;
 use crate::election::{self, Session};
 use crate::leader::{BatchLimits, Leader, StepDown};
 use crate::log::{EtcdLog, Fence, LogError};
 use crate::retry::forever;
-use crate::service::Placement;
-use crate::service::Service;
+use crate::service::{Leaders, Placement, Service};
 use crate::shared::{Role, Shared};
 use crate::tail;
 use crate::workload::Learned;
-
-/// Connect to etcd (lazily: the connection is made by the first request).
-pub async fn connect(endpoints: &[String], tls: Option<&EtcdTls>) -> anyhow::Result<Client> {
-    let mut opts = ConnectOptions::new()
-        .with_connect_timeout(Duration::from_secs(1))
-        .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2))
-        .with_require_leader(true);
-    if let Some(t) = tls {
-        if let Some(plain) = endpoints.iter().find(|e| e.starts_with("http://")) {
-            anyhow::bail!("etcd TLS is configured but endpoint {plain} is http://; use https://");
-        }
-        let read = |p: &std::path::Path, what: &str| {
-            std::fs::read(p).with_context(|| format!("reading the etcd {what} {}", p.display()))
-        };
-        let mut o = TlsOptions::new();
-        if let Some(ca) = &t.ca {
-            o = o.ca_certificate(Certificate::from_pem(read(ca, "CA")?));
-        }
-        if let Some((cert, key)) = &t.identity {
-            o = o.identity(Identity::from_pem(
-                read(cert, "client certificate")?,
-                read(key, "client key")?,
-            ));
-        }
-        opts = opts.with_tls(o);
-    }
-    Client::connect(endpoints, Some(opts))
-        .await
-        .with_context(|| format!("connecting to etcd at {}", endpoints.join(",")))
-}
+use crate::writer::{self, Inbox};
 
 /// Run a replica until SIGTERM or SIGINT.
-pub async fn run(cfg: Config) -> anyhow::Result<()> {
+pub async fn run(cfg: Config) -> Result<(), StartError> {
     let stop = CancellationToken::new();
     let on_signal = stop.clone();
     tokio::spawn(async move {
@@ -80,7 +51,7 @@ async fn wait_for_signal() {
 }
 
 /// Run a replica until `stop` is cancelled.
-pub async fn run_until(cfg: Config, stop: CancellationToken) -> anyhow::Result<()> {
+pub async fn run_until(cfg: Config, stop: CancellationToken) -> Result<(), StartError> {
     let shared = Shared::new(cfg.replica(), cfg.advertise());
     let client = connect(&cfg.etcd_endpoints, cfg.etcd_tls().as_ref()).await?;
     let log = EtcdLog::new(
@@ -90,7 +61,11 @@ pub async fn run_until(cfg: Config, stop: CancellationToken) -> anyhow::Result<(
     );
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
-        .with_context(|| format!("listening on {}", cfg.listen))?;
+        .map_err(|source| StartError::Listen {
+            flag: "",
+            addr: cfg.listen,
+            source,
+        })?;
     info!(
         listen = %cfg.listen,
         advertise = %shared.address,
@@ -99,10 +74,14 @@ pub async fn run_until(cfg: Config, stop: CancellationToken) -> anyhow::Result<(
         "gpuledger-allocator starting"
     );
     let archive = match &cfg.archive_dir {
-        Some(dir) => Some(
-            crate::archive::Archive::open(dir)
-                .with_context(|| format!("opening --archive-dir {}", dir.display()))?,
-        ),
+        Some(dir) => {
+            Some(
+                crate::archive::Archive::open(dir).map_err(|source| StartError::Archive {
+                    dir: dir.clone(),
+                    source,
+                })?,
+            )
+        }
         None => {
             warn!(
                 "no --archive-dir: the ledger's whole log stays in etcd and grows with every event"
@@ -111,24 +90,24 @@ pub async fn run_until(cfg: Config, stop: CancellationToken) -> anyhow::Result<(
         }
     };
     let security = security(&cfg, &shared, &stop).await?;
-    let peers = gpuledger_auth::Credentials::load(&cfg.peer)
-        .context("this replica's credentials for calling the other replicas (--allocator-ca and --token-file or --client-cert/--client-key)")?;
+    let peers = gpuledger_auth::Credentials::load(&cfg.peer).map_err(StartError::Peers)?;
     peers.spawn_reloader(cfg.tls.reload_every(), stop.clone());
     let kube = crate::kube_watch::enabled(&cfg.kube);
     let authz = Arc::new(crate::authz::Authz::new(kube, cfg.scheduler_names.clone()));
     let learned = Learned::new(cfg.fgd_window, cfg.fgd_min_samples);
     let preemption = crate::preemption::Preemption::new(&cfg.preempt, &shared.metrics);
+    let (writer, inbox) = writer::channel(shared.actor());
     let service = Service::new(
         shared.clone(),
-        client.clone(),
+        writer.clone(),
+        Leaders::new(client.clone(), log.election_name(), peers),
         log.clone(),
         Duration::from_secs(cfg.reserve_ttl),
         Placement {
             default_policy: cfg.default_policy,
             learned: learned.clone(),
         },
-        authz,
-        peers,
+        authz.clone(),
     )
     .with_archive(archive.clone())
     .with_write_limits(crate::write_limits::WriteLimits::new(
@@ -138,10 +117,14 @@ pub async fn run_until(cfg: Config, stop: CancellationToken) -> anyhow::Result<(
         cfg.limits.max_streams_per_identity,
         cfg.limits.heavy_read_threads,
     )
-    .with_preemption(preemption);
+    .with_preemption(preemption.clone());
     let http = tokio::net::TcpListener::bind(cfg.http_listen)
         .await
-        .with_context(|| format!("listening on --http-listen {}", cfg.http_listen))?;
+        .map_err(|source| StartError::Listen {
+            flag: "--http-listen ",
+            addr: cfg.http_listen,
+            source,
+        })?;
 
     // Every task of the replica ends when `stop` is cancelled.
     let tasks = TaskTracker::new();
@@ -164,9 +147,24 @@ pub async fn run_until(cfg: Config, stop: CancellationToken) -> anyhow::Result<(
             warn!(error = %e, "the HTTP endpoint stopped");
         }
     });
-    crate::kube_watch::spawn(service.clone(), &cfg.kube, &tasks, &stop);
+    crate::kube_watch::spawn(
+        crate::kube_watch::Ties {
+            shared: shared.clone(),
+            writer: writer.clone(),
+            authz: authz.clone(),
+            budget_guard: service.budget_guard_slot().clone(),
+        },
+        &cfg.kube,
+        &tasks,
+        &stop,
+    );
     crate::preemption::spawn(
-        service.clone(),
+        crate::preemption::Sweep {
+            preemption,
+            shared: shared.clone(),
+            writer,
+            authz,
+        },
         Duration::from_millis(cfg.kube.reconcile_interval_ms.max(1)),
         &tasks,
         &stop,
@@ -183,144 +181,30 @@ pub async fn run_until(cfg: Config, stop: CancellationToken) -> anyhow::Result<(
         log.clone(),
     )));
 
-    let result = lifecycle(&cfg, &shared, &client, &log, archive, &stop).await;
+    lifecycle(&cfg, &shared, &inbox, &client, &log, archive, &stop).await;
     stop.cancel();
     tasks.close();
     // Give in-flight RPCs a moment, then stop serving.
     let _ = tokio::time::timeout(Duration::from_secs(2), tasks.wait()).await;
-    result
-}
-
-/// The gRPC endpoint's certificate and authenticator: client certificates from --client-ca,
-/// and ServiceAccount tokens reviewed by the API server when this replica has one.
-async fn security(
-    cfg: &Config,
-    shared: &Shared,
-    stop: &CancellationToken,
-) -> anyhow::Result<crate::grpc::Security> {
-    use gpuledger_auth::token::{KubeApi, ServiceAccounts, TokenAuthenticator};
-    let l = &cfg.limits;
-    let bites = shared.metrics.bites.clone();
-    let tls = cfg
-        .tls
-        .load(&[b"h2"])
-        .context("loading the gRPC API's certificate (--tls-cert, --tls-key, --client-ca)")?;
-    tls.spawn_reloader(cfg.tls.reload_every(), stop.clone());
-    let tokens = if crate::kube_watch::enabled(&cfg.kube) {
-        let client = gpuledger_ops::kube_client::client(cfg.kube.kubeconfig.as_deref())
-            .await
-            .context("the Kubernetes client that reviews callers' tokens")?;
-        client.map(|c| {
-            let api = Arc::new(KubeApi(c));
-            Arc::new(
-                TokenAuthenticator::new(
-                    api.clone(),
-                    api,
-                    ServiceAccounts::in_namespace(&cfg.auth_namespace),
-                    Duration::from_secs(cfg.token_cache_max_s.max(1)),
-                )
-                .with_failure_limit(l.max_failed_token_reviews_per_peer, bites.clone()),
-            )
-        })
-    } else {
-        None
-    };
-    if tokens.is_none() {
-        if cfg.tls.client_ca.is_none() {
-            anyhow::bail!(
-                "no way to tell callers apart: without a Kubernetes API to review tokens, set --client-ca (client certificates)"
-            );
-        }
-        warn!(
-            "no Kubernetes API: callers authenticate with client certificates only, and the extender's pods cannot be checked"
-        );
-    }
-    let open_files = gpuledger_auth::limit::raise_open_files();
-    let fds_needed = (l.max_connections as u64).saturating_add(1024);
-    if open_files.is_some_and(|n| n < fds_needed) {
-        warn!(
-            open_files = ?open_files,
-            max_connections = l.max_connections,
-            "the open-file limit is below --max-connections plus room for etcd and the API \
-             server: a flood of connections could exhaust file descriptors before the limit \
-             bites; lower --max-connections or raise the limit (ulimit -n)"
-        );
-    }
-    Ok(crate::grpc::Security {
-        tls,
-        listener: gpuledger_auth::tls::ListenerLimits {
-            hello_timeout: Duration::from_millis(l.tls_hello_timeout_ms.max(10)),
-            handshake_timeout: cfg.tls.handshake_timeout(),
-            max_handshakes: l.max_tls_handshakes,
-            max_handshakes_per_peer: l.max_tls_handshakes_per_peer,
-            max_connections: l.max_connections,
-            max_connections_per_peer: l.max_connections_per_peer,
-        },
-        max_streams_per_connection: l.max_streams_per_connection,
-        keepalive: (l.keepalive_ms > 0).then(|| Duration::from_millis(l.keepalive_ms)),
-        authenticator: gpuledger_auth::Authenticator::with_in_flight_limit(
-            tokens,
-            l.max_in_flight_per_identity,
-            bites.clone(),
-        ),
-        bites,
-    })
-}
-
-/// `scheme://host:port` without the scheme and a trailing slash, to compare etcd URLs.
-fn bare_url(u: &str) -> &str {
-    let u = u.trim_end_matches('/');
-    u.split_once("://").map_or(u, |(_, rest)| rest)
-}
-
-/// A connection to the etcd member that is raft leader now, for the ledger's commits, when
-/// that member is one of the configured endpoints (behind a load balancer or a DNS name there
-/// is nothing to pick: `None`, and commits go through the shared connection). Looked up once
-/// per leadership: if etcd's leader moves later, the commits still succeed through the old
-/// member (forwarded), and a failed commit ends the leadership anyway.
-async fn etcd_leader_client(cfg: &Config, client: &Client) -> Option<Client> {
-    if cfg.etcd_endpoints.len() < 2 {
-        return None;
-    }
-    let mut c = client.clone();
-    let find = async {
-        let leader = c.status().await.ok()?.leader();
-        let members = c.member_list().await.ok()?;
-        let m = members.members().iter().find(|m| m.id() == leader)?;
-        cfg.etcd_endpoints
-            .iter()
-            .find(|e| m.client_urls().iter().any(|u| bare_url(u) == bare_url(e)))
-            .cloned()
-    };
-    let timeout = Duration::from_millis(cfg.etcd_timeout_ms);
-    let endpoint = tokio::time::timeout(timeout, find).await.ok().flatten()?;
-    match connect(std::slice::from_ref(&endpoint), cfg.etcd_tls().as_ref()).await {
-        Ok(w) => {
-            info!(%endpoint, "ledger commits go to the etcd leader member");
-            Some(w)
-        }
-        Err(e) => {
-            warn!(%endpoint, error = %format!("{e:#}"), "no connection to the etcd leader member; committing through any member");
-            None
-        }
-    }
+    Ok(())
 }
 
 async fn lifecycle(
     cfg: &Config,
     shared: &Arc<Shared>,
+    inbox: &Inbox,
     client: &Client,
     log: &EtcdLog,
     archive: Option<crate::archive::Archive>,
     stop: &CancellationToken,
-) -> anyhow::Result<()> {
+) {
     // Load the ledger (retry until etcd answers; a corrupt log is not retried).
     let load = (|| tail::load(shared, log, !cfg.ignore_snapshots, archive.as_ref()))
         .retry(forever(Duration::from_millis(500)))
         .when(|e| !matches!(e, LogError::Corrupt { .. }))
         .notify(|e, _| warn!(error = %e, "loading the ledger failed; retrying"));
     match stop.run_until_cancelled(load).await {
-        None => return Ok(()),
+        None => return,
         Some(Ok(())) => {}
         Some(Err(e)) => {
             shared
@@ -330,7 +214,7 @@ async fn lifecycle(
                 .broken = Some(e.to_string());
             warn!(error = %e, "the ledger does not load; serving status only");
             stop.cancelled().await;
-            return Ok(());
+            return;
         }
     }
     let epoch = shared.view().await.epoch();
@@ -344,7 +228,7 @@ async fn lifecycle(
     let mut takeovers = TakeoverBackoff::default();
     loop {
         if stop.is_cancelled() {
-            return Ok(());
+            return;
         }
         // Follow the log while campaigning.
         let following = stop.child_token();
@@ -384,7 +268,7 @@ async fn lifecycle(
         following.cancel();
         let _ = follower.await;
         let Some(Ok(session)) = session else {
-            return Ok(());
+            return;
         };
         let key = match won {
             Some(Ok(k)) => k,
@@ -426,6 +310,7 @@ async fn lifecycle(
         });
         let leader = Leader {
             shared: shared.clone(),
+            inbox: inbox.clone(),
             log: leader_log,
             fence: Fence::from(&key),
             limits,
@@ -452,7 +337,7 @@ async fn lifecycle(
             let _ = tail::load(shared, log, !cfg.ignore_snapshots, archive.as_ref()).await;
         }
         if matches!(why, StepDown::Shutdown) {
-            return Ok(());
+            return;
         }
         // Let another replica win before campaigning again; after a takeover that failed
         // before writing anything (a `head` that does not match the log, etcd refusing),
@@ -471,7 +356,7 @@ async fn lifecycle(
         }
         tokio::select! {
             _ = tokio::time::sleep(Duration::from_millis(100) + pause) => {}
-            _ = stop.cancelled() => return Ok(()),
+            _ = stop.cancelled() => return,
         }
     }
 }

@@ -2,8 +2,10 @@
 //! leader's sequencer, here or — forwarded transparently — on the leader replica.
 //!
 //! This file holds the service and the tonic trait, which routes each RPC to the file of its
-//! concern: `writes` (through `forward`: the local sequencer or the leader), `reads`, and
-//! the streams `subscribe`, `replicate`, `read_log` and `read_snapshots`.
+//! concern: `writes` and `preempt` (which have `forward` make their command on the leader:
+//! through this replica's [`Writer`] when it leads, else by forwarding the request), `reads`,
+//! and the streams `subscribe`, `replicate`, `read_log` and `read_snapshots`. A write's
+//! [`WriteError`] becomes a gRPC status here, in one place.
 
 mod forward;
 mod preempt;
@@ -14,10 +16,9 @@ mod replicate;
 mod subscribe;
 mod writes;
 
-use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::{Stream, StreamExt};
@@ -25,7 +26,6 @@ use gpuledger_auth::identity::Caller;
 use gpuledger_auth::limit::{Slot, Slots};
 use gpuledger_auth::rules::Call;
 use gpuledger_auth::server::Authenticated;
-use gpuledger_auth::{AuthChannel, Credentials};
 use gpuledger_ledger::{CommandError, PodRequest, pb};
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::allocator::v1::allocator_server::Allocator;
@@ -33,23 +33,33 @@ use tokio::sync::Semaphore;
 use tonic::{Request, Response, Status};
 use tracing::Span;
 
-pub use self::forward::HasSeq;
+pub use self::forward::{HasSeq, Leaders};
 use crate::authz::{Authz, Touches};
-use crate::grpc::Ids;
 use crate::log::EtcdLog;
 use crate::shared::Shared;
+use crate::span::Ids;
 use crate::workload::Learned;
 use crate::write_limits::WriteLimits;
+use crate::writer::{WriteError, Writer};
 
-/// Map a refused command to a gRPC status.
-pub fn status_of(e: &CommandError) -> Status {
-    match e {
-        CommandError::Invalid(m) => Status::invalid_argument(m.clone()),
-        CommandError::NotFound(m) => Status::not_found(m.clone()),
-        CommandError::NoCapacity(m) => Status::resource_exhausted(m.clone()),
-        CommandError::Unsatisfiable(m) => Status::failed_precondition(m.clone()),
-        CommandError::Conflict(m) => Status::already_exists(m.clone()),
-        CommandError::Bug(m) => Status::internal(m.to_string()),
+/// A write that was not committed, as the caller is told: a refusal by the ledger by its kind,
+/// and a write without an answer as UNAVAILABLE (retry).
+impl From<WriteError> for Status {
+    fn from(e: WriteError) -> Status {
+        match e {
+            WriteError::Refused(e) => match e {
+                CommandError::Invalid(m) => Status::invalid_argument(m),
+                CommandError::NotFound(m) => Status::not_found(m),
+                CommandError::NoCapacity(m) => Status::resource_exhausted(m),
+                CommandError::Unsatisfiable(m) => Status::failed_precondition(m),
+                CommandError::Conflict(m) => Status::already_exists(m),
+                CommandError::Bug(m) => Status::internal(m.to_string()),
+            },
+            e @ WriteError::InvalidEvent(_) => Status::internal(e.to_string()),
+            e @ (WriteError::NotLeader | WriteError::Unavailable(_)) => {
+                Status::unavailable(e.to_string())
+            }
+        }
     }
 }
 
@@ -71,11 +81,12 @@ fn decode(
 #[derive(Clone)]
 pub struct Service {
     shared: Arc<Shared>,
-    etcd: etcd_client::Client,
+    /// Where this replica's own sequencer takes writes, while it leads.
+    writer: Writer,
+    /// Where the writes go when it does not.
+    leaders: Leaders,
     log: EtcdLog,
     reserve_ttl: Duration,
-    channels: Arc<Mutex<HashMap<String, AuthChannel>>>,
-    peers: Credentials,
     placement: Placement,
     archive: Option<crate::archive::Archive>,
     authz: Arc<Authz>,
@@ -167,25 +178,25 @@ where
 }
 
 impl Service {
-    /// A service over `shared`.
+    /// A service over `shared` that writes through `writer` while this replica leads, and
+    /// forwards writes to `leaders` otherwise.
     pub fn new(
         shared: Arc<Shared>,
-        etcd: etcd_client::Client,
+        writer: Writer,
+        leaders: Leaders,
         log: EtcdLog,
         reserve_ttl: Duration,
         placement: Placement,
         authz: Arc<Authz>,
-        peers: Credentials,
     ) -> Self {
         let heavy = Arc::new(Semaphore::new(DEFAULT_HEAVY_READ_THREADS));
         let preemption = crate::preemption::Preemption::new(&Default::default(), &shared.metrics);
         Service {
             shared: shared.clone(),
-            etcd,
+            writer,
+            leaders,
             log: log.with_decoders(heavy.clone()),
             reserve_ttl,
-            channels: Arc::new(Mutex::new(HashMap::new())),
-            peers,
             placement,
             archive: None,
             authz,

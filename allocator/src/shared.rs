@@ -6,10 +6,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use gpuledger_ledger::chain::Hash;
-use gpuledger_ledger::{Command, FollowError, Follower, Ledger, Reply, pb};
+use gpuledger_ledger::{FollowError, Follower, Ledger, pb};
 use gpuledger_ops::clock::{Clock, SystemClock};
-use tokio::sync::{broadcast, mpsc, oneshot, watch};
-use tonic::Status;
+use tokio::sync::{broadcast, watch};
 use tracing::error;
 
 /// An immutable view of the committed state (see [`gpuledger_view`]).
@@ -43,28 +42,6 @@ impl Role {
     }
 }
 
-/// A write command on its way to the leader's sequencer.
-pub struct Request {
-    /// What to do.
-    pub cmd: Command,
-    /// Who asked (the verified caller, or this replica for what the leader does itself):
-    /// recorded on every event the command writes.
-    pub actor: Option<pb::Actor>,
-    /// Where the answer goes once the events are durable.
-    pub reply: oneshot::Sender<Result<Committed, Status>>,
-}
-
-/// An answer to a write, sent only after its events (and every event before them) committed.
-#[derive(Debug, Clone)]
-pub struct Committed {
-    /// The command's reply.
-    pub reply: Reply,
-    /// Seq of the command's last event (or of the state it was answered from).
-    pub seq: u64,
-    /// Epoch of the leader that answered.
-    pub epoch: u64,
-}
-
 /// Why this replica cannot serve grants (None = it can).
 #[derive(Debug, Clone, Default)]
 pub struct Health {
@@ -86,7 +63,7 @@ pub const NOSPACE_REFUSAL: &str = "etcd is out of space (its NOSPACE alarm is ra
     ledger takes no writes until an operator compacts and defragments etcd and disarms the \
     alarm (`gpuledger status` says how); retry later";
 
-/// State shared by the tail, the sequencer, the gRPC service and the health loop.
+/// State shared by the tail, the sequencer, the gRPC service, the watchers and the health loop.
 pub struct Shared {
     /// The committed state and its hash chain (only committed events are ever folded in
     /// here). Only the fold locks it; readers take a [`View`].
@@ -103,8 +80,6 @@ pub struct Shared {
     /// Committed batches as they are folded in.
     pub batches: broadcast::Sender<Arc<pb::EventBatch>>,
     recent: Mutex<VecDeque<Arc<pb::EventBatch>>>,
-    /// The leader's sequencer inbox, while this replica leads.
-    pub sequencer: Mutex<Option<mpsc::Sender<Request>>>,
     /// Freshness of the view of etcd.
     pub health: Mutex<Health>,
     /// This replica's id and advertised gRPC address.
@@ -152,7 +127,6 @@ impl Shared {
             role,
             batches,
             recent: Mutex::new(VecDeque::new()),
-            sequencer: Mutex::new(None),
             health: Mutex::new(Health::default()),
             replica,
             address,

@@ -7,8 +7,6 @@
 //! ([`server`]). What each role may then do is one table ([`rules`]). Clients get all of this
 //! from [`client::Credentials`].
 
-#![warn(missing_docs)]
-
 pub mod args;
 pub mod client;
 pub mod https;

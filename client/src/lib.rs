@@ -7,8 +7,6 @@
 //! (backon's exponential backoff, 20 ms doubling to 500 ms) until the caller's budget is spent.
 //! The replica that answered last is tried first by the next call.
 
-#![warn(missing_docs)]
-
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -31,6 +31,7 @@ pub struct Outcome(pub &'static str);
 
 /// Every series the extender exports.
 pub struct Metrics {
+    /// Where the series are registered; `/metrics` encodes it.
     pub registry: Arc<Registry>,
     requests: Family<Labels, Counter>,
     latency: Family<Labels, Histogram>,

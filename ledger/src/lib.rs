@@ -5,8 +5,6 @@
 //! events to append. Placement policies choose GPUs. Nothing here does IO or reads a clock:
 //! callers pass the epoch and the time in.
 
-#![warn(missing_docs)]
-
 pub mod chain;
 pub mod command;
 pub mod follower;

@@ -17,7 +17,10 @@ const QUEUE: usize = 1024;
 /// `Normal` or `Warning`, as Kubernetes defines them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
+    /// Something went as it should (a pod placed, a budget applied).
     Normal,
+    /// Something an operator or the pod's owner should look at (a refusal, an eviction
+    /// refused, an expired nomination).
     Warning,
 }
 
@@ -33,12 +36,18 @@ impl Kind {
 /// One Event about one pod.
 #[derive(Debug, Clone)]
 pub struct PodEvent {
+    /// The namespace of the object the Event is about (and that the Event is written to).
     pub namespace: String,
+    /// The object's name.
     pub name: String,
+    /// The object's UID, so the Event stays with this object and not a later one of the
+    /// same name.
     pub uid: String,
+    /// Whether it is news or a warning.
     pub kind: Kind,
     /// A CamelCase reason, e.g. `GpuPlaced`.
     pub reason: &'static str,
+    /// What happened, in a sentence `kubectl describe` shows.
     pub message: String,
 }
 

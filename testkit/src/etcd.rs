@@ -203,12 +203,12 @@ impl EtcdCluster {
         ]
     }
 
-    /// TLS options with the CA and the client certificate, for an etcd client of a test.
     /// The etcd CA, and the client certificate and key the allocators reach the members with.
     pub fn client_tls_files(&self) -> (PathBuf, (PathBuf, PathBuf)) {
         (self.pki.ca_file().to_path_buf(), self.client_cert.clone())
     }
 
+    /// TLS options with the CA and the client certificate, for an etcd client of a test.
     pub fn tls_options(&self) -> Result<etcd_client::TlsOptions> {
         let read = |p: &Path| std::fs::read(p).with_context(|| format!("reading {}", p.display()));
         Ok(etcd_client::TlsOptions::new()

@@ -14,8 +14,6 @@
 //! ~100 MiB, too slow to make per batch; persistent maps (`imbl`) make a copy O(1) but fold
 //! ~45 % slower, below the 2 M events/s the fold must keep, and far slower while a view is held.
 
-#![warn(missing_docs)]
-
 use std::collections::VecDeque;
 use std::ops::Deref;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -10,11 +10,13 @@ use tokio::task::JoinHandle;
 use super::*;
 use crate::election::{LeaseKeeper, lease};
 use crate::log::memory::MemLog;
+use crate::writer::{self, Writer};
 
 const START_MS: i64 = 1_700_000_000_000;
 
 struct Rig {
     shared: Arc<Shared>,
+    writer: Writer,
     log: MemLog,
     keeper: LeaseKeeper,
     stop: CancellationToken,
@@ -29,8 +31,10 @@ async fn lead(limits: BatchLimits, lease_for: Duration) -> Rig {
     let (keeper, lease) = lease(Instant::now() + lease_for);
     let stop = CancellationToken::new();
     let stopped = stop.clone();
+    let (writer, inbox) = writer::channel(shared.actor());
     let l = Leader {
         shared: shared.clone(),
+        inbox,
         log: log.clone(),
         fence: log.elect("election/r1"),
         limits,
@@ -44,6 +48,7 @@ async fn lead(limits: BatchLimits, lease_for: Duration) -> Rig {
         .expect("the leader starts");
     Rig {
         shared,
+        writer,
         log,
         keeper,
         stop,
@@ -51,27 +56,16 @@ async fn lead(limits: BatchLimits, lease_for: Duration) -> Rig {
     }
 }
 
-/// Hand `cmd` to the sequencer, as the gRPC service does.
-async fn submit(shared: &Shared, cmd: Command) -> oneshot::Receiver<Result<Committed, Status>> {
-    let tx = shared
-        .sequencer
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .clone()
-        .expect("leading");
-    let (reply, rx) = oneshot::channel();
-    tx.send(Request {
-        cmd,
-        actor: None,
-        reply,
-    })
-    .await
-    .unwrap_or_else(|_| panic!("the sequencer takes requests"));
-    rx
+/// Hand `cmd` to the sequencer; the answer comes on the returned channel.
+async fn submit(writer: &Writer, cmd: Command) -> oneshot::Receiver<Result<Committed, WriteError>> {
+    writer
+        .send(cmd, pb::Actor::default())
+        .await
+        .unwrap_or_else(|e| panic!("the sequencer takes requests: {e}"))
 }
 
-async fn write(shared: &Shared, cmd: Command) -> Result<Committed, Status> {
-    submit(shared, cmd).await.await.expect("an answer")
+async fn write(writer: &Writer, cmd: Command) -> Result<Committed, WriteError> {
+    submit(writer, cmd).await.await.expect("an answer")
 }
 
 fn node() -> Command {
@@ -94,9 +88,9 @@ fn confirm(uid: &str) -> Command {
     }
 }
 
-fn unavailable(r: Result<Committed, Status>) -> String {
+fn unavailable(r: Result<Committed, WriteError>) -> String {
     match r {
-        Err(s) if s.code() == tonic::Code::Unavailable => s.message().to_string(),
+        Err(WriteError::Unavailable(why)) => why,
         other => panic!("expected Unavailable, got {other:?}"),
     }
 }
@@ -105,17 +99,17 @@ fn unavailable(r: Result<Committed, Status>) -> String {
 async fn a_lone_confirmation_lingers_and_a_reservation_does_not() {
     let origin = Instant::now();
     let rig = lead(BatchLimits::default(), Duration::from_secs(3600)).await;
-    write(&rig.shared, node()).await.expect("registered");
+    write(&rig.writer, node()).await.expect("registered");
 
     let t = Instant::now();
-    let r = write(&rig.shared, reserve("p1")).await.expect("reserved");
+    let r = write(&rig.writer, reserve("p1")).await.expect("reserved");
     assert!(matches!(r.reply, Reply::Reserved { created: true, .. }));
     let at = *rig.log.appended_at().last().expect("appended");
     assert_eq!(at - t, Duration::ZERO, "someone waits: no linger");
 
     tokio::time::sleep(Duration::from_millis(40)).await;
     let t = Instant::now();
-    write(&rig.shared, confirm("p1")).await.expect("confirmed");
+    write(&rig.writer, confirm("p1")).await.expect("confirmed");
     let at = *rig.log.appended_at().last().expect("appended");
     assert_eq!(at - t, BatchLimits::default().confirm_linger);
 
@@ -137,10 +131,10 @@ async fn a_lone_confirmation_lingers_and_a_reservation_does_not() {
 #[tokio::test(start_paused = true)]
 async fn a_deposed_leader_acks_nothing_and_steps_down() {
     let rig = lead(BatchLimits::default(), Duration::from_secs(3600)).await;
-    write(&rig.shared, node()).await.expect("registered");
+    write(&rig.writer, node()).await.expect("registered");
     let seq = rig.shared.seq();
     rig.log.set_latency(Duration::from_millis(10));
-    let pending = submit(&rig.shared, reserve("p1")).await;
+    let pending = submit(&rig.writer, reserve("p1")).await;
     tokio::time::sleep(Duration::from_millis(1)).await;
     // Another replica takes over while the write flies.
     rig.log.depose();
@@ -149,12 +143,12 @@ async fn a_deposed_leader_acks_nothing_and_steps_down() {
     assert!(matches!(rig.leader.await.expect("joins"), StepDown::Fenced));
     assert_eq!(rig.shared.seq(), seq, "nothing folded");
     assert!(
-        rig.shared
-            .sequencer
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .is_none(),
+        !rig.writer.leading(),
         "no request reaches a deposed sequencer"
+    );
+    assert!(
+        matches!(rig.writer.submit(node()).await, Err(WriteError::NotLeader)),
+        "a deposed sequencer takes no write"
     );
 }
 
@@ -166,11 +160,11 @@ async fn a_lost_lease_ends_leadership_when_it_expires_and_fails_what_waits() {
     };
     let rig = lead(limits, Duration::from_secs(3)).await;
     let t = Instant::now();
-    write(&rig.shared, node()).await.expect("registered");
-    write(&rig.shared, reserve("p1")).await.expect("reserved");
+    write(&rig.writer, node()).await.expect("registered");
+    write(&rig.writer, reserve("p1")).await.expect("reserved");
     // Renewed once: leadership outlives the first deadline.
     rig.keeper.renew(t + Duration::from_secs(5));
-    let waiting = submit(&rig.shared, confirm("p1")).await;
+    let waiting = submit(&rig.writer, confirm("p1")).await;
     let written = rig.log.batches().len();
     let why = unavailable(waiting.await.expect("an answer"));
     assert_eq!(why, "leadership lost; retry");
@@ -189,9 +183,9 @@ async fn a_lost_lease_ends_leadership_when_it_expires_and_fails_what_waits() {
 #[tokio::test(start_paused = true)]
 async fn an_etcd_error_steps_down_with_the_outcome_unknown() {
     let rig = lead(BatchLimits::default(), Duration::from_secs(3600)).await;
-    write(&rig.shared, node()).await.expect("registered");
+    write(&rig.writer, node()).await.expect("registered");
     rig.log.set_failing(true);
-    let why = unavailable(write(&rig.shared, reserve("p1")).await);
+    let why = unavailable(write(&rig.writer, reserve("p1")).await);
     assert!(why.contains("outcome is unknown"), "{why}");
     assert!(matches!(
         rig.leader.await.expect("joins"),
@@ -202,9 +196,9 @@ async fn an_etcd_error_steps_down_with_the_outcome_unknown() {
 #[tokio::test(start_paused = true)]
 async fn shutdown_lets_the_write_in_flight_finish_and_acks_it() {
     let rig = lead(BatchLimits::default(), Duration::from_secs(3600)).await;
-    write(&rig.shared, node()).await.expect("registered");
+    write(&rig.writer, node()).await.expect("registered");
     rig.log.set_latency(Duration::from_millis(50));
-    let pending = submit(&rig.shared, reserve("p1")).await;
+    let pending = submit(&rig.writer, reserve("p1")).await;
     tokio::time::sleep(Duration::from_millis(1)).await;
     rig.stop.cancel();
     let acked = pending

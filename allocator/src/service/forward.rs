@@ -1,81 +1,73 @@
 //! Writes: to the local sequencer when this replica leads, else forwarded to the leader
 //! (once: a forwarded request is never forwarded again), retried across a failover.
 
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use backon::Retryable;
-use gpuledger_auth::AuthChannel;
 use gpuledger_auth::server::{self, Authenticated};
+use gpuledger_auth::{AuthChannel, Credentials};
 use gpuledger_ledger::{Command, pb};
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::allocator::v1::allocator_client::AllocatorClient;
-use tokio::sync::oneshot;
 use tonic::{Request, Response, Status};
 use tracing::debug;
 
 use super::Service;
-use crate::shared::Committed;
+use crate::shared::Shared;
+use crate::writer::{Committed, WriteError};
 
 /// Metadata key marking a request already forwarded once (never forwarded twice).
 const FORWARDED: &str = "x-gpuledger-forwarded";
 /// How long a write may wait for a leader to appear (covers a failover).
 const FORWARD_WINDOW: Duration = Duration::from_secs(6);
 
-/// How one attempt at a write failed: worth another try (no leader reachable yet), or not.
-enum Attempt {
-    Again(Status),
-    Final(Status),
+/// How this replica reaches the leader replica to forward the writes it cannot make itself.
+#[derive(Clone)]
+pub struct Leaders {
+    /// Where the election says who leads.
+    etcd: etcd_client::Client,
+    /// The election's name in etcd.
+    election: String,
+    /// This replica's credentials towards the other replicas.
+    peers: Credentials,
+    /// One channel per leader address seen.
+    channels: Arc<Mutex<HashMap<String, AuthChannel>>>,
 }
 
-impl Service {
-    /// Submit to the local sequencer when leading, as this replica's own decision (expiry,
-    /// node sync); None when not leading (only the leader writes: watchers on followers
-    /// observe but do not act).
-    pub async fn local(&self, cmd: Command) -> Option<Result<Committed, Status>> {
-        let me = self.shared.actor();
-        self.local_as(cmd, me).await
-    }
-
-    /// [`Service::local`] on behalf of `actor`.
-    async fn local_as(&self, cmd: Command, actor: pb::Actor) -> Option<Result<Committed, Status>> {
-        let tx = self
-            .shared
-            .sequencer
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()?;
-        let (otx, orx) = oneshot::channel();
-        if tx
-            .send(crate::shared::Request {
-                cmd,
-                actor: Some(actor),
-                reply: otx,
-            })
-            .await
-            .is_err()
-        {
-            return Some(Err(Status::unavailable("leadership lost; retry")));
+impl Leaders {
+    /// Leaders as election `election` in `etcd` names them, called with `peers`.
+    pub fn new(etcd: etcd_client::Client, election: String, peers: Credentials) -> Self {
+        Leaders {
+            etcd,
+            election,
+            peers,
+            channels: Arc::default(),
         }
-        Some(match orx.await {
-            Ok(r) => r,
-            Err(_) => Err(Status::unavailable("leader stepped down; retry")),
-        })
     }
 
-    async fn leader_channel(&self, refresh: bool) -> Result<(String, AuthChannel), Status> {
-        let mut addr = self.shared.role_info().leader;
-        if refresh || addr.is_empty() || addr == self.shared.address {
-            match crate::election::current_leader(&self.etcd, &self.log.election_name()).await {
+    /// The leader's address and a channel to it (`refresh`: ask the election again rather
+    /// than trust what this replica last heard).
+    async fn channel(
+        &self,
+        shared: &Shared,
+        refresh: bool,
+    ) -> Result<(String, AuthChannel), Status> {
+        let mut addr = shared.role_info().leader;
+        if refresh || addr.is_empty() || addr == shared.address {
+            match crate::election::current_leader(&self.etcd, &self.election).await {
                 Some((a, _)) => addr = a,
                 None => {
-                    let why = self.shared.serving().err().unwrap_or_else(|| {
+                    let why = shared.serving().err().unwrap_or_else(|| {
                         "no allocator leader is elected right now (election in progress)".into()
                     });
                     return Err(Status::unavailable(why));
                 }
             }
         }
-        if addr == self.shared.address {
+        if addr == shared.address {
             return Err(Status::unavailable(
                 "this replica was leader but is stepping down; retry",
             ));
@@ -99,21 +91,74 @@ impl Service {
             .insert(addr.clone(), ch.clone());
         Ok((addr, ch))
     }
+}
 
-    /// Run `cmd` on the leader: locally, or by forwarding `req` with `call`.
-    pub(super) async fn write<Q, R, F, Fut>(
+/// Where a write was made.
+pub(super) enum Written<R> {
+    /// By this replica's sequencer: the command's committed reply.
+    Here(Committed),
+    /// By the leader replica, which answered the forwarded request.
+    There(Response<R>),
+}
+
+/// A write request that the leader answers when it is forwarded there.
+pub(super) trait Forwardable: Clone + Send + Sync + 'static {
+    /// The leader's answer.
+    type Answer: HasSeq;
+
+    /// Make the same call on the leader through `client`.
+    fn forward(
+        client: AllocatorClient<AuthChannel>,
+        req: Request<Self>,
+    ) -> impl Future<Output = Result<Response<Self::Answer>, Status>> + Send;
+}
+
+/// Each write request, forwarded by the client call of the same name.
+macro_rules! forwardable {
+    ($($request:ident => $answer:ident by $call:ident;)*) => {$(
+        impl Forwardable for api::$request {
+            type Answer = api::$answer;
+
+            fn forward(
+                mut client: AllocatorClient<AuthChannel>,
+                req: Request<Self>,
+            ) -> impl Future<Output = Result<Response<Self::Answer>, Status>> + Send {
+                async move { client.$call(req).await }
+            }
+        }
+    )*};
+}
+
+forwardable! {
+    RegisterNodeRequest => WriteResponse by register_node;
+    RemoveNodeRequest => WriteResponse by remove_node;
+    SetDeviceHealthRequest => WriteResponse by set_device_health;
+    ReserveRequest => ReserveResponse by reserve;
+    ConfirmBoundRequest => WriteResponse by confirm_bound;
+    AssignRequest => AssignResponse by assign;
+    CorrectIdentityRequest => WriteResponse by correct_identity;
+    ReleaseRequest => WriteResponse by release;
+    ReportViolationRequest => WriteResponse by report_violation;
+    SetBudgetRequest => WriteResponse by set_budget;
+    SetQuotaRequest => WriteResponse by set_quota;
+    PreemptRequest => PreemptResponse by preempt;
+}
+
+/// How one attempt at a write failed: worth another try (no leader reachable yet), or not.
+enum Attempt {
+    Again(Status),
+    Final(Status),
+}
+
+impl Service {
+    /// Write `cmd`, which `req` asks for: through this replica's sequencer when it leads,
+    /// else by forwarding `req` to the leader replica, looking for the leader again for as
+    /// long as a failover takes.
+    pub(super) async fn write<Q: Forwardable>(
         &self,
         req: Request<Q>,
-        cmd: impl Fn() -> Result<Command, Status>,
-        local_reply: impl Fn(Committed) -> Result<R, Status>,
-        call: F,
-    ) -> Result<Response<R>, Status>
-    where
-        Q: Clone,
-        R: HasSeq,
-        F: Fn(AllocatorClient<AuthChannel>, Request<Q>) -> Fut,
-        Fut: std::future::Future<Output = Result<Response<R>, Status>>,
-    {
+        cmd: Command,
+    ) -> Result<Written<Q::Answer>, Status> {
         let forwarded = req.metadata().get(FORWARDED).is_some();
         let (_, mut extensions, inner) = req.into_parts();
         // The leader judges a forwarded write as its original caller's, and records the
@@ -132,64 +177,32 @@ impl Service {
             attempts += 1;
             // After a failed forward the leader may have changed: look it up again.
             let refresh = attempts > 1;
-            let inner = inner.clone();
-            let (cmd, local_reply, call) = (&cmd, &local_reply, &call);
-            let auth = auth.as_ref();
-            let actor = &actor;
+            let (cmd, actor, inner, auth) = (cmd.clone(), actor.clone(), inner.clone(), &auth);
             async move {
-                if let Some(r) = self
-                    .local_as(cmd().map_err(Attempt::Final)?, actor.clone())
-                    .await
-                {
-                    return r
-                        .and_then(local_reply)
-                        .map(Response::new)
-                        .map_err(Attempt::Final);
+                match self.writer.submit_as(cmd, actor).await {
+                    Ok(c) => return Ok(Written::Here(c)),
+                    Err(WriteError::NotLeader) => {}
+                    Err(e) => return Err(Attempt::Final(e.into())),
                 }
                 if forwarded {
                     return Err(Attempt::Final(Status::unavailable(
                         "not the leader (forwarded request)",
                     )));
                 }
-                let (addr, ch) = self.leader_channel(refresh).await.map_err(Attempt::Again)?;
-                let mut r = Request::new(inner);
-                r.metadata_mut()
-                    .insert(FORWARDED, tonic::metadata::MetadataValue::from_static("1"));
-                // A token caller's own token, which the leader reviews itself; for a
-                // certificate caller, a claim this replica's own certificate vouches for.
-                match auth {
-                    Some(Authenticated { token: Some(t), .. }) => {
-                        let v =
-                            t.0.to_str()
-                                .ok()
-                                .and_then(|v| v.parse().ok())
-                                .ok_or_else(|| {
-                                    Attempt::Final(Status::invalid_argument(
-                                        "the caller's token cannot be forwarded to the leader",
-                                    ))
-                                })?;
-                        r.metadata_mut().insert(server::FORWARDED_AUTHORIZATION, v);
-                    }
-                    Some(a) => {
-                        if let Some(v) = server::on_behalf_of(&a.caller)
-                            .to_str()
-                            .ok()
-                            .and_then(|v| v.parse().ok())
-                        {
-                            r.metadata_mut().insert(server::ON_BEHALF_OF, v);
-                        }
-                    }
-                    None => {}
-                }
-                r.set_timeout(Duration::from_secs(10));
-                match call(AllocatorClient::new(ch), r).await {
+                let (addr, ch) = self
+                    .leaders
+                    .channel(&self.shared, refresh)
+                    .await
+                    .map_err(Attempt::Again)?;
+                let r = forwarding(inner, auth.as_ref()).map_err(Attempt::Final)?;
+                match Q::forward(AllocatorClient::new(ch), r).await {
                     Ok(resp) => {
                         // Read-your-writes through this replica: answer once the write is
                         // folded here too (bounded; the leader has it durably either way).
                         self.shared
                             .wait_applied(resp.get_ref().seq(), Duration::from_secs(2))
                             .await;
-                        Ok(resp)
+                        Ok(Written::There(resp))
                     }
                     Err(s) if s.code() == tonic::Code::Unavailable => {
                         debug!(leader = %addr, error = %s.message(), "forward failed; looking for the leader again");
@@ -207,8 +220,42 @@ impl Service {
     }
 }
 
+/// `inner` as it is sent to the leader: marked as forwarded, carrying its caller as the leader
+/// verifies it. A token caller's own token, which the leader reviews itself; for a certificate
+/// caller, a claim this replica's own certificate vouches for.
+fn forwarding<Q>(inner: Q, auth: Option<&Authenticated>) -> Result<Request<Q>, Status> {
+    let mut r = Request::new(inner);
+    r.metadata_mut()
+        .insert(FORWARDED, tonic::metadata::MetadataValue::from_static("1"));
+    match auth {
+        Some(Authenticated { token: Some(t), .. }) => {
+            let v = t
+                .0
+                .to_str()
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .ok_or_else(|| {
+                    Status::invalid_argument("the caller's token cannot be forwarded to the leader")
+                })?;
+            r.metadata_mut().insert(server::FORWARDED_AUTHORIZATION, v);
+        }
+        Some(a) => {
+            if let Some(v) = server::on_behalf_of(&a.caller)
+                .to_str()
+                .ok()
+                .and_then(|v| v.parse().ok())
+            {
+                r.metadata_mut().insert(server::ON_BEHALF_OF, v);
+            }
+        }
+        None => {}
+    }
+    r.set_timeout(Duration::from_secs(10));
+    Ok(r)
+}
+
 /// The actor recorded for a verified caller.
-pub fn actor_of(c: &gpuledger_auth::identity::Caller) -> pb::Actor {
+fn actor_of(c: &gpuledger_auth::identity::Caller) -> pb::Actor {
     pb::Actor {
         role: c.role.kind().into(),
         name: c.subject.clone(),
@@ -236,6 +283,12 @@ impl HasSeq for api::ReserveResponse {
 }
 
 impl HasSeq for api::AssignResponse {
+    fn seq(&self) -> u64 {
+        self.seq
+    }
+}
+
+impl HasSeq for api::PreemptResponse {
     fn seq(&self) -> u64 {
         self.seq
     }

@@ -3,49 +3,21 @@
 //! leader decides (the `Nominate` command re-checks the room against its state), commits, and
 //! then evicts, so only the replica whose sequencer committed the nomination evicts.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-
 use gpuledger_ledger::placement::preempt;
 use gpuledger_ledger::{Command, Reply, pb};
 use gpuledger_proto::allocator::v1 as api;
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::reflector::Store;
 use tonic::{Request, Response, Status};
-use tracing::Span;
-use tracing::field::display;
 
-use super::{HasSeq, Service};
-use crate::grpc::Ids;
+use super::Service;
+use super::forward::Written;
 use crate::preemption;
 use crate::shared::Role;
 
 /// Most candidate nodes one `Preempt` may name (the search costs up to a few milliseconds per
 /// node that could hold the pod).
 pub const MAX_PREEMPT_NODES: usize = 512;
-
-impl Ids for api::PreemptRequest {
-    fn record(&self, span: &Span) {
-        if let Some(p) = self.request.as_ref().and_then(|r| r.pod.as_ref()) {
-            span.record("pod_uid", display(&p.uid));
-        }
-    }
-}
-
-impl Ids for api::PreemptResponse {
-    fn record(&self, span: &Span) {
-        span.record("seq", self.seq);
-        span.record("epoch", self.epoch);
-        if let Some(n) = &self.nomination {
-            span.record("node", display(&n.node));
-        }
-    }
-}
-
-impl HasSeq for api::PreemptResponse {
-    fn seq(&self) -> u64 {
-        self.seq
-    }
-}
 
 pub(super) async fn preempt(
     svc: &Service,
@@ -188,43 +160,31 @@ pub(super) async fn preempt(
     let deadline = svc.shared.clock.now_ms() + p.ttl().as_millis() as i64;
     let nomination = plan.nomination(&pr, deadline, &|u| by_uid.get(u).cloned());
     let leaving = preemption::leaving_on(&on_nodes, &plan.node);
-    let committed_here = AtomicBool::new(false);
-    let resp = svc
-        .write(
-            req,
-            || {
-                Ok(Command::Nominate {
-                    nomination: nomination.clone(),
-                    leaving: leaving.clone(),
-                })
-            },
-            |c| {
-                committed_here.store(true, Ordering::Relaxed);
-                Ok(api::PreemptResponse {
-                    nomination: Some(nomination.clone()),
-                    created: matches!(c.reply, Reply::Done { changed: true }),
-                    reason: String::new(),
-                    seq: c.seq,
-                    epoch: c.epoch,
-                })
-            },
-            |mut c, r| async move { c.preempt(r).await },
-        )
-        .await?;
-    if committed_here.load(Ordering::Relaxed) {
-        p.outcome(if resp.get_ref().created {
-            "nominated"
-        } else {
-            "repeat"
-        });
-        spawn_evictions(svc, store, client, nomination);
+    let cmd = Command::Nominate {
+        nomination: nomination.clone(),
+        leaving,
+    };
+    match svc.write(req, cmd).await? {
+        // Committed by this replica's sequencer: this replica evicts.
+        Written::Here(c) => {
+            let created = matches!(c.reply, Reply::Done { changed: true });
+            p.outcome(if created { "nominated" } else { "repeat" });
+            spawn_evictions(svc, store, client, nomination.clone());
+            Ok(Response::new(api::PreemptResponse {
+                nomination: Some(nomination),
+                created,
+                reason: String::new(),
+                seq: c.seq,
+                epoch: c.epoch,
+            }))
+        }
+        Written::There(r) => Ok(r),
     }
-    Ok(resp)
 }
 
 /// Evict in a task of its own: the caller's deadline must not cut the evictions short once
 /// the nomination is committed.
 fn spawn_evictions(svc: &Service, store: Store<Pod>, client: kube::Client, n: pb::Nominated) {
-    let svc = svc.clone();
-    tokio::spawn(async move { preemption::evict(&svc, &store, &client, &n).await });
+    let (p, writer) = (svc.preemption.clone(), svc.writer.clone());
+    tokio::spawn(async move { preemption::evict(&p, &writer, &store, &client, &n).await });
 }

@@ -1,4 +1,5 @@
-//! The write RPCs: each builds its ledger command and goes through [`Service::write`].
+//! The write RPCs: each checks its request, builds its ledger command, has the leader write it
+//! ([`Service::write`]) and answers with what was written.
 
 use std::time::Duration;
 
@@ -7,14 +8,17 @@ use gpuledger_proto::allocator::v1 as api;
 use tonic::{Request, Response, Status};
 
 use super::Service;
-use crate::shared::Committed;
+use super::forward::Written;
 
-fn done(c: Committed) -> Result<api::WriteResponse, Status> {
-    let changed = matches!(c.reply, Reply::Done { changed: true });
-    Ok(api::WriteResponse {
-        seq: c.seq,
-        epoch: c.epoch,
-        changed,
+/// The answer to a write that replies only whether it changed anything.
+fn done(w: Written<api::WriteResponse>) -> Result<Response<api::WriteResponse>, Status> {
+    Ok(match w {
+        Written::Here(c) => Response::new(api::WriteResponse {
+            seq: c.seq,
+            epoch: c.epoch,
+            changed: matches!(c.reply, Reply::Done { changed: true }),
+        }),
+        Written::There(r) => r,
     })
 }
 
@@ -29,54 +33,34 @@ pub(super) async fn register_node(
         .ok_or_else(|| Status::invalid_argument("inventory is missing"))?;
     svc.write_limits
         .check_inventory(&inv, &svc.shared.metrics)?;
-    svc.write(
-        req,
-        || Ok(Command::RegisterNode(inv.clone())),
-        done,
-        |mut c, r| async move { c.register_node(r).await },
-    )
-    .await
+    done(svc.write(req, Command::RegisterNode(inv)).await?)
 }
 
 pub(super) async fn remove_node(
     svc: &Service,
     req: Request<api::RemoveNodeRequest>,
 ) -> Result<Response<api::WriteResponse>, Status> {
-    let r = req.get_ref().clone();
-    svc.write(
-        req,
-        || {
-            Ok(Command::RemoveNode {
-                node: r.node.clone(),
-                reason: r.reason.clone(),
-            })
-        },
-        done,
-        |mut c, r| async move { c.remove_node(r).await },
-    )
-    .await
+    let r = req.get_ref();
+    let cmd = Command::RemoveNode {
+        node: r.node.clone(),
+        reason: r.reason.clone(),
+    };
+    done(svc.write(req, cmd).await?)
 }
 
 pub(super) async fn set_device_health(
     svc: &Service,
     req: Request<api::SetDeviceHealthRequest>,
 ) -> Result<Response<api::WriteResponse>, Status> {
-    let r = req.get_ref().clone();
-    svc.write(
-        req,
-        || {
-            Ok(Command::SetDeviceHealth(pb::DeviceHealthChanged {
-                node: r.node.clone(),
-                gpu_uuid: r.gpu_uuid.clone(),
-                healthy: r.healthy,
-                reason: r.reason.clone(),
-                xid: r.xid,
-            }))
-        },
-        done,
-        |mut c, r| async move { c.set_device_health(r).await },
-    )
-    .await
+    let r = req.get_ref();
+    let cmd = Command::SetDeviceHealth(pb::DeviceHealthChanged {
+        node: r.node.clone(),
+        gpu_uuid: r.gpu_uuid.clone(),
+        healthy: r.healthy,
+        reason: r.reason.clone(),
+        xid: r.xid,
+    });
+    done(svc.write(req, cmd).await?)
 }
 
 /// The longest a reservation may wait to be bound (the allocator's --reserve-ttl is 60 s).
@@ -86,7 +70,7 @@ pub(super) async fn reserve(
     svc: &Service,
     req: Request<api::ReserveRequest>,
 ) -> Result<Response<api::ReserveResponse>, Status> {
-    let r = req.get_ref().clone();
+    let r = req.get_ref();
     if r.node.is_empty() {
         return Err(Status::invalid_argument(
             "node is empty: reserve needs the node the scheduler chose",
@@ -98,135 +82,105 @@ pub(super) async fn reserve(
             r.ttl_ms
         )));
     }
-    let pr = svc.request(r.request.clone())?;
-    let clock = svc.shared.clock.clone();
     let ttl = if r.ttl_ms > 0 {
         Duration::from_millis(r.ttl_ms)
     } else {
         svc.reserve_ttl
     };
-    svc.write(
-        req,
-        || {
-            Ok(Command::Reserve {
-                request: pr.clone(),
-                node: r.node.clone(),
-                deadline_ms: clock.now_ms() + ttl.as_millis() as i64,
-            })
-        },
-        |c| match c.reply {
+    // The reservation's time to live counts from the moment this replica took the request.
+    let cmd = Command::Reserve {
+        request: svc.request(r.request.clone())?,
+        node: r.node.clone(),
+        deadline_ms: svc.shared.clock.now_ms() + ttl.as_millis() as i64,
+    };
+    match svc.write(req, cmd).await? {
+        Written::Here(c) => match c.reply {
             Reply::Reserved {
                 allocations,
                 created,
-            } => Ok(api::ReserveResponse {
+            } => Ok(Response::new(api::ReserveResponse {
                 allocations,
                 seq: c.seq,
                 epoch: c.epoch,
                 created,
-            }),
+            })),
             other => Err(Status::internal(format!("unexpected reply {other:?}"))),
         },
-        |mut c, r| async move { c.reserve(r).await },
-    )
-    .await
+        Written::There(r) => Ok(r),
+    }
 }
 
 pub(super) async fn confirm_bound(
     svc: &Service,
     req: Request<api::ConfirmBoundRequest>,
 ) -> Result<Response<api::WriteResponse>, Status> {
-    let r = req.get_ref().clone();
-    svc.write(
-        req,
-        || {
-            Ok(Command::ConfirmBound {
-                pod_uid: r.pod_uid.clone(),
-                node: r.node.clone(),
-                reason: "confirmed by the extender".into(),
-            })
-        },
-        done,
-        |mut c, r| async move { c.confirm_bound(r).await },
-    )
-    .await
+    let r = req.get_ref();
+    let cmd = Command::ConfirmBound {
+        pod_uid: r.pod_uid.clone(),
+        node: r.node.clone(),
+        reason: "confirmed by the extender".into(),
+    };
+    done(svc.write(req, cmd).await?)
 }
 
 pub(super) async fn assign(
     svc: &Service,
     req: Request<api::AssignRequest>,
 ) -> Result<Response<api::AssignResponse>, Status> {
-    let r = req.get_ref().clone();
-    svc.write(
-        req,
-        || {
-            Ok(Command::Assign {
-                node: r.node.clone(),
-                allocation_id: r.allocation_id,
-                device_ids: r.device_ids.clone(),
-            })
-        },
-        |c| match c.reply {
-            Reply::Assigned(a) => Ok(api::AssignResponse {
+    let r = req.get_ref();
+    let cmd = Command::Assign {
+        node: r.node.clone(),
+        allocation_id: r.allocation_id,
+        device_ids: r.device_ids.clone(),
+    };
+    match svc.write(req, cmd).await? {
+        Written::Here(c) => match c.reply {
+            Reply::Assigned(a) => Ok(Response::new(api::AssignResponse {
                 allocation: Some(*a),
                 seq: c.seq,
                 epoch: c.epoch,
-            }),
+            })),
             other => Err(Status::internal(format!("unexpected reply {other:?}"))),
         },
-        |mut c, r| async move { c.assign(r).await },
-    )
-    .await
+        Written::There(r) => Ok(r),
+    }
 }
 
 pub(super) async fn correct_identity(
     svc: &Service,
     req: Request<api::CorrectIdentityRequest>,
 ) -> Result<Response<api::WriteResponse>, Status> {
-    let r = req.get_ref().clone();
-    svc.write(
-        req,
-        || {
-            Ok(Command::CorrectIdentity {
-                node: r.node.clone(),
-                from_allocation_id: r.from_allocation_id,
-                to_allocation_id: r.to_allocation_id,
-                device_ids: r.device_ids.clone(),
-            })
-        },
-        done,
-        |mut c, r| async move { c.correct_identity(r).await },
-    )
-    .await
+    let r = req.get_ref();
+    let cmd = Command::CorrectIdentity {
+        node: r.node.clone(),
+        from_allocation_id: r.from_allocation_id,
+        to_allocation_id: r.to_allocation_id,
+        device_ids: r.device_ids.clone(),
+    };
+    done(svc.write(req, cmd).await?)
 }
 
 pub(super) async fn release(
     svc: &Service,
     req: Request<api::ReleaseRequest>,
 ) -> Result<Response<api::WriteResponse>, Status> {
-    let r = req.get_ref().clone();
+    let r = req.get_ref();
     if r.pod_uid.is_empty() && r.allocation_id == 0 {
         return Err(Status::invalid_argument(
             "release needs pod_uid or allocation_id",
         ));
     }
-    svc.write(
-        req,
-        || {
-            Ok(Command::Release {
-                pod_uid: r.pod_uid.clone(),
-                container: r.container.clone(),
-                allocation_id: r.allocation_id,
-                reason: if r.reason.is_empty() {
-                    "released".into()
-                } else {
-                    r.reason.clone()
-                },
-            })
+    let cmd = Command::Release {
+        pod_uid: r.pod_uid.clone(),
+        container: r.container.clone(),
+        allocation_id: r.allocation_id,
+        reason: if r.reason.is_empty() {
+            "released".into()
+        } else {
+            r.reason.clone()
         },
-        done,
-        |mut c, r| async move { c.release(r).await },
-    )
-    .await
+    };
+    done(svc.write(req, cmd).await?)
 }
 
 pub(super) async fn report_violation(
@@ -238,42 +192,30 @@ pub(super) async fn report_violation(
         .violation
         .clone()
         .ok_or_else(|| Status::invalid_argument("violation is missing"))?;
-    svc.write(
-        req,
-        || Ok(Command::ReportViolation(v.clone())),
-        done,
-        |mut c, r| async move { c.report_violation(r).await },
-    )
-    .await
+    done(svc.write(req, Command::ReportViolation(v)).await?)
 }
 
 pub(super) async fn set_budget(
     svc: &Service,
     req: Request<api::SetBudgetRequest>,
 ) -> Result<Response<api::WriteResponse>, Status> {
-    let r = req.get_ref().clone();
+    let r = req.get_ref();
     let b = r
         .budget
+        .clone()
         .ok_or_else(|| Status::invalid_argument("budget is missing"))?;
     if let Some(g) = svc.budget_guard_slot().get() {
         g.check_budget(&b, r.remove).await?;
     }
-    svc.write(
-        req,
-        || {
-            Ok(if r.remove {
-                Command::RemoveBudget(pb::BudgetRemoved {
-                    namespace: b.namespace.clone(),
-                    source: b.source.clone(),
-                })
-            } else {
-                Command::SetBudget(b.clone())
-            })
-        },
-        done,
-        |mut c, r| async move { c.set_budget(r).await },
-    )
-    .await
+    let cmd = if r.remove {
+        Command::RemoveBudget(pb::BudgetRemoved {
+            namespace: b.namespace,
+            source: b.source,
+        })
+    } else {
+        Command::SetBudget(b)
+    };
+    done(svc.write(req, cmd).await?)
 }
 
 pub(super) async fn set_quota(
@@ -288,11 +230,5 @@ pub(super) async fn set_quota(
     if let Some(g) = svc.budget_guard_slot().get() {
         g.check_owner(&q.namespace, "quota")?;
     }
-    svc.write(
-        req,
-        || Ok(Command::SetQuota(q.clone())),
-        done,
-        |mut c, r| async move { c.set_quota(r).await },
-    )
-    .await
+    done(svc.write(req, Command::SetQuota(q)).await?)
 }
