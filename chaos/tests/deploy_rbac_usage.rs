@@ -228,6 +228,10 @@ async fn components_api_requests() -> Result<()> {
     // Eviction API and tell both pods why.
     for name in ["low-0", "low-1"] {
         let mut p = gpu_pod(name);
+        // What the reservation below asks for: the allocator checks it against the pod.
+        let limits = &mut p["spec"]["containers"][0]["resources"]["limits"];
+        limits["gpuledger.io/gpu-mem"] = json!("15000");
+        limits["gpuledger.io/gpu-core"] = json!("10");
         p["spec"]["priority"] = json!(-5);
         p["spec"]["nodeName"] = json!("n1");
         p["status"] = json!({"phase": "Running"});
