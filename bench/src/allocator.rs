@@ -20,7 +20,7 @@ use tonic::service::interceptor::InterceptedService;
 mod baseline;
 
 use self::baseline::{ab_phase, speaks_tls, ui_phase};
-use crate::common::{histogram, q_ms, record, rss_mib, run_dir, title};
+use crate::common::{cpu_seconds, histogram, q_ms, record, rss_mib, run_dir, title};
 
 /// Flags of `gpuledger-bench allocator`.
 #[derive(clap::Args)]
@@ -286,19 +286,6 @@ async fn reserve_at_rate(
         made += 1;
     }
     Ok((h, made))
-}
-
-/// CPU seconds (user + system) a process has used, from /proc.
-fn cpu_seconds(pid: u32) -> f64 {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return 0.0;
-    };
-    // Fields after the command name (which may hold spaces) start after the last ')'.
-    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: f64 = f.get(11).and_then(|v| v.parse().ok()).unwrap_or(0.0)
-        + f.get(12).and_then(|v| v.parse().ok()).unwrap_or(0.0);
-    ticks / 100.0
 }
 
 /// Run the benchmark.

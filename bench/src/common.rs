@@ -1,4 +1,4 @@
-//! Shared pieces: run directory, latency histograms, process memory.
+//! Shared pieces: run directory, latency histograms, process memory and CPU time.
 
 use std::time::Duration;
 
@@ -30,6 +30,19 @@ pub fn rss_mib(pid: u32) -> Result<f64> {
         .and_then(|v| v.parse().ok())
         .unwrap_or(0.0);
     Ok(kb / 1024.0)
+}
+
+/// CPU seconds (user + system) a process has used, from /proc.
+pub fn cpu_seconds(pid: u32) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0.0;
+    };
+    // Fields after the command name (which may hold spaces) start after the last ')'.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = f.get(11).and_then(|v| v.parse().ok()).unwrap_or(0.0)
+        + f.get(12).and_then(|v| v.parse().ok()).unwrap_or(0.0);
+    ticks / 100.0
 }
 
 /// A temporary run directory that is kept (and printed) when GPULEDGER_KEEP_RUN is set.

@@ -2,13 +2,25 @@
 //! node agents' Assign, admission reviews) measured without an attack and then under each
 //! attack of the hostile-load list, one at a time, at full strength from this machine. Every
 //! attack is plain client calls over real TLS with real identities. Per attack: the honest p99
-//! and success rate against the quiet run's; at the end, leader lease losses, process exits and
-//! `gpuledger verify`.
+//! and success rate against the quiet run's, who used the CPU, what the attacker did and what
+//! the servers refused; at the end, leader lease losses, process exits and `gpuledger verify`.
 //!
-//! Attackers connect from other loopback addresses (127.0.0.2 and up), as other pods would;
-//! the honest clients from 127.0.0.1.
+//! The honest clients behave as the real ones do: kube-scheduler and the API server keep their
+//! HTTPS connections to the extender and its webhook alive, the extender and the node agents
+//! keep their gRPC channels. They connect from 127.0.0.1; each attack from eight addresses of
+//! its own (127.0.N.2 to .9), as other pods would, on their own tokio runtime whose CPU is measured and held to
+//! `--attacker-cpu` cores: on one machine every cycle an attacker burns is taken from the stack
+//! it attacks, which an attacker on its own machine would not take. A control phase burns that
+//! budget without calling anything, to show what losing it costs the machine by itself.
+//!
+//! Other work on a shared machine moves every latency: each attack (and the control) is
+//! preceded by a quiet phase of the same length, and its p99 is also compared with that one
+//! (`p99/before`), besides the run's first quiet phase (`p99/quiet`).
 
-use std::net::SocketAddr;
+mod attacks;
+mod cpu;
+
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -18,16 +30,16 @@ use gpuledger_auth::identity::Role;
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
 use gpuledger_testkit::allocators::{Client, connect};
-use gpuledger_testkit::attacker::{tcp_from, tls_from, tls_trusting};
-use gpuledger_testkit::kube::{ExtenderClient, KubeStack, StackOptions};
+use gpuledger_testkit::kube::{ExtenderClient, ExtenderConfig, KubeStack, StackOptions};
 use gpuledger_testkit::pki::{Identities, credential_flags};
 use gpuledger_testkit::workload::inventory;
 use hdrhistogram::Histogram;
 use serde_json::{Value, json};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 
-use crate::common::{histogram, q_ms, record, title};
+use crate::common::{cpu_seconds, histogram, q_ms, record, title};
+use attacks::{ATTACKS, CPU_BURN, Tally};
+use cpu::{Governor, Threads, children_cpu};
 
 /// Flags.
 #[derive(clap::Args, Clone)]
@@ -53,24 +65,34 @@ pub struct Args {
     /// Subscribe streams a viewer opens, 5,000 per connection (attack 3).
     #[arg(long, default_value_t = 15000)]
     streams: usize,
-    /// Run only the attacks whose name contains this.
+    /// CPU the attackers may use, in cores (their threads' CPU time, averaged over 100 ms;
+    /// 0 = no bound). An attacker on its own machine takes none of the victim's CPU; on this
+    /// one, whatever it burns is taken from the stack, so the bound is part of a fair run.
+    #[arg(long, default_value_t = 0.5)]
+    attacker_cpu: f64,
+    /// Run only the attacks whose name contains this (the quiet and control phases always run).
     #[arg(long, default_value = "")]
     only: String,
 }
 
 /// What every client, honest or not, needs to reach the stack.
-struct Ctx {
+pub struct Ctx {
     store: Arc<gpuledger_testkit::kube::store::Store>,
     addrs: Vec<String>,
     ids: Identities,
     hook_port: u16,
-    ext_port: u16,
+    ext_url: String,
     nodes: Vec<String>,
+    seq: AtomicU64,
+}
+
+/// The honest clients, made once and kept, as the real ones are.
+struct Honest {
     scheduler: ExtenderClient,
+    api_server: ExtenderClient,
     extender: Client,
     admin: Client,
     agents: Vec<Client>,
-    seq: AtomicU64,
 }
 
 const NS: &str = "bench";
@@ -114,135 +136,105 @@ impl Ctx {
             .map_err(|e| anyhow::anyhow!("{}", e.message()))?;
         Ok(p["metadata"]["uid"].as_str().unwrap_or("").to_string())
     }
-
-    /// A client of allocator `i` as `role`.
-    fn client(&self, i: usize, role: &Role) -> Result<Client> {
-        connect(
-            &self.addrs[i % self.addrs.len()],
-            &self.ids.credentials(role)?,
-        )
-    }
-
-    /// An HTTPS client of the webhook (trusting the stack's CA, as the API server does).
-    fn tls_connector(&self) -> Result<tokio_rustls::TlsConnector> {
-        tls_trusting(self.ids.pki.ca_file())
-    }
 }
 
-/// A request whose body never ends: headers promising 1 MB, then a byte every 2 s, until the
-/// server cuts the connection.
-async fn slow_body(
-    connector: &tokio_rustls::TlsConnector,
-    source: &str,
-    to: SocketAddr,
-    started: &AtomicU64,
-) -> std::io::Result<()> {
-    let mut s = tls_from(connector, source, to).await?;
-    s.write_all(b"POST /mutate HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: 1000000\r\n\r\n{")
-        .await?;
-    started.fetch_add(1, Ordering::Relaxed);
-    loop {
-        tokio::time::sleep(Duration::from_secs(2)).await;
-        s.write_all(b" ").await?;
-    }
-}
-
-/// One admission review of a GPU pod over a fresh TLS connection, as the API server sends it.
-async fn admit(ctx: &Ctx, connector: &tokio_rustls::TlsConnector, i: u64) -> Result<()> {
+/// One admission review of a GPU pod, as the API server sends it (on a kept-alive connection).
+async fn admit(honest: &Honest, i: u64) -> Result<()> {
     let review = json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
         "request": {"uid": format!("r-{i}"), "kind": {"group": "", "version": "v1", "kind": "Pod"},
                     "resource": {"group": "", "version": "v1", "resource": "pods"},
                     "operation": "CREATE", "namespace": NS, "userInfo": {"username": "bench"},
                     "object": gpu_pod(&format!("admit-{i}"), "default-scheduler")}});
-    let body = serde_json::to_vec(&review)?;
-    let to = SocketAddr::from(([127, 0, 0, 1], ctx.hook_port));
-    let mut s = tls_from(connector, "127.0.0.1", to).await?;
-    let head = format!(
-        "POST /mutate HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
-        body.len()
-    );
-    s.write_all(head.as_bytes()).await?;
-    s.write_all(&body).await?;
-    let mut answer = Vec::new();
-    let _ = s.read_to_end(&mut answer).await;
+    let r = honest.api_server.post("mutate", &review).await?;
     anyhow::ensure!(
-        answer.starts_with(b"HTTP/1.1 200"),
-        "webhook answered {:?}",
-        String::from_utf8_lossy(&answer[..answer.len().min(80)])
+        r["response"]["allowed"] == true,
+        "webhook answered {}",
+        r.to_string().chars().take(200).collect::<String>()
     );
     Ok(())
 }
 
 /// One honest operation: a bind through the extender, a reservation and its node agent's
-/// Assign, or an admission review; the UID of the pod that now holds GPU, if any.
-async fn honest(ctx: &Ctx, connector: &tokio_rustls::TlsConnector) -> Result<Option<String>> {
+/// Assign, or an admission review; its kind (0 bind, 1 reserve, 2 admit) and the UID of the pod
+/// that now holds GPU, if any.
+async fn honest(ctx: &Ctx, honest: &Honest) -> (usize, Result<Option<String>>) {
     let i = ctx.next();
     let node = &ctx.nodes[i as usize % ctx.nodes.len()];
-    match i % 3 {
-        0 => {
-            let name = format!("bind-{i}");
-            let uid = ctx.add_pod(gpu_pod(&name, "gpuledger-scheduler"))?;
-            let r = ctx
-                .scheduler
-                .post(
-                    "bind",
-                    &json!({"PodName": name, "PodNamespace": NS, "PodUID": uid, "Node": node}),
-                )
-                .await?;
-            anyhow::ensure!(r["Error"] == "", "bind: {r}");
-            Ok(Some(uid))
+    let kind = (i % 3) as usize;
+    let r = async {
+        match kind {
+            0 => {
+                let name = format!("bind-{i}");
+                let uid = ctx.add_pod(gpu_pod(&name, "gpuledger-scheduler"))?;
+                let r = honest
+                    .scheduler
+                    .post(
+                        "bind",
+                        &json!({"PodName": name, "PodNamespace": NS, "PodUID": uid, "Node": node}),
+                    )
+                    .await?;
+                anyhow::ensure!(r["Error"] == "", "bind: {r}");
+                Ok(Some(uid))
+            }
+            1 => {
+                let name = format!("reserve-{i}");
+                let uid = ctx.add_pod(gpu_pod(&name, "gpuledger-scheduler"))?;
+                let r = honest
+                    .extender
+                    .clone()
+                    .reserve(api::ReserveRequest {
+                        request: Some(pod_request(&uid, &name, 1000, 0)),
+                        node: node.clone(),
+                        ttl_ms: 0,
+                    })
+                    .await?
+                    .into_inner();
+                let id = r.allocations.first().context("no allocation")?.id;
+                let agent = i as usize % ctx.nodes.len();
+                honest.agents[agent]
+                    .clone()
+                    .assign(api::AssignRequest {
+                        node: node.clone(),
+                        allocation_id: id,
+                        device_ids: vec![format!("dev-{i}")],
+                    })
+                    .await?;
+                Ok(Some(uid))
+            }
+            _ => admit(honest, i).await.map(|()| None),
         }
-        1 => {
-            let name = format!("reserve-{i}");
-            let uid = ctx.add_pod(gpu_pod(&name, "gpuledger-scheduler"))?;
-            let r = ctx
-                .extender
-                .clone()
-                .reserve(api::ReserveRequest {
-                    request: Some(pod_request(&uid, &name, 1000, 0)),
-                    node: node.clone(),
-                    ttl_ms: 0,
-                })
-                .await?
-                .into_inner();
-            let id = r.allocations.first().context("no allocation")?.id;
-            let agent = i as usize % ctx.nodes.len();
-            ctx.agents[agent]
-                .clone()
-                .assign(api::AssignRequest {
-                    node: node.clone(),
-                    allocation_id: id,
-                    device_ids: vec![format!("dev-{i}")],
-                })
-                .await?;
-            Ok(Some(uid))
-        }
-        _ => admit(ctx, connector, i).await.map(|()| None),
-    }
+    };
+    (kind, r.await)
 }
 
-/// Honest load for `d`: its latencies, successes and attempts, and the first error seen.
-async fn measure(ctx: &Arc<Ctx>, d: Duration, concurrency: usize) -> Result<Phase> {
-    let connector = ctx.tls_connector()?;
+/// Honest load for `d`: latencies (all, and by kind), successes and attempts, the first error.
+async fn measure(
+    ctx: &Arc<Ctx>,
+    h: &Arc<Honest>,
+    d: Duration,
+    concurrency: usize,
+) -> Result<Phase> {
     let end = Instant::now() + d;
     let mut workers = tokio::task::JoinSet::new();
     for _ in 0..concurrency.max(1) {
-        let (ctx, connector) = (ctx.clone(), connector.clone());
+        let (ctx, h) = (ctx.clone(), h.clone());
         workers.spawn(async move {
             let mut p = Phase::new();
             while Instant::now() < end {
                 let t = Instant::now();
-                let r = tokio::time::timeout(Duration::from_secs(10), honest(&ctx, &connector))
+                let (kind, r) = tokio::time::timeout(Duration::from_secs(10), honest(&ctx, &h))
                     .await
-                    .unwrap_or_else(|_| Err(anyhow::anyhow!("no answer within 10 s")));
-                record(&mut p.latency, t.elapsed());
+                    .unwrap_or_else(|_| (0, Err(anyhow::anyhow!("no answer within 10 s"))));
+                let took = t.elapsed();
+                record(&mut p.latency, took);
+                record(&mut p.by_kind[kind], took);
                 p.total += 1;
                 match r {
                     Ok(held) => {
                         p.ok += 1;
                         // Untimed: give the GPU back, so that every phase finds the same room.
                         if let Some(uid) = held {
-                            let _ = ctx
+                            let _ = h
                                 .admin
                                 .clone()
                                 .release(api::ReleaseRequest {
@@ -266,9 +258,14 @@ async fn measure(ctx: &Arc<Ctx>, d: Duration, concurrency: usize) -> Result<Phas
     let mut all = Phase::new();
     while let Some(p) = workers.join_next().await {
         let p = p?;
-        all.latency
-            .add(&p.latency)
-            .map_err(|e| anyhow::anyhow!("merging histograms: {e:?}"))?;
+        let merge = |into: &mut Histogram<u64>, from: &Histogram<u64>| {
+            into.add(from)
+                .map_err(|e| anyhow::anyhow!("merging histograms: {e:?}"))
+        };
+        merge(&mut all.latency, &p.latency)?;
+        for (into, from) in all.by_kind.iter_mut().zip(&p.by_kind) {
+            merge(into, from)?;
+        }
         all.ok += p.ok;
         all.total += p.total;
         all.error = all.error.or(p.error);
@@ -278,6 +275,7 @@ async fn measure(ctx: &Arc<Ctx>, d: Duration, concurrency: usize) -> Result<Phas
 
 struct Phase {
     latency: Histogram<u64>,
+    by_kind: [Histogram<u64>; 3],
     ok: u64,
     total: u64,
     error: Option<String>,
@@ -287,6 +285,7 @@ impl Phase {
     fn new() -> Self {
         Phase {
             latency: histogram(),
+            by_kind: [histogram(), histogram(), histogram()],
             ok: 0,
             total: 0,
             error: None,
@@ -300,440 +299,100 @@ impl Phase {
             self.ok as f64 / self.total as f64
         }
     }
+
+    /// p99 of each kind, in ms, as `bind/reserve/admit`.
+    fn kinds_p99(&self) -> String {
+        self.by_kind
+            .iter()
+            .map(|h| format!("{:.0}", q_ms(h, 0.99)))
+            .collect::<Vec<_>>()
+            .join("/")
+    }
 }
 
-/// The attacks, by name, each with a line on what it does.
-const ATTACKS: [(&str, &str); 11] = [
-    (
-        "slow-bodies",
-        "webhook: slow bodies (Content-Length 1 MB, a byte every 2 s) from 8 addresses",
-    ),
-    (
-        "idle-tcp",
-        "allocators: idle TCP connections that never send a ClientHello",
-    ),
-    (
-        "viewer-streams",
-        "a viewer opens Subscribe streams, 5,000 per connection, and holds them",
-    ),
-    (
-        "violation-flood",
-        "a node agent floods ReportViolation with 256 KiB actions",
-    ),
-    (
-        "foreign-certs",
-        "a viewer's and a node agent's certificates bind another scheduler's pods",
-    ),
-    (
-        "absurd-inventory",
-        "a node agent registers absurd GPU memory, then percent-of-memory Reserves",
-    ),
-    (
-        "whole-gpu-for-plain-pod",
-        "the extender reserves and confirms a whole GPU for non-GPU pods of another scheduler",
-    ),
-    ("fake-filters", "/filter calls for pods that never bind"),
-    (
-        "junk-tokens",
-        "distinct junk and forged tokens, each a new connection",
-    ),
-    (
-        "heavy-reads",
-        "a viewer's Filter over every node and ReadLog from the start, in a loop",
-    ),
-    (
-        "forged-forwarding",
-        "an allocator's token with a forwarding header claiming an admin",
-    ),
-];
+/// CPU seconds used so far: the stack's processes by name, the attackers' runtime, and this
+/// process's other threads (the honest clients and the fake API server).
+struct Usage {
+    at: Instant,
+    stack: BTreeMap<String, f64>,
+    attackers: f64,
+    honest: f64,
+}
 
-/// Run `attack` until `stop`; what it managed, for the table.
-async fn attack(name: &str, ctx: Arc<Ctx>, a: &Args, stop: CancellationToken) -> Result<String> {
-    let hits = Arc::new(AtomicU64::new(0));
-    let mut tasks = tokio::task::JoinSet::new();
-    match name {
-        "slow-bodies" => {
-            let connector = ctx.tls_connector()?;
-            let to = SocketAddr::from(([127, 0, 0, 1], ctx.hook_port));
-            for i in 0..a.slow_connections {
-                let (connector, stop, hits) = (connector.clone(), stop.clone(), hits.clone());
-                let source = format!("127.0.0.{}", 2 + i % 8);
-                tasks.spawn(async move {
-                    while !stop.is_cancelled() {
-                        tokio::select! {
-                            _ = stop.cancelled() => return,
-                            _ = slow_body(&connector, &source, to, &hits) => {}
-                        }
-                        tokio::time::sleep(Duration::from_millis(200)).await;
-                    }
-                });
-            }
+impl Usage {
+    fn now(attackers: &Threads) -> Self {
+        let attackers = attackers.cpu().as_secs_f64();
+        Usage {
+            at: Instant::now(),
+            stack: children_cpu(),
+            attackers,
+            honest: cpu_seconds(std::process::id()) - attackers,
         }
-        "idle-tcp" => {
-            for i in 0..a.idle_connections * ctx.addrs.len() {
-                let to: SocketAddr = ctx.addrs[i % ctx.addrs.len()].parse()?;
-                let (stop, hits) = (stop.clone(), hits.clone());
-                let source = format!("127.0.0.{}", 10 + i % 8);
-                tasks.spawn(async move {
-                    while !stop.is_cancelled() {
-                        if let Ok(mut s) = tcp_from(&source, to).await {
-                            hits.fetch_add(1, Ordering::Relaxed);
-                            let mut b = [0u8; 1];
-                            tokio::select! {
-                                _ = stop.cancelled() => return,
-                                _ = s.read(&mut b) => {}
-                            }
-                        }
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                    }
-                });
-            }
-        }
-        "viewer-streams" => {
-            let conns = a.streams.div_ceil(5000).max(1);
-            let viewers: Vec<Client> = (0..conns)
-                .map(|i| ctx.client(i, &Role::Viewer))
-                .collect::<Result<_>>()?;
-            for i in 0..a.streams {
-                let mut v = viewers[i % conns].clone();
-                let (stop, hits, node) = (stop.clone(), hits.clone(), ctx.nodes[0].clone());
-                tasks.spawn(async move {
-                    while !stop.is_cancelled() {
-                        let sub = v.subscribe(api::SubscribeRequest {
-                            node: node.clone(),
-                            from_seq: 0,
-                        });
-                        let held = async {
-                            if let Ok(s) = sub.await {
-                                hits.fetch_add(1, Ordering::Relaxed);
-                                let mut s = s.into_inner();
-                                while let Ok(Some(_)) = s.message().await {}
-                            }
-                        };
-                        tokio::select! {
-                            _ = stop.cancelled() => return,
-                            _ = held => {}
-                        }
-                        // Refused or cut: try again, as often as holding streams could use.
-                        tokio::time::sleep(Duration::from_secs(1)).await;
-                    }
-                });
-            }
-        }
-        "violation-flood" => {
-            let node = ctx.nodes[0].clone();
-            let name = format!("victim-{}", ctx.next());
-            let uid = ctx.add_pod(gpu_pod(&name, "gpuledger-scheduler"))?;
-            let id = ctx
-                .extender
-                .clone()
-                .reserve(api::ReserveRequest {
-                    request: Some(pod_request(&uid, &name, 1000, 0)),
-                    node: node.clone(),
-                    ttl_ms: 0,
-                })
-                .await?
-                .into_inner()
-                .allocations
-                .first()
-                .context("no allocation")?
-                .id;
-            for _ in 0..4 {
-                let (mut c, stop, hits, node) = (
-                    ctx.agents[0].clone(),
-                    stop.clone(),
-                    hits.clone(),
-                    node.clone(),
-                );
-                tasks.spawn(async move {
-                    let action = "x".repeat(256 * 1024 - 64);
-                    while !stop.is_cancelled() {
-                        let r = c
-                            .report_violation(api::ReportViolationRequest {
-                                violation: Some(pb::LimitViolated {
-                                    allocation_id: id,
-                                    node: node.clone(),
-                                    gpu_uuid: format!("GPU-{node}-0"),
-                                    pid: 1,
-                                    used_mib: 2000,
-                                    limit_mib: 1000,
-                                    action: action.clone(),
-                                }),
-                            })
-                            .await;
-                        if r.is_ok() {
-                            hits.fetch_add(1, Ordering::Relaxed);
-                        } else {
-                            tokio::time::sleep(Duration::from_millis(10)).await;
-                        }
-                    }
-                });
-            }
-        }
-        "foreign-certs" => {
-            for role in [
-                Role::Viewer,
-                Role::NodeAgent {
-                    node: ctx.nodes[0].clone(),
-                },
-            ] {
-                let (cert, key) = ctx.ids.pki.client_cert(&role, "mallory")?;
-                let mut cfg = gpuledger_testkit::kube::ExtenderConfig::gpuledger(
-                    &format!("https://127.0.0.1:{}/gpuledger", ctx.ext_port),
-                    Some(gpuledger_testkit::kube::stack::scheduler_tls(&ctx.ids.pki)?),
-                );
-                if let Some(t) = cfg.tls.as_mut() {
-                    t.cert = cert;
-                    t.key = key;
-                }
-                let client = ExtenderClient::new(cfg)?;
-                let (ctx, stop, hits) = (ctx.clone(), stop.clone(), hits.clone());
-                tasks.spawn(async move {
-                    while !stop.is_cancelled() {
-                        let i = ctx.next();
-                        let name = format!("foreign-{i}");
-                        let Ok(uid) = ctx.add_pod(gpu_pod(&name, "another-scheduler")) else {
-                            continue;
-                        };
-                        let r = client
-                            .post(
-                                "bind",
-                                &json!({"PodName": name, "PodNamespace": NS, "PodUID": uid,
-                                        "Node": ctx.nodes[i as usize % ctx.nodes.len()]}),
-                            )
-                            .await;
-                        if matches!(&r, Ok(v) if v["Error"] == "") {
-                            hits.fetch_add(1, Ordering::Relaxed);
-                        }
-                        tokio::time::sleep(Duration::from_millis(5)).await;
-                    }
-                });
-            }
-        }
-        "absurd-inventory" => {
-            let rogue = "rogue-node".to_string();
-            let mut agent = ctx.client(
-                0,
-                &Role::NodeAgent {
-                    node: rogue.clone(),
-                },
-            )?;
-            let mut inv = inventory(&rogue, 1, 0, "A100");
-            inv.gpus[0].memory_mib = u64::MAX / 2;
-            let _ = agent
-                .register_node(api::RegisterNodeRequest {
-                    inventory: Some(inv),
-                })
-                .await;
-            for _ in 0..2 {
-                let (ctx, stop, hits, rogue) =
-                    (ctx.clone(), stop.clone(), hits.clone(), rogue.clone());
-                tasks.spawn(async move {
-                    while !stop.is_cancelled() {
-                        let i = ctx.next();
-                        let name = format!("percent-{i}");
-                        let Ok(uid) = ctx.add_pod(gpu_pod(&name, "gpuledger-scheduler")) else {
-                            continue;
-                        };
-                        let r = ctx
-                            .extender
-                            .clone()
-                            .reserve(api::ReserveRequest {
-                                request: Some(pod_request(&uid, &name, 0, 100)),
-                                node: rogue.clone(),
-                                ttl_ms: 0,
-                            })
-                            .await;
-                        if r.is_ok() {
-                            hits.fetch_add(1, Ordering::Relaxed);
-                        }
-                        tokio::time::sleep(Duration::from_millis(20)).await;
-                    }
-                });
-            }
-        }
-        "whole-gpu-for-plain-pod" => {
-            for _ in 0..2 {
-                let (ctx, stop, hits) = (ctx.clone(), stop.clone(), hits.clone());
-                tasks.spawn(async move {
-                    while !stop.is_cancelled() {
-                        let i = ctx.next();
-                        let name = format!("nginx-{i}");
-                        let plain = json!({"metadata": {"name": name, "namespace": NS},
-                            "spec": {"schedulerName": "another-scheduler",
-                                     "containers": [{"name": "nginx", "image": "nginx"}]}});
-                        let Ok(uid) = ctx.add_pod(plain) else {
-                            continue;
-                        };
-                        let node = ctx.nodes[i as usize % ctx.nodes.len()].clone();
-                        let mut req = pod_request(&uid, &name, 0, 100);
-                        req.containers[0].core_milli = 1000;
-                        let mut e = ctx.extender.clone();
-                        let r = e
-                            .reserve(api::ReserveRequest {
-                                request: Some(req),
-                                node: node.clone(),
-                                ttl_ms: 0,
-                            })
-                            .await;
-                        if r.is_ok()
-                            && e.confirm_bound(api::ConfirmBoundRequest { pod_uid: uid, node })
-                                .await
-                                .is_ok()
-                        {
-                            hits.fetch_add(1, Ordering::Relaxed);
-                        }
-                        tokio::time::sleep(Duration::from_millis(20)).await;
-                    }
-                });
-            }
-        }
-        "fake-filters" => {
-            for _ in 0..4 {
-                let (ctx, stop, hits) = (ctx.clone(), stop.clone(), hits.clone());
-                tasks.spawn(async move {
-                    while !stop.is_cancelled() {
-                        let i = ctx.next();
-                        let pod = gpu_pod(&format!("ghost-{i}"), "gpuledger-scheduler");
-                        let mut pod = pod;
-                        pod["metadata"]["uid"] = json!(format!("ghost-uid-{i}"));
-                        let r = ctx
-                            .scheduler
-                            .post(
-                                "filter",
-                                &json!({"Pod": pod, "Nodes": null, "NodeNames": ctx.nodes}),
-                            )
-                            .await;
-                        if r.is_ok() {
-                            hits.fetch_add(1, Ordering::Relaxed);
-                        }
-                    }
-                });
-            }
-        }
-        "junk-tokens" => {
-            let dir = tempfile::tempdir()?;
-            let dir = Arc::new(dir);
-            for w in 0..4 {
-                let (ctx, stop, hits, dir) = (ctx.clone(), stop.clone(), hits.clone(), dir.clone());
-                tasks.spawn(async move {
-                    let file = dir.path().join(format!("token-{w}"));
-                    while !stop.is_cancelled() {
-                        let i = ctx.next();
-                        let token = if i % 2 == 0 {
-                            format!("junk-{i}")
-                        } else {
-                            let b = |s: &str| {
-                                use base64::Engine;
-                                base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(s)
-                            };
-                            format!(
-                                "{}.{}.sig",
-                                b("{}"),
-                                b(&format!(
-                                    r#"{{"aud":["gpuledger"],"exp":4000000000,"n":{i}}}"#
-                                ))
-                            )
-                        };
-                        if std::fs::write(&file, token).is_err() {
-                            return;
-                        }
-                        let creds = gpuledger_auth::CredentialArgs {
-                            ca: Some(ctx.ids.pki.ca_file().to_path_buf()),
-                            token_file: Some(file.clone()),
-                            ..Default::default()
-                        };
-                        if let Ok(mut c) = connect(&ctx.addrs[i as usize % ctx.addrs.len()], &creds)
-                        {
-                            let _ = c.status(api::StatusRequest {}).await;
-                            hits.fetch_add(1, Ordering::Relaxed);
-                        }
-                    }
-                });
-            }
-        }
-        "heavy-reads" => {
-            for w in 0..4 {
-                let mut v = ctx.client(w, &Role::Viewer)?;
-                let (stop, hits) = (stop.clone(), hits.clone());
-                tasks.spawn(async move {
-                    while !stop.is_cancelled() {
-                        if w % 2 == 0 {
-                            let r = v
-                                .filter(api::FilterRequest {
-                                    request: Some(pod_request("heavy", "heavy", 1000, 0)),
-                                    nodes: vec![],
-                                })
-                                .await;
-                            if r.is_ok() {
-                                hits.fetch_add(1, Ordering::Relaxed);
-                            }
-                        } else if let Ok(s) = v
-                            .read_log(api::ReadLogRequest {
-                                from_seq: 1,
-                                to_seq: 0,
-                            })
-                            .await
-                        {
-                            let mut s = s.into_inner();
-                            while let Ok(Some(_)) = s.message().await {}
-                            hits.fetch_add(1, Ordering::Relaxed);
-                        }
-                    }
-                });
-            }
-        }
-        "forged-forwarding" => {
-            let mut allocator = ctx.client(0, &Role::Allocator)?;
-            let (stop, hits) = (stop.clone(), hits.clone());
-            let node = ctx.nodes[0].clone();
-            tasks.spawn(async move {
-                let admin = gpuledger_auth::identity::Caller {
-                    role: Role::Admin,
-                    subject: "system:serviceaccount:gpuledger-system:invented".into(),
-                };
-                while !stop.is_cancelled() {
-                    let mut r = tonic::Request::new(api::SetDeviceHealthRequest {
-                        node: node.clone(),
-                        gpu_uuid: format!("GPU-{node}-7"),
-                        healthy: true,
-                        reason: "forged".into(),
-                        xid: 0,
-                    });
-                    if let Ok(v) = gpuledger_auth::server::on_behalf_of(&admin)
-                        .to_str()
-                        .map(str::to_string)
-                        && let Ok(v) = v.parse()
-                    {
-                        r.metadata_mut()
-                            .insert(gpuledger_auth::server::ON_BEHALF_OF, v);
-                    }
-                    if allocator.set_device_health(r).await.is_ok() {
-                        hits.fetch_add(1, Ordering::Relaxed);
-                    }
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
-            });
-        }
-        other => anyhow::bail!("no attack {other}"),
     }
-    stop.cancelled().await;
-    tasks.shutdown().await;
-    let n = hits.load(Ordering::Relaxed);
-    Ok(match name {
-        "slow-bodies" => format!("{n} slow bodies started"),
-        "idle-tcp" => format!("{n} idle connections opened"),
-        "viewer-streams" => format!("{n} streams opened"),
-        "violation-flood" => format!("{n} 256 KiB violations written"),
-        "foreign-certs" => format!("{n} foreign binds accepted"),
-        "absurd-inventory" => format!("{n} percent reserves granted"),
-        "whole-gpu-for-plain-pod" => format!("{n} plain pods given a GPU"),
-        "fake-filters" => format!("{n} filters answered"),
-        "junk-tokens" => format!("{n} junk calls"),
-        "heavy-reads" => format!("{n} heavy reads"),
-        "forged-forwarding" => format!("{n} forged writes accepted"),
-        _ => String::new(),
-    })
+
+    /// Cores each part used since `before`: the stack (allocators, extender, etcd), the honest
+    /// side, the attackers.
+    fn cores_since(&self, before: &Usage) -> (f64, f64, f64) {
+        let secs = (self.at - before.at).as_secs_f64().max(0.001);
+        let stack: f64 = self
+            .stack
+            .iter()
+            .map(|(k, v)| v - before.stack.get(k).copied().unwrap_or(0.0))
+            .sum();
+        (
+            stack / secs,
+            (self.honest - before.honest) / secs,
+            (self.attackers - before.attackers) / secs,
+        )
+    }
+}
+
+/// Every refusal counter of the stack (allocators' limits, denied calls and refused writes,
+/// the extender's limits by listener), summed over replicas.
+async fn refusals(http: &[String]) -> BTreeMap<String, f64> {
+    let mut out = BTreeMap::new();
+    for h in http {
+        let url = if h.starts_with("http") {
+            format!("{h}/metrics")
+        } else {
+            format!("http://{h}/metrics")
+        };
+        if let Ok((_, text)) = gpuledger_testkit::http::get(&url).await {
+            for (series, v) in gpuledger_testkit::promtext::samples(&text) {
+                let short = series
+                    .strip_prefix("gpuledger_")
+                    .unwrap_or(&series)
+                    .replace("_total{", "{");
+                if [
+                    "_limited_total",
+                    "_calls_denied_total",
+                    "_writes_refused_total",
+                ]
+                .iter()
+                .any(|c| series.contains(c))
+                {
+                    *out.entry(short).or_insert(0.0) += v;
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The counters that grew from `before` to `after`, in words.
+fn grew(before: &BTreeMap<String, f64>, after: &BTreeMap<String, f64>) -> String {
+    let parts: Vec<String> = after
+        .iter()
+        .filter_map(|(k, v)| {
+            let d = v - before.get(k).copied().unwrap_or(0.0);
+            (d > 0.0).then(|| format!("{k} +{d:.0}"))
+        })
+        .collect();
+    if parts.is_empty() {
+        "nothing".into()
+    } else {
+        parts.join(", ")
+    }
 }
 
 /// `gpuledger_allocator_leaderships_total` summed over the replicas that answer.
@@ -751,12 +410,58 @@ async fn leaderships(http: &[String]) -> u64 {
     n
 }
 
+/// The attackers' runtime, shut down without waiting when dropped (a runtime dropped the
+/// ordinary way inside another would panic).
+struct AttackerRuntime(Option<tokio::runtime::Runtime>);
+
+impl AttackerRuntime {
+    fn handle(&self) -> &tokio::runtime::Handle {
+        self.0.as_ref().expect("present until dropped").handle()
+    }
+}
+
+impl Drop for AttackerRuntime {
+    fn drop(&mut self) {
+        if let Some(rt) = self.0.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+/// One line of the table: `p` against the run's quiet p99 and against the quiet phase just
+/// before it (`before_p99`, ms).
+fn row(name: &str, p: &Phase, quiet_p99: f64, before_p99: f64, cores: (f64, f64, f64)) -> String {
+    let p99 = q_ms(&p.latency, 0.99);
+    format!(
+        "{name:<24} {:>9.4} {:>8.1} {:>9.2} {:>9.1} {:>10.2} {:>6} {:>15} {:>5.2} {:>6.2} {:>6.2}",
+        p.success(),
+        p99,
+        p99 / quiet_p99,
+        before_p99,
+        p99 / before_p99,
+        p.total,
+        p.kinds_p99(),
+        cores.0,
+        cores.1,
+        cores.2,
+    )
+}
+
 /// Run the benchmark.
 pub async fn run(a: Args) -> Result<()> {
     let open_files = gpuledger_auth::limit::raise_open_files();
     title(&format!(
-        "hostile: {} s of honest load per phase ({} clients), {} allocators, {} nodes; open files {open_files:?}",
-        a.seconds, a.concurrency, a.allocators, a.nodes
+        "hostile: {} s of honest load per phase ({} clients), {} allocators, {} nodes; \
+         attackers held to {} cores; open files {open_files:?}",
+        a.seconds,
+        a.concurrency,
+        a.allocators,
+        a.nodes,
+        if a.attacker_cpu > 0.0 {
+            format!("{:.2}", a.attacker_cpu)
+        } else {
+            "unbounded".into()
+        }
     ));
     let hook_port = gpuledger_testkit::free_port()?;
     let mut stack = KubeStack::start(StackOptions {
@@ -767,13 +472,6 @@ pub async fn run(a: Args) -> Result<()> {
     })
     .await?;
     gpuledger_testkit::kube::stack::wait_http(hook_port, Duration::from_secs(20)).await?;
-    let ext_port: u16 = stack
-        .extender_url
-        .trim_end_matches("/gpuledger")
-        .rsplit(':')
-        .next()
-        .unwrap_or_default()
-        .parse()?;
     let nodes: Vec<String> = (0..a.nodes).map(|i| format!("gpu-{i}")).collect();
     let mut agents = Vec::new();
     for n in &nodes {
@@ -795,9 +493,22 @@ pub async fn run(a: Args) -> Result<()> {
         addrs: stack.allocs.addrs.clone(),
         ids: stack.ids.clone(),
         hook_port,
-        ext_port,
+        ext_url: stack.extender_url.clone(),
         nodes,
+        seq: AtomicU64::new(0),
+    });
+    // The API server calls the webhook with the CA of its webhook configuration and keeps the
+    // connection alive; it presents no client certificate the webhook would ask for.
+    let mut webhook = ExtenderConfig::gpuledger(
+        &format!("https://127.0.0.1:{hook_port}"),
+        Some(gpuledger_testkit::kube::stack::scheduler_tls(
+            &stack.ids.pki,
+        )?),
+    );
+    webhook.timeout = Duration::from_secs(10);
+    let honest_clients = Arc::new(Honest {
         scheduler: ExtenderClient::new(stack.extender_config()?)?,
+        api_server: ExtenderClient::new(webhook)?,
         extender: connect(
             &stack.allocs.addrs[0],
             &stack.ids.credentials(&Role::Extender)?,
@@ -807,61 +518,134 @@ pub async fn run(a: Args) -> Result<()> {
             &stack.ids.credentials(&Role::Admin)?,
         )?,
         agents,
-        seq: AtomicU64::new(0),
     });
+    // The attackers' own runtime, its threads counted and held to their budget.
+    let threads = Arc::new(Threads::default());
+    let attacker_rt = AttackerRuntime({
+        let t = threads.clone();
+        Some(
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .thread_name("attacker")
+                .enable_all()
+                .on_thread_start(move || t.enter())
+                .build()?,
+        )
+    });
+    let governing = CancellationToken::new();
+    let gov = Governor::start(a.attacker_cpu, threads.clone(), governing.clone());
+    let mut metrics_urls = stack.allocs.http.clone();
+    metrics_urls.push(stack.extender_http_url.clone());
+
     let d = Duration::from_secs(a.seconds.max(1));
     // Warm up connections and caches.
-    measure(&ctx, Duration::from_secs(2), a.concurrency).await?;
-    let quiet = measure(&ctx, d, a.concurrency).await?;
+    measure(&ctx, &honest_clients, Duration::from_secs(2), a.concurrency).await?;
+    let before = Usage::now(&threads);
+    let quiet = measure(&ctx, &honest_clients, d, a.concurrency).await?;
+    let quiet_cores = Usage::now(&threads).cores_since(&before);
     let quiet_p99 = q_ms(&quiet.latency, 0.99).max(0.001);
     let leaderships_before = leaderships(&stack.allocs.http).await;
     println!(
-        "\n{:<24} {:>9} {:>10} {:>9} {:>8}  attack",
-        "phase", "honest ok", "p99 ms", "p99/quiet", "ops"
+        "\n{:<24} {:>9} {:>8} {:>9} {:>9} {:>10} {:>6} {:>15} {:>5} {:>6} {:>6}",
+        "phase",
+        "honest ok",
+        "p99 ms",
+        "p99/quiet",
+        "before ms",
+        "p99/before",
+        "ops",
+        "p99 b/r/a ms",
+        "stack",
+        "honest",
+        "attack"
     );
     println!(
-        "{:<24} {:>9.4} {:>10.1} {:>9.2} {:>8}  -",
-        "quiet",
-        quiet.success(),
-        q_ms(&quiet.latency, 0.99),
-        1.0,
-        quiet.total
+        "{}",
+        row("quiet", &quiet, quiet_p99, quiet_p99, quiet_cores)
     );
     let (mut attacks, mut success_min, mut ratio_max) = (0, f64::INFINITY, 0.0f64);
+    let (mut before_ratio_max, mut burn_ratio, mut burn_before_ratio) = (0.0f64, 0.0, 0.0);
+    let mut attacker_cores_max = 0.0f64;
     let mut errors = Vec::new();
-    for (name, what) in ATTACKS {
-        if !name.contains(a.only.as_str()) {
-            continue;
-        }
-        attacks += 1;
+    let phases = std::iter::once((
+        CPU_BURN,
+        "control: no attack, the attackers' CPU budget burnt in a loop",
+    ))
+    .chain(
+        ATTACKS
+            .into_iter()
+            .filter(|(name, _)| name.contains(a.only.as_str())),
+    );
+    for (name, what) in phases {
+        let calm = measure(&ctx, &honest_clients, d, a.concurrency).await?;
+        let before_p99 = q_ms(&calm.latency, 0.99).max(0.001);
         let stop = CancellationToken::new();
-        let running = tokio::spawn({
-            let (ctx, stop, name, a) = (ctx.clone(), stop.clone(), name.to_string(), a.clone());
-            async move { attack(&name, ctx, &a, stop).await }
+        let tally = Arc::new(Tally::default());
+        let refused_before = refusals(&metrics_urls).await;
+        let started = Instant::now();
+        let running = attacker_rt.handle().spawn({
+            let (ctx, stop, name, a, gov, tally) = (
+                ctx.clone(),
+                stop.clone(),
+                name.to_string(),
+                a.clone(),
+                gov.clone(),
+                tally.clone(),
+            );
+            async move { attacks::run(&name, ctx, &a, gov, tally, stop).await }
         });
         // Full strength before measuring.
         tokio::time::sleep(Duration::from_secs(3)).await;
-        let under = measure(&ctx, d, a.concurrency).await?;
+        let before = Usage::now(&threads);
+        let under = measure(&ctx, &honest_clients, d, a.concurrency).await?;
+        let cores = Usage::now(&threads).cores_since(&before);
         stop.cancel();
-        let done = running
+        let failed = running
             .await?
-            .unwrap_or_else(|e| format!("attack failed: {e:#}"));
+            .err()
+            .map(|e| format!("; the attack failed: {e:#}"));
+        let secs = started.elapsed().as_secs_f64();
+        let refused_after = refusals(&metrics_urls).await;
         let p99 = q_ms(&under.latency, 0.99);
-        let ratio = p99 / quiet_p99;
-        success_min = success_min.min(under.success());
-        ratio_max = ratio_max.max(ratio);
+        let (ratio, before_ratio) = (p99 / quiet_p99, p99 / before_p99);
+        let label = if name == CPU_BURN {
+            format!("({name})")
+        } else {
+            name.to_string()
+        };
+        println!("{}", row(&label, &under, quiet_p99, before_p99, cores));
         println!(
-            "{name:<24} {:>9.4} {:>10.1} {ratio:>9.2} {:>8}  {what}: {done}",
-            under.success(),
-            p99,
-            under.total
+            "    {what}: {}{}; refused by the stack: {}",
+            tally.describe(name, secs),
+            failed.unwrap_or_default(),
+            grew(&refused_before, &refused_after)
         );
+        if name == CPU_BURN {
+            (burn_ratio, burn_before_ratio) = (ratio, before_ratio);
+        } else {
+            attacks += 1;
+            success_min = success_min.min(under.success());
+            ratio_max = ratio_max.max(ratio);
+            before_ratio_max = before_ratio_max.max(before_ratio);
+            attacker_cores_max = attacker_cores_max.max(cores.2);
+        }
         if let Some(e) = under.error {
             errors.push(format!("{name}: {e}"));
+        }
+        if let Some(e) = calm.error {
+            errors.push(format!("the quiet phase before {name}: {e}"));
         }
         // Let the attack's connections drain before the next one.
         tokio::time::sleep(Duration::from_secs(2)).await;
     }
+    governing.cancel();
+    drop(attacker_rt);
+    println!(
+        "\np99/quiet: against the run's first quiet phase; before ms, p99/before: the quiet \
+         phase just before, and against it; p99 b/r/a: honest p99 of binds, reservations \
+         (with Assign), admission reviews; stack, honest, attack: cores used by allocators + \
+         extender + etcd, by the honest clients + fake API server, by the attackers"
+    );
     for e in &errors {
         println!("first honest error under {e}");
     }
@@ -904,10 +688,13 @@ pub async fn run(a: Args) -> Result<()> {
     }
     println!(
         "attacks={attacks} honest_success_min={success_min:.4} p99_ratio_max={ratio_max:.2} \
-         quiet_p99_ms={:.1} quiet_success={:.4} lease_losses={lease_losses} process_exits={exits} \
-         verify={}",
+         p99_ratio_before_max={before_ratio_max:.2} quiet_p99_ms={:.1} quiet_success={:.4} \
+         cpu_burn_p99_ratio={burn_ratio:.2} cpu_burn_p99_ratio_before={burn_before_ratio:.2} \
+         attacker_cpu_cap={} attacker_cpu_max={attacker_cores_max:.2} lease_losses={lease_losses} \
+         process_exits={exits} verify={}",
         q_ms(&quiet.latency, 0.99),
         quiet.success(),
+        a.attacker_cpu,
         if verified { "ok" } else { "failed" }
     );
     Ok(())

@@ -11,7 +11,7 @@ use gpuledger_testkit::workload::{inventory, pod};
 use gpuledger_testkit::{Allocators, EtcdCluster};
 use hdrhistogram::Histogram;
 
-use crate::common::{histogram, q_ms, record, run_dir, title};
+use crate::common::{cpu_seconds, histogram, q_ms, record, run_dir, title};
 
 /// Flags of `gpuledger-bench scrape`.
 #[derive(clap::Args)]
@@ -86,19 +86,6 @@ struct Measured {
     lines: usize,
     /// Allocator CPU per request: unlike latency, not inflated by other load on the machine.
     cpu_ms: f64,
-}
-
-/// CPU seconds (user + system) a process has used, from /proc.
-fn cpu_seconds(pid: u32) -> f64 {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return 0.0;
-    };
-    // Fields after the command name (which may hold spaces) start after the last ')'.
-    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: f64 = f.get(11).and_then(|v| v.parse().ok()).unwrap_or(0.0)
-        + f.get(12).and_then(|v| v.parse().ok()).unwrap_or(0.0);
-    ticks / 100.0
 }
 
 async fn measure(url: &str, n: usize, pid: u32) -> Result<Measured> {

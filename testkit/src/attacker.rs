@@ -1,14 +1,38 @@
 //! Connections as another machine on the network would open them: from another loopback
 //! address (127.0.0.2 and up; every 127/8 address reaches this host), so that per-address limits
-//! tell an attacker from the honest clients on 127.0.0.1.
+//! tell an attacker from the honest clients on 127.0.0.1. Raw TCP, TLS, and allocator clients.
 
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
+use gpuledger_auth::CredentialArgs;
+use gpuledger_proto::allocator::v1::allocator_client::AllocatorClient;
+use hyper_util::rt::TokioIo;
 use rustls::pki_types::CertificateDer;
 use rustls::pki_types::pem::PemObject;
+use tonic::metadata::{Ascii, MetadataValue};
+use tonic::service::Interceptor;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Channel, Endpoint};
+
+/// A client of the allocator API whose connections come from another loopback address.
+pub type ClientFrom = AllocatorClient<InterceptedService<Channel, Token>>;
+
+/// Sends `authorization: Bearer <token>` on every call, when there is a token.
+#[derive(Clone)]
+pub struct Token(Option<MetadataValue<Ascii>>);
+
+impl Interceptor for Token {
+    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(t) = &self.0 {
+            req.metadata_mut().insert("authorization", t.clone());
+        }
+        Ok(req)
+    }
+}
 
 /// A TCP connection to `to` from the loopback address `source`.
 pub async fn tcp_from(source: &str, to: SocketAddr) -> std::io::Result<tokio::net::TcpStream> {
@@ -48,4 +72,51 @@ pub async fn tls_from(
         .map_err(std::io::Error::other)?
         .to_owned();
     tls.connect(name, tcp).await
+}
+
+/// A client of the allocator at `addr` (`host:port`) that connects (lazily, again after each
+/// lost connection) from the loopback address `source`, as the caller `creds` names: its
+/// client certificate presented, or its token file read once and sent with every call.
+pub fn allocator_from(source: &str, addr: &str, creds: &CredentialArgs) -> Result<ClientFrom> {
+    let ca = creds.ca.as_deref().context("no CA in the credentials")?;
+    let identity = creds
+        .client_cert
+        .as_deref()
+        .zip(creds.client_key.as_deref());
+    let tls = gpuledger_auth::tls::client_config(ca, identity, &[b"h2"])?.current();
+    let token = match &creds.token_file {
+        Some(f) => {
+            let t =
+                std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?;
+            Some(format!("Bearer {}", t.trim()).parse()?)
+        }
+        None => None,
+    };
+    let to: SocketAddr = addr
+        .parse()
+        .with_context(|| format!("{addr} is not host:port"))?;
+    let source = source.to_string();
+    let connector = tower::service_fn(move |_: hyper::Uri| {
+        let (tls, source) = (
+            tokio_rustls::TlsConnector::from(tls.clone()),
+            source.clone(),
+        );
+        async move {
+            let tcp = tcp_from(&source, to).await?;
+            tcp.set_nodelay(true)?;
+            let name = rustls::pki_types::ServerName::try_from("localhost")
+                .map_err(std::io::Error::other)?
+                .to_owned();
+            Ok::<_, std::io::Error>(TokioIo::new(tls.connect(name, tcp).await?))
+        }
+    });
+    let channel = Endpoint::from_shared(format!("http://{addr}"))?
+        .connect_timeout(Duration::from_millis(500))
+        .timeout(Duration::from_secs(10))
+        .connect_with_connector_lazy(connector);
+    Ok(
+        AllocatorClient::new(InterceptedService::new(channel, Token(token)))
+            .max_decoding_message_size(512 * 1024 * 1024)
+            .max_encoding_message_size(64 * 1024 * 1024),
+    )
 }

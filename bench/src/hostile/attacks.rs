@@ -1,0 +1,686 @@
+//! The attacks of the hostile-load list, each as an attacker would run it: its own clients
+//! and connections (from eight loopback addresses of its own where an address matters), at full strength, and
+//! trying again whatever it was refused — each new attempt paced by the [`Governor`], so that
+//! an attacker pays for its attempts with its own CPU budget, as one on its own machine would.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use gpuledger_auth::identity::Role;
+use gpuledger_proto::allocator::v1 as api;
+use gpuledger_proto::ledger::v1 as pb;
+use gpuledger_testkit::attacker::{ClientFrom, allocator_from, tcp_from, tls_from, tls_trusting};
+use gpuledger_testkit::kube::{ExtenderClient, ExtenderConfig};
+use gpuledger_testkit::workload::inventory;
+use serde_json::json;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_util::sync::CancellationToken;
+
+use super::cpu::Governor;
+use super::{Args, Ctx, NS, gpu_pod, pod_request};
+
+/// The attacks, by name, each with a line on what it does.
+pub const ATTACKS: [(&str, &str); 11] = [
+    (
+        "slow-bodies",
+        "webhook: bodies of 1 MB promised, a byte every 2 s, from 8 addresses; refused ones retried",
+    ),
+    (
+        "idle-tcp",
+        "allocators: TCP connections that never send a ClientHello, from 8 addresses; reopened when cut",
+    ),
+    (
+        "viewer-streams",
+        "a viewer opens Subscribe streams, 5,000 per connection, and holds them; refused ones retried each second",
+    ),
+    (
+        "violation-flood",
+        "a node agent floods ReportViolation with 256 KiB actions",
+    ),
+    (
+        "foreign-certs",
+        "a viewer's and a node agent's certificates bind another scheduler's pods",
+    ),
+    (
+        "absurd-inventory",
+        "a node agent registers absurd GPU memory, then percent-of-memory Reserves",
+    ),
+    (
+        "whole-gpu-for-plain-pod",
+        "the extender's identity reserves and confirms a whole GPU for non-GPU pods of another scheduler",
+    ),
+    (
+        "fake-filters",
+        "the scheduler's identity sends /filter for pods that never bind",
+    ),
+    (
+        "junk-tokens",
+        "distinct junk and forged tokens, each on a new connection",
+    ),
+    (
+        "heavy-reads",
+        "a viewer's Filter over every node and ReadLog from the start, in a loop",
+    ),
+    (
+        "forged-forwarding",
+        "an allocator's token with a forwarding header claiming an admin",
+    ),
+];
+
+/// The control phase: no attack, the attackers' CPU budget burnt in a loop.
+pub const CPU_BURN: &str = "cpu-burn";
+
+/// What an attacker did.
+#[derive(Debug, Default)]
+pub struct Tally {
+    /// Attempts the servers accepted (a connection held, a stream opened, a call answered).
+    pub ok: AtomicU64,
+    /// Attempts refused or cut.
+    pub refused: AtomicU64,
+    /// Connections or streams held now.
+    held: AtomicI64,
+    /// The most held at once.
+    pub held_max: AtomicI64,
+}
+
+impl Tally {
+    fn ok(&self) {
+        self.ok.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn refused(&self) {
+        self.refused.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// One more held until the guard drops.
+    fn hold(self: &Arc<Self>) -> Held {
+        let n = self.held.fetch_add(1, Ordering::Relaxed) + 1;
+        self.held_max.fetch_max(n, Ordering::Relaxed);
+        self.ok();
+        Held(self.clone())
+    }
+
+    /// What the attack did in `secs` seconds, in words.
+    pub fn describe(&self, name: &str, secs: f64) -> String {
+        let (ok, refused) = (
+            self.ok.load(Ordering::Relaxed),
+            self.refused.load(Ordering::Relaxed),
+        );
+        let held = self.held_max.load(Ordering::Relaxed);
+        let rate = |n: u64| n as f64 / secs.max(0.001);
+        match name {
+            "slow-bodies" => format!(
+                "{held} slow bodies held at most, {ok} started ({:.0}/s), {refused} connections refused or cut ({:.0}/s)",
+                rate(ok),
+                rate(refused)
+            ),
+            "idle-tcp" => format!(
+                "{held} idle connections held at most, {ok} opened ({:.0}/s), {refused} failed",
+                rate(ok)
+            ),
+            "viewer-streams" => format!(
+                "{held} streams held at most, {refused} refused ({:.0}/s)",
+                rate(refused)
+            ),
+            "violation-flood" => format!(
+                "{ok} 256 KiB violations written, {refused} refused ({:.0}/s)",
+                rate(refused)
+            ),
+            "foreign-certs" => format!(
+                "{ok} foreign binds accepted, {refused} refused ({:.0}/s)",
+                rate(refused)
+            ),
+            "absurd-inventory" => format!(
+                "{ok} percent reserves granted, {refused} refused ({:.0}/s)",
+                rate(refused)
+            ),
+            "whole-gpu-for-plain-pod" => format!(
+                "{ok} plain pods given a GPU, {refused} refused ({:.0}/s)",
+                rate(refused)
+            ),
+            "fake-filters" => format!("{ok} filters answered ({:.0}/s)", rate(ok)),
+            "junk-tokens" => format!(
+                "{} junk calls ({:.0}/s), {ok} of them answered",
+                ok + refused,
+                rate(ok + refused)
+            ),
+            "heavy-reads" => format!("{ok} heavy reads ({:.0}/s)", rate(ok)),
+            "forged-forwarding" => format!(
+                "{ok} forged writes accepted, {refused} refused ({:.0}/s)",
+                rate(refused)
+            ),
+            CPU_BURN => "no calls; the attackers' CPU budget burnt".to_string(),
+            _ => String::new(),
+        }
+    }
+}
+
+/// One connection or stream held, counted in its [`Tally`] until dropped.
+struct Held(Arc<Tally>);
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.0.held.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// The loopback addresses of one attack: eight of its own network, 127.0.`net`.2 to .9, so
+/// that what the stack holds against one attack's addresses (a refused peer's penalty, its
+/// connection count) does not fall on the next attack, as two attacking pods would not share
+/// an address either.
+#[derive(Debug, Clone, Copy)]
+struct Sources(u8);
+
+impl Sources {
+    /// The sources of attack `name`: network 1 + its place in [`ATTACKS`] (the control: 1).
+    fn of(name: &str) -> Self {
+        let place = ATTACKS.iter().position(|(n, _)| *n == name).unwrap_or(0);
+        Sources(u8::try_from(place + 1).unwrap_or(u8::MAX))
+    }
+
+    /// The address of attacker `i` of 8.
+    fn addr(self, i: usize) -> String {
+        format!("127.0.{}.{}", self.0, 2 + i % 8)
+    }
+}
+
+/// An allocator client from attacker address `i` of `from`, as `role`.
+fn client(ctx: &Ctx, from: Sources, i: usize, role: &Role) -> Result<ClientFrom> {
+    allocator_from(
+        &from.addr(i),
+        &ctx.addrs[i % ctx.addrs.len()],
+        &ctx.ids.credentials(role)?,
+    )
+}
+
+/// A client of the extender's scheduler port as kube-scheduler (its stolen identity).
+fn scheduler(ctx: &Ctx) -> Result<ExtenderClient> {
+    ExtenderClient::new(ExtenderConfig::gpuledger(
+        &ctx.ext_url,
+        Some(gpuledger_testkit::kube::stack::scheduler_tls(&ctx.ids.pki)?),
+    ))
+}
+
+/// A request whose body never ends: headers promising 1 MB, then a byte every 2 s, until the
+/// server cuts the connection.
+async fn slow_body(
+    connector: &tokio_rustls::TlsConnector,
+    source: &str,
+    to: SocketAddr,
+    tally: &Arc<Tally>,
+) -> std::io::Result<()> {
+    let mut s = tls_from(connector, source, to).await?;
+    s.write_all(b"POST /mutate HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: 1000000\r\n\r\n{")
+        .await?;
+    let _held = tally.hold();
+    loop {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        s.write_all(b" ").await?;
+    }
+}
+
+/// Run attack `name` until `stop`, each new attempt paced by `gov`, counting in `tally`.
+pub async fn run(
+    name: &str,
+    ctx: Arc<Ctx>,
+    a: &Args,
+    gov: Arc<Governor>,
+    tally: Arc<Tally>,
+    stop: CancellationToken,
+) -> Result<()> {
+    let mut tasks = tokio::task::JoinSet::new();
+    let from = Sources::of(name);
+    match name {
+        CPU_BURN => {
+            for _ in 0..2 {
+                let (gov, stop) = (gov.clone(), stop.clone());
+                tasks.spawn(async move {
+                    while !stop.is_cancelled() {
+                        gov.pace().await;
+                        let t = std::time::Instant::now();
+                        while t.elapsed() < Duration::from_millis(1) {
+                            std::hint::spin_loop();
+                        }
+                        tokio::task::yield_now().await;
+                    }
+                });
+            }
+        }
+        "slow-bodies" => {
+            let connector = tls_trusting(ctx.ids.pki.ca_file())?;
+            let to = SocketAddr::from(([127, 0, 0, 1], ctx.hook_port));
+            for i in 0..a.slow_connections {
+                let (connector, stop, tally, gov) =
+                    (connector.clone(), stop.clone(), tally.clone(), gov.clone());
+                tasks.spawn(async move {
+                    let from = from.addr(i);
+                    while !stop.is_cancelled() {
+                        gov.pace().await;
+                        tokio::select! {
+                            _ = stop.cancelled() => return,
+                            _ = slow_body(&connector, &from, to, &tally) => tally.refused(),
+                        }
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                });
+            }
+        }
+        "idle-tcp" => {
+            for i in 0..a.idle_connections * ctx.addrs.len() {
+                let to: SocketAddr = ctx.addrs[i % ctx.addrs.len()].parse()?;
+                let (stop, tally, gov) = (stop.clone(), tally.clone(), gov.clone());
+                tasks.spawn(async move {
+                    while !stop.is_cancelled() {
+                        gov.pace().await;
+                        match tcp_from(&from.addr(i), to).await {
+                            Ok(mut s) => {
+                                let _held = tally.hold();
+                                let mut b = [0u8; 1];
+                                tokio::select! {
+                                    _ = stop.cancelled() => return,
+                                    _ = s.read(&mut b) => {}
+                                }
+                            }
+                            Err(_) => tally.refused(),
+                        }
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                });
+            }
+        }
+        "viewer-streams" => {
+            let conns = a.streams.div_ceil(5000).max(1);
+            let viewers: Vec<ClientFrom> = (0..conns)
+                .map(|i| client(&ctx, from, i, &Role::Viewer))
+                .collect::<Result<_>>()?;
+            for i in 0..a.streams {
+                let mut v = viewers[i % conns].clone();
+                let (stop, tally, gov, node) = (
+                    stop.clone(),
+                    tally.clone(),
+                    gov.clone(),
+                    ctx.nodes[0].clone(),
+                );
+                tasks.spawn(async move {
+                    while !stop.is_cancelled() {
+                        gov.pace().await;
+                        let sub = v.subscribe(api::SubscribeRequest {
+                            node: node.clone(),
+                            from_seq: 0,
+                        });
+                        let held = async {
+                            match sub.await {
+                                Ok(s) => {
+                                    let _held = tally.hold();
+                                    let mut s = s.into_inner();
+                                    while let Ok(Some(_)) = s.message().await {}
+                                }
+                                Err(_) => tally.refused(),
+                            }
+                        };
+                        tokio::select! {
+                            _ = stop.cancelled() => return,
+                            _ = held => {}
+                        }
+                        // Refused or cut: try again, as often as holding streams could use.
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    }
+                });
+            }
+        }
+        "violation-flood" => {
+            let node = ctx.nodes[0].clone();
+            let name = format!("victim-{}", ctx.next());
+            let uid = ctx.add_pod(gpu_pod(&name, "gpuledger-scheduler"))?;
+            let id = client(&ctx, from, 0, &Role::Extender)?
+                .reserve(api::ReserveRequest {
+                    request: Some(pod_request(&uid, &name, 1000, 0)),
+                    node: node.clone(),
+                    ttl_ms: 0,
+                })
+                .await?
+                .into_inner()
+                .allocations
+                .first()
+                .context("no allocation")?
+                .id;
+            // The compromised node agent's own connection.
+            let agent = client(&ctx, from, 0, &Role::NodeAgent { node: node.clone() })?;
+            for _ in 0..4 {
+                let (mut c, stop, tally, gov, node) = (
+                    agent.clone(),
+                    stop.clone(),
+                    tally.clone(),
+                    gov.clone(),
+                    node.clone(),
+                );
+                tasks.spawn(async move {
+                    let action = "x".repeat(256 * 1024 - 64);
+                    while !stop.is_cancelled() {
+                        gov.pace().await;
+                        let r = c
+                            .report_violation(api::ReportViolationRequest {
+                                violation: Some(pb::LimitViolated {
+                                    allocation_id: id,
+                                    node: node.clone(),
+                                    gpu_uuid: format!("GPU-{node}-0"),
+                                    pid: 1,
+                                    used_mib: 2000,
+                                    limit_mib: 1000,
+                                    action: action.clone(),
+                                }),
+                            })
+                            .await;
+                        if r.is_ok() {
+                            tally.ok();
+                        } else {
+                            tally.refused();
+                        }
+                    }
+                });
+            }
+        }
+        "foreign-certs" => {
+            for role in [
+                Role::Viewer,
+                Role::NodeAgent {
+                    node: ctx.nodes[0].clone(),
+                },
+            ] {
+                let (cert, key) = ctx.ids.pki.client_cert(&role, "mallory")?;
+                let mut cfg = ExtenderConfig::gpuledger(
+                    &ctx.ext_url,
+                    Some(gpuledger_testkit::kube::stack::scheduler_tls(&ctx.ids.pki)?),
+                );
+                if let Some(t) = cfg.tls.as_mut() {
+                    t.cert = cert;
+                    t.key = key;
+                }
+                let client = ExtenderClient::new(cfg)?;
+                let (ctx, stop, tally, gov) =
+                    (ctx.clone(), stop.clone(), tally.clone(), gov.clone());
+                tasks.spawn(async move {
+                    while !stop.is_cancelled() {
+                        gov.pace().await;
+                        let i = ctx.next();
+                        let name = format!("foreign-{i}");
+                        let Ok(uid) = ctx.add_pod(gpu_pod(&name, "another-scheduler")) else {
+                            continue;
+                        };
+                        let r = client
+                            .post(
+                                "bind",
+                                &json!({"PodName": name, "PodNamespace": NS, "PodUID": uid,
+                                        "Node": ctx.nodes[i as usize % ctx.nodes.len()]}),
+                            )
+                            .await;
+                        if matches!(&r, Ok(v) if v["Error"] == "") {
+                            tally.ok();
+                        } else {
+                            tally.refused();
+                        }
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                });
+            }
+        }
+        "absurd-inventory" => {
+            let rogue = "rogue-node".to_string();
+            let mut agent = client(
+                &ctx,
+                from,
+                0,
+                &Role::NodeAgent {
+                    node: rogue.clone(),
+                },
+            )?;
+            let mut inv = inventory(&rogue, 1, 0, "A100");
+            inv.gpus[0].memory_mib = u64::MAX / 2;
+            let _ = agent
+                .register_node(api::RegisterNodeRequest {
+                    inventory: Some(inv),
+                })
+                .await;
+            let extender = client(&ctx, from, 1, &Role::Extender)?;
+            for _ in 0..2 {
+                let (ctx, stop, tally, gov, rogue, mut e) = (
+                    ctx.clone(),
+                    stop.clone(),
+                    tally.clone(),
+                    gov.clone(),
+                    rogue.clone(),
+                    extender.clone(),
+                );
+                tasks.spawn(async move {
+                    while !stop.is_cancelled() {
+                        gov.pace().await;
+                        let i = ctx.next();
+                        let name = format!("percent-{i}");
+                        let Ok(uid) = ctx.add_pod(gpu_pod(&name, "gpuledger-scheduler")) else {
+                            continue;
+                        };
+                        let r = e
+                            .reserve(api::ReserveRequest {
+                                request: Some(pod_request(&uid, &name, 0, 100)),
+                                node: rogue.clone(),
+                                ttl_ms: 0,
+                            })
+                            .await;
+                        if r.is_ok() {
+                            tally.ok();
+                        } else {
+                            tally.refused();
+                        }
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                });
+            }
+        }
+        "whole-gpu-for-plain-pod" => {
+            let extender = client(&ctx, from, 2, &Role::Extender)?;
+            for _ in 0..2 {
+                let (ctx, stop, tally, gov, mut e) = (
+                    ctx.clone(),
+                    stop.clone(),
+                    tally.clone(),
+                    gov.clone(),
+                    extender.clone(),
+                );
+                tasks.spawn(async move {
+                    while !stop.is_cancelled() {
+                        gov.pace().await;
+                        let i = ctx.next();
+                        let name = format!("nginx-{i}");
+                        let plain = json!({"metadata": {"name": name, "namespace": NS},
+                            "spec": {"schedulerName": "another-scheduler",
+                                     "containers": [{"name": "nginx", "image": "nginx"}]}});
+                        let Ok(uid) = ctx.add_pod(plain) else {
+                            continue;
+                        };
+                        let node = ctx.nodes[i as usize % ctx.nodes.len()].clone();
+                        let mut req = pod_request(&uid, &name, 0, 100);
+                        req.containers[0].core_milli = 1000;
+                        let r = e
+                            .reserve(api::ReserveRequest {
+                                request: Some(req),
+                                node: node.clone(),
+                                ttl_ms: 0,
+                            })
+                            .await;
+                        if r.is_ok()
+                            && e.confirm_bound(api::ConfirmBoundRequest { pod_uid: uid, node })
+                                .await
+                                .is_ok()
+                        {
+                            tally.ok();
+                        } else {
+                            tally.refused();
+                        }
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                });
+            }
+        }
+        "fake-filters" => {
+            let s = scheduler(&ctx)?;
+            for _ in 0..4 {
+                let (ctx, stop, tally, gov, s) = (
+                    ctx.clone(),
+                    stop.clone(),
+                    tally.clone(),
+                    gov.clone(),
+                    s.clone(),
+                );
+                tasks.spawn(async move {
+                    while !stop.is_cancelled() {
+                        gov.pace().await;
+                        let i = ctx.next();
+                        let mut pod = gpu_pod(&format!("ghost-{i}"), "gpuledger-scheduler");
+                        pod["metadata"]["uid"] = json!(format!("ghost-uid-{i}"));
+                        let r = s
+                            .post(
+                                "filter",
+                                &json!({"Pod": pod, "Nodes": null, "NodeNames": ctx.nodes}),
+                            )
+                            .await;
+                        if r.is_ok() {
+                            tally.ok();
+                        } else {
+                            tally.refused();
+                        }
+                    }
+                });
+            }
+        }
+        "junk-tokens" => {
+            let dir = Arc::new(tempfile::tempdir()?);
+            for w in 0..4 {
+                let (ctx, stop, tally, gov, dir) = (
+                    ctx.clone(),
+                    stop.clone(),
+                    tally.clone(),
+                    gov.clone(),
+                    dir.clone(),
+                );
+                tasks.spawn(async move {
+                    let file = dir.path().join(format!("token-{w}"));
+                    while !stop.is_cancelled() {
+                        gov.pace().await;
+                        let i = ctx.next();
+                        let token = if i % 2 == 0 {
+                            format!("junk-{i}")
+                        } else {
+                            let b = |s: &str| {
+                                use base64::Engine;
+                                base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(s)
+                            };
+                            format!(
+                                "{}.{}.sig",
+                                b("{}"),
+                                b(&format!(
+                                    r#"{{"aud":["gpuledger"],"exp":4000000000,"n":{i}}}"#
+                                ))
+                            )
+                        };
+                        if std::fs::write(&file, token).is_err() {
+                            return;
+                        }
+                        let creds = gpuledger_auth::CredentialArgs {
+                            ca: Some(ctx.ids.pki.ca_file().to_path_buf()),
+                            token_file: Some(file.clone()),
+                            ..Default::default()
+                        };
+                        let addr = &ctx.addrs[i as usize % ctx.addrs.len()];
+                        let answered = match allocator_from(&from.addr(w), addr, &creds) {
+                            Ok(mut c) => c.status(api::StatusRequest {}).await.is_ok(),
+                            Err(_) => false,
+                        };
+                        if answered {
+                            tally.ok();
+                        } else {
+                            tally.refused();
+                        }
+                    }
+                });
+            }
+        }
+        "heavy-reads" => {
+            for w in 0..4 {
+                let mut v = client(&ctx, from, w, &Role::Viewer)?;
+                let (stop, tally, gov) = (stop.clone(), tally.clone(), gov.clone());
+                tasks.spawn(async move {
+                    while !stop.is_cancelled() {
+                        gov.pace().await;
+                        if w % 2 == 0 {
+                            let r = v
+                                .filter(api::FilterRequest {
+                                    request: Some(pod_request("heavy", "heavy", 1000, 0)),
+                                    nodes: vec![],
+                                })
+                                .await;
+                            if r.is_ok() {
+                                tally.ok();
+                            } else {
+                                tally.refused();
+                            }
+                        } else if let Ok(s) = v
+                            .read_log(api::ReadLogRequest {
+                                from_seq: 1,
+                                to_seq: 0,
+                            })
+                            .await
+                        {
+                            let mut s = s.into_inner();
+                            while let Ok(Some(_)) = s.message().await {}
+                            tally.ok();
+                        } else {
+                            tally.refused();
+                        }
+                    }
+                });
+            }
+        }
+        "forged-forwarding" => {
+            let mut allocator = client(&ctx, from, 0, &Role::Allocator)?;
+            let (stop, tally, gov) = (stop.clone(), tally.clone(), gov.clone());
+            let node = ctx.nodes[0].clone();
+            tasks.spawn(async move {
+                let admin = gpuledger_auth::identity::Caller {
+                    role: Role::Admin,
+                    subject: "system:serviceaccount:gpuledger-system:invented".into(),
+                };
+                while !stop.is_cancelled() {
+                    gov.pace().await;
+                    let mut r = tonic::Request::new(api::SetDeviceHealthRequest {
+                        node: node.clone(),
+                        gpu_uuid: format!("GPU-{node}-7"),
+                        healthy: true,
+                        reason: "forged".into(),
+                        xid: 0,
+                    });
+                    if let Ok(v) = gpuledger_auth::server::on_behalf_of(&admin)
+                        .to_str()
+                        .map(str::to_string)
+                        && let Ok(v) = v.parse()
+                    {
+                        r.metadata_mut()
+                            .insert(gpuledger_auth::server::ON_BEHALF_OF, v);
+                    }
+                    if allocator.set_device_health(r).await.is_ok() {
+                        tally.ok();
+                    } else {
+                        tally.refused();
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            });
+        }
+        other => anyhow::bail!("no attack {other}"),
+    }
+    stop.cancelled().await;
+    tasks.shutdown().await;
+    Ok(())
+}
