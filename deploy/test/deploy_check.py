@@ -134,8 +134,8 @@ def routes(src_files):
 
 
 def resource_names():
-    """The extender's resource names, from extender/src/resources.rs."""
-    text = (ROOT / "extender/src/resources.rs").read_text()
+    """The resource names gpuledger reads from pods, from request/src/lib.rs."""
+    text = (ROOT / "request/src/lib.rs").read_text()
     consts = dict(re.findall(r'pub const ([A-Z_]+): &str = "([^"]+)";', text))
     m = re.search(r"pub const ALL_RESOURCES: \[&str; \d+\] = \[([^\]]+)\]", text)
     return [consts[n.strip()] for n in m.group(1).split(",") if n.strip()], consts["GPU"]
