@@ -233,8 +233,9 @@ async fn every_binary_exports_metrics_that_follow_the_pods() -> Result<()> {
     for (u, s0) in alloc_urls.iter().zip(&seq0) {
         let t = scrape(u).await?;
         let s = metric(&t, "gpuledger_allocator_ledger_seq").unwrap_or(0.0);
-        // Reserved + Bound + Assigned per pod at least.
-        assert!(s >= s0 + 3.0 * pods.len() as f64, "{u}: seq {s0} -> {s}");
+        // Reserved and Assigned per pod at least; Bound too unless the pod was assigned
+        // before the extender's confirmation arrived (then that confirmation writes nothing).
+        assert!(s >= s0 + 2.0 * pods.len() as f64, "{u}: seq {s0} -> {s}");
         leaders += metric(&t, "gpuledger_allocator_is_leader").unwrap_or(0.0);
         seq1.push(s);
     }
