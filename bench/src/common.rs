@@ -1,5 +1,6 @@
 //! Shared pieces: run directory, latency histograms, process memory and CPU time.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use anyhow::Result;
@@ -30,6 +31,31 @@ pub fn rss_mib(pid: u32) -> Result<f64> {
         .and_then(|v| v.parse().ok())
         .unwrap_or(0.0);
     Ok(kb / 1024.0)
+}
+
+/// Every process on the machine: its parent's pid and its name (`comm`), from `/proc`.
+pub fn processes() -> HashMap<u32, (u32, String)> {
+    let mut out = HashMap::new();
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // `pid (comm) state ppid …`: the name may hold spaces, the fields after it do not.
+        let Some((head, rest)) = stat.rsplit_once(')') else {
+            continue;
+        };
+        let name = head.split_once('(').map_or("", |(_, n)| n).to_string();
+        let ppid = rest
+            .split_whitespace()
+            .nth(1)
+            .and_then(|x| x.parse().ok())
+            .unwrap_or(0);
+        out.insert(pid, (ppid, name));
+    }
+    out
 }
 
 /// CPU seconds (user + system) a process has used, from /proc.

@@ -20,7 +20,7 @@ use kube::api::Api;
 use kube::runtime::watcher;
 use serde_json::{Value, json};
 
-use crate::common::{histogram, q_ms, record, title};
+use crate::common::{cpu_seconds, histogram, processes, q_ms, record, title};
 
 /// Flags of `gpuledger-bench e2e`.
 #[derive(clap::Args)]
@@ -63,47 +63,25 @@ fn on_kubelet_less(mut p: Value) -> Value {
 /// CPU seconds used so far by this process ("bench") and each of its descendants, summed by
 /// the name the kernel gives them (`comm`: kube-apiserver, etcd, gpuledger-alloc, …).
 fn cpu_by_process() -> BTreeMap<String, f64> {
-    let tick = 100.0; // USER_HZ on Linux
-    let mut parent: HashMap<u32, (u32, String, f64)> = HashMap::new();
-    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-            continue;
-        };
-        // `pid (comm) state ppid … utime stime …`: comm may hold spaces, the rest does not.
-        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
-            continue;
-        };
-        let comm = stat[open + 1..close].to_string();
-        let f: Vec<&str> = stat[close + 1..].split_whitespace().collect();
-        let num = |i: usize| f.get(i).and_then(|x| x.parse::<f64>().ok()).unwrap_or(0.0);
-        let ppid = f.get(1).and_then(|x| x.parse().ok()).unwrap_or(0);
-        parent.insert(pid, (ppid, comm, (num(11) + num(12)) / tick));
-    }
+    let all = processes();
     let me = std::process::id();
-    let mut out = BTreeMap::new();
-    for (pid, (_, comm, cpu)) in &parent {
-        let mut p = *pid;
-        let mut ours = false;
+    let ours = |mut p: u32| {
         for _ in 0..64 {
             if p == me {
-                ours = true;
-                break;
+                return true;
             }
-            match parent.get(&p) {
-                Some((pp, _, _)) if *pp != 0 => p = *pp,
-                _ => break,
+            match all.get(&p) {
+                Some((parent, _)) if *parent != 0 => p = *parent,
+                _ => return false,
             }
         }
-        if ours {
-            let name = if *pid == me {
-                "bench".to_string()
-            } else {
-                comm.clone()
-            };
-            *out.entry(name).or_insert(0.0) += cpu;
+        false
+    };
+    let mut out = BTreeMap::new();
+    for (pid, (_, name)) in &all {
+        if ours(*pid) {
+            let name = if *pid == me { "bench" } else { name.as_str() };
+            *out.entry(name.to_string()).or_insert(0.0) += cpu_seconds(*pid);
         }
     }
     out

@@ -207,23 +207,12 @@ impl InFlight {
             x.until = now + TENTATIVE_FOR;
             return None;
         }
-        let Ok(slot) = self.verifying.clone().try_acquire_owned() else {
-            // Every check is busy (a burst of pods, or a flood of made-up ones): counted with
-            // filter's request for UNCHECKED_FOR only, long enough for its bind to arrive.
+        // Every check busy (a burst of pods, or a flood of made-up ones): counted with
+        // filter's request for UNCHECKED_FOR only, long enough for its bind to arrive.
+        let slot = self.verifying.clone().try_acquire_owned().ok();
+        if slot.is_none() {
             self.unverified.inc();
-            e.insert(
-                uid.to_string(),
-                Entry {
-                    nodes,
-                    request: request.clone(),
-                    bound: false,
-                    landed: None,
-                    until: now + UNCHECKED_FOR,
-                    verified: false,
-                },
-            );
-            return None;
-        };
+        }
         e.insert(
             uid.to_string(),
             Entry {
@@ -231,10 +220,16 @@ impl InFlight {
                 request: request.clone(),
                 bound: false,
                 landed: None,
-                until: now + TENTATIVE_FOR,
+                until: now
+                    + if slot.is_some() {
+                        TENTATIVE_FOR
+                    } else {
+                        UNCHECKED_FOR
+                    },
                 verified: false,
             },
         );
+        let slot = slot?;
         Some(Verify {
             uid: uid.to_string(),
             namespace: pod.namespace.clone(),

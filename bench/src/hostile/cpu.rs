@@ -11,31 +11,17 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
-use crate::common::cpu_seconds;
+use crate::common::{cpu_seconds, processes};
 
 /// CPU seconds of each child process of this one, summed by process name.
 pub fn children_cpu() -> BTreeMap<String, f64> {
-    let me = std::process::id().to_string();
+    let me = std::process::id();
     let mut by_name = BTreeMap::new();
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return by_name;
-    };
-    for e in dir.flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-            continue;
-        };
-        // `pid (comm) state ppid …`: the name may hold spaces, the fields after it do not.
-        let Some((head, rest)) = stat.rsplit_once(')') else {
-            continue;
-        };
-        if rest.split_whitespace().nth(1) != Some(me.as_str()) {
+    for (pid, (ppid, name)) in processes() {
+        if ppid != me {
             continue;
         }
-        let name = head.split_once('(').map_or("", |(_, n)| n);
-        let name = match name {
+        let name = match name.as_str() {
             n if n.starts_with("gpuledger-alloc") => "allocators",
             n if n.starts_with("gpuledger-exten") => "extender",
             "etcd" => "etcd",
