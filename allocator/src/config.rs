@@ -285,6 +285,31 @@ pub struct Limits {
     )]
     pub max_in_flight_per_identity: usize,
 
+    /// A connection that carried a call refused for being over a limit (RESOURCE_EXHAUSTED:
+    /// requests in flight, streams, heavy reads, a node's write budget) is not read for this
+    /// many milliseconds, so that a flood of refused calls waits in its sender's socket instead
+    /// of costing a refusal each; answers and streams already open still flow. Allocators
+    /// (which forward others' calls) and the extender (scheduling itself) are never paused
+    /// (0 = off).
+    #[arg(long, env = "GPULEDGER_OVER_LIMIT_PAUSE_MS", default_value_t = 500)]
+    pub over_limit_pause_ms: u64,
+
+    /// Heavy reads (Filter, Score, Dump, ReadLog, ReadSnapshots) one verified identity may
+    /// start per second, sustained; allocators and the extender, whose reads are part of
+    /// scheduling, are not held to it. A read past the rate waits up to a second for its turn,
+    /// then is refused with RESOURCE_EXHAUSTED (0 = no limit).
+    #[arg(
+        long,
+        env = "GPULEDGER_HEAVY_READS_PER_IDENTITY_PER_S",
+        default_value_t = 20
+    )]
+    pub heavy_reads_per_identity_per_s: u32,
+
+    /// How many heavy reads one identity may start at once before
+    /// --heavy-reads-per-identity-per-s applies.
+    #[arg(long, env = "GPULEDGER_HEAVY_READ_BURST", default_value_t = 100)]
+    pub heavy_read_burst: u32,
+
     /// HTTP/2 keep-alive: a ping every this many milliseconds, and a connection whose peer
     /// does not answer within half of it is closed with its streams (0 = off).
     #[arg(long, env = "GPULEDGER_KEEPALIVE_MS", default_value_t = 20_000)]

@@ -17,6 +17,7 @@ pub mod leader;
 pub mod log;
 pub mod metrics;
 pub mod preemption;
+pub mod read_limits;
 pub mod replica;
 mod retry;
 pub mod service;

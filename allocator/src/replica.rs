@@ -117,6 +117,11 @@ pub async fn run_until(cfg: Config, stop: CancellationToken) -> Result<(), Start
         cfg.limits.max_streams_per_identity,
         cfg.limits.heavy_read_threads,
     )
+    .with_read_limits(crate::read_limits::ReadLimits::new(
+        cfg.limits.heavy_reads_per_identity_per_s,
+        cfg.limits.heavy_read_burst,
+        shared.metrics.bites.clone(),
+    ))
     .with_preemption(preemption.clone());
     let http = tokio::net::TcpListener::bind(cfg.http_listen)
         .await

@@ -14,30 +14,28 @@ mod read_snapshots;
 mod reads;
 mod replicate;
 mod subscribe;
+mod traced;
 mod writes;
 
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::{Stream, StreamExt};
 use gpuledger_auth::identity::Caller;
 use gpuledger_auth::limit::{Slot, Slots};
 use gpuledger_auth::rules::Call;
-use gpuledger_auth::server::Authenticated;
+use gpuledger_auth::server::{Authenticated, over_limit};
 use gpuledger_ledger::{CommandError, PodRequest, pb};
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::allocator::v1::allocator_server::Allocator;
 use tokio::sync::Semaphore;
 use tonic::{Request, Response, Status};
-use tracing::Span;
 
 pub use self::forward::{HasSeq, Leaders};
-use crate::authz::{Authz, Touches};
+use self::traced::{BoxStream, holding, traced};
+use crate::authz::Authz;
 use crate::log::EtcdLog;
+use crate::read_limits::ReadLimits;
 use crate::shared::Shared;
-use crate::span::Ids;
 use crate::workload::Learned;
 use crate::write_limits::WriteLimits;
 use crate::writer::{WriteError, Writer};
@@ -92,6 +90,7 @@ pub struct Service {
     authz: Arc<Authz>,
     budget_guard: crate::budget_watch::GuardSlot,
     write_limits: Arc<WriteLimits>,
+    read_limits: Arc<ReadLimits>,
     /// Open streams per verified identity.
     streams: Arc<Slots<Caller>>,
     /// Threads that answer CPU-heavy reads, off the async runtime.
@@ -113,68 +112,6 @@ pub struct Placement {
     pub default_policy: gpuledger_ledger::Policy,
     /// The pod shapes FGD measures fragmentation against.
     pub learned: Arc<Learned>,
-}
-
-type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
-
-impl<T> Ids for BoxStream<T> {}
-
-/// `r`'s stream, holding `slot` until the stream is dropped (the client went away or it ended).
-fn holding<T: Send + 'static>(
-    r: Result<Response<BoxStream<T>>, Status>,
-    slot: Option<Slot<Caller>>,
-) -> Result<Response<BoxStream<T>>, Status> {
-    r.map(|resp| {
-        resp.map(|s| -> BoxStream<T> {
-            Box::pin(s.map(move |item| {
-                let _held = &slot;
-                item
-            }))
-        })
-    })
-}
-
-/// Largest write request: a node of 64 GPUs or a pod of 64 containers is a few KiB, and each
-/// write's events must fit one etcd transaction (1.5 MiB) with room to spare.
-const MAX_WRITE_BYTES: usize = 256 * 1024;
-
-/// Run an RPC's handler, if its caller may make `call`, with the ids of its request, then of
-/// its answer, in its span.
-async fn traced<Q: Ids + Touches + prost::Message, R: Ids, Fut>(
-    svc: &Service,
-    call: Call,
-    req: Request<Q>,
-    handler: impl FnOnce(Request<Q>) -> Fut,
-) -> Result<Response<R>, Status>
-where
-    Fut: Future<Output = Result<Response<R>, Status>>,
-{
-    let span = Span::current();
-    req.get_ref().record(&span);
-    let caller = svc.authz.check(&req, call, &svc.shared).await?;
-    if call.writes() && req.get_ref().encoded_len() > MAX_WRITE_BYTES {
-        // A larger event could not fit one etcd transaction: refused here, it never reaches
-        // the sequencer (where a failed commit would end the leadership).
-        return Err(Status::invalid_argument(format!(
-            "{} request of {} bytes: writes are limited to {MAX_WRITE_BYTES} bytes",
-            call.name(),
-            req.get_ref().encoded_len()
-        )));
-    }
-    span.record("caller", tracing::field::display(&caller));
-    if call.writes() {
-        svc.write_limits.admit(
-            &caller,
-            call,
-            req.get_ref().encoded_len(),
-            &svc.shared.metrics,
-        )?;
-    }
-    let answer = handler(req).await;
-    if let Ok(a) = &answer {
-        a.get_ref().record(&span);
-    }
-    answer
 }
 
 impl Service {
@@ -202,6 +139,7 @@ impl Service {
             authz,
             budget_guard: Default::default(),
             write_limits: Arc::default(),
+            read_limits: Arc::new(ReadLimits::unlimited(shared.metrics.bites.clone())),
             streams: Slots::new(
                 ("streams", BITE_STREAMS),
                 0,
@@ -216,6 +154,12 @@ impl Service {
     /// The same service, holding callers to `limits`.
     pub fn with_write_limits(mut self, limits: WriteLimits) -> Self {
         self.write_limits = Arc::new(limits);
+        self
+    }
+
+    /// The same service, holding each identity's heavy reads to `limits`.
+    pub fn with_read_limits(mut self, limits: ReadLimits) -> Self {
+        self.read_limits = Arc::new(limits);
         self
     }
 
@@ -272,12 +216,15 @@ impl Service {
             .try_acquire(a.caller.clone())
             .map(Some)
             .map_err(|_| {
-                Status::resource_exhausted(format!(
-                    "{} has {} streams open, as many as one identity may \
-                     (--max-streams-per-identity); close some",
-                    a.caller,
-                    self.streams.in_use_by(&a.caller)
-                ))
+                over_limit(
+                    Status::resource_exhausted(format!(
+                        "{} has {} streams open, as many as one identity may \
+                         (--max-streams-per-identity); close some",
+                        a.caller,
+                        self.streams.in_use_by(&a.caller)
+                    )),
+                    BITE_STREAMS,
+                )
             })
     }
 

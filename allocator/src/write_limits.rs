@@ -9,6 +9,7 @@ use governor::clock::{Clock, DefaultClock};
 use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
 use gpuledger_auth::identity::Caller;
 use gpuledger_auth::rules::Call;
+use gpuledger_auth::server::over_limit;
 use gpuledger_ledger::command::bounds::InventoryLimits;
 use gpuledger_ledger::pb;
 use tonic::Status;
@@ -131,12 +132,15 @@ impl WriteLimits {
                  (logged once a minute per node; metric gpuledger_allocator_writes_refused_total)"
             );
         }
-        Err(Status::resource_exhausted(format!(
-            "node {node} writes faster than this allocator allows (--node-writes-per-s {}, \
-             --node-write-burst {burst}); retry in {} ms",
-            self.args.node_writes_per_s,
-            wait.as_millis().max(1)
-        )))
+        Err(over_limit(
+            Status::resource_exhausted(format!(
+                "node {node} writes faster than this allocator allows (--node-writes-per-s {}, \
+                 --node-write-burst {burst}); retry in {} ms",
+                self.args.node_writes_per_s,
+                wait.as_millis().max(1)
+            )),
+            "node_write_rate",
+        ))
     }
 
     /// Refuse an inventory past --max-gpus-per-node or --max-gpu-memory-mib.

@@ -1,17 +1,19 @@
 //! Availability against hostile callers, on real allocator processes over real TLS: sockets
 //! that never send a ClientHello do not lock new clients out, a viewer cannot open streams
 //! without bound (and the leader keeps its lease while it tries), junk tokens cost no
-//! TokenReview, and an allocator's token cannot forward a write under an identity it did not
+//! TokenReview, callers over a limit are slowed to its pace (their connection is not read for
+//! a while) instead of answered at line rate, and an allocator's token cannot forward a write under an identity it did not
 //! verify. Each limit that bites is counted in `gpuledger_allocator_limited_total{limit}`.
 
 use std::time::{Duration, Instant};
 
 use gpuledger_auth::identity::{Caller, Role};
 use gpuledger_auth::server::{FORWARDED_AUTHORIZATION, ON_BEHALF_OF, on_behalf_of};
+use gpuledger_ledger::pb;
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_testkit::attacker::tcp_from;
 use gpuledger_testkit::kube::{KubeStack, StackOptions};
-use gpuledger_testkit::workload::inventory;
+use gpuledger_testkit::workload::{inventory, pod};
 use gpuledger_testkit::{Allocators, EtcdCluster};
 use tonic::Code;
 use tonic::metadata::MetadataValue;
@@ -156,6 +158,163 @@ async fn a_viewer_cannot_hold_streams_without_bound_and_the_leader_keeps_its_lea
         }
     }
     assert!(again.is_some(), "a stream after the others closed");
+    Ok(())
+}
+
+/// Runs `call` from `tasks` tasks in a loop for `secs`, counting answers and refusals
+/// (RESOURCE_EXHAUSTED; any other error fails the test).
+async fn flood<F, Fut>(tasks: usize, secs: f64, call: F) -> anyhow::Result<(u64, u64)>
+where
+    F: Fn() -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = Result<(), tonic::Status>> + Send,
+{
+    let until = Instant::now() + Duration::from_secs_f64(secs);
+    let mut all = tokio::task::JoinSet::new();
+    for _ in 0..tasks {
+        let call = call.clone();
+        all.spawn(async move {
+            let (mut ok, mut refused) = (0u64, 0u64);
+            while Instant::now() < until {
+                match call().await {
+                    Ok(()) => ok += 1,
+                    Err(s) if s.code() == Code::ResourceExhausted => refused += 1,
+                    Err(s) => return Err(anyhow::anyhow!("refused otherwise: {s:?}")),
+                }
+            }
+            Ok((ok, refused))
+        });
+    }
+    let (mut ok, mut refused) = (0, 0);
+    while let Some(r) = all.join_next().await {
+        let (o, f) = r??;
+        ok += o;
+        refused += f;
+    }
+    Ok((ok, refused))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn callers_over_a_limit_are_slowed_to_its_pace_not_answered_at_line_rate()
+-> anyhow::Result<()> {
+    let etcd = EtcdCluster::start(1).await?;
+    let dir = tempfile::tempdir()?;
+    let allocs = Allocators::start(
+        dir.path(),
+        &etcd,
+        1,
+        "pace",
+        &[
+            "--max-streams-per-identity=4",
+            "--node-writes-per-s=5",
+            "--node-write-burst=10",
+            "--heavy-reads-per-identity-per-s=10",
+            "--heavy-read-burst=10",
+            "--over-limit-pause-ms=500",
+        ],
+    )?;
+    allocs.wait_leader(Duration::from_secs(20)).await?;
+    allocs
+        .node_agent(0, "n1")?
+        .register_node(api::RegisterNodeRequest {
+            inventory: Some(inventory("n1", 2, 16_000, "T4")),
+        })
+        .await?;
+    let epoch = allocs.status(0).await.map(|s| s.epoch);
+    let secs = 3.0;
+
+    // A viewer holds its four streams and retries refused ones from 16 tasks on one connection.
+    let streams = allocs.viewer(0)?;
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        let mut v = streams.clone();
+        held.push(async move {
+            v.subscribe(api::SubscribeRequest {
+                node: "n1".into(),
+                from_seq: 0,
+            })
+            .await
+        });
+    }
+    let held = futures::future::try_join_all(held).await?;
+    let s = streams.clone();
+    let subscribes = flood(16, secs, move || {
+        let mut v = s.clone();
+        async move {
+            v.subscribe(api::SubscribeRequest {
+                node: "n1".into(),
+                from_seq: 0,
+            })
+            .await
+            .map(drop)
+        }
+    });
+    // A node agent floods violation reports past its write budget from four tasks.
+    let agent = allocs.node_agent(0, "n1")?;
+    let reports = flood(4, secs, move || {
+        let mut a = agent.clone();
+        async move {
+            a.report_violation(api::ReportViolationRequest {
+                violation: Some(pb::LimitViolated {
+                    allocation_id: 0,
+                    node: "n1".into(),
+                    gpu_uuid: "GPU-n1-0".into(),
+                    pid: 42,
+                    used_mib: 1,
+                    limit_mib: 0,
+                    action: "rogue".into(),
+                }),
+            })
+            .await
+            .map(drop)
+        }
+    });
+    let filter = |c: gpuledger_client::Client| {
+        move || {
+            let mut c = c.clone();
+            async move {
+                let request = Some(pod("heavy", 1000, 0));
+                c.filter(api::FilterRequest {
+                    request,
+                    nodes: vec![],
+                })
+                .await
+                .map(drop)
+            }
+        }
+    };
+    // Another viewer connection filters in a loop from four tasks; the extender, meanwhile,
+    // filters as scheduling does: not held to the viewer's pace.
+    let filters = flood(4, secs, filter(allocs.viewer(0)?));
+    let scheduling = flood(1, secs, filter(allocs.extender(0)?));
+    let (subscribes, reports, filters, scheduling) =
+        tokio::try_join!(subscribes, reports, filters, scheduling)?;
+    drop(held);
+
+    // Unpaced, each flood gets thousands of answers in three seconds; paused 500 ms per
+    // refusal, a connection is read six times, each read bringing at most its tasks' calls.
+    assert_eq!(subscribes.0, 0, "no stream past the four");
+    assert!(
+        subscribes.1 <= 16 * 8,
+        "{} refused Subscribe calls answered in {secs} s",
+        subscribes.1
+    );
+    assert!(reports.1 > 0, "the write budget bit");
+    assert!(
+        reports.0 + reports.1 <= 10 + 4 * 8 + 5 * 4,
+        "{reports:?} (written, refused) violation reports in {secs} s"
+    );
+    assert!(
+        filters.0 <= 10 + 10 * 3 + 4,
+        "{} heavy reads answered in {secs} s at 10/s after a burst of 10",
+        filters.0
+    );
+    assert!(
+        scheduling.0 > filters.0 && scheduling.1 == 0,
+        "the extender's filters: {scheduling:?}, the viewer's: {filters:?}"
+    );
+    assert!(limited(&allocs, 0, "connection_paused").await? >= 2.0);
+    let st = allocs.status(0).await.expect("status");
+    assert_eq!((st.role.as_str(), Some(st.epoch)), ("leader", epoch));
     Ok(())
 }
 

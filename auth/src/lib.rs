@@ -23,4 +23,4 @@ pub use args::ServerTlsArgs;
 pub use client::{AuthChannel, CredentialArgs, Credentials, endpoint};
 pub use identity::{Caller, Role};
 pub use rules::{Call, Denied, Facts, PodFacts, authorize};
-pub use server::{AuthLayer, Authenticated, Authenticator, Refusal};
+pub use server::{AuthLayer, Authenticated, Authenticator, CallerLimits, Refusal};

@@ -4,6 +4,7 @@
 //! labelled by limit).
 
 use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
 use std::hash::Hash;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
@@ -14,7 +15,8 @@ use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
-use tonic::transport::server::Connected;
+use tokio::time::{Instant, Sleep};
+use tonic::transport::server::{Connected, TcpConnectInfo};
 
 /// How often each limit refused something, by limit name; shared by every limit of a process.
 #[derive(Debug, Default)]
@@ -209,8 +211,46 @@ pub fn peer_key(addr: &SocketAddr) -> IpAddr {
     }
 }
 
+/// A connection's brake: while it is held, nothing more is read from the connection. A server
+/// holds it when it refuses a caller for being over a limit, so that the caller's next
+/// requests wait in its own socket buffers instead of costing the server a refusal each: a
+/// flood of refused calls is slowed to the pace of the brake, not answered at line rate.
+/// What the server writes (answers, streams) still goes out.
+#[derive(Debug, Default)]
+pub struct Brake {
+    until: Mutex<Option<Instant>>,
+}
+
+impl Brake {
+    /// Read nothing more from the connection for `pause` from now (a brake already held
+    /// longer stays as it is).
+    pub fn hold(&self, pause: Duration) {
+        let t = Instant::now() + pause;
+        let mut until = self.until.lock().unwrap_or_else(|p| p.into_inner());
+        if until.is_none_or(|u| u < t) {
+            *until = Some(t);
+        }
+    }
+
+    /// Until when the brake is held, if it is held now.
+    pub fn held_until(&self) -> Option<Instant> {
+        let until = *self.until.lock().unwrap_or_else(|p| p.into_inner());
+        until.filter(|u| *u > Instant::now())
+    }
+}
+
+/// What a server learns of a [`Conn`] with each request it carries: its addresses, and its
+/// [`Brake`].
+#[derive(Debug, Clone)]
+pub struct ConnInfo {
+    /// The connection's local and remote addresses.
+    pub tcp: TcpConnectInfo,
+    /// Holding it stops reading the connection for a while.
+    pub brake: Arc<Brake>,
+}
+
 /// An accepted TCP connection holding its slot of the listener's connection limit until it is
-/// closed. When the server closed it gracefully (an answer sent, e.g. 413 to a body too large)
+/// closed, and read only while its [`Brake`] is released. When the server closed it gracefully (an answer sent, e.g. 413 to a body too large)
 /// while the client may still be sending, what the client sends is read and dropped for up to
 /// `linger` before the socket is closed: closing with unread data would reset the connection,
 /// and the client would see a broken connection instead of the answer.
@@ -220,6 +260,8 @@ pub struct Conn {
     slot: Option<Slot<IpAddr>>,
     linger: Duration,
     shut_down: bool,
+    brake: Arc<Brake>,
+    paused: Option<Pin<Box<Sleep>>>,
 }
 
 impl Conn {
@@ -230,7 +272,25 @@ impl Conn {
             slot: Some(slot),
             linger,
             shut_down: false,
+            brake: Arc::default(),
+            paused: None,
         }
+    }
+
+    /// Pending until the brake is released, if it is held.
+    fn poll_brake(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        let Some(until) = self.brake.held_until() else {
+            self.paused = None;
+            return Poll::Ready(());
+        };
+        let sleep = self
+            .paused
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(until)));
+        if sleep.deadline() != until {
+            sleep.as_mut().reset(until);
+        }
+        // Ready once the deadline passes; a brake held again meanwhile is seen on the next read.
+        sleep.as_mut().poll(cx)
     }
 
     fn tcp(&mut self) -> io::Result<&mut TcpStream> {
@@ -251,6 +311,9 @@ impl AsyncRead for Conn {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
+        if self.poll_brake(cx).is_pending() {
+            return Poll::Pending;
+        }
         match self.tcp() {
             Ok(t) => Pin::new(t).poll_read(cx, buf),
             Err(e) => Poll::Ready(Err(e)),
@@ -302,15 +365,18 @@ impl AsyncWrite for Conn {
 }
 
 impl Connected for Conn {
-    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
+    type ConnectInfo = ConnInfo;
 
     fn connect_info(&self) -> Self::ConnectInfo {
-        match &self.tcp {
-            Some(t) => t.connect_info(),
-            None => tonic::transport::server::TcpConnectInfo {
-                local_addr: None,
-                remote_addr: None,
+        ConnInfo {
+            tcp: match &self.tcp {
+                Some(t) => t.connect_info(),
+                None => TcpConnectInfo {
+                    local_addr: None,
+                    remote_addr: None,
+                },
             },
+            brake: self.brake.clone(),
         }
     }
 }
@@ -398,6 +464,43 @@ mod tests {
             drop(s.try_acquire(i).unwrap());
         }
         assert_eq!(s.counts.lock().unwrap().per_key.len(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_held_brake_stops_reading_until_it_is_released() {
+        use tokio::io::AsyncWriteExt;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let mut client = TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (tcp, peer) = listener.accept().await.unwrap();
+        let slots = Slots::new(("t", "k"), 0, 0, Bites::new());
+        let mut conn = Conn::new(
+            tcp,
+            slots.try_acquire(peer_key(&peer)).unwrap(),
+            Duration::ZERO,
+        );
+        let brake = conn.connect_info().brake;
+        client.write_all(b"one").await.unwrap();
+        let mut buf = [0u8; 8];
+        assert_eq!(conn.read(&mut buf).await.unwrap(), 3);
+
+        brake.hold(Duration::from_millis(300));
+        brake.hold(Duration::from_millis(10)); // a shorter hold does not shorten it
+        client.write_all(b"two").await.unwrap();
+        let t = std::time::Instant::now();
+        assert_eq!(conn.read(&mut buf).await.unwrap(), 3);
+        assert!(
+            t.elapsed() >= Duration::from_millis(280),
+            "{:?}",
+            t.elapsed()
+        );
+        assert!(brake.held_until().is_none());
+        // Released, reads are immediate again.
+        client.write_all(b"three").await.unwrap();
+        let t = std::time::Instant::now();
+        assert_eq!(conn.read(&mut buf).await.unwrap(), 5);
+        assert!(t.elapsed() < Duration::from_millis(200));
     }
 
     #[test]

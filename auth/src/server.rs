@@ -11,11 +11,11 @@ use futures::future::BoxFuture;
 use http::{HeaderMap, HeaderValue, Request, Response};
 use rustls::pki_types::CertificateDer;
 use tonic::body::Body;
-use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
+use tonic::transport::server::TlsConnectInfo;
 use tracing::warn;
 
 use crate::identity::{Caller, Role, from_spiffe_id};
-use crate::limit::{Bites, Slot, Slots, peer_key};
+use crate::limit::{Bites, Brake, ConnInfo, Slot, Slots, peer_key};
 use crate::token::{TokenAuthenticator, TokenError, Unreviewed};
 
 /// The header through which a follower tells the leader whom it forwards a write for, when
@@ -29,8 +29,24 @@ pub const ON_BEHALF_OF: &str = "x-gpuledger-on-behalf-of";
 /// itself, so a forwarder can vouch only for a caller whose credential it holds.
 pub const FORWARDED_AUTHORIZATION: &str = "x-gpuledger-forwarded-authorization";
 
-/// The limit name of [`Authenticator::with_in_flight_limit`]'s refusals.
+/// The limit name of the in-flight refusals of [`CallerLimits::max_in_flight`].
 pub const BITE_IN_FLIGHT: &str = "in_flight_per_identity";
+
+/// The limit name under which [`CallerLimits::pause`] counts the connections it paused.
+pub const BITE_PAUSED: &str = "connection_paused";
+
+/// What one caller may hold of a server, and what being over a limit costs it.
+#[derive(Debug, Clone, Copy)]
+pub struct CallerLimits {
+    /// Requests of one caller being answered at once (0 = no bound).
+    pub max_in_flight: usize,
+    /// How long nothing more is read from a connection after a call it carried was refused
+    /// for being over a limit (`RESOURCE_EXHAUSTED`: in flight, streams, rates, budgets), when
+    /// the caller sent it itself. Allocators (which forward others' calls) and the extender
+    /// (whose calls are scheduling itself, bounded by `max_in_flight`) are never paused.
+    /// Zero: never paused.
+    pub pause: std::time::Duration,
+}
 
 /// A request's verified identity, in its extensions for the handlers.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -110,6 +126,8 @@ pub struct Authenticator {
     forged: AtomicU64,
     refused: AtomicU64,
     in_flight: Option<Arc<Slots<Caller>>>,
+    pause: std::time::Duration,
+    bites: Option<Arc<Bites>>,
 }
 
 /// How a request's sender proved who it is.
@@ -168,16 +186,21 @@ impl Authenticator {
             forged: AtomicU64::new(0),
             refused: AtomicU64::new(0),
             in_flight: None,
+            pause: std::time::Duration::ZERO,
+            bites: None,
         })
     }
 
-    /// Certificates only (`tokens` None), or tokens too; at most `max_in_flight` requests of
-    /// one caller at once (0 = no bound), refusals counted in `bites`.
-    pub fn with_in_flight_limit(
+    /// Certificates only (`tokens` None), or tokens too; each caller held to `limits`,
+    /// refusals and pauses counted in `bites`.
+    pub fn with_limits(
         tokens: Option<Arc<TokenAuthenticator>>,
-        max_in_flight: usize,
+        limits: CallerLimits,
         bites: Arc<Bites>,
     ) -> Arc<Self> {
+        if !limits.pause.is_zero() {
+            bites.declare(BITE_PAUSED);
+        }
         Arc::new(Authenticator {
             tokens,
             certs: Default::default(),
@@ -186,10 +209,31 @@ impl Authenticator {
             in_flight: Some(Slots::new(
                 ("in_flight", BITE_IN_FLIGHT),
                 0,
-                max_in_flight,
-                bites,
+                limits.max_in_flight,
+                bites.clone(),
             )),
+            pause: limits.pause,
+            bites: Some(bites),
         })
+    }
+
+    /// Hold `brake` (the connection of a call refused for being over a limit), unless the
+    /// call came through an allocator or from the extender (see [`CallerLimits::pause`]).
+    fn slow_down(&self, brake: Option<&Arc<Brake>>, who: Option<&Authenticated>) {
+        let (Some(brake), false) = (brake, self.pause.is_zero()) else {
+            return;
+        };
+        if who.is_some_and(|a| {
+            a.forwarded_by.is_some() || matches!(a.caller.role, Role::Allocator | Role::Extender)
+        }) {
+            return;
+        }
+        if brake.held_until().is_none()
+            && let Some(b) = &self.bites
+        {
+            b.bite(BITE_PAUSED);
+        }
+        brake.hold(self.pause);
     }
 
     /// A slot of `caller`'s in-flight requests, held while its request runs.
@@ -418,11 +462,12 @@ where
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let auth = self.auth.clone();
         Box::pin(async move {
-            let info = req.extensions().get::<TlsConnectInfo<TcpConnectInfo>>();
+            let info = req.extensions().get::<TlsConnectInfo<ConnInfo>>();
             let certs = info.and_then(|i| i.peer_certs());
             let peer = info
-                .and_then(|i| i.get_ref().remote_addr())
+                .and_then(|i| i.get_ref().tcp.remote_addr)
                 .map(|a| peer_key(&a));
+            let brake = info.map(|i| i.get_ref().brake.clone());
             let authenticated = match auth
                 .authenticate(req.headers(), certs.as_deref().map(|v| &v[..]), peer)
                 .await
@@ -432,27 +477,55 @@ where
             };
             match authenticated {
                 Ok((a, _slot)) => {
-                    req.extensions_mut().insert(a);
-                    inner.call(req).await
+                    req.extensions_mut().insert(a.clone());
+                    let res = inner.call(req).await?;
+                    if over_a_limit(&res) {
+                        auth.slow_down(brake.as_ref(), Some(&a));
+                    }
+                    Ok(res)
                 }
-                Err(refusal) => Ok(if is_grpc(req.headers()) {
-                    refusal.status().into_http::<Body>()
-                } else {
-                    let text = match &refusal {
-                        Refusal::Unauthenticated(m)
-                        | Refusal::PermissionDenied(m)
-                        | Refusal::Unavailable(m)
-                        | Refusal::Throttled(m) => format!("{m}\n"),
-                    };
-                    let mut r = Response::new(Body::new(http_body_util::Full::new(
-                        bytes::Bytes::from(text),
-                    )));
-                    *r.status_mut() = refusal.http_status();
-                    r
-                }),
+                Err(refusal) => {
+                    if matches!(refusal, Refusal::Throttled(_)) {
+                        auth.slow_down(brake.as_ref(), None);
+                    }
+                    Ok(if is_grpc(req.headers()) {
+                        refusal.status().into_http::<Body>()
+                    } else {
+                        let text = match &refusal {
+                            Refusal::Unauthenticated(m)
+                            | Refusal::PermissionDenied(m)
+                            | Refusal::Unavailable(m)
+                            | Refusal::Throttled(m) => format!("{m}\n"),
+                        };
+                        let mut r = Response::new(Body::new(http_body_util::Full::new(
+                            bytes::Bytes::from(text),
+                        )));
+                        *r.status_mut() = refusal.http_status();
+                        r
+                    })
+                }
             }
         })
     }
+}
+
+/// The metadata key that marks a refusal by a limit (its value names the limit): such an
+/// answer pauses the caller's connection ([`CallerLimits::pause`]). A refusal for want of GPU
+/// room is `RESOURCE_EXHAUSTED` too, and pauses nothing.
+pub const OVER_LIMIT: &str = "x-gpuledger-limit";
+
+/// `status`, marked as a refusal by `limit` (see [`OVER_LIMIT`]).
+pub fn over_limit(mut status: tonic::Status, limit: &'static str) -> tonic::Status {
+    status.metadata_mut().insert(
+        OVER_LIMIT,
+        tonic::metadata::MetadataValue::from_static(limit),
+    );
+    status
+}
+
+/// Whether an answer refuses its call for being over a limit.
+fn over_a_limit(res: &Response<Body>) -> bool {
+    res.headers().contains_key(OVER_LIMIT)
 }
 
 #[cfg(test)]

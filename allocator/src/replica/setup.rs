@@ -177,9 +177,12 @@ pub(super) async fn security(
         },
         max_streams_per_connection: l.max_streams_per_connection,
         keepalive: (l.keepalive_ms > 0).then(|| Duration::from_millis(l.keepalive_ms)),
-        authenticator: gpuledger_auth::Authenticator::with_in_flight_limit(
+        authenticator: gpuledger_auth::Authenticator::with_limits(
             tokens,
-            l.max_in_flight_per_identity,
+            gpuledger_auth::CallerLimits {
+                max_in_flight: l.max_in_flight_per_identity,
+                pause: Duration::from_millis(l.over_limit_pause_ms),
+            },
             bites.clone(),
         ),
         bites,
