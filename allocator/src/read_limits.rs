@@ -101,6 +101,21 @@ impl ReadLimits {
             waited += wait;
         }
     }
+
+    /// Wait for `caller`'s next heavy-read turn, however long (a stream's next page: its
+    /// client is waiting for it anyway, and the stream holds one of the caller's stream slots).
+    pub async fn pace(&self, caller: &Caller) {
+        let Some(limiter) = &self.limiter else {
+            return;
+        };
+        if matches!(caller.role, Role::Allocator | Role::Extender) {
+            return;
+        }
+        let clock = DefaultClock::default();
+        while let Err(not_until) = limiter.check_key(caller) {
+            tokio::time::sleep(not_until.wait_time_from(clock.now())).await;
+        }
+    }
 }
 
 #[cfg(test)]
@@ -136,6 +151,15 @@ mod tests {
         let refused = waits.await.iter().filter(|r| r.is_err()).count();
         assert!(refused >= 3, "{refused} refused");
         assert_eq!(bites.count(BITE_HEAVY_READS), refused as u64);
+        // A stream's pages wait as long as their turn takes, and are never refused.
+        let t = std::time::Instant::now();
+        l.pace(&v).await;
+        l.pace(&v).await;
+        assert!(
+            t.elapsed() >= Duration::from_millis(400),
+            "{:?}",
+            t.elapsed()
+        );
     }
 
     #[tokio::test]
@@ -150,6 +174,7 @@ mod tests {
             };
             for _ in 0..10 {
                 l.admit(&c, Call::Filter).await.unwrap();
+                l.pace(&c).await;
             }
         }
         let other = Caller {

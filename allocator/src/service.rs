@@ -90,6 +90,7 @@ pub struct Service {
     authz: Arc<Authz>,
     budget_guard: crate::budget_watch::GuardSlot,
     write_limits: Arc<WriteLimits>,
+    /// Heavy reads per identity and second.
     read_limits: Arc<ReadLimits>,
     /// Open streams per verified identity.
     streams: Arc<Slots<Caller>>,

@@ -140,7 +140,11 @@ pub async fn run(a: Args) -> Result<()> {
         etcd_members: a.etcd_members,
         allocators: 1,
         allocator_flags: vec![],
-        extender_flags: Some(vec![format!("--webhook-listen=127.0.0.1:{webhook_port}")]),
+        // Latency, not admission: filter and prioritize back to back, unpaced.
+        extender_flags: Some(vec![
+            format!("--webhook-listen=127.0.0.1:{webhook_port}"),
+            "--scheduling-calls-per-s=0".into(),
+        ]),
     })
     .await?;
     let names: Vec<String> = (0..a.nodes).map(|i| format!("node-{i:05}")).collect();

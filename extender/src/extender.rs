@@ -59,6 +59,8 @@ pub struct App {
     pub scheduler_names: Vec<String>,
     /// Preemption asked from filter, rate-limited per pod.
     pub preemption: Arc<crate::preemption::Preemption>,
+    /// How fast filter and prioritize are answered.
+    pub pace: Arc<crate::pace::Pace>,
 }
 
 /// The verbs kube-scheduler calls, served at the root and under `/gpuledger` (over HTTPS, to
@@ -68,6 +70,10 @@ pub fn router(app: App) -> Router {
     let verbs = Router::new()
         .route("/filter", post(filter::filter))
         .route("/prioritize", post(prioritize::prioritize))
+        .route_layer(axum::middleware::from_fn_with_state(
+            app.pace.clone(),
+            crate::pace::paced,
+        ))
         .route("/bind", post(bind::bind))
         .route("/preempt", post(preempt::preempt));
     Router::new()

@@ -7,6 +7,7 @@ pub mod assume;
 pub mod budget_admission;
 pub mod extender;
 pub mod metrics;
+pub mod pace;
 pub mod parallel;
 pub mod preemption;
 pub mod replica;

@@ -142,6 +142,17 @@ struct Args {
     )]
     request_read_timeout_ms: u64,
 
+    /// `filter` and `prioritize` calls answered per second, together, after a burst
+    /// (kube-scheduler makes one of each per pod it schedules); a call past the rate waits up
+    /// to a second for its turn, then is answered 429. Binds are not paced. 0 = no limit.
+    #[arg(long, env = "GPULEDGER_SCHEDULING_CALLS_PER_S", default_value_t = 500)]
+    scheduling_calls_per_s: u32,
+
+    /// How many filter and prioritize calls may come at once before --scheduling-calls-per-s
+    /// applies.
+    #[arg(long, env = "GPULEDGER_SCHEDULING_CALL_BURST", default_value_t = 1000)]
+    scheduling_call_burst: u32,
+
     /// Log format: "human" or "json".
     #[arg(long, env = "GPULEDGER_LOG_FORMAT", default_value = "human", value_parser = ["human", "json"])]
     log_format: String,
@@ -278,6 +289,11 @@ async fn run(a: Args) -> anyhow::Result<()> {
         tasks: tasks.clone(),
         scheduler_names: a.scheduler_names.clone(),
         preemption,
+        pace: gpuledger_extender::pace::Pace::new(
+            a.scheduling_calls_per_s,
+            a.scheduling_call_burst,
+            scheduler_bites.clone(),
+        ),
     };
     let probes = tokio::net::TcpListener::bind(a.http_listen)
         .await

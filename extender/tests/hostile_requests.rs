@@ -2,7 +2,9 @@
 //! hostile or impossible: `/bind` of another scheduler's pod is refused and binds nothing; a pod
 //! with more than 64 GPU containers is refused by filter (every node, with the reason) and by
 //! the webhook, instead of passing filter and failing Reserve forever; the webhook refuses sizes
-//! no node can ever hold and absurd quantities instead of saturating them.
+//! no node can ever hold and absurd quantities instead of saturating them; filter calls past
+//! the scheduling rate (a copy of the scheduler's certificate in a loop) wait their turn, and
+//! binds beside them are not held up.
 
 use crate::kit;
 
@@ -13,12 +15,18 @@ use gpuledger_testkit::workload::inventory;
 use serde_json::{Value, json};
 
 async fn stack(port: u16) -> anyhow::Result<KubeStack> {
+    stack_with(port, &[]).await
+}
+
+async fn stack_with(port: u16, flags: &[&str]) -> anyhow::Result<KubeStack> {
+    let mut extender_flags = vec![
+        kit::webhook_flag(port),
+        "--scheduler-name=gpuledger-scheduler".into(),
+    ];
+    extender_flags.extend(flags.iter().map(|f| f.to_string()));
     let stack = KubeStack::start(StackOptions {
         allocators: 1,
-        extender_flags: Some(vec![
-            kit::webhook_flag(port),
-            "--scheduler-name=gpuledger-scheduler".into(),
-        ]),
+        extender_flags: Some(extender_flags),
         ..Default::default()
     })
     .await?;
@@ -119,5 +127,69 @@ async fn bind_refuses_other_schedulers_pods_and_impossible_pods_are_refused_earl
     kit::admit(&hook, gpu_pod("fine", "gpuledger-scheduler", 1, "8000"))
         .await?
         .map_err(anyhow::Error::msg)?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn filters_past_the_scheduling_rate_wait_their_turn_and_binds_go_on() -> anyhow::Result<()> {
+    let port = free_port()?;
+    let stack = stack_with(
+        port,
+        &["--scheduling-calls-per-s=20", "--scheduling-call-burst=20"],
+    )
+    .await?;
+    let ext = kit::extender(&stack)?;
+    let secs = 3.0;
+    let until = std::time::Instant::now() + std::time::Duration::from_secs_f64(secs);
+    // Four loops of filters for pods that never bind, as fast as answers come.
+    let mut floods = tokio::task::JoinSet::new();
+    for w in 0..4 {
+        let ext = ext.clone();
+        floods.spawn(async move {
+            let (mut answered, mut refused) = (0u32, 0u32);
+            let mut i = 0;
+            while std::time::Instant::now() < until {
+                i += 1;
+                let mut pod = gpu_pod(&format!("ghost-{w}-{i}"), "gpuledger-scheduler", 1, "100");
+                pod["metadata"]["uid"] = json!(format!("ghost-{w}-{i}"));
+                let args = json!({"Pod": pod, "Nodes": null, "NodeNames": ["n1"]});
+                match ext.post_raw("filter", serde_json::to_vec(&args)?).await?.0 {
+                    200 => answered += 1,
+                    429 => refused += 1,
+                    s => anyhow::bail!("filter answered HTTP {s}"),
+                }
+            }
+            Ok((answered, refused))
+        });
+    }
+    // Meanwhile a real pod binds.
+    let pod = stack
+        .api
+        .add_pod(gpu_pod("real", "gpuledger-scheduler", 1, "1000"))?;
+    let t0 = std::time::Instant::now();
+    let bound = ext
+        .post(
+            "bind",
+            &json!({"PodName": "real", "PodNamespace": "default",
+                    "PodUID": pod["metadata"]["uid"], "Node": "n1"}),
+        )
+        .await?;
+    let bind_took = t0.elapsed();
+    let (mut answered, mut refused) = (0, 0);
+    for r in floods.join_all().await {
+        let (a, f) = r?;
+        answered += a;
+        refused += f;
+    }
+    assert_eq!(bound["Error"], "", "{bound}");
+    assert!(
+        bind_took < std::time::Duration::from_secs(1),
+        "the bind took {bind_took:?}"
+    );
+    // 20 at once, then 20 a second: unpaced, the loops get hundreds answered.
+    assert!(
+        answered <= 20 + 20 * 3 + 4,
+        "{answered} filters answered ({refused} refused) in {secs} s"
+    );
     Ok(())
 }

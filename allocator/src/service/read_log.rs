@@ -13,6 +13,13 @@ pub(super) async fn read_log(
     svc: &Service,
     req: Request<api::ReadLogRequest>,
 ) -> Result<Response<BoxStream<pb::EventBatch>>, Status> {
+    // Each page after the first is a heavy read of its own: a stream of the whole history is
+    // paced by the caller's heavy-read rate, not read at the speed of etcd.
+    let caller = req
+        .extensions()
+        .get::<gpuledger_auth::server::Authenticated>()
+        .map(|a| a.caller.clone());
+    let limits = svc.read_limits.clone();
     let r = req.into_inner();
     let (log, archive) = (svc.log.clone(), svc.archive.clone());
     let (tx, out) = mpsc::channel(64);
@@ -45,7 +52,12 @@ pub(super) async fn read_log(
                 }
                 // Then etcd, a page at a time. Batches are handed over synchronously; a
                 // bounded channel with blocking_send would stall the runtime.
+                let mut paged = false;
                 let first_in_etcd = loop {
+                    if let Some(c) = caller.as_ref().filter(|_| paged) {
+                        limits.pace(c).await;
+                    }
+                    paged = true;
                     let mut page = Vec::new();
                     let res = log
                         .read_with(from, to, 0, |b| {
