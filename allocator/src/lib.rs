@@ -22,6 +22,7 @@ mod retry;
 pub mod service;
 pub mod shared;
 pub mod span;
+mod status;
 pub mod tail;
 pub mod workload;
 pub mod write_limits;
