@@ -28,7 +28,6 @@ use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use tokio::sync::{Mutex, Notify};
 use tokio::task::JoinSet;
-use tonic::Status;
 use tracing::{debug, info, warn};
 
 use self::plan::{Fix, governing, no_class};
@@ -93,36 +92,74 @@ impl BudgetGuard {
 
     /// Refuse an RPC's budget change (`remove`: a removal) that a GPUBudget owns, or a demote
     /// budget whose priority class does not exist. Nothing is written when it refuses.
-    pub async fn check_budget(&self, b: &pb::BudgetSet, remove: bool) -> Result<(), Status> {
+    pub async fn check_budget(&self, b: &pb::BudgetSet, remove: bool) -> Result<(), Refusal> {
         self.check_owner(&b.namespace, "budget")?;
         if remove || b.policy != pb::BudgetPolicy::Demote as i32 || b.priority_class.is_empty() {
             return Ok(());
         }
         match self.priority_class_exists(&b.priority_class).await {
             Ok(true) => Ok(()),
-            Ok(false) => Err(Status::failed_precondition(no_class(&b.priority_class))),
-            Err(e) => Err(Status::unavailable(format!(
-                "could not check that priority class {:?} exists: {e}",
-                b.priority_class
-            ))),
+            Ok(false) => Err(Refusal::NoPriorityClass(b.priority_class.clone())),
+            Err(source) => Err(Refusal::Unchecked {
+                class: b.priority_class.clone(),
+                source,
+            }),
         }
     }
 
-    /// Refuse a change to what a GPUBudget governs: the object is where it is changed.
-    pub fn check_owner(&self, ns: &str, what: &str) -> Result<(), Status> {
+    /// Refuse a change to what a GPUBudget governs (`what`: "budget" or "quota"): the object
+    /// is where it is changed.
+    pub fn check_owner(&self, ns: &str, what: &'static str) -> Result<(), Refusal> {
         match self.governed_by(ns) {
-            Some(o) => Err(Status::failed_precondition(format!(
-                "the {what} of {} is set by GPUBudget {o}: change or delete that object \
-                 (kubectl edit gpubudget -n {})",
-                if ns.is_empty() {
-                    "the cluster default".to_owned()
-                } else {
-                    format!("namespace {ns}")
-                },
-                o.split('/').next().unwrap_or_default()
-            ))),
+            Some(by) => Err(Refusal::Governed {
+                what,
+                namespace: ns.to_owned(),
+                by,
+            }),
             None => Ok(()),
         }
+    }
+}
+
+/// Why the budget RPCs refused a change; nothing was written.
+#[derive(Debug, thiserror::Error)]
+pub enum Refusal {
+    /// A GPUBudget object (`by`, "ns/name") governs the namespace ("" = the cluster default):
+    /// the change belongs in that object. Not retryable.
+    #[error(
+        "the {what} of {} is set by GPUBudget {by}: change or delete that object \
+         (kubectl edit gpubudget -n {})",
+        governed_place(namespace),
+        by.split('/').next().unwrap_or_default()
+    )]
+    Governed {
+        /// What the change sets: "budget" or "quota".
+        what: &'static str,
+        /// The ledger namespace.
+        namespace: String,
+        /// The governing object.
+        by: String,
+    },
+    /// A demote budget names a priority class the cluster does not have. Retryable once the
+    /// class is created.
+    #[error("{}", no_class(.0))]
+    NoPriorityClass(String),
+    /// The API server could not say whether the priority class exists. Retryable.
+    #[error("could not check that priority class {class:?} exists: {source}")]
+    Unchecked {
+        /// The priority class.
+        class: String,
+        /// Why the API server did not answer.
+        source: kube::Error,
+    },
+}
+
+/// Ledger namespace `ns` as a refusal names it.
+fn governed_place(ns: &str) -> String {
+    if ns.is_empty() {
+        "the cluster default".to_owned()
+    } else {
+        format!("namespace {ns}")
     }
 }
 

@@ -2,7 +2,7 @@
 //!
 //! Every replica folds the committed log into the same state and serves reads; the elected
 //! leader decides writes, batches their events and appends them to etcd in one fenced
-//! transaction per batch. See `DESIGN.md` ("The ledger", "etcd layout and the write protocol").
+//! transaction per batch. The write protocol: `docs/ledger.md`.
 
 pub mod archive;
 pub mod authz;
@@ -23,6 +23,7 @@ mod retry;
 pub mod service;
 pub mod shared;
 pub mod span;
+mod status;
 pub mod tail;
 pub mod workload;
 pub mod write_limits;

@@ -120,7 +120,7 @@ impl From<&etcd_client::LeaderKey> for Fence {
 }
 
 /// The narrow edge between the allocator and the store of its log: what leading and catching
-/// up need. Every implementation keeps the write protocol of `DESIGN.md`: one fenced
+/// up need. Every implementation keeps the write protocol (`docs/ledger.md`): one fenced
 /// transaction per batch, `head` moving with it.
 pub trait LedgerLog: Clone + Send + Sync + 'static {
     /// Read `head` (linearizable).

@@ -11,8 +11,8 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
-use gpuledger_ledger::placement::{PodRequest, PodShape, Workload};
-use gpuledger_ledger::{CORE_MILLI_PER_GPU, Ledger};
+use gpuledger_ledger::placement::{Defaults, PodRequest, PodShape, Workload};
+use gpuledger_ledger::{CORE_MILLI_PER_GPU, Ledger, Policy};
 use gpuledger_proto::ledger::v1 as pb;
 use tokio::sync::broadcast::error::RecvError;
 use tokio::sync::watch;
@@ -58,11 +58,18 @@ impl Learned {
         self.current.subscribe()
     }
 
+    /// What a request that leaves them out is evaluated with: `policy`, and the current
+    /// distribution for FGD.
+    pub fn defaults(&self, policy: Policy) -> Defaults {
+        Defaults {
+            policy,
+            workload: Some(self.get()),
+        }
+    }
+
     /// Give an FGD request the current distribution (unless it brings its own).
     pub fn attach(&self, req: &mut PodRequest) {
-        if req.policy.is_fgd() && req.workload.is_none() {
-            req.workload = Some(self.get());
-        }
+        self.defaults(req.policy).attach(req);
     }
 
     /// Pods reserved in the window so far.

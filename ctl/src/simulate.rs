@@ -4,9 +4,11 @@
 //! cluster-trace-gpu-v2023: see `testdata/traces/README.md`.
 
 mod compare;
+mod draws;
 mod engine;
 mod floor;
 mod gorand;
+mod paper;
 mod plot;
 mod probe;
 mod variants;
@@ -19,9 +21,8 @@ use anyhow::{Context, bail};
 use gpuledger_ledger::Policy;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use engine::{
-    GO_INFORMER_DRAWS, POINTS, Procedure, RunResult, Setup, Streams, Ties, trace_workload,
-};
+use draws::{GO_INFORMER_DRAWS, Streams};
+use engine::{POINTS, Procedure, RunResult, Setup, Ties, trace_workload};
 use gpuledger_trace::{NodeRow, PodRow, read_nodes, read_pods};
 use probe::{Cost, Probe};
 

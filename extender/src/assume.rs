@@ -33,12 +33,10 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use gpuledger_ledger::placement::{self, Filtered};
+use gpuledger_ledger::placement::{self, Defaults, Filtered};
 use gpuledger_ledger::{Fit, Ledger, NodeState, PodRequest};
 use gpuledger_proto::allocator::v1 as api;
 use prometheus_client::metrics::counter::Counter;
-
-use crate::replica::Defaults;
 
 /// An assumed bind that never finished is dropped after this long (kube-scheduler's own
 /// assume cache expires bound-but-unconfirmed pods after 30 s too).

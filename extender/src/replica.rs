@@ -23,8 +23,8 @@ use std::time::{Duration, Instant};
 use arc_swap::ArcSwap;
 
 use backon::{BackoffBuilder, ExponentialBuilder};
-use gpuledger_ledger::placement::{PodShape, Workload};
-use gpuledger_ledger::{FollowError, Followed, Follower, Ledger, PodRequest, Policy};
+use gpuledger_ledger::placement::{Defaults, PodShape, Workload};
+use gpuledger_ledger::{FollowError, Followed, Follower, Ledger};
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_view::Views;
 use prometheus_client::metrics::counter::Counter;
@@ -41,26 +41,6 @@ use crate::assume::InFlight;
 /// How long an answer waits for the replica to fold this extender's own last write before it
 /// asks the allocator instead (the stream delivers a commit within a millisecond or two).
 const OWN_WRITES_WAIT: Duration = Duration::from_millis(100);
-
-/// How the allocator places requests that name no policy, and the FGD workload it learned.
-#[derive(Default)]
-pub struct Defaults {
-    /// The allocator's policy for requests that name none.
-    pub policy: Policy,
-    /// The allocator's learned FGD workload (None = the prior).
-    pub workload: Option<Arc<Workload>>,
-}
-
-impl Defaults {
-    /// Decode a request as the allocator would: its default policy and FGD workload applied.
-    pub fn request(&self, r: api::PodRequest) -> Result<PodRequest, String> {
-        let mut pr = PodRequest::from_pb(r, self.policy)?;
-        if pr.policy.is_fgd() {
-            pr.workload.clone_from(&self.workload);
-        }
-        Ok(pr)
-    }
-}
 
 /// The replica and its freshness. The stream's fold owns the ledger; filter and prioritize
 /// read views published from it, so no answer, however long, delays the fold.

@@ -6,10 +6,11 @@ pub mod bounds;
 
 use crate::pb;
 use crate::pb::event::Body;
-use crate::placement::{self, Fit, PodRequest};
+use crate::placement::PodRequest;
 use crate::state::{Alloc, AllocState, ApplyError, Ledger};
 
 mod nominate;
+mod reserve;
 
 /// A request to change the ledger.
 #[derive(Debug, Clone, PartialEq)]
@@ -188,7 +189,7 @@ impl Ledger {
     }
 
     fn decide(&self, cmd: Command) -> Result<(Vec<Body>, Reply), CommandError> {
-        check_bounds(&cmd).map_err(CommandError::Invalid)?;
+        bounds::check(&cmd).map_err(CommandError::Invalid)?;
         let unchanged = Ok((Vec::new(), Reply::Done { changed: false }));
         let changed = |b: Vec<Body>| Ok((b, Reply::Done { changed: true }));
         match cmd {
@@ -469,208 +470,6 @@ impl Ledger {
             )));
         }
         Ok(a)
-    }
-
-    fn decide_reserve(
-        &self,
-        request: PodRequest,
-        node: String,
-        deadline_ms: i64,
-    ) -> Result<(Vec<Body>, Reply), CommandError> {
-        request.validate().map_err(CommandError::Invalid)?;
-        let existing = self.allocs_of_pod(&request.pod.uid);
-        if !existing.is_empty() {
-            if let Some(a) = existing.iter().find(|a| a.node != node) {
-                return Err(CommandError::Conflict(format!(
-                    "pod {}/{} already holds allocation {} on node {}",
-                    request.pod.namespace, request.pod.name, a.id, a.node
-                )));
-            }
-            let mut allocations: Vec<pb::Allocation> = existing.iter().map(|a| a.to_pb()).collect();
-            allocations.sort_by_key(|a| a.id);
-            return Ok((
-                Vec::new(),
-                Reply::Reserved {
-                    allocations,
-                    created: false,
-                },
-            ));
-        }
-        let n = self
-            .node_for(&node, &request)
-            .ok_or_else(|| CommandError::NotFound(format!("node {node} is not registered")))?;
-        let placed = match self.nominated_placement(&n, &request) {
-            Some(p) => p,
-            None => placement::place_on_node(&n, &request).map_err(|f| match f {
-                Fit::Never(r) => CommandError::Unsatisfiable(format!("node {node}: {r}")),
-                Fit::Wait(r) => CommandError::NoCapacity(format!(
-                    "node {node}: {r}{}",
-                    self.room_kept(&node, &request)
-                )),
-                Fit::Fits => CommandError::NoCapacity(format!("node {node}")),
-            })?,
-        };
-        self.check_quota(&request.pod.namespace, &placed)?;
-        // The pod's own nomination, wherever it was, ends with its reservation.
-        let mut bodies: Vec<Body> = self
-            .end_nomination_body(&request.pod.uid, format!("reserved on node {node}"))
-            .into_iter()
-            .collect();
-        let first = self.seq() + 1 + bodies.len() as u64;
-        bodies.extend(placed.into_iter().enumerate().map(|(i, p)| {
-            Body::Reserved(pb::Reserved {
-                allocation_id: first + i as u64,
-                pod: Some(request.pod.clone()),
-                container: p.container,
-                node: node.clone(),
-                shares: p.shares,
-                deadline_ms,
-                // The pod's node-level requests are counted once, on its first container.
-                cpu_milli: if i == 0 { request.cpu_milli } else { 0 },
-                memory_mib: if i == 0 { request.memory_mib } else { 0 },
-                policy: request.policy.to_string(),
-            })
-        }));
-        Ok((
-            bodies,
-            Reply::Reserved {
-                allocations: Vec::new(),
-                created: true,
-            },
-        ))
-    }
-}
-
-impl Ledger {
-    /// Refuse a grant that would take a namespace over its quota. The leader decides every
-    /// grant in log order against the folded state, so two racing pods cannot both slip in.
-    fn check_quota(
-        &self,
-        ns: &str,
-        placed: &[placement::ContainerPlacement],
-    ) -> Result<(), CommandError> {
-        let Some(q) = self.quotas().get(ns) else {
-            return Ok(());
-        };
-        let (held_m, held_c) = self.budgets().held(ns);
-        let shares = placed.iter().flat_map(|p| &p.shares);
-        let m = shares
-            .clone()
-            .fold(0u64, |t, s| t.saturating_add(s.mem_mib));
-        let c = shares.fold(0u64, |t, s| t.saturating_add(u64::from(s.core_milli)));
-        if q.mem_mib > 0 && held_m.saturating_add(m) > q.mem_mib {
-            return Err(CommandError::NoCapacity(format!(
-                "namespace {ns} is over its GPU memory quota: holds {held_m} MiB, asks {m} MiB, \
-                 quota {} MiB",
-                q.mem_mib
-            )));
-        }
-        if q.core_milli > 0 && held_c.saturating_add(c) > q.core_milli {
-            return Err(CommandError::NoCapacity(format!(
-                "namespace {ns} is over its GPU compute quota: holds {held_c}, asks {c}, quota {} \
-                 (thousandths of a GPU)",
-                q.core_milli
-            )));
-        }
-        Ok(())
-    }
-}
-
-/// Why `cmd` carries more than an event may hold (see [`bounds`]), if it does.
-fn check_bounds(cmd: &Command) -> Result<(), String> {
-    use bounds::{device_ids, id, name, text};
-    match cmd {
-        Command::RegisterNode(inv) => bounds::InventoryLimits::CEILING.check(inv),
-        Command::RemoveNode { node, reason } => {
-            name("node name", node)?;
-            text("reason", reason)
-        }
-        Command::SetDeviceHealth(h) => {
-            name("node name", &h.node)?;
-            id("GPU uuid", &h.gpu_uuid)?;
-            text("reason", &h.reason)
-        }
-        // The request's own validation bounds its names and sizes.
-        Command::Reserve { node, .. } => name("node name", node),
-        Command::ConfirmBound {
-            pod_uid,
-            node,
-            reason,
-        } => {
-            id("pod uid", pod_uid)?;
-            name("node name", node)?;
-            text("reason", reason)
-        }
-        Command::Assign {
-            node,
-            device_ids: d,
-            ..
-        }
-        | Command::CorrectIdentity {
-            node,
-            device_ids: d,
-            ..
-        } => {
-            name("node name", node)?;
-            device_ids(d)
-        }
-        Command::Release {
-            pod_uid,
-            container,
-            reason,
-            ..
-        } => {
-            id("pod uid", pod_uid)?;
-            id("container name", container)?;
-            text("reason", reason)
-        }
-        Command::ReportViolation(v) => bounds::check_violation(v),
-        Command::LeaderElected(l) => {
-            text("replica", &l.replica)?;
-            text("address", &l.address)
-        }
-        Command::SetQuota(_) => Ok(()),
-        Command::SetBudget(b) => text("budget source", &b.source),
-        Command::RemoveBudget(b) => text("budget source", &b.source),
-        Command::Nominate {
-            nomination: n,
-            leaving,
-        } => {
-            name("node name", &n.node)?;
-            if n.containers.len() > bounds::MAX_CONTAINERS {
-                return Err(format!(
-                    "{} containers nominated, at most {}",
-                    n.containers.len(),
-                    bounds::MAX_CONTAINERS
-                ));
-            }
-            for c in &n.containers {
-                id("container name", &c.container)?;
-                if c.shares.len() > bounds::MAX_SLICES as usize {
-                    return Err(format!(
-                        "container {} nominated on {} GPUs, at most {}",
-                        c.container,
-                        c.shares.len(),
-                        bounds::MAX_SLICES
-                    ));
-                }
-            }
-            // A node holds at most MAX_SLICES GPUs' worth of slices per pod; victims and
-            // pods leaving are pods on one node.
-            for (what, n) in [
-                ("victims", n.victims.len()),
-                ("pods leaving", leaving.len()),
-            ] {
-                if n > bounds::MAX_VICTIMS {
-                    return Err(format!("{n} {what}, at most {}", bounds::MAX_VICTIMS));
-                }
-            }
-            leaving.iter().try_for_each(|u| id("pod uid", u))
-        }
-        Command::EndNomination { pod_uid, reason } => {
-            id("pod uid", pod_uid)?;
-            text("reason", reason)
-        }
     }
 }
 

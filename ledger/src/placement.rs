@@ -25,7 +25,7 @@ use score::node_score;
 
 pub use fgd::{PodShape, Workload};
 pub use filter::{Filtered, Fit, NOT_REGISTERED, filter_nodes, fit_node};
-pub use request::{ContainerRequest, PodRequest, Policy, Selector};
+pub use request::{ContainerRequest, Defaults, PodRequest, Policy, Selector};
 pub use score::{score_node, score_nodes};
 pub use value::GapValues;
 

@@ -7,7 +7,7 @@ use gpuledger_ledger::pb::event::Body;
 use gpuledger_ledger::{Alloc, Ledger, pb};
 
 use super::By;
-use super::report::Report;
+use super::report::{Acc, Report};
 
 /// Who holds an allocation's shares now, and how much.
 #[derive(Debug, Clone)]
@@ -41,25 +41,6 @@ impl Holder {
             By::Pod => vec![self.pod.namespace.clone(), self.pod.name.clone()],
             By::Node => vec![self.node.clone()],
         }
-    }
-}
-
-/// Usage of one group: exact integrals and the number of allocations that held GPUs in it.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Acc {
-    /// Allocations with a holding of positive length inside the window.
-    pub allocations: u64,
-    /// Σ MiB × ms.
-    pub mib_ms: u128,
-    /// Σ core_milli × ms.
-    pub core_milli_ms: u128,
-}
-
-impl Acc {
-    fn add(&mut self, o: &Acc) {
-        self.allocations += o.allocations;
-        self.mib_ms += o.mib_ms;
-        self.core_milli_ms += o.core_milli_ms;
     }
 }
 

@@ -5,10 +5,28 @@ use std::collections::BTreeMap;
 use gpuledger_ledger::CORE_MILLI_PER_GPU;
 use serde::Serialize;
 
-use super::meter::Acc;
 use super::{By, Format, MS_PER_HOUR};
 use crate::table::Table;
 use crate::when::fmt_ms;
+
+/// Usage of one group: exact integrals and the number of allocations that held GPUs in it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Acc {
+    /// Allocations with a holding of positive length inside the window.
+    pub allocations: u64,
+    /// Σ MiB × ms.
+    pub mib_ms: u128,
+    /// Σ core_milli × ms.
+    pub core_milli_ms: u128,
+}
+
+impl Acc {
+    pub(super) fn add(&mut self, o: &Acc) {
+        self.allocations += o.allocations;
+        self.mib_ms += o.mib_ms;
+        self.core_milli_ms += o.core_milli_ms;
+    }
+}
 
 /// The result of a usage run.
 #[derive(Debug)]

@@ -5,6 +5,7 @@
 //! [`CommandError::Invalid`](super::CommandError::Invalid) before anything is decided, so it
 //! can neither grow an event without limit nor make the sequencer panic.
 
+use super::Command;
 use crate::pb;
 
 /// Longest node, pod or namespace name (a Kubernetes object name: a DNS subdomain).
@@ -140,4 +141,101 @@ pub fn check_violation(v: &pb::LimitViolated) -> Result<(), String> {
         ));
     }
     Ok(())
+}
+
+/// Why `cmd` carries more than an event may hold, if it does.
+pub(crate) fn check(cmd: &Command) -> Result<(), String> {
+    match cmd {
+        Command::RegisterNode(inv) => InventoryLimits::CEILING.check(inv),
+        Command::RemoveNode { node, reason } => {
+            name("node name", node)?;
+            text("reason", reason)
+        }
+        Command::SetDeviceHealth(h) => {
+            name("node name", &h.node)?;
+            id("GPU uuid", &h.gpu_uuid)?;
+            text("reason", &h.reason)
+        }
+        // The request's own validation bounds its names and sizes.
+        Command::Reserve { node, .. } => name("node name", node),
+        Command::ConfirmBound {
+            pod_uid,
+            node,
+            reason,
+        } => {
+            id("pod uid", pod_uid)?;
+            name("node name", node)?;
+            text("reason", reason)
+        }
+        Command::Assign {
+            node,
+            device_ids: d,
+            ..
+        }
+        | Command::CorrectIdentity {
+            node,
+            device_ids: d,
+            ..
+        } => {
+            name("node name", node)?;
+            device_ids(d)
+        }
+        Command::Release {
+            pod_uid,
+            container,
+            reason,
+            ..
+        } => {
+            id("pod uid", pod_uid)?;
+            id("container name", container)?;
+            text("reason", reason)
+        }
+        Command::ReportViolation(v) => check_violation(v),
+        Command::LeaderElected(l) => {
+            text("replica", &l.replica)?;
+            text("address", &l.address)
+        }
+        Command::SetQuota(_) => Ok(()),
+        Command::SetBudget(b) => text("budget source", &b.source),
+        Command::RemoveBudget(b) => text("budget source", &b.source),
+        Command::Nominate {
+            nomination: n,
+            leaving,
+        } => {
+            name("node name", &n.node)?;
+            if n.containers.len() > MAX_CONTAINERS {
+                return Err(format!(
+                    "{} containers nominated, at most {}",
+                    n.containers.len(),
+                    MAX_CONTAINERS
+                ));
+            }
+            for c in &n.containers {
+                id("container name", &c.container)?;
+                if c.shares.len() > MAX_SLICES as usize {
+                    return Err(format!(
+                        "container {} nominated on {} GPUs, at most {}",
+                        c.container,
+                        c.shares.len(),
+                        MAX_SLICES
+                    ));
+                }
+            }
+            // A node holds at most MAX_SLICES GPUs' worth of slices per pod; victims and
+            // pods leaving are pods on one node.
+            for (what, n) in [
+                ("victims", n.victims.len()),
+                ("pods leaving", leaving.len()),
+            ] {
+                if n > MAX_VICTIMS {
+                    return Err(format!("{n} {what}, at most {}", MAX_VICTIMS));
+                }
+            }
+            leaving.iter().try_for_each(|u| id("pod uid", u))
+        }
+        Command::EndNomination { pod_uid, reason } => {
+            id("pod uid", pod_uid)?;
+            text("reason", reason)
+        }
+    }
 }

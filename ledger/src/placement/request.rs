@@ -356,3 +356,31 @@ impl PodRequest {
         Ok(())
     }
 }
+
+/// What the allocator fills in for a request that leaves it out: the policy of a request that
+/// names none, and the workload FGD measures fragmentation against. The allocator decodes with
+/// its own; a copy of the ledger (the extender's replica) with the ones the allocator sends, so
+/// both evaluate a request alike.
+#[derive(Debug, Clone, Default)]
+pub struct Defaults {
+    /// The policy of a request that names none.
+    pub policy: Policy,
+    /// The workload an FGD request is measured against (None = [`Workload::prior`]).
+    pub workload: Option<Arc<Workload>>,
+}
+
+impl Defaults {
+    /// Decode and validate the API's form of a request as the allocator does.
+    pub fn request(&self, r: pb::PodRequest) -> Result<PodRequest, String> {
+        let mut req = PodRequest::from_pb(r, self.policy)?;
+        self.attach(&mut req);
+        Ok(req)
+    }
+
+    /// Give an FGD request the workload, unless it brings its own (other policies ignore it).
+    pub fn attach(&self, req: &mut PodRequest) {
+        if req.policy.is_fgd() && req.workload.is_none() {
+            req.workload.clone_from(&self.workload);
+        }
+    }
+}

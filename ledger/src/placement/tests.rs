@@ -125,6 +125,49 @@ fn validation_explains() {
     assert!("fastest".parse::<Policy>().is_err());
 }
 
+#[test]
+fn defaults_fill_the_policy_and_give_fgd_alone_the_workload() {
+    let w = Arc::new(Workload::prior());
+    let d = Defaults {
+        policy: Policy::Fgd,
+        workload: Some(w.clone()),
+    };
+    let wire = |policy: &str| pb::PodRequest {
+        pod: Some(pb::PodRef {
+            uid: "u".into(),
+            namespace: "ns".into(),
+            name: "p".into(),
+        }),
+        containers: vec![pb::ContainerRequest {
+            name: "c".into(),
+            slices: 1,
+            mem_mib: 100,
+            ..Default::default()
+        }],
+        placement: Some(pb::Placement {
+            policy: policy.into(),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let unnamed = d.request(wire("")).expect("valid");
+    assert_eq!(unnamed.policy, Policy::Fgd);
+    assert!(
+        unnamed
+            .workload
+            .as_ref()
+            .is_some_and(|x| Arc::ptr_eq(x, &w))
+    );
+    let named = d.request(wire("spread")).expect("valid");
+    assert_eq!(named.policy, Policy::Spread);
+    assert!(named.workload.is_none());
+    let own = Arc::new(Workload::from_requests([&unnamed]));
+    let mut brought = unnamed.clone();
+    brought.workload = Some(own.clone());
+    d.attach(&mut brought);
+    assert!(brought.workload.is_some_and(|x| Arc::ptr_eq(&x, &own)));
+}
+
 fn share_req(core: u32, policy: Policy, w: &Arc<Workload>) -> PodRequest {
     let mut r = req(1, 0, policy);
     r.containers[0].core_milli = core;
