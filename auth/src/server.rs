@@ -6,7 +6,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 
-use base64::Engine;
 use futures::future::BoxFuture;
 use http::{HeaderMap, HeaderValue, Request, Response};
 use rustls::pki_types::CertificateDer;
@@ -16,18 +15,11 @@ use tracing::warn;
 
 use crate::identity::{Caller, Role, from_spiffe_id};
 use crate::limit::{Bites, Brake, ConnInfo, Slot, Slots, peer_key};
+
+mod forwarding;
 use crate::token::{TokenAuthenticator, TokenError, Unreviewed};
-
-/// The header through which a follower tells the leader whom it forwards a write for, when
-/// that caller authenticated with a client certificate. Honoured only from an allocator that
-/// itself authenticated with a client certificate (it holds the allocator's key); anyone
-/// else's is dropped and counted.
-pub const ON_BEHALF_OF: &str = "x-gpuledger-on-behalf-of";
-
-/// The header through which a follower hands the leader the `authorization` value of the
-/// caller it forwards a write for (a ServiceAccount token): the leader reviews the token
-/// itself, so a forwarder can vouch only for a caller whose credential it holds.
-pub const FORWARDED_AUTHORIZATION: &str = "x-gpuledger-forwarded-authorization";
+use forwarding::decode_on_behalf_of;
+pub use forwarding::{FORWARDED_AUTHORIZATION, ON_BEHALF_OF, on_behalf_of};
 
 /// The limit name of the in-flight refusals of [`CallerLimits::max_in_flight`].
 pub const BITE_IN_FLIGHT: &str = "in_flight_per_identity";
@@ -145,36 +137,6 @@ pub fn caller_of_cert(cert: &CertificateDer<'_>) -> Option<Result<Caller, String
         _ => None,
     })?;
     Some(from_spiffe_id(uri).map_err(|e| e.to_string()))
-}
-
-/// The value of [`ON_BEHALF_OF`] that names `caller`.
-pub fn on_behalf_of(caller: &Caller) -> HeaderValue {
-    let json = serde_json::json!({
-        "role": caller.role.kind(),
-        "node": caller.node(),
-        "subject": caller.subject,
-    });
-    let v = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(json.to_string());
-    HeaderValue::from_str(&v).expect("base64 is a valid header value")
-}
-
-fn decode_on_behalf_of(v: &HeaderValue) -> Option<Caller> {
-    let raw = base64::engine::general_purpose::URL_SAFE_NO_PAD
-        .decode(v.as_bytes())
-        .ok()?;
-    let j: serde_json::Value = serde_json::from_slice(&raw).ok()?;
-    let subject = j.get("subject")?.as_str()?.to_string();
-    let role = match j.get("role")?.as_str()? {
-        "allocator" => Role::Allocator,
-        "extender" => Role::Extender,
-        "viewer" => Role::Viewer,
-        "admin" => Role::Admin,
-        "node-agent" => Role::NodeAgent {
-            node: j.get("node")?.as_str()?.to_string(),
-        },
-        _ => return None,
-    };
-    Some(Caller { role, subject })
 }
 
 impl Authenticator {
@@ -526,26 +488,4 @@ pub fn over_limit(mut status: tonic::Status, limit: &'static str) -> tonic::Stat
 /// Whether an answer refuses its call for being over a limit.
 fn over_a_limit(res: &Response<Body>) -> bool {
     res.headers().contains_key(OVER_LIMIT)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn forwarding_headers_round_trip() {
-        for role in [
-            Role::Extender,
-            Role::NodeAgent { node: "n-1".into() },
-            Role::Admin,
-        ] {
-            let c = Caller {
-                role,
-                subject: "system:serviceaccount:gpuledger:x".into(),
-            };
-            assert_eq!(decode_on_behalf_of(&on_behalf_of(&c)), Some(c));
-        }
-        assert_eq!(decode_on_behalf_of(&HeaderValue::from_static("e30")), None);
-        assert_eq!(decode_on_behalf_of(&HeaderValue::from_static("%%")), None);
-    }
 }

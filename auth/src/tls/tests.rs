@@ -9,6 +9,7 @@ use super::*;
 use crate::identity::Role;
 use crate::pki::Ca;
 use crate::server::{Authenticator, Refusal, caller_of_cert};
+use tokio::net::TcpListener;
 
 struct Files {
     dir: tempfile::TempDir,
