@@ -5,7 +5,7 @@
 //! concern: `writes` and `preempt` (which have `forward` make their command on the leader:
 //! through this replica's [`Writer`] when it leads, else by forwarding the request), `reads`,
 //! and the streams `subscribe`, `replicate`, `read_log` and `read_snapshots`. A write's
-//! [`WriteError`] becomes a gRPC status here, in one place.
+//! [`crate::writer::WriteError`] becomes a gRPC status in `crate::status`, in one place.
 
 mod forward;
 mod preempt;
@@ -24,7 +24,7 @@ use gpuledger_auth::identity::Caller;
 use gpuledger_auth::limit::{Slot, Slots};
 use gpuledger_auth::rules::Call;
 use gpuledger_auth::server::{Authenticated, over_limit};
-use gpuledger_ledger::{CommandError, PodRequest, pb};
+use gpuledger_ledger::{PodRequest, pb};
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::allocator::v1::allocator_server::Allocator;
 use tokio::sync::Semaphore;
@@ -38,41 +38,13 @@ use crate::read_limits::ReadLimits;
 use crate::shared::Shared;
 use crate::workload::Learned;
 use crate::write_limits::WriteLimits;
-use crate::writer::{WriteError, Writer};
-
-/// A write that was not committed, as the caller is told: a refusal by the ledger by its kind,
-/// and a write without an answer as UNAVAILABLE (retry).
-impl From<WriteError> for Status {
-    fn from(e: WriteError) -> Status {
-        match e {
-            WriteError::Refused(e) => match e {
-                CommandError::Invalid(m) => Status::invalid_argument(m),
-                CommandError::NotFound(m) => Status::not_found(m),
-                CommandError::NoCapacity(m) => Status::resource_exhausted(m),
-                CommandError::Unsatisfiable(m) => Status::failed_precondition(m),
-                CommandError::Conflict(m) => Status::already_exists(m),
-                CommandError::Bug(m) => Status::internal(m.to_string()),
-            },
-            e @ WriteError::InvalidEvent(_) => Status::internal(e.to_string()),
-            e @ (WriteError::NotLeader | WriteError::Unavailable(_)) => {
-                Status::unavailable(e.to_string())
-            }
-        }
-    }
-}
+use crate::writer::Writer;
 
 /// Convert an API pod request into the ledger's form (no policy = binpack), rejecting what is
 /// malformed.
 pub fn pod_request(r: Option<api::PodRequest>) -> Result<PodRequest, Status> {
-    decode(r, gpuledger_ledger::Policy::default())
-}
-
-fn decode(
-    r: Option<api::PodRequest>,
-    default_policy: gpuledger_ledger::Policy,
-) -> Result<PodRequest, Status> {
     let r = r.ok_or_else(|| Status::invalid_argument("request is missing"))?;
-    PodRequest::from_pb(r, default_policy).map_err(Status::invalid_argument)
+    PodRequest::from_pb(r, gpuledger_ledger::Policy::default()).map_err(Status::invalid_argument)
 }
 
 /// The gRPC service of one replica.
@@ -249,9 +221,12 @@ impl Service {
     /// A request as the ledger evaluates it: the default policy when it names none, and the
     /// learned workload for FGD.
     fn request(&self, r: Option<api::PodRequest>) -> Result<PodRequest, Status> {
-        let mut pr = decode(r, self.placement.default_policy)?;
-        self.placement.learned.attach(&mut pr);
-        Ok(pr)
+        let r = r.ok_or_else(|| Status::invalid_argument("request is missing"))?;
+        self.placement
+            .learned
+            .defaults(self.placement.default_policy)
+            .request(r)
+            .map_err(Status::invalid_argument)
     }
 
     fn check_serving(&self) -> Result<(), Status> {

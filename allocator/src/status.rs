@@ -1,9 +1,33 @@
-//! How the shells' refusals read to a gRPC caller: the one place a domain error of the
-//! watchers' checks becomes a `tonic::Status`, so the checks themselves speak their own words.
+//! How the shells' refusals read to a gRPC caller: the one place a write's error and a domain
+//! error of the watchers' checks become a `tonic::Status`, so the sequencer and the checks
+//! speak their own words.
 
+use gpuledger_ledger::CommandError;
 use tonic::Status;
 
 use crate::budget_watch::Refusal;
+use crate::writer::WriteError;
+
+/// A write that was not committed, as the caller is told: a refusal by the ledger by its kind,
+/// and a write without an answer as UNAVAILABLE (retry).
+impl From<WriteError> for Status {
+    fn from(e: WriteError) -> Status {
+        match e {
+            WriteError::Refused(e) => match e {
+                CommandError::Invalid(m) => Status::invalid_argument(m),
+                CommandError::NotFound(m) => Status::not_found(m),
+                CommandError::NoCapacity(m) => Status::resource_exhausted(m),
+                CommandError::Unsatisfiable(m) => Status::failed_precondition(m),
+                CommandError::Conflict(m) => Status::already_exists(m),
+                CommandError::Bug(m) => Status::internal(m.to_string()),
+            },
+            e @ WriteError::InvalidEvent(_) => Status::internal(e.to_string()),
+            e @ (WriteError::NotLeader | WriteError::Unavailable(_)) => {
+                Status::unavailable(e.to_string())
+            }
+        }
+    }
+}
 
 /// A budget or quota change that a GPUBudget owns, or a demote budget whose priority class is
 /// missing, is FAILED_PRECONDITION (fix the cluster, then retry); an API server that could not

@@ -60,8 +60,15 @@ async fn silent_sockets_from_one_address_do_not_lock_new_clients_out() -> anyhow
         "a new client while 1,100 sockets stall: {status:?} after {:?}",
         t0.elapsed()
     );
-    // Past 64 handshakes in progress from one address, the rest are closed at accept.
-    assert!(limited(&allocs, 0, "tls_handshakes_per_peer").await? >= 1_000.0);
+    // Past 64 handshakes in progress from one address, the rest are closed at accept (the
+    // allocator may still be accepting the last of them: counted within a few seconds).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut closed = limited(&allocs, 0, "tls_handshakes_per_peer").await?;
+    while closed < 1_000.0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        closed = limited(&allocs, 0, "tls_handshakes_per_peer").await?;
+    }
+    assert!(closed >= 1_000.0, "{closed} closed at accept");
     // The silent ones are cut once the ClientHello is overdue.
     tokio::time::sleep(Duration::from_millis(1_500)).await;
     assert!(limited(&allocs, 0, "tls_hello_timeout").await? >= 1.0);
