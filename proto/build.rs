@@ -15,6 +15,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         .build_server(true)
         .build_client(true)
+        // Only claim grants carry it: boxed, so every pod allocation stays small.
+        .boxed(".gpuledger.ledger.v1.Allocation.claim")
         .compile_protos(&protos, &["proto"])?;
     Ok(())
 }

@@ -21,6 +21,7 @@ fn ev(seq: u64, time_ms: i64, body: Body) -> pb::Event {
 fn node() -> Body {
     Body::NodeRegistered(pb::NodeRegistered {
         inventory: Some(pb::NodeInventory {
+            mode: Default::default(),
             node: "n1".into(),
             gpus: (0..2)
                 .map(|i| pb::Gpu {
