@@ -120,8 +120,52 @@ pub fn describe(e: &pb::Event) -> String {
             x.node,
             x.reason
         ),
+        Some(Body::ClaimGranted(g)) => {
+            let s = g.share.clone().unwrap_or_default();
+            let consumers: Vec<String> = g.consumers.iter().map(|p| pod_name(Some(p))).collect();
+            format!(
+                "allocation {} granted to claim {} request {} share {} on {}: {} {}MiB {}%                  (device {}, {}, for {})",
+                g.allocation_id,
+                claim_name(g.claim.as_ref()),
+                g.request,
+                g.share_id,
+                g.node,
+                s.gpu_uuid,
+                s.mem_mib,
+                s.core_milli / 10,
+                g.device,
+                g.source,
+                if consumers.is_empty() {
+                    "no pod yet".into()
+                } else {
+                    consumers.join(", ")
+                }
+            )
+        }
+        Some(Body::ClaimRefused(r)) => format!(
+            "claim {} request {} share {} refused on {} device {}: {}",
+            claim_name(r.claim.as_ref()),
+            r.request,
+            r.share_id,
+            r.node,
+            r.device,
+            r.reason
+        ),
+        Some(Body::ClaimPrepared(p)) => format!(
+            "claim allocations {:?} prepared with CDI devices {}",
+            p.allocation_ids,
+            p.cdi_device_ids.join(",")
+        ),
+        Some(Body::ClaimUnprepared(u)) => {
+            format!("claim allocations {:?} unprepared", u.allocation_ids)
+        }
         None => "(empty event)".into(),
     }
+}
+
+/// `namespace/name` of a claim reference.
+fn claim_name(c: Option<&pb::ClaimRef>) -> String {
+    c.map_or_else(|| "?".into(), |c| format!("{}/{}", c.namespace, c.name))
 }
 
 /// `namespace/name` of a pod reference.
@@ -181,6 +225,22 @@ pub async fn audit(a: AuditArgs) -> Result<()> {
                 }
                 hit
             }
+            // A pod's claim grants: the pod is a consumer (or the claim is named).
+            Some(Body::ClaimGranted(g)) => {
+                let c = g.claim.clone().unwrap_or_default();
+                let as_pod = pb::PodRef {
+                    uid: c.uid,
+                    namespace: c.namespace,
+                    name: c.name,
+                };
+                let hit = is(Some(&as_pod)) || g.consumers.iter().any(|p| is(Some(p)));
+                if hit {
+                    ids.push(g.allocation_id);
+                }
+                hit
+            }
+            Some(Body::ClaimPrepared(p)) => p.allocation_ids.iter().any(|i| ids.contains(i)),
+            Some(Body::ClaimUnprepared(u)) => u.allocation_ids.iter().any(|i| ids.contains(i)),
             Some(Body::Bound(b)) => ids.contains(&b.allocation_id),
             Some(Body::Assigned(x)) => ids.contains(&x.allocation_id),
             Some(Body::Released(r)) => ids.contains(&r.allocation_id),
