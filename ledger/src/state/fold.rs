@@ -146,7 +146,11 @@ impl Ledger {
                     return Err(bad(format!("BudgetSet of {:?}: {why}", b.namespace)));
                 }
             }
-            Body::Nominated(n) => self.nominate(n).map_err(bad)?,
+            Body::Nominated(n) => {
+                self.require_mode(&n.node, pb::NodeMode::DevicePlugin, "Nominated")
+                    .map_err(bad)?;
+                self.nominate(n).map_err(bad)?;
+            }
             Body::NominationEnded(e) => self.end_nomination(e).map_err(bad)?,
         }
         self.account(body, before, ev.time_ms);

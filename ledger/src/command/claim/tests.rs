@@ -316,6 +316,33 @@ fn pods_are_not_reserved_on_dra_nodes() {
         ["dra"]
     );
     l.execute(reserve("dp"), 1, 2).expect("device-plugin node");
+    let nomination = pb::Nominated {
+        pod: Some(pb::PodRef {
+            uid: "p2".into(),
+            namespace: "team-a".into(),
+            name: "p2".into(),
+        }),
+        priority: 10,
+        node: "dra".into(),
+        containers: vec![pb::NominatedContainer {
+            container: "main".into(),
+            shares: vec![pb::GpuShare {
+                gpu_uuid: "GPU-dra-0".into(),
+                mem_mib: 1000,
+                core_milli: 0,
+            }],
+        }],
+        ..Default::default()
+    };
+    let e = l.execute(
+        Command::Nominate {
+            nomination,
+            leaving: vec![],
+        },
+        1,
+        3,
+    );
+    assert!(matches!(e, Err(CommandError::Unsatisfiable(_))), "{e:?}");
 }
 
 #[test]
