@@ -6,6 +6,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "proto/gpuledger/allocator/v1/allocator.proto",
         "proto/k8s/deviceplugin/v1beta1/api.proto",
         "proto/k8s/podresources/v1/api.proto",
+        "proto/k8s/pluginregistration/v1/api.proto",
+        "proto/k8s/dra/v1/api.proto",
     ];
     for p in &protos {
         println!("cargo:rerun-if-changed={p}");
@@ -13,6 +15,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         .build_server(true)
         .build_client(true)
+        // Only claim grants carry it: boxed, so every pod allocation stays small.
+        .boxed(".gpuledger.ledger.v1.Allocation.claim")
         .compile_protos(&protos, &["proto"])?;
     Ok(())
 }

@@ -16,7 +16,7 @@ use prometheus_client::registry::Registry;
 pub(crate) const PREFIX: &str = "gpuledger_allocator";
 
 /// Ledger event types, in the order of [`Metrics`]' per-type counters.
-pub(crate) const EVENT_TYPES: [&str; 16] = [
+pub(crate) const EVENT_TYPES: [&str; 20] = [
     "node_registered",
     "node_removed",
     "device_health_changed",
@@ -32,6 +32,10 @@ pub(crate) const EVENT_TYPES: [&str; 16] = [
     "budget_removed",
     "nominated",
     "nomination_ended",
+    "claim_granted",
+    "claim_refused",
+    "claim_prepared",
+    "claim_unprepared",
     "empty",
 ];
 
@@ -175,7 +179,11 @@ impl Metrics {
             Some(Body::BudgetRemoved(_)) => 12,
             Some(Body::Nominated(_)) => 13,
             Some(Body::NominationEnded(_)) => 14,
-            None => 15,
+            Some(Body::ClaimGranted(_)) => 15,
+            Some(Body::ClaimRefused(_)) => 16,
+            Some(Body::ClaimPrepared(_)) => 17,
+            Some(Body::ClaimUnprepared(_)) => 18,
+            None => 19,
         };
         self.events[i].fetch_add(1, Ordering::Relaxed);
     }

@@ -244,6 +244,7 @@ mod tests {
         for (k, &n) in gpus.iter().enumerate() {
             let node = format!("n{k}");
             let inventory = pb::NodeInventory {
+                mode: Default::default(),
                 gpus: (0..n)
                     .map(|i| pb::Gpu {
                         uuid: format!("{node}-g{i}"),

@@ -86,6 +86,7 @@ fn build_log(
     }
     for n in 0..nodes {
         let inv = pb::NodeInventory {
+            mode: Default::default(),
             node: format!("node-{n:05}"),
             gpus: (0..8)
                 .map(|g| pb::Gpu {

@@ -54,6 +54,7 @@ impl Default for NodeShape {
 /// The inventory a node agent would register for `name`.
 pub fn inventory(name: &str, shape: &NodeShape) -> pb::NodeInventory {
     pb::NodeInventory {
+        mode: Default::default(),
         node: name.to_string(),
         gpus: (0..shape.gpus)
             .map(|i| pb::Gpu {

@@ -9,6 +9,7 @@ use crate::pb::event::Body;
 use crate::placement::PodRequest;
 use crate::state::{Alloc, AllocState, ApplyError, Ledger};
 
+mod claim;
 mod nominate;
 mod reserve;
 
@@ -97,6 +98,30 @@ pub enum Command {
         /// as gone when checking the room; not recorded.
         leaving: Vec<String>,
     },
+    /// Grant one result of a ResourceClaim (its share of one GPU of a DRA node), checked as
+    /// `Reserve` is: node mode, health, capacity and the claim namespace's quota. The
+    /// `allocation_id` is ignored (the grant's seq becomes it). A repeat of a live grant of the
+    /// same claim, request and share answers with that grant.
+    GrantClaim(pb::ClaimGranted),
+    /// Record that a claim's result was refused, and why (refused while the result is granted).
+    RefuseClaim(pb::ClaimRefused),
+    /// A node agent prepared claim grants of its node (NodePrepareResources).
+    PrepareClaim {
+        /// The calling agent's node.
+        node: String,
+        /// The grants prepared (one claim's results).
+        allocation_ids: Vec<u64>,
+        /// The CDI device ids handed to the kubelet.
+        cdi_device_ids: Vec<String>,
+    },
+    /// A node agent unprepared claim grants of its node (NodeUnprepareResources); grants
+    /// already released or never prepared are skipped.
+    UnprepareClaim {
+        /// The calling agent's node.
+        node: String,
+        /// The grants unprepared.
+        allocation_ids: Vec<u64>,
+    },
     /// End a pod's nomination (nothing when it has none).
     EndNomination {
         /// The nominee's UID.
@@ -180,7 +205,10 @@ impl Ledger {
             *allocations = events
                 .iter()
                 .filter_map(|e| match &e.body {
-                    Some(Body::Reserved(r)) => self.alloc(r.allocation_id).map(Alloc::to_pb),
+                    Some(Body::Reserved(pb::Reserved { allocation_id, .. }))
+                    | Some(Body::ClaimGranted(pb::ClaimGranted { allocation_id, .. })) => {
+                        self.alloc(*allocation_id).map(Alloc::to_pb)
+                    }
                     _ => None,
                 })
                 .collect();
@@ -215,6 +243,23 @@ impl Ledger {
                     if cur == new {
                         return unchanged;
                     }
+                }
+                let Some(mode) = crate::state::node_mode(inv.mode) else {
+                    return Err(CommandError::Invalid(format!(
+                        "node {}: unknown mode {}",
+                        inv.node, inv.mode
+                    )));
+                };
+                if let Some(n) = self.node(&inv.node)
+                    && n.mode != mode
+                    && !n.allocs.is_empty()
+                {
+                    return Err(CommandError::Conflict(format!(
+                        "node {} holds {} allocations: its mode stays {} until they are released",
+                        inv.node,
+                        n.allocs.len(),
+                        n.mode.as_str_name()
+                    )));
                 }
                 if let Some(existing) = self.node(&inv.node) {
                     for g in existing.gpus.iter().filter(|g| g.holders > 0) {
@@ -450,6 +495,17 @@ impl Ledger {
                 nomination,
                 leaving,
             } => self.decide_nominate(nomination, &leaving),
+            Command::GrantClaim(g) => self.decide_grant_claim(g),
+            Command::RefuseClaim(r) => self.decide_refuse_claim(r),
+            Command::PrepareClaim {
+                node,
+                allocation_ids,
+                cdi_device_ids,
+            } => self.decide_prepare_claim(node, allocation_ids, cdi_device_ids),
+            Command::UnprepareClaim {
+                node,
+                allocation_ids,
+            } => self.decide_unprepare_claim(node, allocation_ids),
             Command::EndNomination { pod_uid, reason } => {
                 match self.end_nomination_body(&pod_uid, reason) {
                     Some(b) => changed(vec![b]),

@@ -5,6 +5,7 @@
 //! events to append. Placement policies choose GPUs. Nothing here does IO or reads a clock:
 //! callers pass the epoch and the time in.
 
+pub mod capacity;
 pub mod chain;
 pub mod command;
 pub mod follower;

@@ -7,6 +7,7 @@ use rustc_hash::FxHashMap;
 
 mod budget;
 mod check;
+mod claims;
 mod fold;
 mod nodes;
 mod nominations;
@@ -17,11 +18,14 @@ pub use budget::{
     BudgetStatus, Budgets, MS_PER_HOUR, NsUsage, Quota, ROLLING_BUCKETS, budget_summary,
     is_dns_label, same_budget, validate_budget,
 };
+pub use claims::dra_device_name;
 pub use nodes::Nodes;
 pub(crate) use nominations::take_nominated;
 pub use nominations::{Nominations, nominee};
 use types::Containers;
-pub use types::{Alloc, AllocState, GpuState, NodeState, POD_KINDS, pod_kind};
+pub use types::{
+    Alloc, AllocState, ClaimGrant, GpuState, NodeState, POD_KINDS, claim_key, node_mode, pod_kind,
+};
 
 /// An event that would break an invariant. Meeting one is a bug in whoever wrote the event:
 /// the leader refuses to write it, a follower or a replay reports it.

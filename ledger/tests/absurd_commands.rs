@@ -57,6 +57,7 @@ fn inventory() -> impl Strategy<Value = pb::NodeInventory> {
         edgy_u64(),
     )
         .prop_map(|(n, gpus, cpu, mem)| pb::NodeInventory {
+            mode: Default::default(),
             node: format!("n{n}"),
             gpus: gpus
                 .into_iter()
@@ -214,6 +215,7 @@ fn absurd_commands_are_refused_never_a_bug() {
 fn an_absurd_gpu_is_refused_and_percentages_never_wrap() {
     let mut l = Ledger::new();
     let inv = pb::NodeInventory {
+        mode: Default::default(),
         node: "n0".into(),
         gpus: vec![pb::Gpu {
             uuid: "GPU-huge".into(),

@@ -3,5 +3,6 @@
 //! the build's disk and link time small (`autotests = false` in Cargo.toml).
 
 mod absurd_commands;
+mod claims_and_pods;
 mod placement_props;
 mod replay_equals_live;

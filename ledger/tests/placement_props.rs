@@ -15,6 +15,7 @@ fn cluster(spec: &[(u32, u64, usize)]) -> Vec<NodeState> {
     spec.iter()
         .enumerate()
         .map(|(k, &(gpus, cpu, model))| NodeState {
+            mode: Default::default(),
             name: format!("n{k}"),
             gpus: (0..gpus)
                 .map(|i| GpuState {

@@ -9,6 +9,7 @@ const NODES: usize = 3;
 
 fn inventory(node: usize, gpus: usize, mem: u64) -> pb::NodeInventory {
     pb::NodeInventory {
+        mode: Default::default(),
         node: format!("n{node}"),
         gpus: (0..gpus)
             .map(|i| pb::Gpu {

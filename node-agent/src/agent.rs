@@ -218,6 +218,7 @@ impl Agent {
     /// The inventory this agent reports: NVML's GPUs with the agent's health marks.
     pub fn inventory(&self) -> pb::NodeInventory {
         pb::NodeInventory {
+            mode: Default::default(),
             node: self.cfg.node_name.clone(),
             gpus: self
                 .gpus

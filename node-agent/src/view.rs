@@ -90,7 +90,7 @@ impl View {
             Body::Reserved(r) => {
                 self.allocs.insert(
                     r.allocation_id,
-                    pb::Allocation {
+                    pb::Allocation { claim: Default::default(),
                         id: r.allocation_id,
                         pod: r.pod.clone(),
                         container: r.container.clone(),
@@ -130,7 +130,13 @@ impl View {
             | Body::BudgetSet(_)
             | Body::BudgetRemoved(_)
             | Body::Nominated(_)
-            | Body::NominationEnded(_) => {}
+            | Body::NominationEnded(_)
+            // Claim grants are served by the DRA plugin, which this view does not feed yet: a
+            // DRA node holds no pod reservation for the device plugin to hand out.
+            | Body::ClaimGranted(_)
+            | Body::ClaimRefused(_)
+            | Body::ClaimPrepared(_)
+            | Body::ClaimUnprepared(_) => {}
         }
     }
 

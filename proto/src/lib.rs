@@ -1,4 +1,5 @@
-//! Generated protobuf code for gpuledger: the ledger's events and the allocator's gRPC API.
+//! Generated protobuf code for gpuledger: the ledger's events, the allocator's gRPC API and the
+//! kubelet APIs the node agent speaks (device plugin, PodResources, plugin registration, DRA).
 
 #![allow(missing_docs, clippy::all, clippy::pedantic)]
 
@@ -36,5 +37,27 @@ pub mod podresources {
     /// Version v1.
     pub mod v1 {
         include!(concat!(env!("OUT_DIR"), "/v1.rs"));
+    }
+}
+
+/// The kubelet plugin-registration API (upstream package `pluginregistration`, versionless): how a
+/// DRA driver announces itself in the kubelet's plugin registry.
+#[cfg(feature = "grpc")]
+pub mod pluginregistration {
+    /// Version v1 (upstream's directory; the wire package carries no version).
+    pub mod v1 {
+        include!(concat!(env!("OUT_DIR"), "/pluginregistration.rs"));
+    }
+}
+
+/// The kubelet DRA plugin API (`k8s.io.kubelet.pkg.apis.dra`, upstream package name and field numbers).
+#[cfg(feature = "grpc")]
+pub mod dra {
+    /// Version v1, advertised as `v1.DRAPlugin`.
+    pub mod v1 {
+        include!(concat!(
+            env!("OUT_DIR"),
+            "/k8s.io.kubelet.pkg.apis.dra.v1.rs"
+        ));
     }
 }

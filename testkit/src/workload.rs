@@ -13,6 +13,7 @@ use crate::Allocators;
 /// An inventory of `gpus` identical GPUs of `mem_mib` on node `name`.
 pub fn inventory(name: &str, gpus: u32, mem_mib: u64, model: &str) -> pb::NodeInventory {
     pb::NodeInventory {
+        mode: Default::default(),
         node: name.to_string(),
         gpus: (0..gpus)
             .map(|i| pb::Gpu {

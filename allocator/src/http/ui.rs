@@ -278,6 +278,21 @@ fn describe(e: &pb::Event) -> (&'static str, &str, String) {
         p.as_ref()
             .map_or_else(String::new, |p| format!("{}/{}", p.namespace, p.name))
     };
+    let claim = |c: &Option<pb::ClaimRef>| {
+        c.as_ref()
+            .map_or_else(String::new, |c| format!("{}/{}", c.namespace, c.name))
+    };
+    let share = |s: Option<&pb::GpuShare>| {
+        s.map_or_else(String::new, |s| {
+            format!("{} {} MiB {}", s.gpu_uuid, s.mem_mib, s.core_milli)
+        })
+    };
+    let ids = |ids: &[u64]| {
+        ids.iter()
+            .map(|i| format!("#{i}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
     match &e.body {
         Some(Body::NodeRegistered(r)) => {
             let inv = r.inventory.as_ref();
@@ -395,6 +410,33 @@ fn describe(e: &pb::Event) -> (&'static str, &str, String) {
             &x.node,
             format!("{}: {}", pod(&x.pod), x.reason),
         ),
+        Some(Body::ClaimGranted(g)) => (
+            "claim_granted",
+            &g.node,
+            format!(
+                "#{} claim {} {}/{} {}",
+                g.allocation_id,
+                claim(&g.claim),
+                g.request,
+                g.share_id,
+                share(g.share.as_ref())
+            ),
+        ),
+        Some(Body::ClaimRefused(r)) => (
+            "claim_refused",
+            &r.node,
+            format!("claim {} {}: {}", claim(&r.claim), r.request, r.reason),
+        ),
+        Some(Body::ClaimPrepared(p)) => (
+            "claim_prepared",
+            &p.node,
+            format!(
+                "{} CDI {}",
+                ids(&p.allocation_ids),
+                p.cdi_device_ids.join(" ")
+            ),
+        ),
+        Some(Body::ClaimUnprepared(u)) => ("claim_unprepared", &u.node, ids(&u.allocation_ids)),
         None => ("empty", "", String::new()),
     }
 }

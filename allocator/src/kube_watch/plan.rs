@@ -133,10 +133,12 @@ impl Held {
     }
 }
 
-/// The ledger's allocations by pod UID, as the reconcile sees them.
+/// The ledger's pod allocations by pod UID, as the reconcile sees them. Claim grants are held
+/// under their ResourceClaim, not a pod: no pod of that UID ever exists, so the pod reconcile
+/// would release them as deleted.
 pub fn held_by_pod(l: &Ledger) -> BTreeMap<String, Vec<Held>> {
     let mut m: BTreeMap<String, Vec<Held>> = BTreeMap::new();
-    for a in l.allocs().values() {
+    for a in l.allocs().values().filter(|a| a.claim.is_none()) {
         m.entry(a.pod.uid.clone()).or_default().push(Held::of(a));
     }
     m

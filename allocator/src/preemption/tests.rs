@@ -7,6 +7,7 @@ fn ledger(pods: &[(&str, &str)]) -> Ledger {
     let mut l = Ledger::new();
     for n in ["n1", "n2"] {
         let inv = pb::NodeInventory {
+            mode: Default::default(),
             node: n.into(),
             gpus: vec![pb::Gpu {
                 uuid: format!("GPU-{n}"),

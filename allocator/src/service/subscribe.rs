@@ -133,6 +133,10 @@ fn event_node(e: &pb::Event) -> Option<&str> {
         Body::LimitViolated(v) => &v.node,
         Body::Nominated(n) => &n.node,
         Body::NominationEnded(x) => &x.node,
+        Body::ClaimGranted(g) => &g.node,
+        Body::ClaimRefused(r) => &r.node,
+        Body::ClaimPrepared(p) => &p.node,
+        Body::ClaimUnprepared(u) => &u.node,
         Body::LeaderElected(_)
         | Body::QuotaSet(_)
         | Body::BudgetSet(_)

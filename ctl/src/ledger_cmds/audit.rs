@@ -120,8 +120,115 @@ pub fn describe(e: &pb::Event) -> String {
             x.node,
             x.reason
         ),
+        Some(Body::ClaimGranted(g)) => {
+            let s = g.share.clone().unwrap_or_default();
+            let consumers: Vec<String> = g.consumers.iter().map(|p| pod_name(Some(p))).collect();
+            format!(
+                "allocation {} granted to claim {} request {} share {} on {}: {} {}MiB {}%                  (device {}, {}, for {})",
+                g.allocation_id,
+                claim_name(g.claim.as_ref()),
+                g.request,
+                g.share_id,
+                g.node,
+                s.gpu_uuid,
+                s.mem_mib,
+                s.core_milli / 10,
+                g.device,
+                g.source,
+                if consumers.is_empty() {
+                    "no pod yet".into()
+                } else {
+                    consumers.join(", ")
+                }
+            )
+        }
+        Some(Body::ClaimRefused(r)) => format!(
+            "claim {} request {} share {} refused on {} device {}: {}",
+            claim_name(r.claim.as_ref()),
+            r.request,
+            r.share_id,
+            r.node,
+            r.device,
+            r.reason
+        ),
+        Some(Body::ClaimPrepared(p)) => format!(
+            "claim allocations {:?} prepared with CDI devices {}",
+            p.allocation_ids,
+            p.cdi_device_ids.join(",")
+        ),
+        Some(Body::ClaimUnprepared(u)) => {
+            format!("claim allocations {:?} unprepared", u.allocation_ids)
+        }
         None => "(empty event)".into(),
     }
+}
+
+/// What `audit --pod` follows: a pod (`namespace/name`, or a name or UID) and the allocations
+/// it was granted so far, directly or through a claim it consumes.
+struct Trail<'a> {
+    ns: Option<&'a str>,
+    name: &'a str,
+    ids: Vec<u64>,
+}
+
+impl Trail<'_> {
+    fn is(&self, p: Option<&pb::PodRef>) -> bool {
+        p.is_some_and(|p| match self.ns {
+            Some(ns) => p.namespace == ns && p.name == self.name,
+            None => p.uid == self.name || p.name == self.name,
+        })
+    }
+
+    fn is_claim(&self, c: Option<&pb::ClaimRef>) -> bool {
+        c.is_some_and(|c| {
+            self.is(Some(&pb::PodRef {
+                uid: c.uid.clone(),
+                namespace: c.namespace.clone(),
+                name: c.name.clone(),
+            }))
+        })
+    }
+
+    /// Whether the event concerns the pod, remembering the allocations it is granted.
+    fn concerns(&mut self, body: Option<&Body>) -> bool {
+        let (hit, granted) = match body {
+            Some(Body::Nominated(n)) => (
+                self.is(n.pod.as_ref()) || n.victims.iter().any(|v| self.is(v.pod.as_ref())),
+                None,
+            ),
+            Some(Body::NominationEnded(x)) => (self.is(x.pod.as_ref()), None),
+            Some(Body::Reserved(r)) => (self.is(r.pod.as_ref()), Some(r.allocation_id)),
+            // A pod's claim grants: the pod is a consumer, or the claim is named.
+            Some(Body::ClaimGranted(g)) => (
+                self.is_claim(g.claim.as_ref()) || g.consumers.iter().any(|p| self.is(Some(p))),
+                Some(g.allocation_id),
+            ),
+            Some(Body::ClaimRefused(r)) => (self.is_claim(r.claim.as_ref()), None),
+            Some(Body::ClaimPrepared(p)) => (self.any(&p.allocation_ids), None),
+            Some(Body::ClaimUnprepared(u)) => (self.any(&u.allocation_ids), None),
+            Some(Body::Bound(b)) => (self.any(&[b.allocation_id]), None),
+            Some(Body::Assigned(x)) => (self.any(&[x.allocation_id]), None),
+            Some(Body::Released(r)) => (self.any(&[r.allocation_id]), None),
+            Some(Body::LimitViolated(v)) => (self.any(&[v.allocation_id]), None),
+            Some(Body::IdentityCorrected(c)) => {
+                (self.any(&[c.from_allocation_id, c.to_allocation_id]), None)
+            }
+            _ => (false, None),
+        };
+        if let (true, Some(id)) = (hit, granted) {
+            self.ids.push(id);
+        }
+        hit
+    }
+
+    fn any(&self, ids: &[u64]) -> bool {
+        ids.iter().any(|i| self.ids.contains(i))
+    }
+}
+
+/// `namespace/name` of a claim reference.
+fn claim_name(c: Option<&pb::ClaimRef>) -> String {
+    c.map_or_else(|| "?".into(), |c| format!("{}/{}", c.namespace, c.name))
 }
 
 /// `namespace/name` of a pod reference.
@@ -154,42 +261,15 @@ pub async fn audit(a: AuditArgs) -> Result<()> {
         .pod
         .split_once('/')
         .map_or((None, a.pod.as_str()), |(n, m)| (Some(n), m));
-    let mut ids: Vec<u64> = Vec::new();
+    let mut trail = Trail {
+        ns,
+        name,
+        ids: Vec::new(),
+    };
     let mut t = Table::new(&["SEQ", "EPOCH", "TIME", "ACTOR", "EVENT"]);
     let mut found = 0;
-    let is = |p: Option<&pb::PodRef>| {
-        let p = p.cloned().unwrap_or_default();
-        match ns {
-            Some(ns) => p.namespace == ns && p.name == name,
-            None => p.uid == name || p.name == name,
-        }
-    };
     read_log(&a.target, 0, |e| {
-        let mine = match &e.body {
-            Some(Body::Nominated(n)) => {
-                is(n.pod.as_ref()) || n.victims.iter().any(|v| is(v.pod.as_ref()))
-            }
-            Some(Body::NominationEnded(x)) => is(x.pod.as_ref()),
-            Some(Body::Reserved(r)) => {
-                let p = r.pod.clone().unwrap_or_default();
-                let hit = match ns {
-                    Some(ns) => p.namespace == ns && p.name == name,
-                    None => p.uid == name || p.name == name,
-                };
-                if hit {
-                    ids.push(r.allocation_id);
-                }
-                hit
-            }
-            Some(Body::Bound(b)) => ids.contains(&b.allocation_id),
-            Some(Body::Assigned(x)) => ids.contains(&x.allocation_id),
-            Some(Body::Released(r)) => ids.contains(&r.allocation_id),
-            Some(Body::LimitViolated(v)) => ids.contains(&v.allocation_id),
-            Some(Body::IdentityCorrected(c)) => {
-                ids.contains(&c.from_allocation_id) || ids.contains(&c.to_allocation_id)
-            }
-            _ => false,
-        };
+        let mine = trail.concerns(e.body.as_ref());
         if mine {
             found += 1;
             t.row(vec![
@@ -215,6 +295,70 @@ mod tests {
     use prost::Message;
 
     use super::*;
+
+    #[test]
+    fn a_pods_trail_follows_the_claims_it_consumes() {
+        let pod = |uid: &str, name: &str| pb::PodRef {
+            uid: uid.into(),
+            namespace: "team-a".into(),
+            name: name.into(),
+        };
+        let grant = |id: u64, consumer: &str| {
+            Body::ClaimGranted(pb::ClaimGranted {
+                allocation_id: id,
+                claim: Some(pb::ClaimRef {
+                    uid: format!("claim-{id}"),
+                    namespace: "team-a".into(),
+                    name: format!("gpu-{id}"),
+                }),
+                consumers: vec![pod(&format!("uid-{consumer}"), consumer)],
+                ..Default::default()
+            })
+        };
+        let prepared = |id: u64| {
+            Body::ClaimPrepared(pb::ClaimPrepared {
+                allocation_ids: vec![id],
+                ..Default::default()
+            })
+        };
+        let released = |id: u64| {
+            Body::Released(pb::Released {
+                allocation_id: id,
+                ..Default::default()
+            })
+        };
+        let mut trail = Trail {
+            ns: Some("team-a"),
+            name: "trainer",
+            ids: Vec::new(),
+        };
+        let log = [
+            (grant(7, "trainer"), true),
+            (grant(8, "other"), false),
+            (prepared(8), false),
+            (prepared(7), true),
+            (released(8), false),
+            (released(7), true),
+        ];
+        for (body, want) in log {
+            assert_eq!(trail.concerns(Some(&body)), want, "{body:?}");
+        }
+        let mut by_claim = Trail {
+            ns: Some("team-a"),
+            name: "gpu-8",
+            ids: Vec::new(),
+        };
+        assert!(by_claim.concerns(Some(&grant(8, "other"))));
+        assert!(by_claim.concerns(Some(&released(8))));
+        let line = describe(&pb::Event {
+            body: Some(grant(7, "trainer")),
+            ..Default::default()
+        });
+        assert!(
+            line.contains("team-a/gpu-7") && line.contains("team-a/trainer"),
+            "{line}"
+        );
+    }
 
     #[test]
     fn an_event_written_before_actors_were_recorded_shows_a_dash() {

@@ -306,6 +306,7 @@ fn commit(node: &mut NodeState, req: &PodRequest, c: &Candidate) {
 
 pub(super) fn node_state(n: &NodeRow) -> NodeState {
     NodeState {
+        mode: Default::default(),
         name: n.name.clone(),
         gpus: (0..n.gpus)
             .map(|i| GpuState {

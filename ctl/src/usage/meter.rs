@@ -102,12 +102,14 @@ impl Meter {
             anyhow::anyhow!("the log does not replay (run gpuledger verify): {err}")
         })?;
         match &e.body {
-            Some(Body::Reserved(r)) => {
+            // A claim grant is metered as a reservation is, under its claim's namespace.
+            Some(Body::Reserved(pb::Reserved { allocation_id, .. }))
+            | Some(Body::ClaimGranted(pb::ClaimGranted { allocation_id, .. })) => {
                 let a = self
                     .ledger
-                    .alloc(r.allocation_id)
-                    .expect("a Reserved the ledger accepted is live");
-                self.holders.insert(r.allocation_id, Holder::of(a, t));
+                    .alloc(*allocation_id)
+                    .expect("a grant the ledger accepted is live");
+                self.holders.insert(*allocation_id, Holder::of(a, t));
             }
             Some(Body::Released(r)) => {
                 if let Some(h) = self.holders.remove(&r.allocation_id) {

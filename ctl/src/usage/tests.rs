@@ -21,6 +21,7 @@ fn ev(seq: u64, time_ms: i64, body: Body) -> pb::Event {
 fn node() -> Body {
     Body::NodeRegistered(pb::NodeRegistered {
         inventory: Some(pb::NodeInventory {
+            mode: Default::default(),
             node: "n1".into(),
             gpus: (0..2)
                 .map(|i| pb::Gpu {
@@ -161,4 +162,43 @@ fn a_log_that_does_not_start_at_seq_1_is_refused() {
     let mut m = Meter::new(By::Namespace, None, 10);
     let err = m.apply(&ev(5, 0, node())).expect_err("refused");
     assert!(err.to_string().contains("starts at seq 5"), "{err}");
+}
+
+#[test]
+fn claim_grants_are_metered_under_their_claims_namespace() {
+    let Body::NodeRegistered(mut dra) = node() else {
+        unreachable!("node() registers a node")
+    };
+    if let Some(inv) = dra.inventory.as_mut() {
+        inv.mode = pb::NodeMode::Dra as i32;
+    }
+    let grant = Body::ClaimGranted(pb::ClaimGranted {
+        allocation_id: 2,
+        claim: Some(pb::ClaimRef {
+            uid: "claim-uid".into(),
+            namespace: "team-a".into(),
+            name: "gpu".into(),
+        }),
+        request: "c0".into(),
+        node: "n1".into(),
+        pool: "n1".into(),
+        device: "gpu-g0".into(),
+        share_id: "s1".into(),
+        share: Some(pb::GpuShare {
+            gpu_uuid: "G0".into(),
+            mem_mib: 3_000,
+            core_milli: 300,
+        }),
+        consumers: vec![],
+        source: "claim".into(),
+    });
+    let events = [
+        ev(1, 0, Body::NodeRegistered(dra)),
+        ev(2, 1_000, grant),
+        ev(3, 3_000, release(2)),
+    ];
+    let r = run(&events, By::Namespace, None, 10_000);
+    let a = r.rows[&vec!["team-a".to_string()]];
+    assert_eq!((a.mib_ms, a.core_milli_ms), (6_000_000, 600_000));
+    assert_eq!(a.allocations, 1);
 }

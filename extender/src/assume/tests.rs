@@ -23,6 +23,7 @@ fn ledger(names: &[&str]) -> Ledger {
     let mut l = Ledger::new();
     for (i, name) in names.iter().enumerate() {
         let inv = pb::NodeInventory {
+            mode: Default::default(),
             node: (*name).into(),
             gpus: vec![pb::Gpu {
                 uuid: format!("GPU-{name}"),

@@ -28,6 +28,11 @@ pub const MAX_VICTIMS: usize = 1024;
 pub const MAX_SLICES: u32 = 64;
 /// Most entries in one of a pod's GPU selectors (types, UUIDs and their exclusions).
 pub const MAX_SELECTOR_ENTRIES: usize = 64;
+/// Most pods one claim grant names as consumers (a claim's `status.reservedFor` holds at most
+/// 256).
+pub const MAX_CLAIM_CONSUMERS: usize = 256;
+/// Most grants one claim prepare or unprepare names (a claim's results).
+pub const MAX_CLAIM_GRANTS: usize = 64;
 /// Largest node CPU or pod CPU request, in millicores (a billion cores).
 pub const MAX_CPU_MILLI: u64 = 1 << 40;
 /// Largest node host memory or pod memory request, in MiB (an exbibyte).
@@ -124,6 +129,17 @@ pub(crate) fn device_ids(ids: &[String]) -> Result<(), String> {
         ));
     }
     ids.iter().try_for_each(|d| id("device id", d))
+}
+
+/// Refuse more than [`MAX_CLAIM_GRANTS`] grants in one prepare or unprepare.
+fn grants(ids: &[u64]) -> Result<(), String> {
+    if ids.len() > MAX_CLAIM_GRANTS {
+        return Err(format!(
+            "{} claim grants, at most {MAX_CLAIM_GRANTS}",
+            ids.len()
+        ));
+    }
+    Ok(())
 }
 
 /// Why a `LimitViolated` report is refused, if it is: an unknown action or an overlong field.
@@ -236,6 +252,54 @@ pub(crate) fn check(cmd: &Command) -> Result<(), String> {
         Command::EndNomination { pod_uid, reason } => {
             id("pod uid", pod_uid)?;
             text("reason", reason)
+        }
+        Command::GrantClaim(g) => {
+            super::claim::check_bounds(
+                g.claim.as_ref(),
+                &g.request,
+                &g.node,
+                &[("pool", &g.pool), ("device", &g.device)],
+            )?;
+            id("share id", &g.share_id)?;
+            id("grant source", &g.source)?;
+            id("GPU uuid", g.share.as_ref().map_or("", |s| &s.gpu_uuid))?;
+            if g.consumers.len() > MAX_CLAIM_CONSUMERS {
+                return Err(format!(
+                    "{} consumers, at most {MAX_CLAIM_CONSUMERS}",
+                    g.consumers.len()
+                ));
+            }
+            g.consumers.iter().try_for_each(|p| {
+                id("pod uid", &p.uid)?;
+                name("pod namespace", &p.namespace)?;
+                name("pod name", &p.name)
+            })
+        }
+        Command::RefuseClaim(r) => {
+            super::claim::check_bounds(
+                r.claim.as_ref(),
+                &r.request,
+                &r.node,
+                &[("device", &r.device), ("reason", &r.reason)],
+            )?;
+            id("share id", &r.share_id)?;
+            id("GPU uuid", r.share.as_ref().map_or("", |s| &s.gpu_uuid))
+        }
+        Command::PrepareClaim {
+            node,
+            allocation_ids,
+            cdi_device_ids,
+        } => {
+            name("node name", node)?;
+            grants(allocation_ids)?;
+            device_ids(cdi_device_ids)
+        }
+        Command::UnprepareClaim {
+            node,
+            allocation_ids,
+        } => {
+            name("node name", node)?;
+            grants(allocation_ids)
         }
     }
 }

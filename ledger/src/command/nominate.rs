@@ -34,6 +34,12 @@ impl Ledger {
         let node = self
             .node(&n.node)
             .ok_or_else(|| CommandError::NotFound(format!("node {} is not registered", n.node)))?;
+        if node.mode != pb::NodeMode::DevicePlugin {
+            return Err(CommandError::Unsatisfiable(format!(
+                "node {} serves GPUs through DRA: the scheduler preempts for claims itself",
+                n.node
+            )));
+        }
         if let Some(cur) = self.nominations().get(&uid) {
             if cur.node == n.node && cur.containers == n.containers {
                 return Ok((Vec::new(), Reply::Done { changed: false }));

@@ -37,6 +37,11 @@ impl Ledger {
         let n = self
             .node_for(&node, &request)
             .ok_or_else(|| CommandError::NotFound(format!("node {node} is not registered")))?;
+        if n.mode != pb::NodeMode::DevicePlugin {
+            return Err(CommandError::Unsatisfiable(format!(
+                "node {node} serves GPUs through DRA: pods get them with a ResourceClaim"
+            )));
+        }
         let placed = match self.nominated_placement(&n, &request) {
             Some(p) => p,
             None => placement::place_on_node(&n, &request).map_err(|f| match f {
@@ -85,11 +90,19 @@ impl Ledger {
         ns: &str,
         placed: &[placement::ContainerPlacement],
     ) -> Result<(), CommandError> {
+        self.check_quota_of(ns, placed.iter().flat_map(|p| &p.shares))
+    }
+
+    /// Refuse `shares` when they would take namespace `ns` over its quota.
+    pub(super) fn check_quota_of<'a>(
+        &self,
+        ns: &str,
+        shares: impl Iterator<Item = &'a pb::GpuShare> + Clone,
+    ) -> Result<(), CommandError> {
         let Some(q) = self.quotas().get(ns) else {
             return Ok(());
         };
         let (held_m, held_c) = self.budgets().held(ns);
-        let shares = placed.iter().flat_map(|p| &p.shares);
         let m = shares
             .clone()
             .fold(0u64, |t, s| t.saturating_add(s.mem_mib));

@@ -4,6 +4,7 @@ use crate::placement::{ContainerRequest, Policy};
 fn setup() -> Ledger {
     let mut l = Ledger::new();
     let inv = pb::NodeInventory {
+        mode: Default::default(),
         node: "n1".into(),
         gpus: (0..2)
             .map(|i| pb::Gpu {

@@ -19,6 +19,7 @@ pub fn fit_node(node: &NodeState, req: &PodRequest) -> Fit {
     // Fast yes for the common one-container, one-slice pod: what `evaluate` would accept,
     // without building a placement (Filter runs this for thousands of nodes per pod).
     if let [c] = req.containers.as_slice()
+        && node.mode == crate::pb::NodeMode::DevicePlugin
         && c.slices == 1
         && node_has_room(node, req)
     {
@@ -43,6 +44,11 @@ pub fn fit_node(node: &NodeState, req: &PodRequest) -> Fit {
 /// Why a node that gpuledger does not know can never host a pod.
 pub const NOT_REGISTERED: &str =
     "node is not registered with gpuledger (no node agent running there?)";
+
+/// Why a DRA node never hosts a pod that asks through the device plugin: its GPUs are granted
+/// to ResourceClaims only.
+pub const DRA_NODE: &str =
+    "node serves its GPUs through DRA (ResourceClaims), not the device plugin";
 
 /// Filter's answer for a list of nodes: where the pod fits, and why not elsewhere.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -89,6 +95,9 @@ pub fn filter_nodes<S: AsRef<str> + Into<String>>(
 
 /// Why the pod can never fit on this node (whatever is released), if so.
 pub(super) fn never_fits(node: &NodeState, req: &PodRequest) -> Option<String> {
+    if node.mode != crate::pb::NodeMode::DevicePlugin {
+        return Some(DRA_NODE.to_string());
+    }
     if node.cpu_milli > 0 && req.cpu_milli > node.cpu_milli {
         return Some(format!(
             "pod requests {}m CPU, node has {}m",

@@ -19,6 +19,7 @@ fn gpu(i: u32, mem: u64) -> GpuState {
 
 fn node(gpus: Vec<GpuState>) -> NodeState {
     NodeState {
+        mode: Default::default(),
         name: "n1".into(),
         gpus,
         cpu_milli: 0,

@@ -109,6 +109,7 @@ impl Ledger {
                 }
             }
         }
+        self.check_modes()?;
         self.check_nominations()
     }
 }

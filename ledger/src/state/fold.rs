@@ -88,7 +88,16 @@ impl Ledger {
                     })?;
                 gpu.healthy = h.healthy;
             }
-            Body::Reserved(r) => self.reserve(ev, r).map_err(bad)?,
+            Body::Reserved(r) => {
+                self.require_mode(&r.node, pb::NodeMode::DevicePlugin, "Reserved")
+                    .map_err(bad)?;
+                self.reserve(ev, r).map_err(bad)?;
+            }
+            Body::ClaimGranted(g) => self.grant_claim(ev, g).map_err(bad)?,
+            // Audit only: a refusal holds nothing.
+            Body::ClaimRefused(_) => {}
+            Body::ClaimPrepared(p) => self.prepare_claims(p).map_err(bad)?,
+            Body::ClaimUnprepared(u) => self.unprepare_claims(u).map_err(bad)?,
             Body::Bound(b) => {
                 let a = self.allocs.get_mut(&b.allocation_id).ok_or_else(|| {
                     bad(format!("Bound of unknown allocation {}", b.allocation_id))
@@ -99,9 +108,9 @@ impl Ledger {
                         b.node, a.id, a.node
                     )));
                 }
-                if a.state != AllocState::Reserved {
+                if a.state != AllocState::Reserved || a.claim.is_some() {
                     return Err(bad(format!(
-                        "Bound of allocation {} in state {}",
+                        "Bound of allocation {} in state {} (claim grants are bound at grant)",
                         a.id,
                         a.state.as_str()
                     )));
@@ -137,7 +146,11 @@ impl Ledger {
                     return Err(bad(format!("BudgetSet of {:?}: {why}", b.namespace)));
                 }
             }
-            Body::Nominated(n) => self.nominate(n).map_err(bad)?,
+            Body::Nominated(n) => {
+                self.require_mode(&n.node, pb::NodeMode::DevicePlugin, "Nominated")
+                    .map_err(bad)?;
+                self.nominate(n).map_err(bad)?;
+            }
             Body::NominationEnded(e) => self.end_nomination(e).map_err(bad)?,
         }
         self.account(body, before, ev.time_ms);
@@ -166,7 +179,18 @@ impl Ledger {
                 ));
             }
         }
+        let mode = super::types::node_mode(inv.mode)
+            .ok_or_else(|| format!("node {}: unknown mode {}", inv.node, inv.mode))?;
         let old = self.nodes.get(&inv.node);
+        if let Some(o) = old.filter(|o| o.mode != mode && !o.allocs.is_empty()) {
+            return Err(format!(
+                "node {}: mode changes from {} to {} while it holds {} allocations",
+                inv.node,
+                o.mode.as_str_name(),
+                mode.as_str_name(),
+                o.allocs.len()
+            ));
+        }
         let mut gpus: Vec<GpuState> = inv
             .gpus
             .iter()
@@ -237,6 +261,7 @@ impl Ledger {
                 allocs,
                 devices,
                 pod_kinds,
+                mode,
             },
         );
         Ok(())
@@ -334,6 +359,7 @@ impl Ledger {
                 memory_mib: r.memory_mib,
                 epoch: ev.epoch,
                 policy: r.policy.clone(),
+                claim: None,
             },
         );
         Ok(())
@@ -352,6 +378,12 @@ impl Ledger {
         }
         if a.state == AllocState::Assigned {
             return Err(format!("allocation {} is already assigned", a.id));
+        }
+        if a.claim.is_some() {
+            return Err(format!(
+                "Assigned of claim grant {} (claims are prepared)",
+                a.id
+            ));
         }
         if x.device_ids.is_empty() {
             return Err(format!("Assigned {} without device ids", a.id));
@@ -391,6 +423,11 @@ impl Ledger {
             return Err(format!(
                 "IdentityCorrected across nodes {} and {}",
                 x.node, y.node
+            ));
+        }
+        if x.claim.is_some() || y.claim.is_some() {
+            return Err(format!(
+                "IdentityCorrected between {a} and {b}: claim grants name their claim, not a guess"
             ));
         }
         // What belongs to the pod moves with it: who it is, its reservation clock and its

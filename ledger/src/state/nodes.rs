@@ -74,6 +74,7 @@ mod tests {
 
     fn node(name: &str) -> NodeState {
         NodeState {
+            mode: Default::default(),
             name: name.into(),
             gpus: Vec::new(),
             cpu_milli: 0,

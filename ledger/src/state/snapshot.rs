@@ -79,6 +79,10 @@ impl Ledger {
             let x = l.allocs.get_mut(&a.id).expect("just reserved");
             x.state = state;
             x.device_ids = a.device_ids.clone();
+            x.claim = a
+                .claim
+                .as_ref()
+                .map(|c| Box::new(super::ClaimGrant::from_pb(c)));
             if let Some(n) = l.nodes.get_mut(&a.node) {
                 for d in &a.device_ids {
                     n.devices.insert(d.clone(), a.id);

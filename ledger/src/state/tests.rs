@@ -4,6 +4,7 @@ use crate::pb::event::Body;
 
 fn inv(node: &str, gpus: &[(&str, u64)]) -> pb::NodeInventory {
     pb::NodeInventory {
+        mode: Default::default(),
         node: node.into(),
         gpus: gpus
             .iter()

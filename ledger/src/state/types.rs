@@ -61,6 +61,9 @@ pub struct NodeState {
     /// Live allocations here by kind ([`pod_kind`]), the tags the clustering policy reads.
     /// A fixed array: the fold updates it on every grant and release without allocating.
     pub pod_kinds: [u32; POD_KINDS],
+    /// Which kind of grant the node serves: pod reservations (device plugin) or claim grants
+    /// (DRA), never both.
+    pub mode: pb::NodeMode,
 }
 
 /// Kinds of grant told apart: a share of one GPU, then 1 to 7 whole GPUs, then 8 or more.
@@ -113,6 +116,7 @@ impl NodeState {
                 .collect(),
             cpu_milli: self.cpu_milli,
             memory_mib: self.memory_mib,
+            mode: self.mode as i32,
         }
     }
 }
@@ -176,6 +180,60 @@ pub struct Alloc {
     pub epoch: u64,
     /// Policy that placed it.
     pub policy: String,
+    /// For a grant of a ResourceClaim's result: the claim side. `pod` then names the claim and
+    /// `container` is [`claim_key`] of the request and share.
+    pub claim: Option<Box<ClaimGrant>>,
+}
+
+/// The claim side of a grant of a ResourceClaim's result (`pb::ClaimGrant`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimGrant {
+    /// The claim's request (or "request/subrequest").
+    pub request: String,
+    /// ResourceSlice pool (the node name).
+    pub pool: String,
+    /// ResourceSlice device (`gpu-<uuid>`).
+    pub device: String,
+    /// The allocation result's shareID.
+    pub share_id: String,
+    /// Pods the claim is reserved for.
+    pub consumers: Vec<pb::PodRef>,
+    /// "claim" or "extended-resource".
+    pub source: String,
+    /// Whether the node agent has prepared it.
+    pub prepared: bool,
+    /// The CDI device ids it was prepared with.
+    pub cdi_device_ids: Vec<String>,
+}
+
+impl ClaimGrant {
+    /// The protobuf form.
+    pub fn to_pb(&self) -> pb::ClaimGrant {
+        pb::ClaimGrant {
+            request: self.request.clone(),
+            pool: self.pool.clone(),
+            device: self.device.clone(),
+            share_id: self.share_id.clone(),
+            consumers: self.consumers.clone(),
+            source: self.source.clone(),
+            prepared: self.prepared,
+            cdi_device_ids: self.cdi_device_ids.clone(),
+        }
+    }
+
+    /// From the protobuf form.
+    pub fn from_pb(c: &pb::ClaimGrant) -> Self {
+        ClaimGrant {
+            request: c.request.clone(),
+            pool: c.pool.clone(),
+            device: c.device.clone(),
+            share_id: c.share_id.clone(),
+            consumers: c.consumers.clone(),
+            source: c.source.clone(),
+            prepared: c.prepared,
+            cdi_device_ids: c.cdi_device_ids.clone(),
+        }
+    }
 }
 
 impl Alloc {
@@ -200,8 +258,22 @@ impl Alloc {
             memory_mib: self.memory_mib,
             epoch: self.epoch,
             policy: self.policy.clone(),
+            claim: self.claim.as_deref().map(|c| Box::new(c.to_pb())),
         }
     }
+}
+
+/// The key of a claim grant among its claim's grants, as a container name is among a pod's:
+/// request and share id. Request names are DNS labels (with "/" only between a request and its
+/// subrequest) and share ids UUIDs, so the last "/" separates them.
+pub fn claim_key(request: &str, share_id: &str) -> String {
+    format!("{request}/{share_id}")
+}
+
+/// The mode a node in the ledger is in, from its inventory's raw field (an unknown value, from
+/// a newer writer, counts as neither mode: the fold refuses it).
+pub fn node_mode(raw: i32) -> Option<pb::NodeMode> {
+    pb::NodeMode::try_from(raw).ok()
 }
 
 /// A pod's containers with a live allocation, by name. Pods have one to a few GPU containers:

@@ -95,6 +95,7 @@ fn allocate_env_carries_every_limit_format() {
     let mut v = View::default();
     v.apply(&reserved(1, "a", "G0"));
     let inv = pb::NodeInventory {
+        mode: Default::default(),
         node: "n1".into(),
         gpus: vec![pb::Gpu {
             uuid: "G0".into(),

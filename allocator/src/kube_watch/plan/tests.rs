@@ -228,3 +228,75 @@ fn a_node_missing_from_kubernetes_is_removed_after_the_grace_and_capacities_sync
         []
     );
 }
+
+#[test]
+fn claim_grants_are_not_reconciled_as_pods() {
+    use gpuledger_ledger::{Command, pb};
+    let mut l = Ledger::new();
+    for (node, mode) in [
+        ("dra", pb::NodeMode::Dra),
+        ("dp", pb::NodeMode::DevicePlugin),
+    ] {
+        let inv = pb::NodeInventory {
+            node: node.into(),
+            gpus: vec![pb::Gpu {
+                uuid: format!("GPU-{node}"),
+                index: 0,
+                model: "A100".into(),
+                memory_mib: 16_000,
+                healthy: true,
+            }],
+            mode: mode as i32,
+            ..Default::default()
+        };
+        l.execute(Command::RegisterNode(inv), 1, 0)
+            .expect("register");
+    }
+    let grant = pb::ClaimGranted {
+        claim: Some(pb::ClaimRef {
+            uid: "claim-uid".into(),
+            namespace: "ns".into(),
+            name: "gpu".into(),
+        }),
+        request: "c0".into(),
+        node: "dra".into(),
+        pool: "dra".into(),
+        device: gpuledger_ledger::state::dra_device_name("GPU-dra"),
+        share_id: "s".into(),
+        share: Some(pb::GpuShare {
+            gpu_uuid: "GPU-dra".into(),
+            mem_mib: 1000,
+            core_milli: 0,
+        }),
+        source: "claim".into(),
+        ..Default::default()
+    };
+    l.execute(Command::GrantClaim(grant), 1, 1).expect("grant");
+    let request = gpuledger_ledger::PodRequest {
+        pod: pb::PodRef {
+            uid: "pod-uid".into(),
+            namespace: "ns".into(),
+            name: "p".into(),
+        },
+        containers: vec![gpuledger_ledger::ContainerRequest {
+            name: "main".into(),
+            slices: 1,
+            mem_mib: 1000,
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    l.execute(
+        Command::Reserve {
+            request,
+            node: "dp".into(),
+            deadline_ms: 1000,
+        },
+        1,
+        2,
+    )
+    .expect("reserve");
+    assert_eq!(l.allocs().len(), 2);
+    let held = held_by_pod(&l);
+    assert_eq!(held.keys().collect::<Vec<_>>(), ["pod-uid"]);
+}

@@ -19,6 +19,7 @@ fn setup() -> Ledger {
 
 fn inventory(gpus: &[&str]) -> pb::NodeInventory {
     pb::NodeInventory {
+        mode: Default::default(),
         node: "n1".into(),
         gpus: gpus
             .iter()

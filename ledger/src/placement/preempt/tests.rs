@@ -38,6 +38,7 @@ fn ev(seq: u64, body: Body) -> pb::Event {
 fn ledger(gpus: usize, mem: u64, pods: &[Pod]) -> Ledger {
     let mut l = Ledger::new();
     let inv = pb::NodeInventory {
+        mode: Default::default(),
         node: "n1".into(),
         gpus: (0..gpus)
             .map(|i| pb::Gpu {
@@ -383,6 +384,7 @@ fn two_nodes(on_n1: (&str, i32), on_n2: (&str, i32)) -> (Ledger, Vec<NodePods>) 
     let mut pods = Vec::new();
     for (n, (uid, prio)) in [("n1", on_n1), ("n2", on_n2)] {
         let inv = pb::NodeInventory {
+            mode: Default::default(),
             node: n.into(),
             gpus: vec![pb::Gpu {
                 uuid: format!("GPU-{n}"),

@@ -24,9 +24,10 @@ impl Ledger {
     ) {
         let t = self.budgets.effective(time_ms);
         match body {
-            Body::Reserved(r) => {
+            Body::Reserved(crate::pb::Reserved { allocation_id, .. })
+            | Body::ClaimGranted(crate::pb::ClaimGranted { allocation_id, .. }) => {
                 // Borrowed, not cloned: the fold's hottest path.
-                if let Some(a) = self.allocs.get(&r.allocation_id) {
+                if let Some(a) = self.allocs.get(allocation_id) {
                     let (m, c) = sums(a);
                     self.budgets.hold(&a.pod.namespace, m, c, true, t);
                 }

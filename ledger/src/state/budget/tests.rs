@@ -12,6 +12,7 @@ const DAY0: i64 = 1_795_478_400_000;
 fn ledger() -> Ledger {
     let mut l = Ledger::new();
     let inv = pb::NodeInventory {
+        mode: Default::default(),
         node: "n1".into(),
         gpus: (0..2)
             .map(|i| pb::Gpu {

@@ -1,0 +1,232 @@
+//! The kubelet reaches a DRA driver by literal gRPC paths. This serves our generated
+//! plugin-registration and DRAPlugin services over a real unix socket and calls them by upstream's
+//! paths with a generic client, so a package, service or method name that drifts from the kubelet's
+//! fails here instead of on a node.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use gpuledger_proto::dra::v1 as dra;
+use gpuledger_proto::dra::v1::dra_plugin_server::{DraPlugin, DraPluginServer};
+use gpuledger_proto::pluginregistration::v1 as reg;
+use gpuledger_proto::pluginregistration::v1::registration_server::{
+    Registration, RegistrationServer,
+};
+use hyper_util::rt::TokioIo;
+use tokio::net::{UnixListener, UnixStream};
+use tokio_stream::wrappers::UnixListenerStream;
+use tonic::codegen::http::uri::PathAndQuery;
+use tonic::transport::{Channel, Endpoint, Uri};
+use tonic::{Code, Request, Response, Status};
+use tonic_prost::ProstCodec;
+
+/// Answers as a driver named `gpu.gpuledger.io` would, echoing what it was asked.
+struct Driver;
+
+#[tonic::async_trait]
+impl Registration for Driver {
+    async fn get_info(
+        &self,
+        _: Request<reg::InfoRequest>,
+    ) -> Result<Response<reg::PluginInfo>, Status> {
+        Ok(Response::new(reg::PluginInfo {
+            r#type: "DRAPlugin".into(),
+            name: "gpu.gpuledger.io".into(),
+            endpoint: "/plugins/gpu.gpuledger.io/dra.sock".into(),
+            supported_versions: vec!["v1.DRAPlugin".into()],
+        }))
+    }
+
+    async fn notify_registration_status(
+        &self,
+        req: Request<reg::RegistrationStatus>,
+    ) -> Result<Response<reg::RegistrationStatusResponse>, Status> {
+        if req.get_ref().plugin_registered {
+            Ok(Response::new(reg::RegistrationStatusResponse {}))
+        } else {
+            Err(Status::failed_precondition(req.into_inner().error))
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl DraPlugin for Driver {
+    async fn node_prepare_resources(
+        &self,
+        req: Request<dra::NodePrepareResourcesRequest>,
+    ) -> Result<Response<dra::NodePrepareResourcesResponse>, Status> {
+        let claims = req
+            .into_inner()
+            .claims
+            .into_iter()
+            .map(|c| {
+                let device = dra::Device {
+                    request_names: vec!["c0".into()],
+                    pool_name: "node-a".into(),
+                    device_name: "gpu-0".into(),
+                    cdi_device_ids: vec![format!("gpuledger.io/claim={}-c0", c.uid)],
+                    share_id: Some(format!("share-of-{}/{}", c.namespace, c.name)),
+                };
+                (
+                    c.uid,
+                    dra::NodePrepareResourceResponse {
+                        devices: vec![device],
+                        error: String::new(),
+                    },
+                )
+            })
+            .collect();
+        Ok(Response::new(dra::NodePrepareResourcesResponse { claims }))
+    }
+
+    async fn node_unprepare_resources(
+        &self,
+        req: Request<dra::NodeUnprepareResourcesRequest>,
+    ) -> Result<Response<dra::NodeUnprepareResourcesResponse>, Status> {
+        let claims = req
+            .into_inner()
+            .claims
+            .into_iter()
+            .map(|c| {
+                (
+                    c.uid,
+                    dra::NodeUnprepareResourceResponse {
+                        error: String::new(),
+                    },
+                )
+            })
+            .collect();
+        Ok(Response::new(dra::NodeUnprepareResourcesResponse {
+            claims,
+        }))
+    }
+}
+
+async fn serve(dir: &tempfile::TempDir) -> Result<PathBuf> {
+    let path = dir.path().join("gpu.gpuledger.io-reg.sock");
+    let listener = UnixListener::bind(&path).context("bind the plugin socket")?;
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(RegistrationServer::new(Driver))
+            .add_service(DraPluginServer::new(Driver))
+            .serve_with_incoming(UnixListenerStream::new(listener)),
+    );
+    Ok(path)
+}
+
+async fn dial(path: PathBuf) -> Result<tonic::client::Grpc<Channel>> {
+    let channel = Endpoint::from_static("http://[::]:50051")
+        .connect_with_connector(tower::service_fn(move |_: Uri| {
+            let path = path.clone();
+            async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(path).await?)) }
+        }))
+        .await
+        .context("dial the plugin socket")?;
+    Ok(tonic::client::Grpc::new(channel))
+}
+
+/// One unary call by a literal path, as the kubelet's Go client makes it.
+async fn call<Req, Resp>(
+    client: &mut tonic::client::Grpc<Channel>,
+    path: &'static str,
+    req: Req,
+) -> Result<Resp, Status>
+where
+    Req: prost::Message + Send + Sync + 'static,
+    Resp: prost::Message + Default + Send + Sync + 'static,
+{
+    client
+        .ready()
+        .await
+        .map_err(|e| Status::unavailable(e.to_string()))?;
+    let codec = ProstCodec::<Req, Resp>::default();
+    Ok(client
+        .unary(Request::new(req), PathAndQuery::from_static(path), codec)
+        .await?
+        .into_inner())
+}
+
+#[tokio::test]
+async fn registration_and_dra_plugin_answer_on_upstream_paths() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let mut client = dial(serve(&dir).await?).await?;
+
+    let info: reg::PluginInfo = call(
+        &mut client,
+        "/pluginregistration.Registration/GetInfo",
+        reg::InfoRequest {},
+    )
+    .await?;
+    assert_eq!(info.r#type, "DRAPlugin");
+    assert_eq!(info.name, "gpu.gpuledger.io");
+    assert_eq!(info.supported_versions, ["v1.DRAPlugin"]);
+
+    let ok = reg::RegistrationStatus {
+        plugin_registered: true,
+        error: String::new(),
+    };
+    let _: reg::RegistrationStatusResponse = call(
+        &mut client,
+        "/pluginregistration.Registration/NotifyRegistrationStatus",
+        ok,
+    )
+    .await?;
+
+    let claim = dra::Claim {
+        namespace: "team-a".into(),
+        uid: "uid-1".into(),
+        name: "pod-gpu".into(),
+    };
+    let prepared: dra::NodePrepareResourcesResponse = call(
+        &mut client,
+        "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodePrepareResources",
+        dra::NodePrepareResourcesRequest {
+            claims: vec![claim.clone()],
+        },
+    )
+    .await?;
+    let answer = prepared
+        .claims
+        .get("uid-1")
+        .context("an entry for the claim")?;
+    assert_eq!(answer.error, "");
+    assert_eq!(
+        answer.devices[0].cdi_device_ids,
+        ["gpuledger.io/claim=uid-1-c0"]
+    );
+    assert_eq!(
+        answer.devices[0].share_id.as_deref(),
+        Some("share-of-team-a/pod-gpu")
+    );
+
+    let unprepared: dra::NodeUnprepareResourcesResponse = call(
+        &mut client,
+        "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodeUnprepareResources",
+        dra::NodeUnprepareResourcesRequest {
+            claims: vec![claim],
+        },
+    )
+    .await?;
+    let keys: HashMap<_, _> = unprepared.claims.into_iter().collect();
+    assert_eq!(keys.keys().collect::<Vec<_>>(), ["uid-1"]);
+    Ok(())
+}
+
+#[tokio::test]
+async fn paths_the_kubelet_does_not_use_are_unimplemented() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let mut client = dial(serve(&dir).await?).await?;
+    // Near misses: the versioned registration package, the Go directory name as package, v1beta1.
+    for path in [
+        "/pluginregistration.v1.Registration/GetInfo",
+        "/v1.DRAPlugin/NodePrepareResources",
+        "/k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin/NodePrepareResources",
+    ] {
+        let got: Result<reg::PluginInfo, Status> =
+            call(&mut client, path, reg::InfoRequest {}).await;
+        let code = got.err().map(|s| s.code());
+        assert_eq!(code, Some(Code::Unimplemented), "{path} must not be served");
+    }
+    Ok(())
+}
