@@ -11,7 +11,7 @@ use std::time::Duration;
 use governor::clock::{Clock, DefaultClock};
 use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
 use gpuledger_auth::identity::{Caller, Role};
-use gpuledger_auth::limit::Bites;
+use gpuledger_auth::limit::{Bites, wait_turn};
 use gpuledger_auth::rules::Call;
 use gpuledger_auth::server::over_limit;
 use tonic::Status;
@@ -31,6 +31,15 @@ pub fn is_heavy(call: Call) -> bool {
         call,
         Call::Filter | Call::Score | Call::Dump | Call::ReadLog | Call::ReadSnapshots
     )
+}
+
+/// None when `caller` may start a heavy read now (its turn taken), else how long until it may.
+fn next_turn(limiter: &DefaultKeyedRateLimiter<Caller>, caller: &Caller) -> Option<Duration> {
+    let clock = DefaultClock::default();
+    limiter
+        .check_key(caller)
+        .err()
+        .map(|n| n.wait_time_from(clock.now()))
 }
 
 /// The heavy-read rate of each identity.
@@ -76,30 +85,21 @@ impl ReadLimits {
         if limiter.len() > MAX_KEYS {
             limiter.retain_recent();
         }
-        let clock = DefaultClock::default();
-        let mut waited = Duration::ZERO;
-        loop {
-            let wait = match limiter.check_key(caller) {
-                Ok(()) => return Ok(()),
-                Err(not_until) => not_until.wait_time_from(clock.now()),
-            };
-            if waited + wait > MAX_WAIT {
-                self.bites.bite(BITE_HEAVY_READS);
-                return Err(over_limit(
-                    Status::resource_exhausted(format!(
-                        "{caller} makes heavy reads ({}) faster than this allocator allows \
+        let turn = || next_turn(limiter, caller);
+        wait_turn(turn, MAX_WAIT).await.map_err(|wait| {
+            self.bites.bite(BITE_HEAVY_READS);
+            over_limit(
+                Status::resource_exhausted(format!(
+                    "{caller} makes heavy reads ({}) faster than this allocator allows \
                      (--heavy-reads-per-identity-per-s {}, --heavy-read-burst {}); retry in {} ms",
-                        call.name(),
-                        self.per_s,
-                        self.burst.max(self.per_s),
-                        wait.as_millis().max(1)
-                    )),
-                    BITE_HEAVY_READS,
-                ));
-            }
-            tokio::time::sleep(wait).await;
-            waited += wait;
-        }
+                    call.name(),
+                    self.per_s,
+                    self.burst.max(self.per_s),
+                    wait.as_millis().max(1)
+                )),
+                BITE_HEAVY_READS,
+            )
+        })
     }
 
     /// Wait for `caller`'s next heavy-read turn, however long (a stream's next page: its
@@ -111,10 +111,8 @@ impl ReadLimits {
         if matches!(caller.role, Role::Allocator | Role::Extender) {
             return;
         }
-        let clock = DefaultClock::default();
-        while let Err(not_until) = limiter.check_key(caller) {
-            tokio::time::sleep(not_until.wait_time_from(clock.now())).await;
-        }
+        let turn = || next_turn(limiter, caller);
+        let _ = wait_turn(turn, Duration::MAX).await;
     }
 }
 

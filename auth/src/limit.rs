@@ -203,6 +203,24 @@ impl<K: Hash + Eq> Drop for Slot<K> {
     }
 }
 
+/// Wait for a rate limiter's turn: `check` answers None when a turn is granted, else how long
+/// until the next may be; after sleeping that long it is asked again, for at most `max_wait` in
+/// all. Err(how far the next turn still was) when it would take longer.
+pub async fn wait_turn(
+    mut check: impl FnMut() -> Option<Duration>,
+    max_wait: Duration,
+) -> Result<(), Duration> {
+    let mut waited = Duration::ZERO;
+    while let Some(wait) = check() {
+        if waited.saturating_add(wait) > max_wait {
+            return Err(wait);
+        }
+        tokio::time::sleep(wait).await;
+        waited += wait;
+    }
+    Ok(())
+}
+
 /// The key of a peer: its IP address (its ports are many).
 pub fn peer_key(addr: &SocketAddr) -> IpAddr {
     match addr.ip() {

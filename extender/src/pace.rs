@@ -14,7 +14,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use governor::clock::{Clock, DefaultClock};
 use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
-use gpuledger_auth::limit::Bites;
+use gpuledger_auth::limit::{Bites, wait_turn};
 
 /// The limit name its refusals are counted under (listener `scheduler`).
 pub const BITE_SCHEDULING_CALLS: &str = "scheduling_calls";
@@ -51,19 +51,10 @@ impl Pace {
             return Ok(());
         };
         let clock = DefaultClock::default();
-        let mut waited = Duration::ZERO;
-        loop {
-            let wait = match limiter.check() {
-                Ok(()) => return Ok(()),
-                Err(not_until) => not_until.wait_time_from(clock.now()),
-            };
-            if waited + wait > MAX_WAIT {
-                self.bites.bite(BITE_SCHEDULING_CALLS);
-                return Err(wait);
-            }
-            tokio::time::sleep(wait).await;
-            waited += wait;
-        }
+        let turn = || limiter.check().err().map(|n| n.wait_time_from(clock.now()));
+        wait_turn(turn, MAX_WAIT).await.inspect_err(|_| {
+            self.bites.bite(BITE_SCHEDULING_CALLS);
+        })
     }
 }
 
