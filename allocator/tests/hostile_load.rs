@@ -40,6 +40,7 @@ async fn silent_sockets_from_one_address_do_not_lock_new_clients_out() -> anyhow
     // More idle sockets than there are handshake slots (1,024), from one address, none of
     // which ever sends a ClientHello.
     let mut silent = Vec::new();
+    let opening = Instant::now();
     for _ in 0..1_100 {
         if let Ok(s) = tcp_from("127.0.0.2", allocs.addrs[0].parse()?).await {
             silent.push(s);
@@ -60,15 +61,24 @@ async fn silent_sockets_from_one_address_do_not_lock_new_clients_out() -> anyhow
         "a new client while 1,100 sockets stall: {status:?} after {:?}",
         t0.elapsed()
     );
-    // Past 64 handshakes in progress from one address, the rest are closed at accept (the
-    // allocator may still be accepting the last of them: counted within a few seconds).
+    // Past 64 handshakes in progress from one address, the rest are closed at accept: at most
+    // 64 more get a slot each time the ClientHello timeout (1 s) frees the slots, so of the
+    // sockets opened, all but 64 per started second of opening are closed (counted within a
+    // few seconds: the allocator may still be accepting the last of them).
+    let windows = opening.elapsed().as_secs() + 2;
+    let expected = silent.len().saturating_sub(64 * windows as usize) as f64;
     let deadline = Instant::now() + Duration::from_secs(5);
     let mut closed = limited(&allocs, 0, "tls_handshakes_per_peer").await?;
-    while closed < 1_000.0 && Instant::now() < deadline {
+    while closed < expected && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(100)).await;
         closed = limited(&allocs, 0, "tls_handshakes_per_peer").await?;
     }
-    assert!(closed >= 1_000.0, "{closed} closed at accept");
+    assert!(
+        closed >= expected && closed >= 800.0,
+        "{closed} of {} closed at accept (expected {expected}, opening took {:?})",
+        silent.len(),
+        opening.elapsed()
+    );
     // The silent ones are cut once the ClientHello is overdue.
     tokio::time::sleep(Duration::from_millis(1_500)).await;
     assert!(limited(&allocs, 0, "tls_hello_timeout").await? >= 1.0);
