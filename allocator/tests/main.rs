@@ -19,6 +19,7 @@ mod kube_fake_apiserver;
 mod kube_lifecycle;
 mod leader_fencing;
 mod log_archive;
+mod log_reads;
 mod metrics_cover_the_ledger;
 mod no_lost_grant;
 mod rewritten_head;

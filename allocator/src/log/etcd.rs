@@ -301,30 +301,7 @@ impl EtcdLog {
     ) -> Result<i64, LogError> {
         let mut kv = self.kv.clone();
         let end = format!("{}log0", self.prefix); // '0' sorts right after '/'
-        // The batch holding `from` starts at the last key <= log/<from>.
-        let mut start = self.log_key(from.max(1));
-        let probe = self
-            .timed(
-                kv.get(
-                    self.log_prefix(),
-                    Some(
-                        GetOptions::new()
-                            .with_range(format!("{}log/{}", self.prefix, seq_key(from.max(1) + 1)))
-                            .with_sort(SortTarget::Key, SortOrder::Descend)
-                            .with_limit(1)
-                            .with_keys_only()
-                            .with_revision(at_rev),
-                    ),
-                ),
-            )
-            .await?;
-        let mut rev = probe.header().map_or(0, |h| h.revision());
-        if at_rev > 0 {
-            rev = at_rev;
-        }
-        if let Some(k) = probe.kvs().first() {
-            start = String::from_utf8_lossy(k.key()).into_owned();
-        }
+        let (mut start, rev) = self.batch_holding(&mut kv, from.max(1), at_rev).await?;
         loop {
             let resp = self
                 .timed(
@@ -361,6 +338,59 @@ impl EtcdLog {
             next.push(0);
             start = String::from_utf8_lossy(&next).into_owned();
         }
+    }
+
+    /// The key of the batch holding `from` (the last log key at or below `log/<from>`; the key
+    /// of `from` itself when there is none) and the revision it was found at.
+    ///
+    /// etcd answers a range sorted in descending order by reading every key of the range
+    /// (the limit applies after sorting), values included, so the range is widened step by
+    /// step from `from` downwards: a read that starts on a batch boundary (every page of a
+    /// `ReadLog` after the first, every follower catching up) costs one key, and a read from
+    /// within a batch a few. Unbounded, a read from seq `s` cost the whole log below `s`, and
+    /// a whole-log read in pages cost the log times its pages.
+    async fn batch_holding(
+        &self,
+        kv: &mut KvClient,
+        from: u64,
+        at_rev: i64,
+    ) -> Result<(String, i64), LogError> {
+        let below = format!("{}log/{}", self.prefix, seq_key(from + 1));
+        let mut rev = at_rev;
+        for width in [0u64, 63, 4095, 262_143, u64::MAX] {
+            let lowest = if width == u64::MAX {
+                self.log_prefix()
+            } else {
+                self.log_key(from.saturating_sub(width).max(1))
+            };
+            let probe = self
+                .timed(
+                    kv.get(
+                        lowest,
+                        Some(
+                            GetOptions::new()
+                                .with_range(below.clone())
+                                .with_sort(SortTarget::Key, SortOrder::Descend)
+                                .with_limit(1)
+                                .with_keys_only()
+                                .with_revision(rev),
+                        ),
+                    ),
+                )
+                .await?;
+            if rev == 0 {
+                // Every further probe and page reads at the revision of the first.
+                rev = probe.header().map_or(0, |h| h.revision());
+            }
+            if let Some(k) = probe.kvs().first() {
+                return Ok((String::from_utf8_lossy(k.key()).into_owned(), rev));
+            }
+            if from.saturating_sub(width) <= 1 && width != u64::MAX {
+                // This window already reached seq 1: nothing lies below it but other keys.
+                break;
+            }
+        }
+        Ok((self.log_key(from), rev))
     }
 
     /// The value of `key` as stored (None: no such key).
