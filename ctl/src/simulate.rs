@@ -22,7 +22,7 @@ use gpuledger_ledger::Policy;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use draws::{GO_INFORMER_DRAWS, Streams};
-use engine::{POINTS, Procedure, RunResult, Setup, Ties, trace_workload};
+use engine::{DeviceChoice, POINTS, Procedure, RunResult, Setup, Ties, trace_workload};
 use gpuledger_trace::{NodeRow, PodRow, read_nodes, read_pods};
 use probe::{Cost, Probe};
 
@@ -95,6 +95,11 @@ pub struct SimulateArgs {
     /// Among nodes the policy scores equally: the first in the shuffled node order, or a random one.
     #[arg(long, value_enum, default_value = "first")]
     pub ties: Ties,
+
+    /// Who picks the GPUs within the chosen node: the policy (the device-plugin path), or
+    /// kube-scheduler's first fit (the DRA path, where the policy still chooses the node).
+    #[arg(long, value_enum, default_value = "policy")]
+    pub device_choice: DeviceChoice,
 
     /// Random streams for the pod and node orders: `go` draws them from Go's math/rand exactly as
     /// the paper's simulator does (same orders as its published runs, seed by seed); `chacha` is
@@ -246,6 +251,7 @@ pub fn simulate(
                         streams: args.rng,
                         informer_draws: args.go_informer_draws,
                         ties: args.ties,
+                        devices: args.device_choice,
                     };
                     let r = setup.run(pods, policy, args.tune, seed, procedure, &probe);
                     progress.inc(1);

@@ -79,11 +79,32 @@ pub struct Candidate {
     pub gpus: Vec<Vec<usize>>,
 }
 
+/// Who picks the GPUs within a node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeviceChoice {
+    /// The policy (gpuledger's device-plugin path: the ledger reserves the GPUs it scores).
+    #[default]
+    Policy,
+    /// kube-scheduler's structured allocator (the DRA path): for each container in order, the
+    /// first GPUs in index order whose remaining memory and compute cover the request. The
+    /// policy still scores the node, by the GPUs first fit takes.
+    FirstFit,
+}
+
 /// Decide how `req` would be served on `node` under its policy, or say why it cannot be.
 ///
 /// This is the single decision procedure; the other functions here and the trace simulator are
 /// built on it.
 pub fn evaluate(node: &NodeState, req: &PodRequest) -> Result<Candidate, Fit> {
+    evaluate_with(node, req, DeviceChoice::Policy)
+}
+
+/// [`evaluate`] with the GPUs within the node picked by `choice`.
+pub fn evaluate_with(
+    node: &NodeState,
+    req: &PodRequest,
+    choice: DeviceChoice,
+) -> Result<Candidate, Fit> {
     if let Some(never) = never_fits(node, req) {
         return Err(Fit::Never(never));
     }
@@ -143,6 +164,10 @@ pub fn evaluate(node: &NodeState, req: &PodRequest) -> Result<Candidate, Fit> {
             return Err(Fit::Wait(shortage(node, req, &c, &free)));
         }
         let chosen: Vec<usize> = match req.policy {
+            // `cands` is in index order.
+            _ if choice == DeviceChoice::FirstFit => {
+                cands.iter().take(c.slices as usize).map(|x| x.0).collect()
+            }
             Policy::Spread => take_sorted(cands, c.slices, |a, b| b.total_cmp(a)),
             Policy::FgdStrand if c.slices == 1 && c.core_milli < CORE_MILLI_PER_GPU => {
                 let w = workload.expect("fgd policies have a workload");

@@ -50,7 +50,7 @@ pub struct RunResult {
     pub floor: f64,
 }
 
-/// How the pods and nodes of one run are ordered.
+/// How the pods and nodes of one run are ordered, and who picks the GPUs within a node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Procedure {
     /// The random streams.
@@ -59,6 +59,28 @@ pub struct Procedure {
     pub informer_draws: usize,
     /// Which of the nodes scored equally gets the pod.
     pub ties: Ties,
+    /// Who picks the GPUs within the chosen node.
+    pub devices: DeviceChoice,
+}
+
+/// Who picks the GPUs within a node (`--device-choice`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum DeviceChoice {
+    /// The policy, as the device-plugin path does (the ledger reserves the GPUs it scores).
+    #[default]
+    Policy,
+    /// kube-scheduler's first fit, as on the DRA path: the lowest-index GPUs with room; the
+    /// policy scores each node by the GPUs first fit would take there.
+    FirstFit,
+}
+
+impl From<DeviceChoice> for placement::DeviceChoice {
+    fn from(d: DeviceChoice) -> Self {
+        match d {
+            DeviceChoice::Policy => placement::DeviceChoice::Policy,
+            DeviceChoice::FirstFit => placement::DeviceChoice::FirstFit,
+        }
+    }
 }
 
 /// How a pod's node is chosen among the nodes its policy scores equally.
@@ -182,7 +204,8 @@ impl Setup {
             for (n, node) in nodes.iter().enumerate() {
                 let slot = &mut cache[n * shapes + t];
                 if slot.as_ref().is_none_or(|(v, _)| *v != version[n]) {
-                    *slot = Some((version[n], placement::evaluate(node, req).ok()));
+                    let c = placement::evaluate_with(node, req, procedure.devices.into());
+                    *slot = Some((version[n], c.ok()));
                 }
                 if let Some((_, Some(c))) = slot {
                     let s = placement::rank(req, n, c);

@@ -842,3 +842,38 @@ fn fgd_strand_leaves_a_small_pool_to_the_pods_pinned_to_it() {
     assert_eq!(pick(w.clone()), "t4", "without the cluster, a tie");
     assert_eq!(pick(w.on_cluster(&cluster)), "a100-0");
 }
+
+#[test]
+fn first_fit_takes_the_lowest_gpus_with_room_and_the_policy_scores_that_choice() {
+    let w = Arc::new(Workload::from_counts([(shape(1, 500), 1)], 1.0));
+    let mut n = node(vec![gpu(0, 16000), gpu(1, 16000), gpu(2, 16000)]);
+    n.gpus[0].core_used = 800;
+    n.gpus[1].core_used = 300;
+    // A 0.4 pod: GPU 0 has no room; first fit takes GPU 1 where FGD takes the idle GPU 2
+    // (on GPU 1 it leaves 300, where no 0.5 fits).
+    let r = share_req(400, Policy::Fgd, &w);
+    assert_eq!(evaluate(&n, &r).expect("fits").gpus, vec![vec![2]]);
+    let ff = evaluate_with(&n, &r, DeviceChoice::FirstFit).expect("fits");
+    assert_eq!(ff.gpus, vec![vec![1]]);
+    // The node's score is FGD's score of GPU 1, which fragments more: lower than GPU 2's.
+    assert!(ff.score < evaluate(&n, &r).expect("fits").score, "{ff:?}");
+    // Two slices: the first two GPUs with room, in index order.
+    let mut two = req(2, 4000, Policy::Spread);
+    two.containers[0].core_milli = 200;
+    assert_eq!(
+        evaluate_with(&n, &two, DeviceChoice::FirstFit)
+            .expect("fits")
+            .gpus,
+        vec![vec![0, 1]]
+    );
+    n.gpus[0].core_used = 900;
+    assert_eq!(
+        evaluate_with(&n, &two, DeviceChoice::FirstFit)
+            .expect("fits")
+            .gpus,
+        vec![vec![1, 2]]
+    );
+    // The same refusals as the policy's own choice.
+    n.gpus[1].core_used = 900;
+    assert!(evaluate_with(&n, &two, DeviceChoice::FirstFit).is_err());
+}
