@@ -49,6 +49,7 @@ pub struct ClaimArgs {
     #[arg(
         long = "claim-reconcile-interval",
         env = "GPULEDGER_CLAIM_RECONCILE_INTERVAL",
+        value_name = "SECONDS",
         default_value_t = 60,
         value_parser = clap::value_parser!(u64).range(1..)
     )]
@@ -59,6 +60,7 @@ pub struct ClaimArgs {
     #[arg(
         long = "claim-queue",
         env = "GPULEDGER_CLAIM_QUEUE",
+        value_name = "CLAIMS",
         default_value_t = 4096,
         value_parser = clap::value_parser!(u64).range(1..)
     )]
