@@ -3,7 +3,8 @@
 //! also across a leader killed in between (never granted twice); an allocation that over-commits
 //! the GPU or under-declares its share gets `gpuledger.io/Refused` with a readable reason and no
 //! grant; a deallocated claim's grant is released, and a claim deleted while no allocator ran is
-//! released at the next election. Real etcd, the real allocator binary, the fake API server.
+//! released at the next election (one deleted while it runs, at once). Real etcd, the real
+//! allocator binary, the fake API server.
 
 use std::time::Duration;
 
@@ -306,6 +307,23 @@ async fn a_claim_deleted_while_no_allocator_runs_is_released_at_the_next_electio
     let (kind, _, _) = wait_condition(&stack, "e").await?;
     assert_eq!(kind, GRANTED);
     let id = grants_of(&claim_events(&stack, 0).await?, &e)[0].allocation_id;
+
+    // Deleted while the allocator watches: the watch releases it (no pass comes for an hour).
+    let f = allocated_claim(&stack, "f", (2_000, 100), "n1", "share-f", (2_000, 100))?;
+    wait_condition(&stack, "f").await?;
+    let f_id = grants_of(&claim_events(&stack, 0).await?, &f)[0].allocation_id;
+    stack
+        .api
+        .store
+        .delete(GV, "resourceclaims", NS, "f")
+        .map_err(|e| anyhow::anyhow!("{}", e.message()))?;
+    let why = poll(
+        "claim f's grant released",
+        Duration::from_secs(10),
+        || async { Ok(released(&claim_events(&stack, 0).await?, f_id)) },
+    )
+    .await?;
+    assert_eq!(why, "claim-deleted");
 
     stack.allocs.procs[0].kill();
     stack
