@@ -56,6 +56,10 @@ pub struct KubeArgs {
     /// GPUBudget objects into the ledger (which namespace holds the cluster default).
     #[command(flatten)]
     pub budgets: crate::budget_watch::BudgetArgs,
+
+    /// DRA ResourceClaims certified against the ledger.
+    #[command(flatten)]
+    pub claims: crate::claim_watch::ClaimArgs,
 }
 
 /// Node capacity updates submitted at once by one reconcile pass.
@@ -381,6 +385,13 @@ async fn run(ties: Ties, client: kube::Client, args: KubeArgs) {
         client.clone(),
         &args.budgets,
     );
+    crate::claim_watch::spawn(
+        &mut watchers,
+        ties.shared.clone(),
+        ties.writer.clone(),
+        client.clone(),
+        &args.claims,
+    );
     let w = Arc::new(Watch {
         shared: ties.shared,
         writer: ties.writer,
@@ -392,7 +403,7 @@ async fn run(ties: Ties, client: kube::Client, args: KubeArgs) {
         events: Recorder::new(client.clone(), "gpuledger-allocator", None),
         demoted: Default::default(),
     });
-    info!("Kubernetes watchers started (pods, nodes, GPUBudgets)");
+    info!("Kubernetes watchers started (pods, nodes, GPUBudgets, ResourceClaims)");
 
     let wp = w.clone();
     let pod_stream = reflector::reflector(

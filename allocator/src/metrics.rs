@@ -68,6 +68,16 @@ pub struct Metrics {
     /// Events folded, by type (index into [`EVENT_TYPES`]): a fixed array, so counting an
     /// event in the fold neither allocates nor hashes.
     events: [AtomicU64; EVENT_TYPES.len()],
+    /// ResourceClaim results certified, by outcome (granted, refused) and condition reason.
+    pub(crate) claims_certified: Family<Vec<(&'static str, &'static str)>, Counter>,
+    /// Claim grants released, by reason.
+    pub(crate) claim_releases: Family<Vec<(&'static str, &'static str)>, Counter>,
+    /// Claim events dropped because `--claim-queue` was full.
+    pub(crate) claim_queue_full: Counter,
+    /// Claims waiting for the certification.
+    pub(crate) claim_queue_depth: Gauge,
+    /// Condition writes to a claim's status that failed (retried at the next event or pass).
+    pub(crate) claim_status_failures: Counter,
     /// How often each limit on callers refused something (`limited_total{limit}`).
     pub bites: std::sync::Arc<gpuledger_auth::limit::Bites>,
 }
@@ -141,8 +151,43 @@ impl Default for Metrics {
             "Evictions of preemption victims by outcome: evicted, gone, refused (a PodDisruptionBudget), failed",
             evictions.clone(),
         );
+        let claims_certified = Family::<Vec<(&'static str, &'static str)>, Counter>::default();
+        registry.register(
+            "claims_certified",
+            "ResourceClaim results certified: outcome granted (gpuledger.io/Granted written after the grant committed) or refused (gpuledger.io/Refused), by condition reason",
+            claims_certified.clone(),
+        );
+        let claim_releases = Family::<Vec<(&'static str, &'static str)>, Counter>::default();
+        registry.register(
+            "claim_releases",
+            "Claim grants released because their claim was deallocated or deleted, by reason",
+            claim_releases.clone(),
+        );
+        let claim_queue_full = Counter::default();
+        registry.register(
+            "claim_queue_full",
+            "ResourceClaim events dropped because --claim-queue was full (the next --claim-reconcile-interval pass picks them up)",
+            claim_queue_full.clone(),
+        );
+        let claim_queue_depth = Gauge::default();
+        registry.register(
+            "claim_queue_depth",
+            "ResourceClaims waiting for the certification",
+            claim_queue_depth.clone(),
+        );
+        let claim_status_failures = Counter::default();
+        registry.register(
+            "claim_status_failures",
+            "Writes of a gpuledger condition to a ResourceClaim's status that failed (retried at its next event or pass)",
+            claim_status_failures.clone(),
+        );
         Metrics {
             registry,
+            claims_certified,
+            claim_releases,
+            claim_queue_full,
+            claim_queue_depth,
+            claim_status_failures,
             commit_latency,
             batch_events,
             leaderships,

@@ -1,6 +1,7 @@
 //! The test kit's fake kube-apiserver behaves like the real one for what gpuledger and
 //! kube-rs use, reached through an ordinary kubeconfig: create/get/list with field selectors,
-//! watch from a resourceVersion, merge patch, bindings with 409 on a second bind, events,
+//! watch from a resourceVersion, merge patch (resourceVersion as a precondition, status only on
+//! `status`), bindings with 409 on a second bind, events,
 //! leases.
 
 use std::time::Duration;
@@ -92,6 +93,32 @@ async fn kube_rs_works_against_the_fake_apiserver() -> anyhow::Result<()> {
     assert!(
         patched.spec.and_then(|s| s.node_name).is_some(),
         "patch keeps the rest"
+    );
+
+    // A resourceVersion in a merge patch is a precondition; a status patch changes only
+    // the status.
+    let stale = json!({"metadata": {"resourceVersion": "1", "labels": {"y": "1"}}});
+    match pods
+        .patch("a", &PatchParams::default(), &Patch::Merge(&stale))
+        .await
+    {
+        Err(kube::Error::Api(s)) => assert_eq!(s.code, 409),
+        other => panic!("stale patch: {other:?}"),
+    }
+    let rv = patched.metadata.resource_version.clone().expect("rv");
+    let st = pods
+        .patch_status(
+            "a",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"resourceVersion": rv},
+                "spec": {"nodeName": "elsewhere"}, "status": {"phase": "Running"}})),
+        )
+        .await?;
+    assert_eq!(st.status.and_then(|s| s.phase).as_deref(), Some("Running"));
+    assert_eq!(
+        st.spec.and_then(|s| s.node_name).as_deref(),
+        Some("n1"),
+        "a status patch leaves the spec"
     );
 
     // Events and leases are stored like anything else.

@@ -63,6 +63,39 @@ pub enum CapacityError {
     NotRepresentable(u64),
 }
 
+/// The capacities of a gpuledger DRA device (one GPU; docs/dra.md): `memory` in MiB and
+/// `cores` in thousandths of the GPU, each defaulting to the whole GPU, `memory` in steps of
+/// 1 MiB from 1 MiB, `cores` in steps of 1 from 0. The node agent publishes them in its
+/// ResourceSlice; the allocator recomputes a result's share with them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuCapacities {
+    /// `memory`, in MiB.
+    pub memory: DeviceCapacity,
+    /// `cores`, in thousandths of the GPU.
+    pub cores: DeviceCapacity,
+}
+
+impl GpuCapacities {
+    /// The capacities of a GPU of `memory_mib`.
+    pub fn of_gpu(memory_mib: u64) -> Self {
+        let whole = |value: u64, min: u64| DeviceCapacity {
+            value,
+            policy: Some(RequestPolicy {
+                default: Some(value),
+                valid: Valid::Range {
+                    min,
+                    max: None,
+                    step: Some(1),
+                },
+            }),
+        };
+        GpuCapacities {
+            memory: whole(memory_mib, 1),
+            cores: whole(u64::from(crate::CORE_MILLI_PER_GPU), 0),
+        }
+    }
+}
+
 /// What a request consumes of `cap`: `requested` (`None` when the request leaves the capacity
 /// out) rounded up by the policy, then checked against the policy and the device's value.
 pub fn consumed(requested: Option<u64>, cap: &DeviceCapacity) -> Result<u64, CapacityError> {

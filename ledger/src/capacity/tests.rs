@@ -176,3 +176,15 @@ fn rounding_past_u64_or_a_zero_step_is_not_representable() {
         Err(CapacityError::NotRepresentable(5))
     );
 }
+
+#[test]
+fn a_gpu_defaults_to_the_whole_device_and_rounds_to_whole_units() {
+    let g = GpuCapacities::of_gpu(16_000);
+    assert_eq!(consumed(None, &g.memory), Ok(16_000));
+    assert_eq!(consumed(None, &g.cores), Ok(1000));
+    assert_eq!(consumed(Some(0), &g.memory), Ok(1));
+    assert_eq!(consumed(Some(0), &g.cores), Ok(0));
+    assert_eq!(consumed(Some(3000), &g.memory), Ok(3000));
+    assert!(consumed(Some(16_001), &g.memory).is_err());
+    assert!(consumed(Some(1001), &g.cores).is_err());
+}

@@ -119,7 +119,11 @@ impl Ledger {
     }
 
     pub(super) fn decide_refuse_claim(&self, r: pb::ClaimRefused) -> Decided {
-        let (claim, _) = claim_and_share(r.claim.as_ref(), r.share.as_ref(), &r.request)?;
+        // A result on a device the inventory lacks is refused with no share to name.
+        let claim = match r.share.as_ref() {
+            Some(share) => claim_and_share(r.claim.as_ref(), Some(share), &r.request)?.0,
+            None => claim_ref(r.claim.as_ref(), &r.request)?,
+        };
         if r.reason.is_empty() {
             return Err(CommandError::Invalid("a refusal needs a reason".into()));
         }
@@ -213,6 +217,19 @@ fn claim_and_share<'a>(
     share: Option<&'a pb::GpuShare>,
     request: &str,
 ) -> Result<(&'a pb::ClaimRef, &'a pb::GpuShare), CommandError> {
+    let claim = claim_ref(claim, request)?;
+    let share = share.ok_or_else(|| CommandError::Invalid("no GPU share".into()))?;
+    if share.gpu_uuid.is_empty() {
+        return Err(CommandError::Invalid("share without GPU uuid".into()));
+    }
+    Ok((claim, share))
+}
+
+/// The claim a grant or refusal must name, with a request.
+fn claim_ref<'a>(
+    claim: Option<&'a pb::ClaimRef>,
+    request: &str,
+) -> Result<&'a pb::ClaimRef, CommandError> {
     let claim = claim.ok_or_else(|| CommandError::Invalid("no claim".into()))?;
     if claim.uid.is_empty() || claim.name.is_empty() || !is_dns_label(&claim.namespace) {
         return Err(CommandError::Invalid(format!(
@@ -223,11 +240,7 @@ fn claim_and_share<'a>(
     if request.is_empty() {
         return Err(CommandError::Invalid("no claim request".into()));
     }
-    let share = share.ok_or_else(|| CommandError::Invalid("no GPU share".into()))?;
-    if share.gpu_uuid.is_empty() {
-        return Err(CommandError::Invalid("share without GPU uuid".into()));
-    }
-    Ok((claim, share))
+    Ok(claim)
 }
 
 /// Why a claim command carries more than an event may hold, if it does.

@@ -10,8 +10,11 @@
 //!   merge key (containers by `name`, conditions by `type`…); its directives (`$patch`,
 //!   `$retainKeys`, `$deleteFromPrimitiveList`, `$setElementOrder`) are refused with 415
 //!   rather than misapplied. JSON patch (RFC 6902) and server-side apply are refused with 415.
-//! - **Subresources:** `pods/binding`, `status` and `portforward` only. A PUT to `status`
-//!   changes only the status, but a PATCH to it is applied to the whole object.
+//! - **Subresources:** `pods/binding`, `status` and `portforward` only. A PUT or PATCH to
+//!   `status` changes only the status. A `metadata.resourceVersion` in a PUT or a merge patch
+//!   is a precondition (409 when the object has another), as on a real server.
+//! - **Faults:** a test may make every write to one resource fail with 503
+//!   ([`Store::fail_writes`]), as a server that lost its etcd answers.
 //! - **Validation and defaults:** bodies must be JSON objects, and only a pod's
 //!   `spec.schedulerName`, `status.phase`, `metadata.uid`, `creationTimestamp` and
 //!   `resourceVersion` are defaulted; nothing is validated against a schema, no admission

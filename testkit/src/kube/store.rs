@@ -105,6 +105,8 @@ pub struct Store {
     tokens: Mutex<std::collections::HashMap<String, tokens::Issued>>,
     /// TokenReviews answered so far.
     token_reviews: std::sync::atomic::AtomicU64,
+    /// (group, resource) whose writes fail for now (see [`Store::fail_writes`]).
+    failing: Mutex<BTreeSet<(String, String)>>,
 }
 
 /// One kind of request a client made, in RBAC terms: who (the bearer token of its
@@ -162,7 +164,13 @@ impl ApiError {
 fn cluster_scoped(resource: &str) -> bool {
     matches!(
         resource,
-        "nodes" | "namespaces" | "persistentvolumes" | "clusterroles" | "priorityclasses"
+        "nodes"
+            | "namespaces"
+            | "persistentvolumes"
+            | "clusterroles"
+            | "priorityclasses"
+            | "resourceslices"
+            | "deviceclasses"
     )
 }
 
@@ -179,6 +187,10 @@ pub(crate) fn kind_of(resource: &str) -> String {
         "priorityclasses" => "PriorityClass".into(),
         "gpubudgets" => "GPUBudget".into(),
         "poddisruptionbudgets" => "PodDisruptionBudget".into(),
+        "resourceclaims" => "ResourceClaim".into(),
+        "resourceclaimtemplates" => "ResourceClaimTemplate".into(),
+        "resourceslices" => "ResourceSlice".into(),
+        "deviceclasses" => "DeviceClass".into(),
         other => {
             let s = other.strip_suffix('s').unwrap_or(other);
             let mut c = s.chars();
@@ -207,6 +219,7 @@ impl Default for Store {
             requests: Mutex::default(),
             tokens: Mutex::default(),
             token_reviews: Default::default(),
+            failing: Mutex::default(),
         }
     }
 }
@@ -610,6 +623,42 @@ impl Store {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(r);
+    }
+
+    /// A fault for tests: until [`Store::heal_writes`], every write (create, update, patch,
+    /// delete) to `resource` of `group` (in RBAC terms: "resourceclaims/status") is answered
+    /// 503 and changes nothing, as an API server that cannot reach its etcd does.
+    pub fn fail_writes(&self, group: &str, resource: &str) {
+        self.failing
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert((group.into(), resource.into()));
+    }
+
+    /// End every fault of [`Store::fail_writes`].
+    pub fn heal_writes(&self) {
+        self.failing
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+    }
+
+    /// The refusal of request `r` while its resource's writes fail.
+    pub(crate) fn fault(&self, r: &ApiRequest) -> Option<ApiError> {
+        let writes = ["create", "update", "patch", "delete"];
+        let failing = self.failing.lock().unwrap_or_else(|p| p.into_inner());
+        (writes.contains(&r.verb.as_str())
+            && failing.contains(&(r.group.clone(), r.resource.clone())))
+        .then(|| {
+            ApiError::new(
+                503,
+                "ServiceUnavailable",
+                format!(
+                    "writes to {} fail for now (a fault of the test)",
+                    r.resource
+                ),
+            )
+        })
     }
 
     /// Every distinct kind of request served so far (for RBAC checks).

@@ -419,6 +419,14 @@ fn refusals_are_recorded_unless_the_result_is_granted() {
         ),
         Err(CommandError::Invalid(_))
     ));
+    // A device the inventory lacks has no share to name.
+    let unknown = pb::ClaimRefused {
+        device: "gpu-nope".into(),
+        share: None,
+        ..refusal("u3")
+    };
+    l.execute(Command::RefuseClaim(unknown), 1, 2)
+        .expect("refused without a share");
     l.execute(Command::GrantClaim(grant("u2", "dra", 0, 4000, 0)), 1, 3)
         .expect("grant");
     assert!(matches!(

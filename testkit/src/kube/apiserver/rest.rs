@@ -124,7 +124,11 @@ pub(super) async fn handle(
     if let Some(user) = store.token_user(&r.user) {
         r.user = user;
     }
+    let fault = store.fault(&r);
     store.record_request(r);
+    if let Some(e) = fault {
+        return e.into_response();
+    }
     match route(store, method, uri, headers, body).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
@@ -285,13 +289,27 @@ async fn route(
                     ),
                 ));
             }
+            let status_only = t.sub.is_some();
             Ok(ok(store.update(
                 &t.gv,
                 &t.resource,
                 &t.namespace,
                 name,
                 |obj| {
-                    json_patch::merge(obj, &p);
+                    // A resourceVersion in the patch is a precondition, as on a real server.
+                    let want = p.pointer("/metadata/resourceVersion").and_then(Value::as_str).unwrap_or("");
+                    let have = obj.pointer("/metadata/resourceVersion").and_then(Value::as_str).unwrap_or("");
+                    if !want.is_empty() && want != have {
+                        return Err(ApiError::new(409, "Conflict", format!(
+                            "Operation cannot be fulfilled on {} \"{name}\": the object has been modified; please apply your changes to the latest version and try again", t.resource)));
+                    }
+                    let mut patched = obj.clone();
+                    json_patch::merge(&mut patched, &p);
+                    if status_only {
+                        obj["status"] = patched.get("status").cloned().unwrap_or(Value::Null);
+                    } else {
+                        *obj = patched;
+                    }
                     Ok(())
                 },
             )?))

@@ -1,0 +1,521 @@
+//! DRA claims certified by the ledger (docs/dra.md): the kube-scheduler allocates a share of
+//! one of our devices, whose `bindingConditions` hold the pod in PreBind until the allocator
+//! has committed a `ClaimGranted` for that exact result **and then** written
+//! `gpuledger.io/Granted=True` into the claim's `status.devices`; a result the ledger refuses
+//! gets `gpuledger.io/Refused=True` (after its `ClaimRefused`), and the scheduler allocates
+//! afresh. A deallocated or deleted claim's grants are released.
+//!
+//! Every replica watches the claims; only the leader writes (its [`Writer`] answers
+//! `NotLeader` elsewhere), through a bounded work queue (`--claim-queue`). On every election
+//! and every `--claim-reconcile-interval` the leader lists every claim: a grant whose claim or
+//! share is gone is released, an allocated result without its condition is certified. That
+//! list replaces a finalizer: a claim deleted while no replica watched is released there.
+//! What to do is decided in [`plan`]; the writes to Kubernetes are in [`certify`].
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt;
+use gpuledger_ledger::{Command, Reply, pb};
+use kube::ResourceExt;
+use kube::api::DynamicObject;
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use tokio::task::JoinSet;
+use tracing::{debug, info, warn};
+
+use self::certify::Claims;
+use self::plan::{Allotted, Claim, Release, Step};
+use self::queue::{Pushed, Queue};
+use crate::shared::{Role, Shared};
+use crate::writer::{WriteError, Writer};
+
+pub mod certify;
+pub mod plan;
+pub mod queue;
+
+/// Flags of the claim certification.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ClaimArgs {
+    /// Do not watch resource.k8s.io ResourceClaims: no DRA claim is certified (for a cluster
+    /// without DRA nodes, or without the DRA API).
+    #[arg(long = "no-claim-watch", env = "GPULEDGER_NO_CLAIM_WATCH")]
+    pub no_claim_watch: bool,
+
+    /// How often the leader lists every ResourceClaim against the ledger (besides at every
+    /// election), in seconds: grants whose claim or share is gone are released, allocated
+    /// results without a gpuledger condition are certified.
+    #[arg(
+        long = "claim-reconcile-interval",
+        env = "GPULEDGER_CLAIM_RECONCILE_INTERVAL",
+        value_name = "SECONDS",
+        default_value_t = 60,
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    pub claim_reconcile_interval_s: u64,
+
+    /// ResourceClaims waiting to be certified at most; a change beyond it is dropped
+    /// (gpuledger_allocator_claim_queue_full_total) and picked up by the next full pass.
+    #[arg(
+        long = "claim-queue",
+        env = "GPULEDGER_CLAIM_QUEUE",
+        value_name = "CLAIMS",
+        default_value_t = 4096,
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    pub claim_queue: u64,
+}
+
+impl Default for ClaimArgs {
+    fn default() -> Self {
+        ClaimArgs {
+            no_claim_watch: false,
+            claim_reconcile_interval_s: 60,
+            claim_queue: 4096,
+        }
+    }
+}
+
+/// Claims certified at once (their grants share etcd transactions through group commit).
+const WORKERS: usize = 16;
+/// Reads of a claim whose status write met a newer version, before leaving it to the next event.
+const ATTEMPTS: usize = 5;
+/// Refusals remembered so that a claim marked Granted that the ledger cannot hold is recorded
+/// once, not at every pass.
+const REMEMBERED_REFUSALS: usize = 65_536;
+
+/// A unit of work: a claim to certify, or a deleted claim's grants to release.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Work {
+    Claim { ns: String, name: String },
+    Deleted { uid: String, what: String },
+}
+
+struct Watch {
+    shared: Arc<Shared>,
+    writer: Writer,
+    claims: Claims,
+    store: Store<DynamicObject>,
+    queue: Queue<Work>,
+    /// Refusals recorded by this replica ("uid/request/share").
+    refused: Mutex<HashSet<String>>,
+}
+
+impl Watch {
+    fn leading(&self) -> bool {
+        self.shared.role_info().role == Role::Leader
+    }
+
+    fn push(&self, w: Work) {
+        if !self.leading() {
+            return;
+        }
+        if self.queue.push(w) == Pushed::Full {
+            self.shared.metrics.claim_queue_full.inc();
+            debug!("claim queue full (--claim-queue): left to the next full pass");
+        }
+        self.depth();
+    }
+
+    fn depth(&self) {
+        let n = i64::try_from(self.queue.waiting()).unwrap_or(i64::MAX);
+        self.shared.metrics.claim_queue_depth.set(n);
+    }
+
+    async fn work(&self, w: Work) {
+        if !self.leading() {
+            return;
+        }
+        match w {
+            Work::Deleted { uid, what } => {
+                let rel = {
+                    let l = self.shared.view().await;
+                    plan::releases_of_deleted(&l, &uid, &what)
+                };
+                for r in rel {
+                    self.release(&r).await;
+                }
+            }
+            Work::Claim { ns, name } => self.certify(&ns, &name).await,
+        }
+    }
+
+    /// Certify claim `ns/name`: its stale grants released, each result granted or refused in
+    /// the ledger, then the conditions written.
+    async fn certify(&self, ns: &str, name: &str) {
+        let mut fresh = false;
+        for _ in 0..ATTEMPTS {
+            // The ledger is read before the claim, so that a grant it shows belongs to a claim
+            // read after it: a release never races a grant made meanwhile.
+            let l = self.shared.view().await;
+            let cached = if fresh {
+                None
+            } else {
+                self.store
+                    .get(&ObjectRef::new_with(name, self.claims_ar()).within(ns))
+                    .map(|o| certify::to_json(&o))
+            };
+            let json = match cached {
+                Some(j) => j,
+                None => match self.claims.get(ns, name).await {
+                    Ok(Some(j)) => {
+                        fresh = true;
+                        j
+                    }
+                    // Deleted: the deletion's own work (or the next pass) releases it.
+                    Ok(None) => return,
+                    Err(e) => {
+                        warn!(claim = %format!("{ns}/{name}"), error = %e, "reading a ResourceClaim failed; left to the next pass");
+                        return;
+                    }
+                },
+            };
+            let claim = match Claim::from_json(&json) {
+                Ok(c) => c,
+                Err(e) => {
+                    warn!(claim = %format!("{ns}/{name}"), error = %e, "ResourceClaim not understood; skipped");
+                    return;
+                }
+            };
+            let p = plan::plan_claim(&l, &claim);
+            drop(l);
+            if !p.releases.is_empty() && !fresh {
+                // Releases only on the claim as the API server has it now, not a cached one.
+                fresh = true;
+                continue;
+            }
+            for r in &p.releases {
+                self.release(r).await;
+            }
+            let mut devices = claim.devices.clone();
+            let mut marked = Vec::new();
+            for (r, step) in p.steps {
+                let Some((cond, outcome)) = self.decide(&claim, &r, step).await else {
+                    continue;
+                };
+                devices = plan::devices_with(&devices, &r, cond);
+                marked.push(outcome);
+            }
+            if marked.is_empty() {
+                return;
+            }
+            let rv = &claim.resource_version;
+            match self.claims.write_devices(ns, name, rv, devices).await {
+                Ok(()) => {
+                    for (outcome, reason) in marked {
+                        self.shared
+                            .metrics
+                            .claims_certified
+                            .get_or_create(&vec![("outcome", outcome), ("reason", reason)])
+                            .inc();
+                    }
+                    info!(claim = %claim.what(), "ResourceClaim conditions written");
+                    return;
+                }
+                Err(e) if certify::is_conflict(&e) => {
+                    debug!(claim = %claim.what(), "ResourceClaim changed meanwhile; reading it again");
+                    fresh = true;
+                }
+                Err(e) => {
+                    self.shared.metrics.claim_status_failures.inc();
+                    warn!(claim = %claim.what(), error = %e, "writing the ResourceClaim's status failed; retried at its next change or pass");
+                    return;
+                }
+            }
+        }
+        self.shared.metrics.claim_status_failures.inc();
+        warn!(claim = %format!("{ns}/{name}"), "ResourceClaim kept changing; retried at its next change or pass");
+    }
+
+    /// Write `step` to the ledger: the condition to set on the result (and its outcome and
+    /// reason for the metric), or None when no condition is to be written now.
+    async fn decide(
+        &self,
+        claim: &Claim,
+        r: &Allotted,
+        step: Step,
+    ) -> Option<(k8s_openapi::serde_json::Value, (&'static str, &'static str))> {
+        let now = self.now();
+        let (refusal, reason, mark) = match step {
+            Step::Grant { grant, mark } => {
+                let share = grant.share.clone();
+                match self.writer.submit(Command::GrantClaim(grant)).await {
+                    Ok(c) => {
+                        let a = match &c.reply {
+                            Reply::Reserved { allocations, .. } => allocations.first().cloned(),
+                            _ => None,
+                        }?;
+                        info!(claim = %claim.what(), request = %r.request, allocation = a.id, epoch = a.epoch, "ResourceClaim result granted");
+                        if !mark {
+                            return None;
+                        }
+                        let cond = plan::condition(
+                            plan::GRANTED,
+                            plan::REASON_GRANT,
+                            &granted_message(&a),
+                            claim.generation,
+                            &now,
+                        );
+                        return Some((cond, ("granted", plan::REASON_GRANT)));
+                    }
+                    Err(WriteError::Refused(e)) => {
+                        let reason = plan::refusal_reason(&e)?;
+                        (
+                            plan::refusal_of(claim, r, e.to_string(), share),
+                            reason,
+                            mark,
+                        )
+                    }
+                    Err(WriteError::NotLeader) => return None,
+                    Err(e) => {
+                        warn!(claim = %claim.what(), request = %r.request, error = %e, "granting a ResourceClaim result failed; retried at its next change or pass");
+                        return None;
+                    }
+                }
+            }
+            Step::Refuse {
+                refusal,
+                reason,
+                mark,
+            } => (refusal, reason, mark),
+        };
+        let message = format!(
+            "the GPU ledger refused request {} on {}: {}",
+            r.request, r.device, refusal.reason
+        );
+        if !self.record_refusal(claim, refusal).await {
+            return None;
+        }
+        warn!(claim = %claim.what(), reason, %message, "ResourceClaim result refused");
+        mark.then(|| {
+            let cond = plan::condition(plan::REFUSED, reason, &message, claim.generation, &now);
+            (cond, ("refused", reason))
+        })
+    }
+
+    /// Commit `refusal` (once per result on this replica); whether it is in the ledger.
+    async fn record_refusal(&self, claim: &Claim, refusal: pb::ClaimRefused) -> bool {
+        let key = format!(
+            "{}/{}/{}",
+            claim.claim.uid, refusal.request, refusal.share_id
+        );
+        if self.lock_refused().contains(&key) {
+            return true;
+        }
+        match self.writer.submit(Command::RefuseClaim(refusal)).await {
+            Ok(_) => {
+                let mut s = self.lock_refused();
+                if s.len() >= REMEMBERED_REFUSALS {
+                    s.clear();
+                }
+                s.insert(key);
+                true
+            }
+            Err(WriteError::NotLeader) => false,
+            Err(e) => {
+                warn!(claim = %claim.what(), error = %e, "recording a refusal failed; retried at the next change or pass");
+                false
+            }
+        }
+    }
+
+    fn lock_refused(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+        self.refused.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    async fn release(&self, r: &Release) {
+        let cmd = Command::Release {
+            pod_uid: String::new(),
+            container: String::new(),
+            allocation_id: r.allocation_id,
+            reason: r.reason.into(),
+        };
+        match self.writer.submit(cmd).await {
+            Ok(c) => {
+                self.shared
+                    .metrics
+                    .claim_releases
+                    .get_or_create(&vec![("reason", r.reason)])
+                    .inc();
+                info!(claim = %r.what, allocation = r.allocation_id, reason = r.reason, seq = c.seq, "claim grant released");
+            }
+            Err(WriteError::NotLeader) => {}
+            Err(e) => {
+                debug!(claim = %r.what, allocation = r.allocation_id, error = %e, "claim grant not released")
+            }
+        }
+    }
+
+    /// The full pass (leader only): release what no claim holds, queue what needs a step.
+    async fn reconcile(&self) {
+        if !self.leading() {
+            return;
+        }
+        // The ledger before the list: a grant it shows was made for a claim the list has,
+        // unless that claim is gone.
+        let l = self.shared.view().await;
+        let listed = match self.claims.list().await {
+            Ok(v) => v,
+            Err(e) => {
+                warn!(error = %e, "listing ResourceClaims failed (is resource.k8s.io/v1 served, may the allocator list resourceclaims?); retried at the next pass");
+                return;
+            }
+        };
+        let claims: Vec<Claim> = listed
+            .iter()
+            .filter_map(|j| Claim::from_json(j).ok())
+            .collect();
+        let (gone, todo) = plan::plan_all(&l, &claims);
+        drop(l);
+        for r in &gone {
+            self.release(r).await;
+        }
+        let uids: HashSet<&str> = claims.iter().map(|c| c.claim.uid.as_str()).collect();
+        self.lock_refused()
+            .retain(|k| uids.contains(k.split('/').next().unwrap_or("")));
+        let n = todo.len();
+        for i in todo {
+            let c = &claims[i].claim;
+            self.push(Work::Claim {
+                ns: c.namespace.clone(),
+                name: c.name.clone(),
+            });
+        }
+        debug!(
+            claims = claims.len(),
+            released = gone.len(),
+            queued = n,
+            "ResourceClaim pass done"
+        );
+    }
+
+    fn claims_ar(&self) -> kube::api::ApiResource {
+        kube::api::ApiResource::erase::<k8s_openapi::api::resource::v1::ResourceClaim>(&())
+    }
+
+    /// Now, as a condition's lastTransitionTime (RFC 3339, whole seconds).
+    fn now(&self) -> String {
+        let ms = self.shared.clock.now_ms();
+        k8s_openapi::jiff::Timestamp::from_millisecond(ms)
+            .map(|t| t.strftime("%Y-%m-%dT%H:%M:%SZ").to_string())
+            .unwrap_or_else(|_| "1970-01-01T00:00:00Z".into())
+    }
+}
+
+/// The message of a Granted condition: where the grant is in the ledger.
+fn granted_message(a: &pb::Allocation) -> String {
+    let share = a.shares.first().cloned().unwrap_or_default();
+    format!(
+        "granted by the GPU ledger as allocation {id} (seq {id}, epoch {}): {} MiB and {}/1000 \
+         of GPU {} on node {}",
+        a.epoch,
+        share.mem_mib,
+        share.core_milli,
+        share.gpu_uuid,
+        a.node,
+        id = a.id
+    )
+}
+
+/// Start the claim watch, its workers and its passes as tasks of `tasks`.
+pub(crate) fn spawn(
+    tasks: &mut JoinSet<()>,
+    shared: Arc<Shared>,
+    writer: Writer,
+    client: kube::Client,
+    args: &ClaimArgs,
+) {
+    if args.no_claim_watch {
+        info!("--no-claim-watch: DRA ResourceClaims are not certified");
+        return;
+    }
+    let claims = Claims::new(client);
+    let ar = kube::api::ApiResource::erase::<k8s_openapi::api::resource::v1::ResourceClaim>(&());
+    let store_writer = reflector::store::Writer::<DynamicObject>::new(ar);
+    let w = Arc::new(Watch {
+        shared: shared.clone(),
+        writer,
+        store: store_writer.as_reader(),
+        queue: Queue::new(usize::try_from(args.claim_queue).unwrap_or(usize::MAX)),
+        claims: claims.clone(),
+        refused: Mutex::default(),
+    });
+    let stream = reflector::reflector(
+        store_writer,
+        watcher(claims.all(), watcher::Config::default()),
+    )
+    .default_backoff();
+    let ww = w.clone();
+    tasks.spawn(async move {
+        let mut s = std::pin::pin!(stream);
+        while let Some(ev) = s.next().await {
+            match ev {
+                Ok(watcher::Event::Apply(o) | watcher::Event::InitApply(o)) => {
+                    ww.push(Work::Claim {
+                        ns: o.namespace().unwrap_or_default(),
+                        name: o.name_any(),
+                    });
+                }
+                Ok(watcher::Event::Delete(o)) => {
+                    if let Some(uid) = o.uid() {
+                        ww.push(Work::Deleted {
+                            uid,
+                            what: format!(
+                                "ResourceClaim {}/{}",
+                                o.namespace().unwrap_or_default(),
+                                o.name_any()
+                            ),
+                        });
+                    }
+                }
+                Ok(watcher::Event::Init | watcher::Event::InitDone) => {}
+                Err(e) => warn!(
+                    error = %e,
+                    "ResourceClaim watch error (is resource.k8s.io/v1 served, may the allocator watch resourceclaims? --no-claim-watch turns it off); retrying"
+                ),
+            }
+        }
+    });
+    for _ in 0..WORKERS {
+        let ww = w.clone();
+        tasks.spawn(async move {
+            loop {
+                let job = ww.queue.pop().await;
+                ww.depth();
+                ww.work(job.clone()).await;
+                ww.queue.done(&job);
+            }
+        });
+    }
+    let interval = Duration::from_secs(args.claim_reconcile_interval_s.max(1));
+    tasks.spawn(async move {
+        let mut role = shared.role.subscribe();
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut epoch_passed = 0;
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                changed = role.changed() => {
+                    if changed.is_err() {
+                        return;
+                    }
+                }
+            }
+            let info = shared.role_info();
+            if info.role != Role::Leader {
+                continue;
+            }
+            // Each election gets a pass at once; the ticks bring the others.
+            if info.epoch != epoch_passed {
+                epoch_passed = info.epoch;
+                info!(
+                    epoch = info.epoch,
+                    "leading: certifying every ResourceClaim"
+                );
+            }
+            w.reconcile().await;
+        }
+    });
+}
