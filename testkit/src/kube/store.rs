@@ -162,7 +162,13 @@ impl ApiError {
 fn cluster_scoped(resource: &str) -> bool {
     matches!(
         resource,
-        "nodes" | "namespaces" | "persistentvolumes" | "clusterroles" | "priorityclasses"
+        "nodes"
+            | "namespaces"
+            | "persistentvolumes"
+            | "clusterroles"
+            | "priorityclasses"
+            | "resourceslices"
+            | "deviceclasses"
     )
 }
 
@@ -179,6 +185,10 @@ pub(crate) fn kind_of(resource: &str) -> String {
         "priorityclasses" => "PriorityClass".into(),
         "gpubudgets" => "GPUBudget".into(),
         "poddisruptionbudgets" => "PodDisruptionBudget".into(),
+        "resourceslices" => "ResourceSlice".into(),
+        "resourceclaims" => "ResourceClaim".into(),
+        "resourceclaimtemplates" => "ResourceClaimTemplate".into(),
+        "deviceclasses" => "DeviceClass".into(),
         other => {
             let s = other.strip_suffix('s').unwrap_or(other);
             let mut c = s.chars();
