@@ -12,7 +12,9 @@ use clap::{Parser, ValueEnum};
 /// IDs); claims the pod's reservation in the ledger when the kubelet calls Allocate and verifies
 /// the pod through the kubelet PodResources API before the container starts; follows the
 /// node's ledger events; enforces memory limits from NVML process accounting; marks GPUs with
-/// critical Xid errors unhealthy. It never touches etcd: it speaks gRPC to any allocator
+/// critical Xid errors unhealthy. With --mode=dra it is a kubelet DRA plugin instead of a
+/// device plugin: it publishes the node's ResourceSlice and prepares a ResourceClaim only when
+/// the ledger grants its allocation. It never touches etcd: it speaks gRPC to any allocator
 /// replica. SIGTERM stops the agent and leaves running containers untouched.
 #[derive(Parser, Debug, Clone)]
 #[command(name = "gpuledger-node-agent", version, about, long_about)]

@@ -30,6 +30,9 @@ use crate::config::Config;
 /// The gRPC service name advertised to the kubelet (`supported_versions`).
 pub const SERVICE_VERSION: &str = "v1.DRAPlugin";
 
+/// How long the kubelet waits for one NodePrepareResources or NodeUnprepareResources.
+pub const KUBELET_CALL_TIMEOUT: Duration = Duration::from_secs(45);
+
 /// The plugin type the kubelet's plugin watcher hands to its DRA handler.
 pub const PLUGIN_TYPE: &str = "DRAPlugin";
 

@@ -69,6 +69,11 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
     if cfg.slots_per_gpu == 0 {
         return Err(RunError::Flag("--slots-per-gpu must be at least 1"));
     }
+    if cfg.prepare_grant_wait >= dra::KUBELET_CALL_TIMEOUT {
+        return Err(RunError::Flag(
+            "--prepare-grant-wait must be shorter than the kubelet's 45 s per DRA call",
+        ));
+    }
     let nvml = nvml::NvmlBackend::open(cfg.nvml_lib.as_deref())?;
     let creds = gpuledger_auth::Credentials::load(&cfg.credentials)?;
     let agent = agent::Agent::new(cfg, nvml, &creds)?;
