@@ -39,6 +39,11 @@ struct DraNode {
 
 impl DraNode {
     async fn start() -> Result<DraNode> {
+        Self::start_with(|_| {}, &[]).await
+    }
+
+    /// Start with `api` prepared by `before` (before the agent starts) and `extra` agent flags.
+    async fn start_with(before: impl FnOnce(&FakeApiServer), extra: &[String]) -> Result<DraNode> {
         let dir = tempfile::tempdir()?;
         let etcd = EtcdCluster::start(1).await?;
         let allocs = Allocators::start(&dir.path().join("alloc"), &etcd, 1, "t", &["--no-kube"])?;
@@ -52,6 +57,7 @@ impl DraNode {
                 json!({"metadata": {"name": NODE, "uid": "node-uid-1"}}),
             )
             .map_err(|e| anyhow::anyhow!("{}", e.message()))?;
+        before(&api);
         let kubelet = Kubelet::start(&dir.path().join("kubelet")).await?;
         let dra = DraKubelet::start(&dir.path().join("dra")).await?;
         let nvml = FakeNvml::new(dir.path(), NODE, 2, GPU_MIB)?;
@@ -64,6 +70,7 @@ impl DraNode {
             format!("--kubeconfig={}", api.kubeconfig().display()),
             "--prepare-grant-wait=2s".to_string(),
         ]);
+        flags.extend(extra.iter().cloned());
         let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
         let agent = NodeAgent::start(dir.path(), NODE, &allocs.addrs, &nvml, &kubelet, &flags)?;
         let n = DraNode {
@@ -406,6 +413,79 @@ async fn dra_prepare_fails_fast_with_the_ledgers_refusal() -> Result<()> {
         t0.elapsed() < Duration::from_secs(2),
         "a refusal needs no wait: {:?}",
         t0.elapsed()
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dra_is_off_while_the_api_server_drops_the_consumable_capacity_fields() -> Result<()> {
+    // An API server with DRAConsumableCapacity off: the gated fields vanish on every write.
+    let health = format!("127.0.0.1:{}", gpuledger_testkit::free_port()?);
+    let n = DraNode::start_with(
+        |api| {
+            api.store
+                .set_on_write(std::sync::Arc::new(|_, resource, obj| {
+                    if resource != "resourceslices" {
+                        return;
+                    }
+                    for d in obj["spec"]["devices"].as_array_mut().into_iter().flatten() {
+                        if let Some(d) = d.as_object_mut() {
+                            d.remove("allowMultipleAllocations");
+                        }
+                        for c in d["capacity"]
+                            .as_object_mut()
+                            .into_iter()
+                            .flat_map(|c| c.values_mut())
+                        {
+                            if let Some(c) = c.as_object_mut() {
+                                c.remove("requestPolicy");
+                            }
+                        }
+                    }
+                }));
+        },
+        &[format!("--health-listen={health}")],
+    )
+    .await?;
+    n.wait_slice(None).await?;
+    let t0 = Instant::now();
+    let (code, body) = loop {
+        let got = gpuledger_testkit::http::get(&format!("http://{health}/readyz")).await;
+        if let Ok((code, body)) = got
+            && (body.contains("DRAConsumableCapacity") || t0.elapsed() > Duration::from_secs(10))
+        {
+            break (code, body);
+        }
+        if t0.elapsed() > Duration::from_secs(15) {
+            bail!("/readyz never answered\n{}", n.log());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(code, 503, "{body}");
+    assert!(
+        body.contains("allowMultipleAllocations") && body.contains("DRAConsumableCapacity"),
+        "{body}"
+    );
+    let (_, metrics) = gpuledger_testkit::http::get(&format!("http://{health}/metrics")).await?;
+    assert!(
+        metrics.contains(r#"gpuledger_node_agent_dra_gate_off{gate="DRAConsumableCapacity"} 1"#),
+        "{metrics}"
+    );
+    // Even a granted claim gets no device.
+    let claim = n.add_claim("claim-uid-3", "gpu", 0, "share-3")?;
+    n.allocs
+        .admin(0)?
+        .grant_claim(api::GrantClaimRequest {
+            grant: Some(n.grant(&claim, 0, "share-3")),
+        })
+        .await?;
+    let r = n.dra.prepare(std::slice::from_ref(&claim)).await?;
+    let a = &r.claims["claim-uid-3"];
+    assert!(a.devices.is_empty());
+    assert!(
+        a.error.contains("serves no DRA") && a.error.contains("DRAConsumableCapacity"),
+        "{}",
+        a.error
     );
     Ok(())
 }
