@@ -157,7 +157,9 @@ async fn watch_registry(dir: PathBuf, tx: watch::Sender<Vec<Registered>>) {
     }
 }
 
-/// What the plugin watcher and the DRA handler do with one socket.
+/// What the plugin watcher and the DRA handler do with one socket. Its `:authority` is
+/// `localhost`, as the kubelet's since 1.26 (`grpc.WithAuthority("localhost")` on every unix
+/// socket client; before, grpc-go sent the socket path, which h2 refuses).
 async fn register(sock: &Path) -> Result<reg::PluginInfo> {
     let ch = uds_channel(sock).await?;
     let mut c = reg::registration_client::RegistrationClient::new(ch);
