@@ -295,6 +295,22 @@ impl Touches for api::CorrectIdentityRequest {
     }
 }
 
+impl Touches for api::PrepareClaimRequest {
+    fn facts(&self, l: &Ledger) -> Facts {
+        on_nodes(l, &[&self.node], &self.allocation_ids)
+    }
+}
+
+impl Touches for api::UnprepareClaimRequest {
+    fn facts(&self, l: &Ledger) -> Facts {
+        // A grant already released is skipped by the ledger: its node no longer matters.
+        let live: Vec<u64> = (self.allocation_ids.iter().copied())
+            .filter(|&id| l.alloc(id).is_some())
+            .collect();
+        on_nodes(l, &[&self.node], &live)
+    }
+}
+
 impl Touches for api::ReportViolationRequest {
     fn facts(&self, l: &Ledger) -> Facts {
         match &self.violation {
@@ -431,3 +447,5 @@ impl Touches for api::ReadSnapshotsRequest {}
 impl Touches for api::ReplicateRequest {}
 impl Touches for api::SetBudgetRequest {}
 impl Touches for api::SetQuotaRequest {}
+impl Touches for api::GrantClaimRequest {}
+impl Touches for api::RefuseClaimRequest {}

@@ -419,6 +419,46 @@ impl Allocator for Service {
         traced(self, Call::Preempt, req, |req| preempt::preempt(self, req)).await
     }
 
+    async fn prepare_claim(
+        &self,
+        req: Request<api::PrepareClaimRequest>,
+    ) -> Result<Response<api::WriteResponse>, Status> {
+        traced(self, Call::PrepareClaim, req, |req| {
+            writes::prepare_claim(self, req)
+        })
+        .await
+    }
+
+    async fn unprepare_claim(
+        &self,
+        req: Request<api::UnprepareClaimRequest>,
+    ) -> Result<Response<api::WriteResponse>, Status> {
+        traced(self, Call::UnprepareClaim, req, |req| {
+            writes::unprepare_claim(self, req)
+        })
+        .await
+    }
+
+    async fn grant_claim(
+        &self,
+        req: Request<api::GrantClaimRequest>,
+    ) -> Result<Response<api::WriteResponse>, Status> {
+        traced(self, Call::GrantClaim, req, |req| {
+            writes::grant_claim(self, req)
+        })
+        .await
+    }
+
+    async fn refuse_claim(
+        &self,
+        req: Request<api::RefuseClaimRequest>,
+    ) -> Result<Response<api::WriteResponse>, Status> {
+        traced(self, Call::RefuseClaim, req, |req| {
+            writes::refuse_claim(self, req)
+        })
+        .await
+    }
+
     type ReadLogStream = BoxStream<pb::EventBatch>;
 
     async fn read_log(

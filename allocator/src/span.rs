@@ -133,6 +133,36 @@ impl Ids for api::ReportViolationRequest {
     }
 }
 
+impl Ids for api::PrepareClaimRequest {
+    fn record(&self, span: &Span) {
+        node(&self.node, span);
+        allocation(self.allocation_ids.first().copied().unwrap_or(0), span);
+    }
+}
+
+impl Ids for api::UnprepareClaimRequest {
+    fn record(&self, span: &Span) {
+        node(&self.node, span);
+        allocation(self.allocation_ids.first().copied().unwrap_or(0), span);
+    }
+}
+
+impl Ids for api::GrantClaimRequest {
+    fn record(&self, span: &Span) {
+        if let Some(g) = &self.grant {
+            node(&g.node, span);
+        }
+    }
+}
+
+impl Ids for api::RefuseClaimRequest {
+    fn record(&self, span: &Span) {
+        if let Some(r) = &self.refusal {
+            node(&r.node, span);
+        }
+    }
+}
+
 impl Ids for api::SubscribeRequest {
     fn record(&self, span: &Span) {
         node(&self.node, span);

@@ -54,11 +54,19 @@ pub enum Call {
     SetQuota,
     /// `Preempt`.
     Preempt,
+    /// `PrepareClaim`.
+    PrepareClaim,
+    /// `UnprepareClaim`.
+    UnprepareClaim,
+    /// `GrantClaim`.
+    GrantClaim,
+    /// `RefuseClaim`.
+    RefuseClaim,
 }
 
 impl Call {
     /// Every call, for tests and metrics.
-    pub const ALL: [Call; 21] = [
+    pub const ALL: [Call; 25] = [
         Call::RegisterNode,
         Call::RemoveNode,
         Call::SetDeviceHealth,
@@ -80,6 +88,10 @@ impl Call {
         Call::SetBudget,
         Call::SetQuota,
         Call::Preempt,
+        Call::PrepareClaim,
+        Call::UnprepareClaim,
+        Call::GrantClaim,
+        Call::RefuseClaim,
     ];
 
     /// Whether the call changes the ledger.
@@ -98,6 +110,10 @@ impl Call {
                 | Call::SetBudget
                 | Call::SetQuota
                 | Call::Preempt
+                | Call::PrepareClaim
+                | Call::UnprepareClaim
+                | Call::GrantClaim
+                | Call::RefuseClaim
         )
     }
 
@@ -125,6 +141,10 @@ impl Call {
             Call::SetBudget => "SetBudget",
             Call::SetQuota => "SetQuota",
             Call::Preempt => "Preempt",
+            Call::PrepareClaim => "PrepareClaim",
+            Call::UnprepareClaim => "UnprepareClaim",
+            Call::GrantClaim => "GrantClaim",
+            Call::RefuseClaim => "RefuseClaim",
         }
     }
 
@@ -194,6 +214,9 @@ pub fn rule_for(role: &Role, call: Call) -> Option<Rule> {
         (Role::NodeAgent { .. }, CorrectIdentity) => rule("node-agent-correct-own-node", OwnNode),
         (Role::NodeAgent { .. }, ReportViolation) => rule("node-agent-report-own-node", OwnNode),
         (Role::NodeAgent { .. }, Subscribe) => rule("node-agent-subscribe-own-node", OwnNode),
+        // Only grants on its own node, as for Assign.
+        (Role::NodeAgent { .. }, PrepareClaim) => rule("node-agent-prepare-own-node", OwnNode),
+        (Role::NodeAgent { .. }, UnprepareClaim) => rule("node-agent-unprepare-own-node", OwnNode),
 
         (
             Role::Viewer | Role::Admin,
@@ -201,7 +224,8 @@ pub fn rule_for(role: &Role, call: Call) -> Option<Rule> {
         ) => rule("operator-read", None),
         (
             Role::Admin,
-            RegisterNode | RemoveNode | SetDeviceHealth | Release | SetBudget | SetQuota,
+            RegisterNode | RemoveNode | SetDeviceHealth | Release | SetBudget | SetQuota
+            | GrantClaim | RefuseClaim,
         ) => rule("admin-write", None),
         _ => Option::None,
     }

@@ -73,6 +73,11 @@ pub struct Agent {
     /// Why enforcement cannot run on this node (the agent is not in the host pid namespace);
     /// `/readyz` says so.
     pub enforcement_refused: Option<String>,
+    /// The Kubernetes API (pod Events; with --mode=dra also ResourceClaims and ResourceSlices).
+    pub kube: OnceLock<kube::Client>,
+    /// With --mode=dra: why the agent serves no DRA now (the API server dropped a slice field a
+    /// feature gate guards); every prepare is refused with it and `/readyz` says it.
+    pub dra_off: std::sync::Mutex<Option<String>>,
 }
 
 impl Agent {
@@ -123,6 +128,8 @@ impl Agent {
             registry,
             events: OnceLock::new(),
             enforcement_refused,
+            kube: OnceLock::new(),
+            dra_off: std::sync::Mutex::new(None),
         }))
     }
 
@@ -131,6 +138,14 @@ impl Agent {
         if let Some(r) = self.events.get() {
             r.emit(ev);
         }
+    }
+
+    /// Why DRA is not served now, if it is not.
+    pub fn dra_off(&self) -> Option<String> {
+        self.dra_off
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// Read the view (as of the last change that returned).
@@ -218,7 +233,10 @@ impl Agent {
     /// The inventory this agent reports: NVML's GPUs with the agent's health marks.
     pub fn inventory(&self) -> pb::NodeInventory {
         pb::NodeInventory {
-            mode: Default::default(),
+            mode: match self.cfg.mode {
+                crate::config::Mode::DevicePlugin => pb::NodeMode::DevicePlugin,
+                crate::config::Mode::Dra => pb::NodeMode::Dra,
+            } as i32,
             node: self.cfg.node_name.clone(),
             gpus: self
                 .gpus

@@ -12,7 +12,9 @@ use clap::{Parser, ValueEnum};
 /// IDs); claims the pod's reservation in the ledger when the kubelet calls Allocate and verifies
 /// the pod through the kubelet PodResources API before the container starts; follows the
 /// node's ledger events; enforces memory limits from NVML process accounting; marks GPUs with
-/// critical Xid errors unhealthy. It never touches etcd: it speaks gRPC to any allocator
+/// critical Xid errors unhealthy. With --mode=dra it is a kubelet DRA plugin instead of a
+/// device plugin: it publishes the node's ResourceSlice and prepares a ResourceClaim only when
+/// the ledger grants its allocation. It never touches etcd: it speaks gRPC to any allocator
 /// replica. SIGTERM stops the agent and leaves running containers untouched.
 #[derive(Parser, Debug, Clone)]
 #[command(name = "gpuledger-node-agent", version, about, long_about)]
@@ -162,9 +164,54 @@ pub struct Config {
     #[arg(long, env = "GPULEDGER_KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,
 
+    /// How this node's GPUs reach containers: `device-plugin` (the kubelet device plugin for
+    /// `gpuledger.io/gpu`, reservations made through the scheduler extender) or `dra` (a
+    /// kubelet DRA plugin for driver `gpu.gpuledger.io`: a ResourceSlice per node, claims
+    /// prepared only when the ledger grants them). The mode is registered in the ledger, which
+    /// grants only the node's kind; a node never serves both.
+    #[arg(long, env = "GPULEDGER_MODE", value_enum, default_value_t = Mode::DevicePlugin)]
+    pub mode: Mode,
+
+    /// The kubelet's plugin registry (`<kubelet --root-dir>/plugins_registry`), where the DRA
+    /// registration socket `gpu.gpuledger.io-reg.sock` is served (--mode=dra).
+    #[arg(
+        long,
+        env = "GPULEDGER_DRA_REGISTRY_DIR",
+        default_value = "/var/lib/kubelet/plugins_registry"
+    )]
+    pub dra_registry_dir: PathBuf,
+
+    /// The kubelet's plugins directory (`<kubelet --root-dir>/plugins`): the DRA service is
+    /// served on `gpu.gpuledger.io/dra.sock` inside it (--mode=dra).
+    #[arg(
+        long,
+        env = "GPULEDGER_DRA_PLUGIN_DIR",
+        default_value = "/var/lib/kubelet/plugins"
+    )]
+    pub dra_plugin_dir: PathBuf,
+
+    /// Where prepared claims' CDI specs are written (`gpuledger.io-claim_<claim UID>.json`), one
+    /// of the container runtime's CDI spec directories (--mode=dra).
+    #[arg(long, env = "GPULEDGER_CDI_SPEC_DIR", default_value = "/var/run/cdi")]
+    pub cdi_spec_dir: PathBuf,
+
+    /// How long NodePrepareResources waits for the ledger to show the claim's grant (or its
+    /// refusal) before it fails; inside the kubelet's 45 s per call (--mode=dra).
+    #[arg(long, env = "GPULEDGER_PREPARE_GRANT_WAIT", default_value = "20s", value_parser = parse_duration)]
+    pub prepare_grant_wait: Duration,
+
     /// Log format: "human" or "json" (filter with GPULEDGER_LOG, e.g. "debug").
     #[arg(long, env = "GPULEDGER_LOG_FORMAT", default_value = "human", value_parser = ["human", "json"])]
     pub log_format: String,
+}
+
+/// How a node's GPUs reach containers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Mode {
+    /// The kubelet device plugin.
+    DevicePlugin,
+    /// A kubelet DRA plugin (Dynamic Resource Allocation).
+    Dra,
 }
 
 /// What enforcement does to a container over its limit.
@@ -312,6 +359,11 @@ mod tests {
             ]
         );
         assert_eq!(cfg.rogue_policy, RoguePolicy::Report);
+        assert_eq!(cfg.mode, Mode::DevicePlugin);
+        assert_eq!(cfg.prepare_grant_wait, Duration::from_secs(20));
+        let dra = Config::try_parse_from(["agent", "--node-name=n", "--mode=dra"]).expect("dra");
+        assert_eq!(dra.mode, Mode::Dra);
+        assert!(Config::try_parse_from(["agent", "--node-name=n", "--mode=both"]).is_err());
         let cfg = Config::try_parse_from([
             "agent",
             "--node-name=n",

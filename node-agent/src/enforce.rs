@@ -90,6 +90,15 @@ pub enum Finding {
     },
 }
 
+/// Whether allocation `a` is held for pod `uid`: a reservation of that pod, or a claim grant
+/// the claim of which is reserved for it (`reservedFor`, the grant's consumers).
+pub fn serves_pod(a: &pb::Allocation, uid: &str) -> bool {
+    match &a.claim {
+        Some(c) => c.consumers.iter().any(|p| p.uid == uid),
+        None => a.pod.as_ref().is_some_and(|p| p.uid == uid),
+    }
+}
+
 /// Which allocation a process on `gpu` is charged to. A process whose cgroup names a pod is
 /// charged only to that pod's allocations on the GPU (its environment may pick among them and
 /// nothing more); the environment alone counts only for a process in no pod at all.
@@ -100,7 +109,7 @@ pub fn attribute(view: &View, gpu: &str, owner: &ProcOwner) -> Attribution {
             let mine: Vec<u64> = view
                 .allocs
                 .values()
-                .filter(|a| a.pod.as_ref().is_some_and(|p| &p.uid == uid) && on_gpu(a))
+                .filter(|a| serves_pod(a, uid) && on_gpu(a))
                 .map(|a| a.id)
                 .collect();
             match owner.claimed_allocation {

@@ -38,6 +38,14 @@ pub fn answer(
 }
 
 fn probe(agent: &Agent, path: &str) -> (StatusCode, String) {
+    if path == "/readyz"
+        && let Some(why) = agent.dra_off()
+    {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: serving no DRA: {why}\n"),
+        );
+    }
     answer(
         path,
         agent.kubelet_registered.load(Ordering::Acquire),

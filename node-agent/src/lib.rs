@@ -1,5 +1,5 @@
-//! gpuledger's node agent: NVML discovery, the kubelet device plugin, the node's ledger
-//! subscription, memory-limit enforcement and GPU health.
+//! gpuledger's node agent: NVML discovery, the kubelet device plugin or DRA plugin, the node's
+//! ledger subscription, memory-limit enforcement and GPU health.
 //!
 //! The decisions (which reservation an Allocate is for, what a container gets, which pod a
 //! process is in, who is over a limit) are pure functions in [`view`], [`cgroup`] and
@@ -11,6 +11,7 @@ pub mod allocator;
 pub mod cgroup;
 pub mod config;
 pub mod device_plugin;
+pub mod dra;
 pub mod enforce;
 pub mod health;
 pub mod kubelet;
@@ -68,11 +69,17 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
     if cfg.slots_per_gpu == 0 {
         return Err(RunError::Flag("--slots-per-gpu must be at least 1"));
     }
+    if cfg.prepare_grant_wait >= dra::KUBELET_CALL_TIMEOUT {
+        return Err(RunError::Flag(
+            "--prepare-grant-wait must be shorter than the kubelet's 45 s per DRA call",
+        ));
+    }
     let nvml = nvml::NvmlBackend::open(cfg.nvml_lib.as_deref())?;
     let creds = gpuledger_auth::Credentials::load(&cfg.credentials)?;
     let agent = agent::Agent::new(cfg, nvml, &creds)?;
     match gpuledger_ops::kube_client::client(agent.cfg.kubeconfig.as_deref()).await {
         Ok(Some(client)) => {
+            let _ = agent.kube.set(client.clone());
             let rec = gpuledger_ops::events::Recorder::new(
                 client,
                 "gpuledger-node-agent",
@@ -98,7 +105,15 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
     until_shutdown(agent.clone().keep_registered().boxed());
     until_shutdown(agent.clone().watch_health(xid_rx).boxed());
     until_shutdown(enforce::run(agent.clone()).boxed());
-    until_shutdown(kubelet::serve_and_register(agent.clone(), shutdown.clone()).boxed());
+    match agent.cfg.mode {
+        config::Mode::DevicePlugin => {
+            until_shutdown(kubelet::serve_and_register(agent.clone(), shutdown.clone()).boxed());
+        }
+        config::Mode::Dra => {
+            until_shutdown(dra::serve(agent.clone(), shutdown.clone()).boxed());
+            until_shutdown(dra::slice::publish(agent.clone()).boxed());
+        }
+    }
     if let Some(addr) = agent.cfg.health_listen {
         until_shutdown(health::serve(agent.clone(), addr).boxed());
     }
@@ -115,6 +130,9 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
     {
         warn!("stopping with tasks still running");
     }
-    kubelet::remove_socket(&agent);
+    match agent.cfg.mode {
+        config::Mode::DevicePlugin => kubelet::remove_socket(&agent),
+        config::Mode::Dra => dra::remove_sockets(&agent),
+    }
     Ok(())
 }

@@ -35,6 +35,18 @@ pub struct Metrics {
     ledger_seq: Gauge<u64, AtomicU64>,
     registered: Gauge,
     synced: Gauge,
+    /// Time to answer one claim of a DRA NodePrepareResources (grant wait, claim GET, CDI
+    /// write and the ClaimPrepared commit included), by outcome.
+    pub prepare_latency: Family<Labels, Histogram>,
+    /// DRA NodeUnprepareResources claims answered, by outcome.
+    pub unprepares: Family<Labels, Counter>,
+    /// Registrations the kubelet reported failed (NotifyRegistrationStatus).
+    pub dra_registration_failures: Counter,
+    /// 1 while the API server drops a field our ResourceSlice needs (a feature gate is off):
+    /// the agent then serves no DRA, labelled with the gate.
+    pub dra_gate_off: Family<Labels, Gauge>,
+    /// ResourceSlice writes (create or update), by why (missing, changed).
+    pub slice_writes: Family<Labels, Counter>,
 }
 
 fn allocate_histogram() -> Histogram {
@@ -58,6 +70,11 @@ impl Metrics {
             ledger_seq: Gauge::default(),
             registered: Gauge::default(),
             synced: Gauge::default(),
+            prepare_latency: Family::new_with_constructor(allocate_histogram as fn() -> _),
+            unprepares: Family::default(),
+            dra_registration_failures: Counter::default(),
+            dra_gate_off: Family::default(),
+            slice_writes: Family::default(),
         };
         registry.register_with_unit(
             "allocate_duration",
@@ -115,7 +132,7 @@ impl Metrics {
         );
         registry.register(
             "kubelet_registered",
-            "1 while the device plugin is registered with the kubelet",
+            "1 while the device plugin (or, with --mode=dra, the DRA plugin) is registered with the kubelet",
             m.registered.clone(),
         );
         registry.register(
@@ -123,10 +140,42 @@ impl Metrics {
             "1 once the agent follows the ledger",
             m.synced.clone(),
         );
+        registry.register_with_unit(
+            "dra_prepare_duration",
+            "Time to prepare one ResourceClaim for the kubelet (grant wait, claim read, CDI spec write and ClaimPrepared commit), by outcome",
+            Unit::Seconds,
+            m.prepare_latency.clone(),
+        );
+        registry.register(
+            "dra_unprepares",
+            "ResourceClaims unprepared for the kubelet, by outcome",
+            m.unprepares.clone(),
+        );
+        registry.register(
+            "dra_registration_failures",
+            "DRA plugin registrations the kubelet reported failed",
+            m.dra_registration_failures.clone(),
+        );
+        registry.register(
+            "dra_gate_off",
+            "1 while the API server drops ResourceSlice fields gpuledger needs, by the feature gate that is off; the agent then refuses every prepare",
+            m.dra_gate_off.clone(),
+        );
+        registry.register(
+            "dra_slice_writes",
+            "ResourceSlice creations and updates by this agent, by why (missing, changed)",
+            m.slice_writes.clone(),
+        );
         // Series that count events exist from the start (at 0).
         for outcome in ["ok", "error"] {
             let _ = m
                 .allocate_latency
+                .get_or_create(&vec![("outcome", outcome.to_string())]);
+            let _ = m
+                .prepare_latency
+                .get_or_create(&vec![("outcome", outcome.to_string())]);
+            let _ = m
+                .unprepares
                 .get_or_create(&vec![("outcome", outcome.to_string())]);
         }
         for action in ["kill", "report", "rogue", "rogue-kill"] {

@@ -3,6 +3,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use gpuledger_ledger::state::{ClaimGrant, claim_key};
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::deviceplugin::v1beta1 as dp;
 use gpuledger_proto::ledger::v1 as pb;
@@ -18,9 +19,16 @@ pub struct View {
     pub seq: u64,
     /// The node's inventory, once registered.
     pub inventory: Option<pb::NodeInventory>,
-    /// Live allocations on the node by id (= the seq of their Reserved event: oldest first).
+    /// Live allocations on the node by id (= the seq of their Reserved event: oldest first),
+    /// claim grants included (their `pod` names the claim, their `claim` the result).
     pub allocs: BTreeMap<u64, pb::Allocation>,
+    /// The latest claim refusals on the node by seq (at most [`MAX_REFUSALS`]): a prepare of a
+    /// refused claim fails at once with the allocator's reason.
+    pub refusals: BTreeMap<u64, pb::ClaimRefused>,
 }
+
+/// How many claim refusals the view keeps (the oldest are forgotten first).
+pub const MAX_REFUSALS: usize = 256;
 
 /// A change the agent folds into its view, in the order it folds them.
 #[derive(Debug, Clone)]
@@ -62,6 +70,7 @@ impl View {
             seq: v.seq,
             inventory: v.inventory,
             allocs: v.allocations.into_iter().map(|a| (a.id, a)).collect(),
+            refusals: BTreeMap::new(),
         }
     }
 
@@ -77,6 +86,7 @@ impl View {
             Body::NodeRemoved(_) => {
                 self.inventory = None;
                 self.allocs.clear();
+                self.refusals.clear();
             }
             Body::DeviceHealthChanged(h) => {
                 if let Some(g) = self
@@ -90,7 +100,8 @@ impl View {
             Body::Reserved(r) => {
                 self.allocs.insert(
                     r.allocation_id,
-                    pb::Allocation { claim: Default::default(),
+                    pb::Allocation {
+                        claim: Default::default(),
                         id: r.allocation_id,
                         pod: r.pod.clone(),
                         container: r.container.clone(),
@@ -124,20 +135,63 @@ impl View {
             Body::Released(r) => {
                 self.allocs.remove(&r.allocation_id);
             }
+            Body::ClaimGranted(g) => {
+                let a = claim_allocation(g, e);
+                self.allocs.insert(a.id, a);
+            }
+            Body::ClaimRefused(r) => {
+                self.refusals.insert(e.seq, r.clone());
+                while self.refusals.len() > MAX_REFUSALS {
+                    self.refusals.pop_first();
+                }
+            }
+            Body::ClaimPrepared(p) => {
+                for c in self.claims_mut(&p.allocation_ids) {
+                    c.prepared = true;
+                    c.cdi_device_ids = p.cdi_device_ids.clone();
+                }
+            }
+            Body::ClaimUnprepared(u) => {
+                for c in self.claims_mut(&u.allocation_ids) {
+                    c.prepared = false;
+                    c.cdi_device_ids.clear();
+                }
+            }
             Body::LimitViolated(_)
             | Body::LeaderElected(_)
             | Body::QuotaSet(_)
             | Body::BudgetSet(_)
             | Body::BudgetRemoved(_)
             | Body::Nominated(_)
-            | Body::NominationEnded(_)
-            // Claim grants are served by the DRA plugin, which this view does not feed yet: a
-            // DRA node holds no pod reservation for the device plugin to hand out.
-            | Body::ClaimGranted(_)
-            | Body::ClaimRefused(_)
-            | Body::ClaimPrepared(_)
-            | Body::ClaimUnprepared(_) => {}
+            | Body::NominationEnded(_) => {}
         }
+    }
+
+    /// The claim sides of the grants `ids` that the view holds.
+    fn claims_mut<'a>(
+        &'a mut self,
+        ids: &'a [u64],
+    ) -> impl Iterator<Item = &'a mut pb::ClaimGrant> {
+        self.allocs
+            .iter_mut()
+            .filter(|(id, _)| ids.contains(id))
+            .filter_map(|(_, a)| a.claim.as_deref_mut())
+    }
+
+    /// The live grants of claim `uid` on this node.
+    pub fn grants_of_claim(&self, uid: &str) -> Vec<&pb::Allocation> {
+        self.allocs
+            .values()
+            .filter(|a| a.claim.is_some() && a.pod.as_ref().is_some_and(|p| p.uid == uid))
+            .collect()
+    }
+
+    /// The latest refusal of claim `uid`'s `request`, if the view holds one.
+    pub fn refusal_of(&self, uid: &str, request: &str) -> Option<&pb::ClaimRefused> {
+        self.refusals
+            .values()
+            .rev()
+            .find(|r| r.request == request && r.claim.as_ref().is_some_and(|c| c.uid == uid))
     }
 
     /// Swap the pod identities of two allocations (what `IdentityCorrected` does).
@@ -210,6 +264,32 @@ impl View {
             .flat_map(|i| i.gpus.iter())
             .map(|g| (g.uuid.clone(), g.healthy))
             .collect()
+    }
+}
+
+/// A claim grant as the ledger holds it: an allocation whose `pod` names the claim and whose
+/// `container` is `<request>/<share_id>`, bound as soon as granted.
+fn claim_allocation(g: &pb::ClaimGranted, e: &pb::Event) -> pb::Allocation {
+    let claim = g.claim.clone().unwrap_or_default();
+    pb::Allocation {
+        id: g.allocation_id,
+        pod: Some(pb::PodRef {
+            uid: claim.uid,
+            namespace: claim.namespace,
+            name: claim.name,
+        }),
+        container: claim_key(&g.request, &g.share_id),
+        node: g.node.clone(),
+        shares: g.share.iter().cloned().collect(),
+        state: pb::AllocationState::Bound as i32,
+        reserved_ms: e.time_ms,
+        deadline_ms: 0,
+        device_ids: Vec::new(),
+        cpu_milli: 0,
+        memory_mib: 0,
+        epoch: e.epoch,
+        policy: String::new(),
+        claim: Some(Box::new(ClaimGrant::granted(g).to_pb())),
     }
 }
 

@@ -6,8 +6,10 @@
 //! kubelet, and expects the plugin to register again. Device assignments survive a restart
 //! (the kubelet checkpoints them).
 //!
-//! [`node`] runs a node agent process against the fake NVML library and this emulator.
+//! [`node`] runs a node agent process against the fake NVML library and this emulator;
+//! [`dra`] emulates the kubelet's side of a DRA driver.
 
+pub mod dra;
 pub mod node;
 
 use std::path::{Path, PathBuf};

@@ -142,6 +142,10 @@ forwardable! {
     SetBudgetRequest => WriteResponse by set_budget;
     SetQuotaRequest => WriteResponse by set_quota;
     PreemptRequest => PreemptResponse by preempt;
+    PrepareClaimRequest => WriteResponse by prepare_claim;
+    UnprepareClaimRequest => WriteResponse by unprepare_claim;
+    GrantClaimRequest => WriteResponse by grant_claim;
+    RefuseClaimRequest => WriteResponse by refuse_claim;
 }
 
 /// How one attempt at a write failed: worth another try (no leader reachable yet), or not.

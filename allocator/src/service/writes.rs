@@ -232,3 +232,59 @@ pub(super) async fn set_quota(
     }
     done(svc.write(req, Command::SetQuota(q)).await?)
 }
+
+pub(super) async fn prepare_claim(
+    svc: &Service,
+    req: Request<api::PrepareClaimRequest>,
+) -> Result<Response<api::WriteResponse>, Status> {
+    let r = req.get_ref();
+    let cmd = Command::PrepareClaim {
+        node: r.node.clone(),
+        allocation_ids: r.allocation_ids.clone(),
+        cdi_device_ids: r.cdi_device_ids.clone(),
+    };
+    done(svc.write(req, cmd).await?)
+}
+
+pub(super) async fn unprepare_claim(
+    svc: &Service,
+    req: Request<api::UnprepareClaimRequest>,
+) -> Result<Response<api::WriteResponse>, Status> {
+    let r = req.get_ref();
+    let cmd = Command::UnprepareClaim {
+        node: r.node.clone(),
+        allocation_ids: r.allocation_ids.clone(),
+    };
+    done(svc.write(req, cmd).await?)
+}
+
+pub(super) async fn grant_claim(
+    svc: &Service,
+    req: Request<api::GrantClaimRequest>,
+) -> Result<Response<api::WriteResponse>, Status> {
+    let g = req
+        .get_ref()
+        .grant
+        .clone()
+        .ok_or_else(|| Status::invalid_argument("grant is missing"))?;
+    match svc.write(req, Command::GrantClaim(g)).await? {
+        Written::Here(c) => Ok(Response::new(api::WriteResponse {
+            seq: c.seq,
+            epoch: c.epoch,
+            changed: matches!(c.reply, Reply::Reserved { created: true, .. }),
+        })),
+        Written::There(r) => Ok(r),
+    }
+}
+
+pub(super) async fn refuse_claim(
+    svc: &Service,
+    req: Request<api::RefuseClaimRequest>,
+) -> Result<Response<api::WriteResponse>, Status> {
+    let r = req
+        .get_ref()
+        .refusal
+        .clone()
+        .ok_or_else(|| Status::invalid_argument("refusal is missing"))?;
+    done(svc.write(req, Command::RefuseClaim(r)).await?)
+}

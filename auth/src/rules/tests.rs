@@ -65,7 +65,9 @@ fn which_role_may_make_which_call() {
             CorrectIdentity,
             ReportViolation,
             Subscribe,
-            Status
+            Status,
+            PrepareClaim,
+            UnprepareClaim
         ]
     );
     assert_eq!(
@@ -97,7 +99,9 @@ fn which_role_may_make_which_call() {
             ReadSnapshots,
             HttpState,
             SetBudget,
-            SetQuota
+            SetQuota,
+            GrantClaim,
+            RefuseClaim
         ]
     );
 }
@@ -132,6 +136,8 @@ fn a_node_agent_touches_only_its_own_node() {
         Call::CorrectIdentity,
         Call::ReportViolation,
         Call::Subscribe,
+        Call::PrepareClaim,
+        Call::UnprepareClaim,
     ] {
         assert!(
             authorize(&agent("a"), call, &on(&["a"]), None).is_ok(),
@@ -160,6 +166,8 @@ fn a_node_agent_touches_only_its_own_node() {
         Call::RemoveNode,
         Call::Dump,
         Call::ReadLog,
+        Call::GrantClaim,
+        Call::RefuseClaim,
     ] {
         assert!(
             authorize(&agent("a"), call, &on(&["a"]), None).is_err(),

@@ -82,16 +82,7 @@ impl Ledger {
             .expect("just reserved");
         // A grant is final when made: the scheduler has allocated the claim already.
         a.state = AllocState::Bound;
-        a.claim = Some(Box::new(ClaimGrant {
-            request: g.request.clone(),
-            pool: g.pool.clone(),
-            device: g.device.clone(),
-            share_id: g.share_id.clone(),
-            consumers: g.consumers.clone(),
-            source: g.source.clone(),
-            prepared: false,
-            cdi_device_ids: Vec::new(),
-        }));
+        a.claim = Some(Box::new(ClaimGrant::granted(g)));
         Ok(())
     }
 

@@ -207,6 +207,20 @@ pub struct ClaimGrant {
 }
 
 impl ClaimGrant {
+    /// The claim side of the grant `g` records, not prepared yet.
+    pub fn granted(g: &pb::ClaimGranted) -> Self {
+        ClaimGrant {
+            request: g.request.clone(),
+            pool: g.pool.clone(),
+            device: g.device.clone(),
+            share_id: g.share_id.clone(),
+            consumers: g.consumers.clone(),
+            source: g.source.clone(),
+            prepared: false,
+            cdi_device_ids: Vec::new(),
+        }
+    }
+
     /// The protobuf form.
     pub fn to_pb(&self) -> pb::ClaimGrant {
         pb::ClaimGrant {

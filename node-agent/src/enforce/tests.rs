@@ -214,3 +214,41 @@ fn each_process_may_use_its_cuda_context_beyond_the_share() {
     ];
     assert_eq!(judge(&v, &too_much, 520).len(), 1, "2200 > 1000 + 2 x 520");
 }
+
+#[test]
+fn a_process_of_a_claims_consumer_pod_is_charged_to_the_claim_grant() {
+    let mut v = view();
+    // Grant 3: claim "claim-uid" on G0, reserved for pod C.
+    v.upsert(pb::Allocation {
+        id: 3,
+        pod: Some(pb::PodRef {
+            uid: "claim-uid".into(),
+            namespace: "ns".into(),
+            name: "gpu".into(),
+        }),
+        container: "c0/share".into(),
+        node: "n1".into(),
+        shares: vec![pb::GpuShare {
+            gpu_uuid: "G0".into(),
+            mem_mib: 500,
+            core_milli: 0,
+        }],
+        state: pb::AllocationState::Bound as i32,
+        claim: Some(Box::new(pb::ClaimGrant {
+            request: "c0".into(),
+            consumers: vec![pb::PodRef {
+                uid: C.into(),
+                namespace: "ns".into(),
+                name: "c".into(),
+            }],
+            ..Default::default()
+        })),
+        ..Default::default()
+    });
+    assert_eq!(attribute(&v, "G0", &in_pod(C, None)), Attribution::Pod(3));
+    // The claim's own UID is no pod's.
+    assert!(matches!(
+        attribute(&v, "G0", &in_pod("claim-uid", None)),
+        Attribution::Rogue(_)
+    ));
+}

@@ -107,7 +107,13 @@ pub struct Store {
     token_reviews: std::sync::atomic::AtomicU64,
     /// (group, resource) whose writes fail for now (see [`Store::fail_writes`]).
     failing: Mutex<BTreeSet<(String, String)>>,
+    /// What the server does to every object written (created or updated), as a feature
+    /// gate that is off drops the fields it guards: set by tests.
+    on_write: Mutex<Option<WriteHook>>,
 }
+
+/// A change the server makes to every object it stores: `(group/version, resource, object)`.
+pub type WriteHook = Arc<dyn Fn(&str, &str, &mut Value) + Send + Sync>;
 
 /// One kind of request a client made, in RBAC terms: who (the bearer token of its
 /// kubeconfig, see [`super::FakeApiServer::kubeconfig_as`]), which verb on which resource, where.
@@ -220,6 +226,7 @@ impl Default for Store {
             tokens: Mutex::default(),
             token_reviews: Default::default(),
             failing: Mutex::default(),
+            on_write: Mutex::default(),
         }
     }
 }
@@ -227,6 +234,23 @@ impl Default for Store {
 impl Store {
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Change every object written from now on with `hook` (as an API server with a feature
+    /// gate off silently drops the fields it guards).
+    pub fn set_on_write(&self, hook: WriteHook) {
+        *self.on_write.lock().unwrap_or_else(|p| p.into_inner()) = Some(hook);
+    }
+
+    fn written(&self, gv: &str, resource: &str, obj: &mut Value) {
+        let hook = self
+            .on_write
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if let Some(h) = hook {
+            h(gv, resource, obj);
+        }
     }
 
     fn record(
@@ -358,6 +382,7 @@ impl Store {
                 st["phase"] = json!("Pending");
             }
         }
+        self.written(gv, resource, &mut obj);
         Self::set_meta(&mut inner, &key, &mut obj);
         inner.objects.insert(key.clone(), obj.clone());
         self.record(&mut inner, "ADDED", key, obj.clone(), None);
@@ -416,6 +441,7 @@ impl Store {
                 obj["metadata"][k] = v.clone();
             }
         }
+        self.written(gv, resource, &mut obj);
         Self::set_meta(&mut inner, &key, &mut obj);
         inner.objects.insert(key.clone(), obj.clone());
         self.record(&mut inner, "MODIFIED", key, obj.clone(), Some(old));

@@ -1,0 +1,418 @@
+//! The node's ResourceSlice (`resource.k8s.io/v1`): one pool named after the node, one device
+//! per healthy GPU of the ledger's registered inventory, shared by consumable capacity and
+//! bound only once the ledger certifies an allocation. Republished when it goes missing (the
+//! kubelet wipes a node's slices when it starts or loses the plugin) or is changed, and read
+//! back: an API server with a feature gate off drops gated fields without an error, and the
+//! agent then serves no DRA rather than let the scheduler hand out uncertified or exclusive
+//! devices.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use gpuledger_proto::ledger::v1 as pb;
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::resource::v1::{
+    CapacityRequestPolicy, CapacityRequestPolicyRange, Device, DeviceAttribute, DeviceCapacity,
+    ResourcePool, ResourceSlice, ResourceSliceSpec,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::runtime::watcher;
+use tokio::sync::Notify;
+use tracing::{info, warn};
+
+use super::DRIVER;
+use crate::agent::Agent;
+
+/// The condition the allocator sets once the ledger granted an allocation.
+pub const BINDING_CONDITION: &str = "gpuledger.io/Granted";
+/// The condition the allocator sets when the ledger refused one.
+pub const BINDING_FAILURE_CONDITION: &str = "gpuledger.io/Refused";
+
+/// How often the slice is checked even when nothing was heard.
+const RESYNC: Duration = Duration::from_secs(30);
+/// How long to wait after a failed API call.
+const RETRY: Duration = Duration::from_secs(2);
+
+/// The field selector of this node's slices of our driver.
+pub fn selector(node: &str) -> String {
+    format!("spec.nodeName={node},spec.driver={DRIVER}")
+}
+
+/// The devices of `inv`: its healthy GPUs in index order (the scheduler's first-fit order).
+pub fn devices(inv: &pb::NodeInventory) -> Vec<Device> {
+    let mut gpus: Vec<&pb::Gpu> = inv.gpus.iter().filter(|g| g.healthy).collect();
+    gpus.sort_by_key(|g| g.index);
+    gpus.into_iter()
+        .map(|g| {
+            let mem = Quantity(format!("{}Mi", g.memory_mib));
+            let cores = Quantity(gpuledger_ledger::CORE_MILLI_PER_GPU.to_string());
+            let attributes = BTreeMap::from([
+                (
+                    "uuid".to_string(),
+                    DeviceAttribute {
+                        string: Some(g.uuid.clone()),
+                        ..Default::default()
+                    },
+                ),
+                (
+                    "index".to_string(),
+                    DeviceAttribute {
+                        int: Some(i64::from(g.index)),
+                        ..Default::default()
+                    },
+                ),
+                (
+                    "productName".to_string(),
+                    DeviceAttribute {
+                        string: Some(g.model.clone()),
+                        ..Default::default()
+                    },
+                ),
+                (
+                    "memoryMiB".to_string(),
+                    DeviceAttribute {
+                        int: Some(i64::try_from(g.memory_mib).unwrap_or(i64::MAX)),
+                        ..Default::default()
+                    },
+                ),
+            ]);
+            let capacity = BTreeMap::from([
+                (
+                    "memory".to_string(),
+                    DeviceCapacity {
+                        value: mem.clone(),
+                        request_policy: Some(CapacityRequestPolicy {
+                            default: Some(mem),
+                            valid_range: Some(CapacityRequestPolicyRange {
+                                min: Quantity("1Mi".into()),
+                                step: Some(Quantity("1Mi".into())),
+                                max: None,
+                            }),
+                            valid_values: None,
+                        }),
+                    },
+                ),
+                (
+                    "cores".to_string(),
+                    DeviceCapacity {
+                        value: cores.clone(),
+                        request_policy: Some(CapacityRequestPolicy {
+                            default: Some(cores),
+                            valid_range: Some(CapacityRequestPolicyRange {
+                                min: Quantity("0".into()),
+                                step: Some(Quantity("1".into())),
+                                max: None,
+                            }),
+                            valid_values: None,
+                        }),
+                    },
+                ),
+            ]);
+            Device {
+                name: gpuledger_ledger::state::dra_device_name(&g.uuid),
+                allow_multiple_allocations: Some(true),
+                attributes: Some(attributes),
+                capacity: Some(capacity),
+                binding_conditions: Some(vec![BINDING_CONDITION.into()]),
+                binding_failure_conditions: Some(vec![BINDING_FAILURE_CONDITION.into()]),
+                ..Default::default()
+            }
+        })
+        .collect()
+}
+
+/// The feature gates whose fields `stored` lost against what was written (`sent`), with the
+/// fields; empty when every gated field survived.
+pub fn dropped_gates(sent: &[Device], stored: &[Device]) -> Vec<(&'static str, &'static str)> {
+    let mut out = Vec::new();
+    let mut note = |gate, field| {
+        if !out.contains(&(gate, field)) {
+            out.push((gate, field));
+        }
+    };
+    for s in sent {
+        let Some(d) = stored.iter().find(|d| d.name == s.name) else {
+            continue;
+        };
+        if s.allow_multiple_allocations.is_some() && d.allow_multiple_allocations.is_none() {
+            note("DRAConsumableCapacity", "allowMultipleAllocations");
+        }
+        let policies = |d: &Device| {
+            d.capacity
+                .iter()
+                .flatten()
+                .filter(|(_, c)| c.request_policy.is_some())
+                .count()
+        };
+        if policies(d) < policies(s) {
+            note("DRAConsumableCapacity", "capacity.requestPolicy");
+        }
+        if s.binding_conditions.is_some() && d.binding_conditions.is_none() {
+            note("DRADeviceBindingConditions", "bindingConditions");
+        }
+        if s.binding_failure_conditions.is_some() && d.binding_failure_conditions.is_none() {
+            note("DRADeviceBindingConditions", "bindingFailureConditions");
+        }
+    }
+    out
+}
+
+/// The slice to write for `node` with `devices`, owned by the Node `owner` when known.
+fn slice(node: &str, owner: Option<&Node>, devices: Vec<Device>, generation: i64) -> ResourceSlice {
+    let owner_references = owner.and_then(|n| {
+        Some(vec![OwnerReference {
+            api_version: "v1".into(),
+            kind: "Node".into(),
+            name: node.into(),
+            uid: n.metadata.uid.clone()?,
+            controller: Some(true),
+            block_owner_deletion: None,
+        }])
+    });
+    ResourceSlice {
+        metadata: ObjectMeta {
+            generate_name: Some(format!("{node}-{DRIVER}-")),
+            owner_references,
+            ..Default::default()
+        },
+        spec: ResourceSliceSpec {
+            driver: DRIVER.into(),
+            node_name: Some(node.into()),
+            pool: ResourcePool {
+                name: node.into(),
+                generation,
+                resource_slice_count: 1,
+            },
+            devices: Some(devices),
+            ..Default::default()
+        },
+    }
+}
+
+/// Publish and keep the node's slice until the task is dropped.
+pub async fn publish(agent: Arc<Agent>) {
+    let client = loop {
+        if let Some(c) = agent.kube.get() {
+            break c.clone();
+        }
+        if !agent.synced() {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            continue;
+        }
+        warn!(
+            "--mode=dra without a Kubernetes API client (--kubeconfig): no ResourceSlice, every prepare fails"
+        );
+        return;
+    };
+    let node = agent.cfg.node_name.clone();
+    let api: Api<ResourceSlice> = Api::all(client.clone());
+    let heard = Arc::new(Notify::new());
+    let h = heard.clone();
+    let w = watcher(
+        api.clone(),
+        watcher::Config::default().fields(&selector(&node)),
+    );
+    // Stopped with this task.
+    let _watching = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(async move {
+        let mut w = std::pin::pin!(w);
+        while let Some(ev) = w.next().await {
+            if let Err(e) = ev {
+                tracing::debug!("watching the node's ResourceSlices: {e}");
+            }
+            h.notify_one();
+        }
+    }));
+    let mut changes = agent.view_changes();
+    // What the last write asked for, and what the server stored.
+    let mut wrote: Option<(Vec<Device>, Vec<Device>)> = None;
+    let mut generation = 0i64;
+    // Whether the API server's copy must be looked at (heard of, due, or after an error);
+    // otherwise only a changed inventory is written. Allocations change the view often and
+    // the slice never.
+    let mut look = true;
+    loop {
+        let inv = agent.with_view(|v| v.inventory.clone());
+        let wanted = match &inv {
+            Some(i) if i.mode == pb::NodeMode::Dra as i32 => Some(devices(i)),
+            _ => None,
+        };
+        if let Some(wanted) = wanted
+            && (look || wrote.as_ref().is_none_or(|(sent, _)| *sent != wanted))
+        {
+            let r = sync(
+                &agent,
+                &api,
+                &client,
+                &node,
+                wanted,
+                &mut wrote,
+                &mut generation,
+            )
+            .await;
+            if let Err(e) = r {
+                warn!(node = %node, "publishing the node's ResourceSlice: {e}");
+                tokio::time::sleep(RETRY).await;
+                continue;
+            }
+        }
+        changes.mark_unchanged();
+        look = tokio::select! {
+            _ = heard.notified() => true,
+            _ = changes.changed() => false,
+            _ = tokio::time::sleep(RESYNC) => true,
+        };
+    }
+}
+
+/// Make the node's slice what `wanted` says, when it is missing or not what was last written.
+async fn sync(
+    agent: &Agent,
+    api: &Api<ResourceSlice>,
+    client: &kube::Client,
+    node: &str,
+    wanted: Vec<Device>,
+    wrote: &mut Option<(Vec<Device>, Vec<Device>)>,
+    generation: &mut i64,
+) -> Result<(), kube::Error> {
+    let mut mine = api
+        .list(&ListParams::default().fields(&selector(node)))
+        .await?
+        .items;
+    mine.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+    // One slice per node: extra ones (a write whose answer was lost) go.
+    for extra in mine.iter().skip(1) {
+        if let Some(n) = &extra.metadata.name {
+            let _ = api.delete(n, &DeleteParams::default()).await;
+        }
+    }
+    let current = mine.into_iter().next();
+    let stored_devices = current.as_ref().and_then(|s| s.spec.devices.clone());
+    let up_to_date = match (wrote.as_ref(), &stored_devices) {
+        (Some((sent, stored)), Some(now)) => *sent == wanted && stored == now,
+        _ => false,
+    };
+    if up_to_date {
+        return Ok(());
+    }
+    let owner = Api::<Node>::all(client.clone())
+        .get_opt(node)
+        .await
+        .ok()
+        .flatten();
+    if owner.is_none() {
+        warn!(
+            node,
+            "no Node object to own the ResourceSlice: publishing it without an owner"
+        );
+    }
+    *generation = (*generation).max(current.as_ref().map_or(0, |s| s.spec.pool.generation)) + 1;
+    let mut want = slice(node, owner.as_ref(), wanted.clone(), *generation);
+    let (why, written) = match current {
+        None => ("missing", api.create(&PostParams::default(), &want).await?),
+        Some(cur) => {
+            want.metadata.name = cur.metadata.name.clone();
+            want.metadata.generate_name = None;
+            want.metadata.resource_version = cur.metadata.resource_version.clone();
+            let name = cur.metadata.name.clone().unwrap_or_default();
+            (
+                "changed",
+                api.replace(&name, &PostParams::default(), &want).await?,
+            )
+        }
+    };
+    agent
+        .metrics
+        .slice_writes
+        .get_or_create(&vec![("why", why.to_string())])
+        .inc();
+    let stored = written.spec.devices.clone().unwrap_or_default();
+    let dropped = dropped_gates(&wanted, &stored);
+    for gate in ["DRAConsumableCapacity", "DRADeviceBindingConditions"] {
+        let off = dropped.iter().any(|(g, _)| *g == gate);
+        agent
+            .metrics
+            .dra_gate_off
+            .get_or_create(&vec![("gate", gate.to_string())])
+            .set(i64::from(off));
+    }
+    let name = written.metadata.name.clone().unwrap_or_default();
+    let off = (!dropped.is_empty()).then(|| {
+        let what: Vec<String> = dropped
+            .iter()
+            .map(|(g, f)| format!("{f} (feature gate {g})"))
+            .collect();
+        format!(
+            "the API server dropped {} from ResourceSlice {name}: turn the feature gate on in kube-apiserver, kube-scheduler and the kubelet",
+            what.join(", ")
+        )
+    });
+    match &off {
+        Some(why) => warn!(node, "serving no DRA: {why}"),
+        None => {
+            info!(node, slice = %name, generation = *generation, devices = wanted.len(), why, "ResourceSlice published")
+        }
+    }
+    *agent.dra_off.lock().unwrap_or_else(|p| p.into_inner()) = off;
+    *wrote = Some((wanted, stored));
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_device_per_healthy_gpu_in_index_order_with_the_gated_fields() {
+        let inv = pb::NodeInventory {
+            node: "n1".into(),
+            gpus: vec![
+                pb::Gpu {
+                    uuid: "GPU-BB".into(),
+                    index: 1,
+                    model: "H100".into(),
+                    memory_mib: 81079,
+                    healthy: true,
+                },
+                pb::Gpu {
+                    uuid: "GPU-AA".into(),
+                    index: 0,
+                    model: "H100".into(),
+                    memory_mib: 81079,
+                    healthy: true,
+                },
+                pb::Gpu {
+                    uuid: "GPU-CC".into(),
+                    index: 2,
+                    model: "H100".into(),
+                    memory_mib: 81079,
+                    healthy: false,
+                },
+            ],
+            ..Default::default()
+        };
+        let d = devices(&inv);
+        let names: Vec<&str> = d.iter().map(|d| d.name.as_str()).collect();
+        assert_eq!(names, ["gpu-aa", "gpu-bb"]);
+        let cap = d[0].capacity.as_ref().expect("capacity");
+        assert_eq!(cap["memory"].value.0, "81079Mi");
+        assert_eq!(cap["cores"].value.0, "1000");
+        assert!(dropped_gates(&d, &d).is_empty());
+        let mut stripped = d.clone();
+        for s in &mut stripped {
+            s.allow_multiple_allocations = None;
+            s.binding_conditions = None;
+        }
+        let gates: Vec<&str> = dropped_gates(&d, &stripped)
+            .iter()
+            .map(|(g, _)| *g)
+            .collect();
+        assert_eq!(
+            gates,
+            ["DRAConsumableCapacity", "DRADeviceBindingConditions"]
+        );
+    }
+}
