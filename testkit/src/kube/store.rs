@@ -179,6 +179,8 @@ pub(crate) fn kind_of(resource: &str) -> String {
         "priorityclasses" => "PriorityClass".into(),
         "gpubudgets" => "GPUBudget".into(),
         "poddisruptionbudgets" => "PodDisruptionBudget".into(),
+        "resourceclaimtemplates" => "ResourceClaimTemplate".into(),
+        "resourceclaims" => "ResourceClaim".into(),
         other => {
             let s = other.strip_suffix('s').unwrap_or(other);
             let mut c = s.chars();
