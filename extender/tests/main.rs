@@ -8,6 +8,7 @@ mod bad_input;
 mod binds_in_flight;
 mod budget_demotion;
 mod crash_recovery;
+mod dra_extender;
 mod dra_webhook;
 mod fuzz_inputs;
 mod golden_fixtures;
