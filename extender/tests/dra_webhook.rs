@@ -391,3 +391,70 @@ async fn a_device_plugin_pod_is_answered_as_before() -> anyhow::Result<()> {
     assert!(templates(&stack).is_empty());
     Ok(())
 }
+
+/// A namespace that spent its GPU budget (policy deny): its next pod on the DRA path is denied
+/// as a device-plugin pod is, by validate, which sees the converted pod (only the marker left).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_over_budget_namespace_is_denied_its_dra_pods() -> anyhow::Result<()> {
+    use gpuledger_proto::allocator::v1 as api;
+    use gpuledger_proto::ledger::v1 as pb;
+    let (stack, hook) = stack_with_webhook(&["--pod-path=dra"]).await?;
+    stack
+        .allocs
+        .node_agent(0, "n1")?
+        .register_node(api::RegisterNodeRequest {
+            inventory: Some(gpuledger_testkit::workload::inventory(
+                "n1", 1, 16_000, "T4",
+            )),
+        })
+        .await?;
+    stack
+        .allocs
+        .admin(0)?
+        .set_budget(api::SetBudgetRequest {
+            budget: Some(pb::BudgetSet {
+                namespace: "team-a".into(),
+                unit: pb::BudgetUnit::GpuMibHours as i32,
+                amount: 1,
+                window: pb::BudgetWindow::Day as i32,
+                policy: pb::BudgetPolicy::Deny as i32,
+                source: "test".into(),
+                ..Default::default()
+            }),
+            remove: false,
+        })
+        .await?;
+    let pod = |name: &str| {
+        json!({"metadata": {"name": name, "namespace": "team-a"},
+            "spec": {"containers": [{"name": "c", "image": "x",
+                "resources": {"limits": {"aliyun.com/gpu-mem": "1"}}}]}})
+    };
+    // Within budget: admitted, converted.
+    let early = kit::admit(&hook, pod("early"))
+        .await?
+        .map_err(anyhow::Error::msg)?;
+    assert_eq!(
+        early["spec"]["resourceClaims"][0]["name"], "gpuledger",
+        "{early}"
+    );
+    // A device-plugin pod of the namespace holds 16,000 MiB: 1 GPU-MiB-hour lasts 225 ms.
+    let hog = json!({"metadata": {"name": "hog", "namespace": "team-a", "uid": "uid-hog"},
+        "spec": {"schedulerName": "gpuledger-scheduler", "containers": [{"name": "c", "image": "x",
+            "resources": {"limits": {"gpuledger.io/gpu": "1", "gpuledger.io/gpu-mem": "16000"}}}]}});
+    kit::reserve(&stack, &hog, "n1").await?;
+    let t0 = std::time::Instant::now();
+    let why = loop {
+        match kit::admit(&hook, pod("late")).await? {
+            Err(why) => break why,
+            Ok(p) if t0.elapsed() > Duration::from_secs(10) => {
+                anyhow::bail!("an over-budget DRA pod was admitted: {p}")
+            }
+            Ok(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    };
+    assert!(
+        why.contains("namespace team-a has spent its GPU budget"),
+        "{why}"
+    );
+    Ok(())
+}
