@@ -56,6 +56,7 @@ fn request(ns: &str, name: &str, slices: u32, mem_mib: u64, core_milli: u32) -> 
         cpu_milli: 0,
         memory_mib: 0,
         priority: 0,
+        dra: false,
     }
 }
 

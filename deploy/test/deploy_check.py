@@ -29,7 +29,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
-OVERLAYS = ["bundled-etcd", "external-etcd", "default-scheduler", "archive", "cert-manager"]
+OVERLAYS = ["bundled-etcd", "external-etcd", "default-scheduler", "archive", "cert-manager", "dra"]
+# The renderings in DRA mode (docs/dra.md): the DRA directories, scheduler config and webhook.
+DRA_RENDERINGS = {"dra", "helm:dra"}
 # The oldest Kubernetes gpuledger supports and the newest (make test-e2e runs both).
 K8S_VERSIONS = ["1.35.0", "1.37.0"]
 NS = "gpuledger-system"
@@ -133,10 +135,20 @@ def routes(src_files):
     return paths
 
 
+def request_consts():
+    text = (ROOT / "request/src/lib.rs").read_text()
+    return dict(re.findall(r'pub const ([A-Z_]+): &str = "([^"]+)";', text))
+
+
+def dra_marker():
+    """The marker resource of a DRA pod (request/src/lib.rs DRA_MARKER)."""
+    return request_consts()["DRA_MARKER"]
+
+
 def resource_names():
     """The resource names gpuledger reads from pods, from request/src/lib.rs."""
     text = (ROOT / "request/src/lib.rs").read_text()
-    consts = dict(re.findall(r'pub const ([A-Z_]+): &str = "([^"]+)";', text))
+    consts = request_consts()
     m = re.search(r"pub const ALL_RESOURCES: \[&str; \d+\] = \[([^\]]+)\]", text)
     return [consts[n.strip()] for n in m.group(1).split(",") if n.strip()], consts["GPU"]
 
@@ -554,7 +566,16 @@ def check_components(c, rendered):
         if "nvidia.com/gpu" not in tol:
             p.append("node agent does not tolerate nvidia.com/gpu taints")
         host = {v["hostPath"]["path"] for v in a.get("volumes", []) if "hostPath" in v}
-        for need in ("/var/lib/kubelet/device-plugins", "/var/lib/kubelet/pod-resources"):
+        need_host = ["/var/lib/kubelet/device-plugins", "/var/lib/kubelet/pod-resources"]
+        if name in DRA_RENDERINGS:
+            need_host += ["/var/lib/kubelet/plugins_registry", "/var/lib/kubelet/plugins", "/var/run/cdi"]
+            mounted = {m["mountPath"] for ct in a["containers"] for m in ct.get("volumeMounts", [])}
+            for path in need_host[2:]:
+                if path not in mounted:
+                    p.append(f"node agent does not mount {path}")
+            if not find(docs, "DeviceClass", "gpu.gpuledger.io"):
+                p.append("no DeviceClass gpu.gpuledger.io")
+        for need in need_host:
             if need not in host:
                 p.append(f"node agent has no hostPath {need}")
         for d in docs:
@@ -605,12 +626,24 @@ def check_scheduler_config(c, rendered):
     verbs = routes(["extender/src/extender.rs"])
     second = yaml.safe_load((DEPLOY / "scheduler/second-scheduler-config.yaml").read_text())
     default = yaml.safe_load((DEPLOY / "scheduler/default-scheduler-config.yaml").read_text())
+    dra = yaml.safe_load((DEPLOY / "scheduler/dra-scheduler-config.yaml").read_text())
+    marker = dra_marker()
     for label, cfg, sched, url_ok in [
         ("second-scheduler", second, "gpuledger-scheduler",
          f"https://{EXTENDER_HOST}:28888/gpuledger"),
         ("default-scheduler", default, "default-scheduler", "https://127.0.0.1:32788/gpuledger"),
+        ("dra", dra, "gpuledger-scheduler", f"https://{EXTENDER_HOST}:28888/gpuledger"),
     ]:
         p = []
+        want_names = names + [marker] if label == "dra" else names
+        if label == "dra":
+            # PreBind waits for the allocator's certification at most this long.
+            args = [pc.get("args") or {} for pr in cfg.get("profiles", [])
+                    for pc in pr.get("pluginConfig") or [] if pc.get("name") == "DynamicResources"]
+            if [a.get("bindingTimeout") for a in args] != ["120s"]:
+                p.append(f"DynamicResources bindingTimeout is {[a.get('bindingTimeout') for a in args]}, want 120s")
+            if any(a.get("kind", "DynamicResourcesArgs") != "DynamicResourcesArgs" for a in args):
+                p.append("DynamicResources args are not DynamicResourcesArgs")
         if cfg.get("apiVersion") != "kubescheduler.config.k8s.io/v1" or cfg.get("kind") != "KubeSchedulerConfiguration":
             p.append("not a kubescheduler.config.k8s.io/v1 KubeSchedulerConfiguration")
         p += [f"unknown field {k}" for k in set(cfg) - KNOWN_SCHED]
@@ -649,18 +682,23 @@ def check_scheduler_config(c, rendered):
             if e.get("nodeCacheCapable") is not True:
                 p.append("nodeCacheCapable is not true")
             mr = {m["name"]: m.get("ignoredByScheduler", False) for m in e.get("managedResources", [])}
-            if sorted(mr) != sorted(names):
-                p.append(f"managedResources {sorted(mr)} != resources.rs {sorted(names)}")
+            if sorted(mr) != sorted(want_names):
+                p.append(f"managedResources {sorted(mr)} != resources.rs {sorted(want_names)}")
             for n, ign in mr.items():
                 want = n != gpu  # only gpuledger.io/gpu is advertised by the node agent
                 if ign != want:
                     p.append(f"{n}: ignoredByScheduler {ign}, want {want}")
-        c.check(f"scheduler config {label}", p, f"{len(names)} managed resources, verbs served")
+        c.check(f"scheduler config {label}", p, f"{len(want_names)} managed resources, verbs served")
     # The deployed ConfigMap is the documented file.
     cm = find(rendered["bundled-etcd"], "ConfigMap", "gpuledger-scheduler-config")
     same = cm and yaml.safe_load(cm["data"]["config.yaml"]) == second
     c.check("scheduler config deployed == deploy/scheduler/second-scheduler-config.yaml",
             [] if same else ["the ConfigMap differs from the file"])
+    for r in sorted(DRA_RENDERINGS & set(rendered)):
+        cm = find(rendered[r], "ConfigMap", "gpuledger-scheduler-config")
+        same = cm and yaml.safe_load(cm["data"]["config.yaml"]) == dra
+        c.check(f"scheduler config {r} == deploy/scheduler/dra-scheduler-config.yaml",
+                [] if same else ["the ConfigMap differs from the file"])
     # The second scheduler's tlsConfig files are mounted from the certificate Secret.
     certs = cert_script_outputs()
     for name, docs in rendered.items():
@@ -704,8 +742,13 @@ def check_webhook(c, rendered):
         "cpu only": ({"cpu": "1"}, {"memory": "1Gi"}, False),
         "no resources": (None, None, False),
     }
+    marker = dra_marker()
     for name, docs in rendered.items():
         p = []
+        in_dra = name in DRA_RENDERINGS
+        # A converted pod carries only the marker: validated (budgets) in DRA mode, never mutated.
+        samples = dict(pods)
+        samples["converted to DRA"] = ({marker: "1"}, {marker: "1"}, None)
         ext = find(docs, "Deployment", "gpuledger-extender")
         ct = pod_spec(ext)["containers"][0]
         wport = listen_port(ct, "--webhook-listen", None)
@@ -727,10 +770,17 @@ def check_webhook(c, rendered):
                 p.append(f"{kind} points at {svc_ref}")
             expr = hook["matchConditions"][0]["expression"]
             listed = set(re.findall(r"'([a-z0-9./-]+)'", expr))
-            if listed != set(names):
-                p.append(f"{kind} CEL lists {sorted(listed)}, resources.rs has {sorted(names)}")
+            validating_dra = in_dra and kind == "ValidatingWebhookConfiguration"
+            want_listed = set(names) | ({marker} if validating_dra else set())
+            if listed != want_listed:
+                p.append(f"{kind} CEL lists {sorted(listed)}, want {sorted(want_listed)}")
+            want_effects = "NoneOnDryRun" if in_dra and kind == "MutatingWebhookConfiguration" else "None"
+            if hook.get("sideEffects") != want_effects:
+                p.append(f"{kind} sideEffects {hook.get('sideEffects')}, want {want_effects}")
             prog = env.program(env.compile(expr))
-            for label, (limits, requests, want) in pods.items():
+            for label, (limits, requests, want) in samples.items():
+                if want is None:
+                    want = validating_dra
                 res = {}
                 if limits:
                     res["limits"] = limits
@@ -743,7 +793,7 @@ def check_webhook(c, rendered):
                 got = bool(prog.evaluate({"object": celpy.json_to_cel(obj)}))
                 if got != want:
                     p.append(f"{kind} matchCondition on a {label} pod: {got}, want {want}")
-        c.check(f"webhook {name}", p, f"CEL match condition right on {len(pods)} sample pods")
+        c.check(f"webhook {name}", p, f"CEL match condition right on {len(samples)} sample pods")
 
 
 def free_port():
@@ -1053,6 +1103,11 @@ def grants_by_user(docs):
     return grants, problems
 
 
+# The rules that may, and must, name their objects: the allocator certifies only its own
+# driver's devices in claims' status (Kubernetes 1.36+, a synthetic subresource).
+NAMED_GRANTS = {("resource.k8s.io", "resourceclaims/driver", ("gpu.gpuledger.io",))}
+
+
 def check_rbac(c, rendered, usage_file, pending_file):
     used = {}
     for line in Path(usage_file).read_text().splitlines():
@@ -1086,7 +1141,7 @@ def check_rbac(c, rendered, usage_file, pending_file):
             sa = u.rsplit(":", 1)[1]
             rules = grants.get(u, {"rules": set()})["rules"]
             for r in rules:
-                if "*" in r[:3] or r[4] is not None:
+                if "*" in r[:3] or (r[4] is not None and (r[0], r[1], r[4]) not in NAMED_GRANTS):
                     problems.append(f"{sa}: wildcard or resourceNames rule {r}")
             # Every request the code made is allowed.
             for grp, res, verb, ns in sorted(used.get(u, ())):
@@ -1231,6 +1286,7 @@ def main():
         "default-scheduler": ["scheduler.mode=default"],
         "archive": ["archive.enabled=true"],
         "cert-manager": ["certManager.enabled=true"],
+        "dra": ["dra.enabled=true"],
     }
     if a.helm and chart.exists():
         rendered.update(render_helm(c, a.helm, chart, helm_sets))
@@ -1257,7 +1313,8 @@ def main():
     check_rbac(c, {**overlays_only, **helm_only}, a.rbac_usage, DEPLOY / "test/rbac-pending.txt")
     check_helm_equals_kustomize(c, rendered, {"defaults": "bundled-etcd", "external-etcd": "external-etcd",
                                               "default-scheduler": "default-scheduler",
-                                              "archive": "archive", "cert-manager": "cert-manager"})
+                                              "archive": "archive", "cert-manager": "cert-manager",
+                                              "dra": "dra"})
     check_dockerfile(c, a.hadolint, overlays_only)
 
     for msg in c.pending:

@@ -5,6 +5,7 @@
 //! allocator's `Reserve` and the API server.
 
 mod bind;
+mod dra;
 mod filter;
 mod preempt;
 mod prioritize;

@@ -93,6 +93,20 @@ struct Args {
     #[arg(long, env = "GPULEDGER_SCHEDULER_NAME")]
     scheduler_name: Option<String>,
 
+    /// The path of a GPU pod whose annotation `gpuledger.io/path` and namespace label
+    /// `gpuledger.io/path` choose none: "device-plugin" (gpuledger.io/* extended resources,
+    /// reserved at bind) or "dra" (the webhook turns the pod's GPU requests into a ResourceClaim
+    /// of the gpu.gpuledger.io DeviceClass, through a ResourceClaimTemplate it creates in the
+    /// pod's namespace; the allocator certifies the claim). See docs/dra.md.
+    #[arg(long, env = "GPULEDGER_POD_PATH", default_value = "device-plugin")]
+    pod_path: webhook::PodPath,
+
+    /// Let the namespace label `gpuledger.io/path` (dra or device-plugin) choose the path of a
+    /// GPU pod whose annotation does not: one read of the namespace per GPU pod admitted
+    /// (RBAC: get on namespaces). Off: only the pod annotation and --pod-path choose.
+    #[arg(long, env = "GPULEDGER_DRA_NAMESPACE_LABEL")]
+    dra_namespace_label: bool,
+
     /// The scheduler names whose pods /bind binds (comma-separated); a bind of a pod of any
     /// other scheduler is refused. The allocator's --scheduler-names, which it checks too.
     #[arg(
@@ -223,10 +237,6 @@ async fn run(a: Args) -> anyhow::Result<()> {
         Duration::from_millis(a.allocator_timeout_ms),
         &creds,
     )?;
-    let kube = gpuledger_ops::kube_client::client(a.kubeconfig.as_deref()).await?;
-    if kube.is_none() {
-        tracing::warn!("no --kubeconfig and not in a cluster: bind will fail");
-    }
     let replica =
         (a.replica_stale_ms > 0).then(|| Replica::new(Duration::from_millis(a.replica_stale_ms)));
     let limited = gpuledger_extender::metrics::Limited(vec![
@@ -244,6 +254,10 @@ async fn run(a: Args) -> anyhow::Result<()> {
     if let Some(rep) = &replica {
         tasks.spawn(rep.clone().follow(allocators.clone(), shutdown.clone()));
     }
+    let kube = gpuledger_ops::kube_client::client(a.kubeconfig.as_deref()).await?;
+    if kube.is_none() {
+        tracing::warn!("no --kubeconfig and not in a cluster: bind will fail");
+    }
     if let Some(addr) = a.webhook_listen {
         let tls = gpuledger_auth::tls::server_config(
             &a.tls.cert,
@@ -259,6 +273,9 @@ async fn run(a: Args) -> anyhow::Result<()> {
             allocators: allocators.clone(),
             scheduler_name: a.scheduler_name.clone(),
             replica: replica.clone(),
+            kube: kube.clone(),
+            pod_path: a.pod_path,
+            namespace_label: a.dra_namespace_label,
         })
         .layer(axum::middleware::from_fn_with_state(
             metrics.clone(),

@@ -25,6 +25,9 @@ use tracing::{Span, debug, info, instrument, warn};
 use crate::allocator::Allocators;
 use crate::resources::{self, ContainerGpu};
 
+pub mod dra;
+pub use dra::PodPath;
+
 /// Shared state of the webhook handlers.
 #[derive(Clone)]
 pub struct Webhook {
@@ -34,6 +37,14 @@ pub struct Webhook {
     pub scheduler_name: Option<String>,
     /// The ledger replica namespaces' budgets are read from (None: budgets are not applied).
     pub replica: Option<std::sync::Arc<crate::replica::Replica>>,
+    /// API server client: the DRA path reads namespace labels and creates
+    /// ResourceClaimTemplates (None: every GPU pod takes `pod_path`, and the DRA path refuses).
+    pub kube: Option<kube::Client>,
+    /// The path of a GPU pod whose annotation and namespace do not choose one.
+    pub pod_path: PodPath,
+    /// Whether the namespace label `gpuledger.io/path` chooses the path of a pod whose
+    /// annotation does not (one namespace read per GPU pod).
+    pub namespace_label: bool,
 }
 
 /// The webhook routes.
@@ -186,15 +197,45 @@ pub fn mutation(pod: &Pod, scheduler_name: Option<&str>) -> Result<Patch, String
             ));
         }
     }
-    if let Some(name) = scheduler_name
-        && any_gpu
-        && matches!(
-            spec.scheduler_name.as_deref(),
-            None | Some("") | Some("default-scheduler")
-        )
-    {
-        ops.push(add(&["spec", "schedulerName"], Value::String(name.into())));
+    if any_gpu && let Some(op) = scheduler_op(pod, scheduler_name) {
+        ops.push(op);
     }
+    Ok(Patch(ops))
+}
+
+/// Move a GPU pod of the default scheduler to `scheduler_name`, if one is set.
+fn scheduler_op(pod: &Pod, scheduler_name: Option<&str>) -> Option<PatchOperation> {
+    let spec = pod.spec.as_ref()?;
+    let name = scheduler_name?;
+    matches!(
+        spec.scheduler_name.as_deref(),
+        None | Some("") | Some("default-scheduler")
+    )
+    .then(|| add(&["spec", "schedulerName"], Value::String(name.into())))
+}
+
+/// The JSON Patch that converts a GPU pod to the DRA path ([`dra`]), after creating (or
+/// finding) its ResourceClaimTemplate; nothing is created on a dry run.
+pub async fn dra_mutation(
+    kube: Option<&kube::Client>,
+    pod: &Pod,
+    ns: &str,
+    scheduler_name: Option<&str>,
+    dry_run: bool,
+) -> Result<Patch, String> {
+    let reqs = dra::claim_requests(pod)?;
+    if reqs.is_empty() {
+        return Ok(Patch(Vec::new()));
+    }
+    let kube = kube.ok_or(
+        "the webhook has no Kubernetes client (--kubeconfig or in-cluster config): the DRA path \
+         creates ResourceClaimTemplates",
+    )?;
+    let t = dra::template(ns, &reqs);
+    let name = t.metadata.name.clone().unwrap_or_default();
+    dra::ensure_template(kube, &t, dry_run).await?;
+    let mut ops = dra::patch_ops(pod, &reqs, &name)?;
+    ops.extend(scheduler_op(pod, scheduler_name));
     Ok(Patch(ops))
 }
 
@@ -229,11 +270,34 @@ async fn mutate(State(w): State<Webhook>, body: Bytes) -> Response {
     let Some(pod) = pod else {
         return answer(allowed);
     };
-    match mutation(&pod, w.scheduler_name.as_deref()) {
+    let ns = namespace_of(&req, &pod);
+    let gpu = resources::containers(&pod).is_ok_and(|c| !c.is_empty());
+    let path = if gpu {
+        let kube = w.kube.as_ref().filter(|_| w.namespace_label);
+        match dra::path_of(kube, &pod, &ns, w.pod_path).await {
+            Ok(p) => p,
+            Err(m) => return refuse(allowed, m),
+        }
+    } else {
+        PodPath::DevicePlugin
+    };
+    let ops = match path {
+        PodPath::DevicePlugin => mutation(&pod, w.scheduler_name.as_deref()),
+        PodPath::Dra => {
+            let sched = w.scheduler_name.as_deref();
+            match dra_mutation(w.kube.as_ref(), &pod, &ns, sched, req.dry_run).await {
+                Ok(ops) => {
+                    info!(dry_run = req.dry_run, "converted to the DRA path");
+                    Ok(ops)
+                }
+                Err(m) => return refuse(allowed, m),
+            }
+        }
+    };
+    match ops {
         // Malformed quantities are validate's to reject, with its message.
         Err(_) => answer(allowed),
         Ok(mut ops) => {
-            let ns = namespace_of(&req, &pod);
             let allowed = budget_hook(&w, &pod, &ns, allowed, &mut ops).await;
             if ops.is_empty() {
                 return answer(allowed);
@@ -248,6 +312,14 @@ async fn mutate(State(w): State<Webhook>, body: Bytes) -> Response {
             }
         }
     }
+}
+
+/// Deny the review with `m`, as validate denies.
+fn refuse(allowed: AdmissionResponse, m: String) -> Response {
+    info!(reason = %m, "denied");
+    let mut denied = allowed.deny(m);
+    denied.result.code = 422;
+    answer(denied)
 }
 
 /// The pod's namespace: a pod being created often carries none, the review always does.
@@ -388,7 +460,10 @@ async fn validate(State(w): State<Webhook>, body: Bytes) -> Response {
     };
     let refusal = match check(&w.allocators, &pod).await {
         Some(m) => Some(m),
-        None if resources::containers(&pod).is_ok_and(|c| !c.is_empty()) => {
+        // A pod converted to the DRA path is a GPU pod too: its namespace's budget applies.
+        None if resources::containers(&pod).is_ok_and(|c| !c.is_empty())
+            || resources::has_dra_marker(&pod) =>
+        {
             let now = jiff::Timestamp::now().as_millisecond();
             let ns = namespace_of(&req, &pod);
             match crate::budget_admission::check(w.replica.as_deref(), &ns, now).await {

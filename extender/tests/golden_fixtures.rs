@@ -49,13 +49,7 @@ fn assert_shape(ours: &Value, accepted: &Value, what: &str) {
 }
 
 async fn dump(stack: &KubeStack) -> anyhow::Result<Vec<pb::Allocation>> {
-    let d = stack
-        .allocs
-        .viewer(0)?
-        .dump(api::DumpRequest {})
-        .await?
-        .into_inner();
-    Ok(d.snapshot.map(|s| s.allocations).unwrap_or_default())
+    kit::allocations(stack).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

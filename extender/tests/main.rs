@@ -8,6 +8,8 @@ mod bad_input;
 mod binds_in_flight;
 mod budget_demotion;
 mod crash_recovery;
+mod dra_extender;
+mod dra_webhook;
 mod fuzz_inputs;
 mod golden_fixtures;
 mod gpu_preemption_on_a_stock_scheduler;

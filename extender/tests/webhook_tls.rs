@@ -98,6 +98,9 @@ async fn stalled_handshakes_and_headers_and_large_bodies_are_cut_off() -> anyhow
         )?,
         scheduler_name: None,
         replica: None,
+        kube: None,
+        pod_path: webhook::PodPath::DevicePlugin,
+        namespace_label: false,
     });
     let limits = gpuledger_auth::https::Limits {
         handshake: Duration::from_millis(300),

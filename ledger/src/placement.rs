@@ -24,7 +24,9 @@ use filter::{never_fits, shortage};
 use score::node_score;
 
 pub use fgd::{PodShape, Workload};
-pub use filter::{Filtered, Fit, NOT_REGISTERED, filter_nodes, fit_node};
+pub use filter::{
+    DEVICE_PLUGIN_NODE, DRA_NODE, Filtered, Fit, NOT_REGISTERED, filter_nodes, fit_node,
+};
 pub use request::{ContainerRequest, Defaults, PodRequest, Policy, Selector};
 pub use score::{score_node, score_nodes};
 pub use value::GapValues;
@@ -164,6 +166,9 @@ pub fn evaluate_with(
             return Err(Fit::Wait(shortage(node, req, &c, &free)));
         }
         let chosen: Vec<usize> = match req.policy {
+            // The pod's own claims (the webhook's): the scheduler sees neither health nor the
+            // pod's selectors, so a first-fit GPU the ledger would refuse fails the node.
+            _ if req.dra => first_fit(node, req, &c, &free)?,
             // `cands` is in index order.
             _ if choice == DeviceChoice::FirstFit => {
                 cands.iter().take(c.slices as usize).map(|x| x.0).collect()
@@ -219,6 +224,53 @@ pub fn evaluate_with(
         score,
         gpus: chosen_all,
     })
+}
+
+/// The GPUs kube-scheduler's structured allocator gives one DRA request of `c` on `node`, and
+/// whether the ledger accepts them: devices are tried in slice order (gpuledger's node agent
+/// publishes them by GPU index), and each of the `slices` distinct devices is the first whose
+/// remaining memory and compute cover the request (the slice's request policy, 1 MiB and 1
+/// core_milli steps, rounds nothing). The scheduler sees neither health nor the pod's
+/// gpu-type/gpu-uuid selectors, so a choice the ledger would refuse is a `Wait` with the GPU
+/// named.
+fn first_fit(
+    node: &NodeState,
+    req: &PodRequest,
+    c: &ContainerRequest,
+    free: &[Free],
+) -> Result<Vec<usize>, Fit> {
+    let mut order: Vec<usize> = (0..node.gpus.len()).collect();
+    order.sort_by_key(|&i| node.gpus[i].index);
+    let chosen: Vec<usize> = order
+        .into_iter()
+        .filter(|&i| free[i].mem >= c.mem_on(&node.gpus[i]) && free[i].core >= c.core_milli)
+        .take(c.slices as usize)
+        .collect();
+    if chosen.len() < c.slices as usize {
+        return Err(Fit::Wait(format!(
+            "container {} needs {} GPU(s) with {} MiB and {}% compute free; {} have it",
+            c.name,
+            c.slices,
+            node.gpus.first().map_or(c.mem_mib, |g| c.mem_on(g)),
+            c.core_milli / 10,
+            chosen.len()
+        )));
+    }
+    for &i in &chosen {
+        let g = &node.gpus[i];
+        let why = if !g.healthy {
+            "is unhealthy"
+        } else if !req.selector.accepts(g) {
+            "is excluded by the pod's gpu-type/gpu-uuid selectors"
+        } else {
+            continue;
+        };
+        return Err(Fit::Wait(format!(
+            "the scheduler's first fit gives container {} GPU {} (index {}), which {why}",
+            c.name, g.uuid, g.index
+        )));
+    }
+    Ok(chosen)
 }
 
 /// The first `slices` candidates in the order `cmp` gives their leftover (ties: lower index).
@@ -397,5 +449,7 @@ pub fn choose_node<'a>(
     })
 }
 
+#[cfg(test)]
+mod dra_tests;
 #[cfg(test)]
 mod tests;

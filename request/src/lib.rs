@@ -53,6 +53,12 @@ pub const ALL_RESOURCES: [&str; 10] = [
     VCUDA_MEMORY,
 ];
 
+/// The marker resource of a pod whose GPUs come through DRA (ResourceClaims of the
+/// `gpu.gpuledger.io` DeviceClass): the webhook puts it in requests and limits of each GPU
+/// container it converts, so that kube-scheduler consults the extender (a managed resource
+/// the scheduler ignores, and the kubelet strips as no node advertises it).
+pub const DRA_MARKER: &str = "gpuledger.io/dra";
+
 /// Annotation: GPU model names to use (comma list, substring match).
 pub const ANN_GPU_TYPE: &str = "gpuledger.io/gpu-type";
 /// Annotation: GPU model names to avoid.
@@ -347,6 +353,20 @@ fn sum_requests(pod: &Pod, key: &str) -> f64 {
     })
 }
 
+/// Whether a container of the pod carries the DRA marker ([`DRA_MARKER`]).
+pub fn has_dra_marker(pod: &Pod) -> bool {
+    pod.spec.as_ref().is_some_and(|s| {
+        s.containers.iter().any(|c| {
+            c.resources.as_ref().is_some_and(|r| {
+                [r.limits.as_ref(), r.requests.as_ref()]
+                    .into_iter()
+                    .flatten()
+                    .any(|m| m.contains_key(DRA_MARKER))
+            })
+        })
+    })
+}
+
 /// The allocator request for `pod`, or None when it asks for no gpuledger resource.
 pub fn pod_request(pod: &Pod) -> Result<Option<api::PodRequest>, RequestError> {
     let cs = containers(pod)?;
@@ -357,6 +377,16 @@ pub fn pod_request(pod: &Pod) -> Result<Option<api::PodRequest>, RequestError> {
         .iter()
         .map(ContainerGpu::to_api)
         .collect::<Result<Vec<_>, _>>()?;
+    request_of(pod, containers).map(Some)
+}
+
+/// The allocator request of `pod` for `containers` (read from its resources, or from its
+/// ResourceClaims on the DRA path): the pod, its placement annotations, CPU, memory and
+/// priority.
+pub fn request_of(
+    pod: &Pod,
+    containers: Vec<api::ContainerRequest>,
+) -> Result<api::PodRequest, RequestError> {
     let cpu_milli = sum_requests(pod, "cpu") * 1000.0;
     let memory_mib = sum_requests(pod, "memory") / (1024.0 * 1024.0);
     if cpu_milli > MAX_CPU_MILLI as f64 || memory_mib > MAX_HOST_MEMORY_MIB as f64 {
@@ -365,7 +395,7 @@ pub fn pod_request(pod: &Pod) -> Result<Option<api::PodRequest>, RequestError> {
         )));
     }
     let m = &pod.metadata;
-    Ok(Some(api::PodRequest {
+    Ok(api::PodRequest {
         pod: Some(pb::PodRef {
             uid: m.uid.clone().unwrap_or_default(),
             namespace: m.namespace.clone().unwrap_or_else(|| "default".into()),
@@ -376,7 +406,8 @@ pub fn pod_request(pod: &Pod) -> Result<Option<api::PodRequest>, RequestError> {
         cpu_milli: cpu_milli.ceil() as u64,
         memory_mib: memory_mib.ceil() as u64,
         priority: pod.spec.as_ref().and_then(|s| s.priority).unwrap_or(0),
-    }))
+        ..Default::default()
+    })
 }
 
 #[cfg(test)]

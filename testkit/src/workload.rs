@@ -48,6 +48,7 @@ pub fn pod(uid: &str, mem_mib: u64, core_pct: u32) -> api::PodRequest {
         cpu_milli: 0,
         memory_mib: 0,
         priority: 0,
+        dra: false,
     }
 }
 

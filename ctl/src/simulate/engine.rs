@@ -383,6 +383,7 @@ fn request(p: &PodRow, id: usize, workload: &Arc<Workload>) -> PodRequest {
         workload: Some(workload.clone()),
         salt: 0,
         priority: 0,
+        dra: false,
     }
 }
 

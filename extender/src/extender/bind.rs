@@ -138,7 +138,15 @@ async fn do_bind(app: &App, a: &BindingArgs) -> Result<(), String> {
     }
     let uid = pod.metadata.uid.clone().unwrap_or_default();
     Span::current().record("pod_uid", uid.as_str());
-    let req = resources::pod_request(&pod).map_err(|e| e.to_string())?;
+    // A DRA pod (the marker) reserves nothing here: the allocator certified its claims before
+    // the scheduler's PreBind let it reach bind, and the ledger holds their grants. It has no
+    // gpuledger resource names left, so `pod_request` reads none; only the Binding is posted.
+    let req = if resources::has_dra_marker(&pod) {
+        info!("DRA pod: its claims are certified by the allocator; binding only");
+        None
+    } else {
+        resources::pod_request(&pod).map_err(|e| e.to_string())?
+    };
     let reserved = match req {
         None => None,
         Some(req) => {

@@ -14,6 +14,7 @@ use tonic::Code;
 use tracing::field::Empty;
 use tracing::{Span, debug, info, instrument, warn};
 
+use super::dra::Unreadable;
 use super::wire::{ExtenderArgs, FilterResult, NodeList, node_name, take_node_names};
 use super::{App, bad_request, failed, json_sized, record_pod};
 use crate::preemption::Preemption;
@@ -74,17 +75,22 @@ pub(super) async fn filter(State(app): State<App>, body: Bytes) -> Response {
         answer_nodes(full, Vec::new(), &mut out);
         return axum::Json(out).into_response();
     }
-    let req = match resources::pod_request(pod) {
+    let req = match super::dra::pod_request(&app, pod).await {
         Ok(Some(r)) => r,
         Ok(None) => {
             // Nothing gpuledger manages: no opinion.
             answer_nodes(full, names, &mut out);
             return axum::Json(out).into_response();
         }
-        Err(e) => {
-            unresolvable_everywhere(&names, &e.to_string(), &mut out);
+        Err(Unreadable::Invalid(e)) => {
+            unresolvable_everywhere(&names, &e, &mut out);
             answer_nodes(full, Vec::new(), &mut out);
             return axum::Json(out).into_response();
+        }
+        Err(Unreadable::Unavailable(e)) => {
+            warn!(error = %e, "filter cannot read the pod's claims");
+            out.error = e;
+            return failed(axum::Json(out).into_response());
         }
     };
     let mut local = match &app.replica {
@@ -147,7 +153,8 @@ pub(super) async fn filter(State(app): State<App>, body: Bytes) -> Response {
                 ms = t0.elapsed().as_secs_f64() * 1e3,
                 "filter"
             );
-            if let Some(r) = &app.replica {
+            // A DRA pod is not reserved at bind (its claim is certified): nothing in flight.
+            if let Some(r) = app.replica.as_ref().filter(|_| !req.dra) {
                 // The scheduler binds the pod to one of these next, before it tells us which:
                 // counted once the API server confirms the pod (off the scheduler's path).
                 if let (Some(v), Some(kube)) = (r.in_flight.feasible(&req, &f.fits), &app.kube) {
@@ -159,7 +166,12 @@ pub(super) async fn filter(State(app): State<App>, body: Bytes) -> Response {
                 }
             }
             // Only GPU room is missing, and the scheduler's own preemption cannot see it.
-            if f.fits.is_empty() && !f.wait.is_empty() && !nominated && Preemption::may_preempt(pod)
+            // (The ledger nominates nothing on DRA nodes.)
+            if f.fits.is_empty()
+                && !f.wait.is_empty()
+                && !nominated
+                && !req.dra
+                && Preemption::may_preempt(pod)
             {
                 let nodes = f.wait.iter().map(|(n, _)| n.clone()).collect();
                 app.preemption

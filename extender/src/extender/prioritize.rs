@@ -13,7 +13,7 @@ use tracing::{Span, instrument, warn};
 
 use super::wire::{ExtenderArgs, HostPriority, take_node_names};
 use super::{App, bad_request, json_sized, record_pod};
-use crate::{parallel, resources};
+use crate::parallel;
 
 #[instrument(name = "prioritize", skip_all, fields(pod_uid = Empty, pod = Empty, nodes = Empty))]
 pub(super) async fn prioritize(State(app): State<App>, body: Bytes) -> Response {
@@ -33,7 +33,7 @@ pub(super) async fn prioritize(State(app): State<App>, body: Bytes) -> Response 
             .map(|host| HostPriority { host, score: 0 })
             .collect()
     }
-    let req = match resources::pod_request(pod) {
+    let req = match super::dra::pod_request(&app, pod).await {
         Ok(Some(r)) => r,
         Ok(None) | Err(_) => return axum::Json(zero(names)).into_response(),
     };

@@ -81,6 +81,19 @@ pub fn request(p: &Value) -> Result<api::PodRequest> {
         .ok_or_else(|| anyhow::anyhow!("not a GPU pod"))
 }
 
+/// Every allocation in the ledger, as a viewer dumps it.
+pub async fn allocations(
+    stack: &KubeStack,
+) -> Result<Vec<gpuledger_proto::ledger::v1::Allocation>> {
+    let d = stack
+        .allocs
+        .viewer(0)?
+        .dump(api::DumpRequest {})
+        .await?
+        .into_inner();
+    Ok(d.snapshot.map(|s| s.allocations).unwrap_or_default())
+}
+
 /// The value of the extender's metric line that starts with `line` (-1 when absent).
 pub async fn metric(stack: &KubeStack, line: &str) -> Result<f64> {
     let (_, text) =

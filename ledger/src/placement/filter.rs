@@ -20,6 +20,7 @@ pub fn fit_node(node: &NodeState, req: &PodRequest) -> Fit {
     // without building a placement (Filter runs this for thousands of nodes per pod).
     if let [c] = req.containers.as_slice()
         && node.mode == crate::pb::NodeMode::DevicePlugin
+        && !req.dra
         && c.slices == 1
         && node_has_room(node, req)
     {
@@ -49,6 +50,11 @@ pub const NOT_REGISTERED: &str =
 /// to ResourceClaims only.
 pub const DRA_NODE: &str =
     "node serves its GPUs through DRA (ResourceClaims), not the device plugin";
+
+/// Why a device-plugin node never hosts a pod that asks through DRA: no ResourceSlice of
+/// gpuledger's driver is published there.
+pub const DEVICE_PLUGIN_NODE: &str =
+    "node serves its GPUs through the device plugin, not DRA (ResourceClaims)";
 
 /// Filter's answer for a list of nodes: where the pod fits, and why not elsewhere.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -95,8 +101,10 @@ pub fn filter_nodes<S: AsRef<str> + Into<String>>(
 
 /// Why the pod can never fit on this node (whatever is released), if so.
 pub(super) fn never_fits(node: &NodeState, req: &PodRequest) -> Option<String> {
-    if node.mode != crate::pb::NodeMode::DevicePlugin {
-        return Some(DRA_NODE.to_string());
+    match (node.mode, req.dra) {
+        (crate::pb::NodeMode::DevicePlugin, false) | (crate::pb::NodeMode::Dra, true) => {}
+        (_, false) => return Some(DRA_NODE.to_string()),
+        (_, true) => return Some(DEVICE_PLUGIN_NODE.to_string()),
     }
     if node.cpu_milli > 0 && req.cpu_milli > node.cpu_milli {
         return Some(format!(

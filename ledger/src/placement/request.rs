@@ -225,6 +225,9 @@ pub struct PodRequest {
     pub salt: u64,
     /// The pod's priority: room nominated for pods of this priority or higher is taken to it.
     pub priority: i32,
+    /// Through DRA: only nodes in DRA mode fit, and each container's GPUs are the ones
+    /// kube-scheduler's first fit takes (GPUs in index order); the policy scores that choice.
+    pub dra: bool,
 }
 
 impl PodRequest {
@@ -262,6 +265,7 @@ impl PodRequest {
             cpu_milli: r.cpu_milli,
             memory_mib: r.memory_mib,
             priority: r.priority,
+            dra: r.dra,
             ..Default::default()
         };
         req.validate()?;

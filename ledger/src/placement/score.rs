@@ -149,7 +149,8 @@ const MEMO_NODES: usize = 4;
 /// memory, health, memory and compute in use), the same CPU and host memory, allocatable and
 /// used, and the same pod kinds. Only names, UUIDs and indices may differ.
 fn alike(a: &NodeState, b: &NodeState) -> bool {
-    a.cpu_milli == b.cpu_milli
+    a.mode == b.mode
+        && a.cpu_milli == b.cpu_milli
         && a.cpu_used == b.cpu_used
         && a.memory_mib == b.memory_mib
         && a.memory_used == b.memory_used
@@ -157,6 +158,7 @@ fn alike(a: &NodeState, b: &NodeState) -> bool {
         && a.gpus.len() == b.gpus.len()
         && a.gpus.iter().zip(&b.gpus).all(|(x, y)| {
             x.core_used == y.core_used
+                && x.index == y.index
                 && x.mem_used == y.mem_used
                 && x.memory_mib == y.memory_mib
                 && x.healthy == y.healthy
@@ -176,7 +178,9 @@ fn score_one_slice(node: &NodeState, req: &PodRequest) -> Option<u32> {
         Policy::Spread => true,
         _ => return None,
     };
-    if c.slices != 1 {
+    // Only where the policy chooses the GPU and the node serves the device plugin: `evaluate`
+    // says why not elsewhere, and takes the first fit for a DRA pod.
+    if c.slices != 1 || req.dra || node.mode != crate::pb::NodeMode::DevicePlugin {
         return None;
     }
     if !node_has_room(node, req) {

@@ -4,7 +4,7 @@ use super::score::score_of;
 use super::*;
 use crate::state::GpuState;
 
-fn gpu(i: u32, mem: u64) -> GpuState {
+pub(super) fn gpu(i: u32, mem: u64) -> GpuState {
     GpuState {
         uuid: format!("GPU-{i}"),
         index: i,
@@ -17,7 +17,7 @@ fn gpu(i: u32, mem: u64) -> GpuState {
     }
 }
 
-fn node(gpus: Vec<GpuState>) -> NodeState {
+pub(super) fn node(gpus: Vec<GpuState>) -> NodeState {
     NodeState {
         mode: Default::default(),
         name: "n1".into(),

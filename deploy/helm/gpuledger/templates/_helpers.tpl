@@ -15,6 +15,9 @@ app.kubernetes.io/part-of: gpuledger
 {{- if not (has .Values.scheduler.mode (list "second" "default")) -}}
 {{- fail (printf "scheduler.mode must be \"second\" or \"default\", not %q" .Values.scheduler.mode) -}}
 {{- end -}}
+{{- if and .Values.dra.enabled (ne .Values.scheduler.mode "second") -}}
+{{- fail "dra.enabled needs scheduler.mode=second: the DRA scheduler configuration (DynamicResources bindingTimeout, the marker gpuledger.io/dra) is the second scheduler's" -}}
+{{- end -}}
 {{- if and .Values.etcd.bundled (not .Values.etcd.tlsSecret) -}}
 {{- fail "the bundled etcd demands client certificates: etcd.tlsSecret must name the allocators' (gpuledger-etcd-client, made by deploy/scripts/gpuledger-certs.sh)" -}}
 {{- end -}}
