@@ -35,6 +35,10 @@ pub struct Options {
     pub extender_flags: Vec<String>,
     /// kube-scheduler's client QPS (None: the shipped configuration's, i.e. the default 50).
     pub scheduler_qps: Option<u32>,
+    /// DRA mode: the `dra` overlay (DeviceClass, webhook converting GPU pods to claims), its
+    /// second scheduler with DynamicResources, and the real node's agent as a kubelet DRA
+    /// plugin (`--mode=dra`).
+    pub dra: bool,
 }
 
 impl Default for Options {
@@ -46,6 +50,7 @@ impl Default for Options {
             real_node_gpus: (2, 16_384),
             extender_flags: Vec::new(),
             scheduler_qps: None,
+            dra: false,
         }
     }
 }
@@ -93,21 +98,42 @@ impl E2e {
             Identity::ServiceAccount(ALLOCATOR_SA.into()),
             Identity::ServiceAccount(EXTENDER_SA.into()),
             Identity::ServiceAccount(NODE_AGENT_SA.into()),
+            Identity::ServiceAccount(crate::control_plane::DRA_SCHEDULER_SA.into()),
         ];
         let mut cp = ControlPlane::start(&dir, &bins, &identities).await?;
         let webhook_port = free_port()?;
-        let installed = crate::manifests::install(&cp.kubectl(), webhook_port)?;
+        let (overlay, scheduler) = if o.dra {
+            (
+                crate::manifests::DRA_OVERLAY,
+                crate::control_plane::DRA_SCHEDULER,
+            )
+        } else {
+            (
+                crate::manifests::OVERLAY,
+                crate::control_plane::DEFAULT_SCHEDULER,
+            )
+        };
+        let installed = crate::manifests::install(&cp.kubectl(), webhook_port, overlay)?;
         let client = cp.client().await?;
         let certs = Shipped::install(&dir, &bins, &cp.admin_kubeconfig, &client).await?;
+        let mut extender_flags = o.extender_flags.clone();
+        if o.dra {
+            // As the dra overlay's extender runs: GPU pods become claims and go to its
+            // second scheduler.
+            extender_flags.extend([
+                "--pod-path=dra".to_string(),
+                "--scheduler-name=gpuledger-scheduler".to_string(),
+            ]);
+        }
         let gl = Gpuledger::start(
             &dir,
             (&cp.pki, &certs),
             (&cp.server, &client),
             (o.allocators, webhook_port),
-            &o.extender_flags,
+            &extender_flags,
         )
         .await?;
-        cp.start_scheduler(&gl.extender_url, o.scheduler_qps, &certs)
+        cp.start_scheduler(&gl.extender_url, o.scheduler_qps, &certs, &scheduler)
             .await?;
         let node = match o.real_node {
             false => None,
@@ -122,6 +148,7 @@ impl E2e {
                     REAL_NODE,
                     o.real_node_gpus,
                     o.misplaced_plugin_socket,
+                    o.dra,
                 )
                 .await?,
             ),

@@ -17,6 +17,38 @@ use crate::pki::{CertFiles, Identity, Pki};
 /// The shipped configuration of the cluster's default scheduler.
 pub const SCHEDULER_CONFIG: &str = "deploy/scheduler/default-scheduler-config.yaml";
 
+/// Which shipped scheduler runs, as whom, and the Lease it takes once it leads.
+#[derive(Debug, Clone, Copy)]
+pub struct SchedulerFlavor {
+    /// The shipped configuration.
+    pub config: &'static str,
+    /// Who it runs as.
+    pub identity: fn() -> Identity,
+    /// Its leader Lease: (namespace, name).
+    pub lease: (&'static str, &'static str),
+}
+
+/// The cluster's default scheduler calling the extender.
+pub const DEFAULT_SCHEDULER: SchedulerFlavor = SchedulerFlavor {
+    config: SCHEDULER_CONFIG,
+    identity: || Identity::Scheduler,
+    lease: ("kube-system", "kube-scheduler"),
+};
+
+/// The DRA overlay's second scheduler (`gpuledger-scheduler`): DynamicResources and the
+/// extender, as its ServiceAccount (the overlay's RBAC).
+pub const DRA_SCHEDULER: SchedulerFlavor = SchedulerFlavor {
+    config: "deploy/scheduler/dra-scheduler-config.yaml",
+    identity: || Identity::ServiceAccount(DRA_SCHEDULER_SA.into()),
+    lease: ("gpuledger-system", "gpuledger-scheduler"),
+};
+
+/// The name the extender's shipped certificate carries (its Service's DNS name).
+const EXTENDER_SERVICE_NAME: &str = "gpuledger-extender.gpuledger-system.svc";
+
+/// The ServiceAccount of the DRA overlay's scheduler.
+pub const DRA_SCHEDULER_SA: &str = "gpuledger-scheduler";
+
 /// A running control plane. Dropping it stops every process.
 pub struct ControlPlane {
     /// Certificates and identities.
@@ -184,11 +216,12 @@ impl ControlPlane {
         extender_url: &str,
         qps: Option<u32>,
         certs: &crate::certs::Shipped,
+        flavor: &SchedulerFlavor,
     ) -> Result<()> {
         let mut config = scheduler_config(
-            &crate::repo_root().join(SCHEDULER_CONFIG),
+            &crate::repo_root().join(flavor.config),
             &Runnable {
-                kubeconfig: &self.pki.kubeconfig(&self.server, &Identity::Scheduler)?,
+                kubeconfig: &self.pki.kubeconfig(&self.server, &(flavor.identity)())?,
                 extender_url,
                 client: &certs.scheduler,
                 ca: &certs.ca_file,
@@ -197,7 +230,8 @@ impl ControlPlane {
         if let Some(q) = qps {
             anyhow::ensure!(
                 config.contains("\nclientConnection:\n"),
-                "{SCHEDULER_CONFIG} has no clientConnection section to set the QPS in"
+                "{} has no clientConnection section to set the QPS in",
+                flavor.config
             );
             config = config.replacen(
                 "\nclientConnection:\n",
@@ -225,10 +259,10 @@ impl ControlPlane {
         until_up(started, "take its leader lease", || {
             let o = k.run(&[
                 "-n",
-                "kube-system",
+                flavor.lease.0,
                 "get",
                 "lease",
-                "kube-scheduler",
+                flavor.lease.1,
                 "-o",
                 "jsonpath={.spec.holderIdentity}",
             ])?;
@@ -297,8 +331,30 @@ pub struct Runnable<'a> {
 /// (`v1`, HTTPS with a client certificate, the `serverName` the extender's certificate names);
 /// a change to the lines replaced here fails loudly.
 pub fn scheduler_config(shipped: &Path, run: &Runnable<'_>) -> Result<String> {
-    let text = std::fs::read_to_string(shipped)
+    let mut text = std::fs::read_to_string(shipped)
         .with_context(|| format!("reading {}", shipped.display()))?;
+    // A configuration for a scheduler in the cluster reaches the API server in-cluster; this
+    // one runs as a process of the test, with a kubeconfig.
+    if !text.lines().any(|l| l.starts_with("clientConnection:")) {
+        text.push_str("clientConnection:\n  kubeconfig: in-cluster\n");
+    }
+    // The extender is called at 127.0.0.1 here, not at the Service name of the shipped
+    // urlPrefix: check its certificate for that name, as a configuration that names its
+    // server explicitly does.
+    if !text.contains("serverName:") {
+        let ca = text
+            .lines()
+            .find(|l| l.trim_start().starts_with("caFile:"))
+            .map(str::to_string);
+        if let Some(ca) = ca {
+            let lead = &ca[..ca.len() - ca.trim_start().len()];
+            text = text.replacen(
+                &ca,
+                &format!("{ca}\n{lead}serverName: {EXTENDER_SERVICE_NAME}"),
+                1,
+            );
+        }
+    }
     runnable(&text, run).with_context(|| {
         format!(
             "{}: the shipped configuration changed; update e2e/src/control_plane.rs",
@@ -322,7 +378,7 @@ fn runnable(text: &str, run: &Runnable<'_>) -> Result<String> {
         }
         let lead = &line[..line.len() - body.len()];
         let value = match (tls_block.is_some(), key) {
-            (false, "apiVersion") => {
+            (false, "apiVersion") if indent == 0 => {
                 if body.trim() != "apiVersion: kubescheduler.config.k8s.io/v1" {
                     bail!("expected `apiVersion: kubescheduler.config.k8s.io/v1`, found {body:?}");
                 }

@@ -18,6 +18,10 @@ use crate::kubectl::Kubectl;
 /// `deploy/scheduler/default-scheduler-config.yaml`).
 pub const OVERLAY: &str = "deploy/kustomize/overlays/default-scheduler";
 
+/// The overlay of DRA mode: the second scheduler with DynamicResources, the DeviceClass, the
+/// webhook turning GPU pods into claims.
+pub const DRA_OVERLAY: &str = "deploy/kustomize/overlays/dra";
+
 /// Kinds that run gpuledger's images: admitted by a dry run only (the tier runs the
 /// components as processes).
 const WORKLOADS: [&str; 3] = ["Deployment", "DaemonSet", "StatefulSet"];
@@ -36,10 +40,10 @@ pub struct Installed {
     pub dry_run: Vec<String>,
 }
 
-/// Render the overlay and apply it, the webhooks calling `https://localhost:<webhook_port>`
-/// through their Service.
-pub fn install(kubectl: &Kubectl, webhook_port: u16) -> Result<Installed> {
-    let overlay = crate::repo_root().join(OVERLAY);
+/// Render `overlay` ([`OVERLAY`] or [`DRA_OVERLAY`]) and apply it, the webhooks calling
+/// `https://localhost:<webhook_port>` through their Service.
+pub fn install(kubectl: &Kubectl, webhook_port: u16, overlay_dir: &str) -> Result<Installed> {
+    let overlay = crate::repo_root().join(overlay_dir);
     let rendered = kubectl.run(&["kustomize", &overlay.display().to_string()])?;
     if !rendered.ok {
         bail!(
@@ -55,7 +59,7 @@ pub fn install(kubectl: &Kubectl, webhook_port: u16) -> Result<Installed> {
     )?;
     if !conv.ok {
         bail!(
-            "kubectl cannot read the rendered {OVERLAY}: {}",
+            "kubectl cannot read the rendered {overlay_dir}: {}",
             conv.stderr
         );
     }
@@ -72,9 +76,9 @@ pub fn install(kubectl: &Kubectl, webhook_port: u16) -> Result<Installed> {
             continue;
         }
         if kind.ends_with("WebhookConfiguration") {
-            let ns = webhook_at(&mut o, webhook_port)?;
+            let ns = webhook_at(&mut o, webhook_port).with_context(|| overlay_dir.to_string())?;
             if excluded.as_ref().is_some_and(|x| *x != ns) {
-                bail!("the webhooks of {OVERLAY} exclude different namespaces");
+                bail!("the webhooks of {overlay_dir} exclude different namespaces");
             }
             excluded = Some(ns);
         }
@@ -99,7 +103,7 @@ pub fn install(kubectl: &Kubectl, webhook_port: u16) -> Result<Installed> {
     };
     let installed = Installed {
         webhook_excluded: excluded
-            .with_context(|| format!("{OVERLAY} has no admission webhook"))?,
+            .with_context(|| format!("{overlay_dir} has no admission webhook"))?,
         objects: apply.iter().map(name).collect(),
         dry_run: workloads.iter().map(name).collect(),
     };
@@ -113,7 +117,7 @@ pub fn install(kubectl: &Kubectl, webhook_port: u16) -> Result<Installed> {
     server_side(kubectl, &first, false)?;
     server_side(kubectl, &rest, false)?;
     server_side(kubectl, &workloads, true)
-        .with_context(|| format!("kube-apiserver refuses the workloads of {OVERLAY}"))?;
+        .with_context(|| format!("kube-apiserver refuses the workloads of {overlay_dir}"))?;
     Ok(installed)
 }
 
@@ -131,7 +135,7 @@ fn webhook_at(o: &mut Value, port: u16) -> Result<Vec<String>> {
             .context("a webhook without clientConfig.service")?;
         if svc["name"] != WEBHOOK_SERVICE {
             bail!(
-                "{OVERLAY}: webhook {hook} calls {} instead of {WEBHOOK_SERVICE}",
+                "webhook {hook} calls {} instead of {WEBHOOK_SERVICE}",
                 svc["name"]
             );
         }
@@ -148,7 +152,7 @@ fn webhook_at(o: &mut Value, port: u16) -> Result<Vec<String>> {
             .collect();
         if excluded.as_ref().is_some_and(|x| *x != ns) {
             bail!(
-                "{OVERLAY}: the webhooks of {} exclude different namespaces",
+                "the webhooks of {} exclude different namespaces",
                 o["metadata"]["name"]
             );
         }

@@ -84,6 +84,7 @@ impl RealNode {
         name: &str,
         (gpus, gpu_mem_mib): (u32, u64),
         misplaced: bool,
+        dra: bool,
     ) -> Result<RealNode> {
         if !nix::unistd::Uid::effective().is_root() {
             bail!("the real node needs root (containerd, runc and the kubelet)");
@@ -114,6 +115,9 @@ impl RealNode {
         // A kubelet of an earlier run may have left its registration socket and checkpoint here.
         clean_device_plugin_dir()?;
         let root = dir.join("kubelet");
+        for d in ["plugins_registry", "plugins"] {
+            std::fs::create_dir_all(root.join(d))?;
+        }
         let pod_resources_socket = root.join("pod-resources/kubelet.sock");
         let agent_http = format!("127.0.0.1:{}", free_port()?);
         let agent_kc = pki.kubeconfig(server, &Identity::ServiceAccount(NODE_AGENT_SA.into()))?;
@@ -152,6 +156,23 @@ impl RealNode {
                 "--device-list-strategy=cdi-cri".into(),
             ]
             .into_iter()
+            // A kubelet DRA plugin: its sockets under the kubelet's --root-dir, the claims'
+            // CDI specs where containerd reads the node's.
+            .chain(
+                dra.then(|| {
+                    [
+                        "--mode=dra".to_string(),
+                        format!(
+                            "--dra-registry-dir={}",
+                            root.join("plugins_registry").display()
+                        ),
+                        format!("--dra-plugin-dir={}", root.join("plugins").display()),
+                        format!("--cdi-spec-dir={}", dir.join("cdi").display()),
+                    ]
+                })
+                .into_iter()
+                .flatten(),
+            )
             .chain(
                 allocators
                     .ids
@@ -162,7 +183,11 @@ impl RealNode {
             .collect(),
             vec![
                 ("FAKE_NVML_CONFIG".into(), nvml.path().display().to_string()),
-                ("GPULEDGER_LOG".into(), "info".into()),
+                // GPULEDGER_AGENT_LOG overrides the level (e.g. `info,h2=debug`).
+                (
+                    "GPULEDGER_LOG".into(),
+                    std::env::var("GPULEDGER_AGENT_LOG").unwrap_or_else(|_| "info".into()),
+                ),
             ],
         )?;
 

@@ -3,6 +3,7 @@
 //! the build's disk and link time small (`autotests = false` in Cargo.toml).
 
 mod binds_in_flight;
+mod dra_claims;
 mod kubelet_that_cannot_reach_the_plugin;
 mod leader_killed_mid_batch;
 mod peer_pods_unchanged;

@@ -1,0 +1,168 @@
+//! DRA mode on a stock 1.37 kubelet (containerd 2 with CDI): the `dra` overlay installed, its
+//! second scheduler with DynamicResources, and the node agent as a kubelet DRA plugin. A pod
+//! written for gpuledger and one written for gpushare become claims (the webhook), the
+//! scheduler allocates a share of the node's ResourceSlice, the allocator certifies it in the
+//! ledger, the agent prepares it through a per-claim CDI spec, and each container runs with its
+//! limits; deleting the pods releases their grants, and `gpuledger audit` shows who did what.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result, ensure};
+use gpuledger_e2e::cluster::REAL_NODE;
+use gpuledger_e2e::gpuledger::ctl;
+use gpuledger_e2e::pods;
+use gpuledger_e2e::real_node::{CDI_ENV, host_network};
+use gpuledger_e2e::{E2e, Options, until};
+use gpuledger_testkit::eventually;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, DeleteParams, DynamicObject, ListParams};
+use kube::discovery::ApiResource;
+
+fn slices(client: &kube::Client) -> Api<DynamicObject> {
+    let ar = ApiResource {
+        group: "resource.k8s.io".into(),
+        version: "v1".into(),
+        api_version: "resource.k8s.io/v1".into(),
+        kind: "ResourceSlice".into(),
+        plural: "resourceslices".into(),
+    };
+    Api::all_with(client.clone(), &ar)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "real Kubernetes with a real kubelet, containerd and root: make test-e2e"]
+async fn claim_pods_run_with_ledger_grants_on_a_real_kubelet() -> Result<()> {
+    let e = E2e::start(Options {
+        real_node: true,
+        dra: true,
+        ..Options::default()
+    })
+    .await?;
+    let node = e.node.as_ref().context("no real node")?;
+    let sl = slices(&e.client);
+    eventually(
+        "the agent is ready and the node's ResourceSlice is published",
+        Duration::from_secs(60),
+        || async {
+            let list = sl.list(&ListParams::default()).await?;
+            let ours = list.items.iter().any(|s| {
+                s.data["spec"]["nodeName"] == REAL_NODE
+                    && s.data["spec"]["driver"] == "gpu.gpuledger.io"
+                    && s.data["spec"]["devices"].as_array().map_or(0, Vec::len) == 2
+            });
+            Ok(ours && node.agent_readyz().await?.0 == 200)
+        },
+    )
+    .await
+    .with_context(|| e.log_tails(20))?;
+
+    e.namespace("dra").await?;
+    let api: Api<Pod> = Api::namespaced(e.client.clone(), "dra");
+    let print = ["sh", "-c", "env | sort; sleep 3600"];
+    let own = host_network(pods::pod(
+        "own",
+        &[
+            ("gpuledger.io/gpu-mem", "2048"),
+            ("gpuledger.io/gpu-core", "25"),
+        ],
+        Some(&print),
+    ));
+    let peer = host_network(pods::pod(
+        "gpushare",
+        &[("aliyun.com/gpu-mem", "3")],
+        Some(&print),
+    ));
+    let mut uids = Vec::new();
+    for spec in [&own, &peer] {
+        let p = pods::create(&e.client, "dra", spec).await?;
+        let claims = p
+            .spec
+            .as_ref()
+            .and_then(|s| s.resource_claims.clone())
+            .unwrap_or_default();
+        ensure!(
+            claims.len() == 1 && claims[0].resource_claim_template_name.is_some(),
+            "the webhook did not turn {:?} into a claim pod: {claims:?}",
+            p.metadata.name
+        );
+        uids.push(p.metadata.uid.unwrap_or_default());
+    }
+    for (name, uid, mib) in [("own", &uids[0], "2048"), ("gpushare", &uids[1], "3072")] {
+        let logs = until(
+            &format!("pod {name} runs with its GPU environment"),
+            Duration::from_secs(120),
+            || async {
+                let text = node
+                    .container_log("dra", name, uid, "main")
+                    .unwrap_or_default();
+                Ok(text.contains("GPULEDGER_").then_some(text))
+            },
+        )
+        .await
+        .with_context(|| e.log_tails(30))?;
+        let env = |k: &str| {
+            logs.lines()
+                .find_map(|l| l.strip_prefix(&format!("{k}=")))
+                .map(str::to_string)
+        };
+        ensure!(
+            env("GPULEDGER_GPU_MEM_MIB").as_deref() == Some(mib),
+            "pod {name}: {mib} MiB asked, the container's environment says {:?}\n{logs}",
+            env("GPULEDGER_GPU_MEM_MIB")
+        );
+        // The grant the ledger holds for the pod's claim names the GPU containerd gave it.
+        let ledger = e.gl.ledger().await?;
+        let grants: Vec<_> = ledger
+            .allocs()
+            .values()
+            .filter(|a| {
+                a.claim
+                    .as_ref()
+                    .is_some_and(|c| c.consumers.iter().any(|p| &p.uid == uid))
+            })
+            .collect();
+        ensure!(
+            grants.len() == 1,
+            "pod {name}: {} ledger grants name it",
+            grants.len()
+        );
+        let g = grants[0];
+        ensure!(
+            g.node == REAL_NODE && g.claim.as_ref().is_some_and(|c| c.prepared),
+            "pod {name}: grant {g:?}"
+        );
+        ensure!(
+            env(CDI_ENV).as_ref() == Some(&g.shares[0].gpu_uuid),
+            "pod {name}: the container got GPU {:?}, the ledger granted {}",
+            env(CDI_ENV),
+            g.shares[0].gpu_uuid
+        );
+    }
+
+    // The audit trail names the allocator's grant and the node agent's prepare.
+    let addrs = e.gl.allocs.addrs.clone();
+    let audit = ctl(&addrs, &e.gl.viewer_flags, &["audit", "--pod", "dra/own"])?;
+    let by = |actor: &str, what: &str| audit.lines().any(|l| l.contains(actor) && l.contains(what));
+    ensure!(
+        by("allocator", "granted to claim dra/own")
+            && by(
+                &format!("node-agent/{REAL_NODE}"),
+                "prepared with CDI devices"
+            ),
+        "audit --pod dra/own does not show the allocator's grant and the agent's prepare:\n{audit}"
+    );
+
+    for name in ["own", "gpushare"] {
+        api.delete(name, &DeleteParams::default()).await?;
+    }
+    let gl = &e.gl;
+    eventually(
+        "both claim grants released",
+        Duration::from_secs(90),
+        || async { Ok(gl.ledger().await?.allocs().is_empty()) },
+    )
+    .await
+    .with_context(|| e.log_tails(30))?;
+    gpuledger_e2e::gpuledger::verify(&e.gl, &addrs)?;
+    Ok(())
+}
