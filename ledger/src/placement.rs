@@ -88,8 +88,9 @@ pub enum DeviceChoice {
     #[default]
     Policy,
     /// kube-scheduler's structured allocator (the DRA path): for each container in order, the
-    /// first GPUs in index order whose remaining memory and compute cover the request. The
-    /// policy still scores the node, by the GPUs first fit takes.
+    /// first GPUs in index order whose remaining memory and compute cover the request (what a
+    /// DRA request, `PodRequest::dra`, always gets). The policy still scores the node, by the
+    /// GPUs first fit takes; a first-fit GPU the ledger would refuse fails the node.
     FirstFit,
 }
 
@@ -168,11 +169,7 @@ pub fn evaluate_with(
         let chosen: Vec<usize> = match req.policy {
             // The pod's own claims (the webhook's): the scheduler sees neither health nor the
             // pod's selectors, so a first-fit GPU the ledger would refuse fails the node.
-            _ if req.dra => first_fit(node, req, &c, &free)?,
-            // `cands` is in index order.
-            _ if choice == DeviceChoice::FirstFit => {
-                cands.iter().take(c.slices as usize).map(|x| x.0).collect()
-            }
+            _ if req.dra || choice == DeviceChoice::FirstFit => first_fit(node, req, &c, &free)?,
             Policy::Spread => take_sorted(cands, c.slices, |a, b| b.total_cmp(a)),
             Policy::FgdStrand if c.slices == 1 && c.core_milli < CORE_MILLI_PER_GPU => {
                 let w = workload.expect("fgd policies have a workload");
