@@ -488,6 +488,28 @@ mod tests {
     }
 
     #[test]
+    fn the_dra_configuration_runs_with_a_kubeconfig_and_checks_the_services_name() -> Result<()> {
+        let client = CertFiles {
+            cert: "/run/sched.crt".into(),
+            key: "/run/sched.key".into(),
+        };
+        let out = scheduler_config(
+            &crate::repo_root().join(DRA_SCHEDULER.config),
+            &run(&client),
+        )?;
+        for line in [
+            "  kubeconfig: /run/scheduler.kubeconfig",
+            "      serverName: gpuledger-extender.gpuledger-system.svc",
+            "      caFile: /run/ca.crt",
+            "          bindingTimeout: 120s",
+            "      - name: gpuledger.io/dra",
+        ] {
+            assert!(out.lines().any(|l| l == line), "no {line:?} in:\n{out}");
+        }
+        Ok(())
+    }
+
+    #[test]
     fn a_configuration_that_calls_the_extender_over_plain_http_is_refused() {
         let client = CertFiles {
             cert: "/c".into(),
