@@ -38,10 +38,11 @@ pub mod queue;
 /// Flags of the claim certification.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ClaimArgs {
-    /// Do not watch resource.k8s.io ResourceClaims: no DRA claim is certified (for a cluster
-    /// without DRA nodes, or without the DRA API).
-    #[arg(long = "no-claim-watch", env = "GPULEDGER_NO_CLAIM_WATCH")]
-    pub no_claim_watch: bool,
+    /// Watch resource.k8s.io ResourceClaims and certify those on gpuledger's DRA devices (DRA
+    /// mode: the dra overlay and the chart's dra.enabled turn it on). Off, no claim is
+    /// certified, and the allocator needs no RBAC for claims.
+    #[arg(long = "claim-watch", env = "GPULEDGER_CLAIM_WATCH")]
+    pub claim_watch: bool,
 
     /// How often the leader lists every ResourceClaim against the ledger (besides at every
     /// election), in seconds: grants whose claim or share is gone are released, allocated
@@ -70,7 +71,7 @@ pub struct ClaimArgs {
 impl Default for ClaimArgs {
     fn default() -> Self {
         ClaimArgs {
-            no_claim_watch: false,
+            claim_watch: false,
             claim_reconcile_interval_s: 60,
             claim_queue: 4096,
         }
@@ -426,8 +427,8 @@ pub(crate) fn spawn(
     client: kube::Client,
     args: &ClaimArgs,
 ) {
-    if args.no_claim_watch {
-        info!("--no-claim-watch: DRA ResourceClaims are not certified");
+    if !args.claim_watch {
+        info!("no --claim-watch: DRA ResourceClaims are not certified");
         return;
     }
     let claims = Claims::new(client);
@@ -472,7 +473,7 @@ pub(crate) fn spawn(
                 Ok(watcher::Event::Init | watcher::Event::InitDone) => {}
                 Err(e) => warn!(
                     error = %e,
-                    "ResourceClaim watch error (is resource.k8s.io/v1 served, may the allocator watch resourceclaims? --no-claim-watch turns it off); retrying"
+                    "ResourceClaim watch error (is resource.k8s.io/v1 served, may the allocator watch resourceclaims? without --claim-watch it is off); retrying"
                 ),
             }
         }

@@ -191,7 +191,10 @@ async fn claims_are_granted_before_their_condition_and_over_commits_refused() ->
 {
     let mut stack = KubeStack::start(StackOptions {
         allocators: 2,
-        allocator_flags: vec!["--claim-reconcile-interval=1".into()],
+        allocator_flags: vec![
+            "--claim-watch".into(),
+            "--claim-reconcile-interval=1".into(),
+        ],
         ..Default::default()
     })
     .await?;
@@ -298,7 +301,10 @@ async fn a_claim_deleted_while_no_allocator_runs_is_released_at_the_next_electio
     // Passes only at elections: the release below can come from nothing else.
     let mut stack = KubeStack::start(StackOptions {
         allocators: 1,
-        allocator_flags: vec!["--claim-reconcile-interval=3600".into()],
+        allocator_flags: vec![
+            "--claim-watch".into(),
+            "--claim-reconcile-interval=3600".into(),
+        ],
         ..Default::default()
     })
     .await?;

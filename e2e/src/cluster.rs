@@ -131,6 +131,7 @@ impl E2e {
             (&cp.server, &client),
             (o.allocators, webhook_port),
             &extender_flags,
+            o.dra,
         )
         .await?;
         cp.start_scheduler(&gl.extender_url, o.scheduler_qps, &certs, &scheduler)

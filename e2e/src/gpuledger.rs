@@ -52,7 +52,8 @@ pub struct Gpuledger {
 
 impl Gpuledger {
     /// Start the ledger etcd, `allocators` replicas (leader elected) and the extender with its
-    /// webhook on `webhook_port`; `extra` flags go to the extender. `client` (an admin) asks
+    /// webhook on `webhook_port`; `extra` flags go to the extender; `dra`: the allocators
+    /// certify ResourceClaims. `client` (an admin) asks
     /// the API server for the ServiceAccount tokens.
     pub async fn start(
         dir: &Path,
@@ -60,10 +61,15 @@ impl Gpuledger {
         (server, client): (&str, &kube::Client),
         (allocators, webhook_port): (usize, u16),
         extra: &[String],
+        dra: bool,
     ) -> Result<Gpuledger> {
         let etcd = EtcdCluster::start_in(&dir.join("ledger-etcd"), 1).await?;
         let kc = pki.kubeconfig(server, &Identity::ServiceAccount(ALLOCATOR_SA.into()))?;
-        let flags = [format!("--kubeconfig={}", kc.display())];
+        let mut flags = vec![format!("--kubeconfig={}", kc.display())];
+        if dra {
+            // As the dra overlay's allocators run.
+            flags.push("--claim-watch".into());
+        }
         let refs: Vec<&str> = flags.iter().map(String::as_str).collect();
         let allocs = Allocators::start_each(
             dir,
