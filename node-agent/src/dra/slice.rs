@@ -42,14 +42,40 @@ pub fn selector(node: &str) -> String {
     format!("spec.nodeName={node},spec.driver={DRIVER}")
 }
 
+/// A ledger capacity and its request policy as a ResourceSlice capacity, amounts in `unit`.
+fn capacity(c: &gpuledger_ledger::capacity::DeviceCapacity, unit: &str) -> DeviceCapacity {
+    use gpuledger_ledger::capacity::Valid;
+    let q = |v: u64| Quantity(format!("{v}{unit}"));
+    DeviceCapacity {
+        value: q(c.value),
+        request_policy: c.policy.as_ref().map(|p| {
+            let (valid_range, valid_values) = match &p.valid {
+                Valid::Any => (None, None),
+                Valid::Range { min, max, step } => (
+                    Some(CapacityRequestPolicyRange {
+                        min: q(*min),
+                        max: max.map(q),
+                        step: step.map(q),
+                    }),
+                    None,
+                ),
+                Valid::Values(v) => (None, Some(v.iter().copied().map(q).collect())),
+            };
+            CapacityRequestPolicy {
+                default: p.default.map(q),
+                valid_range,
+                valid_values,
+            }
+        }),
+    }
+}
+
 /// The devices of `inv`: its healthy GPUs in index order (the scheduler's first-fit order).
 pub fn devices(inv: &pb::NodeInventory) -> Vec<Device> {
     let mut gpus: Vec<&pb::Gpu> = inv.gpus.iter().filter(|g| g.healthy).collect();
     gpus.sort_by_key(|g| g.index);
     gpus.into_iter()
         .map(|g| {
-            let mem = Quantity(format!("{}Mi", g.memory_mib));
-            let cores = Quantity(gpuledger_ledger::CORE_MILLI_PER_GPU.to_string());
             let attributes = BTreeMap::from([
                 (
                     "uuid".to_string(),
@@ -80,37 +106,11 @@ pub fn devices(inv: &pb::NodeInventory) -> Vec<Device> {
                     },
                 ),
             ]);
+            // The policy the allocator checks every grant against: one definition, in the ledger.
+            let caps = gpuledger_ledger::capacity::GpuCapacities::of_gpu(g.memory_mib);
             let capacity = BTreeMap::from([
-                (
-                    "memory".to_string(),
-                    DeviceCapacity {
-                        value: mem.clone(),
-                        request_policy: Some(CapacityRequestPolicy {
-                            default: Some(mem),
-                            valid_range: Some(CapacityRequestPolicyRange {
-                                min: Quantity("1Mi".into()),
-                                step: Some(Quantity("1Mi".into())),
-                                max: None,
-                            }),
-                            valid_values: None,
-                        }),
-                    },
-                ),
-                (
-                    "cores".to_string(),
-                    DeviceCapacity {
-                        value: cores.clone(),
-                        request_policy: Some(CapacityRequestPolicy {
-                            default: Some(cores),
-                            valid_range: Some(CapacityRequestPolicyRange {
-                                min: Quantity("0".into()),
-                                step: Some(Quantity("1".into())),
-                                max: None,
-                            }),
-                            valid_values: None,
-                        }),
-                    },
-                ),
+                ("memory".to_string(), capacity(&caps.memory, "Mi")),
+                ("cores".to_string(), capacity(&caps.cores, "")),
             ]);
             Device {
                 name: gpuledger_ledger::state::dra_device_name(&g.uuid),
