@@ -21,7 +21,8 @@ use crate::metrics::Metrics;
 #[derive(clap::Args, Debug, Clone)]
 pub struct WriteLimitArgs {
     /// Ledger writes per second one node agent may make, sustained: RegisterNode,
-    /// SetDeviceHealth, CorrectIdentity and ReportViolation, each started KiB of a request
+    /// SetDeviceHealth, CorrectIdentity, ReportViolation, PrepareClaim and UnprepareClaim (a
+    /// claim prepared and unprepared in a loop writes each time), each started KiB of a request
     /// counting as one more write (Assign is bounded by the node's reservations). Past the
     /// burst a write is refused with RESOURCE_EXHAUSTED. 0 = no limit.
     #[arg(long, env = "GPULEDGER_NODE_WRITES_PER_S", default_value_t = 10)]
@@ -107,6 +108,8 @@ impl WriteLimits {
                 | Call::SetDeviceHealth
                 | Call::CorrectIdentity
                 | Call::ReportViolation
+                | Call::PrepareClaim
+                | Call::UnprepareClaim
         ) {
             return Ok(());
         }

@@ -486,3 +486,56 @@ async fn an_allocator_token_cannot_forward_an_identity_it_did_not_verify() -> an
     );
     Ok(())
 }
+
+/// A node agent's credential cannot write claim prepares and unprepares at line rate: they
+/// count against the node's write budget like its reports (a claim prepared and unprepared in
+/// a loop commits an event each time).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claim_prepares_and_unprepares_count_against_the_nodes_write_budget() -> anyhow::Result<()>
+{
+    let etcd = EtcdCluster::start(1).await?;
+    let dir = tempfile::tempdir()?;
+    let allocs = Allocators::start(
+        dir.path(),
+        &etcd,
+        1,
+        "claims",
+        &[
+            "--node-writes-per-s=1",
+            "--node-write-burst=5",
+            "--over-limit-pause-ms=0",
+        ],
+    )?;
+    allocs.wait_leader(Duration::from_secs(20)).await?;
+    let mut agent = allocs.node_agent(0, "n1")?;
+    let (mut answered, mut refused) = (0, 0);
+    for i in 0..20u64 {
+        let r = if i % 2 == 0 {
+            agent
+                .prepare_claim(api::PrepareClaimRequest {
+                    node: "n1".into(),
+                    allocation_ids: vec![],
+                    cdi_device_ids: vec![],
+                })
+                .await
+                .map(drop)
+        } else {
+            agent
+                .unprepare_claim(api::UnprepareClaimRequest {
+                    node: "n1".into(),
+                    allocation_ids: vec![],
+                })
+                .await
+                .map(drop)
+        };
+        match r {
+            Err(e) if e.code() == Code::ResourceExhausted => refused += 1,
+            _ => answered += 1,
+        }
+    }
+    assert!(
+        refused >= 10,
+        "{refused} of 20 prepares and unprepares refused past a burst of 5 at 1/s ({answered} answered)"
+    );
+    Ok(())
+}
