@@ -3,7 +3,8 @@
 //! the node agent would register them. Pods bound there never run. kube-controller-manager's
 //! node lifecycle controller watches them as any node: a [`Heartbeat`] renews their Leases as
 //! their kubelets would, and a new node is used once the controller has lifted the
-//! `not-ready` taint the API server put on it.
+//! `not-ready` taint the API server put on it. A DRA node (`NodeShape::dra`) gets the
+//! ResourceSlice its agent would publish instead of the device plugin's extended resource.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -11,10 +12,12 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use futures::StreamExt;
+use gpuledger_node_agent::dra::slice;
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::resource::v1::ResourceSlice;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use serde_json::json;
 
@@ -36,6 +39,9 @@ pub struct NodeShape {
     pub memory_gib: u32,
     /// Allocatable pods.
     pub pods: u32,
+    /// DRA mode: registered as `NODE_MODE_DRA`, no `gpuledger.io/gpu` on the Node, and the
+    /// ResourceSlice its node agent would publish (the agent's own builder) written for it.
+    pub dra: bool,
 }
 
 impl Default for NodeShape {
@@ -47,14 +53,19 @@ impl Default for NodeShape {
             cpus: 64,
             memory_gib: 256,
             pods: 110,
+            dra: false,
         }
     }
 }
 
 /// The inventory a node agent would register for `name`.
 pub fn inventory(name: &str, shape: &NodeShape) -> pb::NodeInventory {
+    let mode = match shape.dra {
+        true => pb::NodeMode::Dra,
+        false => pb::NodeMode::DevicePlugin,
+    };
     pb::NodeInventory {
-        mode: Default::default(),
+        mode: mode as i32,
         node: name.to_string(),
         gpus: (0..shape.gpus)
             .map(|i| pb::Gpu {
@@ -70,17 +81,20 @@ pub fn inventory(name: &str, shape: &NodeShape) -> pb::NodeInventory {
     }
 }
 
-/// The Node object: Ready, with cpu, memory, pods and `gpuledger.io/gpu` (GPUs × slots).
+/// The Node object: Ready, with cpu, memory, pods and, on a device-plugin node,
+/// `gpuledger.io/gpu` (GPUs × slots).
 pub fn node_object(name: &str, shape: &NodeShape) -> Result<Node> {
     let slots = (shape.gpus * SLOTS_PER_GPU).to_string();
-    let res: BTreeMap<&str, String> = [
+    let mut res: BTreeMap<&str, String> = [
         ("cpu", shape.cpus.to_string()),
         ("memory", format!("{}Gi", shape.memory_gib)),
         ("pods", shape.pods.to_string()),
-        ("gpuledger.io/gpu", slots),
     ]
     .into_iter()
     .collect();
+    if !shape.dra {
+        res.insert("gpuledger.io/gpu", slots);
+    }
     Ok(serde_json::from_value(json!({
         "apiVersion": "v1",
         "kind": "Node",
@@ -190,12 +204,14 @@ pub async fn add(
 ) -> Result<()> {
     let nodes: Api<Node> = Api::all(client.clone());
     let leases: Api<Lease> = Api::namespaced(client.clone(), "kube-node-lease");
+    let slices: Api<ResourceSlice> = Api::all(client.clone());
     let results = futures::stream::iter(names.iter().cloned().map(|n| {
         let nodes = nodes.clone();
         let leases = leases.clone();
+        let slices = slices.clone();
         let shape = shape.clone();
         async move {
-            nodes
+            let node = nodes
                 .create(&PostParams::default(), &node_object(&n, &shape)?)
                 .await
                 .with_context(|| format!("creating node {n}"))?;
@@ -209,6 +225,14 @@ pub async fn add(
             })
             .await
             .with_context(|| format!("registering node {n} with the allocator"))?;
+            if shape.dra {
+                let inv = inventory(&n, &shape);
+                let s = slice::slice(&n, Some(&node), slice::devices(&inv), 0);
+                slices
+                    .create(&PostParams::default(), &s)
+                    .await
+                    .with_context(|| format!("creating the ResourceSlice of node {n}"))?;
+            }
             anyhow::Ok(())
         }
     }))

@@ -161,8 +161,14 @@ pub fn dropped_gates(sent: &[Device], stored: &[Device]) -> Vec<(&'static str, &
     out
 }
 
-/// The slice to write for `node` with `devices`, owned by the Node `owner` when known.
-fn slice(node: &str, owner: Option<&Node>, devices: Vec<Device>, generation: i64) -> ResourceSlice {
+/// The slice to write for `node` with `devices`, owned by the Node `owner` when known (also
+/// what the e2e tier and the benchmark write for kubelet-less nodes).
+pub fn slice(
+    node: &str,
+    owner: Option<&Node>,
+    devices: Vec<Device>,
+    generation: i64,
+) -> ResourceSlice {
     let owner_references = owner.and_then(|n| {
         Some(vec![OwnerReference {
             api_version: "v1".into(),
