@@ -4,6 +4,7 @@
 
 mod binds_in_flight;
 mod dra_claims;
+mod dra_refusals;
 mod kubelet_that_cannot_reach_the_plugin;
 mod leader_killed_mid_batch;
 mod peer_pods_unchanged;
