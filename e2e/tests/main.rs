@@ -3,6 +3,7 @@
 //! the build's disk and link time small (`autotests = false` in Cargo.toml).
 
 mod binds_in_flight;
+mod dra_batch_across_kills;
 mod dra_claims;
 mod dra_refusals;
 mod kubelet_that_cannot_reach_the_plugin;
