@@ -181,13 +181,17 @@ impl Watch {
             };
             let p = plan::plan_claim(&l, &claim);
             drop(l);
-            if !p.releases.is_empty() && !fresh {
-                // Releases only on the claim as the API server has it now, not a cached one.
+            if (!p.releases.is_empty() || p.consumers.is_some()) && !fresh {
+                // Releases and consumers only from the claim as the API server has it now,
+                // not a cached one.
                 fresh = true;
                 continue;
             }
             for r in &p.releases {
                 self.release(r).await;
+            }
+            if let Some(consumers) = p.consumers {
+                self.set_consumers(&claim, consumers).await;
             }
             let mut devices = claim.devices.clone();
             let mut marked = Vec::new();
@@ -323,6 +327,24 @@ impl Watch {
 
     fn lock_refused(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
         self.refused.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Commit the pods `claim` is reserved for now as its grants' consumers.
+    async fn set_consumers(&self, claim: &Claim, consumers: Vec<pb::PodRef>) {
+        let n = consumers.len();
+        let cmd = Command::SetClaimConsumers {
+            claim_uid: claim.claim.uid.clone(),
+            consumers,
+        };
+        match self.writer.submit(cmd).await {
+            Ok(c) => {
+                info!(claim = %claim.what(), consumers = n, seq = c.seq, "claim grants' consumers set")
+            }
+            Err(WriteError::NotLeader) => {}
+            Err(e) => {
+                debug!(claim = %claim.what(), error = %e, "claim grants' consumers not set")
+            }
+        }
     }
 
     async fn release(&self, r: &Release) {

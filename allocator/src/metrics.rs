@@ -16,7 +16,7 @@ use prometheus_client::registry::Registry;
 pub(crate) const PREFIX: &str = "gpuledger_allocator";
 
 /// Ledger event types, in the order of [`Metrics`]' per-type counters.
-pub(crate) const EVENT_TYPES: [&str; 20] = [
+pub(crate) const EVENT_TYPES: [&str; 21] = [
     "node_registered",
     "node_removed",
     "device_health_changed",
@@ -36,6 +36,7 @@ pub(crate) const EVENT_TYPES: [&str; 20] = [
     "claim_refused",
     "claim_prepared",
     "claim_unprepared",
+    "claim_consumers_changed",
     "empty",
 ];
 
@@ -228,7 +229,8 @@ impl Metrics {
             Some(Body::ClaimRefused(_)) => 16,
             Some(Body::ClaimPrepared(_)) => 17,
             Some(Body::ClaimUnprepared(_)) => 18,
-            None => 19,
+            Some(Body::ClaimConsumersChanged(_)) => 19,
+            None => 20,
         };
         self.events[i].fetch_add(1, Ordering::Relaxed);
     }

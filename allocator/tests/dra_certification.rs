@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
+use gpuledger_testkit::kube::store::ApiError;
 use gpuledger_testkit::kube::{KubeStack, StackOptions};
 use gpuledger_testkit::workload::inventory;
 use k8s_openapi::serde_json::json;
@@ -238,6 +239,45 @@ async fn claims_are_granted_before_their_condition_and_over_commits_refused() ->
     assert_eq!(grants.len(), 1, "claim a granted once: {grants:?}");
     let consumers: Vec<&str> = grants[0].consumers.iter().map(|p| p.uid.as_str()).collect();
     assert_eq!(consumers, ["a-pod-uid"], "the claim's reservedFor");
+
+    // A second pod shares claim a (the scheduler adds it to reservedFor): the grant's
+    // consumers follow, so the node agent charges that pod's processes to the grant.
+    stack
+        .api
+        .store
+        .update(GV, "resourceclaims", NS, "a", |o| {
+            o["status"]["reservedFor"]
+                .as_array_mut()
+                .ok_or_else(|| ApiError::new(500, "InternalError", "no reservedFor"))?
+                .push(json!({"resource": "pods", "name": "a-pod-2", "uid": "a-pod-2-uid"}));
+            Ok(())
+        })
+        .map_err(|e| anyhow::anyhow!("{}", e.message()))?;
+    let consumers_of_a = || async {
+        let l = stack.allocs.ledger(leader).await?;
+        Ok::<_, anyhow::Error>(
+            l.allocs_of_pod(&a)
+                .first()
+                .and_then(|x| x.claim.as_ref())
+                .map(|c| {
+                    c.consumers
+                        .iter()
+                        .map(|p| p.uid.clone())
+                        .collect::<Vec<_>>()
+                })
+                .unwrap_or_default(),
+        )
+    };
+    poll(
+        "claim a's grant names both pods",
+        Duration::from_secs(20),
+        || async {
+            let c = consumers_of_a().await?;
+            Ok((c == ["a-pod-uid", "a-pod-2-uid"]).then_some(()))
+        },
+    )
+    .await
+    .map_err(|e| e.context(logs(&stack)))?;
 
     // Two more 8000 MiB shares of the same 16000 MiB GPU, as a scheduler that over-counts
     // would write them: the first fits, the second is refused.

@@ -122,6 +122,14 @@ pub enum Command {
         /// The grants unprepared.
         allocation_ids: Vec<u64>,
     },
+    /// Set the consumers of a claim's live grants to its `status.reservedFor` (nothing when
+    /// they already are).
+    SetClaimConsumers {
+        /// The claim's UID.
+        claim_uid: String,
+        /// The pods it is reserved for now.
+        consumers: Vec<pb::PodRef>,
+    },
     /// End a pod's nomination (nothing when it has none).
     EndNomination {
         /// The nominee's UID.
@@ -506,6 +514,10 @@ impl Ledger {
                 node,
                 allocation_ids,
             } => self.decide_unprepare_claim(node, allocation_ids),
+            Command::SetClaimConsumers {
+                claim_uid,
+                consumers,
+            } => self.decide_set_claim_consumers(&claim_uid, consumers),
             Command::EndNomination { pod_uid, reason } => {
                 match self.end_nomination_body(&pod_uid, reason) {
                     Some(b) => changed(vec![b]),

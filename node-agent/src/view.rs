@@ -157,6 +157,12 @@ impl View {
                     c.cdi_device_ids.clear();
                 }
             }
+            // Enforcement charges a pod's processes to the grants the pod consumes.
+            Body::ClaimConsumersChanged(x) => {
+                for c in self.claims_mut(&x.allocation_ids) {
+                    c.consumers = x.consumers.clone();
+                }
+            }
             Body::LimitViolated(_)
             | Body::LeaderElected(_)
             | Body::QuotaSet(_)

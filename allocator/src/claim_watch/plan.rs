@@ -115,12 +115,14 @@ pub struct Plan {
     pub releases: Vec<Release>,
     /// One step per result that needs one.
     pub steps: Vec<(Allotted, Step)>,
+    /// The claim's consumers (`reservedFor`), when the grants it keeps name other pods.
+    pub consumers: Option<Vec<pb::PodRef>>,
 }
 
 impl Plan {
     /// Nothing to do.
     pub fn is_empty(&self) -> bool {
-        self.releases.is_empty() && self.steps.is_empty()
+        self.releases.is_empty() && self.steps.is_empty() && self.consumers.is_none()
     }
 }
 
@@ -269,6 +271,11 @@ pub fn devices_with(devices: &[Value], r: &Allotted, cond: Value) -> Vec<Value> 
     out
 }
 
+/// The pod UIDs of `pods`, in order.
+fn uids(pods: &[pb::PodRef]) -> std::collections::BTreeSet<&str> {
+    pods.iter().map(|p| p.uid.as_str()).collect()
+}
+
 /// What `claim` needs from the ledger `l`.
 pub fn plan_claim(l: &Ledger, c: &Claim) -> Plan {
     let mut plan = Plan::default();
@@ -288,6 +295,8 @@ pub fn plan_claim(l: &Ledger, c: &Claim) -> Plan {
                 reason: "claim-deallocated",
                 what: c.what(),
             });
+        } else if uids(&g.consumers) != uids(&c.consumers) {
+            plan.consumers = Some(c.consumers.clone());
         }
     }
     for r in &c.results {

@@ -437,6 +437,19 @@ fn describe(e: &pb::Event) -> (&'static str, &str, String) {
             ),
         ),
         Some(Body::ClaimUnprepared(u)) => ("claim_unprepared", &u.node, ids(&u.allocation_ids)),
+        Some(Body::ClaimConsumersChanged(c)) => (
+            "claim_consumers_changed",
+            &c.node,
+            format!(
+                "{} consumers {}",
+                ids(&c.allocation_ids),
+                c.consumers
+                    .iter()
+                    .map(|p| format!("{}/{}", p.namespace, p.name))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            ),
+        ),
         None => ("empty", "", String::new()),
     }
 }

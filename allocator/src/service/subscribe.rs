@@ -137,6 +137,7 @@ fn event_node(e: &pb::Event) -> Option<&str> {
         Body::ClaimRefused(r) => &r.node,
         Body::ClaimPrepared(p) => &p.node,
         Body::ClaimUnprepared(u) => &u.node,
+        Body::ClaimConsumersChanged(c) => &c.node,
         Body::LeaderElected(_)
         | Body::QuotaSet(_)
         | Body::BudgetSet(_)

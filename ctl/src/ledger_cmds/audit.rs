@@ -159,6 +159,18 @@ pub fn describe(e: &pb::Event) -> String {
         Some(Body::ClaimUnprepared(u)) => {
             format!("claim allocations {:?} unprepared", u.allocation_ids)
         }
+        Some(Body::ClaimConsumersChanged(c)) => {
+            let pods: Vec<String> = c.consumers.iter().map(|p| pod_name(Some(p))).collect();
+            format!(
+                "claim allocations {:?} now consumed by {}",
+                c.allocation_ids,
+                if pods.is_empty() {
+                    "no pod".into()
+                } else {
+                    pods.join(", ")
+                }
+            )
+        }
         None => "(empty event)".into(),
     }
 }
@@ -206,6 +218,18 @@ impl Trail<'_> {
             Some(Body::ClaimRefused(r)) => (self.is_claim(r.claim.as_ref()), None),
             Some(Body::ClaimPrepared(p)) => (self.any(&p.allocation_ids), None),
             Some(Body::ClaimUnprepared(u)) => (self.any(&u.allocation_ids), None),
+            // A pod that joins a claim later follows its grants from then on.
+            Some(Body::ClaimConsumersChanged(c)) => {
+                let joins = c.consumers.iter().any(|p| self.is(Some(p)));
+                if joins {
+                    for id in &c.allocation_ids {
+                        if !self.ids.contains(id) {
+                            self.ids.push(*id);
+                        }
+                    }
+                }
+                (joins || self.any(&c.allocation_ids), None)
+            }
             Some(Body::Bound(b)) => (self.any(&[b.allocation_id]), None),
             Some(Body::Assigned(x)) => (self.any(&[x.allocation_id]), None),
             Some(Body::Released(r)) => (self.any(&[r.allocation_id]), None),

@@ -132,6 +132,21 @@ pub(crate) fn device_ids(ids: &[String]) -> Result<(), String> {
 }
 
 /// Refuse more than [`MAX_CLAIM_GRANTS`] grants in one prepare or unprepare.
+/// A claim's consumers: at most [`MAX_CLAIM_CONSUMERS`] pods, each named within bounds.
+fn consumers(pods: &[pb::PodRef]) -> Result<(), String> {
+    if pods.len() > MAX_CLAIM_CONSUMERS {
+        return Err(format!(
+            "{} consumers, at most {MAX_CLAIM_CONSUMERS}",
+            pods.len()
+        ));
+    }
+    pods.iter().try_for_each(|p| {
+        id("pod uid", &p.uid)?;
+        name("pod namespace", &p.namespace)?;
+        name("pod name", &p.name)
+    })
+}
+
 fn grants(ids: &[u64]) -> Result<(), String> {
     if ids.len() > MAX_CLAIM_GRANTS {
         return Err(format!(
@@ -263,17 +278,7 @@ pub(crate) fn check(cmd: &Command) -> Result<(), String> {
             id("share id", &g.share_id)?;
             id("grant source", &g.source)?;
             id("GPU uuid", g.share.as_ref().map_or("", |s| &s.gpu_uuid))?;
-            if g.consumers.len() > MAX_CLAIM_CONSUMERS {
-                return Err(format!(
-                    "{} consumers, at most {MAX_CLAIM_CONSUMERS}",
-                    g.consumers.len()
-                ));
-            }
-            g.consumers.iter().try_for_each(|p| {
-                id("pod uid", &p.uid)?;
-                name("pod namespace", &p.namespace)?;
-                name("pod name", &p.name)
-            })
+            consumers(&g.consumers)
         }
         Command::RefuseClaim(r) => {
             super::claim::check_bounds(
@@ -300,6 +305,13 @@ pub(crate) fn check(cmd: &Command) -> Result<(), String> {
         } => {
             name("node name", node)?;
             grants(allocation_ids)
+        }
+        Command::SetClaimConsumers {
+            claim_uid,
+            consumers: c,
+        } => {
+            id("claim uid", claim_uid)?;
+            consumers(c)
         }
     }
 }

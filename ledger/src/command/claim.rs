@@ -7,7 +7,7 @@ use super::{CommandError, Reply};
 use crate::CORE_MILLI_PER_GPU;
 use crate::pb;
 use crate::pb::event::Body;
-use crate::state::{Ledger, claim_key, dra_device_name, is_dns_label};
+use crate::state::{Alloc, Ledger, claim_key, dra_device_name, is_dns_label};
 
 /// The `source` values a grant may carry.
 pub const CLAIM_SOURCES: [&str; 2] = ["claim", "extended-resource"];
@@ -175,6 +175,43 @@ impl Ledger {
                 allocation_ids: todo,
                 cdi_device_ids,
                 node,
+            })],
+            Reply::Done { changed: true },
+        ))
+    }
+
+    pub(super) fn decide_set_claim_consumers(
+        &self,
+        claim_uid: &str,
+        consumers: Vec<pb::PodRef>,
+    ) -> Decided {
+        let grants: Vec<&Alloc> = self
+            .allocs_of_pod(claim_uid)
+            .into_iter()
+            .filter(|a| a.claim.is_some())
+            .collect();
+        let Some(first) = grants.first() else {
+            return Err(CommandError::NotFound(format!(
+                "claim {claim_uid} holds no grant"
+            )));
+        };
+        let uids = |p: &[pb::PodRef]| -> std::collections::BTreeSet<String> {
+            p.iter().map(|c| c.uid.clone()).collect()
+        };
+        let want = uids(&consumers);
+        let stale: Vec<u64> = grants
+            .iter()
+            .filter(|a| a.claim.as_ref().is_some_and(|c| uids(&c.consumers) != want))
+            .map(|a| a.id)
+            .collect();
+        if stale.is_empty() {
+            return Ok((Vec::new(), Reply::Done { changed: false }));
+        }
+        Ok((
+            vec![Body::ClaimConsumersChanged(pb::ClaimConsumersChanged {
+                allocation_ids: stale,
+                consumers,
+                node: first.node.clone(),
             })],
             Reply::Done { changed: true },
         ))

@@ -135,6 +135,31 @@ impl Ledger {
         Ok(())
     }
 
+    pub(super) fn set_claim_consumers(
+        &mut self,
+        c: &pb::ClaimConsumersChanged,
+    ) -> Result<(), String> {
+        if c.allocation_ids.is_empty() {
+            return Err("ClaimConsumersChanged without allocation ids".into());
+        }
+        for id in &c.allocation_ids {
+            let a = self
+                .allocs
+                .get(id)
+                .ok_or_else(|| format!("ClaimConsumersChanged of unknown allocation {id}"))?;
+            if a.claim.is_none() || a.node != c.node {
+                return Err(format!(
+                    "ClaimConsumersChanged names allocation {id}, not a claim grant on node {}",
+                    c.node
+                ));
+            }
+        }
+        for id in &c.allocation_ids {
+            self.claim_mut(*id).consumers = c.consumers.clone();
+        }
+        Ok(())
+    }
+
     fn claim_mut(&mut self, id: u64) -> &mut ClaimGrant {
         self.allocs
             .get_mut(&id)

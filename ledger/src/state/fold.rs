@@ -98,6 +98,7 @@ impl Ledger {
             Body::ClaimRefused(_) => {}
             Body::ClaimPrepared(p) => self.prepare_claims(p).map_err(bad)?,
             Body::ClaimUnprepared(u) => self.unprepare_claims(u).map_err(bad)?,
+            Body::ClaimConsumersChanged(c) => self.set_claim_consumers(c).map_err(bad)?,
             Body::Bound(b) => {
                 let a = self.allocs.get_mut(&b.allocation_id).ok_or_else(|| {
                     bad(format!("Bound of unknown allocation {}", b.allocation_id))

@@ -265,3 +265,47 @@ fn a_lagging_replicas_view_does_not_roll_the_agents_back_but_the_first_is_taken(
     v.replay(&Change::Upsert(assigned));
     assert_eq!(v.by_devices(&["G0::1".into()]).map(|a| a.id), Some(5));
 }
+
+#[test]
+fn a_pod_that_joins_a_claim_is_charged_to_its_grant() {
+    let pod = |uid: &str| pb::PodRef {
+        uid: uid.into(),
+        namespace: "ns".into(),
+        name: format!("pod-{uid}"),
+    };
+    let mut v = View::default();
+    v.apply(&ev(
+        7,
+        Body::ClaimGranted(pb::ClaimGranted {
+            allocation_id: 7,
+            claim: Some(pb::ClaimRef {
+                uid: "claim".into(),
+                namespace: "ns".into(),
+                name: "shared".into(),
+            }),
+            request: "c0".into(),
+            node: "n1".into(),
+            pool: "n1".into(),
+            device: "gpu-g0".into(),
+            share_id: "s".into(),
+            share: Some(pb::GpuShare {
+                gpu_uuid: "GPU-G0".into(),
+                mem_mib: 1024,
+                core_milli: 0,
+            }),
+            consumers: vec![pod("first")],
+            source: "claim".into(),
+        }),
+    ));
+    let serves = |v: &View, uid: &str| crate::enforce::serves_pod(&v.allocs[&7], uid);
+    assert!(serves(&v, "first") && !serves(&v, "second"));
+    v.apply(&ev(
+        8,
+        Body::ClaimConsumersChanged(pb::ClaimConsumersChanged {
+            allocation_ids: vec![7],
+            consumers: vec![pod("second")],
+            node: "n1".into(),
+        }),
+    ));
+    assert!(serves(&v, "second") && !serves(&v, "first"));
+}

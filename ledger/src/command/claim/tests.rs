@@ -555,3 +555,70 @@ fn pod_events_are_refused_on_claim_grants() {
         assert!(m.apply(&e).is_err(), "{e:?} applied to a claim grant");
     }
 }
+
+#[test]
+fn a_claims_consumers_follow_its_reserved_for() {
+    let mut l = setup();
+    let (_, r) = l
+        .execute(Command::GrantClaim(grant("u1", "dra", 0, 4000, 300)), 1, 1)
+        .expect("grant");
+    let id = granted_id(&r);
+    let pod = |uid: &str| pb::PodRef {
+        uid: uid.into(),
+        namespace: "team-a".into(),
+        name: format!("name-{uid}"),
+    };
+    let set = |pods: Vec<pb::PodRef>| Command::SetClaimConsumers {
+        claim_uid: "u1".into(),
+        consumers: pods,
+    };
+    // A second pod joins the claim: one event naming the grant, on its node.
+    let (evs, _) = l
+        .execute(set(vec![pod("pod-u1"), pod("late")]), 2, 2)
+        .expect("set");
+    match evs.as_slice() {
+        [e] => match &e.body {
+            Some(Body::ClaimConsumersChanged(c)) => {
+                assert_eq!(
+                    (c.allocation_ids.as_slice(), c.node.as_str()),
+                    (&[id][..], "dra")
+                );
+            }
+            other => panic!("not ClaimConsumersChanged: {other:?}"),
+        },
+        other => panic!("{} events", other.len()),
+    }
+    let consumers = |l: &Ledger| -> Vec<String> {
+        l.alloc(id)
+            .and_then(|a| a.claim.as_ref())
+            .map(|c| c.consumers.iter().map(|p| p.uid.clone()).collect())
+            .unwrap_or_default()
+    };
+    assert_eq!(consumers(&l), ["pod-u1", "late"]);
+    // The same pods in another order: nothing to write.
+    let (evs, _) = l
+        .execute(set(vec![pod("late"), pod("pod-u1")]), 3, 3)
+        .expect("same set");
+    assert!(evs.is_empty(), "{evs:?}");
+    // The first pod leaves.
+    l.execute(set(vec![pod("late")]), 4, 4).expect("leave");
+    assert_eq!(consumers(&l), ["late"]);
+    // A claim with no grant, and too many consumers, are refused with nothing written.
+    let seq = l.seq();
+    let none = Command::SetClaimConsumers {
+        claim_uid: "nobody".into(),
+        consumers: vec![pod("x")],
+    };
+    assert!(matches!(
+        l.execute(none, 5, 5),
+        Err(CommandError::NotFound(_))
+    ));
+    let many = set((0..=bounds::MAX_CLAIM_CONSUMERS)
+        .map(|i| pod(&format!("p{i}")))
+        .collect());
+    assert!(matches!(
+        l.execute(many, 5, 5),
+        Err(CommandError::Invalid(_))
+    ));
+    assert_eq!(l.seq(), seq);
+}
