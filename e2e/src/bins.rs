@@ -15,6 +15,10 @@ pub struct KubeBins {
     dir: PathBuf,
 }
 
+/// The feature gates of DRA mode that 1.35 has off (docs/dra.md, "Deploying in DRA mode").
+pub const DRA_GATES_1_35: &str =
+    "DRAConsumableCapacity=true,DRADeviceBindingConditions=true,DRAExtendedResource=true";
+
 /// The programs a complete directory holds.
 pub const PROGRAMS: [&str; 9] = [
     "kube-apiserver",
@@ -47,6 +51,17 @@ impl KubeBins {
     /// The directory.
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// `--feature-gates` for every Kubernetes component of the tier: on 1.35 the DRA features
+    /// gpuledger's DRA mode needs (consumable capacity, binding conditions, extended-resource
+    /// mapping; alpha there, on by default from 1.36), nothing on later releases.
+    pub fn feature_gate_flags(&self) -> Result<Vec<String>> {
+        let v = self.version()?;
+        Ok(match v.strip_prefix("v1.35.") {
+            Some(_) => vec![format!("--feature-gates={DRA_GATES_1_35}")],
+            None => Vec::new(),
+        })
     }
 
     /// The Kubernetes version of these binaries (`v1.37.2`), as kubectl reports it.

@@ -106,6 +106,7 @@ impl ControlPlane {
             "--v=1".into(),
         ];
         args.extend(etcd_tls_flags(&etcd)?);
+        args.extend(bins.feature_gate_flags()?);
         let apiserver = Proc::spawn(
             dir,
             "kube-apiserver",
@@ -138,7 +139,7 @@ impl ControlPlane {
         let kc = self
             .pki
             .kubeconfig(&self.server, &Identity::ControllerManager)?;
-        let args = vec![
+        let mut args = vec![
             format!("--kubeconfig={}", kc.display()),
             format!("--authentication-kubeconfig={}", kc.display()),
             format!("--authorization-kubeconfig={}", kc.display()),
@@ -159,6 +160,7 @@ impl ControlPlane {
             "--profiling=false".into(),
             "--v=1".into(),
         ];
+        args.extend(self.bins.feature_gate_flags()?);
         self.controller_manager = Some(Proc::spawn(
             &self.dir,
             "kube-controller-manager",
@@ -241,12 +243,13 @@ impl ControlPlane {
         }
         let path = self.dir.join("kube-scheduler.yaml");
         std::fs::write(&path, config)?;
-        let args = vec![
+        let mut args = vec![
             format!("--config={}", path.display()),
             format!("--secure-port={}", free_port()?),
             "--bind-address=127.0.0.1".into(),
             "--v=2".into(),
         ];
+        args.extend(self.bins.feature_gate_flags()?);
         self.scheduler = Some(Proc::spawn(
             &self.dir,
             "kube-scheduler",

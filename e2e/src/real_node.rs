@@ -194,7 +194,7 @@ impl RealNode {
         let kc = pki.kubeconfig(server, &Identity::Node(name.to_string()))?;
         let pod_logs = dir.join("pod-logs");
         let kubelet_config = kubelet_config(&dir, &root, &pod_logs, &containerd_sock)?;
-        let args = vec![
+        let mut args = vec![
             format!("--config={}", kubelet_config.display()),
             format!("--kubeconfig={}", kc.display()),
             format!("--root-dir={}", root.display()),
@@ -202,6 +202,7 @@ impl RealNode {
             format!("--hostname-override={name}"),
             "--v=2".into(),
         ];
+        args.extend(bins.feature_gate_flags()?);
         let kubelet = Proc::spawn(&dir, "kubelet", &bins.path("kubelet"), args, vec![])?;
         let node = RealNode {
             name: name.to_string(),
