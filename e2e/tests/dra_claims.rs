@@ -15,8 +15,9 @@ use gpuledger_e2e::real_node::{CDI_ENV, host_network};
 use gpuledger_e2e::{E2e, Options, until};
 use gpuledger_testkit::eventually;
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, DeleteParams, DynamicObject, ListParams};
+use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams};
 use kube::discovery::ApiResource;
+use serde_json::json;
 
 fn slices(client: &kube::Client) -> Api<DynamicObject> {
     let ar = ApiResource {
@@ -164,5 +165,97 @@ async fn claim_pods_run_with_ledger_grants_on_a_real_kubelet() -> Result<()> {
     .await
     .with_context(|| e.log_tails(30))?;
     gpuledger_e2e::gpuledger::verify(&e.gl, &addrs)?;
+    extended_resource_pod_gets_a_whole_gpu(&e).await?;
+    gpuledger_e2e::gpuledger::verify(&e.gl, &addrs)?;
+    Ok(())
+}
+
+/// KEP-5004 as the chart's `dra.extendedResourceName` sets it up: the DeviceClass also serves
+/// an extended resource. A pod asking `example.com/gpu: 1` (no webhook involved) gets a claim
+/// the scheduler makes itself; the allocator certifies it as an `extended-resource` grant of a
+/// whole GPU, the agent prepares it, the container runs with the GPU's whole memory, and
+/// deleting the pod releases the grant.
+async fn extended_resource_pod_gets_a_whole_gpu(e: &E2e) -> Result<()> {
+    let classes: Api<DynamicObject> = Api::all_with(
+        e.client.clone(),
+        &ApiResource {
+            group: "resource.k8s.io".into(),
+            version: "v1".into(),
+            api_version: "resource.k8s.io/v1".into(),
+            kind: "DeviceClass".into(),
+            plural: "deviceclasses".into(),
+        },
+    );
+    classes
+        .patch(
+            "gpu.gpuledger.io",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"extendedResourceName": "example.com/gpu"}})),
+        )
+        .await
+        .context("setting the DeviceClass's extendedResourceName")?;
+    let node = e.node.as_ref().context("no real node")?;
+    let mut pod = host_network(pods::pod(
+        "whole",
+        &[("example.com/gpu", "1")],
+        Some(&["sh", "-c", "env | sort; sleep 3600"]),
+    ));
+    pod["spec"]["schedulerName"] = json!("gpuledger-scheduler");
+    let p = pods::create(&e.client, "dra", &pod).await?;
+    ensure!(
+        p.spec
+            .as_ref()
+            .and_then(|s| s.resource_claims.as_ref())
+            .is_none(),
+        "the webhook touched a pod asking only for example.com/gpu"
+    );
+    let uid = p.metadata.uid.unwrap_or_default();
+    let logs = until(
+        "the extended-resource pod runs with its GPU environment",
+        Duration::from_secs(120),
+        || async {
+            let text = node
+                .container_log("dra", "whole", &uid, "main")
+                .unwrap_or_default();
+            Ok(text.contains("GPULEDGER_").then_some(text))
+        },
+    )
+    .await
+    .with_context(|| e.log_tails(30))?;
+    ensure!(
+        logs.contains("GPULEDGER_GPU_MEM_MIB=16384"),
+        "a whole 16384 MiB GPU was asked for:\n{logs}"
+    );
+    let ledger = e.gl.ledger().await?;
+    let grants: Vec<_> = ledger
+        .allocs()
+        .values()
+        .filter(|a| {
+            a.claim
+                .as_ref()
+                .is_some_and(|c| c.consumers.iter().any(|p| p.uid == uid))
+        })
+        .collect();
+    ensure!(
+        grants.len() == 1
+            && grants[0]
+                .claim
+                .as_ref()
+                .is_some_and(|c| c.source == "extended-resource" && c.prepared)
+            && grants[0].shares[0].mem_mib == 16_384
+            && grants[0].shares[0].core_milli == 1000,
+        "the extended-resource pod's grants: {grants:?}"
+    );
+    Api::<Pod>::namespaced(e.client.clone(), "dra")
+        .delete("whole", &DeleteParams::default())
+        .await?;
+    let gl = &e.gl;
+    eventually(
+        "the extended-resource grant released",
+        Duration::from_secs(90),
+        || async { Ok(gl.ledger().await?.allocs().is_empty()) },
+    )
+    .await
+    .with_context(|| e.log_tails(30))?;
     Ok(())
 }
