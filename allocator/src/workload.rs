@@ -252,6 +252,7 @@ mod tests {
                         model: "A100".into(),
                         memory_mib: 40_960,
                         healthy: true,
+                        compute_capability: String::new(),
                     })
                     .collect(),
                 node,

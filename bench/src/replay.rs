@@ -95,6 +95,7 @@ fn build_log(
                     model: "NVIDIA A100-SXM4-80GB".into(),
                     memory_mib: 81_920,
                     healthy: true,
+                    compute_capability: String::new(),
                 })
                 .collect(),
             cpu_milli: 0,

@@ -74,6 +74,7 @@ pub fn inventory(name: &str, shape: &NodeShape) -> pb::NodeInventory {
                 model: shape.model.clone(),
                 memory_mib: shape.gpu_mem_mib,
                 healthy: true,
+                compute_capability: String::new(),
             })
             .collect(),
         cpu_milli: 0,

@@ -68,6 +68,7 @@ fn inventory() -> impl Strategy<Value = pb::NodeInventory> {
                     model,
                     memory_mib,
                     healthy: true,
+                    compute_capability: String::new(),
                 })
                 .collect(),
             cpu_milli: cpu,
@@ -223,6 +224,7 @@ fn an_absurd_gpu_is_refused_and_percentages_never_wrap() {
             model: "X".into(),
             memory_mib: u64::MAX / 2,
             healthy: true,
+            compute_capability: String::new(),
         }],
         cpu_milli: 0,
         memory_mib: 0,
@@ -243,6 +245,7 @@ fn an_absurd_gpu_is_refused_and_percentages_never_wrap() {
         model: "X".into(),
         memory_mib: u64::MAX / 2,
         healthy: true,
+        compute_capability: String::new(),
         mem_used: 0,
         core_used: 0,
         holders: 0,

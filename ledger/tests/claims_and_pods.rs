@@ -23,6 +23,7 @@ fn inventory(node: usize, dra: bool) -> pb::NodeInventory {
                 model: "A100".into(),
                 memory_mib: GPU_MIB,
                 healthy: true,
+                compute_capability: String::new(),
             })
             .collect(),
         cpu_milli: 0,

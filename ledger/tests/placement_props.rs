@@ -24,6 +24,7 @@ fn cluster(spec: &[(u32, u64, usize)]) -> Vec<NodeState> {
                     model: MODELS[model].into(),
                     memory_mib: 16_384,
                     healthy: true,
+                    compute_capability: String::new(),
                     mem_used: 0,
                     core_used: 0,
                     holders: 0,

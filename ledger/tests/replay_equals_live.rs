@@ -22,6 +22,7 @@ fn inventory(node: usize, gpus: usize, mem: u64) -> pb::NodeInventory {
                 },
                 memory_mib: mem,
                 healthy: true,
+                compute_capability: String::new(),
             })
             .collect(),
         cpu_milli: 16_000,

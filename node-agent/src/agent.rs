@@ -248,6 +248,7 @@ impl Agent {
                     model: g.info.model.clone(),
                     memory_mib: g.info.memory_mib,
                     healthy: g.healthy,
+                    compute_capability: g.info.compute_capability.clone(),
                 })
                 .collect(),
             cpu_milli: 0,

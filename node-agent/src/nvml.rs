@@ -27,6 +27,8 @@ pub struct GpuInfo {
     pub memory_mib: u64,
     /// What the driver reserves, in MiB (logged; not allocatable).
     pub reserved_mib: u64,
+    /// CUDA compute capability "major.minor"; empty when NVML does not report it.
+    pub compute_capability: String,
 }
 
 /// One GPU and whether it is fit to be handed out.
@@ -145,6 +147,11 @@ impl NvmlBackend {
                 model: call("device name", d.name())?,
                 memory_mib: mem.total.saturating_sub(mem.reserved) >> 20,
                 reserved_mib: mem.reserved >> 20,
+                // Optional: a driver that does not say leaves it empty, the GPU is still served.
+                compute_capability: d
+                    .cuda_compute_capability()
+                    .map(|c| format!("{}.{}", c.major, c.minor))
+                    .unwrap_or_default(),
             });
         }
         Ok(out)

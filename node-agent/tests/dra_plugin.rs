@@ -265,6 +265,7 @@ async fn dra_plugin_registers_and_keeps_its_resource_slice() -> Result<()> {
         assert_eq!(d["allowMultipleAllocations"], true);
         assert_eq!(d["attributes"]["uuid"]["string"], uuid.as_str());
         assert_eq!(d["attributes"]["index"]["int"], i);
+        assert_eq!(d["attributes"]["cudaComputeCapability"]["version"], "8.0.0");
         let mem = format!("{GPU_MIB}Mi");
         assert_eq!(d["capacity"]["memory"]["value"], mem.as_str());
         assert_eq!(

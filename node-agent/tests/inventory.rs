@@ -1,6 +1,7 @@
 //! Discovery: the GPUs NVML reports are registered with the allocator, and registered again
 //! when NVML shows a different set (a GPU added), with ListAndWatch following; the memory the
-//! driver reserves is not registered as capacity.
+//! driver reserves is not registered as capacity; the CUDA compute capability is registered
+//! when NVML reports it.
 
 use crate::support;
 
@@ -41,17 +42,27 @@ async fn nvml_inventory_is_registered_and_reregistered_on_change() -> anyhow::Re
             (1, "GPU-gpu-node-1-1", "NVIDIA A100-SXM4-40GB", 40_960, true),
         ]
     );
+    // NVML's CUDA compute capability is registered (the ResourceSlice's cudaComputeCapability).
+    assert!(
+        n.gpus.iter().all(|g| g.compute_capability == "8.0"),
+        "{:?}",
+        n.gpus
+    );
     c.nvml.gpus.push(FakeGpu {
         uuid: "GPU-hotplug".into(),
         name: "NVIDIA H100".into(),
         memory_mib: 81_920,
+        compute_capability: None,
     });
     c.nvml.write()?;
     c.wait_ledger(Duration::from_secs(10), |s| {
-        s.nodes
-            .iter()
-            .flat_map(|n| n.gpus.iter())
-            .any(|g| g.uuid == "GPU-hotplug" && g.memory_mib == 81_920 && g.model == "NVIDIA H100")
+        s.nodes.iter().flat_map(|n| n.gpus.iter()).any(|g| {
+            g.uuid == "GPU-hotplug"
+                    && g.memory_mib == 81_920
+                    && g.model == "NVIDIA H100"
+                    // A driver that does not report it: registered all the same, without it.
+                    && g.compute_capability.is_empty()
+        })
     })
     .await?;
     c.kubelet

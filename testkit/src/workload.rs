@@ -22,6 +22,7 @@ pub fn inventory(name: &str, gpus: u32, mem_mib: u64, model: &str) -> pb::NodeIn
                 model: model.to_string(),
                 memory_mib: mem_mib,
                 healthy: true,
+                compute_capability: String::new(),
             })
             .collect(),
         cpu_milli: 0,

@@ -15,6 +15,7 @@ fn ledger(pods: &[(&str, &str)]) -> Ledger {
                 model: "A100".into(),
                 memory_mib: 80_000,
                 healthy: true,
+                compute_capability: String::new(),
             }],
             cpu_milli: 0,
             memory_mib: 0,

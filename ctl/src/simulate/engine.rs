@@ -339,6 +339,7 @@ pub(super) fn node_state(n: &NodeRow) -> NodeState {
                 // The trace has no GPU memory; pods ask for none, so any capacity will do.
                 memory_mib: 16_384,
                 healthy: true,
+                compute_capability: String::new(),
                 mem_used: 0,
                 core_used: 0,
                 holders: 0,

@@ -186,6 +186,7 @@ mod tests {
                     model: "T4".into(),
                     memory_mib: 16_384,
                     healthy: true,
+                    compute_capability: String::new(),
                     mem_used: 0,
                     core_used,
                     holders: 0,

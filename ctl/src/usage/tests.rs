@@ -30,6 +30,7 @@ fn node() -> Body {
                     model: "A100".into(),
                     memory_mib: 40_000,
                     healthy: true,
+                    compute_capability: String::new(),
                 })
                 .collect(),
             cpu_milli: 0,

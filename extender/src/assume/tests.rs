@@ -31,6 +31,7 @@ fn ledger(names: &[&str]) -> Ledger {
                 model: "A10".into(),
                 memory_mib: 16_384,
                 healthy: true,
+                compute_capability: String::new(),
             }],
             cpu_milli: 0,
             memory_mib: 0,

@@ -13,6 +13,7 @@ fn setup() -> Ledger {
                 model: "A100".into(),
                 memory_mib: 16000,
                 healthy: true,
+                compute_capability: String::new(),
             })
             .collect(),
         cpu_milli: 0,

@@ -25,6 +25,7 @@ fn batch(first: u64, n: u64, prev: &[u8]) -> pb::EventBatch {
                             model: "A10".into(),
                             memory_mib: 16_384,
                             healthy: true,
+                            compute_capability: String::new(),
                         }],
                         cpu_milli: 0,
                         memory_mib: 0,

@@ -11,6 +11,7 @@ pub(super) fn gpu(i: u32, mem: u64) -> GpuState {
         model: "NVIDIA A100-SXM4-80GB".into(),
         memory_mib: mem,
         healthy: true,
+        compute_capability: String::new(),
         mem_used: 0,
         core_used: 0,
         holders: 0,

@@ -203,6 +203,7 @@ impl Ledger {
                     model: g.model.clone(),
                     memory_mib: g.memory_mib,
                     healthy: g.healthy,
+                    compute_capability: g.compute_capability.clone(),
                     mem_used: prev.map_or(0, |p| p.mem_used),
                     core_used: prev.map_or(0, |p| p.core_used),
                     holders: prev.map_or(0, |p| p.holders),

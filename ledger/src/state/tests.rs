@@ -15,6 +15,7 @@ fn inv(node: &str, gpus: &[(&str, u64)]) -> pb::NodeInventory {
                 model: "A100".into(),
                 memory_mib: *m,
                 healthy: true,
+                compute_capability: String::new(),
             })
             .collect(),
         cpu_milli: 0,

@@ -20,6 +20,8 @@ pub struct GpuState {
     pub memory_mib: u64,
     /// False after a critical Xid: no new grants land here.
     pub healthy: bool,
+    /// CUDA compute capability "major.minor" as the node agent reported it (may be empty).
+    pub compute_capability: String,
     /// Sum of the memory of live allocations on this GPU.
     pub mem_used: u64,
     /// Sum of the compute of live allocations, in thousandths.
@@ -112,6 +114,7 @@ impl NodeState {
                     model: g.model.clone(),
                     memory_mib: g.memory_mib,
                     healthy: g.healthy,
+                    compute_capability: g.compute_capability.clone(),
                 })
                 .collect(),
             cpu_milli: self.cpu_milli,

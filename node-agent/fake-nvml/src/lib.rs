@@ -11,7 +11,7 @@
 
 #![allow(clippy::missing_safety_doc)]
 
-use std::ffi::{CStr, c_char, c_uint, c_ulonglong, c_void};
+use std::ffi::{CStr, c_char, c_int, c_uint, c_ulonglong, c_void};
 use std::os::unix::fs::MetadataExt;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -55,6 +55,10 @@ pub struct FakeGpu {
     /// GPU utilization percent reported by `nvmlDeviceGetUtilizationRates`.
     #[serde(default)]
     pub util_percent: u32,
+    /// CUDA compute capability `(major, minor)` reported by
+    /// `nvmlDeviceGetCudaComputeCapability`; None: the call answers NOT_SUPPORTED.
+    #[serde(default)]
+    pub compute_capability: Option<(u32, u32)>,
 }
 
 /// One process using a GPU.
@@ -96,6 +100,7 @@ const SUCCESS: u32 = 0;
 const ERROR_UNINITIALIZED: u32 = 1;
 const ERROR_INVALID_ARGUMENT: u32 = 2;
 const ERROR_NOT_FOUND: u32 = 6;
+const ERROR_NOT_SUPPORTED: u32 = 3;
 const ERROR_INSUFFICIENT_SIZE: u32 = 7;
 const ERROR_DRIVER_NOT_LOADED: u32 = 9;
 const ERROR_TIMEOUT: u32 = 10;
@@ -412,6 +417,28 @@ fn used_bytes(c: &FakeConfig, i: usize) -> u64 {
         .filter(|p| p.gpu == g.uuid)
         .map(|p| process_bytes(g, p))
         .sum()
+}
+
+/// `nvmlDeviceGetCudaComputeCapability`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetCudaComputeCapability(
+    device: *mut c_void,
+    major: *mut c_int,
+    minor: *mut c_int,
+) -> u32 {
+    ret(initialized().and_then(|c| {
+        let i = index_of(device, &c)?;
+        if major.is_null() || minor.is_null() {
+            return Err(ERROR_INVALID_ARGUMENT);
+        }
+        let (ma, mi) = c.gpus[i].compute_capability.ok_or(ERROR_NOT_SUPPORTED)?;
+        // SAFETY: non-null, and NVML's contract makes them valid `int*`.
+        unsafe {
+            *major = c_int::try_from(ma).map_err(|_| ERROR_UNKNOWN)?;
+            *minor = c_int::try_from(mi).map_err(|_| ERROR_UNKNOWN)?;
+        }
+        Ok(())
+    }))
 }
 
 /// `nvmlDeviceGetMemoryInfo`.

@@ -70,6 +70,13 @@ fn capacity(c: &gpuledger_ledger::capacity::DeviceCapacity, unit: &str) -> Devic
     }
 }
 
+/// `"9.0"` as the semantic version `"9.0.0"`; None when it is not `major.minor`.
+fn semver_of(cc: &str) -> Option<String> {
+    let (major, minor) = cc.split_once('.')?;
+    let (major, minor) = (major.parse::<u32>().ok()?, minor.parse::<u32>().ok()?);
+    Some(format!("{major}.{minor}.0"))
+}
+
 /// The devices of `inv`: its healthy GPUs in index order (the scheduler's first-fit order).
 pub fn devices(inv: &pb::NodeInventory) -> Vec<Device> {
     let mut gpus: Vec<&pb::Gpu> = inv.gpus.iter().filter(|g| g.healthy).collect();
@@ -106,6 +113,19 @@ pub fn devices(inv: &pb::NodeInventory) -> Vec<Device> {
                     },
                 ),
             ]);
+            let mut attributes = attributes;
+            // A version attribute (semver), as NVIDIA's driver publishes it: CEL selectors
+            // compare it, e.g. `device.attributes["gpu.gpuledger.io"].cudaComputeCapability
+            // .isGreaterThan(semver("8.0.0"))`.
+            if let Some(v) = semver_of(&g.compute_capability) {
+                attributes.insert(
+                    "cudaComputeCapability".to_string(),
+                    DeviceAttribute {
+                        version: Some(v),
+                        ..Default::default()
+                    },
+                );
+            }
             // The policy the allocator checks every grant against: one definition, in the ledger.
             let caps = gpuledger_ledger::capacity::GpuCapacities::of_gpu(g.memory_mib);
             let capacity = BTreeMap::from([
@@ -382,6 +402,7 @@ mod tests {
                     model: "H100".into(),
                     memory_mib: 81079,
                     healthy: true,
+                    compute_capability: String::new(),
                 },
                 pb::Gpu {
                     uuid: "GPU-AA".into(),
@@ -389,6 +410,7 @@ mod tests {
                     model: "H100".into(),
                     memory_mib: 81079,
                     healthy: true,
+                    compute_capability: String::new(),
                 },
                 pb::Gpu {
                     uuid: "GPU-CC".into(),
@@ -396,6 +418,7 @@ mod tests {
                     model: "H100".into(),
                     memory_mib: 81079,
                     healthy: false,
+                    compute_capability: String::new(),
                 },
             ],
             ..Default::default()

@@ -103,6 +103,7 @@ fn allocate_env_carries_every_limit_format() {
             model: "A100".into(),
             memory_mib: 40960,
             healthy: true,
+            compute_capability: String::new(),
         }],
         cpu_milli: 0,
         memory_mib: 0,

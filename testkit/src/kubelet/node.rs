@@ -19,6 +19,8 @@ pub struct FakeGpu {
     pub name: String,
     /// Memory in MiB.
     pub memory_mib: u64,
+    /// CUDA compute capability (major, minor); None: NVML answers NOT_SUPPORTED.
+    pub compute_capability: Option<(u32, u32)>,
 }
 
 /// The state the fake NVML library reports (`FAKE_NVML_CONFIG`), rewritten atomically.
@@ -43,6 +45,7 @@ impl FakeNvml {
                     uuid: format!("GPU-{node}-{i}"),
                     name: "NVIDIA A100-SXM4-40GB".into(),
                     memory_mib,
+                    compute_capability: Some((8, 0)),
                 })
                 .collect(),
             processes: Vec::new(),
@@ -60,7 +63,7 @@ impl FakeNvml {
     /// Write the state (temp file + rename).
     pub fn write(&self) -> Result<()> {
         let v = json!({
-            "gpus": self.gpus.iter().map(|g| json!({"uuid": g.uuid, "name": g.name, "memory_mib": g.memory_mib})).collect::<Vec<_>>(),
+            "gpus": self.gpus.iter().map(|g| json!({"uuid": g.uuid, "name": g.name, "memory_mib": g.memory_mib, "compute_capability": g.compute_capability})).collect::<Vec<_>>(),
             "processes": self.processes.iter().map(|(pid, used, gpu)| json!({"pid": pid, "used_mib": used, "gpu": gpu})).collect::<Vec<_>>(),
             "xids": self.xids.iter().map(|(gpu, xid)| json!({"gpu": gpu, "xid": xid})).collect::<Vec<_>>(),
         });

@@ -245,6 +245,7 @@ fn claim_grants_are_not_reconciled_as_pods() {
                 model: "A100".into(),
                 memory_mib: 16_000,
                 healthy: true,
+                compute_capability: String::new(),
             }],
             mode: mode as i32,
             ..Default::default()

@@ -25,6 +25,7 @@ fn inventory(node: &str, mode: pb::NodeMode) -> pb::NodeInventory {
                 model: "A100".into(),
                 memory_mib: 16000,
                 healthy: true,
+                compute_capability: String::new(),
             })
             .collect(),
         cpu_milli: 0,

@@ -30,6 +30,7 @@ fn inventory(gpus: &[&str]) -> pb::NodeInventory {
                 model: "A100".into(),
                 memory_mib: 80 * GIB,
                 healthy: true,
+                compute_capability: String::new(),
             })
             .collect(),
         cpu_milli: 0,

@@ -47,6 +47,7 @@ fn ledger(gpus: usize, mem: u64, pods: &[Pod]) -> Ledger {
                 model: "NVIDIA A100-SXM4-80GB".into(),
                 memory_mib: mem,
                 healthy: true,
+                compute_capability: String::new(),
             })
             .collect(),
         cpu_milli: 0,
@@ -392,6 +393,7 @@ fn two_nodes(on_n1: (&str, i32), on_n2: (&str, i32)) -> (Ledger, Vec<NodePods>) 
                 model: "A100".into(),
                 memory_mib: 80 * GIB,
                 healthy: true,
+                compute_capability: String::new(),
             }],
             cpu_milli: 0,
             memory_mib: 0,

@@ -21,6 +21,7 @@ fn ledger() -> Ledger {
                 model: "A100".into(),
                 memory_mib: 40_000,
                 healthy: true,
+                compute_capability: String::new(),
             })
             .collect(),
         cpu_milli: 0,

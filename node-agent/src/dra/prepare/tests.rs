@@ -15,6 +15,7 @@ fn inventory() -> pb::NodeInventory {
                 model: "H100".into(),
                 memory_mib: 80000,
                 healthy: true,
+                compute_capability: String::new(),
             })
             .collect(),
         cpu_milli: 0,
