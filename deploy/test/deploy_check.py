@@ -5,8 +5,10 @@ the manifests against the code: flags and env vars against each binary's --help,
 scrape paths against the routes, the scheduler configuration against the extender's resource
 names and verbs, the webhook's CEL match condition on sample pods, every certificate, CA and
 token file a flag names against the volumes mounted there, the certificate script against a
-real extender, allocator and etcd, and RBAC against the API requests each component made to the
-fake kube-apiserver (chaos/tests/deploy_rbac_usage.rs).
+real extender, allocator and etcd, RBAC against the API requests each component made to the
+fake kube-apiserver (chaos/tests/deploy_rbac_usage.rs), and the node agent DaemonSets against the
+mode each node must serve (exactly one agent per node, DRA only where gpuledger.io/mode=dra when
+the rendering chooses per node).
 
 Run through `make deploy-check` (deploy/test/deploy-check.sh installs the tools first).
 Prints PASS/FAIL/PENDING lines and ends with "N passed, N failed".
@@ -29,9 +31,17 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
-OVERLAYS = ["bundled-etcd", "external-etcd", "default-scheduler", "archive", "cert-manager", "dra"]
-# The renderings in DRA mode (docs/dra.md): the DRA directories, scheduler config and webhook.
-DRA_RENDERINGS = {"dra", "helm:dra"}
+OVERLAYS = ["bundled-etcd", "external-etcd", "default-scheduler", "archive", "cert-manager", "dra",
+            "dra-mixed"]
+# The renderings in DRA mode (docs/dra.md): the DeviceClass, scheduler config and webhook.
+DRA_RENDERINGS = {"dra", "helm:dra", "dra-mixed", "helm:dra-mixed"}
+# The DRA renderings that choose each node's mode by its label gpuledger.io/mode (overlay
+# dra-mixed, Helm dra.nodes=labelled); the other DRA renderings serve DRA on every node.
+MIXED_RENDERINGS = {"dra-mixed", "helm:dra-mixed"}
+AGENT = "gpuledger-node-agent"
+MODE_LABEL = "gpuledger.io/mode"
+# What the kubelet DRA plugin mounts (docs/dra.md), and only it.
+DRA_HOST_PATHS = ["/var/lib/kubelet/plugins_registry", "/var/lib/kubelet/plugins", "/var/run/cdi"]
 # The oldest Kubernetes gpuledger supports and the newest (make test-e2e runs both).
 K8S_VERSIONS = ["1.35.0", "1.37.0"]
 NS = "gpuledger-system"
@@ -116,6 +126,9 @@ def help_of(binary):
             envs.add(m.group(1))
             if current:
                 values.setdefault(current, {})["env"] = m.group(1)
+        m = re.search(r"\[default: ([^\]]+)\]", line)
+        if m and current:
+            values.setdefault(current, {})["default"] = m.group(1)
         m = re.search(r"\[possible values: ([^\]]+)\]", line)
         if m and current:
             values.setdefault(current, {})["values"] = [v.strip() for v in m.group(1).split(",")]
@@ -495,16 +508,19 @@ def check_network(c, rendered):
     for name, docs in rendered.items():
         p = []
         policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+        # component -> (labels, first container) of each of its workloads (the mixed DRA
+        # renderings run two node agent DaemonSets).
         pods = {}
         for d in docs:
             spec = pod_spec(d)
             if spec:
                 labels = d["spec"]["template"]["metadata"].get("labels") or {}
-                pods[labels.get("app.kubernetes.io/component", key(d))] = (labels, spec["containers"][0])
+                pods.setdefault(labels.get("app.kubernetes.io/component", key(d)), []).append(
+                    (labels, spec["containers"][0]))
         if not policies:
             p.append("no NetworkPolicy: every pod in the cluster can reach the allocator and etcd")
         for n in policies:
-            chosen = [v for v in pods.values() if selects(n["spec"]["podSelector"], v[0])]
+            chosen = [v for vs in pods.values() for v in vs if selects(n["spec"]["podSelector"], v[0])]
             if not chosen:
                 p.append(f"{key(n)} selects no pod")
             for rule in n["spec"].get("ingress") or []:
@@ -519,17 +535,25 @@ def check_network(c, rendered):
                 (None, "etcd", "metrics")]
         if "scheduler" not in pods:
             must.append((None, "extender", "https"))
+
+        def who(component, labels):
+            many = len(pods.get(component, ())) > 1
+            return f"{component} ({labels.get('app.kubernetes.io/name')})" if many else component
+
         for src, dst, port in must:
             if dst not in pods or (src is not None and src not in pods):
                 continue
-            labels, ct = pods[dst]
-            if not admitted(policies, src and pods[src][0], labels, ct, port):
-                p.append(f"{src or 'outside the namespace'} cannot reach {dst}:{port}")
+            for labels, ct in pods[dst]:
+                for src_labels in [None] if src is None else [s for s, _ in pods[src]]:
+                    if not admitted(policies, src_labels, labels, ct, port):
+                        p.append(f"{who(src, src_labels) if src else 'outside the namespace'} "
+                                 f"cannot reach {who(dst, labels)}:{port}")
         for dst, port in (("allocator", "grpc"), ("etcd", "client"), ("etcd", "peer"),
                           ("extender", "https")):
-            if dst in pods and admitted(policies, None, pods[dst][0], pods[dst][1], port) \
-                    and not (dst == "extender" and "scheduler" not in pods):
-                p.append(f"a tenant pod can reach {dst}:{port}")
+            for labels, ct in pods.get(dst, ()):
+                if admitted(policies, None, labels, ct, port) \
+                        and not (dst == "extender" and "scheduler" not in pods):
+                    p.append(f"a tenant pod can reach {who(dst, labels)}:{port}")
         c.check(f"network {name}", p, f"{len(policies)} NetworkPolicies: gpuledger's connections allowed, tenants kept out")
 
 
@@ -539,9 +563,8 @@ def check_components(c, rendered):
         p = []
         alloc = find(docs, "Deployment", "gpuledger-allocator")
         ext = find(docs, "Deployment", "gpuledger-extender")
-        agent = find(docs, "DaemonSet", "gpuledger-node-agent")
-        if not (alloc and ext and agent):
-            c.fail(f"components {name}", "allocator, extender or node agent missing")
+        if not (alloc and ext):
+            c.fail(f"components {name}", "allocator or extender missing")
             continue
         if alloc["spec"]["replicas"] != 3:
             p.append("allocator replicas != 3")
@@ -557,27 +580,8 @@ def check_components(c, rendered):
             p.append("extender replicas != 2")
         if not find(docs, "Service", "gpuledger-extender"):
             p.append("no Service gpuledger-extender")
-        a = pod_spec(agent)
-        if not a.get("hostPID"):
-            p.append("node agent without hostPID")
-        if a.get("nodeSelector") != {"gpuledger.io/enabled": "true"}:
-            p.append(f"node agent nodeSelector is {a.get('nodeSelector')}")
-        tol = {t.get("key") for t in a.get("tolerations") or []}
-        if "nvidia.com/gpu" not in tol:
-            p.append("node agent does not tolerate nvidia.com/gpu taints")
-        host = {v["hostPath"]["path"] for v in a.get("volumes", []) if "hostPath" in v}
-        need_host = ["/var/lib/kubelet/device-plugins", "/var/lib/kubelet/pod-resources"]
-        if name in DRA_RENDERINGS:
-            need_host += ["/var/lib/kubelet/plugins_registry", "/var/lib/kubelet/plugins", "/var/run/cdi"]
-            mounted = {m["mountPath"] for ct in a["containers"] for m in ct.get("volumeMounts", [])}
-            for path in need_host[2:]:
-                if path not in mounted:
-                    p.append(f"node agent does not mount {path}")
-            if not find(docs, "DeviceClass", "gpu.gpuledger.io"):
-                p.append("no DeviceClass gpu.gpuledger.io")
-        for need in need_host:
-            if need not in host:
-                p.append(f"node agent has no hostPath {need}")
+        if name in DRA_RENDERINGS and not find(docs, "DeviceClass", "gpu.gpuledger.io"):
+            p.append("no DeviceClass gpu.gpuledger.io")
         for d in docs:
             if d["metadata"].get("namespace") not in (None, NS) and key(d)[0] != "RoleBinding":
                 p.append(f"{key(d)} is outside {NS}")
@@ -586,7 +590,8 @@ def check_components(c, rendered):
         # The allocator gives each caller the role its ServiceAccount's name says
         # (auth/src/token.rs): each component runs as its own, and the operators' exist.
         accounts = role_accounts()
-        for role, d in (("allocator", alloc), ("extender", ext), ("node_agent", agent)):
+        agents = [d for d in docs if d["kind"] == "DaemonSet" and agent_container(d)]
+        for role, d in [("allocator", alloc), ("extender", ext)] + [("node_agent", a) for a in agents]:
             if pod_spec(d).get("serviceAccountName") != accounts[role]:
                 p.append(f"{key(d)} runs as {pod_spec(d).get('serviceAccountName')}, the allocator knows "
                          f"its role as {accounts[role]}")
@@ -595,6 +600,177 @@ def check_components(c, rendered):
             if not sa or sa["metadata"].get("namespace") != NS:
                 p.append(f"no ServiceAccount {NS}/{accounts[role]} for the {role} role")
         c.check(f"components {name}", p)
+
+
+def agent_container(d):
+    """The gpuledger-node-agent container of a workload, or None."""
+    for ct in (pod_spec(d) or {}).get("containers", []):
+        if Path((ct.get("command") or ["?"])[0]).name == AGENT:
+            return ct
+    return None
+
+
+def agent_mode(ct, default):
+    """The mode a node agent container runs in: --mode, else GPULEDGER_MODE, else the default."""
+    mode = default
+    for e in ct.get("env") or []:
+        if e["name"] == "GPULEDGER_MODE":
+            mode = e.get("value")
+    for a in ct.get("args") or []:
+        if a.startswith("--mode="):
+            mode = a.split("=", 1)[1]
+    return mode
+
+
+def node_admits(spec, labels):
+    """Whether a pod with this spec may run on a node with `labels`, as kube-scheduler and the
+    DaemonSet controller decide: nodeSelector, and the required node affinity's terms (ORed; an
+    empty term matches nothing) of expressions (ANDed). Raises ValueError on what it cannot
+    evaluate (matchFields, an unknown operator), so a check fails instead of guessing."""
+    if any(labels.get(k) != v for k, v in (spec.get("nodeSelector") or {}).items()):
+        return False
+    req = ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution")
+    if not req:
+        return True
+    for term in req.get("nodeSelectorTerms") or []:
+        if term.get("matchFields"):
+            raise ValueError(f"matchFields {term['matchFields']} is not evaluated here")
+        exprs = term.get("matchExpressions") or []
+        ok = bool(exprs)
+        for e in exprs:
+            have, value, op = e["key"] in labels, labels.get(e["key"]), e["operator"]
+            if op == "In":
+                ok &= have and value in e["values"]
+            elif op == "NotIn":
+                ok &= not have or value not in e["values"]
+            elif op == "Exists":
+                ok &= have
+            elif op == "DoesNotExist":
+                ok &= not have
+            else:
+                raise ValueError(f"operator {op} of {e['key']} is not evaluated here")
+        if ok:
+            return True
+    return False
+
+
+# Nodes the agents are scheduled against: label sets, and the mode each must be served in
+# when the rendering chooses per node (None: no agent at all).
+SAMPLE_NODES = [
+    ({"gpuledger.io/enabled": "true"}, "device-plugin"),
+    ({"gpuledger.io/enabled": "true", MODE_LABEL: "dra"}, "dra"),
+    ({"gpuledger.io/enabled": "true", MODE_LABEL: "device-plugin"}, "device-plugin"),
+    ({"gpuledger.io/enabled": "true", MODE_LABEL: "DRA"}, "device-plugin"),
+    ({"gpuledger.io/enabled": "true", MODE_LABEL: ""}, "device-plugin"),
+    ({}, None),
+    ({MODE_LABEL: "dra"}, None),
+    ({"gpuledger.io/enabled": "false", MODE_LABEL: "dra"}, None),
+]
+
+
+def without_mode_choice(d):
+    """A node agent DaemonSet without what distinguishes the DRA agent from the device-plugin
+    one: name, selector label, node affinity, GPULEDGER_MODE and the DRA directories."""
+    d = json.loads(json.dumps(d))
+    d["metadata"].pop("name")
+    for labels in (d["metadata"].get("labels") or {}, d["spec"]["selector"]["matchLabels"],
+                   d["spec"]["template"]["metadata"].get("labels") or {}):
+        labels.pop("app.kubernetes.io/name", None)
+    spec = pod_spec(d)
+    spec.pop("affinity", None)
+    dra_volumes = {v["name"] for v in spec.get("volumes", [])
+                   if v.get("hostPath", {}).get("path") in DRA_HOST_PATHS}
+    spec["volumes"] = [v for v in spec.get("volumes", []) if v["name"] not in dra_volumes]
+    for ct in spec["containers"]:
+        ct["env"] = [e for e in ct.get("env") or [] if e["name"] != "GPULEDGER_MODE"]
+        ct["volumeMounts"] = [m for m in ct.get("volumeMounts") or [] if m["name"] not in dra_volumes]
+    return d
+
+
+def differences(a, b, at=""):
+    """The paths where two parsed objects differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [w for k in sorted(set(a) | set(b), key=str)
+                for w in differences(a.get(k), b.get(k), f"{at}.{k}")]
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [w for i, (x, y) in enumerate(zip(a, b)) for w in differences(x, y, f"{at}[{i}]")]
+    return [] if a == b else [at or "."]
+
+
+def check_node_agents(c, rendered, helps):
+    """The node agent DaemonSets: which exist, the mode each serves, the DRA directories only
+    where it serves DRA, and on every sample node exactly one agent in the mode the rendering
+    promises (the mixed renderings: DRA where gpuledger.io/mode=dra, the device plugin on every
+    other gpuledger node), so that no node serves a GPU through both paths or through none."""
+    default_mode = helps[AGENT][2].get("--mode", {}).get("default")
+    for name, docs in rendered.items():
+        p = []
+        agents = {d["metadata"]["name"]: d for d in docs if d["kind"] == "DaemonSet" and agent_container(d)}
+        if name in MIXED_RENDERINGS:
+            want = {AGENT: "device-plugin", f"{AGENT}-dra": "dra"}
+        else:
+            want = {AGENT: "dra" if name in DRA_RENDERINGS else "device-plugin"}
+        for missing in sorted(set(want) - set(agents)):
+            p.append(f"no DaemonSet {missing}")
+        for extra in sorted(set(agents) - set(want)):
+            p.append(f"unexpected node agent DaemonSet {extra}")
+        for n, d in sorted(agents.items()):
+            a, ct = pod_spec(d), agent_container(d)
+            mode = agent_mode(ct, default_mode)
+            if n in want and mode != want[n]:
+                p.append(f"{n} runs in mode {mode}, not {want[n]}")
+            if not a.get("hostPID"):
+                p.append(f"{n} without hostPID")
+            if a.get("nodeSelector") != {"gpuledger.io/enabled": "true"}:
+                p.append(f"{n} nodeSelector is {a.get('nodeSelector')}")
+            if "nvidia.com/gpu" not in {t.get("key") for t in a.get("tolerations") or []}:
+                p.append(f"{n} does not tolerate nvidia.com/gpu taints")
+            host = {v["hostPath"]["path"]: v["name"] for v in a.get("volumes", []) if "hostPath" in v}
+            mounts = {m["name"]: m["mountPath"] for m in ct.get("volumeMounts") or []}
+            for need in ["/var/lib/kubelet/device-plugins", "/var/lib/kubelet/pod-resources"]:
+                if need not in host:
+                    p.append(f"{n} has no hostPath {need}")
+            for path in DRA_HOST_PATHS:
+                mounted = mounts.get(host.get(path)) == path
+                if mode == "dra" and not mounted:
+                    p.append(f"{n} (DRA) does not mount the hostPath {path} at {path}")
+                if mode != "dra" and (path in host or path in mounts.values()):
+                    p.append(f"{n} (device plugin) has the DRA directory {path}")
+        # Two DaemonSets whose selectors overlap would fight over each other's pods.
+        for n, d in agents.items():
+            for m, e in agents.items():
+                if n != m and selects(d["spec"]["selector"], e["spec"]["template"]["metadata"].get("labels")):
+                    p.append(f"the selector of {n} selects the pods of {m}")
+        # Both agents come from one definition: equal but for the mode choice.
+        if len(agents) > 1:
+            first, *rest = sorted(agents)
+            for n in rest:
+                for where in differences(without_mode_choice(agents[n]), without_mode_choice(agents[first])):
+                    p.append(f"{n} differs from {first} at {where} (beyond name, selector label, node "
+                             "affinity, GPULEDGER_MODE and the DRA directories)")
+        # Every sample node: exactly one agent, in the promised mode (none off gpuledger nodes).
+        for labels, mixed_mode in SAMPLE_NODES:
+            try:
+                here = sorted(n for n, d in agents.items() if node_admits(pod_spec(d), labels))
+            except ValueError as e:
+                p.append(f"node affinity not understood: {e}")
+                break
+            if mixed_mode is None:
+                expect = None
+            elif name in MIXED_RENDERINGS:
+                expect = mixed_mode
+            else:
+                expect = "dra" if name in DRA_RENDERINGS else "device-plugin"
+            modes = [agent_mode(agent_container(agents[n]), default_mode) for n in here]
+            if expect is None and here:
+                p.append(f"a node labelled {labels} runs {here}")
+            elif expect is not None and modes != [expect]:
+                p.append(f"a node labelled {labels} runs {here or 'no agent'} (modes {modes}), "
+                         f"not exactly one {expect} agent")
+        c.check(f"node agents {name}", p,
+                f"{', '.join(f'{n} ({m})' for n, m in sorted(want.items()))}; exactly one agent on each "
+                f"of {len(SAMPLE_NODES)} sample nodes")
 
 
 def role_accounts():
@@ -1287,6 +1463,7 @@ def main():
         "archive": ["archive.enabled=true"],
         "cert-manager": ["certManager.enabled=true"],
         "dra": ["dra.enabled=true"],
+        "dra-mixed": ["dra.enabled=true", "dra.nodes=labelled"],
     }
     if a.helm and chart.exists():
         rendered.update(render_helm(c, a.helm, chart, helm_sets))
@@ -1303,6 +1480,7 @@ def main():
     check_wiring(c, rendered)
     check_mounts(c, rendered, helps, certs)
     check_components(c, rendered)
+    check_node_agents(c, rendered, helps)
     check_network(c, rendered)
     check_scheduler_config(c, rendered)
     check_webhook(c, rendered)
@@ -1314,7 +1492,7 @@ def main():
     check_helm_equals_kustomize(c, rendered, {"defaults": "bundled-etcd", "external-etcd": "external-etcd",
                                               "default-scheduler": "default-scheduler",
                                               "archive": "archive", "cert-manager": "cert-manager",
-                                              "dra": "dra"})
+                                              "dra": "dra", "dra-mixed": "dra-mixed"})
     check_dockerfile(c, a.hadolint, overlays_only)
 
     for msg in c.pending:

@@ -18,6 +18,12 @@ app.kubernetes.io/part-of: gpuledger
 {{- if and .Values.dra.enabled (ne .Values.scheduler.mode "second") -}}
 {{- fail "dra.enabled needs scheduler.mode=second: the DRA scheduler configuration (DynamicResources bindingTimeout, the marker gpuledger.io/dra) is the second scheduler's" -}}
 {{- end -}}
+{{- if not (has .Values.dra.nodes (list "all" "labelled")) -}}
+{{- fail (printf "dra.nodes must be \"all\" or \"labelled\", not %q" .Values.dra.nodes) -}}
+{{- end -}}
+{{- if and (eq .Values.dra.nodes "labelled") (not .Values.dra.enabled) -}}
+{{- fail "dra.nodes=labelled needs dra.enabled=true: without DRA every node agent serves the device plugin" -}}
+{{- end -}}
 {{- if and .Values.etcd.bundled (not .Values.etcd.tlsSecret) -}}
 {{- fail "the bundled etcd demands client certificates: etcd.tlsSecret must name the allocators' (gpuledger-etcd-client, made by deploy/scripts/gpuledger-certs.sh)" -}}
 {{- end -}}
