@@ -80,6 +80,11 @@ pub struct Args {
     /// GPU pods are bound by the extender). Default: the shipped configuration's (50).
     #[arg(long)]
     scheduler_qps: Option<u32>,
+    /// kube-controller-manager's client QPS, per controller (burst twice that). Its
+    /// resource-claim controller creates each claim pod's ResourceClaim and records it in the
+    /// pod's status: two calls per DRA pod. Default: kube-controller-manager's (20).
+    #[arg(long)]
+    controller_manager_qps: Option<u32>,
 }
 
 /// How one batch of pods went through the scheduler.
@@ -362,6 +367,7 @@ async fn measure(a: &Args, route: Route) -> Result<Measured> {
     let e = E2e::start(Options {
         real_node: true,
         scheduler_qps: a.scheduler_qps,
+        controller_manager_qps: a.controller_manager_qps,
         dra,
         ..Options::default()
     })
@@ -574,6 +580,12 @@ fn report(a: &Args, version: &str, runs: &[Measured]) {
         .map_or("50, the default".to_string(), |q| q.to_string());
     println!(
         "kube-scheduler client QPS: {qps} (it bounds the plain pods' binds, not the extender's)"
+    );
+    let kcm = a
+        .controller_manager_qps
+        .map_or("20, the default".to_string(), |q| q.to_string());
+    println!(
+        "kube-controller-manager client QPS per controller: {kcm} (its resource-claim controller makes 2 calls per DRA pod)"
     );
 
     println!(
