@@ -35,6 +35,9 @@ pub struct Options {
     pub extender_flags: Vec<String>,
     /// kube-scheduler's client QPS (None: the shipped configuration's, i.e. the default 50).
     pub scheduler_qps: Option<u32>,
+    /// kube-controller-manager's client QPS, each controller's (None: the default 20). Its
+    /// resource-claim controller makes two API calls per claim pod.
+    pub controller_manager_qps: Option<u32>,
     /// DRA mode: the `dra` overlay (DeviceClass, webhook converting GPU pods to claims), its
     /// second scheduler with DynamicResources, and the real node's agent as a kubelet DRA
     /// plugin (`--mode=dra`).
@@ -50,6 +53,7 @@ impl Default for Options {
             real_node_gpus: (2, 16_384),
             extender_flags: Vec::new(),
             scheduler_qps: None,
+            controller_manager_qps: None,
             dra: false,
         }
     }
@@ -100,7 +104,8 @@ impl E2e {
             Identity::ServiceAccount(NODE_AGENT_SA.into()),
             Identity::ServiceAccount(crate::control_plane::DRA_SCHEDULER_SA.into()),
         ];
-        let mut cp = ControlPlane::start(&dir, &bins, &identities).await?;
+        let mut cp =
+            ControlPlane::start(&dir, &bins, &identities, o.controller_manager_qps).await?;
         let webhook_port = free_port()?;
         let (overlay, scheduler) = if o.dra {
             (

@@ -70,11 +70,13 @@ pub struct ControlPlane {
 
 impl ControlPlane {
     /// Start etcd and kube-apiserver under `dir`, with tokens for `identities`; wait until the
-    /// API server is ready (its RBAC bootstrap roles included).
+    /// API server is ready (its RBAC bootstrap roles included); then kube-controller-manager,
+    /// with each controller's client QPS `controller_qps` (None: its default, 20).
     pub async fn start(
         dir: &Path,
         bins: &KubeBins,
         identities: &[Identity],
+        controller_qps: Option<u32>,
     ) -> Result<ControlPlane> {
         let pki = Pki::create(dir, identities)?;
         let etcd =
@@ -127,15 +129,16 @@ impl ControlPlane {
             _etcd: etcd,
         };
         cp.wait_ready(Duration::from_secs(60)).await?;
-        cp.start_controller_manager().await?;
+        cp.start_controller_manager(controller_qps).await?;
         Ok(cp)
     }
 
     /// Start kube-controller-manager with every default controller (ServiceAccounts and their
     /// `kube-root-ca.crt`, garbage collection, node lifecycle, the resource-claim controller,
     /// ...) as `system:kube-controller-manager`, each controller with its own ServiceAccount as
-    /// clusters run it; wait until the `default` ServiceAccount of `default` exists.
-    async fn start_controller_manager(&mut self) -> Result<()> {
+    /// clusters run it; wait until the `default` ServiceAccount of `default` exists. `qps`:
+    /// `--kube-api-qps` (burst twice that) instead of the default 20.
+    async fn start_controller_manager(&mut self, qps: Option<u32>) -> Result<()> {
         let kc = self
             .pki
             .kubeconfig(&self.server, &Identity::ControllerManager)?;
@@ -161,6 +164,12 @@ impl ControlPlane {
             "--v=1".into(),
         ];
         args.extend(self.bins.feature_gate_flags()?);
+        if let Some(q) = qps {
+            args.extend([
+                format!("--kube-api-qps={q}"),
+                format!("--kube-api-burst={}", 2 * q),
+            ]);
+        }
         self.controller_manager = Some(Proc::spawn(
             &self.dir,
             "kube-controller-manager",

@@ -271,6 +271,42 @@ impl RealNode {
             .collect())
     }
 
+    /// A client of this kubelet's own HTTPS server (`/metrics`, `/pods`, …) as the admin of
+    /// `admin_kubeconfig`: its bearer token, which the kubelet has the API server review
+    /// (webhook authentication and authorization), over TLS verified against the self-signed
+    /// serving certificate the kubelet wrote into its `--cert-dir` for the node's name. The
+    /// port is the one the Node object reports. (The API server's node proxy cannot stand in:
+    /// it has no kubelet client certificate here, and the Node's address is not loopback.)
+    pub async fn kubelet_client(
+        &self,
+        client: &kube::Client,
+        admin_kubeconfig: &Path,
+    ) -> Result<kube::Client> {
+        let node = Api::<Node>::all(client.clone()).get(&self.name).await?;
+        let port = node
+            .status
+            .and_then(|s| s.daemon_endpoints)
+            .and_then(|d| d.kubelet_endpoint)
+            .map(|e| e.port)
+            .filter(|p| *p > 0)
+            .context("the Node reports no kubelet port")?;
+        let kc = kube::config::Kubeconfig::read_from(admin_kubeconfig)?;
+        let mut cfg = kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?;
+        cfg.cluster_url = format!("https://127.0.0.1:{port}").parse()?;
+        cfg.root_cert_file = Some(self.dir.join("kubelet/pki/kubelet.crt"));
+        cfg.tls_server_name = Some(self.name.clone());
+        Ok(kube::Client::try_from(cfg)?)
+    }
+
+    /// The kubelet's `/metrics` text, through a [`RealNode::kubelet_client`].
+    pub async fn kubelet_metrics(kubelet: &kube::Client) -> Result<String> {
+        let req = http::Request::get("/metrics").body(Vec::new())?;
+        kubelet
+            .request_text(req)
+            .await
+            .context("reading the kubelet's /metrics")
+    }
+
     /// Make a misplaced agent's socket reachable where the kubelet dials it (a link in the
     /// kubelet's device-plugin directory), as an operator fixing the DaemonSet's hostPath
     /// would; the agent's next registration succeeds.
