@@ -38,6 +38,10 @@ pub struct Metrics {
     /// Time to answer one claim of a DRA NodePrepareResources (grant wait, claim GET, CDI
     /// write and the ClaimPrepared commit included), by outcome.
     pub prepare_latency: Family<Labels, Histogram>,
+    /// Time each step of a successful DRA prepare took, by step (`claim_read`: the claim's
+    /// GET from the API server, `grant_wait`: the ledger view's decision, `cdi_write`: the
+    /// spec's atomic write, `commit`: ClaimPrepared through the allocator).
+    pub prepare_steps: Family<Labels, Histogram>,
     /// DRA NodeUnprepareResources claims answered, by outcome.
     pub unprepares: Family<Labels, Counter>,
     /// Registrations the kubelet reported failed (NotifyRegistrationStatus).
@@ -71,6 +75,7 @@ impl Metrics {
             registered: Gauge::default(),
             synced: Gauge::default(),
             prepare_latency: Family::new_with_constructor(allocate_histogram as fn() -> _),
+            prepare_steps: Family::new_with_constructor(allocate_histogram as fn() -> _),
             unprepares: Family::default(),
             dra_registration_failures: Counter::default(),
             dra_gate_off: Family::default(),
@@ -145,6 +150,12 @@ impl Metrics {
             "Time to prepare one ResourceClaim for the kubelet (grant wait, claim read, CDI spec write and ClaimPrepared commit), by outcome",
             Unit::Seconds,
             m.prepare_latency.clone(),
+        );
+        registry.register_with_unit(
+            "dra_prepare_step_duration",
+            "Time each step of a successful ResourceClaim prepare took (claim_read, grant_wait, cdi_write, commit)",
+            Unit::Seconds,
+            m.prepare_steps.clone(),
         );
         registry.register(
             "dra_unprepares",

@@ -27,6 +27,28 @@ pub struct Plugin {
     agent: Arc<Agent>,
 }
 
+/// The time each step of one prepare took, in order.
+struct Steps {
+    last: Instant,
+    took: Vec<(&'static str, Duration)>,
+}
+
+impl Steps {
+    fn start() -> Steps {
+        Steps {
+            last: Instant::now(),
+            took: Vec::new(),
+        }
+    }
+
+    /// `step` ended now.
+    fn done(&mut self, step: &'static str) {
+        let now = Instant::now();
+        self.took.push((step, now - self.last));
+        self.last = now;
+    }
+}
+
 impl Plugin {
     /// The service for `agent`.
     pub fn new(agent: Arc<Agent>) -> Plugin {
@@ -42,16 +64,28 @@ impl Plugin {
                 self.agent.cfg.node_name
             ));
         }
+        let mut steps = Steps::start();
         let results = self.results(c).await.map_err(|e| format!("{who}: {e}"))?;
+        steps.done("claim_read");
         let grants = match self.wait_grant(&c.uid, &results).await {
             Decision::Granted(g) => g,
             Decision::NotYet(why) | Decision::Refused(why) => {
                 return Err(format!("{who}: no gpuledger grant: {why}"));
             }
         };
-        self.prepare_granted(&c.uid, grants)
+        steps.done("grant_wait");
+        let devices = self
+            .prepare_granted(&c.uid, grants, &mut steps)
             .await
-            .map_err(|e| format!("{who}: {e}"))
+            .map_err(|e| format!("{who}: {e}"))?;
+        for (step, took) in &steps.took {
+            self.agent
+                .metrics
+                .prepare_steps
+                .get_or_create(&vec![("step", (*step).to_string())])
+                .observe(took.as_secs_f64());
+        }
+        Ok(devices)
     }
 
     /// The claim's allocation results for our driver, as the API server has it now.
@@ -142,6 +176,7 @@ impl Plugin {
         &self,
         uid: &str,
         grants: Vec<(ClaimResult, pb::Allocation)>,
+        steps: &mut Steps,
     ) -> Result<Vec<dra::Device>, String> {
         let a = &self.agent;
         let gpu_ids = a
@@ -177,6 +212,7 @@ impl Plugin {
             .await
             .map_err(|e| format!("writing the CDI spec: {e}"))?
             .map_err(|e| format!("writing the CDI spec {}: {e}", path.display()))?;
+        steps.done("cdi_write");
         let mut devices = Vec::with_capacity(grants.len());
         let mut ours: Vec<String> = Vec::new();
         for (r, g) in &grants {
@@ -225,7 +261,8 @@ impl Plugin {
                 })
                 .await
                 .map_err(|s| format!("recording the prepare in the ledger: {}", s.message()))?;
-            info!(seq = w.seq, epoch = w.epoch, cdi = ?ours, "claim prepared");
+            steps.done("commit");
+            info!(seq = w.seq, epoch = w.epoch, cdi = ?ours, steps = ?steps.took, "claim prepared");
         }
         Ok(devices)
     }
