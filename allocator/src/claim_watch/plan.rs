@@ -6,7 +6,7 @@
 use std::collections::{BTreeMap, HashSet};
 
 use gpuledger_ledger::capacity::{GpuCapacities, consumed};
-use gpuledger_ledger::state::dra_device_name;
+use gpuledger_ledger::state::{dra_device_name, same_pods};
 use gpuledger_ledger::{CORE_MILLI_PER_GPU, CommandError, Ledger, pb};
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimSpec};
 use k8s_openapi::serde_json::{self, Value, json};
@@ -271,11 +271,6 @@ pub fn devices_with(devices: &[Value], r: &Allotted, cond: Value) -> Vec<Value> 
     out
 }
 
-/// The pod UIDs of `pods`, in order.
-fn uids(pods: &[pb::PodRef]) -> std::collections::BTreeSet<&str> {
-    pods.iter().map(|p| p.uid.as_str()).collect()
-}
-
 /// What `claim` needs from the ledger `l`.
 pub fn plan_claim(l: &Ledger, c: &Claim) -> Plan {
     let mut plan = Plan::default();
@@ -295,7 +290,7 @@ pub fn plan_claim(l: &Ledger, c: &Claim) -> Plan {
                 reason: "claim-deallocated",
                 what: c.what(),
             });
-        } else if uids(&g.consumers) != uids(&c.consumers) {
+        } else if !same_pods(&g.consumers, &c.consumers) {
             plan.consumers = Some(c.consumers.clone());
         }
     }

@@ -7,7 +7,7 @@ use super::{CommandError, Reply};
 use crate::CORE_MILLI_PER_GPU;
 use crate::pb;
 use crate::pb::event::Body;
-use crate::state::{Alloc, Ledger, claim_key, dra_device_name, is_dns_label};
+use crate::state::{Alloc, Ledger, claim_key, dra_device_name, is_dns_label, same_pods};
 
 /// The `source` values a grant may carry.
 pub const CLAIM_SOURCES: [&str; 2] = ["claim", "extended-resource"];
@@ -195,13 +195,13 @@ impl Ledger {
                 "claim {claim_uid} holds no grant"
             )));
         };
-        let uids = |p: &[pb::PodRef]| -> std::collections::BTreeSet<String> {
-            p.iter().map(|c| c.uid.clone()).collect()
-        };
-        let want = uids(&consumers);
         let stale: Vec<u64> = grants
             .iter()
-            .filter(|a| a.claim.as_ref().is_some_and(|c| uids(&c.consumers) != want))
+            .filter(|a| {
+                a.claim
+                    .as_ref()
+                    .is_some_and(|c| !same_pods(&c.consumers, &consumers))
+            })
             .map(|a| a.id)
             .collect();
         if stale.is_empty() {

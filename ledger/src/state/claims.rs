@@ -11,6 +11,14 @@ pub fn dra_device_name(gpu_uuid: &str) -> String {
     format!("gpu-{}", bare.to_ascii_lowercase())
 }
 
+/// Whether two consumer lists name the same pods (by UID, in any order).
+pub fn same_pods(a: &[pb::PodRef], b: &[pb::PodRef]) -> bool {
+    fn uids(p: &[pb::PodRef]) -> std::collections::BTreeSet<&str> {
+        p.iter().map(|c| c.uid.as_str()).collect()
+    }
+    uids(a) == uids(b)
+}
+
 impl Ledger {
     /// The live grant of a claim's result (request and share), if any.
     pub fn alloc_of_claim(
