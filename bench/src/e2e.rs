@@ -232,17 +232,6 @@ async fn schedule(e: &E2e, ns: &str, specs: Vec<Value>, parallel: usize) -> Resu
     })
 }
 
-/// The allocator replicas' /metrics, concatenated (only the leader certifies claims).
-async fn allocator_metrics(e: &E2e) -> Result<String> {
-    let mut out = String::new();
-    for h in &e.gl.allocs.http {
-        let (code, body) = gpuledger_testkit::http::get(&format!("http://{h}/metrics")).await?;
-        ensure!(code == 200, "allocator {h} /metrics answered {code}");
-        out.push_str(&body);
-    }
-    Ok(out)
-}
-
 /// The kubelet's NodePrepareResources calls to gpuledger's plugin: (count, seconds) of
 /// the kubelet's `dra_grpc_operations_duration_seconds` (Kubernetes 1.37).
 fn kubelet_prepares(metrics: &str) -> (f64, f64) {
@@ -408,7 +397,7 @@ async fn measure(a: &Args, route: Route) -> Result<Measured> {
     let plain = schedule(&e, "bench", cpu, a.parallel).await?;
     let cpu1 = cpu_by_process();
     let before = e.gl.extender_metrics().await?;
-    let alloc_before = allocator_metrics(&e).await?;
+    let alloc_before = e.gl.allocator_metrics().await?;
     let gpu: Vec<Value> = (0..a.pods)
         .map(|i| {
             on_kubelet_less(pods::pod(
@@ -423,7 +412,7 @@ async fn measure(a: &Args, route: Route) -> Result<Measured> {
     // A bind is counted when its answer is sent, just after the Binding the watch saw.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let after = e.gl.extender_metrics().await?;
-    let alloc_after = allocator_metrics(&e).await?;
+    let alloc_after = e.gl.allocator_metrics().await?;
     let bind_calls = |m: &str, outcome: &[(&str, &str)]| {
         let mut l = vec![("verb", "bind")];
         l.extend_from_slice(outcome);

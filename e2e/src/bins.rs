@@ -64,8 +64,17 @@ impl KubeBins {
         })
     }
 
-    /// The Kubernetes version of these binaries (`v1.37.2`), as kubectl reports it.
+    /// The Kubernetes version of these binaries (`v1.37.2`), as kubectl reports it (asked
+    /// once per process: every component of every cluster needs it for its flags).
     pub fn version(&self) -> Result<String> {
+        static VERSION: OnceLock<std::result::Result<String, String>> = OnceLock::new();
+        match VERSION.get_or_init(|| self.ask_version().map_err(|e| format!("{e:#}"))) {
+            Ok(v) => Ok(v.clone()),
+            Err(e) => bail!("{e}"),
+        }
+    }
+
+    fn ask_version(&self) -> Result<String> {
         let out = Command::new(self.path("kubectl"))
             .args(["version", "--client", "-o", "json"])
             .output()

@@ -128,6 +128,17 @@ impl Gpuledger {
         Ok(body)
     }
 
+    /// Every allocator replica's /metrics text, one after the other.
+    pub async fn allocator_metrics(&self) -> Result<String> {
+        let mut out = String::new();
+        for h in &self.allocs.http {
+            let (code, body) = gpuledger_testkit::http::get(&format!("http://{h}/metrics")).await?;
+            anyhow::ensure!(code == 200, "allocator {h} /metrics answered {code}");
+            out.push_str(&body);
+        }
+        Ok(out)
+    }
+
     /// The leader's folded ledger, after every replica caught up.
     pub async fn ledger(&self) -> Result<gpuledger_ledger::Ledger> {
         self.allocs.wait_caught_up(Duration::from_secs(20)).await?;
