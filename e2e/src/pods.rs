@@ -144,6 +144,21 @@ pub async fn force_delete(client: &kube::Client, ns: &str, name: &str) -> Result
     Ok(())
 }
 
+/// The live claim grants the pod `uid` consumes (the claim is reserved for it).
+pub fn grants_consumed_by<'a>(
+    l: &'a gpuledger_ledger::Ledger,
+    uid: &str,
+) -> Vec<&'a gpuledger_ledger::Alloc> {
+    l.allocs()
+        .values()
+        .filter(|a| {
+            a.claim
+                .as_ref()
+                .is_some_and(|c| c.consumers.iter().any(|p| p.uid == uid))
+        })
+        .collect()
+}
+
 /// The node of every pod with a live allocation in the ledger, by `namespace/name`.
 pub fn ledger_nodes(l: &gpuledger_ledger::Ledger) -> BTreeMap<String, String> {
     l.allocs()

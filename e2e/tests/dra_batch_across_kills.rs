@@ -305,14 +305,9 @@ async fn claims_stay_granted_once_across_a_leader_kill_and_a_kubelet_restart() -
             "{name}: {st:?}"
         );
         let uid = p.metadata.uid.clone().unwrap_or_default();
-        let prepared = ledger
-            .allocs()
-            .values()
-            .filter(|a| {
-                a.claim
-                    .as_ref()
-                    .is_some_and(|g| g.prepared && g.consumers.iter().any(|c| c.uid == uid))
-            })
+        let prepared = pods::grants_consumed_by(&ledger, &uid)
+            .into_iter()
+            .filter(|a| a.claim.as_ref().is_some_and(|g| g.prepared))
             .count();
         ensure!(prepared == 1, "{name}: {prepared} prepared grants");
     }

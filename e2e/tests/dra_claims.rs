@@ -58,7 +58,6 @@ async fn claim_pods_run_with_ledger_grants_on_a_real_kubelet() -> Result<()> {
     .with_context(|| e.log_tails(20))?;
 
     e.namespace("dra").await?;
-    let api: Api<Pod> = Api::namespaced(e.client.clone(), "dra");
     let print = ["sh", "-c", "env | sort; sleep 3600"];
     let own = host_network(pods::pod(
         "own",
@@ -113,15 +112,7 @@ async fn claim_pods_run_with_ledger_grants_on_a_real_kubelet() -> Result<()> {
         );
         // The grant the ledger holds for the pod's claim names the GPU containerd gave it.
         let ledger = e.gl.ledger().await?;
-        let grants: Vec<_> = ledger
-            .allocs()
-            .values()
-            .filter(|a| {
-                a.claim
-                    .as_ref()
-                    .is_some_and(|c| c.consumers.iter().any(|p| &p.uid == uid))
-            })
-            .collect();
+        let grants = pods::grants_consumed_by(&ledger, uid);
         ensure!(
             grants.len() == 1,
             "pod {name}: {} ledger grants name it",
@@ -153,17 +144,7 @@ async fn claim_pods_run_with_ledger_grants_on_a_real_kubelet() -> Result<()> {
         "audit --pod dra/own does not show the allocator's grant and the agent's prepare:\n{audit}"
     );
 
-    for name in ["own", "gpushare"] {
-        api.delete(name, &DeleteParams::default()).await?;
-    }
-    let gl = &e.gl;
-    eventually(
-        "both claim grants released",
-        Duration::from_secs(90),
-        || async { Ok(gl.ledger().await?.allocs().is_empty()) },
-    )
-    .await
-    .with_context(|| e.log_tails(30))?;
+    delete_until_released(&e, &["own", "gpushare"]).await?;
     gpuledger_e2e::gpuledger::verify(&e.gl, &addrs)?;
     extended_resource_pod_gets_a_whole_gpu(&e).await?;
     gpuledger_e2e::gpuledger::verify(&e.gl, &addrs)?;
@@ -227,15 +208,7 @@ async fn extended_resource_pod_gets_a_whole_gpu(e: &E2e) -> Result<()> {
         "a whole 16384 MiB GPU was asked for:\n{logs}"
     );
     let ledger = e.gl.ledger().await?;
-    let grants: Vec<_> = ledger
-        .allocs()
-        .values()
-        .filter(|a| {
-            a.claim
-                .as_ref()
-                .is_some_and(|c| c.consumers.iter().any(|p| p.uid == uid))
-        })
-        .collect();
+    let grants = pods::grants_consumed_by(&ledger, &uid);
     ensure!(
         grants.len() == 1
             && grants[0]
@@ -246,16 +219,21 @@ async fn extended_resource_pod_gets_a_whole_gpu(e: &E2e) -> Result<()> {
             && grants[0].shares[0].core_milli == 1000,
         "the extended-resource pod's grants: {grants:?}"
     );
-    Api::<Pod>::namespaced(e.client.clone(), "dra")
-        .delete("whole", &DeleteParams::default())
-        .await?;
+    delete_until_released(e, &["whole"]).await
+}
+
+/// Delete the pods `names` of namespace `dra` and wait until the ledger holds no grant.
+async fn delete_until_released(e: &E2e, names: &[&str]) -> Result<()> {
+    let api: Api<Pod> = Api::namespaced(e.client.clone(), "dra");
+    for name in names {
+        api.delete(name, &DeleteParams::default()).await?;
+    }
     let gl = &e.gl;
     eventually(
-        "the extended-resource grant released",
+        &format!("the grants of {names:?} released"),
         Duration::from_secs(90),
         || async { Ok(gl.ledger().await?.allocs().is_empty()) },
     )
     .await
-    .with_context(|| e.log_tails(30))?;
-    Ok(())
+    .with_context(|| e.log_tails(30))
 }
