@@ -259,16 +259,42 @@ impl RealNode {
     /// (`<ns>_<pod>_<uid>/<container>/0.log`, CRI format: time, stream, tag, text), as
     /// `kubectl logs` serves it.
     pub fn container_log(&self, ns: &str, pod: &str, uid: &str, container: &str) -> Result<String> {
-        let p = self
-            .pod_logs
-            .join(format!("{ns}_{pod}_{uid}/{container}/0.log"));
-        let text =
-            std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
-        Ok(text
-            .lines()
-            .filter_map(|l| l.splitn(4, ' ').nth(3))
-            .map(|l| format!("{l}\n"))
-            .collect())
+        cri_log_text(
+            &self
+                .pod_logs
+                .join(format!("{ns}_{pod}_{uid}/{container}/0.log")),
+        )
+    }
+
+    /// What each attempt of a container printed, by attempt number (the kubelet's `N.log`
+    /// beside `0.log`, one per container it created for that name): an attempt the runtime
+    /// created but never started has no file or an empty one.
+    pub fn container_attempts(
+        &self,
+        ns: &str,
+        pod: &str,
+        uid: &str,
+        container: &str,
+    ) -> Result<Vec<(u32, String)>> {
+        let dir = self.pod_logs.join(format!("{ns}_{pod}_{uid}/{container}"));
+        let mut out = Vec::new();
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
+            Err(e) => return Err(e).with_context(|| format!("reading {}", dir.display())),
+        };
+        for entry in entries {
+            let name = entry?.file_name().to_string_lossy().into_owned();
+            let Some(n) = name
+                .strip_suffix(".log")
+                .and_then(|n| n.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            out.push((n, cri_log_text(&dir.join(&name))?));
+        }
+        out.sort_by_key(|(n, _)| *n);
+        Ok(out)
     }
 
     /// A client of this kubelet's own HTTPS server (`/metrics`, `/pods`, …) as the admin of
@@ -445,6 +471,16 @@ fn path_with(dir: &Path) -> String {
 /// unless told), cgroupfs without QoS cgroups, this run's containerd and directories, the
 /// kubelet's API on loopback with webhook authentication and authorization as clusters run
 /// it, and nothing evicted or garbage-collected for the disk the machine's other tenants use.
+/// The text of a kubelet container log (CRI format: time, stream, tag, text per line).
+fn cri_log_text(p: &Path) -> Result<String> {
+    let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+    Ok(text
+        .lines()
+        .filter_map(|l| l.splitn(4, ' ').nth(3))
+        .map(|l| format!("{l}\n"))
+        .collect())
+}
+
 fn kubelet_config(dir: &Path, root: &Path, pod_logs: &Path, containerd: &Path) -> Result<PathBuf> {
     std::fs::create_dir_all(pod_logs)?;
     let config = json!({

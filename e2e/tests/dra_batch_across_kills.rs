@@ -4,7 +4,7 @@
 //! restarted while its claim pods start: every claim's allocation is exactly one ledger grant
 //! and every grant is a claim's allocation, no GPU holds more than its capacity in either the
 //! ledger or the scheduler's allocations, every pod is bound where its claim is allocated, the
-//! real node's pods each run once, and `gpuledger verify` finds the survivors equal to the log.
+//! real node's pods each run their program once, and `gpuledger verify` finds the survivors equal to the log.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
@@ -301,10 +301,47 @@ async fn claims_stay_granted_once_across_a_leader_kill_and_a_kubelet_restart() -
             .and_then(|c| c.first())
             .with_context(|| format!("{name} has no container status"))?;
         ensure!(
-            st.restart_count == 0 && st.state.as_ref().is_some_and(|s| s.running.is_some()),
-            "{name}: {st:?}"
+            st.state.as_ref().is_some_and(|s| s.running.is_some()),
+            "{name} does not run: {st:?}"
         );
+        // Its program ran once, in the container that runs now, and saw its grant. The
+        // restart count alone cannot say so: a container the kubelet created but had not yet
+        // started when it was stopped is counted as an attempt by the restarted kubelet,
+        // which creates another (an attempt whose log is empty); a container killed after it
+        // ran (by the agent's enforcement, say) leaves a log behind.
         let uid = p.metadata.uid.clone().unwrap_or_default();
+        let node = e.node.as_ref().context("no real node")?;
+        let current = u32::try_from(st.restart_count).context("negative restart count")?;
+        let attempts = until(
+            &format!("{name}'s output reaches its log"),
+            Duration::from_secs(20),
+            || async {
+                let attempts = node.container_attempts(NS, &name, &uid, "main")?;
+                let printed = attempts
+                    .iter()
+                    .any(|(n, text)| *n == current && text.contains("GPULEDGER_"));
+                Ok(printed.then_some(attempts))
+            },
+        )
+        .await?;
+        let ran: Vec<u32> = attempts
+            .iter()
+            .filter(|(_, text)| !text.trim().is_empty())
+            .map(|(n, _)| *n)
+            .collect();
+        ensure!(
+            ran == [current],
+            "{name}: the program ran in attempts {ran:?}, the running container is attempt {current} ({st:?})"
+        );
+        let printed = &attempts
+            .iter()
+            .find(|(n, _)| *n == current)
+            .context("no log")?
+            .1;
+        ensure!(
+            printed.contains("GPULEDGER_GPU_MEM_MIB=2048"),
+            "{name} ran without its grant's environment:\n{printed}"
+        );
         let prepared = pods::grants_consumed_by(&ledger, &uid)
             .into_iter()
             .filter(|a| a.claim.as_ref().is_some_and(|g| g.prepared))
