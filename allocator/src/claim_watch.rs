@@ -66,6 +66,17 @@ pub struct ClaimArgs {
         value_parser = clap::value_parser!(u64).range(1..)
     )]
     pub claim_queue: u64,
+
+    /// A ResourceClaimTemplate of gpuledger's (made for a pod the webhook converted) that no
+    /// pod has claimed for this many seconds is deleted, at the next full pass.
+    #[arg(
+        long = "claim-template-collect-after",
+        env = "GPULEDGER_CLAIM_TEMPLATE_COLLECT_AFTER",
+        value_name = "SECONDS",
+        default_value_t = 600,
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    pub claim_template_collect_after_s: u64,
 }
 
 impl Default for ClaimArgs {
@@ -74,6 +85,7 @@ impl Default for ClaimArgs {
             claim_watch: false,
             claim_reconcile_interval_s: 60,
             claim_queue: 4096,
+            claim_template_collect_after_s: 600,
         }
     }
 }

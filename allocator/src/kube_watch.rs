@@ -26,6 +26,7 @@ use tracing::{debug, info, warn};
 use self::plan::{Expiry, Fix, Held, Missing, PodFacts};
 use crate::authz::Authz;
 use crate::budget_watch::GuardSlot;
+use crate::claim_templates::Templates;
 use crate::shared::{Role, Shared};
 use crate::writer::{WriteError, Writer};
 
@@ -136,6 +137,8 @@ struct Watch {
     nodes_ready: AtomicBool,
     events: Recorder,
     demoted: crate::budget_watch::DemotedPods,
+    /// The templates of converted DRA pods (with the claim watch).
+    templates: Option<Arc<Templates>>,
 }
 
 impl Watch {
@@ -223,6 +226,9 @@ impl Watch {
     async fn on_pod(&self, pod: &Pod) {
         if !self.leading() {
             return;
+        }
+        if let Some(t) = &self.templates {
+            t.on_pod(pod).await;
         }
         let Some(facts) = PodFacts::of(pod) else {
             return;
@@ -392,6 +398,15 @@ async fn run(ties: Ties, client: kube::Client, args: KubeArgs) {
         client.clone(),
         &args.claims,
     );
+    let events = Recorder::new(client.clone(), "gpuledger-allocator", None);
+    let templates = args.claims.claim_watch.then(|| {
+        Arc::new(Templates::new(
+            client.clone(),
+            ties.shared.metrics.claim_templates.clone(),
+            events.clone(),
+            Duration::from_secs(args.claims.claim_template_collect_after_s),
+        ))
+    });
     let w = Arc::new(Watch {
         shared: ties.shared,
         writer: ties.writer,
@@ -400,8 +415,9 @@ async fn run(ties: Ties, client: kube::Client, args: KubeArgs) {
         nodes,
         pods_ready: AtomicBool::new(false),
         nodes_ready: AtomicBool::new(false),
-        events: Recorder::new(client.clone(), "gpuledger-allocator", None),
+        events,
         demoted: Default::default(),
+        templates,
     });
     info!("Kubernetes watchers started (pods, nodes, GPUBudgets, ResourceClaims)");
 
@@ -465,6 +481,27 @@ async fn run(ties: Ties, client: kube::Client, args: KubeArgs) {
             }
         }
     });
+
+    if let Some(t) = w.templates.clone() {
+        let wt = w.clone();
+        let every = Duration::from_secs(args.claims.claim_reconcile_interval_s);
+        watchers.spawn(async move {
+            let mut was_leading = false;
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let leading = wt.leading();
+                if leading && !was_leading {
+                    t.forget();
+                }
+                was_leading = leading;
+                if leading && wt.pods_ready.load(Ordering::Relaxed) {
+                    t.pass(&wt.pods).await;
+                }
+            }
+        });
+    }
 
     let interval = Duration::from_millis(if args.reconcile_interval_ms == 0 {
         500

@@ -7,6 +7,7 @@
 pub mod archive;
 pub mod authz;
 pub mod budget_watch;
+pub mod claim_templates;
 pub mod claim_watch;
 pub mod config;
 pub mod election;

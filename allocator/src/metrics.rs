@@ -75,6 +75,8 @@ pub struct Metrics {
     pub(crate) claim_releases: Family<Vec<(&'static str, &'static str)>, Counter>,
     /// Claim events dropped because `--claim-queue` was full.
     pub(crate) claim_queue_full: Counter,
+    /// ResourceClaimTemplates of converted pods, by outcome.
+    pub(crate) claim_templates: Family<Vec<(&'static str, &'static str)>, Counter>,
     /// Claims waiting for the certification.
     pub(crate) claim_queue_depth: Gauge,
     /// Condition writes to a claim's status that failed (retried at the next event or pass).
@@ -164,6 +166,12 @@ impl Default for Metrics {
             "Claim grants released because their claim was deallocated or deleted, by reason",
             claim_releases.clone(),
         );
+        let claim_templates = Family::<Vec<(&'static str, &'static str)>, Counter>::default();
+        registry.register(
+            "claim_templates",
+            "ResourceClaimTemplates of pods the webhook converted to the DRA path, by outcome: created (for a pod that exists), refused (the pod's requests do not make the template it claims, or a different one of that name exists), collected (no pod claims it), failed (an API error; retried)",
+            claim_templates.clone(),
+        );
         let claim_queue_full = Counter::default();
         registry.register(
             "claim_queue_full",
@@ -186,6 +194,7 @@ impl Default for Metrics {
             registry,
             claims_certified,
             claim_releases,
+            claim_templates,
             claim_queue_full,
             claim_queue_depth,
             claim_status_failures,

@@ -87,27 +87,21 @@ pub async fn check(replica: Option<&Replica>, ns: &str, now_ms: i64) -> Verdict 
 
 /// The patch that demotes `pod` to `priority_class`: the class name set, the integer
 /// priority removed so that the API server's Priority plugin derives it from the new class,
-/// and [`ANN_DEMOTED`] saying `why`.
-pub fn demotion(pod: &Pod, priority_class: &str, why: &str) -> Vec<PatchOperation> {
+/// and [`ANN_DEMOTED`] saying `why` (after the `earlier` operations of the same patch).
+pub fn demotion(
+    pod: &Pod,
+    earlier: &[PatchOperation],
+    priority_class: &str,
+    why: &str,
+) -> Vec<PatchOperation> {
     let spec = |f: &str| PointerBuf::from_tokens(["spec", f]);
-    let why = Value::String(why.to_owned());
-    let annotation = if pod.metadata.annotations.is_some() {
-        AddOperation {
-            path: PointerBuf::from_tokens(["metadata", "annotations", ANN_DEMOTED]),
-            value: why,
-        }
-    } else {
-        AddOperation {
-            path: PointerBuf::from_tokens(["metadata", "annotations"]),
-            value: serde_json::json!({ ANN_DEMOTED: why }),
-        }
-    };
+    let annotation = crate::webhook::annotate(pod, earlier, ANN_DEMOTED, why.to_owned());
     let mut ops = vec![
         PatchOperation::Add(AddOperation {
             path: spec("priorityClassName"),
             value: Value::String(priority_class.to_owned()),
         }),
-        PatchOperation::Add(annotation),
+        annotation,
     ];
     if pod.spec.as_ref().is_some_and(|s| s.priority.is_some()) {
         ops.push(PatchOperation::Remove(RemoveOperation {
@@ -223,7 +217,7 @@ mod tests {
             json_patch::patch(&mut v, &json_patch::Patch(ops)).expect("the patch applies");
             v
         };
-        let v = apply(&pod, demotion(&pod, "gpu-low", "spent"));
+        let v = apply(&pod, demotion(&pod, &[], "gpu-low", "spent"));
         assert_eq!(v["spec"]["priorityClassName"], "gpu-low");
         assert_eq!(v["metadata"]["annotations"][ANN_DEMOTED], "spent");
         pod.metadata.annotations = Some([("keep".to_owned(), "me".to_owned())].into());
@@ -231,7 +225,7 @@ mod tests {
             priority: Some(1000),
             ..Default::default()
         });
-        let v = apply(&pod, demotion(&pod, "gpu-low", "spent"));
+        let v = apply(&pod, demotion(&pod, &[], "gpu-low", "spent"));
         assert_eq!(
             v["metadata"]["annotations"]["keep"], "me",
             "other annotations stay"

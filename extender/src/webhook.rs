@@ -176,6 +176,30 @@ fn add(tokens: &[&str], value: Value) -> PatchOperation {
     })
 }
 
+/// The operation that sets annotation `key` of `pod` to `value`, after the `earlier`
+/// operations of the same patch (the map is added with it when neither the pod nor an earlier
+/// operation has one: adding the map again would drop what an earlier operation set).
+pub(crate) fn annotate(
+    pod: &Pod,
+    earlier: &[PatchOperation],
+    key: &str,
+    value: String,
+) -> PatchOperation {
+    let map = PointerBuf::from_tokens(["metadata", "annotations"]);
+    let has_map = pod.metadata.annotations.is_some()
+        || earlier
+            .iter()
+            .any(|op| matches!(op, PatchOperation::Add(a) if a.path == map));
+    if has_map {
+        add(&["metadata", "annotations", key], Value::String(value))
+    } else {
+        add(
+            &["metadata", "annotations"],
+            serde_json::json!({ key: value }),
+        )
+    }
+}
+
 /// The JSON Patch that mutate answers for `pod`.
 pub fn mutation(pod: &Pod, scheduler_name: Option<&str>) -> Result<Patch, String> {
     let mut ops = Vec::new();
@@ -214,26 +238,15 @@ fn scheduler_op(pod: &Pod, scheduler_name: Option<&str>) -> Option<PatchOperatio
     .then(|| add(&["spec", "schedulerName"], Value::String(name.into())))
 }
 
-/// The JSON Patch that converts a GPU pod to the DRA path ([`dra`]), after creating (or
-/// finding) its ResourceClaimTemplate; nothing is created on a dry run.
-pub async fn dra_mutation(
-    kube: Option<&kube::Client>,
-    pod: &Pod,
-    ns: &str,
-    scheduler_name: Option<&str>,
-    dry_run: bool,
-) -> Result<Patch, String> {
-    let reqs = dra::claim_requests(pod)?;
+/// The JSON Patch that converts a GPU pod to the DRA path ([`dra`]). It creates nothing: the
+/// allocator makes the template the pod claims once the pod exists.
+pub fn dra_mutation(pod: &Pod, scheduler_name: Option<&str>) -> Result<Patch, String> {
+    let reqs = gpuledger_request::dra::claim_requests(pod)?;
     if reqs.is_empty() {
         return Ok(Patch(Vec::new()));
     }
-    let kube = kube.ok_or(
-        "the webhook has no Kubernetes client (--kubeconfig or in-cluster config): the DRA path \
-         creates ResourceClaimTemplates",
-    )?;
-    let t = dra::template(ns, &reqs);
-    let name = t.metadata.name.clone().unwrap_or_default();
-    dra::ensure_template(kube, &t, dry_run).await?;
+    let spec = gpuledger_request::dra::template_spec(&reqs);
+    let name = gpuledger_request::dra::template_name(&spec);
     let mut ops = dra::patch_ops(pod, &reqs, &name)?;
     ops.extend(scheduler_op(pod, scheduler_name));
     Ok(Patch(ops))
@@ -285,7 +298,7 @@ async fn mutate(State(w): State<Webhook>, body: Bytes) -> Response {
         PodPath::DevicePlugin => mutation(&pod, w.scheduler_name.as_deref()),
         PodPath::Dra => {
             let sched = w.scheduler_name.as_deref();
-            match dra_mutation(w.kube.as_ref(), &pod, &ns, sched, req.dry_run).await {
+            match dra_mutation(&pod, sched) {
                 Ok(ops) => {
                     info!(dry_run = req.dry_run, "converted to the DRA path");
                     Ok(ops)
@@ -350,7 +363,8 @@ async fn budget_hook(
             why,
         } => {
             info!(%priority_class, reason = %why, "demoted");
-            ops.0.extend(b::demotion(pod, &priority_class, &why));
+            let demote = b::demotion(pod, &ops.0, &priority_class, &why);
+            ops.0.extend(demote);
             allowed.warnings = Some(vec![format!("demoted to {priority_class}: {why}")]);
         }
         Verdict::Warn(why) => allowed.warnings = Some(vec![why]),

@@ -1,9 +1,12 @@
 //! The webhook's DRA path against the fake kube-apiserver: pods written for gpushare, HAMi and
 //! gpu-manager, on the DRA path by namespace label or annotation, are answered with the exact
-//! JSON Patch that claims a content-addressed ResourceClaimTemplate, which the webhook created
-//! with the right requests; a dry run creates nothing; an identical pod reuses the template;
-//! a template the API server stored without `capacity.requests` (feature gate off) refuses the
-//! pod; a pod on the device-plugin path is answered as before.
+//! JSON Patch that claims a content-addressed ResourceClaimTemplate and records its requests.
+//! The webhook writes nothing, whoever sends the review; the allocator's leader makes the
+//! template with the right requests once the admitted pod exists, reuses it for an identical
+//! pod, makes none for a pod whose requests do not make the template it names or whose stored
+//! template differs (one the API server stored without `capacity.requests`: feature gate off),
+//! and collects the templates no pod claims. A pod on the device-plugin path is answered as
+//! before.
 
 use crate::kit;
 
@@ -66,8 +69,9 @@ fn templates(stack: &KubeStack) -> Vec<Value> {
     stack.api.store.objects(RV1, "resourceclaimtemplates")
 }
 
-/// The template the patch names, and the patch expected for a one-GPU-container pod.
-fn expected_patch(template: &str, with_scheduler: bool) -> Value {
+/// The template the patch names, and the patch expected for a one-GPU-container pod asking
+/// `mib` (None: the whole GPU) and `cores`.
+fn expected_patch(template: &str, with_scheduler: bool, mib: Option<u64>, cores: u32) -> Value {
     let mut ops = vec![
         json!({"op": "add", "path": "/spec/resourceClaims",
                "value": [{"name": "gpuledger", "resourceClaimTemplateName": template}]}),
@@ -76,12 +80,90 @@ fn expected_patch(template: &str, with_scheduler: bool) -> Value {
                          "limits": {"gpuledger.io/dra": "1"},
                          "requests": {"gpuledger.io/dra": "1"}}}),
     ];
+    ops.push(requests_op(&[(0, 1, mib, cores)]));
     if with_scheduler {
         ops.push(
             json!({"op": "add", "path": "/spec/schedulerName", "value": "gpuledger-scheduler"}),
         );
     }
     Value::Array(ops)
+}
+
+/// The operation recording the claim requests `reqs` (container, count, MiB or null, core
+/// milli) on a pod without annotations, its value decoded as [`decoded`] decodes it.
+fn requests_op(reqs: &[(u32, u32, Option<u64>, u32)]) -> Value {
+    let reqs: Vec<Value> = reqs
+        .iter()
+        .map(|(c, n, mib, cores)| {
+            json!({"container": c, "name": format!("c{c}"), "count": n, "memMib": mib,
+                   "coreMilli": cores})
+        })
+        .collect();
+    json!({"op": "add", "path": "/metadata/annotations",
+           "value": {"gpuledger.io/claim-requests": reqs}})
+}
+
+/// `patch` with the recorded requests' JSON text decoded, to compare as JSON.
+fn decoded(mut patch: Value) -> Value {
+    for op in patch.as_array_mut().into_iter().flatten() {
+        let pointer = if op["path"] == "/metadata/annotations/gpuledger.io~1claim-requests" {
+            "/value"
+        } else {
+            "/value/gpuledger.io~1claim-requests"
+        };
+        let Some(v) = op.pointer_mut(pointer) else {
+            continue;
+        };
+        if let Some(text) = v.as_str() {
+            *v = serde_json::from_str(text).unwrap_or(Value::Null);
+        }
+    }
+    patch
+}
+
+/// The API server stores the admitted pod (`pod` with `patch` applied) in `ns`.
+fn store_admitted(stack: &KubeStack, ns: &str, pod: &Value, patch: &Value) -> anyhow::Result<()> {
+    let admitted = kit::apply_patch(pod.clone(), patch)?;
+    ok(stack.api.store.create("v1", "pods", ns, admitted))?;
+    Ok(())
+}
+
+/// The template `name` of `ns` once the allocator has made it.
+async fn made(stack: &KubeStack, ns: &str, name: &str) -> anyhow::Result<Value> {
+    let t0 = std::time::Instant::now();
+    loop {
+        if let Ok(t) = stack.api.store.get(RV1, "resourceclaimtemplates", ns, name) {
+            return Ok(t);
+        }
+        anyhow::ensure!(
+            t0.elapsed() < Duration::from_secs(15),
+            "the allocator made no template {ns}/{name} within 15 s"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The messages of the Events with `reason`, once there is one.
+async fn events(stack: &KubeStack, reason: &str) -> anyhow::Result<Vec<String>> {
+    let t0 = std::time::Instant::now();
+    loop {
+        let found: Vec<String> = stack
+            .api
+            .store
+            .objects("v1", "events")
+            .into_iter()
+            .filter(|e| e["reason"] == reason)
+            .map(|e| e["message"].as_str().unwrap_or_default().to_string())
+            .collect();
+        if !found.is_empty() {
+            return Ok(found);
+        }
+        anyhow::ensure!(
+            t0.elapsed() < Duration::from_secs(15),
+            "no {reason} Event within 15 s"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// The template's name as the patch gives it.
@@ -109,6 +191,11 @@ async fn stack_with_webhook(extra: &[&str]) -> anyhow::Result<(KubeStack, kit::H
     flags.extend(extra.iter().map(|s| s.to_string()));
     let stack = KubeStack::start(StackOptions {
         allocators: 1,
+        allocator_flags: vec![
+            "--claim-watch".into(),
+            "--claim-reconcile-interval=1".into(),
+            "--claim-template-collect-after=2".into(),
+        ],
         extender_flags: Some(flags),
         ..Default::default()
     })
@@ -132,14 +219,16 @@ async fn peer_pods_become_claims_of_a_content_addressed_template() -> anyhow::Re
         .map_err(anyhow::Error::msg)?;
     let t = named(&patch);
     assert!(is_content_name(&t), "template name {t:?}");
-    // The peer name is gone, cpu stays, the marker is in requests and limits.
-    let mut want = expected_patch(&t, true);
+    // The peer name is gone, cpu stays, the marker is in requests and limits, the requests
+    // are recorded.
+    let mut want = expected_patch(&t, true, Some(3072), 0);
     want[1]["value"]["limits"]["cpu"] = json!("1");
-    assert_eq!(patch, want);
-    let stored = ok(stack
-        .api
-        .store
-        .get(RV1, "resourceclaimtemplates", "team-dra", &t))?;
+    assert_eq!(decoded(patch.clone()), want);
+    // The review (sent here without any credentials, as anyone in the cluster could) made
+    // nothing: the template is the allocator's to make, for a pod that exists.
+    assert!(templates(&stack).is_empty(), "the webhook wrote a template");
+    store_admitted(&stack, "team-dra", &gpushare, &patch)?;
+    let stored = made(&stack, "team-dra", &t).await?;
     assert_eq!(
         stored["metadata"]["labels"],
         json!({"gpuledger.io/managed": "true"})
@@ -151,24 +240,18 @@ async fn peer_pods_become_claims_of_a_content_addressed_template() -> anyhow::Re
                    "deviceClassName": "gpu.gpuledger.io", "allocationMode": "ExactCount",
                    "count": 1, "capacity": {"requests": {"memory": "3072Mi", "cores": "0"}}}}]}}})
     );
-    // The patched pod is what the API server would store: claims, no peer name.
-    let admitted = kit::apply_patch(gpushare.clone(), &patch)?;
-    assert_eq!(
-        admitted["spec"]["resourceClaims"][0]["resourceClaimTemplateName"],
-        t.as_str()
-    );
 
-    // A second identical pod reuses the template (AlreadyExists, compared field by field).
+    // A second identical pod names the same template, which stays the one.
     let mut again = gpushare.clone();
     again["metadata"]["name"] = json!("gpushare-1");
     let patch2 = mutate(&hook, &review(&again, "team-dra", "r-2", false))
         .await?
         .map_err(anyhow::Error::msg)?;
     assert_eq!(named(&patch2), t);
-    assert_eq!(templates(&stack).len(), 1);
+    store_admitted(&stack, "team-dra", &again, &patch2)?;
 
     // HAMi, on the DRA path by annotation in a namespace without the label: two GPUs of
-    // 3000 MiB and 30% each, which must be distinct GPUs.
+    // 3000 MiB and 30% each, which must be distinct GPUs. The pod's own annotations stay.
     let hami = json!({"metadata": {"name": "hami-0", "namespace": "default",
             "annotations": {"gpuledger.io/path": "dra"}},
         "spec": {"containers": [
@@ -180,21 +263,23 @@ async fn peer_pods_become_claims_of_a_content_addressed_template() -> anyhow::Re
         .map_err(anyhow::Error::msg)?;
     let th = named(&patch);
     assert!(is_content_name(&th) && th != t, "{th} vs {t}");
+    let reqs =
+        json!([{"container": 1, "name": "c1", "count": 2, "memMib": 3000, "coreMilli": 300}]);
     assert_eq!(
-        patch,
+        decoded(patch.clone()),
         json!([
             {"op": "add", "path": "/spec/resourceClaims",
              "value": [{"name": "gpuledger", "resourceClaimTemplateName": th}]},
             {"op": "add", "path": "/spec/containers/1/resources",
              "value": {"claims": [{"name": "gpuledger", "request": "c1"}],
                        "limits": {"gpuledger.io/dra": "1"}, "requests": {"gpuledger.io/dra": "1"}}},
+            {"op": "add", "path": "/metadata/annotations/gpuledger.io~1claim-requests",
+             "value": reqs},
             {"op": "add", "path": "/spec/schedulerName", "value": "gpuledger-scheduler"}
         ])
     );
-    let stored = ok(stack
-        .api
-        .store
-        .get(RV1, "resourceclaimtemplates", "default", &th))?;
+    store_admitted(&stack, "default", &hami, &patch)?;
+    let stored = made(&stack, "default", &th).await?;
     assert_eq!(
         stored["spec"]["spec"]["devices"],
         json!({"requests": [{"name": "c1", "exactly": {
@@ -216,7 +301,7 @@ async fn peer_pods_become_claims_of_a_content_addressed_template() -> anyhow::Re
         .map_err(anyhow::Error::msg)?;
     let tv = named(&patch);
     // A pod of another scheduler keeps it.
-    assert_eq!(patch.as_array().map(Vec::len), Some(3), "{patch}");
+    assert_eq!(patch.as_array().map(Vec::len), Some(4), "{patch}");
     assert_eq!(patch[1]["path"], "/spec/containers/0/resources");
     assert_eq!(
         patch[1]["value"],
@@ -228,10 +313,8 @@ async fn peer_pods_become_claims_of_a_content_addressed_template() -> anyhow::Re
         patch[2]["value"]["claims"],
         json!([{"name": "gpuledger", "request": "c1"}])
     );
-    let stored = ok(stack
-        .api
-        .store
-        .get(RV1, "resourceclaimtemplates", "team-dra", &tv))?;
+    store_admitted(&stack, "team-dra", &vcuda, &patch)?;
+    let stored = made(&stack, "team-dra", &tv).await?;
     let reqs = &stored["spec"]["spec"]["devices"]["requests"];
     assert_eq!(
         reqs[0]["exactly"]["capacity"]["requests"],
@@ -244,7 +327,7 @@ async fn peer_pods_become_claims_of_a_content_addressed_template() -> anyhow::Re
     assert_eq!(reqs[1]["exactly"]["count"], 1);
     assert_eq!(templates(&stack).len(), 3);
 
-    // A dry run answers the same patch and creates nothing.
+    // A dry run answers the same kind of patch.
     let mut dry = gpushare.clone();
     dry["spec"]["containers"][0]["resources"]["limits"]["aliyun.com/gpu-mem"] = json!("5");
     let patch = mutate(&hook, &review(&dry, "team-dra", "r-5", true))
@@ -252,14 +335,6 @@ async fn peer_pods_become_claims_of_a_content_addressed_template() -> anyhow::Re
         .map_err(anyhow::Error::msg)?;
     let td = named(&patch);
     assert!(is_content_name(&td) && td != t);
-    assert_eq!(templates(&stack).len(), 3, "a dry run created a template");
-    assert!(
-        stack
-            .api
-            .store
-            .get(RV1, "resourceclaimtemplates", "team-dra", &td)
-            .is_err()
-    );
 
     // A percentage of GPU memory cannot be a claim's capacity: refused, saying what to do.
     let pct = json!({"metadata": {"name": "pct", "namespace": "team-dra"},
@@ -282,6 +357,8 @@ async fn peer_pods_become_claims_of_a_content_addressed_template() -> anyhow::Re
         why.contains("gpuledger.io/path") && why.contains("\"claims\""),
         "{why}"
     );
+    // Reviews alone never made a template: three pods exist, three templates.
+    tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(templates(&stack).len(), 3);
     Ok(())
 }
@@ -311,45 +388,88 @@ fn put_template(stack: &KubeStack, name: &str, capacity: Option<Value>) -> anyho
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_template_without_capacity_requests_refuses_the_pod() -> anyhow::Result<()> {
+async fn no_template_is_made_that_the_pod_does_not_ask_and_unclaimed_ones_are_collected()
+-> anyhow::Result<()> {
     let (stack, hook) = stack_with_webhook(&["--pod-path=dra"]).await?;
     let pod = json!({"metadata": {"name": "p", "namespace": "default"},
         "spec": {"containers": [{"name": "c", "image": "x",
             "resources": {"limits": {"gpuledger.io/gpu-mem": "2000", "gpuledger.io/gpu-core": "20"}}}]}});
-    // What the template would be called, from a dry run (which creates nothing).
-    let patch = mutate(&hook, &review(&pod, "default", "d-1", true))
+    let patch = mutate(&hook, &review(&pod, "default", "r-1", false))
         .await?
         .map_err(anyhow::Error::msg)?;
     let t = named(&patch);
-    assert!(templates(&stack).is_empty());
-    // An API server whose DRAConsumableCapacity gate is off stores it without capacity.
+    // An API server whose DRAConsumableCapacity gate is off stored it without capacity: the
+    // allocator does not take it, and the pod is told why.
     put_template(&stack, &t, None)?;
-    let why = mutate(&hook, &review(&pod, "default", "r-1", false))
-        .await?
-        .expect_err("capacity.requests dropped");
+    store_admitted(&stack, "default", &pod, &patch)?;
+    let why = events(&stack, "GpuClaimTemplateRefused").await?;
     assert!(
-        why.contains("dropped capacity.requests") && why.contains("DRAConsumableCapacity"),
-        "{why}"
+        why[0].contains("dropped capacity.requests") && why[0].contains("DRAConsumableCapacity"),
+        "{why:?}"
     );
-    // A template of that name asking for something else is not taken either.
-    put_template(&stack, &t, Some(json!({"memory": "2000Mi", "cores": "1k"})))?;
-    let why = mutate(&hook, &review(&pod, "default", "r-2", false))
-        .await?
-        .expect_err("different capacity");
+
+    // A pod that names one template and records requests of another gets neither.
+    let mut forged = kit::apply_patch(pod.clone(), &patch)?;
+    forged["metadata"]["name"] = json!("forged");
+    forged["metadata"]["namespace"] = json!("other");
+    forged["metadata"]["annotations"]["gpuledger.io/claim-requests"] =
+        json!(r#"[{"container":0,"name":"c0","count":1,"memMib":16000,"coreMilli":1000}]"#);
+    ok(stack.api.store.create("v1", "pods", "other", forged))?;
+    let t0 = std::time::Instant::now();
+    while events(&stack, "GpuClaimTemplateRefused").await?.len() < 2 {
+        anyhow::ensure!(
+            t0.elapsed() < Duration::from_secs(15),
+            "the forged pod was not told"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let why = events(&stack, "GpuClaimTemplateRefused").await?;
     assert!(
-        why.contains("capacity.requests") && why.contains("delete it"),
-        "{why}"
+        why.iter().any(|w| w.contains("makes gpuledger-")),
+        "{why:?}"
     );
-    // The API server writes 200 as "200" and 1000 as "1k": quantities compare by value.
+    assert!(
+        stack
+            .api
+            .store
+            .get(RV1, "resourceclaimtemplates", "other", &t)
+            .is_err(),
+        "a template was made for a pod whose requests do not make it"
+    );
+
+    // Collection: a managed template no pod claims goes (after 2 s here); the one pod p
+    // claims stays, whatever it holds.
     put_template(
         &stack,
-        &t,
-        Some(json!({"memory": "2000Mi", "cores": "0.2k"})),
+        "gpuledger-000000000000",
+        Some(json!({"cores": "1"})),
     )?;
-    let patch = mutate(&hook, &review(&pod, "default", "r-3", false))
-        .await?
-        .map_err(anyhow::Error::msg)?;
-    assert_eq!(named(&patch), t);
+    let t0 = std::time::Instant::now();
+    while stack
+        .api
+        .store
+        .get(
+            RV1,
+            "resourceclaimtemplates",
+            "default",
+            "gpuledger-000000000000",
+        )
+        .is_ok()
+    {
+        anyhow::ensure!(
+            t0.elapsed() < Duration::from_secs(20),
+            "an unclaimed template was not collected within 20 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        ok(stack
+            .api
+            .store
+            .get(RV1, "resourceclaimtemplates", "default", &t))
+        .is_ok(),
+        "the template a pod claims was collected"
+    );
     Ok(())
 }
 

@@ -13,6 +13,8 @@ use gpuledger_proto::ledger::v1 as pb;
 use k8s_openapi::api::core::v1::{Container, Pod};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
+pub mod dra;
+
 /// Number of GPU slices of a container (each on a distinct GPU).
 pub const GPU: &str = "gpuledger.io/gpu";
 /// MiB of GPU memory per slice.

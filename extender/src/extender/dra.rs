@@ -11,7 +11,7 @@ use kube::api::Api;
 
 use super::App;
 use crate::resources;
-use crate::webhook::dra::DEVICE_CLASS;
+use gpuledger_request::dra::DEVICE_CLASS;
 
 /// Why a pod's request cannot be read.
 #[derive(Debug)]

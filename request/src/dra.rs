@@ -1,0 +1,454 @@
+//! gpuledger's DRA vocabulary for pods: the DeviceClass, the claim a converted pod carries, and
+//! its content-addressed ResourceClaimTemplate `gpuledger-<sha256(spec)[:12]>`.
+//!
+//! The admission webhook converts a GPU pod (its containers' shares, computed as the
+//! device-plugin path computes them) into [`ClaimRequest`]s, names the template they make and
+//! records the requests on the pod ([`REQUESTS_ANNOTATION`]); it writes nothing to the API
+//! server. The allocator's leader makes the template for a pod that exists
+//! ([`template_of_pod`]), so no template is created on the word of an unauthenticated
+//! caller, and a template's name is always the hash of what it asks.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::resource::v1::{
+    CapacityRequirements, DeviceClaim, DeviceConstraint, DeviceRequest, ExactDeviceRequest,
+    ResourceClaimSpec, ResourceClaimTemplate, ResourceClaimTemplateSpec,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+/// The DeviceClass (and driver) of gpuledger's GPUs.
+pub const DEVICE_CLASS: &str = "gpu.gpuledger.io";
+/// The attribute that tells GPUs apart (a request of several GPUs takes distinct ones).
+pub const UUID_ATTRIBUTE: &str = "gpu.gpuledger.io/uuid";
+/// The name of the pod's claim (`spec.resourceClaims[].name`).
+pub const POD_CLAIM: &str = "gpuledger";
+/// Pod annotation and namespace label choosing the path: `dra` or `device-plugin`.
+pub const PATH_KEY: &str = "gpuledger.io/path";
+/// Pod annotation with the claim requests the webhook converted the pod's GPU containers to
+/// ([`encode_requests`]): what the allocator makes the pod's template from.
+pub const REQUESTS_ANNOTATION: &str = "gpuledger.io/claim-requests";
+/// Label on gpuledger's ResourceClaimTemplates (and on their claims).
+pub const MANAGED_LABEL: &str = "gpuledger.io/managed";
+/// The capacity names of gpuledger's devices (MiB, and core_milli).
+const MEMORY: &str = "memory";
+const CORES: &str = "cores";
+
+/// One GPU container's request of the claim.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ClaimRequest {
+    /// The container's index in `spec.containers`.
+    pub container: usize,
+    /// The request's name, `c<index>`.
+    pub name: String,
+    /// GPUs, each a distinct device.
+    pub count: u32,
+    /// MiB per GPU; None = the whole GPU's memory (the device's default).
+    pub mem_mib: Option<u64>,
+    /// Compute per GPU, in core_milli (1000 = the whole GPU).
+    pub core_milli: u32,
+}
+
+/// The claim requests of the pod's GPU containers, computed as the device-plugin path
+/// computes their shares.
+pub fn claim_requests(pod: &Pod) -> Result<Vec<ClaimRequest>, String> {
+    let Some(spec) = pod.spec.as_ref() else {
+        return Ok(Vec::new());
+    };
+    // The same count bound as the device-plugin path.
+    crate::containers(pod).map_err(|e| e.to_string())?;
+    let mut out = Vec::new();
+    for (i, c) in spec.containers.iter().enumerate() {
+        let g = crate::ContainerGpu::of(c).map_err(|e| e.to_string())?;
+        if !g.wants_gpu() {
+            continue;
+        }
+        let r = g.to_api().map_err(|e| e.to_string())?;
+        let whole = r.mem_mib == 0 && r.mem_percent == 0 && r.core_milli == 0;
+        let (mem_mib, core_milli) = if whole || r.mem_percent == 100 {
+            (None, if whole { 1000 } else { r.core_milli })
+        } else if r.mem_percent > 0 {
+            return Err(format!(
+                "container {:?} asks for {}% of a GPU's memory: a ResourceClaim asks for memory \
+                 in MiB, and a percentage depends on the GPU it lands on; on the DRA path ask in \
+                 MiB ({}, nvidia.com/gpumem) or for the whole GPU, or annotate the pod \
+                 {PATH_KEY}: device-plugin",
+                c.name,
+                r.mem_percent,
+                crate::GPU_MEM
+            ));
+        } else if r.mem_mib == 0 {
+            return Err(format!(
+                "container {:?} asks for GPU compute without GPU memory: a DRA grant holds at \
+                 least 1 MiB; add {} (MiB), or annotate the pod {PATH_KEY}: device-plugin",
+                c.name,
+                crate::GPU_MEM
+            ));
+        } else {
+            (Some(r.mem_mib), r.core_milli)
+        };
+        out.push(ClaimRequest {
+            container: i,
+            name: format!("c{i}"),
+            count: r.slices,
+            mem_mib,
+            core_milli,
+        });
+    }
+    Ok(out)
+}
+
+/// The template's spec for `reqs`: one request per GPU container, a distinct-GPU constraint
+/// for each request of more than one GPU, and the managed label on the claims.
+pub fn template_spec(reqs: &[ClaimRequest]) -> ResourceClaimTemplateSpec {
+    let requests = reqs
+        .iter()
+        .map(|r| {
+            let mut caps = BTreeMap::new();
+            if let Some(m) = r.mem_mib {
+                caps.insert(MEMORY.to_string(), Quantity(format!("{m}Mi")));
+            }
+            caps.insert(CORES.to_string(), Quantity(r.core_milli.to_string()));
+            DeviceRequest {
+                name: r.name.clone(),
+                exactly: Some(ExactDeviceRequest {
+                    device_class_name: DEVICE_CLASS.to_string(),
+                    allocation_mode: Some("ExactCount".into()),
+                    count: Some(i64::from(r.count)),
+                    capacity: Some(CapacityRequirements {
+                        requests: Some(caps),
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }
+        })
+        .collect();
+    let constraints: Vec<DeviceConstraint> = reqs
+        .iter()
+        .filter(|r| r.count > 1)
+        .map(|r| DeviceConstraint {
+            requests: Some(vec![r.name.clone()]),
+            distinct_attribute: Some(UUID_ATTRIBUTE.to_string()),
+            ..Default::default()
+        })
+        .collect();
+    ResourceClaimTemplateSpec {
+        metadata: Some(ObjectMeta {
+            labels: Some(managed_labels()),
+            ..Default::default()
+        }),
+        spec: ResourceClaimSpec {
+            devices: Some(DeviceClaim {
+                requests: Some(requests),
+                constraints: (!constraints.is_empty()).then_some(constraints),
+                ..Default::default()
+            }),
+        },
+    }
+}
+
+fn managed_labels() -> BTreeMap<String, String> {
+    BTreeMap::from([(MANAGED_LABEL.to_string(), "true".to_string())])
+}
+
+/// `gpuledger-<first 12 hex digits of the SHA-256 of the spec's JSON>`: one template per
+/// distinct spec and namespace, so a retried or reinvoked admission finds the same one.
+pub fn template_name(spec: &ResourceClaimTemplateSpec) -> String {
+    // The JSON of a k8s-openapi struct is canonical: fields in declaration order, maps sorted.
+    let json = serde_json::to_vec(spec).unwrap_or_default();
+    let digest = Sha256::digest(&json);
+    let hex: String = digest.iter().take(6).map(|b| format!("{b:02x}")).collect();
+    format!("{TEMPLATE_PREFIX}{hex}")
+}
+
+/// The template for `reqs` in namespace `ns`.
+pub fn template(ns: &str, reqs: &[ClaimRequest]) -> ResourceClaimTemplate {
+    let spec = template_spec(reqs);
+    ResourceClaimTemplate {
+        metadata: ObjectMeta {
+            name: Some(template_name(&spec)),
+            namespace: Some(ns.to_string()),
+            labels: Some(managed_labels()),
+            ..Default::default()
+        },
+        spec,
+    }
+}
+
+/// Whether `got` (as the API server stored it) asks what `want` asks, field by field; the
+/// difference otherwise. Quantities compare by value (the API server writes `1000` as `1k`).
+pub fn same_template(
+    want: &ResourceClaimTemplate,
+    got: &ResourceClaimTemplate,
+) -> Result<(), String> {
+    let name = want.metadata.name.as_deref().unwrap_or("");
+    let ns = want.metadata.namespace.as_deref().unwrap_or("");
+    let what = format!("ResourceClaimTemplate {ns}/{name}");
+    let devices = |t: &ResourceClaimTemplate| t.spec.spec.devices.clone().unwrap_or_default();
+    let (w, g) = (devices(want), devices(got));
+    let (wr, gr) = (
+        w.requests.clone().unwrap_or_default(),
+        g.requests.clone().unwrap_or_default(),
+    );
+    if wr.len() != gr.len() {
+        return Err(format!(
+            "{what} exists with {} requests, not {}: it was not made for this pod's spec; \
+             delete it",
+            gr.len(),
+            wr.len()
+        ));
+    }
+    for w in &wr {
+        let Some(g) = gr.iter().find(|g| g.name == w.name) else {
+            return Err(format!("{what} has no request {}; delete it", w.name));
+        };
+        let (we, ge) = (
+            w.exactly.clone().unwrap_or_default(),
+            g.exactly.clone().unwrap_or_default(),
+        );
+        let field = |f: &str, a: &dyn fmt::Debug, b: &dyn fmt::Debug| {
+            format!(
+                "{what} request {}: {f} is {b:?}, not {a:?}; delete it",
+                w.name
+            )
+        };
+        if we.device_class_name != ge.device_class_name {
+            return Err(field(
+                "deviceClassName",
+                &we.device_class_name,
+                &ge.device_class_name,
+            ));
+        }
+        if we.allocation_mode != ge.allocation_mode {
+            return Err(field(
+                "allocationMode",
+                &we.allocation_mode,
+                &ge.allocation_mode,
+            ));
+        }
+        if we.count != ge.count {
+            return Err(field("count", &we.count, &ge.count));
+        }
+        let caps = |e: &ExactDeviceRequest| {
+            e.capacity
+                .as_ref()
+                .and_then(|c| c.requests.clone())
+                .unwrap_or_default()
+        };
+        let (wc, gc) = (caps(&we), caps(&ge));
+        if !wc.is_empty() && gc.is_empty() {
+            return Err(format!(
+                "the API server dropped capacity.requests from {what} (request {}): the \
+                 DRAConsumableCapacity feature gate is off on kube-apiserver (beta and on by \
+                 default from Kubernetes 1.36; 1.35 needs \
+                 --feature-gates=DRAConsumableCapacity=true on kube-apiserver, kube-scheduler \
+                 and the kubelet). Without it a claim takes whole GPUs. Turn the gate on, then \
+                 delete {what}",
+                w.name
+            ));
+        }
+        let value = |q: Option<&Quantity>| q.map(|q| crate::parse_quantity(&q.0));
+        if wc.len() != gc.len()
+            || wc
+                .iter()
+                .any(|(k, v)| value(Some(v)) != value(gc.get(k)) || value(gc.get(k)).is_none())
+        {
+            return Err(field("capacity.requests", &wc, &gc));
+        }
+    }
+    let constraints = |d: &DeviceClaim| d.constraints.clone().unwrap_or_default();
+    if constraints(&w) != constraints(&g) {
+        return Err(format!(
+            "{what}: constraints are {:?}, not {:?}; delete it",
+            constraints(&g),
+            constraints(&w)
+        ));
+    }
+    let labels = |t: &ResourceClaimTemplate| {
+        t.spec
+            .metadata
+            .as_ref()
+            .and_then(|m| m.labels.clone())
+            .unwrap_or_default()
+    };
+    if labels(want) != labels(got) {
+        return Err(format!(
+            "{what}: the claims' labels are {:?}, not {:?}; delete it",
+            labels(got),
+            labels(want)
+        ));
+    }
+    Ok(())
+}
+
+/// Longest [`REQUESTS_ANNOTATION`] value accepted (64 containers of the longest request fit).
+pub const MAX_REQUESTS_ANNOTATION: usize = 8 << 10;
+
+/// The value of [`REQUESTS_ANNOTATION`] for `reqs` (JSON).
+pub fn encode_requests(reqs: &[ClaimRequest]) -> String {
+    serde_json::to_string(reqs).unwrap_or_default()
+}
+
+/// The claim requests a [`REQUESTS_ANNOTATION`] names, each checked against the bounds the
+/// webhook's conversion keeps (at most [`crate::MAX_CONTAINERS`] GPU containers, 1–64 GPUs
+/// each, compute 0–1000, memory 1 MiB to the largest GPU, names `c<container>`).
+pub fn decode_requests(v: &str) -> Result<Vec<ClaimRequest>, String> {
+    if v.len() > MAX_REQUESTS_ANNOTATION {
+        return Err(format!(
+            "annotation {REQUESTS_ANNOTATION} is {} bytes, over {MAX_REQUESTS_ANNOTATION}",
+            v.len()
+        ));
+    }
+    let reqs: Vec<ClaimRequest> = serde_json::from_str(v)
+        .map_err(|e| format!("annotation {REQUESTS_ANNOTATION} is not a list of requests: {e}"))?;
+    if reqs.is_empty() || reqs.len() > crate::MAX_CONTAINERS {
+        return Err(format!(
+            "annotation {REQUESTS_ANNOTATION} names {} requests: 1 to {} are possible",
+            reqs.len(),
+            crate::MAX_CONTAINERS
+        ));
+    }
+    let most_mib = crate::InventoryLimits::CEILING.max_gpu_memory_mib;
+    let mut seen = std::collections::BTreeSet::new();
+    for r in &reqs {
+        let ok = r.name == format!("c{}", r.container)
+            && seen.insert(r.container)
+            && (1..=64).contains(&r.count)
+            && r.core_milli <= 1000
+            && r.mem_mib.is_none_or(|m| (1..=most_mib).contains(&m));
+        if !ok {
+            return Err(format!(
+                "annotation {REQUESTS_ANNOTATION}: request {r:?} is not one the webhook makes"
+            ));
+        }
+    }
+    Ok(reqs)
+}
+
+/// The template pod `pod` of namespace `ns` claims, when it is a pod the webhook converted:
+/// None when it claims no gpuledger template; the template its [`REQUESTS_ANNOTATION`] makes
+/// when that template has the name the pod claims; why not otherwise (a pod that names one
+/// template and asks for another gets none).
+pub fn template_of_pod(ns: &str, pod: &Pod) -> Option<Result<ResourceClaimTemplate, String>> {
+    let claimed = claimed_template(pod)?;
+    let Some(v) = pod
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(REQUESTS_ANNOTATION))
+    else {
+        return Some(Err(format!(
+            "the pod claims template {claimed} but has no annotation {REQUESTS_ANNOTATION}"
+        )));
+    };
+    Some(decode_requests(v).and_then(|reqs| {
+        let t = template(ns, &reqs);
+        let name = t.metadata.name.as_deref().unwrap_or("");
+        if name == claimed {
+            Ok(t)
+        } else {
+            Err(format!(
+                "the pod claims template {claimed}, but its annotation {REQUESTS_ANNOTATION} \
+                 makes {name}"
+            ))
+        }
+    }))
+}
+
+/// The gpuledger template (named with [`TEMPLATE_PREFIX`]) that pod `pod`'s claim
+/// [`POD_CLAIM`] is made from, if it has one.
+pub fn claimed_template(pod: &Pod) -> Option<String> {
+    let name = pod
+        .spec
+        .as_ref()?
+        .resource_claims
+        .as_ref()?
+        .iter()
+        .find(|c| c.name == POD_CLAIM)?
+        .resource_claim_template_name
+        .clone()?;
+    name.starts_with(TEMPLATE_PREFIX).then_some(name)
+}
+
+/// The name of every template of gpuledger's starts with it.
+pub const TEMPLATE_PREFIX: &str = "gpuledger-";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn one(mib: Option<u64>, cores: u32) -> Vec<ClaimRequest> {
+        vec![ClaimRequest {
+            container: 0,
+            name: "c0".into(),
+            count: 1,
+            mem_mib: mib,
+            core_milli: cores,
+        }]
+    }
+
+    #[test]
+    fn requests_survive_the_annotation_and_absurd_ones_are_refused() {
+        let reqs = one(Some(3000), 200);
+        assert_eq!(decode_requests(&encode_requests(&reqs)).unwrap(), reqs);
+        for bad in [
+            r#"[]"#,
+            r#"[{"container":0,"name":"c1","count":1,"memMib":1,"coreMilli":1}]"#,
+            r#"[{"container":0,"name":"c0","count":0,"memMib":1,"coreMilli":1}]"#,
+            r#"[{"container":0,"name":"c0","count":1,"memMib":0,"coreMilli":1}]"#,
+            r#"[{"container":0,"name":"c0","count":1,"memMib":1,"coreMilli":1001}]"#,
+            r#"[{"container":0,"name":"c0","count":1,"memMib":1,"coreMilli":1,"x":1}]"#,
+            r#"{"container":0}"#,
+        ] {
+            assert!(decode_requests(bad).is_err(), "{bad}");
+        }
+        let twice = [one(Some(1), 1), one(Some(2), 2)].concat();
+        assert!(decode_requests(&encode_requests(&twice)).is_err());
+        assert!(decode_requests(&" ".repeat(MAX_REQUESTS_ANNOTATION + 1)).is_err());
+    }
+
+    #[test]
+    fn a_stored_template_compares_by_value_and_names_what_differs() {
+        let want = template("ns", &one(Some(2000), 200));
+        let mut got = want.clone();
+        let set = |t: &mut ResourceClaimTemplate, cores: Option<&str>| {
+            let e = t
+                .spec
+                .spec
+                .devices
+                .as_mut()
+                .unwrap()
+                .requests
+                .as_mut()
+                .unwrap()[0]
+                .exactly
+                .as_mut()
+                .unwrap();
+            e.capacity = cores.map(|q| CapacityRequirements {
+                requests: Some(BTreeMap::from([
+                    (MEMORY.to_string(), Quantity("2000Mi".into())),
+                    (CORES.to_string(), Quantity(q.into())),
+                ])),
+            });
+        };
+        // The API server writes 200 as "0.2k": the same quantity.
+        set(&mut got, Some("0.2k"));
+        assert_eq!(same_template(&want, &got), Ok(()));
+        set(&mut got, Some("1k"));
+        let why = same_template(&want, &got).unwrap_err();
+        assert!(
+            why.contains("capacity.requests") && why.contains("delete it"),
+            "{why}"
+        );
+        // A gate that is off drops capacity.requests: said so.
+        set(&mut got, None);
+        let why = same_template(&want, &got).unwrap_err();
+        assert!(why.contains("DRAConsumableCapacity"), "{why}");
+    }
+}
