@@ -277,7 +277,18 @@ pub struct Limits {
     #[arg(long, env = "GPULEDGER_MAX_STREAMS_PER_IDENTITY", default_value_t = 64)]
     pub max_streams_per_identity: usize,
 
-    /// Requests of one verified identity being answered at once; past it RESOURCE_EXHAUSTED.
+    /// How long a request's message may take to arrive after its headers, in milliseconds;
+    /// past it DEADLINE_EXCEEDED. A request holds no slot in flight until its message has
+    /// arrived (0 = no bound).
+    #[arg(
+        long,
+        env = "GPULEDGER_REQUEST_BODY_TIMEOUT_MS",
+        default_value_t = 10_000
+    )]
+    pub request_body_timeout_ms: u64,
+
+    /// Requests being answered at once per holder of a verified identity (the pod of a
+    /// pod-bound token, else the token; the client certificate); past it RESOURCE_EXHAUSTED.
     #[arg(
         long,
         env = "GPULEDGER_MAX_IN_FLIGHT_PER_IDENTITY",

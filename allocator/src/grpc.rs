@@ -22,6 +22,8 @@ use crate::span::rpc_span;
 /// Largest request accepted (a filter over tens of thousands of nodes; writes are held to far
 /// less by the service).
 const MAX_REQUEST: usize = 4 * 1024 * 1024;
+/// Largest request body read before a call is answered: one message and its gRPC frame header.
+pub(crate) const MAX_REQUEST_BODY: usize = MAX_REQUEST + 5;
 /// Largest answer sent (a dump of a large ledger).
 const MAX_ANSWER: usize = 256 * 1024 * 1024;
 

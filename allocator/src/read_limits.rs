@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use governor::clock::{Clock, DefaultClock};
 use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
-use gpuledger_auth::identity::{Caller, Role};
+use gpuledger_auth::identity::{Holder, Role};
 use gpuledger_auth::limit::{Bites, wait_turn};
 use gpuledger_auth::rules::Call;
 use gpuledger_auth::server::over_limit;
@@ -34,7 +34,7 @@ pub fn is_heavy(call: Call) -> bool {
 }
 
 /// None when `caller` may start a heavy read now (its turn taken), else how long until it may.
-fn next_turn(limiter: &DefaultKeyedRateLimiter<Caller>, caller: &Caller) -> Option<Duration> {
+fn next_turn(limiter: &DefaultKeyedRateLimiter<Holder>, caller: &Holder) -> Option<Duration> {
     let clock = DefaultClock::default();
     limiter
         .check_key(caller)
@@ -46,7 +46,7 @@ fn next_turn(limiter: &DefaultKeyedRateLimiter<Caller>, caller: &Caller) -> Opti
 pub struct ReadLimits {
     per_s: u32,
     burst: u32,
-    limiter: Option<DefaultKeyedRateLimiter<Caller>>,
+    limiter: Option<DefaultKeyedRateLimiter<Holder>>,
     bites: Arc<Bites>,
 }
 
@@ -75,11 +75,11 @@ impl ReadLimits {
     /// Wait for `caller`'s turn to make the heavy read `call`, or refuse it when the turn is
     /// more than [`MAX_WAIT`] away. Allocators and the extender are not held to the rate: their
     /// reads are scheduling itself, bounded by their requests in flight.
-    pub async fn admit(&self, caller: &Caller, call: Call) -> Result<(), Status> {
+    pub async fn admit(&self, caller: &Holder, call: Call) -> Result<(), Status> {
         let Some(limiter) = &self.limiter else {
             return Ok(());
         };
-        if !is_heavy(call) || matches!(caller.role, Role::Allocator | Role::Extender) {
+        if !is_heavy(call) || matches!(caller.caller.role, Role::Allocator | Role::Extender) {
             return Ok(());
         }
         if limiter.len() > MAX_KEYS {
@@ -104,11 +104,11 @@ impl ReadLimits {
 
     /// Wait for `caller`'s next heavy-read turn, however long (a stream's next page: its
     /// client is waiting for it anyway, and the stream holds one of the caller's stream slots).
-    pub async fn pace(&self, caller: &Caller) {
+    pub async fn pace(&self, caller: &Holder) {
         let Some(limiter) = &self.limiter else {
             return;
         };
-        if matches!(caller.role, Role::Allocator | Role::Extender) {
+        if matches!(caller.caller.role, Role::Allocator | Role::Extender) {
             return;
         }
         let turn = || next_turn(limiter, caller);
@@ -120,11 +120,18 @@ impl ReadLimits {
 mod tests {
     use super::*;
 
-    fn viewer() -> Caller {
-        Caller {
-            role: Role::Viewer,
-            subject: "system:serviceaccount:x:dashboards".into(),
+    fn holder(role: Role, subject: &str) -> Holder {
+        Holder {
+            caller: gpuledger_auth::identity::Caller {
+                role,
+                subject: subject.into(),
+            },
+            instance: "token:0".into(),
         }
+    }
+
+    fn viewer() -> Holder {
+        holder(Role::Viewer, "system:serviceaccount:x:dashboards")
     }
 
     #[tokio::test]
@@ -166,19 +173,13 @@ mod tests {
         l.admit(&viewer(), Call::Dump).await.unwrap();
         assert!(l.admit(&viewer(), Call::Status).await.is_ok());
         for role in [Role::Extender, Role::Allocator] {
-            let c = Caller {
-                role,
-                subject: "s".into(),
-            };
+            let c = holder(role, "s");
             for _ in 0..10 {
                 l.admit(&c, Call::Filter).await.unwrap();
                 l.pace(&c).await;
             }
         }
-        let other = Caller {
-            role: Role::Viewer,
-            subject: "system:serviceaccount:x:other".into(),
-        };
+        let other = holder(Role::Viewer, "system:serviceaccount:x:other");
         l.admit(&other, Call::Dump).await.unwrap();
     }
 }

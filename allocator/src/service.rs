@@ -20,7 +20,7 @@ mod writes;
 use std::sync::Arc;
 use std::time::Duration;
 
-use gpuledger_auth::identity::Caller;
+use gpuledger_auth::identity::Holder;
 use gpuledger_auth::limit::{Slot, Slots};
 use gpuledger_auth::rules::Call;
 use gpuledger_auth::server::{Authenticated, over_limit};
@@ -64,8 +64,8 @@ pub struct Service {
     write_limits: Arc<WriteLimits>,
     /// Heavy reads per identity and second.
     read_limits: Arc<ReadLimits>,
-    /// Open streams per verified identity.
-    streams: Arc<Slots<Caller>>,
+    /// Open streams per holder of a verified identity.
+    streams: Arc<Slots<Holder>>,
     /// Threads that answer CPU-heavy reads, off the async runtime.
     heavy: Arc<Semaphore>,
     preemption: Arc<crate::preemption::Preemption>,
@@ -181,20 +181,20 @@ impl Service {
 
     /// A slot of the caller's open streams, or RESOURCE_EXHAUSTED (no slot without a verified
     /// identity: such a request is refused by authorization anyway).
-    fn stream_slot<Q>(&self, req: &Request<Q>) -> Result<Option<Slot<Caller>>, Status> {
+    fn stream_slot<Q>(&self, req: &Request<Q>) -> Result<Option<Slot<Holder>>, Status> {
         let Some(a) = req.extensions().get::<Authenticated>() else {
             return Ok(None);
         };
+        let holder = a.holder();
         self.streams
-            .try_acquire(a.caller.clone())
+            .try_acquire(holder.clone())
             .map(Some)
             .map_err(|_| {
                 over_limit(
                     Status::resource_exhausted(format!(
-                        "{} has {} streams open, as many as one identity may \
+                        "{holder} has {} streams open, as many as one identity may \
                          (--max-streams-per-identity); close some",
-                        a.caller,
-                        self.streams.in_use_by(&a.caller)
+                        self.streams.in_use_by(&holder)
                     )),
                     BITE_STREAMS,
                 )

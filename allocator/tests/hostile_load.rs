@@ -21,7 +21,7 @@ use tonic::metadata::MetadataValue;
 use crate::hostile_tokens::with_token;
 
 /// The value of `gpuledger_allocator_limited_total{limit="<limit>"}` on replica `i`.
-async fn limited(allocs: &Allocators, i: usize, limit: &str) -> anyhow::Result<f64> {
+pub(crate) async fn limited(allocs: &Allocators, i: usize, limit: &str) -> anyhow::Result<f64> {
     let (_, text) =
         gpuledger_testkit::http::get(&format!("http://{}/metrics", allocs.http[i])).await?;
     let prefix = format!("gpuledger_allocator_limited_total{{limit=\"{limit}\"}} ");

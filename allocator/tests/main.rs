@@ -6,6 +6,7 @@ mod support;
 
 mod api_basics;
 mod budgets_from_kubernetes;
+mod caller_limits;
 mod dra_certification;
 mod etcd_out_of_space;
 mod etcd_tls;

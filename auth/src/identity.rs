@@ -65,6 +65,36 @@ impl fmt::Display for Caller {
     }
 }
 
+/// Whom a per-caller limit (requests in flight, streams, heavy reads) counts a request
+/// against: a verified caller and which of its holders sent it. Many callers can share one
+/// identity (every operator's token is the viewer ServiceAccount's, the extender's replicas
+/// share theirs), and none of them may use up the others' share: the holder is the pod of a
+/// pod-bound token, else the token, or the client certificate.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Holder {
+    /// The verified identity.
+    pub caller: Caller,
+    /// Which of its holders: `pod:<uid>`, `token:<digest>` or `cert:<digest>`.
+    pub instance: String,
+}
+
+impl fmt::Display for Holder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} [{}]", self.caller, self.instance)
+    }
+}
+
+/// The first bytes of `digest` in hex: enough to tell a caller's holders apart, never the
+/// credential.
+pub fn short_digest(prefix: &str, digest: &[u8]) -> String {
+    use std::fmt::Write;
+    let mut s = String::from(prefix);
+    for b in digest.iter().take(8) {
+        let _ = write!(s, "{b:02x}");
+    }
+    s
+}
+
 /// Why an identity could not be read.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum IdentityError {

@@ -16,7 +16,7 @@ use base64::Engine;
 use futures::future::BoxFuture;
 use sha2::{Digest, Sha256};
 
-use crate::identity::{Caller, Role};
+use crate::identity::{Caller, Holder, Role, short_digest};
 use crate::limit::Bites;
 
 /// The audience gpuledger's tokens are requested for.
@@ -127,6 +127,8 @@ type Verdict = Result<Caller, TokenError>;
 #[derive(Clone)]
 struct Cached {
     verdict: Verdict,
+    /// The UID of the pod the token is bound to, if it is.
+    pod_uid: Option<String>,
     ttl: Duration,
 }
 
@@ -245,9 +247,28 @@ impl TokenAuthenticator {
         token: &str,
         peer: Option<IpAddr>,
     ) -> Result<Verdict, Unreviewed> {
+        Ok(self.holder_from(token, peer).await?.map(|h| h.caller))
+    }
+
+    /// [`TokenAuthenticator::authenticate_from`], naming which of the caller's holders sent
+    /// the token: the pod a projected token is bound to, else the token itself (a digest).
+    pub async fn holder_from(
+        &self,
+        token: &str,
+        peer: Option<IpAddr>,
+    ) -> Result<Result<Holder, TokenError>, Unreviewed> {
         let key: [u8; 32] = Sha256::digest(token.as_bytes()).into();
+        let holder = |c: Cached| {
+            c.verdict.map(|caller| Holder {
+                caller,
+                instance: match c.pod_uid {
+                    Some(uid) => format!("pod:{uid}"),
+                    None => short_digest("token:", &key),
+                },
+            })
+        };
         if let Some(c) = self.cache.get(&key).await {
-            return Ok(c.verdict);
+            return Ok(holder(c));
         }
         if let Err(why) = plausible(token, now_unix()) {
             return Ok(Err(TokenError::Invalid(why)));
@@ -270,7 +291,7 @@ impl TokenAuthenticator {
             .cache
             .try_get_with(key, async {
                 self.reviews.fetch_add(1, Ordering::Relaxed);
-                let verdict = self.verify(token).await?;
+                let (verdict, pod_uid) = self.verify(token).await?;
                 let ttl = match &verdict {
                     Ok(_) => ttl_until_expiry(token, now_unix()).map_or(UNKNOWN_EXPIRY_TTL, |t| t),
                     Err(_) => {
@@ -281,15 +302,30 @@ impl TokenAuthenticator {
                     }
                 }
                 .min(self.max_ttl);
-                Ok::<_, Unavailable>(Cached { verdict, ttl })
+                Ok::<_, Unavailable>(Cached {
+                    verdict,
+                    pod_uid,
+                    ttl,
+                })
             })
             .await
             .map_err(|e: Arc<Unavailable>| (*e).clone())?;
-        Ok(cached.verdict)
+        Ok(holder(cached))
     }
 
-    async fn verify(&self, token: &str) -> Result<Verdict, Unavailable> {
+    /// The verdict on `token`, and the UID of the pod it is bound to, if it is.
+    async fn verify(&self, token: &str) -> Result<(Verdict, Option<String>), Unavailable> {
         let r = self.reviewer.review(token, AUDIENCE).await?;
+        let pod_uid = r
+            .extra
+            .get(POD_UID_KEY)
+            .and_then(|v| v.first())
+            .filter(|_| r.authenticated)
+            .cloned();
+        Ok((self.judge(r).await?, pod_uid))
+    }
+
+    async fn judge(&self, r: Review) -> Result<Verdict, Unavailable> {
         if !r.authenticated {
             let why = if r.error.is_empty() {
                 "not authenticated".to_string()

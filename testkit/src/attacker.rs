@@ -78,6 +78,18 @@ pub async fn tls_from(
 /// lost connection) from the loopback address `source`, as the caller `creds` names: its
 /// client certificate presented, or its token file read once and sent with every call.
 pub fn allocator_from(source: &str, addr: &str, creds: &CredentialArgs) -> Result<ClientFrom> {
+    Ok(AllocatorClient::new(channel_from(source, addr, creds)?)
+        .max_decoding_message_size(512 * 1024 * 1024)
+        .max_encoding_message_size(64 * 1024 * 1024))
+}
+
+/// A channel to the allocator at `addr` from the loopback address `source`, carrying the
+/// caller `creds` names: for calls no generated client makes ([`raw_unary`], [`bodiless`]).
+pub fn channel_from(
+    source: &str,
+    addr: &str,
+    creds: &CredentialArgs,
+) -> Result<InterceptedService<Channel, Token>> {
     let ca = creds.ca.as_deref().context("no CA in the credentials")?;
     let identity = creds
         .client_cert
@@ -114,9 +126,92 @@ pub fn allocator_from(source: &str, addr: &str, creds: &CredentialArgs) -> Resul
         .connect_timeout(Duration::from_millis(500))
         .timeout(Duration::from_secs(10))
         .connect_with_connector_lazy(connector);
-    Ok(
-        AllocatorClient::new(InterceptedService::new(channel, Token(token)))
-            .max_decoding_message_size(512 * 1024 * 1024)
-            .max_encoding_message_size(64 * 1024 * 1024),
-    )
+    Ok(InterceptedService::new(channel, Token(token)))
+}
+
+/// A codec that sends bytes as they are as the message of a gRPC call, and drops the answer.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Raw;
+
+impl tonic::codec::Encoder for Raw {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+    fn encode(
+        &mut self,
+        item: Vec<u8>,
+        dst: &mut tonic::codec::EncodeBuf<'_>,
+    ) -> Result<(), tonic::Status> {
+        use bytes::BufMut;
+        dst.put_slice(&item);
+        Ok(())
+    }
+}
+
+impl tonic::codec::Decoder for Raw {
+    type Item = ();
+    type Error = tonic::Status;
+    fn decode(
+        &mut self,
+        src: &mut tonic::codec::DecodeBuf<'_>,
+    ) -> Result<Option<()>, tonic::Status> {
+        use bytes::Buf;
+        src.advance(src.remaining());
+        Ok(Some(()))
+    }
+}
+
+impl tonic::codec::Codec for Raw {
+    type Encode = Vec<u8>;
+    type Decode = ();
+    type Encoder = Raw;
+    type Decoder = Raw;
+    fn encoder(&mut self) -> Raw {
+        Raw
+    }
+    fn decoder(&mut self) -> Raw {
+        Raw
+    }
+}
+
+/// The path of the allocator's RPC `method` (`Status`, `RegisterNode`, …).
+fn rpc_path(method: &str) -> Result<tonic::codegen::http::uri::PathAndQuery> {
+    Ok(format!("/gpuledger.allocator.v1.Allocator/{method}").parse()?)
+}
+
+/// Call `method` with `message` as its encoded request, whatever the bytes are.
+pub async fn raw_unary<T>(ch: T, method: &str, message: Vec<u8>) -> Result<(), tonic::Status>
+where
+    T: tonic::client::GrpcService<tonic::body::Body>,
+    T::Error: Into<tonic::codegen::StdError>,
+    T::ResponseBody: tonic::codegen::Body<Data = bytes::Bytes> + Send + 'static,
+    <T::ResponseBody as tonic::codegen::Body>::Error: Into<tonic::codegen::StdError> + Send,
+{
+    let path = rpc_path(method).map_err(|e| tonic::Status::internal(e.to_string()))?;
+    let mut g = tonic::client::Grpc::new(ch);
+    g.ready()
+        .await
+        .map_err(|e| tonic::Status::unavailable(e.into().to_string()))?;
+    g.unary(tonic::Request::new(message), path, Raw)
+        .await
+        .map(drop)
+}
+
+/// Call `method` with headers only: its message never comes (the call waits until the server
+/// answers or cuts it).
+pub async fn bodiless<T>(ch: T, method: &str) -> Result<(), tonic::Status>
+where
+    T: tonic::client::GrpcService<tonic::body::Body>,
+    T::Error: Into<tonic::codegen::StdError>,
+    T::ResponseBody: tonic::codegen::Body<Data = bytes::Bytes> + Send + 'static,
+    <T::ResponseBody as tonic::codegen::Body>::Error: Into<tonic::codegen::StdError> + Send,
+{
+    let path = rpc_path(method).map_err(|e| tonic::Status::internal(e.to_string()))?;
+    let mut g = tonic::client::Grpc::new(ch);
+    g.ready()
+        .await
+        .map_err(|e| tonic::Status::unavailable(e.into().to_string()))?;
+    let never = futures::stream::pending::<Vec<u8>>();
+    g.client_streaming(tonic::Request::new(never), path, Raw)
+        .await
+        .map(drop)
 }

@@ -182,6 +182,8 @@ pub(super) async fn security(
             gpuledger_auth::CallerLimits {
                 max_in_flight: l.max_in_flight_per_identity,
                 pause: Duration::from_millis(l.over_limit_pause_ms),
+                body_timeout: Duration::from_millis(l.request_body_timeout_ms),
+                max_body: crate::grpc::MAX_REQUEST_BODY,
             },
             bites.clone(),
         ),

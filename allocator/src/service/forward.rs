@@ -244,7 +244,7 @@ fn forwarding<Q>(inner: Q, auth: Option<&Authenticated>) -> Result<Request<Q>, S
             r.metadata_mut().insert(server::FORWARDED_AUTHORIZATION, v);
         }
         Some(a) => {
-            if let Some(v) = server::on_behalf_of(&a.caller)
+            if let Some(v) = server::on_behalf_of_holder(&a.holder())
                 .to_str()
                 .ok()
                 .and_then(|v| v.parse().ok())

@@ -18,7 +18,7 @@ pub(super) async fn read_log(
     let caller = req
         .extensions()
         .get::<gpuledger_auth::server::Authenticated>()
-        .map(|a| a.caller.clone());
+        .map(gpuledger_auth::server::Authenticated::holder);
     let limits = svc.read_limits.clone();
     let r = req.into_inner();
     let (log, archive) = (svc.log.clone(), svc.archive.clone());

@@ -5,7 +5,7 @@ use std::future::Future;
 use std::pin::Pin;
 
 use futures::{Stream, StreamExt};
-use gpuledger_auth::identity::Caller;
+use gpuledger_auth::identity::Holder;
 use gpuledger_auth::limit::Slot;
 use gpuledger_auth::rules::Call;
 use tonic::{Request, Response, Status};
@@ -22,7 +22,7 @@ impl<T> Ids for BoxStream<T> {}
 /// `r`'s stream, holding `slot` until the stream is dropped (the client went away or it ended).
 pub(super) fn holding<T: Send + 'static>(
     r: Result<Response<BoxStream<T>>, Status>,
-    slot: Option<Slot<Caller>>,
+    slot: Option<Slot<Holder>>,
 ) -> Result<Response<BoxStream<T>>, Status> {
     r.map(|resp| {
         resp.map(|s| -> BoxStream<T> {
@@ -52,6 +52,16 @@ where
     let span = Span::current();
     req.get_ref().record(&span);
     let caller = svc.authz.check(&req, call, &svc.shared).await?;
+    let holder = req
+        .extensions()
+        .get::<gpuledger_auth::server::Authenticated>()
+        .map_or_else(
+            || Holder {
+                caller: caller.clone(),
+                instance: String::new(),
+            },
+            gpuledger_auth::server::Authenticated::holder,
+        );
     if call.writes() && req.get_ref().encoded_len() > MAX_WRITE_BYTES {
         // A larger event could not fit one etcd transaction: refused here, it never reaches
         // the sequencer (where a failed commit would end the leadership).
@@ -62,7 +72,7 @@ where
         )));
     }
     span.record("caller", tracing::field::display(&caller));
-    svc.read_limits.admit(&caller, call).await?;
+    svc.read_limits.admit(&holder, call).await?;
     if call.writes() {
         svc.write_limits.admit(
             &caller,

@@ -4,7 +4,7 @@
 use base64::Engine;
 use http::HeaderValue;
 
-use crate::identity::{Caller, Role};
+use crate::identity::{Caller, Holder, Role};
 
 /// The header through which a follower tells the leader whom it forwards a write for, when
 /// that caller authenticated with a client certificate. Honoured only from an allocator that
@@ -19,16 +19,28 @@ pub const FORWARDED_AUTHORIZATION: &str = "x-gpuledger-forwarded-authorization";
 
 /// The value of [`ON_BEHALF_OF`] that names `caller`.
 pub fn on_behalf_of(caller: &Caller) -> HeaderValue {
+    on_behalf_of_holder(&Holder {
+        caller: caller.clone(),
+        instance: String::new(),
+    })
+}
+
+/// The value of [`ON_BEHALF_OF`] that names `holder` (the leader counts the forwarded call
+/// against the same holder as the caller's own calls).
+pub fn on_behalf_of_holder(holder: &Holder) -> HeaderValue {
+    let caller = &holder.caller;
     let json = serde_json::json!({
         "role": caller.role.kind(),
         "node": caller.node(),
         "subject": caller.subject,
+        "instance": holder.instance,
     });
     let v = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(json.to_string());
     HeaderValue::from_str(&v).expect("base64 is a valid header value")
 }
 
-pub(super) fn decode_on_behalf_of(v: &HeaderValue) -> Option<Caller> {
+/// The holder an [`ON_BEHALF_OF`] value names (one that names none: `claim`).
+pub(super) fn decode_on_behalf_of(v: &HeaderValue) -> Option<Holder> {
     let raw = base64::engine::general_purpose::URL_SAFE_NO_PAD
         .decode(v.as_bytes())
         .ok()?;
@@ -44,7 +56,16 @@ pub(super) fn decode_on_behalf_of(v: &HeaderValue) -> Option<Caller> {
         },
         _ => return None,
     };
-    Some(Caller { role, subject })
+    let instance = j
+        .get("instance")
+        .and_then(|i| i.as_str())
+        .filter(|i| !i.is_empty() && i.len() <= 128)
+        .unwrap_or("claim")
+        .to_string();
+    Some(Holder {
+        caller: Caller { role, subject },
+        instance,
+    })
 }
 
 #[cfg(test)]
@@ -62,7 +83,15 @@ mod tests {
                 role,
                 subject: "system:serviceaccount:gpuledger:x".into(),
             };
-            assert_eq!(decode_on_behalf_of(&on_behalf_of(&c)), Some(c));
+            let h = Holder {
+                caller: c.clone(),
+                instance: "cert:0a1b".into(),
+            };
+            assert_eq!(decode_on_behalf_of(&on_behalf_of_holder(&h)), Some(h));
+            assert_eq!(
+                decode_on_behalf_of(&on_behalf_of(&c)).map(|h| (h.caller, h.instance)),
+                Some((c, "claim".into()))
+            );
         }
         assert_eq!(decode_on_behalf_of(&HeaderValue::from_static("e30")), None);
         assert_eq!(decode_on_behalf_of(&HeaderValue::from_static("%%")), None);

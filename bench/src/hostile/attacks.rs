@@ -12,7 +12,9 @@ use anyhow::{Context, Result};
 use gpuledger_auth::identity::Role;
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
-use gpuledger_testkit::attacker::{ClientFrom, allocator_from, tcp_from, tls_from, tls_trusting};
+use gpuledger_testkit::attacker::{
+    ClientFrom, allocator_from, bodiless, channel_from, raw_unary, tcp_from, tls_from, tls_trusting,
+};
 use gpuledger_testkit::kube::{ExtenderClient, ExtenderConfig};
 use gpuledger_testkit::workload::inventory;
 use serde_json::json;
@@ -23,7 +25,7 @@ use super::cpu::Governor;
 use super::{Args, Ctx, NS, gpu_pod, pod_request};
 
 /// The attacks, by name, each with a line on what it does.
-pub const ATTACKS: [(&str, &str); 11] = [
+pub const ATTACKS: [(&str, &str); 14] = [
     (
         "slow-bodies",
         "webhook: bodies of 1 MB promised, a byte every 2 s, from 8 addresses; refused ones retried",
@@ -67,6 +69,18 @@ pub const ATTACKS: [(&str, &str); 11] = [
     (
         "forged-forwarding",
         "an allocator's token with a forwarding header claiming an admin",
+    ),
+    (
+        "forwarded-brake",
+        "an admin holds its calls in flight on the leader and writes through the follower, whose forwards the leader refuses",
+    ),
+    (
+        "bodiless-requests",
+        "a viewer's calls with headers and no message, 64 per connection from 8 addresses; reopened when cut",
+    ),
+    (
+        "undecodable",
+        "an admin sends messages that do not decode, to every write and read",
     ),
 ];
 
@@ -148,6 +162,18 @@ impl Tally {
                 rate(ok + refused)
             ),
             "heavy-reads" => format!("{ok} heavy reads ({:.0}/s)", rate(ok)),
+            "forwarded-brake" => format!(
+                "{ok} writes through the follower, {refused} refused ({:.0}/s)",
+                rate(refused)
+            ),
+            "bodiless-requests" => format!(
+                "{held} calls without a message held at most, {ok} started, {refused} cut or refused"
+            ),
+            "undecodable" => format!(
+                "{} undecodable messages ({:.0}/s), {refused} not answered INVALID_ARGUMENT",
+                ok + refused,
+                rate(ok + refused)
+            ),
             "forged-forwarding" => format!(
                 "{ok} forged writes accepted, {refused} refused ({:.0}/s)",
                 rate(refused)
@@ -677,6 +703,129 @@ pub async fn run(
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }
             });
+        }
+        "forwarded-brake" => {
+            // The follower: the replica that does not lead.
+            let mut follower = None;
+            for (i, addr) in ctx.addrs.iter().enumerate() {
+                let mut c =
+                    allocator_from(&from.addr(i), addr, &ctx.ids.credentials(&Role::Admin)?)?;
+                if c.status(api::StatusRequest {}).await?.into_inner().role == "follower" {
+                    follower = Some(i);
+                }
+            }
+            let follower = follower.context("no follower: run with --allocators 2 or more")?;
+            let leader = (follower + 1) % ctx.addrs.len();
+            // Dumps that wait their turn hold the admin's calls in flight on the leader...
+            for w in 0..16 {
+                let mut c = allocator_from(
+                    &from.addr(w),
+                    &ctx.addrs[leader],
+                    &ctx.ids.credentials(&Role::Admin)?,
+                )?;
+                let (stop, gov) = (stop.clone(), gov.clone());
+                tasks.spawn(async move {
+                    while !stop.is_cancelled() {
+                        gov.pace().await;
+                        let _ = c.dump(api::DumpRequest {}).await;
+                    }
+                });
+            }
+            // ...while its writes through the follower are forwarded to the leader.
+            let through = allocator_from(
+                &from.addr(0),
+                &ctx.addrs[follower],
+                &ctx.ids.credentials(&Role::Admin)?,
+            )?;
+            for _ in 0..4 {
+                let (mut c, stop, tally, gov, node) = (
+                    through.clone(),
+                    stop.clone(),
+                    tally.clone(),
+                    gov.clone(),
+                    ctx.nodes[0].clone(),
+                );
+                tasks.spawn(async move {
+                    while !stop.is_cancelled() {
+                        gov.pace().await;
+                        let r = c
+                            .set_device_health(api::SetDeviceHealthRequest {
+                                node: node.clone(),
+                                gpu_uuid: format!("GPU-{node}-7"),
+                                healthy: true,
+                                reason: "forwarded".into(),
+                                xid: 0,
+                            })
+                            .await;
+                        if r.is_ok() {
+                            tally.ok();
+                        } else {
+                            tally.refused();
+                        }
+                    }
+                });
+            }
+        }
+        "bodiless-requests" => {
+            let creds = ctx.ids.credentials(&Role::Viewer)?;
+            for w in 0..8 {
+                let ch = channel_from(&from.addr(w), &ctx.addrs[w % ctx.addrs.len()], &creds)?;
+                for _ in 0..64 {
+                    let (ch, stop, tally, gov) =
+                        (ch.clone(), stop.clone(), tally.clone(), gov.clone());
+                    tasks.spawn(async move {
+                        while !stop.is_cancelled() {
+                            gov.pace().await;
+                            let held = tally.hold();
+                            tokio::select! {
+                                _ = stop.cancelled() => return,
+                                _ = bodiless(ch.clone(), "Status") => {}
+                            }
+                            drop(held);
+                            tally.refused();
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                        }
+                    });
+                }
+            }
+        }
+        "undecodable" => {
+            let ch = channel_from(
+                &from.addr(0),
+                &ctx.addrs[0],
+                &ctx.ids.credentials(&Role::Admin)?,
+            )?;
+            for w in 0..2u64 {
+                let (ch, stop, tally, gov) = (ch.clone(), stop.clone(), tally.clone(), gov.clone());
+                tasks.spawn(async move {
+                    let methods = [
+                        "RegisterNode",
+                        "Reserve",
+                        "Release",
+                        "SetDeviceHealth",
+                        "Filter",
+                        "Status",
+                    ];
+                    let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ w;
+                    let mut n = 0usize;
+                    while !stop.is_cancelled() {
+                        gov.pace().await;
+                        n += 1;
+                        // A field whose length runs past the message, then random bytes.
+                        let mut bytes = vec![0x0a, 0x7f];
+                        bytes.extend((0..n % 23).map(|_| {
+                            x ^= x << 13;
+                            x ^= x >> 7;
+                            x ^= x << 17;
+                            x as u8
+                        }));
+                        match raw_unary(ch.clone(), methods[n % methods.len()], bytes).await {
+                            Err(s) if s.code() == tonic::Code::InvalidArgument => tally.ok(),
+                            _ => tally.refused(),
+                        }
+                    }
+                });
+            }
         }
         other => anyhow::bail!("no attack {other}"),
     }
