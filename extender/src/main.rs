@@ -96,8 +96,8 @@ struct Args {
     /// The path of a GPU pod whose annotation `gpuledger.io/path` and namespace label
     /// `gpuledger.io/path` choose none: "device-plugin" (gpuledger.io/* extended resources,
     /// reserved at bind) or "dra" (the webhook turns the pod's GPU requests into a ResourceClaim
-    /// of the gpu.gpuledger.io DeviceClass, through a ResourceClaimTemplate it creates in the
-    /// pod's namespace; the allocator certifies the claim). See docs/dra.md.
+    /// of the gpu.gpuledger.io DeviceClass, through a ResourceClaimTemplate the allocator makes
+    /// in the pod's namespace once the pod exists, and certifies). See docs/dra.md.
     #[arg(long, env = "GPULEDGER_POD_PATH", default_value = "device-plugin")]
     pod_path: webhook::PodPath,
 
@@ -106,6 +106,17 @@ struct Args {
     /// (RBAC: get on namespaces). Off: only the pod annotation and --pod-path choose.
     #[arg(long, env = "GPULEDGER_DRA_NAMESPACE_LABEL")]
     dra_namespace_label: bool,
+
+    /// Request shapes /validate asks the allocator about per second, after a burst (whether
+    /// any node can ever hold the pod; answers are kept 10 s per shape). Reviews are not
+    /// authenticated, so past this a pod is admitted unchecked (kube-scheduler's filter
+    /// refuses an impossible pod later) and counted as limit `validate_checks`. 0 = no pace.
+    #[arg(long, env = "GPULEDGER_VALIDATE_CHECKS_PER_S", default_value_t = 20)]
+    validate_checks_per_s: u32,
+
+    /// The burst of --validate-checks-per-s.
+    #[arg(long, env = "GPULEDGER_VALIDATE_CHECK_BURST", default_value_t = 100)]
+    validate_check_burst: u32,
 
     /// The scheduler names whose pods /bind binds (comma-separated); a bind of a pod of any
     /// other scheduler is refused. The allocator's --scheduler-names, which it checks too.
@@ -271,6 +282,11 @@ async fn run(a: Args) -> anyhow::Result<()> {
             .with_context(|| format!("listening on {addr}"))?;
         let app = webhook::router(webhook::Webhook {
             allocators: allocators.clone(),
+            feasible: webhook::Feasibility::new(
+                a.validate_checks_per_s,
+                a.validate_check_burst,
+                webhook_bites.clone(),
+            ),
             scheduler_name: a.scheduler_name.clone(),
             replica: replica.clone(),
             kube: kube.clone(),

@@ -2,6 +2,7 @@
 //! GPU requests, `validate` rejects what can never run with a message a user understands.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use axum::Router;
 use axum::body::Bytes;
@@ -11,7 +12,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use base64::Engine;
 use gpuledger_proto::allocator::v1 as api;
-use gpuledger_proto::ledger::v1 as pb;
 use json_patch::jsonptr::PointerBuf;
 use json_patch::{AddOperation, Patch, PatchOperation};
 use k8s_openapi::api::core::v1::{Pod, ResourceRequirements};
@@ -20,25 +20,29 @@ use kube::core::DynamicObject;
 use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview};
 use serde_json::{Value, json};
 use tracing::field::{self, Empty};
-use tracing::{Span, debug, info, instrument, warn};
+use tracing::{Span, debug, info, instrument};
 
 use crate::allocator::Allocators;
 use crate::resources::{self, ContainerGpu};
 
 pub mod dra;
+pub mod feasibility;
 pub use dra::PodPath;
+pub use feasibility::{Feasibility, Verdict};
 
 /// Shared state of the webhook handlers.
 #[derive(Clone)]
 pub struct Webhook {
     /// Allocator replicas (validate asks how many GPUs the largest node has).
     pub allocators: Allocators,
+    /// validate's answers per request shape, and the pace of its questions.
+    pub feasible: Arc<Feasibility>,
     /// When set, mutate moves GPU pods of the default scheduler to this scheduler.
     pub scheduler_name: Option<String>,
     /// The ledger replica namespaces' budgets are read from (None: budgets are not applied).
     pub replica: Option<std::sync::Arc<crate::replica::Replica>>,
-    /// API server client: the DRA path reads namespace labels and creates
-    /// ResourceClaimTemplates (None: every GPU pod takes `pod_path`, and the DRA path refuses).
+    /// API server client: the DRA path reads namespace labels (None: every GPU pod whose
+    /// annotation does not choose takes `pod_path`).
     pub kube: Option<kube::Client>,
     /// The path of a GPU pod whose annotation and namespace do not choose one.
     pub pod_path: PodPath,
@@ -373,8 +377,8 @@ async fn budget_hook(
     allowed
 }
 
-/// Why the pod must be refused, if it must.
-pub async fn check(allocators: &Allocators, pod: &Pod) -> Option<String> {
+/// Why the pod must be refused, if it must (asked of the allocator through `feasible`).
+pub async fn check(feasible: &Feasibility, allocators: &Allocators, pod: &Pod) -> Option<String> {
     let cs = match resources::containers(pod) {
         Ok(cs) => cs,
         Err(e) => return Some(e.to_string()),
@@ -401,7 +405,7 @@ pub async fn check(allocators: &Allocators, pod: &Pod) -> Option<String> {
             mem_mib: 1,
             ..Default::default()
         };
-        if let Some(why) = never_fits(allocators, vec![one]).await {
+        if let Verdict::Never(why) = feasible.never_fits(allocators, vec![one]).await {
             let name = cs
                 .iter()
                 .find(|c| c.slices.unwrap_or(1.0) as u32 == most)
@@ -415,49 +419,15 @@ pub async fn check(allocators: &Allocators, pod: &Pod) -> Option<String> {
         }
     }
     // Can any node ever hold the sizes it asks for (selectors aside: a GPU type may come)?
-    never_fits(allocators, sizes)
-        .await
-        .map(|why| format!("no node in the cluster can ever hold this pod: {why}"))
-}
-
-/// Why no registered node can ever hold `containers` (each node answers "never"), if so. No
-/// node registered, or the allocator not answering, is no reason to refuse: the scheduler's
-/// filter says so again, and refusing pods for an outage is worse.
-async fn never_fits(
-    allocators: &Allocators,
-    containers: Vec<api::ContainerRequest>,
-) -> Option<String> {
-    let probe = api::FilterRequest {
-        request: Some(api::PodRequest {
-            pod: Some(pb::PodRef {
-                uid: "admission-probe".into(),
-                namespace: "probe".into(),
-                name: "probe".into(),
-            }),
-            containers,
-            ..Default::default()
-        }),
-        nodes: Vec::new(),
-    };
-    match allocators
-        .call("Filter", |mut c| {
-            let p = probe.clone();
-            async move { c.filter(p).await }
-        })
-        .await
-    {
-        Ok(r) if r.nodes.is_empty() && r.failed.is_empty() && !r.unresolvable.is_empty() => {
-            let mut why: Vec<(String, String)> = r.unresolvable.into_iter().collect();
-            why.sort();
-            why.first()
-                .map(|(node, why)| format!("{why} (node {node}, and every other node)"))
-        }
-        Ok(_) => None,
-        Err(s) if s.code() == tonic::Code::InvalidArgument => Some(s.message().to_string()),
-        Err(s) => {
-            warn!(error = %s.message(), "validate could not ask the allocator; admitting");
+    match feasible.never_fits(allocators, sizes).await {
+        Verdict::Never(why) => Some(format!(
+            "no node in the cluster can ever hold this pod: {why}"
+        )),
+        Verdict::Unchecked => {
+            debug!("validate checks over --validate-checks-per-s: admitted unchecked");
             None
         }
+        Verdict::Fits => None,
     }
 }
 
@@ -472,7 +442,7 @@ async fn validate(State(w): State<Webhook>, body: Bytes) -> Response {
     let Some(pod) = pod else {
         return answer(allowed);
     };
-    let refusal = match check(&w.allocators, &pod).await {
+    let refusal = match check(&w.feasible, &w.allocators, &pod).await {
         Some(m) => Some(m),
         // A pod converted to the DRA path is a GPU pod too: its namespace's budget applies.
         None if resources::containers(&pod).is_ok_and(|c| !c.is_empty())

@@ -193,3 +193,57 @@ async fn filters_past_the_scheduling_rate_wait_their_turn_and_binds_go_on() -> a
     );
     Ok(())
 }
+
+/// Whether `/validate` allows `pod` (the review sent without credentials, as anyone can).
+async fn validated(hook: &kit::Https, pod: &Value) -> anyhow::Result<bool> {
+    let (s, v) = hook.post("/validate", &kit::review(pod, "v")).await?;
+    anyhow::ensure!(s == 200, "validate answered {s}: {v}");
+    Ok(v["response"]["allowed"] == true)
+}
+
+/// `/validate` asks the allocator (a Filter over every node, as the extender) at most
+/// `--validate-checks-per-s` new request shapes a second: a flood of reviews of distinct shapes
+/// is mostly admitted unchecked and counted, and a shape already answered is answered again
+/// from memory, so an impossible pod is still refused during the flood.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn validate_asks_the_allocator_at_a_bounded_pace() -> anyhow::Result<()> {
+    let port = free_port()?;
+    let stack = stack_with(
+        port,
+        &["--validate-checks-per-s=5", "--validate-check-burst=5"],
+    )
+    .await?;
+    let hook = kit::webhook_client(&stack, port)?;
+    let impossible = gpu_pod("big", "gpuledger-scheduler", 1, "100000");
+    assert!(
+        !validated(&hook, &impossible).await?,
+        "a pod no node can hold was admitted"
+    );
+    let t0 = std::time::Instant::now();
+    const FLOOD: usize = 200;
+    for i in 0..FLOOD {
+        let p = gpu_pod(
+            &format!("f{i}"),
+            "gpuledger-scheduler",
+            1,
+            &(100 + i).to_string(),
+        );
+        assert!(validated(&hook, &p).await?, "pod f{i} refused");
+    }
+    let asked_at_most = 5.0 + 5.0 * t0.elapsed().as_secs_f64() + 1.0;
+    let unchecked = kit::metric(
+        &stack,
+        "gpuledger_extender_limited_total{listener=\"webhook\",limit=\"validate_checks\"}",
+    )
+    .await?;
+    assert!(
+        unchecked >= FLOOD as f64 - asked_at_most,
+        "{unchecked} of {FLOOD} reviews unchecked: the allocator was asked more than {asked_at_most:.0} times"
+    );
+    // Answered from memory: still refused, though no question may be asked now.
+    assert!(
+        !validated(&hook, &impossible).await?,
+        "the cached refusal was lost"
+    );
+    Ok(())
+}

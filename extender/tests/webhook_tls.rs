@@ -96,6 +96,7 @@ async fn stalled_handshakes_and_headers_and_large_bodies_are_cut_off() -> anyhow
             Duration::from_millis(200),
             &creds,
         )?,
+        feasible: webhook::Feasibility::new(0, 0, gpuledger_auth::limit::Bites::new()),
         scheduler_name: None,
         replica: None,
         kube: None,
