@@ -131,6 +131,21 @@ impl DraNode {
 
     /// A claim allocated on GPU `gpu` with share `share`, as the scheduler writes it.
     fn add_claim(&self, uid: &str, name: &str, gpu: usize, share: &str) -> Result<dra::Claim> {
+        let request = json!({"name": "c0", "exactly": {"deviceClassName": "gpu.gpuledger.io"}});
+        self.add_claim_of(uid, name, gpu, share, request, "c0")
+    }
+
+    /// A claim of request `request` allocated as `result` (a request name, or
+    /// `request/subrequest`) on GPU `gpu` with share `share`.
+    fn add_claim_of(
+        &self,
+        uid: &str,
+        name: &str,
+        gpu: usize,
+        share: &str,
+        request: Value,
+        result: &str,
+    ) -> Result<dra::Claim> {
         self.api
             .store
             .create(
@@ -139,9 +154,9 @@ impl DraNode {
                 "team-a",
                 json!({
                     "metadata": {"name": name, "namespace": "team-a", "uid": uid},
-                    "spec": {"devices": {"requests": [{"name": "c0", "exactly": {"deviceClassName": "gpu.gpuledger.io"}}]}},
+                    "spec": {"devices": {"requests": [request]}},
                     "status": {"allocation": {"devices": {"results": [{
-                        "request": "c0", "driver": "gpu.gpuledger.io", "pool": NODE,
+                        "request": result, "driver": "gpu.gpuledger.io", "pool": NODE,
                         "device": self.device(gpu), "shareID": share,
                         "consumedCapacity": {"memory": "3000Mi", "cores": "300"},
                     }]}}},
@@ -156,6 +171,11 @@ impl DraNode {
     }
 
     fn grant(&self, c: &dra::Claim, gpu: usize, share: &str) -> pb::ClaimGranted {
+        self.grant_of(c, gpu, share, "c0")
+    }
+
+    /// The grant of result `result` of claim `c`.
+    fn grant_of(&self, c: &dra::Claim, gpu: usize, share: &str, result: &str) -> pb::ClaimGranted {
         pb::ClaimGranted {
             allocation_id: 0,
             claim: Some(pb::ClaimRef {
@@ -163,7 +183,7 @@ impl DraNode {
                 namespace: c.namespace.clone(),
                 name: c.name.clone(),
             }),
-            request: "c0".into(),
+            request: result.into(),
             node: NODE.into(),
             pool: NODE.into(),
             device: self.device(gpu),
@@ -380,6 +400,35 @@ async fn dra_prepare_serves_only_ledger_grants_through_a_cdi_spec() -> Result<()
     n.wait_grant("claim-uid-1", |c| !c.prepared).await?;
     let u = n.dra.unprepare(&[claim, unknown]).await?;
     assert!(u.claims.values().all(|c| c.error.is_empty()), "{u:?}");
+    Ok(())
+}
+
+/// A claim allocated from a `firstAvailable` subrequest (`gpu/small`) is answered under its
+/// main request `gpu`, the name its containers give: the kubelet attaches a device only to
+/// containers whose request is among the device's request names, so answering `gpu/small`
+/// started the container without its GPU.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dra_prepare_answers_a_subrequest_under_its_main_request() -> Result<()> {
+    let n = DraNode::start().await?;
+    n.wait_slice(None).await?;
+    let request = json!({"name": "gpu", "firstAvailable": [
+        {"name": "small", "deviceClassName": "gpu.gpuledger.io"}]});
+    let claim = n.add_claim_of("claim-uid-sub", "sub", 0, "share-s", request, "gpu/small")?;
+    n.allocs
+        .admin(0)?
+        .grant_claim(api::GrantClaimRequest {
+            grant: Some(n.grant_of(&claim, 0, "share-s", "gpu/small")),
+        })
+        .await?;
+    let r = n.dra.prepare(std::slice::from_ref(&claim)).await?;
+    let a = &r.claims["claim-uid-sub"];
+    assert_eq!(a.error, "", "{}", n.log());
+    assert_eq!(a.devices.len(), 1);
+    assert_eq!(a.devices[0].request_names, ["gpu"]);
+    assert_eq!(
+        a.devices[0].cdi_device_ids[0],
+        "gpuledger.io/claim=claim-uid-sub-gpu_small"
+    );
     Ok(())
 }
 

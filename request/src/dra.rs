@@ -376,6 +376,14 @@ pub fn claimed_template(pod: &Pod) -> Option<String> {
     name.starts_with(TEMPLATE_PREFIX).then_some(name)
 }
 
+/// The request a container names for an allocation result of `request`: a result allocated
+/// from a `firstAvailable` subrequest is named `request/subrequest`, and the kubelet gives a
+/// device to the containers naming `request` only when the driver answers that name
+/// (upstream's kubelet plugin helper strips the suffix the same way).
+pub fn main_request(request: &str) -> &str {
+    request.split_once('/').map_or(request, |(main, _)| main)
+}
+
 /// The name of every template of gpuledger's starts with it.
 pub const TEMPLATE_PREFIX: &str = "gpuledger-";
 
@@ -391,6 +399,12 @@ mod tests {
             mem_mib: mib,
             core_milli: cores,
         }]
+    }
+
+    #[test]
+    fn a_subrequest_result_answers_its_main_request() {
+        assert_eq!(main_request("gpu/small"), "gpu");
+        assert_eq!(main_request("gpu"), "gpu");
     }
 
     #[test]

@@ -231,7 +231,8 @@ impl Plugin {
                 );
             }
             devices.push(dra::Device {
-                request_names: vec![r.request.clone()],
+                // A container names the main request, never `request/subrequest`.
+                request_names: vec![gpuledger_request::dra::main_request(&r.request).to_string()],
                 pool_name: r.pool.clone(),
                 device_name: r.device.clone(),
                 cdi_device_ids: ids,
