@@ -2,7 +2,9 @@
 //! port admits kube-scheduler's certificate only (not a viewer's or a node agent's from the
 //! same CA); connections are bounded per address and the last tenth of a listener is kept for
 //! addresses that hold few, so a flood from many addresses leaves both ports answering; a body that trickles in is cut (408), and one over the size limit is
-//! answered 413, not with a broken connection. Each refusal is counted in
+//! answered 413, not with a broken connection. A full listener lets a newcomer in by closing
+//! an idle connection of the peer holding the most; the plain port of probes and metrics is
+//! bounded the same way. Each refusal is counted in
 //! `gpuledger_extender_limited_total{listener,limit}`.
 
 use crate::kit;
@@ -193,5 +195,75 @@ async fn a_50_mb_body_is_answered_413() -> anyhow::Result<()> {
         .post("/mutate", &kit::review(&pod(), "u"))
         .await?;
     assert_eq!(status, 200, "and the webhook goes on");
+    Ok(())
+}
+
+/// Regression (hostile load II): the plain port of /healthz, /readyz and /metrics had no
+/// bound, and idle connections took the process's file descriptors.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_cannot_take_the_probe_port() -> anyhow::Result<()> {
+    let (stack, _) = stack(&[
+        "--http-max-connections=64",
+        "--http-max-connections-per-peer=8",
+        "--http-header-read-timeout-ms=1500",
+    ])
+    .await?;
+    let addr: SocketAddr = stack
+        .extender_http_url
+        .trim_start_matches("http://")
+        .parse()?;
+    let mut flood = attacker::idle_flood_past(addr, 64).await?;
+    let (code, _) =
+        gpuledger_testkit::http::get(&format!("{}/healthz", stack.extender_http_url)).await?;
+    assert_eq!(code, 200, "the liveness probe during the flood");
+    attacker::ensure_closed_within(&mut flood, Duration::from_millis(1600)).await?;
+    for limit in ["http_connections_per_peer", "http_connections_evicted"] {
+        let line =
+            format!("gpuledger_extender_limited_total{{listener=\"http\",limit=\"{limit}\"}} ");
+        let n = kit::metric(&stack, &line).await?;
+        assert!(n >= 1.0, "{limit} counted {n}");
+    }
+    Ok(())
+}
+
+/// Regression (hostile load II): four addresses at the per-peer limit and a few more at one
+/// connection each held every connection of the webhook (its last tenth was kept only for
+/// addresses holding few, which a dozen addresses each are); the API server's next connection
+/// was refused, and with failurePolicy Fail no GPU pod could be created.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dozen_addresses_cannot_fill_the_webhook() -> anyhow::Result<()> {
+    let (stack, hook) = stack(&[
+        "--max-connections=128",
+        "--max-connections-per-peer=32",
+        "--request-read-timeout-ms=30000",
+    ])
+    .await?;
+    let mut held = Vec::new();
+    for source in 2..6 {
+        for _ in 0..32 {
+            if let Ok(s) = tls_from(&stack, &format!("127.0.0.{source}"), hook).await {
+                held.push(s);
+            }
+        }
+    }
+    for source in 10..30 {
+        if let Ok(s) = tls_from(&stack, &format!("127.0.0.{source}"), hook).await {
+            held.push(s);
+        }
+    }
+    let full = webhook_limited(&stack, "connections").await?
+        + webhook_limited(&stack, "connections_evicted").await?;
+    assert!(
+        full >= 1.0,
+        "the webhook never filled ({} connections)",
+        held.len()
+    );
+    // The API server, holding nothing, is answered.
+    let (status, _) = kit::webhook_client(&stack, hook)?
+        .post("/mutate", &kit::review(&pod(), "u"))
+        .await?;
+    assert_eq!(status, 200, "the API server's review");
+    assert!(webhook_limited(&stack, "connections_evicted").await? >= 1.0);
+    drop(held);
     Ok(())
 }
