@@ -160,14 +160,15 @@ struct Args {
     )]
     request_read_timeout_ms: u64,
 
-    /// `filter` and `prioritize` calls answered per second, together, after a burst
-    /// (kube-scheduler makes one of each per pod it schedules); a call past the rate waits up
-    /// to a second for its turn, then is answered 429. Binds are not paced. 0 = no limit.
+    /// `filter` and `prioritize` calls answered per second per peer address, together, after
+    /// a burst (kube-scheduler makes one of each per pod it schedules); a turn is taken once a
+    /// call's body has arrived, and a call past the rate waits up to a second for its turn,
+    /// then is answered 429. Binds are not paced. 0 = no limit.
     #[arg(long, env = "GPULEDGER_SCHEDULING_CALLS_PER_S", default_value_t = 500)]
     scheduling_calls_per_s: u32,
 
-    /// How many filter and prioritize calls may come at once before --scheduling-calls-per-s
-    /// applies.
+    /// How many filter and prioritize calls one peer address may make at once before
+    /// --scheduling-calls-per-s applies.
     #[arg(long, env = "GPULEDGER_SCHEDULING_CALL_BURST", default_value_t = 1000)]
     scheduling_call_burst: u32,
 
