@@ -146,4 +146,46 @@ mod tests {
         );
         assert!(Pace::new(0, 0, Bites::new()).admit(a).await.is_ok());
     }
+
+    /// A call whose body is still arriving holds no turn: the next call of the same address,
+    /// its body whole, is answered at once.
+    #[tokio::test]
+    async fn a_turn_is_taken_once_the_body_has_arrived() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let pace = Pace::new(1, 1, Bites::new());
+        let app = axum::Router::new()
+            .route("/filter", axum::routing::post(|b: Bytes| async move { b }))
+            .route_layer(axum::middleware::from_fn_with_state(pace, paced));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            axum::serve(
+                listener,
+                app.into_make_service_with_connect_info::<SocketAddr>(),
+            )
+            .await
+        });
+        let head =
+            "POST /filter HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\nconnection: close\r\n\r\n";
+        let mut slow = tokio::net::TcpStream::connect(addr).await.unwrap();
+        slow.write_all(format!("{head}{{").as_bytes())
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let t = std::time::Instant::now();
+        let mut whole = tokio::net::TcpStream::connect(addr).await.unwrap();
+        whole
+            .write_all(format!("{head}{{}}").as_bytes())
+            .await
+            .unwrap();
+        let mut answer = String::new();
+        whole.read_to_string(&mut answer).await.unwrap();
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        assert!(
+            t.elapsed() < Duration::from_millis(500),
+            "{:?}",
+            t.elapsed()
+        );
+        drop(slow);
+    }
 }
