@@ -186,7 +186,7 @@ impl<S> Accept<TcpStream, S> for Admit {
 }
 
 /// A connection's service that marks the connection busy from a request's arrival until its
-/// answer's body is sent.
+/// answer's body is sent, and for good once it is upgraded to another protocol.
 #[derive(Debug, Clone)]
 pub struct Tracked<S> {
     inner: S,
@@ -208,9 +208,13 @@ where
 
     fn call(&mut self, req: http::Request<B>) -> Self::Future {
         let busy = self.held.busy();
+        let held = self.held.clone();
         let answer = self.inner.call(req);
         Box::pin(async move {
             let res = answer.await?;
+            if res.status() == http::StatusCode::SWITCHING_PROTOCOLS {
+                held.upgraded();
+            }
             // The guard lives as long as the body being sent.
             Ok(res.map(|b| {
                 axum::body::Body::new(http_body_util::BodyExt::map_err(b, move |e| {

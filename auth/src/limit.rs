@@ -116,6 +116,7 @@ pub struct Slots<K> {
 #[derive(Debug, Default)]
 pub struct Held {
     busy: AtomicUsize,
+    upgraded: std::sync::atomic::AtomicBool,
     evicted: CancellationToken,
 }
 
@@ -130,8 +131,14 @@ impl Held {
         Busy(self.clone())
     }
 
+    /// The connection now carries another protocol (an HTTP upgrade, e.g. a websocket): it
+    /// is busy until it closes.
+    pub fn upgraded(&self) {
+        self.upgraded.store(true, Ordering::Release);
+    }
+
     fn idle(&self) -> bool {
-        self.busy.load(Ordering::Acquire) == 0
+        self.busy.load(Ordering::Acquire) == 0 && !self.upgraded.load(Ordering::Acquire)
     }
 
     /// Whether this slot was taken for a newcomer.

@@ -119,6 +119,11 @@ fn a_newcomer_takes_an_idle_slot_of_the_heaviest_key_when_full() {
     let _b = [s2.try_acquire("b").unwrap(), s2.try_acquire("b").unwrap()];
     assert_eq!(s2.try_acquire("b").unwrap_err(), Full::Total);
     assert!(s2.try_acquire("c").is_ok(), "a key holding none does");
+    // An upgraded connection (a websocket) is never idle.
+    let s3 = Slots::evicting(("all", "one"), "evicted", 3, 3, Bites::new());
+    let up: Vec<_> = (0..3).map(|_| s3.try_acquire("ws").unwrap()).collect();
+    up.iter().for_each(|u| u.held().unwrap().upgraded());
+    assert_eq!(s3.try_acquire("new").unwrap_err(), Full::Total);
     // The evicted slot is given back once only.
     drop(heavy);
     drop(newcomer);
