@@ -134,7 +134,8 @@ struct Args {
     scheduler_client_names: Vec<String>,
 
     /// Open connections at once on each HTTPS port (webhook, scheduler), handshakes included;
-    /// over it a new connection is closed at once.
+    /// when it is full, a peer holding few takes the slot of an idle connection of the peer
+    /// holding the most, else the new connection is closed at once.
     #[arg(long, env = "GPULEDGER_MAX_CONNECTIONS", default_value_t = 1024)]
     max_connections: usize,
 
