@@ -48,6 +48,10 @@ pub struct Config {
     #[arg(long, env = "GPULEDGER_HTTP_LISTEN", default_value = "0.0.0.0:7421")]
     pub http_listen: SocketAddr,
 
+    /// The bounds of --http-listen's port.
+    #[command(flatten)]
+    pub http: gpuledger_auth::PlainHttpArgs,
+
     /// Address other replicas use to reach this one (host:port). Default: --listen, with
     /// 0.0.0.0 replaced by 127.0.0.1 (set it to the pod IP in Kubernetes).
     #[arg(long, env = "GPULEDGER_ADVERTISE")]

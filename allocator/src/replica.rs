@@ -143,11 +143,18 @@ pub async fn run_until(cfg: Config, stop: CancellationToken) -> Result<(), Start
             .run_until_cancelled_owned(async move { views.maintain_views().await }),
     );
     let router = crate::http::router(shared.clone(), cfg.http_state_api, cfg.metrics_namespaces);
-    let http_stop = stop.clone();
+    let (http_stop, http_limits) = (stop.clone(), cfg.http.limits());
+    let http_bites = shared.metrics.bites.clone();
     tasks.spawn(async move {
-        let served = axum::serve(http, router)
-            .with_graceful_shutdown(http_stop.cancelled_owned())
-            .await;
+        let served = gpuledger_auth::https::serve_plain(
+            "http",
+            http,
+            http_limits,
+            http_bites,
+            router,
+            http_stop,
+        )
+        .await;
         if let Err(e) = served {
             warn!(error = %e, "the HTTP endpoint stopped");
         }

@@ -110,3 +110,44 @@ async fn health_readiness_and_metrics() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// Regression (hostile load II): the plain HTTP port accepted every connection, and 20,000
+/// idle ones used up the leader's file descriptors until `/healthz` timed out. Now it holds
+/// `--http-max-connections` (per peer too), closes what sends no request within
+/// `--http-header-read-timeout-ms`, and the kubelet's probe still gets in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_cannot_take_the_plain_port() -> anyhow::Result<()> {
+    use gpuledger_testkit::attacker::{ensure_closed_within, idle_flood_past};
+    let etcd = EtcdCluster::start(1).await?;
+    let dir = tempfile::tempdir()?;
+    let flags = [
+        "--http-max-connections=64",
+        "--http-max-connections-per-peer=8",
+        "--http-header-read-timeout-ms=1500",
+    ];
+    let allocs = Allocators::start(dir.path(), &etcd, 1, "http", &flags)?;
+    allocs.wait_leader(Duration::from_secs(20)).await?;
+    let addr: std::net::SocketAddr = allocs.http[0].parse()?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while get(&format!("http://{addr}/healthz")).await.is_err() {
+        anyhow::ensure!(Instant::now() < deadline, "the HTTP port never answered");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Twelve addresses, 12 connections each: 144, over both the per-peer and the total bound.
+    let mut flood = idle_flood_past(addr, 64).await?;
+    let t = Instant::now();
+    let (code, _) = get(&format!("http://{addr}/healthz")).await?;
+    assert_eq!(code, 200, "the liveness probe during the flood");
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    // What sends no request is closed once the header read timeout passes.
+    ensure_closed_within(&mut flood, Duration::from_millis(1600)).await?;
+    let (_, text) = get(&format!("http://{addr}/metrics")).await?;
+    for limit in ["http_connections_per_peer", "http_connections_evicted"] {
+        let line = format!("gpuledger_allocator_limited_total{{limit=\"{limit}\"}}");
+        assert!(
+            metric(&text, &line).unwrap_or(0.0) >= 1.0,
+            "{limit} not counted: {text}"
+        );
+    }
+    Ok(())
+}

@@ -1,4 +1,5 @@
-//! The command-line flags every gpuledger server shares for TLS and client identities.
+//! The command-line flags every gpuledger server shares for TLS, client identities and its
+//! plain port of probes and metrics.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -58,5 +59,52 @@ impl ServerTlsArgs {
     /// The handshake timeout.
     pub fn handshake_timeout(&self) -> Duration {
         Duration::from_millis(self.handshake_timeout_ms.max(100))
+    }
+}
+
+/// The bounds of a server's plain HTTP port (`/healthz`, `/readyz`, `/metrics`): the kubelet's
+/// probes and Prometheus need a handful of connections, nothing more.
+#[derive(Debug, Clone, clap::Args)]
+pub struct PlainHttpArgs {
+    /// Open connections at once on the plain HTTP port; when it is full, a peer holding few
+    /// takes the slot of an idle connection of the peer holding the most, else the new
+    /// connection is closed at once.
+    #[arg(
+        id = "http_max_connections",
+        value_name = "HTTP_MAX_CONNECTIONS",
+        long = "http-max-connections",
+        env = "GPULEDGER_HTTP_MAX_CONNECTIONS",
+        default_value_t = 256
+    )]
+    pub max_connections: usize,
+    /// Open connections at once on the plain HTTP port from one peer address.
+    #[arg(
+        id = "http_max_connections_per_peer",
+        value_name = "HTTP_MAX_CONNECTIONS_PER_PEER",
+        long = "http-max-connections-per-peer",
+        env = "GPULEDGER_HTTP_MAX_CONNECTIONS_PER_PEER",
+        default_value_t = 32
+    )]
+    pub max_connections_per_peer: usize,
+    /// Longest wait for a request's headers on the plain HTTP port, in milliseconds (and so
+    /// the longest a kept-alive connection may sit idle).
+    #[arg(
+        id = "http_header_read_timeout_ms",
+        value_name = "HTTP_HEADER_READ_TIMEOUT_MS",
+        long = "http-header-read-timeout-ms",
+        env = "GPULEDGER_HTTP_HEADER_READ_TIMEOUT_MS",
+        default_value_t = 5_000
+    )]
+    pub header_read_timeout_ms: u64,
+}
+
+impl PlainHttpArgs {
+    /// The limits these flags give.
+    pub fn limits(&self) -> crate::https::Limits {
+        crate::https::Limits::plain(
+            self.max_connections,
+            self.max_connections_per_peer,
+            Duration::from_millis(self.header_read_timeout_ms.max(100)),
+        )
     }
 }

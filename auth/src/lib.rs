@@ -19,7 +19,7 @@ pub mod server;
 pub mod tls;
 pub mod token;
 
-pub use args::ServerTlsArgs;
+pub use args::{PlainHttpArgs, ServerTlsArgs};
 pub use client::{AuthChannel, CredentialArgs, Credentials, endpoint};
 pub use identity::{Caller, Role};
 pub use rules::{Call, Denied, Facts, PodFacts, authorize};

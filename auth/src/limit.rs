@@ -9,6 +9,7 @@ use std::hash::Hash;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -16,6 +17,7 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::time::{Instant, Sleep};
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 use tonic::transport::server::{Connected, TcpConnectInfo};
 
 /// How often each limit refused something, by limit name; shared by every limit of a process.
@@ -77,24 +79,78 @@ pub enum Full {
     PerKey,
 }
 
+/// What one key holds: how many slots, and (when the slots evict) each slot's [`Held`].
+#[derive(Debug, Default)]
+struct Holding {
+    n: usize,
+    held: HashMap<u64, Arc<Held>>,
+}
+
 #[derive(Debug)]
 struct Counts<K> {
     total: usize,
-    per_key: HashMap<K, usize>,
+    per_key: HashMap<K, Holding>,
+    next_id: u64,
 }
 
 /// At most `total` slots at once, at most `per_key` of them for one key; each refusal counted
 /// in [`Bites`] under the limit's names. The last tenth of the slots is kept for keys that hold
-/// few (under a sixteenth of `per_key`): attackers behind a handful of addresses can fill nine
-/// tenths of a listener, never the room an honest client with a connection or two needs.
+/// few (under a sixteenth of `per_key`). Slots made with [`Slots::evicting`] go further: when
+/// they are full, a key holding fewer than the heaviest key (by two or more) takes the slot of
+/// one of the heaviest key's idle connections ([`Held::busy`] marks the others), so no handful
+/// of addresses can fill a listener against a newcomer; only as many addresses as slots can.
 #[derive(Debug)]
 pub struct Slots<K> {
     total_name: &'static str,
     per_key_name: &'static str,
+    evicted_name: Option<&'static str>,
     max_total: usize,
     max_per_key: usize,
     counts: Mutex<Counts<K>>,
     bites: Arc<Bites>,
+}
+
+/// The state of one evictable slot, shared with the connection that holds it: whether a
+/// request is in progress on it, and whether its slot was taken for a newcomer (the connection
+/// then closes as soon as it is idle).
+#[derive(Debug, Default)]
+pub struct Held {
+    busy: AtomicUsize,
+    upgraded: std::sync::atomic::AtomicBool,
+    evicted: CancellationToken,
+}
+
+/// A request in progress on a connection (its connection is not idle while this lives).
+#[derive(Debug)]
+pub struct Busy(Arc<Held>);
+
+impl Held {
+    /// Mark a request in progress until the guard is dropped.
+    pub fn busy(self: &Arc<Self>) -> Busy {
+        self.busy.fetch_add(1, Ordering::AcqRel);
+        Busy(self.clone())
+    }
+
+    /// The connection now carries another protocol (an HTTP upgrade, e.g. a websocket): it
+    /// is busy until it closes.
+    pub fn upgraded(&self) {
+        self.upgraded.store(true, Ordering::Release);
+    }
+
+    fn idle(&self) -> bool {
+        self.busy.load(Ordering::Acquire) == 0 && !self.upgraded.load(Ordering::Acquire)
+    }
+
+    /// Whether this slot was taken for a newcomer.
+    pub fn is_evicted(&self) -> bool {
+        self.evicted.is_cancelled()
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.0.busy.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// One slot of [`Slots`], given back when dropped.
@@ -102,6 +158,8 @@ pub struct Slots<K> {
 pub struct Slot<K: Hash + Eq> {
     owner: Arc<Slots<K>>,
     key: Option<K>,
+    id: u64,
+    held: Option<Arc<Held>>,
 }
 
 impl<K: Hash + Eq + Clone> Slots<K> {
@@ -113,9 +171,36 @@ impl<K: Hash + Eq + Clone> Slots<K> {
         max_per_key: usize,
         bites: Arc<Bites>,
     ) -> Arc<Self> {
+        Self::build(names, None, max_total, max_per_key, bites)
+    }
+
+    /// Like [`Slots::new`], and when full a key holding few takes an idle slot of the key
+    /// holding the most (each such eviction counted as `evicted`); every slot then carries a
+    /// [`Held`] its holder must mark busy while a request is in progress, and close when
+    /// evicted.
+    pub fn evicting(
+        names: (&'static str, &'static str),
+        evicted: &'static str,
+        max_total: usize,
+        max_per_key: usize,
+        bites: Arc<Bites>,
+    ) -> Arc<Self> {
+        Self::build(names, Some(evicted), max_total, max_per_key, bites)
+    }
+
+    fn build(
+        names: (&'static str, &'static str),
+        evicted_name: Option<&'static str>,
+        max_total: usize,
+        max_per_key: usize,
+        bites: Arc<Bites>,
+    ) -> Arc<Self> {
         // A bound that cannot bite gets no series.
         if max_total > 0 {
             bites.declare(names.0);
+            if let Some(name) = evicted_name {
+                bites.declare(name);
+            }
         }
         if max_per_key > 0 {
             bites.declare(names.1);
@@ -123,6 +208,7 @@ impl<K: Hash + Eq + Clone> Slots<K> {
         Arc::new(Slots {
             total_name: names.0,
             per_key_name: names.1,
+            evicted_name,
             max_total: if max_total == 0 {
                 usize::MAX
             } else {
@@ -136,6 +222,7 @@ impl<K: Hash + Eq + Clone> Slots<K> {
             counts: Mutex::new(Counts {
                 total: 0,
                 per_key: HashMap::new(),
+                next_id: 0,
             }),
             bites,
         })
@@ -144,27 +231,72 @@ impl<K: Hash + Eq + Clone> Slots<K> {
     /// A slot for `key`, or which bound refused it (counted).
     pub fn try_acquire(self: &Arc<Self>, key: K) -> Result<Slot<K>, Full> {
         let mut c = self.counts.lock().unwrap_or_else(|p| p.into_inner());
-        let held = c.per_key.get(&key).copied().unwrap_or(0);
-        let reserved = self.max_total != usize::MAX
-            && c.total >= self.max_total - self.max_total / 10
-            && held >= (self.max_per_key / 16).max(1);
-        if c.total >= self.max_total || reserved {
-            drop(c);
-            self.bites.bite(self.total_name);
-            return Err(Full::Total);
-        }
-        let n = c.per_key.entry(key.clone()).or_insert(0);
-        if *n >= self.max_per_key {
+        let held = c.per_key.get(&key).map_or(0, |h| h.n);
+        if held >= self.max_per_key {
             drop(c);
             self.bites.bite(self.per_key_name);
             return Err(Full::PerKey);
         }
-        *n += 1;
+        let reserved = self.max_total != usize::MAX
+            && c.total >= self.max_total - self.max_total / 10
+            && held >= (self.max_per_key / 16).max(1);
+        if (c.total >= self.max_total || reserved) && !self.evict_for(&mut c, held) {
+            drop(c);
+            self.bites.bite(self.total_name);
+            return Err(Full::Total);
+        }
+        let id = c.next_id;
+        c.next_id += 1;
+        let state = self.evicted_name.map(|_| Arc::new(Held::default()));
+        let h = c.per_key.entry(key.clone()).or_default();
+        h.n += 1;
+        if let Some(s) = &state {
+            h.held.insert(id, s.clone());
+        }
         c.total += 1;
         Ok(Slot {
             owner: self.clone(),
             key: Some(key),
+            id,
+            held: state,
         })
+    }
+
+    /// Free a slot for a key holding `held`: an idle one of the heaviest key that holds at
+    /// least two more (so that two keys never take turns evicting each other), marked
+    /// evicted and no longer counted. False when these slots do not evict or none is idle.
+    fn evict_for(&self, c: &mut Counts<K>, held: usize) -> bool {
+        let Some(name) = self.evicted_name else {
+            return false;
+        };
+        let mut heavy: Vec<(&K, usize)> = c
+            .per_key
+            .iter()
+            .filter(|(_, h)| h.n >= held + 2)
+            .map(|(k, h)| (k, h.n))
+            .collect();
+        heavy.sort_unstable_by_key(|h| std::cmp::Reverse(h.1));
+        let victim = heavy.iter().find_map(|(k, _)| {
+            let h = c.per_key.get(*k)?;
+            let (id, _) = h.held.iter().find(|(_, s)| s.idle() && !s.is_evicted())?;
+            Some(((*k).clone(), *id))
+        });
+        let Some((key, id)) = victim else {
+            return false;
+        };
+        let Some(h) = c.per_key.get_mut(&key) else {
+            return false;
+        };
+        if let Some(s) = h.held.remove(&id) {
+            s.evicted.cancel();
+        }
+        h.n -= 1;
+        if h.n == 0 {
+            c.per_key.remove(&key);
+        }
+        c.total -= 1;
+        self.bites.bite(name);
+        true
     }
 
     /// Slots taken now.
@@ -179,8 +311,7 @@ impl<K: Hash + Eq + Clone> Slots<K> {
             .unwrap_or_else(|p| p.into_inner())
             .per_key
             .get(key)
-            .copied()
-            .unwrap_or(0)
+            .map_or(0, |h| h.n)
     }
 
     /// The bound on all slots together.
@@ -189,17 +320,29 @@ impl<K: Hash + Eq + Clone> Slots<K> {
     }
 }
 
+impl<K: Hash + Eq> Slot<K> {
+    /// The slot's shared state, when its [`Slots`] evict.
+    pub fn held(&self) -> Option<&Arc<Held>> {
+        self.held.as_ref()
+    }
+}
+
 impl<K: Hash + Eq> Drop for Slot<K> {
     fn drop(&mut self) {
         let Some(key) = self.key.take() else { return };
         let mut c = self.owner.counts.lock().unwrap_or_else(|p| p.into_inner());
-        c.total = c.total.saturating_sub(1);
-        if let Some(n) = c.per_key.get_mut(&key) {
-            *n -= 1;
-            if *n == 0 {
-                c.per_key.remove(&key);
-            }
+        let Some(h) = c.per_key.get_mut(&key) else {
+            return;
+        };
+        // An evicted slot was given back when it was taken for a newcomer.
+        if self.held.is_some() && h.held.remove(&self.id).is_none() {
+            return;
         }
+        h.n -= 1;
+        if h.n == 0 {
+            c.per_key.remove(&key);
+        }
+        c.total = c.total.saturating_sub(1);
     }
 }
 
@@ -268,7 +411,8 @@ pub struct ConnInfo {
 }
 
 /// An accepted TCP connection holding its slot of the listener's connection limit until it is
-/// closed, and read only while its [`Brake`] is released. When the server closed it gracefully (an answer sent, e.g. 413 to a body too large)
+/// closed, read only while its [`Brake`] is released, and ending (as if the client closed it)
+/// once its slot was evicted and no request is in progress. When the server closed it gracefully (an answer sent, e.g. 413 to a body too large)
 /// while the client may still be sending, what the client sends is read and dropped for up to
 /// `linger` before the socket is closed: closing with unread data would reset the connection,
 /// and the client would see a broken connection instead of the answer.
@@ -280,11 +424,15 @@ pub struct Conn {
     shut_down: bool,
     brake: Arc<Brake>,
     paused: Option<Pin<Box<Sleep>>>,
+    evicted: Option<(Arc<Held>, Pin<Box<WaitForCancellationFutureOwned>>)>,
 }
 
 impl Conn {
     /// `tcp`, holding `slot` while it is open, lingering `linger` after a graceful close.
     pub fn new(tcp: TcpStream, slot: Slot<IpAddr>, linger: Duration) -> Self {
+        let evicted = slot
+            .held()
+            .map(|h| (h.clone(), Box::pin(h.evicted.clone().cancelled_owned())));
         Conn {
             tcp: Some(tcp),
             slot: Some(slot),
@@ -292,7 +440,17 @@ impl Conn {
             shut_down: false,
             brake: Arc::default(),
             paused: None,
+            evicted,
         }
+    }
+
+    /// Whether the connection should end now: its slot was evicted and it is idle. Until
+    /// then the eviction wakes the reader that waits on it.
+    fn poll_evicted(&mut self, cx: &mut Context<'_>) -> bool {
+        let Some((held, cancelled)) = &mut self.evicted else {
+            return false;
+        };
+        (held.is_evicted() || cancelled.as_mut().poll(cx).is_ready()) && held.idle()
     }
 
     /// Pending until the brake is released, if it is held.
@@ -331,6 +489,10 @@ impl AsyncRead for Conn {
     ) -> Poll<io::Result<()>> {
         if self.poll_brake(cx).is_pending() {
             return Poll::Pending;
+        }
+        if self.poll_evicted(cx) {
+            // End of stream: the server closes the connection as if the client had.
+            return Poll::Ready(Ok(()));
         }
         match self.tcp() {
             Ok(t) => Pin::new(t).poll_read(cx, buf),
@@ -438,93 +600,32 @@ pub fn raise_open_files() -> Option<u64> {
     l.current
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+/// `<prefix>_limited_total{listener,limit}`: what each listener's limits refused (connections,
+/// bodies, client certificates naming another identity), one [`Bites`] per listener.
+#[derive(Debug)]
+pub struct Limited(pub Vec<(&'static str, Arc<Bites>)>);
 
-    #[test]
-    fn slots_bound_the_total_and_each_key_and_count_refusals() {
-        let bites = Bites::new();
-        let s = Slots::new(("all", "one"), 3, 2, bites.clone());
-        let a1 = s.try_acquire("a").unwrap();
-        let _a2 = s.try_acquire("a").unwrap();
-        assert_eq!(s.try_acquire("a").unwrap_err(), Full::PerKey);
-        let _b1 = s.try_acquire("b").unwrap();
-        assert_eq!(s.try_acquire("c").unwrap_err(), Full::Total);
-        assert_eq!(s.in_use(), 3);
-        drop(a1);
-        assert_eq!(s.in_use_by(&"a"), 1);
-        let _c1 = s.try_acquire("c").unwrap();
-        assert_eq!(bites.counts(), vec![("all", 1), ("one", 1)]);
-    }
-
-    #[test]
-    fn the_last_tenth_is_kept_for_keys_that_hold_few() {
-        let s = Slots::new(("all", "one"), 100, 64, Bites::new());
-        // Two greedy keys take nine tenths.
-        let mut held = Vec::new();
-        for i in 0..90 {
-            held.push(s.try_acquire(i % 2).unwrap());
+impl prometheus_client::collector::Collector for Limited {
+    fn encode(
+        &self,
+        mut enc: prometheus_client::encoding::DescriptorEncoder<'_>,
+    ) -> Result<(), std::fmt::Error> {
+        use prometheus_client::encoding::EncodeMetric;
+        let mut m = enc.encode_descriptor(
+            "limited",
+            "Connections, request bodies or client certificates a listener's limits refused, by listener and limit",
+            None,
+            prometheus_client::metrics::MetricType::Counter,
+        )?;
+        for (listener, bites) in &self.0 {
+            for (limit, n) in bites.counts() {
+                prometheus_client::metrics::counter::ConstCounter::new(n)
+                    .encode(m.encode_family(&[("listener", *listener), ("limit", limit)])?)?;
+            }
         }
-        assert_eq!(s.try_acquire(0).unwrap_err(), Full::Total);
-        // A key with a few slots still gets in, up to 64 / 16 = 4.
-        for _ in 0..4 {
-            held.push(s.try_acquire(7).unwrap());
-        }
-        assert_eq!(s.try_acquire(7).unwrap_err(), Full::Total);
-        assert!(s.try_acquire(8).is_ok());
-    }
-
-    #[test]
-    fn a_key_without_slots_is_forgotten() {
-        let s = Slots::new(("t", "k"), 0, 1, Bites::new());
-        for i in 0..1000 {
-            drop(s.try_acquire(i).unwrap());
-        }
-        assert_eq!(s.counts.lock().unwrap().per_key.len(), 0);
-    }
-
-    #[tokio::test]
-    async fn a_held_brake_stops_reading_until_it_is_released() {
-        use tokio::io::AsyncWriteExt;
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let mut client = TcpStream::connect(listener.local_addr().unwrap())
-            .await
-            .unwrap();
-        let (tcp, peer) = listener.accept().await.unwrap();
-        let slots = Slots::new(("t", "k"), 0, 0, Bites::new());
-        let mut conn = Conn::new(
-            tcp,
-            slots.try_acquire(peer_key(&peer)).unwrap(),
-            Duration::ZERO,
-        );
-        let brake = conn.connect_info().brake;
-        client.write_all(b"one").await.unwrap();
-        let mut buf = [0u8; 8];
-        assert_eq!(conn.read(&mut buf).await.unwrap(), 3);
-
-        brake.hold(Duration::from_millis(300));
-        brake.hold(Duration::from_millis(10)); // a shorter hold does not shorten it
-        client.write_all(b"two").await.unwrap();
-        let t = std::time::Instant::now();
-        assert_eq!(conn.read(&mut buf).await.unwrap(), 3);
-        assert!(
-            t.elapsed() >= Duration::from_millis(280),
-            "{:?}",
-            t.elapsed()
-        );
-        assert!(brake.held_until().is_none());
-        // Released, reads are immediate again.
-        client.write_all(b"three").await.unwrap();
-        let t = std::time::Instant::now();
-        assert_eq!(conn.read(&mut buf).await.unwrap(), 5);
-        assert!(t.elapsed() < Duration::from_millis(200));
-    }
-
-    #[test]
-    fn ipv4_mapped_peers_are_one_key() {
-        let v4: SocketAddr = "10.0.0.1:5".parse().unwrap();
-        let mapped: SocketAddr = "[::ffff:10.0.0.1]:6".parse().unwrap();
-        assert_eq!(peer_key(&v4), peer_key(&mapped));
+        Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests;

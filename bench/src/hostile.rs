@@ -82,6 +82,8 @@ pub struct Ctx {
     ids: Identities,
     hook_port: u16,
     ext_url: String,
+    /// The plain HTTP ports (probes, /metrics) of the allocators and the extender.
+    plain: Vec<std::net::SocketAddr>,
     nodes: Vec<String>,
     seq: AtomicU64,
 }
@@ -494,6 +496,14 @@ pub async fn run(a: Args) -> Result<()> {
         ids: stack.ids.clone(),
         hook_port,
         ext_url: stack.extender_url.clone(),
+        plain: stack
+            .allocs
+            .http
+            .iter()
+            .map(String::as_str)
+            .chain([stack.extender_http_url.trim_start_matches("http://")])
+            .map(str::parse)
+            .collect::<Result<_, _>>()?,
         nodes,
         seq: AtomicU64::new(0),
     });

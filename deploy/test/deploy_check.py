@@ -479,10 +479,32 @@ def selects(selector, labels):
     return True
 
 
-def admitted(policies, src, dst_labels, dst_ct, port):
-    """Whether NetworkPolicy lets a connection from a pod of this namespace with labels `src`
-    (None: anything else — a tenant pod in another namespace, a node) reach `port` of container
-    `dst_ct` in a pod with `dst_labels`."""
+# Where a connection comes from, besides gpuledger's own pods: the label a namespace needs for
+# Prometheus to scrape the plain HTTP ports, a scraper and a tenant pod in namespaces of their own.
+SCRAPER_LABEL = ("gpuledger.io/metrics-scraper", "true")
+SCRAPER = ({}, {"kubernetes.io/metadata.name": "monitoring", SCRAPER_LABEL[0]: SCRAPER_LABEL[1]})
+TENANT = ({}, {"kubernetes.io/metadata.name": "tenant"})
+
+
+def peer_admits(q, src, src_ns):
+    """Whether one `from` peer admits a pod with labels `src` in a namespace with labels `src_ns`
+    (None: this namespace). An ipBlock admits nothing modelled here (the API server, a node)."""
+    if "ipBlock" in q:
+        return False
+    if "namespaceSelector" in q:
+        ns = src_ns if src_ns is not None else {"kubernetes.io/metadata.name": NS}
+        if not selects(q["namespaceSelector"], ns):
+            return False
+    elif src_ns is not None:
+        return False
+    return "podSelector" not in q or selects(q["podSelector"], src)
+
+
+def admitted(policies, src, dst_labels, dst_ct, port, src_ns=None):
+    """Whether NetworkPolicy lets a connection from a pod with labels `src` in a namespace with
+    labels `src_ns` (None: this namespace) reach `port` of container `dst_ct` in a pod with
+    `dst_labels`. `src` None: no pod at all (the API server, a node's address), which only a
+    rule without `from` admits."""
     number = container_port(dst_ct, port)
     mine = [n for n in policies if selects(n["spec"]["podSelector"], dst_labels)
             and "Ingress" in n["spec"].get("policyTypes", ["Ingress"])]
@@ -491,9 +513,7 @@ def admitted(policies, src, dst_labels, dst_ct, port):
     for n in mine:
         for rule in n["spec"].get("ingress") or []:
             peers = rule.get("from")
-            # A podSelector peer without namespaceSelector means this namespace only.
-            if peers and not any("podSelector" in q and "namespaceSelector" not in q
-                                 and selects(q["podSelector"], src) for q in peers):
+            if peers and (src is None or not any(peer_admits(q, src, src_ns) for q in peers)):
                 continue
             ports = rule.get("ports")
             if ports and not any(container_port(dst_ct, q.get("port")) == number for q in ports):
@@ -530,9 +550,16 @@ def check_network(c, rendered):
         must = [("extender", "allocator", "grpc"), ("node-agent", "allocator", "grpc"),
                 ("allocator", "allocator", "grpc"), ("allocator", "etcd", "client"),
                 ("etcd", "etcd", "peer"), ("scheduler", "extender", "https"),
-                (None, "extender", "webhook"), (None, "extender", "http"),
-                (None, "allocator", "http"), (None, "node-agent", "health"),
-                (None, "etcd", "metrics")]
+                (None, "extender", "webhook")]
+        # The plain HTTP ports: Prometheus from a namespace with the label, and nobody else
+        # (the kubelet's probes come from the node, which NetworkPolicy always admits).
+        plain = (("extender", "http"), ("allocator", "http"), ("node-agent", "health"),
+                 ("etcd", "metrics"))
+        for dst, port in plain:
+            for labels, ct in pods.get(dst, ()):
+                if not admitted(policies, SCRAPER[0], labels, ct, port, SCRAPER[1]):
+                    p.append(f"Prometheus (a namespace labelled {'='.join(SCRAPER_LABEL)}) "
+                             f"cannot reach {dst}:{port}")
         if "scheduler" not in pods:
             must.append((None, "extender", "https"))
 
@@ -549,12 +576,12 @@ def check_network(c, rendered):
                         p.append(f"{who(src, src_labels) if src else 'outside the namespace'} "
                                  f"cannot reach {who(dst, labels)}:{port}")
         for dst, port in (("allocator", "grpc"), ("etcd", "client"), ("etcd", "peer"),
-                          ("extender", "https")):
+                          ("extender", "https")) + plain:
             for labels, ct in pods.get(dst, ()):
-                if admitted(policies, None, labels, ct, port) \
-                        and not (dst == "extender" and "scheduler" not in pods):
+                if admitted(policies, TENANT[0], labels, ct, port, TENANT[1]) \
+                        and not (dst == "extender" and port == "https" and "scheduler" not in pods):
                     p.append(f"a tenant pod can reach {who(dst, labels)}:{port}")
-        c.check(f"network {name}", p, f"{len(policies)} NetworkPolicies: gpuledger's connections allowed, tenants kept out")
+        c.check(f"network {name}", p, f"{len(policies)} NetworkPolicies: gpuledger's connections and Prometheus allowed, tenants kept out")
 
 
 def check_components(c, rendered):

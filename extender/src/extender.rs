@@ -141,6 +141,16 @@ fn json_sized<T: Serialize>(v: &T, hint: usize) -> Response {
     }
 }
 
+/// The HTTP status of an allocator's (or the local replica's) refusal: the caller's fault
+/// (a request no GPU can meet, a field out of range) is 400, anything else is ours to fix or
+/// wait out: 503.
+fn status_of(s: &tonic::Status) -> StatusCode {
+    match s.code() {
+        tonic::Code::InvalidArgument | tonic::Code::OutOfRange => StatusCode::BAD_REQUEST,
+        _ => StatusCode::SERVICE_UNAVAILABLE,
+    }
+}
+
 fn bad_request(what: &str, e: impl std::fmt::Display) -> Response {
     let body = json!({ "Error": crate::scheduler_text::without_percent(&format!("malformed {what} request: {e}")) });
     (StatusCode::BAD_REQUEST, axum::Json(body)).into_response()

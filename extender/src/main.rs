@@ -44,6 +44,10 @@ struct Args {
     #[arg(long, env = "GPULEDGER_HTTP_LISTEN", default_value = "0.0.0.0:28889")]
     http_listen: SocketAddr,
 
+    /// The bounds of --http-listen's port.
+    #[command(flatten)]
+    http: gpuledger_auth::PlainHttpArgs,
+
     /// Allocator replica addresses (host:port), comma-separated; any replica works.
     #[arg(
         long,
@@ -141,7 +145,8 @@ struct Args {
     scheduler_client_names: Vec<String>,
 
     /// Open connections at once on each HTTPS port (webhook, scheduler), handshakes included;
-    /// over it a new connection is closed at once.
+    /// when it is full, a peer holding few takes the slot of an idle connection of the peer
+    /// holding the most, else the new connection is closed at once.
     #[arg(long, env = "GPULEDGER_MAX_CONNECTIONS", default_value_t = 1024)]
     max_connections: usize,
 
@@ -167,14 +172,15 @@ struct Args {
     )]
     request_read_timeout_ms: u64,
 
-    /// `filter` and `prioritize` calls answered per second, together, after a burst
-    /// (kube-scheduler makes one of each per pod it schedules); a call past the rate waits up
-    /// to a second for its turn, then is answered 429. Binds are not paced. 0 = no limit.
+    /// `filter` and `prioritize` calls answered per second per peer address, together, after
+    /// a burst (kube-scheduler makes one of each per pod it schedules); a turn is taken once a
+    /// call's body has arrived, and a call past the rate waits up to a second for its turn,
+    /// then is answered 429. Binds are not paced. 0 = no limit.
     #[arg(long, env = "GPULEDGER_SCHEDULING_CALLS_PER_S", default_value_t = 500)]
     scheduling_calls_per_s: u32,
 
-    /// How many filter and prioritize calls may come at once before --scheduling-calls-per-s
-    /// applies.
+    /// How many filter and prioritize calls one peer address may make at once before
+    /// --scheduling-calls-per-s applies.
     #[arg(long, env = "GPULEDGER_SCHEDULING_CALL_BURST", default_value_t = 1000)]
     scheduling_call_burst: u32,
 
@@ -207,7 +213,7 @@ async fn run(a: Args) -> anyhow::Result<()> {
          (the scheduler configuration's tlsConfig.certFile); the scheduler-facing port refuses \
          callers without one",
     )?;
-    let (scheduler_bites, webhook_bites) = (Bites::new(), Bites::new());
+    let (scheduler_bites, webhook_bites, http_bites) = (Bites::new(), Bites::new(), Bites::new());
     let scheduler_tls = gpuledger_auth::tls::server_config_for_named_clients(
         &a.tls.cert,
         &a.tls.key,
@@ -230,13 +236,14 @@ async fn run(a: Args) -> anyhow::Result<()> {
     let open_files = gpuledger_auth::limit::raise_open_files();
     let fds_needed = (a.max_connections as u64)
         .saturating_mul(2)
+        .saturating_add(a.http.max_connections as u64)
         .saturating_add(512);
     if open_files.is_some_and(|n| n < fds_needed) {
         tracing::warn!(
             open_files = ?open_files,
             max_connections = a.max_connections,
             "the open-file limit is below twice --max-connections (webhook and scheduler port) \
-             plus room for the allocator and the API server: a flood of connections could \
+             plus --http-max-connections plus room for the allocator and the API server: a flood of connections could \
              exhaust file descriptors before the limit bites; lower --max-connections or raise \
              the limit (ulimit -n)"
         );
@@ -253,6 +260,7 @@ async fn run(a: Args) -> anyhow::Result<()> {
     let limited = gpuledger_extender::metrics::Limited(vec![
         ("scheduler", scheduler_bites.clone()),
         ("webhook", webhook_bites.clone()),
+        ("http", http_bites.clone()),
     ]);
     let preemption = Preemption::new(Duration::from_millis(a.preempt_retry_ms));
     let metrics = Arc::new(Metrics::new(|r| {
@@ -332,11 +340,17 @@ async fn run(a: Args) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("listening on --http-listen {}", a.http_listen))?;
     let probe_app = extender::probes(app.clone());
-    let stop = shutdown.clone();
+    let (stop, probe_limits) = (shutdown.clone(), a.http.limits());
     tasks.spawn(async move {
-        if let Err(e) = axum::serve(probes, probe_app)
-            .with_graceful_shutdown(stop.cancelled_owned())
-            .await
+        if let Err(e) = gpuledger_auth::https::serve_plain(
+            "http",
+            probes,
+            probe_limits,
+            http_bites,
+            probe_app,
+            stop,
+        )
+        .await
         {
             tracing::error!("the probe endpoint stopped: {e}");
         }

@@ -12,6 +12,10 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
+/// `gpuledger_extender_limited_total{listener,limit}`: what each listener's limits refused
+/// (connections, bodies, client certificates naming another identity).
+pub use gpuledger_auth::limit::Limited;
+
 type Labels = Vec<(&'static str, &'static str)>;
 
 const VERBS: [&str; 6] = [
@@ -147,32 +151,5 @@ mod tests {
             text.contains("gpuledger_extender_request_duration_seconds_count{verb=\"bind\"} 1"),
             "{text}"
         );
-    }
-}
-
-/// `gpuledger_extender_limited_total{listener,limit}`: what each HTTPS listener's limits
-/// refused (connections, bodies, client certificates naming another identity).
-#[derive(Debug)]
-pub struct Limited(pub Vec<(&'static str, Arc<gpuledger_auth::limit::Bites>)>);
-
-impl prometheus_client::collector::Collector for Limited {
-    fn encode(
-        &self,
-        mut enc: prometheus_client::encoding::DescriptorEncoder<'_>,
-    ) -> Result<(), std::fmt::Error> {
-        use prometheus_client::encoding::EncodeMetric;
-        let mut m = enc.encode_descriptor(
-            "limited",
-            "Connections, request bodies or client certificates a listener's limits refused, by listener and limit",
-            None,
-            prometheus_client::metrics::MetricType::Counter,
-        )?;
-        for (listener, bites) in &self.0 {
-            for (limit, n) in bites.counts() {
-                prometheus_client::metrics::counter::ConstCounter::new(n)
-                    .encode(m.encode_family(&[("listener", *listener), ("limit", limit)])?)?;
-            }
-        }
-        Ok(())
     }
 }

@@ -1,5 +1,6 @@
 //! Malformed requests get HTTP 400 with an `Error`, never a crash; an unreachable ledger makes
-//! filter answer an `Error` that says the ledger is unavailable.
+//! filter answer an `Error` that says the ledger is unavailable; a pod the ledger refuses is
+//! the caller's error (4xx), never the extender's unavailability (503).
 
 use crate::kit;
 
@@ -81,5 +82,37 @@ async fn malformed_json_is_400_and_a_dead_ledger_is_named() -> anyhow::Result<()
         assert!(text.contains(want), "{want} not in:\n{text}");
     }
     assert!(p.exited().is_none(), "the extender survived all of it");
+    Ok(())
+}
+
+/// Regression (hostile load II): prioritize answered a pod the ledger refuses (here: no uid)
+/// with 503, as if the extender were unavailable; it is the caller's error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_impossible_request_is_the_callers_error_not_503() -> anyhow::Result<()> {
+    use gpuledger_testkit::kube::{KubeStack, StackOptions};
+    let stack = KubeStack::start(StackOptions {
+        etcd_members: 1,
+        allocators: 1,
+        allocator_flags: vec![],
+        extender_flags: Some(vec![]),
+    })
+    .await?;
+    let ext = ExtenderClient::new(stack.extender_config()?)?;
+    // A GPU pod the ledger cannot name: no uid.
+    let mut bad = kit::read_json(&kit::fixtures().join("extender/003-filter.json"))?;
+    bad["Pod"]["metadata"]["uid"] = json!("");
+    let (status, body) = ext
+        .post_raw("prioritize", serde_json::to_vec(&bad)?)
+        .await?;
+    let v: Value = serde_json::from_slice(&body)?;
+    assert_eq!(status, 400, "{v}");
+    assert!(
+        v["Error"]
+            .as_str()
+            .is_some_and(|e| e.contains("uid is empty")),
+        "{v}"
+    );
+    let line = r#"gpuledger_extender_requests_total{verb="prioritize",outcome="bad_request"} "#;
+    assert_eq!(kit::metric(&stack, line).await?, 1.0);
     Ok(())
 }

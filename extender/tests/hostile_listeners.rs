@@ -2,7 +2,10 @@
 //! port admits kube-scheduler's certificate only (not a viewer's or a node agent's from the
 //! same CA); connections are bounded per address and the last tenth of a listener is kept for
 //! addresses that hold few, so a flood from many addresses leaves both ports answering; a body that trickles in is cut (408), and one over the size limit is
-//! answered 413, not with a broken connection. Each refusal is counted in
+//! answered 413, not with a broken connection. A full listener lets a newcomer in by closing
+//! an idle connection of the peer holding the most; the plain port of probes and metrics is
+//! bounded the same way; a copy of kube-scheduler's certificate used from another address spends
+//! its own turns of the scheduling pace, not the scheduler's. Each refusal is counted in
 //! `gpuledger_extender_limited_total{listener,limit}`.
 
 use crate::kit;
@@ -26,6 +29,17 @@ fn pod() -> serde_json::Value {
     json!({"metadata": {"name": "p", "namespace": "default"},
            "spec": {"containers": [{"name": "c", "image": "x",
               "resources": {"limits": {"aliyun.com/gpu-mem": "3"}}}]}})
+}
+
+/// The port of the stack's extender's scheduler-facing HTTPS server.
+fn scheduler_port(stack: &KubeStack) -> anyhow::Result<u16> {
+    Ok(stack
+        .extender_url
+        .trim_end_matches("/gpuledger")
+        .rsplit(':')
+        .next()
+        .unwrap_or_default()
+        .parse()?)
 }
 
 async fn stack(extra: &[&str]) -> anyhow::Result<(KubeStack, u16)> {
@@ -193,5 +207,124 @@ async fn a_50_mb_body_is_answered_413() -> anyhow::Result<()> {
         .post("/mutate", &kit::review(&pod(), "u"))
         .await?;
     assert_eq!(status, 200, "and the webhook goes on");
+    Ok(())
+}
+
+/// Regression (hostile load II): the plain port of /healthz, /readyz and /metrics had no
+/// bound, and idle connections took the process's file descriptors.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_cannot_take_the_probe_port() -> anyhow::Result<()> {
+    let (stack, _) = stack(&[
+        "--http-max-connections=64",
+        "--http-max-connections-per-peer=8",
+        "--http-header-read-timeout-ms=1500",
+    ])
+    .await?;
+    let addr: SocketAddr = stack
+        .extender_http_url
+        .trim_start_matches("http://")
+        .parse()?;
+    let mut flood = attacker::idle_flood_past(addr, 64).await?;
+    let (code, _) =
+        gpuledger_testkit::http::get(&format!("{}/healthz", stack.extender_http_url)).await?;
+    assert_eq!(code, 200, "the liveness probe during the flood");
+    attacker::ensure_closed_within(&mut flood, Duration::from_millis(1600)).await?;
+    for limit in ["http_connections_per_peer", "http_connections_evicted"] {
+        let line =
+            format!("gpuledger_extender_limited_total{{listener=\"http\",limit=\"{limit}\"}} ");
+        let n = kit::metric(&stack, &line).await?;
+        assert!(n >= 1.0, "{limit} counted {n}");
+    }
+    Ok(())
+}
+
+/// Regression (hostile load II): four addresses at the per-peer limit and a few more at one
+/// connection each held every connection of the webhook (its last tenth was kept only for
+/// addresses holding few, which a dozen addresses each are); the API server's next connection
+/// was refused, and with failurePolicy Fail no GPU pod could be created.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dozen_addresses_cannot_fill_the_webhook() -> anyhow::Result<()> {
+    let (stack, hook) = stack(&[
+        "--max-connections=128",
+        "--max-connections-per-peer=32",
+        "--request-read-timeout-ms=30000",
+    ])
+    .await?;
+    let mut held = Vec::new();
+    for source in 2..6 {
+        for _ in 0..32 {
+            if let Ok(s) = tls_from(&stack, &format!("127.0.0.{source}"), hook).await {
+                held.push(s);
+            }
+        }
+    }
+    for source in 10..30 {
+        if let Ok(s) = tls_from(&stack, &format!("127.0.0.{source}"), hook).await {
+            held.push(s);
+        }
+    }
+    let full = webhook_limited(&stack, "connections").await?
+        + webhook_limited(&stack, "connections_evicted").await?;
+    assert!(
+        full >= 1.0,
+        "the webhook never filled ({} connections)",
+        held.len()
+    );
+    // The API server, holding nothing, is answered.
+    let (status, _) = kit::webhook_client(&stack, hook)?
+        .post("/mutate", &kit::review(&pod(), "u"))
+        .await?;
+    assert_eq!(status, 200, "the API server's review");
+    assert!(webhook_limited(&stack, "connections_evicted").await? >= 1.0);
+    drop(held);
+    Ok(())
+}
+
+/// Regression (hostile load II): the scheduling pace was one bucket for every caller, taken
+/// before the body was read, so a copy of kube-scheduler's certificate took the real
+/// scheduler's turns (its filter p99 went from 4 to 666 ms). The turns are per address now.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_of_the_schedulers_certificate_spends_only_its_own_turns() -> anyhow::Result<()> {
+    let (stack, _) = stack(&["--scheduling-calls-per-s=5", "--scheduling-call-burst=5"]).await?;
+    let port = scheduler_port(&stack)?;
+    let (cert, key) = stack.ids.pki.peer("gpuledger-scheduler")?;
+    let connector = attacker::tls_as(stack.ids.pki.ca_file(), &cert, &key)?;
+    let body = serde_json::to_vec(&filter_args())?;
+    let stop = Instant::now() + Duration::from_secs(3);
+    let mut attack = tokio::task::JoinSet::new();
+    for _ in 0..8 {
+        let (connector, body) = (connector.clone(), body.clone());
+        attack.spawn(async move {
+            let mut refused = 0;
+            while Instant::now() < stop {
+                let to = SocketAddr::from(([127, 0, 0, 1], port));
+                let s = attacker::tls_from(&connector, "127.0.0.2", to).await?;
+                if attacker::post_once(s, "/filter", &body).await? == 429 {
+                    refused += 1;
+                }
+            }
+            anyhow::Ok(refused)
+        });
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let scheduler = ExtenderClient::new(stack.extender_config()?)?;
+    for _ in 0..5 {
+        let t = Instant::now();
+        let (status, _) = scheduler.post_raw("filter", body.clone()).await?;
+        assert_eq!(status, 200, "kube-scheduler's filter during the attack");
+        assert!(
+            t.elapsed() < Duration::from_millis(500),
+            "kube-scheduler's filter waited {:?}",
+            t.elapsed()
+        );
+    }
+    let mut refused = 0;
+    for r in attack.join_all().await {
+        refused += r?;
+    }
+    assert!(
+        refused >= 1,
+        "the copy was never refused: the pace did not bite"
+    );
     Ok(())
 }

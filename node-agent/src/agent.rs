@@ -68,6 +68,9 @@ pub struct Agent {
     pub metrics: Metrics,
     /// The registry `metrics` live in.
     pub registry: Registry,
+    /// What the limits of the plain HTTP port refused
+    /// (`gpuledger_node_agent_limited_total{listener="http",limit}`).
+    pub http_bites: Arc<gpuledger_auth::limit::Bites>,
     /// Pod Events (limit exceeded, identity corrected); unset without a Kubernetes client.
     pub events: OnceLock<Recorder>,
     /// Why enforcement cannot run on this node (the agent is not in the host pid namespace);
@@ -95,6 +98,11 @@ impl Agent {
         let pool = Pool::new(&cfg.allocator, creds)?;
         let mut registry = Registry::with_prefix("gpuledger_node_agent");
         let metrics = Metrics::new(&mut registry);
+        let http_bites = gpuledger_auth::limit::Bites::new();
+        registry.register_collector(Box::new(gpuledger_auth::limit::Limited(vec![(
+            "http",
+            http_bites.clone(),
+        )])));
         let env = AllocateOptions {
             mps: cfg.mps,
             mps_pipe_dir: cfg.mps_pipe_dir.display().to_string(),
@@ -126,6 +134,7 @@ impl Agent {
             env,
             metrics,
             registry,
+            http_bites,
             events: OnceLock::new(),
             enforcement_refused,
             kube: OnceLock::new(),

@@ -159,6 +159,10 @@ pub struct Config {
     #[arg(long, env = "GPULEDGER_HEALTH_LISTEN")]
     pub health_listen: Option<std::net::SocketAddr>,
 
+    /// The bounds of --health-listen's port.
+    #[command(flatten)]
+    pub http: gpuledger_auth::PlainHttpArgs,
+
     /// kubeconfig for creating pod Events (limit exceeded, identity corrected). Default: the
     /// in-cluster service account when running in a pod; without either, no Events.
     #[arg(long, env = "GPULEDGER_KUBECONFIG")]

@@ -10,6 +10,7 @@ use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
+use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 use crate::agent::Agent;
@@ -85,8 +86,8 @@ pub fn router(agent: Arc<Agent>) -> Router {
         .with_state(agent)
 }
 
-/// Serve on `addr` until the task is dropped.
-pub async fn serve(agent: Arc<Agent>, addr: SocketAddr) {
+/// Serve on `addr`, within the limits of `--http-*`, until `stop` is cancelled.
+pub async fn serve(agent: Arc<Agent>, addr: SocketAddr, stop: CancellationToken) {
     let l = match tokio::net::TcpListener::bind(addr).await {
         Ok(l) => l,
         Err(e) => {
@@ -94,7 +95,10 @@ pub async fn serve(agent: Arc<Agent>, addr: SocketAddr) {
             return;
         }
     };
-    if let Err(e) = axum::serve(l, router(agent)).await {
+    let (limits, bites) = (agent.cfg.http.limits(), agent.http_bites.clone());
+    let served =
+        gpuledger_auth::https::serve_plain("http", l, limits, bites, router(agent), stop).await;
+    if let Err(e) = served {
         warn!(%addr, "health and metrics endpoint stopped: {e}");
     }
 }

@@ -115,7 +115,7 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
         }
     }
     if let Some(addr) = agent.cfg.health_listen {
-        until_shutdown(health::serve(agent.clone(), addr).boxed());
+        until_shutdown(health::serve(agent.clone(), addr, shutdown.clone()).boxed());
     }
     tasks.close();
     tokio::select! {

@@ -170,3 +170,44 @@ async fn a_corrected_identity_is_told_to_the_pod() -> anyhow::Result<()> {
     assert!(msg.contains(&format!("allocation {}", a.id)), "{msg}");
     Ok(())
 }
+
+/// Regression (hostile load II): the agent's port of probes and metrics accepted every
+/// connection, in the same process as the device plugin. Now it holds
+/// `--http-max-connections`, closes what sends no request in time, and the probe still gets in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_cannot_take_the_health_port() -> anyhow::Result<()> {
+    use gpuledger_testkit::attacker::{ensure_closed_within, idle_flood_past};
+    let port = free_port()?;
+    let health = format!("--health-listen=127.0.0.1:{port}");
+    let c = Cluster::start(
+        1,
+        &[
+            &health,
+            "--http-max-connections=64",
+            "--http-max-connections-per-peer=8",
+            "--http-header-read-timeout-ms=1500",
+        ],
+    )
+    .await?;
+    let url = |path: &str| format!("http://127.0.0.1:{port}{path}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while gpuledger_testkit::http::get(&url("/healthz"))
+        .await
+        .is_err()
+    {
+        anyhow::ensure!(Instant::now() < deadline, "the health port never answered");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut flood = idle_flood_past(([127, 0, 0, 1], port).into(), 64).await?;
+    let (code, _) = gpuledger_testkit::http::get(&url("/healthz")).await?;
+    assert_eq!(code, 200, "the liveness probe during the flood");
+    ensure_closed_within(&mut flood, Duration::from_millis(1600)).await?;
+    let text = scrape(port).await?;
+    for limit in ["http_connections_per_peer", "http_connections_evicted"] {
+        let series =
+            format!("gpuledger_node_agent_limited_total{{listener=\"http\",limit=\"{limit}\"}}");
+        assert!(value(&text, &series).is_some_and(|n| n >= 1.0), "{text}");
+    }
+    drop(c);
+    Ok(())
+}

@@ -215,3 +215,97 @@ where
         .await
         .map(drop)
 }
+
+/// `per_source` idle TCP connections to `to` from each loopback address of `sources`
+/// (`127.0.0.<n>`); those the kernel refused are left out.
+pub async fn idle_flood(
+    sources: std::ops::Range<u8>,
+    per_source: usize,
+    to: SocketAddr,
+) -> Vec<tokio::net::TcpStream> {
+    let mut flood = Vec::new();
+    for source in sources {
+        for _ in 0..per_source {
+            if let Ok(s) = tcp_from(&format!("127.0.0.{source}"), to).await {
+                flood.push(s);
+            }
+        }
+    }
+    flood
+}
+
+/// How many of `conns` the server closed (end of stream or reset), waiting up to `wait` for
+/// each; what a connection still open sent is read and dropped.
+pub async fn count_closed(conns: &mut [tokio::net::TcpStream], wait: Duration) -> usize {
+    use tokio::io::AsyncReadExt;
+    let mut closed = 0;
+    for s in conns {
+        let mut buf = [0u8; 512];
+        if let Ok(Ok(0) | Err(_)) = tokio::time::timeout(wait, s.read(&mut buf)).await {
+            closed += 1;
+        }
+    }
+    closed
+}
+
+/// A TLS client like [`tls_trusting`]'s that presents the client certificate `cert` (its key
+/// `key`): a copy of someone's identity.
+pub fn tls_as(ca_file: &Path, cert: &Path, key: &Path) -> Result<tokio_rustls::TlsConnector> {
+    let cfg = gpuledger_auth::tls::client_config(ca_file, Some((cert, key)), &[b"http/1.1"])?;
+    Ok(tokio_rustls::TlsConnector::from(cfg.current()))
+}
+
+/// POST `body` (JSON) to `path` on `s`, asking the server to close the connection after its
+/// answer: the answer's status.
+pub async fn post_once(
+    mut s: impl tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    path: &str,
+    body: &[u8],
+) -> Result<u16> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).await?;
+    s.write_all(body).await?;
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut answer))
+        .await
+        .context("no answer within 10 s")??;
+    let text = String::from_utf8_lossy(&answer);
+    text.split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .with_context(|| format!("not an HTTP answer: {text:?}"))
+}
+
+/// Twelve idle connections from each of twelve addresses to `to`, a plain HTTP port that may
+/// hold `max` connections in all: an error unless it closed at once all it may not hold. The
+/// connections, for [`ensure_closed_within`].
+pub async fn idle_flood_past(to: SocketAddr, max: usize) -> Result<Vec<tokio::net::TcpStream>> {
+    let mut flood = idle_flood(2..14, 12, to).await;
+    let closed = count_closed(&mut flood, Duration::from_millis(20)).await;
+    anyhow::ensure!(
+        closed + max >= flood.len(),
+        "only {closed} of {} connections closed at once ({max} may stay)",
+        flood.len()
+    );
+    Ok(flood)
+}
+
+/// An error unless the server closed every one of `conns` within `wait`.
+pub async fn ensure_closed_within(
+    conns: &mut [tokio::net::TcpStream],
+    wait: Duration,
+) -> Result<()> {
+    tokio::time::sleep(wait).await;
+    let closed = count_closed(conns, Duration::from_millis(500)).await;
+    anyhow::ensure!(
+        closed == conns.len(),
+        "{} idle connections still open after {wait:?}",
+        conns.len() - closed
+    );
+    Ok(())
+}

@@ -13,7 +13,8 @@ use gpuledger_auth::identity::Role;
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
 use gpuledger_testkit::attacker::{
-    ClientFrom, allocator_from, bodiless, channel_from, raw_unary, tcp_from, tls_from, tls_trusting,
+    ClientFrom, allocator_from, bodiless, channel_from, post_once, raw_unary, tcp_from, tls_as,
+    tls_from, tls_trusting,
 };
 use gpuledger_testkit::kube::{ExtenderClient, ExtenderConfig};
 use gpuledger_testkit::workload::inventory;
@@ -25,7 +26,7 @@ use super::cpu::Governor;
 use super::{Args, Ctx, NS, gpu_pod, pod_request};
 
 /// The attacks, by name, each with a line on what it does.
-pub const ATTACKS: [(&str, &str); 14] = [
+pub const ATTACKS: [(&str, &str); 17] = [
     (
         "slow-bodies",
         "webhook: bodies of 1 MB promised, a byte every 2 s, from 8 addresses; refused ones retried",
@@ -81,6 +82,18 @@ pub const ATTACKS: [(&str, &str); 14] = [
     (
         "undecodable",
         "an admin sends messages that do not decode, to every write and read",
+    ),
+    (
+        "idle-plain-http",
+        "idle TCP connections to every plain HTTP port (probes, /metrics), from 8 addresses; reopened when cut",
+    ),
+    (
+        "webhook-reserve-fill",
+        "idle TLS connections to the webhook: 4 addresses at the per-peer limit, 8 more at 15 each; reopened when cut",
+    ),
+    (
+        "scheduler-cert-copy",
+        "a copy of the scheduler's certificate sends /filter from 8 other addresses, as fast as it can",
     ),
 ];
 
@@ -178,6 +191,15 @@ impl Tally {
                 "{ok} forged writes accepted, {refused} refused ({:.0}/s)",
                 rate(refused)
             ),
+            "idle-plain-http" | "webhook-reserve-fill" => format!(
+                "{held} idle connections held at most, {ok} opened ({:.0}/s), {refused} refused or cut",
+                rate(ok)
+            ),
+            "scheduler-cert-copy" => format!(
+                "{ok} filters answered ({:.0}/s), {refused} refused ({:.0}/s)",
+                rate(ok),
+                rate(refused)
+            ),
             CPU_BURN => "no calls; the attackers' CPU budget burnt".to_string(),
             _ => String::new(),
         }
@@ -209,7 +231,12 @@ impl Sources {
 
     /// The address of attacker `i` of 8.
     fn addr(self, i: usize) -> String {
-        format!("127.0.{}.{}", self.0, 2 + i % 8)
+        self.nth(i % 8)
+    }
+
+    /// The `i`th address of this attack's network (of 250).
+    fn nth(self, i: usize) -> String {
+        format!("127.0.{}.{}", self.0, 2 + i % 250)
     }
 }
 
@@ -245,6 +272,39 @@ async fn slow_body(
     loop {
         tokio::time::sleep(Duration::from_secs(2)).await;
         s.write_all(b" ").await?;
+    }
+}
+
+/// [`tcp_from`] with an owned source, for a closure that opens again and again.
+async fn tcp_from_owned(source: String, to: SocketAddr) -> std::io::Result<tokio::net::TcpStream> {
+    tcp_from(&source, to).await
+}
+
+/// Hold a connection `open` makes from `source` until the server closes it or `stop`; again
+/// whenever it is refused or cut.
+async fn hold_idle<S, F>(
+    open: impl Fn() -> F,
+    stop: CancellationToken,
+    tally: Arc<Tally>,
+    gov: Arc<Governor>,
+) where
+    S: tokio::io::AsyncRead + Unpin,
+    F: std::future::Future<Output = std::io::Result<S>>,
+{
+    while !stop.is_cancelled() {
+        gov.pace().await;
+        match open().await {
+            Ok(mut s) => {
+                let _held = tally.hold();
+                let mut b = [0u8; 1];
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = s.read(&mut b) => {}
+                }
+            }
+            Err(_) => tally.refused(),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
@@ -297,22 +357,66 @@ pub async fn run(
         "idle-tcp" => {
             for i in 0..a.idle_connections * ctx.addrs.len() {
                 let to: SocketAddr = ctx.addrs[i % ctx.addrs.len()].parse()?;
-                let (stop, tally, gov) = (stop.clone(), tally.clone(), gov.clone());
+                let source = from.addr(i);
+                let open = move || tcp_from_owned(source.clone(), to);
+                tasks.spawn(hold_idle(open, stop.clone(), tally.clone(), gov.clone()));
+            }
+        }
+        "idle-plain-http" => {
+            // 8 addresses, each at twice the per-peer default (32), on every plain port.
+            for i in 0..64 * ctx.plain.len() {
+                let to = ctx.plain[i % ctx.plain.len()];
+                let source = from.addr(i / ctx.plain.len());
+                let open = move || tcp_from_owned(source.clone(), to);
+                tasks.spawn(hold_idle(open, stop.clone(), tally.clone(), gov.clone()));
+            }
+        }
+        "webhook-reserve-fill" => {
+            let connector = tls_trusting(ctx.ids.pki.ca_file())?;
+            let to = SocketAddr::from(([127, 0, 0, 1], ctx.hook_port));
+            // The webhook's defaults: 1,024 connections, 256 per peer.
+            let held = (0..4)
+                .flat_map(|p| [p; 256])
+                .chain((4..12).flat_map(|p| [p; 15]));
+            for p in held {
+                let (connector, source) = (connector.clone(), from.nth(p));
+                let open = move || {
+                    let (connector, source) = (connector.clone(), source.clone());
+                    async move { tls_from(&connector, &source, to).await }
+                };
+                tasks.spawn(hold_idle(open, stop.clone(), tally.clone(), gov.clone()));
+            }
+        }
+        "scheduler-cert-copy" => {
+            let (cert, key) = ctx.ids.pki.peer("gpuledger-scheduler")?;
+            let connector = tls_as(ctx.ids.pki.ca_file(), &cert, &key)?;
+            let to: SocketAddr = ctx
+                .ext_url
+                .trim_start_matches("https://")
+                .trim_end_matches("/gpuledger")
+                .parse()?;
+            let body = serde_json::to_vec(&json!({"Pod": gpu_pod("copy", "gpuledger-scheduler"),
+                "Nodes": null, "NodeNames": ctx.nodes}))?;
+            for i in 0..16 {
+                let (connector, stop, tally, gov, body) = (
+                    connector.clone(),
+                    stop.clone(),
+                    tally.clone(),
+                    gov.clone(),
+                    body.clone(),
+                );
                 tasks.spawn(async move {
+                    let source = from.addr(i);
                     while !stop.is_cancelled() {
                         gov.pace().await;
-                        match tcp_from(&from.addr(i), to).await {
-                            Ok(mut s) => {
-                                let _held = tally.hold();
-                                let mut b = [0u8; 1];
-                                tokio::select! {
-                                    _ = stop.cancelled() => return,
-                                    _ = s.read(&mut b) => {}
-                                }
-                            }
-                            Err(_) => tally.refused(),
+                        let answered = async {
+                            let s = tls_from(&connector, &source, to).await?;
+                            post_once(s, "/filter", &body).await
+                        };
+                        match answered.await {
+                            Ok(200) => tally.ok(),
+                            _ => tally.refused(),
                         }
-                        tokio::time::sleep(Duration::from_millis(100)).await;
                     }
                 });
             }

@@ -4,7 +4,6 @@ use std::borrow::Cow;
 
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use gpuledger_proto::allocator::v1 as api;
 use serde_json::json;
@@ -91,9 +90,12 @@ pub(super) async fn prioritize(State(app): State<App>, body: Bytes) -> Response 
             axum::Json(list).into_response()
         }
         Err(s) => {
-            warn!(error = %s.message(), "prioritize failed");
+            let status = super::status_of(&s);
+            if status.is_server_error() {
+                warn!(error = %s.message(), "prioritize failed");
+            }
             (
-                StatusCode::SERVICE_UNAVAILABLE,
+                status,
                 axum::Json(json!({"Error": crate::scheduler_text::without_percent(s.message())})),
             )
                 .into_response()
