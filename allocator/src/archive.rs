@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-pub use gpuledger_archive::{Archive, ArchiveError, Segment, last_seq};
+pub use gpuledger_archive::{Archive, ArchiveError, Batches, Segment, last_seq};
 use gpuledger_ledger::pb;
 use tracing::{info, warn};
 

@@ -340,6 +340,21 @@ pub struct Limits {
     )]
     pub max_failed_token_reviews_per_peer: u64,
 
+    /// ReadLog scans of the history that run at once (those of allocators and the extender
+    /// not counted); past it RESOURCE_EXHAUSTED (0 = no bound).
+    #[arg(long, env = "GPULEDGER_MAX_LOG_SCANS", default_value_t = 8)]
+    pub max_log_scans: usize,
+
+    /// Events a second that one holder of an identity's ReadLog scans stream together, pages
+    /// from the archive and etcd alike, after a second's worth at once; a page past it waits
+    /// for its turn (0 = no bound).
+    #[arg(
+        long,
+        env = "GPULEDGER_LOG_SCAN_EVENTS_PER_S",
+        default_value_t = 20_000
+    )]
+    pub log_scan_events_per_s: u32,
+
     /// Threads that answer CPU-heavy reads (Filter, Score, Dump, ReadLog pages) off the async
     /// runtime, which keeps the leader's lease alive; further heavy reads wait for one.
     #[arg(long, env = "GPULEDGER_HEAVY_READ_THREADS", default_value_t = 2)]

@@ -17,6 +17,7 @@ pub mod http;
 pub mod kube_watch;
 pub mod leader;
 pub mod log;
+pub mod log_scans;
 pub mod metrics;
 pub mod preemption;
 pub mod read_limits;

@@ -81,6 +81,8 @@ pub struct Metrics {
     pub(crate) claim_queue_depth: Gauge,
     /// Condition writes to a claim's status that failed (retried at the next event or pass).
     pub(crate) claim_status_failures: Counter,
+    /// `ReadLog` scans in flight (`--max-log-scans` bounds those of operators).
+    pub(crate) log_scans: Gauge,
     /// How often each limit on callers refused something (`limited_total{limit}`).
     pub bites: std::sync::Arc<gpuledger_auth::limit::Bites>,
 }
@@ -190,8 +192,15 @@ impl Default for Metrics {
             "Writes of a gpuledger condition to a ResourceClaim's status that failed (retried at its next event or pass)",
             claim_status_failures.clone(),
         );
+        let log_scans = Gauge::default();
+        registry.register(
+            "log_scans",
+            "ReadLog scans in flight (those of operators bounded by --max-log-scans)",
+            log_scans.clone(),
+        );
         Metrics {
             registry,
+            log_scans,
             claims_certified,
             claim_releases,
             claim_templates,

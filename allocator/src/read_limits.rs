@@ -101,19 +101,6 @@ impl ReadLimits {
             )
         })
     }
-
-    /// Wait for `caller`'s next heavy-read turn, however long (a stream's next page: its
-    /// client is waiting for it anyway, and the stream holds one of the caller's stream slots).
-    pub async fn pace(&self, caller: &Holder) {
-        let Some(limiter) = &self.limiter else {
-            return;
-        };
-        if matches!(caller.caller.role, Role::Allocator | Role::Extender) {
-            return;
-        }
-        let turn = || next_turn(limiter, caller);
-        let _ = wait_turn(turn, Duration::MAX).await;
-    }
 }
 
 #[cfg(test)]
@@ -156,15 +143,6 @@ mod tests {
         let refused = waits.await.iter().filter(|r| r.is_err()).count();
         assert!(refused >= 3, "{refused} refused");
         assert_eq!(bites.count(BITE_HEAVY_READS), refused as u64);
-        // A stream's pages wait as long as their turn takes, and are never refused.
-        let t = std::time::Instant::now();
-        l.pace(&v).await;
-        l.pace(&v).await;
-        assert!(
-            t.elapsed() >= Duration::from_millis(400),
-            "{:?}",
-            t.elapsed()
-        );
     }
 
     #[tokio::test]
@@ -176,7 +154,6 @@ mod tests {
             let c = holder(role, "s");
             for _ in 0..10 {
                 l.admit(&c, Call::Filter).await.unwrap();
-                l.pace(&c).await;
             }
         }
         let other = holder(Role::Viewer, "system:serviceaccount:x:other");

@@ -27,13 +27,14 @@ use gpuledger_auth::server::{Authenticated, over_limit};
 use gpuledger_ledger::{PodRequest, pb};
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::allocator::v1::allocator_server::Allocator;
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tonic::{Request, Response, Status};
 
 pub use self::forward::{HasSeq, Leaders};
 use self::traced::{BoxStream, holding, traced};
 use crate::authz::Authz;
 use crate::log::EtcdLog;
+use crate::log_scans::LogScans;
 use crate::read_limits::ReadLimits;
 use crate::shared::Shared;
 use crate::workload::Learned;
@@ -64,6 +65,8 @@ pub struct Service {
     write_limits: Arc<WriteLimits>,
     /// Heavy reads per identity and second.
     read_limits: Arc<ReadLimits>,
+    /// `ReadLog` scans at once, and each holder's events per second.
+    log_scans: Arc<LogScans>,
     /// Open streams per holder of a verified identity.
     streams: Arc<Slots<Holder>>,
     /// Threads that answer CPU-heavy reads, off the async runtime.
@@ -113,6 +116,7 @@ impl Service {
             budget_guard: Default::default(),
             write_limits: Arc::default(),
             read_limits: Arc::new(ReadLimits::unlimited(shared.metrics.bites.clone())),
+            log_scans: Arc::new(LogScans::unlimited(shared.metrics.bites.clone())),
             streams: Slots::new(
                 ("streams", BITE_STREAMS),
                 0,
@@ -133,6 +137,19 @@ impl Service {
     /// The same service, holding each identity's heavy reads to `limits`.
     pub fn with_read_limits(mut self, limits: ReadLimits) -> Self {
         self.read_limits = Arc::new(limits);
+        self
+    }
+
+    /// The same service, running at most `max` `ReadLog` scans at once (0: no bound), each
+    /// holder's at `events_per_s` events a second (0: unpaced).
+    pub fn with_log_scans(mut self, max: usize, events_per_s: u32) -> Self {
+        let m = &self.shared.metrics;
+        self.log_scans = Arc::new(LogScans::new(
+            max,
+            events_per_s,
+            m.bites.clone(),
+            m.log_scans.clone(),
+        ));
         self
     }
 
@@ -164,19 +181,9 @@ impl Service {
     ) -> Result<T, Status> {
         // The thread first, then the view: a view held while waiting would hold up the
         // publication of newer ones.
-        let permit = self
-            .heavy
-            .clone()
-            .acquire_owned()
-            .await
-            .map_err(|_| Status::unavailable("shutting down"))?;
+        let permit = heavy_thread(&self.heavy).await?;
         let view = self.shared.view().await;
-        tokio::task::spawn_blocking(move || {
-            let _thread = permit;
-            f(&view)
-        })
-        .await
-        .map_err(|e| Status::internal(format!("the read failed: {e}")))
+        on_heavy_thread(permit, move || f(&view)).await
     }
 
     /// A slot of the caller's open streams, or RESOURCE_EXHAUSTED (no slot without a verified
@@ -247,6 +254,28 @@ impl Service {
     pub fn budget_guard_slot(&self) -> &crate::budget_watch::GuardSlot {
         &self.budget_guard
     }
+}
+
+/// One of the heavy-read threads, once free.
+async fn heavy_thread(heavy: &Arc<Semaphore>) -> Result<OwnedSemaphorePermit, Status> {
+    heavy
+        .clone()
+        .acquire_owned()
+        .await
+        .map_err(|_| Status::unavailable("shutting down"))
+}
+
+/// Run `f` on the heavy-read thread `permit` holds, off the runtime that keeps the lease.
+async fn on_heavy_thread<T: Send + 'static>(
+    permit: OwnedSemaphorePermit,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, Status> {
+    tokio::task::spawn_blocking(move || {
+        let _thread = permit;
+        f()
+    })
+    .await
+    .map_err(|e| Status::internal(format!("the read failed: {e}")))
 }
 
 #[tonic::async_trait]

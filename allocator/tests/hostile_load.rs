@@ -22,9 +22,14 @@ use crate::hostile_tokens::with_token;
 
 /// The value of `gpuledger_allocator_limited_total{limit="<limit>"}` on replica `i`.
 pub(crate) async fn limited(allocs: &Allocators, i: usize, limit: &str) -> anyhow::Result<f64> {
+    metric(allocs, i, &format!("limited_total{{limit=\"{limit}\"}}")).await
+}
+
+/// The value of the series `gpuledger_allocator_<series>` on replica `i`.
+pub(crate) async fn metric(allocs: &Allocators, i: usize, series: &str) -> anyhow::Result<f64> {
     let (_, text) =
         gpuledger_testkit::http::get(&format!("http://{}/metrics", allocs.http[i])).await?;
-    let prefix = format!("gpuledger_allocator_limited_total{{limit=\"{limit}\"}} ");
+    let prefix = format!("gpuledger_allocator_{series} ");
     text.lines()
         .find_map(|l| l.strip_prefix(&prefix))
         .and_then(|v| v.trim().parse().ok())

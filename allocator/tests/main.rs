@@ -22,6 +22,7 @@ mod kube_lifecycle;
 mod leader_fencing;
 mod log_archive;
 mod log_reads;
+mod log_scans;
 mod metrics_cover_the_ledger;
 mod no_lost_grant;
 mod rewritten_head;

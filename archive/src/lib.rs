@@ -214,62 +214,133 @@ impl Archive {
         mut f: impl FnMut(pb::EventBatch) -> bool,
     ) -> Result<u64, ArchiveError> {
         let mut handed = 0;
-        for s in self.segments()? {
-            if s.last < from {
-                continue;
-            }
-            if to > 0 && s.first > to {
+        for b in self.batches(from, to)? {
+            let b = b?;
+            handed = last_seq(&b);
+            if !f(b) {
                 break;
-            }
-            let bytes = std::fs::read(&s.path).map_err(io(&s.path))?;
-            let mut buf = bytes.as_slice();
-            let mut expect = s.first;
-            let location = format!("archive {}", s.path.display());
-            while !buf.is_empty() {
-                let corrupt = |why: String| ArchiveError::Corrupt {
-                    path: s.path.clone(),
-                    why,
-                };
-                let len =
-                    prost::encoding::decode_varint(&mut buf).map_err(|e| corrupt(e.to_string()))?;
-                let len = usize::try_from(len)
-                    .ok()
-                    .filter(|&l| l <= buf.len())
-                    .ok_or_else(|| corrupt(format!("a record of {len} bytes runs past the end")))?;
-                let (record, rest) = buf.split_at(len);
-                buf = rest;
-                let mut b = pb::EventBatch::decode(record).map_err(|e| corrupt(e.to_string()))?;
-                b.stored = Some(pb::StoredAt {
-                    hash: hash_stored(record).to_vec(),
-                    location: location.clone(),
-                });
-                if b.first_seq != expect {
-                    return Err(ArchiveError::Corrupt {
-                        path: s.path.clone(),
-                        why: format!("batch at seq {} where {expect} was due", b.first_seq),
-                    });
-                }
-                expect = last_seq(&b) + 1;
-                let last = last_seq(&b);
-                if last < from {
-                    continue;
-                }
-                if to > 0 && b.first_seq > to {
-                    return Ok(handed);
-                }
-                handed = last;
-                if !f(b) {
-                    return Ok(handed);
-                }
-            }
-            if expect != s.last + 1 {
-                return Err(ArchiveError::Corrupt {
-                    path: s.path.clone(),
-                    why: format!("ends at seq {} but its name says {}", expect - 1, s.last),
-                });
             }
         }
         Ok(handed)
+    }
+
+    /// The archived batches holding seqs `from..=to` (`to` = 0: to the end), in order, as
+    /// [`Archive::read`] hands them over; a caller can take some, put the rest aside (another
+    /// thread, later) and go on where it stopped, without reading the archive again.
+    pub fn batches(&self, from: u64, to: u64) -> Result<Batches, ArchiveError> {
+        Ok(Batches {
+            from,
+            to,
+            segments: self.segments()?.into_iter(),
+            open: None,
+            done: false,
+        })
+    }
+}
+
+/// The batches of an archive from a seq on ([`Archive::batches`]), read a segment at a time;
+/// after an error, nothing more.
+#[derive(Debug)]
+pub struct Batches {
+    from: u64,
+    to: u64,
+    segments: std::vec::IntoIter<Segment>,
+    open: Option<OpenSegment>,
+    done: bool,
+}
+
+/// The segment [`Batches`] reads: its bytes, where its next record starts, and the seq that
+/// record must start at.
+#[derive(Debug)]
+struct OpenSegment {
+    segment: Segment,
+    bytes: Vec<u8>,
+    at: usize,
+    expect: u64,
+    location: String,
+}
+
+impl Batches {
+    fn advance(&mut self) -> Result<Option<pb::EventBatch>, ArchiveError> {
+        loop {
+            let Some(open) = &mut self.open else {
+                let Some(s) = self.segments.next() else {
+                    return Ok(None);
+                };
+                if s.last < self.from {
+                    continue;
+                }
+                if self.to > 0 && s.first > self.to {
+                    return Ok(None);
+                }
+                let bytes = std::fs::read(&s.path).map_err(io(&s.path))?;
+                self.open = Some(OpenSegment {
+                    location: format!("archive {}", s.path.display()),
+                    expect: s.first,
+                    bytes,
+                    at: 0,
+                    segment: s,
+                });
+                continue;
+            };
+            let corrupt = |why: String| ArchiveError::Corrupt {
+                path: open.segment.path.clone(),
+                why,
+            };
+            if open.at >= open.bytes.len() {
+                if open.expect != open.segment.last + 1 {
+                    return Err(corrupt(format!(
+                        "ends at seq {} but its name says {}",
+                        open.expect - 1,
+                        open.segment.last
+                    )));
+                }
+                self.open = None;
+                continue;
+            }
+            let mut buf = &open.bytes[open.at..];
+            let len =
+                prost::encoding::decode_varint(&mut buf).map_err(|e| corrupt(e.to_string()))?;
+            let len = usize::try_from(len)
+                .ok()
+                .filter(|&l| l <= buf.len())
+                .ok_or_else(|| corrupt(format!("a record of {len} bytes runs past the end")))?;
+            let record = &buf[..len];
+            open.at = open.bytes.len() - buf.len() + len;
+            let mut b = pb::EventBatch::decode(record).map_err(|e| corrupt(e.to_string()))?;
+            b.stored = Some(pb::StoredAt {
+                hash: hash_stored(record).to_vec(),
+                location: open.location.clone(),
+            });
+            if b.first_seq != open.expect {
+                return Err(corrupt(format!(
+                    "batch at seq {} where {} was due",
+                    b.first_seq, open.expect
+                )));
+            }
+            let last = last_seq(&b);
+            open.expect = last + 1;
+            if last < self.from {
+                continue;
+            }
+            if self.to > 0 && b.first_seq > self.to {
+                return Ok(None);
+            }
+            return Ok(Some(b));
+        }
+    }
+}
+
+impl Iterator for Batches {
+    type Item = Result<pb::EventBatch, ArchiveError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.done {
+            return None;
+        }
+        let next = self.advance().transpose();
+        self.done = !matches!(next, Some(Ok(_)));
+        next
     }
 }
 
@@ -340,6 +411,34 @@ mod tests {
             "{}",
             read[0].location
         );
+    }
+
+    #[test]
+    fn batches_taken_a_few_at_a_time_go_on_where_they_stopped() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let a = Archive::open(dir.path()).expect("open");
+        a.append(&[batch(1, 3), batch(4, 2), batch(6, 1)])
+            .expect("append");
+        a.append(&[batch(7, 2), batch(9, 1)]).expect("append");
+        let mut it = a.batches(5, 0).expect("batches");
+        let page: Vec<u64> = it
+            .by_ref()
+            .take(2)
+            .map(|b| b.expect("b").first_seq)
+            .collect();
+        assert_eq!(page, vec![4, 6], "from the batch holding seq 5");
+        // Put aside (another thread), then the rest, across the segment boundary.
+        let rest =
+            std::thread::spawn(move || it.map(|b| b.expect("b").first_seq).collect::<Vec<u64>>())
+                .join()
+                .expect("thread");
+        assert_eq!(rest, vec![7, 9]);
+        let upto: Vec<u64> = a
+            .batches(2, 7)
+            .expect("batches")
+            .map(|b| b.expect("b").first_seq)
+            .collect();
+        assert_eq!(upto, vec![1, 4, 6, 7]);
     }
 
     #[test]

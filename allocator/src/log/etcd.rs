@@ -319,7 +319,12 @@ impl EtcdLog {
             let more = resp.more();
             let mut resp = resp;
             let page = self.decode_page(resp.take_kvs()).await?;
-            for (b, kvp) in &page {
+            let next = page.last().filter(|_| more).map(|(_, last)| {
+                let mut next = last.key().to_vec();
+                next.push(0);
+                String::from_utf8_lossy(&next).into_owned()
+            });
+            for (b, kvp) in page {
                 let last = b.events.last().map_or(b.first_seq, |e| e.seq);
                 if last < from {
                     continue;
@@ -327,16 +332,14 @@ impl EtcdLog {
                 if to > 0 && b.first_seq > to {
                     return Ok(rev);
                 }
-                if !f(b.clone(), kvp.value()) {
+                if !f(b, kvp.value()) {
                     return Ok(rev);
                 }
             }
-            let Some((_, last)) = page.last().filter(|_| more) else {
+            let Some(next) = next else {
                 return Ok(rev);
             };
-            let mut next = last.key().to_vec();
-            next.push(0);
-            start = String::from_utf8_lossy(&next).into_owned();
+            start = next;
         }
     }
 

@@ -26,7 +26,7 @@ use super::cpu::Governor;
 use super::{Args, Ctx, NS, gpu_pod, pod_request};
 
 /// The attacks, by name, each with a line on what it does.
-pub const ATTACKS: [(&str, &str); 17] = [
+pub const ATTACKS: [(&str, &str); 18] = [
     (
         "slow-bodies",
         "webhook: bodies of 1 MB promised, a byte every 2 s, from 8 addresses; refused ones retried",
@@ -94,6 +94,10 @@ pub const ATTACKS: [(&str, &str); 17] = [
     (
         "scheduler-cert-copy",
         "a copy of the scheduler's certificate sends /filter from 8 other addresses, as fast as it can",
+    ),
+    (
+        "log-scans",
+        "a viewer's 128 loops of ReadLog from seq 1 (16 per connection from 8 addresses), each stream read to its end",
     ),
 ];
 
@@ -186,6 +190,11 @@ impl Tally {
                 "{} undecodable messages ({:.0}/s), {refused} not answered INVALID_ARGUMENT",
                 ok + refused,
                 rate(ok + refused)
+            ),
+            "log-scans" => format!(
+                "{ok} whole-log scans ({:.1}/s), {refused} refused or cut ({:.0}/s)",
+                rate(ok),
+                rate(refused)
             ),
             "forged-forwarding" => format!(
                 "{ok} forged writes accepted, {refused} refused ({:.0}/s)",
@@ -929,6 +938,44 @@ pub async fn run(
                         }
                     }
                 });
+            }
+        }
+        "log-scans" => {
+            for c in 0..8 {
+                let v = client(&ctx, from, c, &Role::Viewer)?;
+                for _ in 0..16 {
+                    let (mut v, stop, tally, gov) =
+                        (v.clone(), stop.clone(), tally.clone(), gov.clone());
+                    tasks.spawn(async move {
+                        while !stop.is_cancelled() {
+                            gov.pace().await;
+                            let scanned = match v
+                                .read_log(api::ReadLogRequest {
+                                    from_seq: 1,
+                                    to_seq: 0,
+                                })
+                                .await
+                            {
+                                Ok(s) => {
+                                    let mut s = s.into_inner();
+                                    loop {
+                                        match s.message().await {
+                                            Ok(Some(_)) => {}
+                                            Ok(None) => break true,
+                                            Err(_) => break false,
+                                        }
+                                    }
+                                }
+                                Err(_) => false,
+                            };
+                            if scanned {
+                                tally.ok();
+                            } else {
+                                tally.refused();
+                            }
+                        }
+                    });
+                }
             }
         }
         other => anyhow::bail!("no attack {other}"),
