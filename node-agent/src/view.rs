@@ -192,12 +192,24 @@ impl View {
             .collect()
     }
 
-    /// The latest refusal of claim `uid`'s `request`, if the view holds one.
-    pub fn refusal_of(&self, uid: &str, request: &str) -> Option<&pb::ClaimRefused> {
-        self.refusals
-            .values()
-            .rev()
-            .find(|r| r.request == request && r.claim.as_ref().is_some_and(|c| c.uid == uid))
+    /// The latest refusal of claim `uid`'s allocation result (`request`, `pool`, `device`,
+    /// `share_id`), if the view holds one. A refusal of another result of the same request (the
+    /// scheduler allocated the claim afresh after it) does not apply.
+    pub fn refusal_of(
+        &self,
+        uid: &str,
+        request: &str,
+        pool: &str,
+        device: &str,
+        share_id: &str,
+    ) -> Option<&pb::ClaimRefused> {
+        self.refusals.values().rev().find(|r| {
+            r.request == request
+                && r.node == pool
+                && r.device == device
+                && r.share_id == share_id
+                && r.claim.as_ref().is_some_and(|c| c.uid == uid)
+        })
     }
 
     /// Swap the pod identities of two allocations (what `IdentityCorrected` does).

@@ -198,6 +198,26 @@ impl DraNode {
         }
     }
 
+    /// An admin's refusal of claim `c`'s result `c0` on GPU `gpu` with share `share`.
+    async fn refuse(&self, c: &dra::Claim, gpu: usize, share: &str, reason: &str) -> Result<()> {
+        let g = self.grant(c, gpu, share);
+        self.allocs
+            .admin(0)?
+            .refuse_claim(api::RefuseClaimRequest {
+                refusal: Some(pb::ClaimRefused {
+                    claim: g.claim,
+                    request: g.request,
+                    node: NODE.into(),
+                    device: g.device,
+                    share_id: g.share_id,
+                    share: g.share,
+                    reason: reason.into(),
+                }),
+            })
+            .await?;
+        Ok(())
+    }
+
     /// The claim grant of claim `uid` in the ledger, once `pred` holds for it.
     async fn wait_grant(
         &self,
@@ -437,21 +457,13 @@ async fn dra_prepare_fails_fast_with_the_ledgers_refusal() -> Result<()> {
     let n = DraNode::start().await?;
     n.wait_slice(None).await?;
     let claim = n.add_claim("claim-uid-2", "big", 0, "share-9")?;
-    let g = n.grant(&claim, 0, "share-9");
-    n.allocs
-        .admin(0)?
-        .refuse_claim(api::RefuseClaimRequest {
-            refusal: Some(pb::ClaimRefused {
-                claim: g.claim,
-                request: "c0".into(),
-                node: NODE.into(),
-                device: g.device,
-                share_id: g.share_id,
-                share: g.share,
-                reason: "namespace team-a is over its GPU memory quota".into(),
-            }),
-        })
-        .await?;
+    n.refuse(
+        &claim,
+        0,
+        "share-9",
+        "namespace team-a is over its GPU memory quota",
+    )
+    .await?;
     let t0 = Instant::now();
     let r = n.dra.prepare(std::slice::from_ref(&claim)).await?;
     let e = &r.claims["claim-uid-2"].error;
@@ -464,6 +476,50 @@ async fn dra_prepare_fails_fast_with_the_ledgers_refusal() -> Result<()> {
         "a refusal needs no wait: {:?}",
         t0.elapsed()
     );
+    Ok(())
+}
+
+/// Regression: a refusal was matched by claim UID and request only, so a claim refused once and
+/// allocated afresh by the scheduler (another device and share), whose prepare came before the
+/// new grant reached the agent's view, failed at once with the old result's reason. A refusal
+/// applies only to the result it refused; the new result waits for its grant.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dra_prepare_waits_for_the_grant_of_a_result_allocated_after_a_refusal() -> Result<()> {
+    let n = DraNode::start().await?;
+    n.wait_slice(None).await?;
+    let claim = n.add_claim("claim-uid-3", "again", 0, "share-a")?;
+    n.refuse(&claim, 0, "share-a", "GPU 0 has too little free memory")
+        .await?;
+    // The scheduler allocates the claim afresh: GPU 1, another share.
+    let b = json!({"request": "c0", "driver": "gpu.gpuledger.io", "pool": NODE,
+        "device": n.device(1), "shareID": "share-b",
+        "consumedCapacity": {"memory": "3000Mi", "cores": "300"}});
+    n.api
+        .store
+        .update(CLAIMS.0, CLAIMS.1, "team-a", "again", |c| {
+            c["status"]["allocation"]["devices"]["results"] = json!([b]);
+            Ok(())
+        })
+        .map_err(|e| anyhow::anyhow!("{}", e.message()))?;
+    // The kubelet prepares before the allocator has granted the new result.
+    let admin = n.allocs.admin(0)?;
+    let grant_b = async {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let mut admin = admin;
+        admin
+            .grant_claim(api::GrantClaimRequest {
+                grant: Some(n.grant(&claim, 1, "share-b")),
+            })
+            .await
+    };
+    let (r, granted) = tokio::join!(n.dra.prepare(std::slice::from_ref(&claim)), grant_b);
+    assert!(granted?.into_inner().changed);
+    let r = r?;
+    let got = &r.claims["claim-uid-3"];
+    assert_eq!(got.error, "", "{}", n.log());
+    assert_eq!(got.devices.len(), 1);
+    assert_eq!(got.devices[0].device_name, n.device(1));
+    assert_eq!(got.devices[0].share_id.as_deref(), Some("share-b"));
     Ok(())
 }
 
