@@ -146,6 +146,27 @@ impl DraNode {
         request: Value,
         result: &str,
     ) -> Result<dra::Claim> {
+        self.add_claim_with(uid, name, request, &[(result, gpu, share)])
+    }
+
+    /// A claim of request `request` allocated as `results`: (result, GPU, share) each.
+    fn add_claim_with(
+        &self,
+        uid: &str,
+        name: &str,
+        request: Value,
+        results: &[(&str, usize, &str)],
+    ) -> Result<dra::Claim> {
+        let results: Vec<Value> = results
+            .iter()
+            .map(|(result, gpu, share)| {
+                json!({
+                    "request": result, "driver": "gpu.gpuledger.io", "pool": NODE,
+                    "device": self.device(*gpu), "shareID": share,
+                    "consumedCapacity": {"memory": "3000Mi", "cores": "300"},
+                })
+            })
+            .collect();
         self.api
             .store
             .create(
@@ -155,11 +176,7 @@ impl DraNode {
                 json!({
                     "metadata": {"name": name, "namespace": "team-a", "uid": uid},
                     "spec": {"devices": {"requests": [request]}},
-                    "status": {"allocation": {"devices": {"results": [{
-                        "request": result, "driver": "gpu.gpuledger.io", "pool": NODE,
-                        "device": self.device(gpu), "shareID": share,
-                        "consumedCapacity": {"memory": "3000Mi", "cores": "300"},
-                    }]}}},
+                    "status": {"allocation": {"devices": {"results": results}}},
                 }),
             )
             .map_err(|e| anyhow::anyhow!("{}", e.message()))?;
@@ -520,6 +537,56 @@ async fn dra_prepare_waits_for_the_grant_of_a_result_allocated_after_a_refusal()
     assert_eq!(got.devices.len(), 1);
     assert_eq!(got.devices[0].device_name, n.device(1));
     assert_eq!(got.devices[0].share_id.as_deref(), Some("share-b"));
+    Ok(())
+}
+
+/// Regression: a request for two GPUs has two results, each its own grant, but the container's
+/// environment named only the first grant's allocation id, so enforcement and the user saw one
+/// of the two. The container of a request gets every grant's id and every GPU's limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dra_prepare_of_a_two_gpu_request_names_both_grants() -> Result<()> {
+    let n = DraNode::start().await?;
+    n.wait_slice(None).await?;
+    let request = json!({"name": "c0", "exactly": {"deviceClassName": "gpu.gpuledger.io",
+        "allocationMode": "ExactCount", "count": 2}});
+    let claim = n.add_claim_with(
+        "claim-uid-4",
+        "pair",
+        request,
+        &[("c0", 0, "share-x"), ("c0", 1, "share-y")],
+    )?;
+    for (gpu, share) in [(0, "share-x"), (1, "share-y")] {
+        n.allocs
+            .admin(0)?
+            .grant_claim(api::GrantClaimRequest {
+                grant: Some(n.grant(&claim, gpu, share)),
+            })
+            .await?;
+    }
+    let r = n.dra.prepare(std::slice::from_ref(&claim)).await?;
+    let got = &r.claims["claim-uid-4"];
+    assert_eq!(got.error, "", "{}", n.log());
+    assert_eq!(got.devices.len(), 2);
+    let l = n.allocs.ledger(0).await?;
+    let mut ids: Vec<(String, u64)> = l
+        .allocs()
+        .values()
+        .filter(|a| a.pod.uid == "claim-uid-4")
+        .map(|a| (a.shares[0].gpu_uuid.clone(), a.id))
+        .collect();
+    ids.sort();
+    assert_eq!(ids.len(), 2, "two grants: {ids:?}");
+    let path = n.cdi_dir().join("gpuledger.io-claim_claim-uid-4.json");
+    let spec: Value = serde_json::from_slice(&std::fs::read(&path)?)?;
+    let env = env_of(&spec);
+    let want_ids = format!("GPULEDGER_ALLOCATION_ID={},{}", ids[0].1, ids[1].1);
+    for e in [
+        want_ids.as_str(),
+        "CUDA_DEVICE_MEMORY_LIMIT_0=3000m",
+        "CUDA_DEVICE_MEMORY_LIMIT_1=3000m",
+    ] {
+        assert!(env.iter().any(|x| x == e), "{e} not in {env:?}");
+    }
     Ok(())
 }
 
