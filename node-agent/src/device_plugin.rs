@@ -79,9 +79,9 @@ impl Plugin {
             let span = info_span!("container", devices = ?c.devices_ids, allocation = Empty,
                 pod_uid = Empty, pod = Empty, seq = Empty, epoch = Empty);
             let alloc = self.allocate_one(c.devices_ids).instrument(span).await?;
-            let r = self
-                .agent
-                .with_view(|v| container_response(&alloc, v.inventory.as_ref(), &self.agent.env));
+            let r = self.agent.with_view(|v| {
+                container_response(&[&alloc], v.inventory.as_ref(), &self.agent.env)
+            });
             out.push(r);
         }
         Ok(dp::AllocateResponse {

@@ -112,10 +112,14 @@ pub fn attribute(view: &View, gpu: &str, owner: &ProcOwner) -> Attribution {
                 .filter(|a| serves_pod(a, uid) && on_gpu(a))
                 .map(|a| a.id)
                 .collect();
-            match owner.claimed_allocation {
-                Some(id) if mine.contains(&id) => Attribution::Pod(id),
+            match owner
+                .claimed_allocations
+                .iter()
+                .find(|id| mine.contains(id))
+            {
+                Some(id) => Attribution::Pod(*id),
                 // Several containers of the pod on one GPU and no (valid) claim: the oldest.
-                _ => mine.first().map_or_else(
+                None => mine.first().map_or_else(
                     || Attribution::Rogue(RogueReason::OtherPod(uid.clone())),
                     |id| Attribution::Pod(*id),
                 ),
@@ -123,8 +127,10 @@ pub fn attribute(view: &View, gpu: &str, owner: &ProcOwner) -> Attribution {
         }
         PodCgroup::Conflict(_) => Attribution::Rogue(RogueReason::Conflict),
         PodCgroup::NoPod => owner
-            .claimed_allocation
-            .filter(|id| view.allocs.get(id).is_some_and(on_gpu))
+            .claimed_allocations
+            .iter()
+            .copied()
+            .find(|id| view.allocs.get(id).is_some_and(on_gpu))
             .map_or(Attribution::Rogue(RogueReason::NoPod), Attribution::Claim),
     }
 }

@@ -26,8 +26,9 @@ pub struct ProcKey {
 pub struct ProcOwner {
     /// The pod its cgroups name.
     pub pod: PodCgroup,
-    /// `GPULEDGER_ALLOCATION_ID` from its environment: a claim, not a proof.
-    pub claimed_allocation: Option<u64>,
+    /// `GPULEDGER_ALLOCATION_ID` from its environment (every grant of its container): a
+    /// claim, not a proof.
+    pub claimed_allocations: Vec<u64>,
 }
 
 /// A live process pinned by a pidfd, with what /proc said about it while pinned.
@@ -114,9 +115,9 @@ pub fn sample(pid: u32) -> Result<Sampled, SampleError> {
     };
     let cgroup = std::fs::read_to_string(format!("/proc/{pid}/cgroup"));
     // Unreadable (no CAP_SYS_PTRACE): no claim, which only ever weakens the process's case.
-    let claimed_allocation = std::fs::read(format!("/proc/{pid}/environ"))
-        .ok()
-        .and_then(|e| allocation_from_environ(&e));
+    let claimed_allocations = std::fs::read(format!("/proc/{pid}/environ"))
+        .map(|e| allocations_from_environ(&e))
+        .unwrap_or_default();
     match running_start(pid) {
         Some(s) if s == start => {}
         Some(_) => return Err(SampleError::Reused(pid)),
@@ -129,7 +130,7 @@ pub fn sample(pid: u32) -> Result<Sampled, SampleError> {
         key: ProcKey { pid, start },
         owner: ProcOwner {
             pod: pod_of(&cgroup),
-            claimed_allocation,
+            claimed_allocations,
         },
         pidfd,
     })
@@ -146,11 +147,27 @@ impl Sampled {
     }
 }
 
-/// `GPULEDGER_ALLOCATION_ID` in a `/proc/<pid>/environ` blob.
-pub fn allocation_from_environ(env: &[u8]) -> Option<u64> {
-    env.split(|b| *b == 0)
+/// How many allocation ids of one process's environment count (a container holds one grant
+/// per GPU it uses); the rest are ignored.
+pub const MAX_CLAIMED_ALLOCATIONS: usize = 64;
+
+/// The allocation ids of `GPULEDGER_ALLOCATION_ID` (comma-separated) in a `/proc/<pid>/environ`
+/// blob; none when it is missing or any id is malformed.
+pub fn allocations_from_environ(env: &[u8]) -> Vec<u64> {
+    let Some(v) = env
+        .split(|b| *b == 0)
         .find_map(|kv| kv.strip_prefix(b"GPULEDGER_ALLOCATION_ID="))
-        .and_then(|v| std::str::from_utf8(v).ok()?.parse().ok())
+    else {
+        return Vec::new();
+    };
+    let Ok(v) = std::str::from_utf8(v) else {
+        return Vec::new();
+    };
+    v.split(',')
+        .take(MAX_CLAIMED_ALLOCATIONS)
+        .map(str::parse)
+        .collect::<Result<_, _>>()
+        .unwrap_or_default()
 }
 
 /// Whether a `/proc/<pid>/ns/pid` link target (`pid:[<inode>]`) is the initial pid namespace.
@@ -190,16 +207,18 @@ mod tests {
     }
 
     #[test]
-    fn environ_gives_the_claimed_allocation() {
+    fn environ_gives_the_claimed_allocations() {
         assert_eq!(
-            allocation_from_environ(b"PATH=/bin\0GPULEDGER_ALLOCATION_ID=42\0HOME=/\0"),
-            Some(42)
+            allocations_from_environ(b"PATH=/bin\0GPULEDGER_ALLOCATION_ID=42\0HOME=/\0"),
+            [42]
         );
-        assert_eq!(allocation_from_environ(b"PATH=/bin\0"), None);
         assert_eq!(
-            allocation_from_environ(b"GPULEDGER_ALLOCATION_ID=4x2\0"),
-            None
+            allocations_from_environ(b"GPULEDGER_ALLOCATION_ID=3,4\0"),
+            [3, 4]
         );
+        assert!(allocations_from_environ(b"PATH=/bin\0").is_empty());
+        assert!(allocations_from_environ(b"GPULEDGER_ALLOCATION_ID=4x2\0").is_empty());
+        assert!(allocations_from_environ(b"GPULEDGER_ALLOCATION_ID=3,\0").is_empty());
     }
 
     #[test]
@@ -226,7 +245,7 @@ mod tests {
         }
         let s = sample(child.id())?;
         assert_eq!(s.key.pid, child.id());
-        assert_eq!(s.owner.claimed_allocation, Some(7));
+        assert_eq!(s.owner.claimed_allocations, [7]);
         assert_eq!(s.kill()?, Killed::Now);
         use std::os::unix::process::ExitStatusExt;
         assert_eq!(child.wait()?.signal(), Some(9));

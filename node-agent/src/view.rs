@@ -192,12 +192,24 @@ impl View {
             .collect()
     }
 
-    /// The latest refusal of claim `uid`'s `request`, if the view holds one.
-    pub fn refusal_of(&self, uid: &str, request: &str) -> Option<&pb::ClaimRefused> {
-        self.refusals
-            .values()
-            .rev()
-            .find(|r| r.request == request && r.claim.as_ref().is_some_and(|c| c.uid == uid))
+    /// The latest refusal of claim `uid`'s allocation result (`request`, `pool`, `device`,
+    /// `share_id`), if the view holds one. A refusal of another result of the same request (the
+    /// scheduler allocated the claim afresh after it) does not apply.
+    pub fn refusal_of(
+        &self,
+        uid: &str,
+        request: &str,
+        pool: &str,
+        device: &str,
+        share_id: &str,
+    ) -> Option<&pb::ClaimRefused> {
+        self.refusals.values().rev().find(|r| {
+            r.request == request
+                && r.node == pool
+                && r.device == device
+                && r.share_id == share_id
+                && r.claim.as_ref().is_some_and(|c| c.uid == uid)
+        })
     }
 
     /// Swap the pod identities of two allocations (what `IdentityCorrected` does).
@@ -351,22 +363,25 @@ pub fn cdi_annotation(id: u64, devices: &[String]) -> (String, String) {
     )
 }
 
-/// The Allocate answer for one container holding allocation `a` on GPUs of `inventory`.
+/// The Allocate answer for one container holding `grants` (the device plugin's one allocation,
+/// or every grant of a DRA request) on GPUs of `inventory`, their shares in order.
 pub fn container_response(
-    a: &pb::Allocation,
+    grants: &[&pb::Allocation],
     inventory: Option<&pb::NodeInventory>,
     opts: &AllocateOptions,
 ) -> dp::ContainerAllocateResponse {
     let mut envs = HashMap::new();
-    let uuids: Vec<&str> = a.shares.iter().map(|s| s.gpu_uuid.as_str()).collect();
-    let mem = a.shares.first().map_or(0, |s| s.mem_mib);
-    let core_pct = a.shares.first().map_or(0, |s| s.core_milli / 10);
+    let id = grants.first().map_or(0, |a| a.id);
+    let shares: Vec<&pb::GpuShare> = grants.iter().flat_map(|a| &a.shares).collect();
+    let uuids: Vec<&str> = shares.iter().map(|s| s.gpu_uuid.as_str()).collect();
+    let mem = shares.first().map_or(0, |s| s.mem_mib);
+    let core_pct = shares.first().map_or(0, |s| s.core_milli / 10);
     let cdi_names: Vec<String> = uuids
         .iter()
         .map(|u| format!("{}={u}", opts.cdi_kind))
         .collect();
     let mut annotations = HashMap::new();
-    annotations.insert("gpuledger.io/allocation-id".into(), a.id.to_string());
+    annotations.insert("gpuledger.io/allocation-id".into(), allocation_ids(grants));
     let mut cdi_devices = Vec::new();
     for s in &opts.strategies {
         match s {
@@ -374,7 +389,7 @@ pub fn container_response(
                 envs.insert("NVIDIA_VISIBLE_DEVICES".into(), uuids.join(","));
             }
             DeviceListStrategy::CdiAnnotations => {
-                let (k, v) = cdi_annotation(a.id, &cdi_names);
+                let (k, v) = cdi_annotation(id, &cdi_names);
                 annotations.insert(k, v);
             }
             DeviceListStrategy::CdiCri => {
@@ -385,11 +400,11 @@ pub fn container_response(
             }
         }
     }
-    envs.insert("GPULEDGER_ALLOCATION_ID".into(), a.id.to_string());
+    envs.insert("GPULEDGER_ALLOCATION_ID".into(), allocation_ids(grants));
     envs.insert("GPULEDGER_GPU_MEM_MIB".into(), mem.to_string());
     envs.insert("GPULEDGER_GPU_CORE".into(), core_pct.to_string());
     // HAMi-core: one limit per visible device, index within the container.
-    for (i, s) in a.shares.iter().enumerate() {
+    for (i, s) in shares.iter().enumerate() {
         envs.insert(
             format!("CUDA_DEVICE_MEMORY_LIMIT_{i}"),
             format!("{}m", s.mem_mib),
@@ -416,8 +431,7 @@ pub fn container_response(
     );
     let mut mounts = Vec::new();
     if opts.mps {
-        let limits: Vec<String> = a
-            .shares
+        let limits: Vec<String> = shares
             .iter()
             .enumerate()
             .map(|(i, s)| format!("{i}={}M", s.mem_mib))
@@ -443,6 +457,13 @@ pub fn container_response(
         annotations,
         cdi_devices,
     }
+}
+
+/// `GPULEDGER_ALLOCATION_ID` of a container holding `grants`: their ids, comma-separated (one
+/// on the device plugin's path), as [`crate::procs::allocations_from_environ`] reads them.
+pub fn allocation_ids(grants: &[&pb::Allocation]) -> String {
+    let ids: Vec<String> = grants.iter().map(|a| a.id.to_string()).collect();
+    ids.join(",")
 }
 
 #[cfg(test)]

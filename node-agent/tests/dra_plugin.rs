@@ -146,6 +146,27 @@ impl DraNode {
         request: Value,
         result: &str,
     ) -> Result<dra::Claim> {
+        self.add_claim_with(uid, name, request, &[(result, gpu, share)])
+    }
+
+    /// A claim of request `request` allocated as `results`: (result, GPU, share) each.
+    fn add_claim_with(
+        &self,
+        uid: &str,
+        name: &str,
+        request: Value,
+        results: &[(&str, usize, &str)],
+    ) -> Result<dra::Claim> {
+        let results: Vec<Value> = results
+            .iter()
+            .map(|(result, gpu, share)| {
+                json!({
+                    "request": result, "driver": "gpu.gpuledger.io", "pool": NODE,
+                    "device": self.device(*gpu), "shareID": share,
+                    "consumedCapacity": {"memory": "3000Mi", "cores": "300"},
+                })
+            })
+            .collect();
         self.api
             .store
             .create(
@@ -155,11 +176,7 @@ impl DraNode {
                 json!({
                     "metadata": {"name": name, "namespace": "team-a", "uid": uid},
                     "spec": {"devices": {"requests": [request]}},
-                    "status": {"allocation": {"devices": {"results": [{
-                        "request": result, "driver": "gpu.gpuledger.io", "pool": NODE,
-                        "device": self.device(gpu), "shareID": share,
-                        "consumedCapacity": {"memory": "3000Mi", "cores": "300"},
-                    }]}}},
+                    "status": {"allocation": {"devices": {"results": results}}},
                 }),
             )
             .map_err(|e| anyhow::anyhow!("{}", e.message()))?;
@@ -196,6 +213,26 @@ impl DraNode {
             consumers: Vec::new(),
             source: "claim".into(),
         }
+    }
+
+    /// An admin's refusal of claim `c`'s result `c0` on GPU `gpu` with share `share`.
+    async fn refuse(&self, c: &dra::Claim, gpu: usize, share: &str, reason: &str) -> Result<()> {
+        let g = self.grant(c, gpu, share);
+        self.allocs
+            .admin(0)?
+            .refuse_claim(api::RefuseClaimRequest {
+                refusal: Some(pb::ClaimRefused {
+                    claim: g.claim,
+                    request: g.request,
+                    node: NODE.into(),
+                    device: g.device,
+                    share_id: g.share_id,
+                    share: g.share,
+                    reason: reason.into(),
+                }),
+            })
+            .await?;
+        Ok(())
     }
 
     /// The claim grant of claim `uid` in the ledger, once `pred` holds for it.
@@ -437,21 +474,13 @@ async fn dra_prepare_fails_fast_with_the_ledgers_refusal() -> Result<()> {
     let n = DraNode::start().await?;
     n.wait_slice(None).await?;
     let claim = n.add_claim("claim-uid-2", "big", 0, "share-9")?;
-    let g = n.grant(&claim, 0, "share-9");
-    n.allocs
-        .admin(0)?
-        .refuse_claim(api::RefuseClaimRequest {
-            refusal: Some(pb::ClaimRefused {
-                claim: g.claim,
-                request: "c0".into(),
-                node: NODE.into(),
-                device: g.device,
-                share_id: g.share_id,
-                share: g.share,
-                reason: "namespace team-a is over its GPU memory quota".into(),
-            }),
-        })
-        .await?;
+    n.refuse(
+        &claim,
+        0,
+        "share-9",
+        "namespace team-a is over its GPU memory quota",
+    )
+    .await?;
     let t0 = Instant::now();
     let r = n.dra.prepare(std::slice::from_ref(&claim)).await?;
     let e = &r.claims["claim-uid-2"].error;
@@ -464,6 +493,100 @@ async fn dra_prepare_fails_fast_with_the_ledgers_refusal() -> Result<()> {
         "a refusal needs no wait: {:?}",
         t0.elapsed()
     );
+    Ok(())
+}
+
+/// Regression: a refusal was matched by claim UID and request only, so a claim refused once and
+/// allocated afresh by the scheduler (another device and share), whose prepare came before the
+/// new grant reached the agent's view, failed at once with the old result's reason. A refusal
+/// applies only to the result it refused; the new result waits for its grant.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dra_prepare_waits_for_the_grant_of_a_result_allocated_after_a_refusal() -> Result<()> {
+    let n = DraNode::start().await?;
+    n.wait_slice(None).await?;
+    let claim = n.add_claim("claim-uid-3", "again", 0, "share-a")?;
+    n.refuse(&claim, 0, "share-a", "GPU 0 has too little free memory")
+        .await?;
+    // The scheduler allocates the claim afresh: GPU 1, another share.
+    let b = json!({"request": "c0", "driver": "gpu.gpuledger.io", "pool": NODE,
+        "device": n.device(1), "shareID": "share-b",
+        "consumedCapacity": {"memory": "3000Mi", "cores": "300"}});
+    n.api
+        .store
+        .update(CLAIMS.0, CLAIMS.1, "team-a", "again", |c| {
+            c["status"]["allocation"]["devices"]["results"] = json!([b]);
+            Ok(())
+        })
+        .map_err(|e| anyhow::anyhow!("{}", e.message()))?;
+    // The kubelet prepares before the allocator has granted the new result.
+    let admin = n.allocs.admin(0)?;
+    let grant_b = async {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let mut admin = admin;
+        admin
+            .grant_claim(api::GrantClaimRequest {
+                grant: Some(n.grant(&claim, 1, "share-b")),
+            })
+            .await
+    };
+    let (r, granted) = tokio::join!(n.dra.prepare(std::slice::from_ref(&claim)), grant_b);
+    assert!(granted?.into_inner().changed);
+    let r = r?;
+    let got = &r.claims["claim-uid-3"];
+    assert_eq!(got.error, "", "{}", n.log());
+    assert_eq!(got.devices.len(), 1);
+    assert_eq!(got.devices[0].device_name, n.device(1));
+    assert_eq!(got.devices[0].share_id.as_deref(), Some("share-b"));
+    Ok(())
+}
+
+/// Regression: a request for two GPUs has two results, each its own grant, but the container's
+/// environment named only the first grant's allocation id, so enforcement and the user saw one
+/// of the two. The container of a request gets every grant's id and every GPU's limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dra_prepare_of_a_two_gpu_request_names_both_grants() -> Result<()> {
+    let n = DraNode::start().await?;
+    n.wait_slice(None).await?;
+    let request = json!({"name": "c0", "exactly": {"deviceClassName": "gpu.gpuledger.io",
+        "allocationMode": "ExactCount", "count": 2}});
+    let claim = n.add_claim_with(
+        "claim-uid-4",
+        "pair",
+        request,
+        &[("c0", 0, "share-x"), ("c0", 1, "share-y")],
+    )?;
+    for (gpu, share) in [(0, "share-x"), (1, "share-y")] {
+        n.allocs
+            .admin(0)?
+            .grant_claim(api::GrantClaimRequest {
+                grant: Some(n.grant(&claim, gpu, share)),
+            })
+            .await?;
+    }
+    let r = n.dra.prepare(std::slice::from_ref(&claim)).await?;
+    let got = &r.claims["claim-uid-4"];
+    assert_eq!(got.error, "", "{}", n.log());
+    assert_eq!(got.devices.len(), 2);
+    let l = n.allocs.ledger(0).await?;
+    let mut ids: Vec<(String, u64)> = l
+        .allocs()
+        .values()
+        .filter(|a| a.pod.uid == "claim-uid-4")
+        .map(|a| (a.shares[0].gpu_uuid.clone(), a.id))
+        .collect();
+    ids.sort();
+    assert_eq!(ids.len(), 2, "two grants: {ids:?}");
+    let path = n.cdi_dir().join("gpuledger.io-claim_claim-uid-4.json");
+    let spec: Value = serde_json::from_slice(&std::fs::read(&path)?)?;
+    let env = env_of(&spec);
+    let want_ids = format!("GPULEDGER_ALLOCATION_ID={},{}", ids[0].1, ids[1].1);
+    for e in [
+        want_ids.as_str(),
+        "CUDA_DEVICE_MEMORY_LIMIT_0=3000m",
+        "CUDA_DEVICE_MEMORY_LIMIT_1=3000m",
+    ] {
+        assert!(env.iter().any(|x| x == e), "{e} not in {env:?}");
+    }
     Ok(())
 }
 

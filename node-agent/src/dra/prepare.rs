@@ -67,7 +67,7 @@ pub fn decide(uid: &str, results: &[ClaimResult], node: &str, view: &View) -> De
         match grant {
             Some(a) => out.push((r.clone(), a.clone())),
             None => {
-                if let Some(f) = view.refusal_of(uid, &r.request) {
+                if let Some(f) = view.refusal_of(uid, &r.request, &r.pool, &r.device, &r.share_id) {
                     return Decision::Refused(format!(
                         "request {} was refused by the ledger: {}",
                         r.request, f.reason

@@ -183,22 +183,22 @@ impl Plugin {
             .cfg
             .device_list_strategy
             .contains(&DeviceListStrategy::CdiCri);
-        // One CDI device per request, carrying the shares of all its results: the env indexes
-        // limits per device within the container, as Allocate's does.
-        let mut requests: Vec<(String, pb::Allocation)> = Vec::new();
+        // One CDI device per request, carrying all its results' grants: every allocation id,
+        // and the limits indexed per device within the container, as Allocate's are.
+        let mut requests: Vec<(String, Vec<&pb::Allocation>)> = Vec::new();
         for (r, g) in &grants {
             match requests.iter_mut().find(|(q, _)| *q == r.request) {
-                Some((_, merged)) => merged.shares.extend(g.shares.iter().cloned()),
-                None => requests.push((r.request.clone(), g.clone())),
+                Some((_, gs)) => gs.push(g),
+                None => requests.push((r.request.clone(), vec![g])),
             }
         }
         let edits: Vec<(String, _)> = a.with_view(|v| {
             requests
                 .iter()
-                .map(|(q, g)| {
+                .map(|(q, gs)| {
                     (
                         q.clone(),
-                        container_response(g, v.inventory.as_ref(), &a.env),
+                        container_response(gs, v.inventory.as_ref(), &a.env),
                     )
                 })
                 .collect()

@@ -57,14 +57,14 @@ fn p(pid: u32, used: u64) -> GpuProcess {
 fn in_pod(uid: &str, claim: Option<u64>) -> ProcOwner {
     ProcOwner {
         pod: PodCgroup::Pod(uid.into()),
-        claimed_allocation: claim,
+        claimed_allocations: claim.into_iter().collect(),
     }
 }
 
 fn no_pod(claim: Option<u64>) -> ProcOwner {
     ProcOwner {
         pod: PodCgroup::NoPod,
-        claimed_allocation: claim,
+        claimed_allocations: claim.into_iter().collect(),
     }
 }
 
@@ -89,7 +89,7 @@ fn a_process_is_charged_to_its_cgroups_pod_whatever_its_environment_claims() {
     );
     let conflict = ProcOwner {
         pod: PodCgroup::Conflict(vec![A.into(), B.into()]),
-        claimed_allocation: Some(1),
+        claimed_allocations: vec![1],
     };
     assert_eq!(
         attribute(&v, "G0", &conflict),
@@ -114,6 +114,13 @@ fn only_a_process_in_no_pod_is_charged_by_its_claim() {
         attribute(&v, "G0", &no_pod(Some(77))),
         Attribution::Rogue(RogueReason::NoPod)
     );
+    // A container of several grants (a DRA request for several GPUs) names them all: the one
+    // on this GPU counts.
+    let several = ProcOwner {
+        pod: PodCgroup::NoPod,
+        claimed_allocations: vec![77, 2],
+    };
+    assert_eq!(attribute(&v, "G0", &several), Attribution::Claim(2));
 }
 
 #[test]

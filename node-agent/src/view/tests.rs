@@ -114,7 +114,7 @@ fn allocate_env_carries_every_limit_format() {
         strategies: vec![DeviceListStrategy::Envvar],
         cdi_kind: "nvidia.com/gpu".into(),
     };
-    let r = container_response(&v.allocs[&1], Some(&inv), &opts);
+    let r = container_response(&[&v.allocs[&1]], Some(&inv), &opts);
     let e = |k: &str| r.envs.get(k).map(String::as_str);
     assert_eq!(e("NVIDIA_VISIBLE_DEVICES"), Some("G0"));
     assert!(r.cdi_devices.is_empty(), "envvar only: no CDI devices");
@@ -154,7 +154,7 @@ fn with(strategies: &[DeviceListStrategy], kind: &str) -> AllocateOptions {
 fn cdi_strategies_name_exactly_the_granted_gpus() {
     use DeviceListStrategy::*;
     let a = two_gpu_allocation();
-    let r = container_response(&a, None, &with(&[CdiCri], "nvidia.com/gpu"));
+    let r = container_response(&[&a], None, &with(&[CdiCri], "nvidia.com/gpu"));
     let names: Vec<&str> = r.cdi_devices.iter().map(|d| d.name.as_str()).collect();
     assert_eq!(names, ["nvidia.com/gpu=GPU-0", "nvidia.com/gpu=GPU-1"]);
     assert!(!r.envs.contains_key("NVIDIA_VISIBLE_DEVICES"));
@@ -168,7 +168,7 @@ fn cdi_strategies_name_exactly_the_granted_gpus() {
     assert_eq!(r.envs["GPULEDGER_ALLOCATION_ID"], "9");
 
     let r = container_response(
-        &a,
+        &[&a],
         None,
         &with(&[CdiAnnotations], "k8s.device-plugin.nvidia.com/gpu"),
     );
@@ -180,7 +180,7 @@ fn cdi_strategies_name_exactly_the_granted_gpus() {
     assert_eq!(r.annotations["gpuledger.io/allocation-id"], "9");
 
     let r = container_response(
-        &a,
+        &[&a],
         None,
         &with(&[Envvar, CdiAnnotations, CdiCri], "nvidia.com/gpu"),
     );

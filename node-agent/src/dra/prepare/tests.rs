@@ -110,8 +110,8 @@ fn an_allocation_that_differs_from_the_grant_is_not_served() {
     }
 }
 
-#[test]
-fn a_refusal_fails_at_once_with_the_allocators_reason() {
+/// The view after the ledger refused claim u1's result on GPU 0, share s1.
+fn refused_gpu0_s1() -> View {
     let refusal = pb::ClaimRefused {
         claim: grant("u1", 0, "s1").claim,
         request: "c0".into(),
@@ -121,13 +121,31 @@ fn a_refusal_fails_at_once_with_the_allocators_reason() {
         share: grant("u1", 0, "s1").share,
         reason: "GPU GPU-AB0 has 0 MiB free".into(),
     };
-    let v = view_after(vec![
+    view_after(vec![
         Command::RegisterNode(inventory()),
         Command::RefuseClaim(refusal),
-    ]);
+    ])
+}
+
+#[test]
+fn a_refusal_fails_at_once_with_the_allocators_reason() {
+    let v = refused_gpu0_s1();
     match decide("u1", &[result(0, "s1")], "n1", &v) {
         Decision::Refused(why) => assert!(why.contains("has 0 MiB free"), "{why}"),
         other => panic!("not refused: {other:?}"),
+    }
+}
+
+/// Regression: a refusal matched by claim UID and request alone failed a result the scheduler
+/// allocated afresh after the refusal, before its grant reached the view.
+#[test]
+fn a_refusal_applies_only_to_the_result_it_refused() {
+    let v = refused_gpu0_s1();
+    for r in [result(1, "s2"), result(0, "s2"), result(1, "s1")] {
+        match decide("u1", std::slice::from_ref(&r), "n1", &v) {
+            Decision::NotYet(why) => assert!(why.contains("no grant"), "{why}"),
+            other => panic!("{r:?} not waiting: {other:?}"),
+        }
     }
 }
 
