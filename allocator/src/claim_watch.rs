@@ -254,8 +254,19 @@ impl Watch {
         step: Step,
     ) -> Option<(k8s_openapi::serde_json::Value, (&'static str, &'static str))> {
         let now = self.now();
-        let (refusal, reason, mark) = match step {
-            Step::Grant { grant, mark } => {
+        let (refusal, reason) = match step {
+            Step::Name { message } => {
+                info!(claim = %claim.what(), request = %r.request, "ResourceClaim result's condition named the ledger's grant");
+                let cond = plan::condition(
+                    plan::GRANTED,
+                    plan::REASON_GRANT,
+                    &message,
+                    claim.generation,
+                    &now,
+                );
+                return Some((cond, ("granted", plan::REASON_GRANT)));
+            }
+            Step::Grant { grant } => {
                 let share = grant.share.clone();
                 match self.writer.submit(Command::GrantClaim(grant)).await {
                     Ok(c) => {
@@ -264,13 +275,10 @@ impl Watch {
                             _ => None,
                         }?;
                         info!(claim = %claim.what(), request = %r.request, allocation = a.id, epoch = a.epoch, "ResourceClaim result granted");
-                        if !mark {
-                            return None;
-                        }
                         let cond = plan::condition(
                             plan::GRANTED,
                             plan::REASON_GRANT,
-                            &granted_message(&a),
+                            &plan::granted_message(a.id, a.epoch, &a.node, &a.shares),
                             claim.generation,
                             &now,
                         );
@@ -278,11 +286,7 @@ impl Watch {
                     }
                     Err(WriteError::Refused(e)) => {
                         let reason = plan::refusal_reason(&e)?;
-                        (
-                            plan::refusal_of(claim, r, e.to_string(), share),
-                            reason,
-                            mark,
-                        )
+                        (plan::refusal_of(claim, r, e.to_string(), share), reason)
                     }
                     Err(WriteError::NotLeader) => return None,
                     Err(e) => {
@@ -291,11 +295,7 @@ impl Watch {
                     }
                 }
             }
-            Step::Refuse {
-                refusal,
-                reason,
-                mark,
-            } => (refusal, reason, mark),
+            Step::Refuse { refusal, reason } => (refusal, reason),
         };
         let message = format!(
             "the GPU ledger refused request {} on {}: {}",
@@ -305,10 +305,8 @@ impl Watch {
             return None;
         }
         warn!(claim = %claim.what(), reason, %message, "ResourceClaim result refused");
-        mark.then(|| {
-            let cond = plan::condition(plan::REFUSED, reason, &message, claim.generation, &now);
-            (cond, ("refused", reason))
-        })
+        let cond = plan::condition(plan::REFUSED, reason, &message, claim.generation, &now);
+        Some((cond, ("refused", reason)))
     }
 
     /// Commit `refusal` (once per result on this replica); whether it is in the ledger.
@@ -436,21 +434,6 @@ impl Watch {
             .map(|t| t.strftime("%Y-%m-%dT%H:%M:%SZ").to_string())
             .unwrap_or_else(|_| "1970-01-01T00:00:00Z".into())
     }
-}
-
-/// The message of a Granted condition: where the grant is in the ledger.
-fn granted_message(a: &pb::Allocation) -> String {
-    let share = a.shares.first().cloned().unwrap_or_default();
-    format!(
-        "granted by the GPU ledger as allocation {id} (seq {id}, epoch {}): {} MiB and {}/1000 \
-         of GPU {} on node {}",
-        a.epoch,
-        share.mem_mib,
-        share.core_milli,
-        share.gpu_uuid,
-        a.node,
-        id = a.id
-    )
 }
 
 /// Start the claim watch, its workers and its passes as tasks of `tasks`.
