@@ -4,8 +4,9 @@
 //! the GPU or under-declares its share gets `gpuledger.io/Refused` with a readable reason and no
 //! grant; a deallocated claim's grant is released, and a claim deleted while no allocator ran is
 //! released at the next election (one deleted while it runs, at once); a Granted the ledger did
-//! not write is rewritten to the ledger's decision. Real etcd, the real
-//! allocator binary, the fake API server.
+//! not write is rewritten to the ledger's decision; one deleted while its grant is in flight
+//! is released at once, not at the next pass. Real etcd, the real allocator binary, the fake
+//! API server.
 
 use std::time::Duration;
 
@@ -15,6 +16,7 @@ use gpuledger_testkit::kube::store::ApiError;
 use gpuledger_testkit::kube::{KubeStack, StackOptions};
 use gpuledger_testkit::workload::inventory;
 use k8s_openapi::serde_json::json;
+use nix::sys::signal::Signal;
 
 /// Poll `f` every 50 ms until it finds something; that, or an error naming `what`.
 async fn poll<T, F, Fut>(what: &str, timeout: Duration, mut f: F) -> anyhow::Result<T>
@@ -514,5 +516,50 @@ async fn a_granted_condition_the_ledger_did_not_write_is_rewritten() -> anyhow::
         (conds[0].0.as_str(), conds[0].1.as_str()),
         (GRANTED, "LedgerGrant")
     );
+    Ok(())
+}
+
+/// Regression: a claim's change and its deletion were different keys of the certification
+/// queue, so the deletion's release could run beside the certification, before its grant
+/// committed, and the grant held the room until the next full pass (here an hour away).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_deleted_while_its_grant_is_in_flight_is_released_at_once() -> anyhow::Result<()> {
+    let mut stack = claim_stack(1, 3600).await?;
+    dra_node(&stack, "n1").await?;
+    stack.allocs.wait_leader(Duration::from_secs(20)).await?;
+
+    // etcd stops answering (for less than the lease): claim i's grant waits in flight while
+    // the claim is deleted and the deletion handed to the workers.
+    let signal = |s: &mut KubeStack, sig| -> anyhow::Result<()> {
+        s.etcd()
+            .member(0)
+            .ok_or_else(|| anyhow::anyhow!("no etcd member"))?
+            .signal(sig)
+    };
+    signal(&mut stack, Signal::SIGSTOP)?;
+    let made = allocated_claim(&stack, "i", (2_000, 100), "n1", "share-i", (2_000, 100));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let deleted = stack.api.store.delete(GV, "resourceclaims", NS, "i");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    signal(&mut stack, Signal::SIGCONT)?;
+    let i = made?;
+    deleted.map_err(|e| anyhow::anyhow!("{}", e.message()))?;
+
+    // The race happened: the grant committed after the deletion.
+    let id = poll("claim i's grant committed", Duration::from_secs(20), || {
+        grant_seq(&stack, 0, &i)
+    })
+    .await
+    .map_err(|e| e.context(logs(&stack)))?;
+    let why = poll(
+        "claim i's grant released at once, not at the next pass",
+        Duration::from_secs(10),
+        || async { Ok(released(&claim_events(&stack, 0).await?, id)) },
+    )
+    .await
+    .map_err(|e| e.context(logs(&stack)))?;
+    assert_eq!(why, "claim-deleted");
+    let l = stack.allocs.ledger(0).await?;
+    assert_eq!(l.node("n1").expect("n1").gpus[0].mem_used, 0);
     Ok(())
 }
