@@ -28,7 +28,7 @@ use tracing::{debug, info, warn};
 use self::certify::Claims;
 use self::plan::{Allotted, Claim, Release, Step};
 use self::queue::{Pushed, Queue};
-use crate::shared::{Role, Shared};
+use crate::shared::{Role, Shared, View};
 use crate::writer::{WriteError, Writer};
 
 pub mod certify;
@@ -197,7 +197,7 @@ impl Watch {
                         fresh = true;
                         j
                     }
-                    Ok(None) => return self.release_deleted(&l, w).await,
+                    Ok(None) => return self.release_deleted(l, w).await,
                     Err(e) => {
                         warn!(claim = %format!("{ns}/{name}"), error = %e, "reading a ResourceClaim failed; left to the next pass");
                         return;
@@ -214,7 +214,7 @@ impl Watch {
             if claim.claim.uid != w.uid {
                 if fresh {
                     // Another claim of that name now: `w`'s was deleted.
-                    return self.release_deleted(&l, w).await;
+                    return self.release_deleted(l, w).await;
                 }
                 fresh = true;
                 continue;
@@ -274,8 +274,11 @@ impl Watch {
     }
 
     /// Release the grants of claim `w`, which the API server no longer has (read after `l`).
-    async fn release_deleted(&self, l: &gpuledger_ledger::Ledger, w: &Work) {
-        for r in plan::releases_of_deleted(l, &w.uid, &w.what()) {
+    /// The view is let go before the writes, which a view held would stall.
+    async fn release_deleted(&self, l: View, w: &Work) {
+        let rel = plan::releases_of_deleted(&l, &w.uid, &w.what());
+        drop(l);
+        for r in rel {
             self.release(&r).await;
         }
     }
