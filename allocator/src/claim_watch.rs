@@ -28,7 +28,7 @@ use tracing::{debug, info, warn};
 use self::certify::Claims;
 use self::plan::{Allotted, Claim, Release, Step};
 use self::queue::{Pushed, Queue};
-use crate::shared::{Role, Shared};
+use crate::shared::{Role, Shared, View};
 use crate::writer::{WriteError, Writer};
 
 pub mod certify;
@@ -98,12 +98,42 @@ const ATTEMPTS: usize = 5;
 /// once, not at every pass.
 const REMEMBERED_REFUSALS: usize = 65_536;
 
-/// A unit of work: a claim to certify, or a deleted claim's grants to release.
+/// A unit of work: everything about one claim (UID; its namespace and name never change),
+/// certifying it or, once it is gone, releasing its grants.
+///
+/// One key per claim for its changes and its deletion alike, so that the queue never hands
+/// both to two workers at once: a deletion that comes while a certification of the same claim
+/// is in flight waits for it, and then runs on a ledger holding whatever it granted
+/// ([`Watch::certify`] waits for its grant to be folded). Every grant of a claim is made by its
+/// own work, so the work that finds the claim gone sees every grant it will ever get. With a
+/// key per event kind instead, the release could read the ledger before the grant committed,
+/// and the grant would hold the room until the next full pass.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
-enum Work {
-    Claim { ns: String, name: String },
-    Deleted { uid: String, what: String },
+struct Work {
+    uid: String,
+    ns: String,
+    name: String,
 }
+
+impl Work {
+    /// The work of the claim a watch event carries (its Apply and its Delete alike).
+    fn of(o: &DynamicObject) -> Option<Work> {
+        Some(Work {
+            uid: o.uid()?,
+            ns: o.namespace().unwrap_or_default(),
+            name: o.name_any(),
+        })
+    }
+
+    /// "ResourceClaim ns/name (uid)", for messages.
+    fn what(&self) -> String {
+        format!("ResourceClaim {}/{} ({})", self.ns, self.name, self.uid)
+    }
+}
+
+/// How long a certification waits for its grant to be folded before letting the claim's
+/// next work (its deletion) run; past it, the next full pass releases what that missed.
+const FOLD_WAIT: Duration = Duration::from_secs(5);
 
 struct Watch {
     shared: Arc<Shared>,
@@ -140,23 +170,14 @@ impl Watch {
         if !self.leading() {
             return;
         }
-        match w {
-            Work::Deleted { uid, what } => {
-                let rel = {
-                    let l = self.shared.view().await;
-                    plan::releases_of_deleted(&l, &uid, &what)
-                };
-                for r in rel {
-                    self.release(&r).await;
-                }
-            }
-            Work::Claim { ns, name } => self.certify(&ns, &name).await,
-        }
+        self.certify(&w).await
     }
 
-    /// Certify claim `ns/name`: its stale grants released, each result granted or refused in
-    /// the ledger, then the conditions written.
-    async fn certify(&self, ns: &str, name: &str) {
+    /// Certify claim `w`: its stale grants released, each result granted or refused in the
+    /// ledger, then the conditions written; or, when the API server no longer has it, its
+    /// grants released.
+    async fn certify(&self, w: &Work) {
+        let (ns, name) = (w.ns.as_str(), w.name.as_str());
         let mut fresh = false;
         for _ in 0..ATTEMPTS {
             // The ledger is read before the claim, so that a grant it shows belongs to a claim
@@ -176,8 +197,7 @@ impl Watch {
                         fresh = true;
                         j
                     }
-                    // Deleted: the deletion's own work (or the next pass) releases it.
-                    Ok(None) => return,
+                    Ok(None) => return self.release_deleted(l, w).await,
                     Err(e) => {
                         warn!(claim = %format!("{ns}/{name}"), error = %e, "reading a ResourceClaim failed; left to the next pass");
                         return;
@@ -191,6 +211,14 @@ impl Watch {
                     return;
                 }
             };
+            if claim.claim.uid != w.uid {
+                if fresh {
+                    // Another claim of that name now: `w`'s was deleted.
+                    return self.release_deleted(l, w).await;
+                }
+                fresh = true;
+                continue;
+            }
             let p = plan::plan_claim(&l, &claim);
             drop(l);
             if (!p.releases.is_empty() || p.consumers.is_some()) && !fresh {
@@ -230,8 +258,8 @@ impl Watch {
                     info!(claim = %claim.what(), "ResourceClaim conditions written");
                     return;
                 }
-                Err(e) if certify::is_conflict(&e) => {
-                    debug!(claim = %claim.what(), "ResourceClaim changed meanwhile; reading it again");
+                Err(e) if certify::is_conflict(&e) || certify::is_gone(&e) => {
+                    debug!(claim = %claim.what(), "ResourceClaim changed or deleted meanwhile; reading it again");
                     fresh = true;
                 }
                 Err(e) => {
@@ -245,6 +273,16 @@ impl Watch {
         warn!(claim = %format!("{ns}/{name}"), "ResourceClaim kept changing; retried at its next change or pass");
     }
 
+    /// Release the grants of claim `w`, which the API server no longer has (read after `l`).
+    /// The view is let go before the writes, which a view held would stall.
+    async fn release_deleted(&self, l: View, w: &Work) {
+        let rel = plan::releases_of_deleted(&l, &w.uid, &w.what());
+        drop(l);
+        for r in rel {
+            self.release(&r).await;
+        }
+    }
+
     /// Write `step` to the ledger: the condition to set on the result (and its outcome and
     /// reason for the metric), or None when no condition is to be written now.
     async fn decide(
@@ -254,8 +292,19 @@ impl Watch {
         step: Step,
     ) -> Option<(k8s_openapi::serde_json::Value, (&'static str, &'static str))> {
         let now = self.now();
-        let (refusal, reason, mark) = match step {
-            Step::Grant { grant, mark } => {
+        let (refusal, reason) = match step {
+            Step::Name { message } => {
+                info!(claim = %claim.what(), request = %r.request, "ResourceClaim result's condition named the ledger's grant");
+                let cond = plan::condition(
+                    plan::GRANTED,
+                    plan::REASON_GRANT,
+                    &message,
+                    claim.generation,
+                    &now,
+                );
+                return Some((cond, ("granted", plan::REASON_GRANT)));
+            }
+            Step::Grant { grant } => {
                 let share = grant.share.clone();
                 match self.writer.submit(Command::GrantClaim(grant)).await {
                     Ok(c) => {
@@ -264,13 +313,12 @@ impl Watch {
                             _ => None,
                         }?;
                         info!(claim = %claim.what(), request = %r.request, allocation = a.id, epoch = a.epoch, "ResourceClaim result granted");
-                        if !mark {
-                            return None;
-                        }
+                        // The claim's next work (its deletion) must see this grant.
+                        self.shared.wait_applied(c.seq, FOLD_WAIT).await;
                         let cond = plan::condition(
                             plan::GRANTED,
                             plan::REASON_GRANT,
-                            &granted_message(&a),
+                            &plan::granted_message(a.id, a.epoch, &a.node, &a.shares),
                             claim.generation,
                             &now,
                         );
@@ -278,11 +326,7 @@ impl Watch {
                     }
                     Err(WriteError::Refused(e)) => {
                         let reason = plan::refusal_reason(&e)?;
-                        (
-                            plan::refusal_of(claim, r, e.to_string(), share),
-                            reason,
-                            mark,
-                        )
+                        (plan::refusal_of(claim, r, e.to_string(), share), reason)
                     }
                     Err(WriteError::NotLeader) => return None,
                     Err(e) => {
@@ -291,11 +335,7 @@ impl Watch {
                     }
                 }
             }
-            Step::Refuse {
-                refusal,
-                reason,
-                mark,
-            } => (refusal, reason, mark),
+            Step::Refuse { refusal, reason } => (refusal, reason),
         };
         let message = format!(
             "the GPU ledger refused request {} on {}: {}",
@@ -305,10 +345,8 @@ impl Watch {
             return None;
         }
         warn!(claim = %claim.what(), reason, %message, "ResourceClaim result refused");
-        mark.then(|| {
-            let cond = plan::condition(plan::REFUSED, reason, &message, claim.generation, &now);
-            (cond, ("refused", reason))
-        })
+        let cond = plan::condition(plan::REFUSED, reason, &message, claim.generation, &now);
+        Some((cond, ("refused", reason)))
     }
 
     /// Commit `refusal` (once per result on this replica); whether it is in the ledger.
@@ -412,7 +450,8 @@ impl Watch {
         let n = todo.len();
         for i in todo {
             let c = &claims[i].claim;
-            self.push(Work::Claim {
+            self.push(Work {
+                uid: c.uid.clone(),
                 ns: c.namespace.clone(),
                 name: c.name.clone(),
             });
@@ -436,21 +475,6 @@ impl Watch {
             .map(|t| t.strftime("%Y-%m-%dT%H:%M:%SZ").to_string())
             .unwrap_or_else(|_| "1970-01-01T00:00:00Z".into())
     }
-}
-
-/// The message of a Granted condition: where the grant is in the ledger.
-fn granted_message(a: &pb::Allocation) -> String {
-    let share = a.shares.first().cloned().unwrap_or_default();
-    format!(
-        "granted by the GPU ledger as allocation {id} (seq {id}, epoch {}): {} MiB and {}/1000 \
-         of GPU {} on node {}",
-        a.epoch,
-        share.mem_mib,
-        share.core_milli,
-        share.gpu_uuid,
-        a.node,
-        id = a.id
-    )
 }
 
 /// Start the claim watch, its workers and its passes as tasks of `tasks`.
@@ -486,22 +510,14 @@ pub(crate) fn spawn(
         let mut s = std::pin::pin!(stream);
         while let Some(ev) = s.next().await {
             match ev {
-                Ok(watcher::Event::Apply(o) | watcher::Event::InitApply(o)) => {
-                    ww.push(Work::Claim {
-                        ns: o.namespace().unwrap_or_default(),
-                        name: o.name_any(),
-                    });
-                }
-                Ok(watcher::Event::Delete(o)) => {
-                    if let Some(uid) = o.uid() {
-                        ww.push(Work::Deleted {
-                            uid,
-                            what: format!(
-                                "ResourceClaim {}/{}",
-                                o.namespace().unwrap_or_default(),
-                                o.name_any()
-                            ),
-                        });
+                // A change and a deletion are one key (see [`Work`]).
+                Ok(
+                    watcher::Event::Apply(o)
+                    | watcher::Event::InitApply(o)
+                    | watcher::Event::Delete(o),
+                ) => {
+                    if let Some(w) = Work::of(&o) {
+                        ww.push(w);
                     }
                 }
                 Ok(watcher::Event::Init | watcher::Event::InitDone) => {}
@@ -553,4 +569,37 @@ pub(crate) fn spawn(
             w.reconcile().await;
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Regression: a claim's change and its deletion were two keys, so the release could run
+    /// beside the certification, before its grant committed, and miss it.
+    #[tokio::test]
+    async fn a_deletion_waits_for_the_certification_of_its_claim() {
+        let ar =
+            kube::api::ApiResource::erase::<k8s_openapi::api::resource::v1::ResourceClaim>(&());
+        let mut o = DynamicObject::new("c", &ar).within("team-a");
+        o.metadata.uid = Some("u1".into());
+        o.metadata.resource_version = Some("7".into());
+        let applied = Work::of(&o).expect("a uid");
+        // The Delete event carries the claim as last seen, later than the Apply.
+        o.metadata.resource_version = Some("8".into());
+        let deleted = Work::of(&o).expect("a uid");
+        assert_eq!(deleted, applied, "one key per claim");
+
+        let q = Queue::new(8);
+        assert_eq!(q.push(applied), Pushed::Queued);
+        let certifying = q.pop().await;
+        assert_eq!(q.push(deleted), Pushed::Queued);
+        let early = tokio::time::timeout(Duration::from_millis(50), q.pop()).await;
+        assert!(early.is_err(), "the deletion ran beside the certification");
+        q.done(&certifying);
+        let next = tokio::time::timeout(Duration::from_secs(5), q.pop())
+            .await
+            .expect("the deletion runs once the certification is done");
+        assert_eq!(next.uid, "u1");
+    }
 }

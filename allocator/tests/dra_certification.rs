@@ -3,8 +3,10 @@
 //! also across a leader killed in between (never granted twice); an allocation that over-commits
 //! the GPU or under-declares its share gets `gpuledger.io/Refused` with a readable reason and no
 //! grant; a deallocated claim's grant is released, and a claim deleted while no allocator ran is
-//! released at the next election (one deleted while it runs, at once). Real etcd, the real
-//! allocator binary, the fake API server.
+//! released at the next election (one deleted while it runs, at once); a Granted the ledger did
+//! not write is rewritten to the ledger's decision; one deleted while its grant is in flight
+//! is released at once, not at the next pass. Real etcd, the real allocator binary, the fake
+//! API server.
 
 use std::time::Duration;
 
@@ -14,6 +16,7 @@ use gpuledger_testkit::kube::store::ApiError;
 use gpuledger_testkit::kube::{KubeStack, StackOptions};
 use gpuledger_testkit::workload::inventory;
 use k8s_openapi::serde_json::json;
+use nix::sys::signal::Signal;
 
 /// Poll `f` every 50 ms until it finds something; that, or an error naming `what`.
 async fn poll<T, F, Fut>(what: &str, timeout: Duration, mut f: F) -> anyhow::Result<T>
@@ -48,6 +51,19 @@ fn logs(stack: &KubeStack) -> String {
         .join("\n")
 }
 
+/// `allocators` allocators watching claims, their full pass every `pass_s` seconds.
+async fn claim_stack(allocators: usize, pass_s: u64) -> anyhow::Result<KubeStack> {
+    KubeStack::start(StackOptions {
+        allocators,
+        allocator_flags: vec![
+            "--claim-watch".into(),
+            format!("--claim-reconcile-interval={pass_s}"),
+        ],
+        ..Default::default()
+    })
+    .await
+}
+
 /// Register `node` as a DRA node with one 16000 MiB GPU (`GPU-<node>-0`, device `gpu-<node>-0`).
 async fn dra_node(stack: &KubeStack, node: &str) -> anyhow::Result<()> {
     let mut inv = inventory(node, 1, 16_000, "A100");
@@ -68,10 +84,25 @@ async fn dra_node(stack: &KubeStack, node: &str) -> anyhow::Result<()> {
 fn allocated_claim(
     stack: &KubeStack,
     name: &str,
+    asked: (u64, u64),
+    node: &str,
+    share: &str,
+    consumed: (u64, u64),
+) -> anyhow::Result<String> {
+    allocated_claim_marked(stack, name, asked, node, share, consumed, None)
+}
+
+/// [`allocated_claim`], its result's `status.devices` entry carrying `Granted=True` with
+/// `message` in the same write, as a forger with status rights would (or one from before the
+/// allocation changed).
+fn allocated_claim_marked(
+    stack: &KubeStack,
+    name: &str,
     (mem, cores): (u64, u64),
     node: &str,
     share: &str,
     consumed: (u64, u64),
+    granted: Option<&str>,
 ) -> anyhow::Result<String> {
     let store = &stack.api.store;
     let made = store
@@ -103,6 +134,13 @@ fn allocated_claim(
                         "bindingConditions": [GRANTED], "bindingFailureConditions": [REFUSED]}]}},
                 "reservedFor": [{"resource": "pods", "name": format!("{name}-pod"), "uid": format!("{name}-pod-uid")}],
             });
+            if let Some(message) = granted {
+                o["status"]["devices"] = json!([{
+                    "driver": DRIVER, "pool": node, "device": format!("gpu-{node}-0"), "shareID": share,
+                    "conditions": [{"type": GRANTED, "status": "True", "observedGeneration": 1,
+                        "lastTransitionTime": "2026-01-01T00:00:00Z", "reason": "LedgerGrant",
+                        "message": message}]}]);
+            }
             Ok(())
         })
         .map_err(|e| anyhow::anyhow!("{}", e.message()))?;
@@ -125,6 +163,48 @@ fn condition(stack: &KubeStack, name: &str) -> Option<(String, String, String)> 
         .clone();
     let s = |k: &str| cond[k].as_str().unwrap_or_default().to_owned();
     Some((s("type"), s("reason"), s("message")))
+}
+
+/// Every condition with status True on claim `name`'s gpuledger entry: (type, reason, message).
+fn true_conditions(stack: &KubeStack, name: &str) -> Vec<(String, String, String)> {
+    let Ok(c) = stack.api.store.get(GV, "resourceclaims", NS, name) else {
+        return Vec::new();
+    };
+    let conds = c
+        .pointer("/status/devices")
+        .and_then(|d| d.as_array())
+        .and_then(|d| d.iter().find(|e| e["driver"] == DRIVER))
+        .and_then(|e| e["conditions"].as_array())
+        .cloned()
+        .unwrap_or_default();
+    let s =
+        |c: &k8s_openapi::serde_json::Value, k: &str| c[k].as_str().unwrap_or_default().to_owned();
+    conds
+        .iter()
+        .filter(|c| c["status"] == "True")
+        .map(|c| (s(c, "type"), s(c, "reason"), s(c, "message")))
+        .collect()
+}
+
+/// Wait until claim `name`'s True conditions satisfy `ok` (`what` names it); them.
+async fn wait_true(
+    stack: &KubeStack,
+    name: &str,
+    what: &str,
+    ok: impl Fn(&[(String, String, String)]) -> bool,
+) -> anyhow::Result<Vec<(String, String, String)>> {
+    poll(what, Duration::from_secs(20), || async {
+        let t = true_conditions(stack, name);
+        Ok(ok(&t).then_some(t))
+    })
+    .await
+    .map_err(|e| {
+        e.context(format!(
+            "conditions: {:?}\n{}",
+            true_conditions(stack, name),
+            logs(stack)
+        ))
+    })
 }
 
 async fn wait_condition(stack: &KubeStack, name: &str) -> anyhow::Result<(String, String, String)> {
@@ -190,15 +270,7 @@ async fn grant_seq(stack: &KubeStack, i: usize, uid: &str) -> anyhow::Result<Opt
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claims_are_granted_before_their_condition_and_over_commits_refused() -> anyhow::Result<()>
 {
-    let mut stack = KubeStack::start(StackOptions {
-        allocators: 2,
-        allocator_flags: vec![
-            "--claim-watch".into(),
-            "--claim-reconcile-interval=1".into(),
-        ],
-        ..Default::default()
-    })
-    .await?;
+    let mut stack = claim_stack(2, 1).await?;
     dra_node(&stack, "n1").await?;
 
     // The API server takes no status write: the leader commits the grant, cannot mark it.
@@ -339,15 +411,7 @@ async fn claims_are_granted_before_their_condition_and_over_commits_refused() ->
 async fn a_claim_deleted_while_no_allocator_runs_is_released_at_the_next_election()
 -> anyhow::Result<()> {
     // Passes only at elections: the release below can come from nothing else.
-    let mut stack = KubeStack::start(StackOptions {
-        allocators: 1,
-        allocator_flags: vec![
-            "--claim-watch".into(),
-            "--claim-reconcile-interval=3600".into(),
-        ],
-        ..Default::default()
-    })
-    .await?;
+    let mut stack = claim_stack(1, 3600).await?;
     dra_node(&stack, "n1").await?;
     let e = allocated_claim(&stack, "e", (2_000, 100), "n1", "share-e", (2_000, 100))?;
     let (kind, _, _) = wait_condition(&stack, "e").await?;
@@ -388,6 +452,114 @@ async fn a_claim_deleted_while_no_allocator_runs_is_released_at_the_next_electio
     assert_eq!(why, "claim-deleted");
     let l = stack.allocs.ledger(0).await?;
     assert!(l.allocs_of_pod(&e).is_empty());
+    assert_eq!(l.node("n1").expect("n1").gpus[0].mem_used, 0);
+    Ok(())
+}
+
+/// Regression: a `Granted=True` the allocator did not write stayed. Under-declared, the ledger
+/// refused the result but the claim kept saying granted; with the right share, the allocator
+/// granted it but left a message naming an allocation that does not exist.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_granted_condition_the_ledger_did_not_write_is_rewritten() -> anyhow::Result<()> {
+    // No pass for an hour: the claims' own watch events must put it right.
+    let stack = claim_stack(1, 3600).await?;
+    dra_node(&stack, "n1").await?;
+    stack.allocs.wait_leader(Duration::from_secs(20)).await?;
+    let forged = "granted by the GPU ledger as allocation 999 (seq 999, epoch 1): 1000 MiB and \
+                  300/1000 of GPU GPU-n1-0 on node n1";
+
+    // Under-declared (asks 4000 MiB, declares 1000) and marked Granted: Refused, not Granted.
+    let u = allocated_claim_marked(
+        &stack,
+        "u",
+        (4_000, 300),
+        "n1",
+        "share-u",
+        (1_000, 300),
+        Some(forged),
+    )?;
+    let refused = wait_true(&stack, "u", "claim u marked Refused", |t| {
+        t.iter().any(|(k, _, _)| k == REFUSED)
+    })
+    .await?;
+    assert_eq!(
+        refused.len(),
+        1,
+        "only the ledger's decision stands: {refused:?}"
+    );
+    assert_eq!(refused[0].1, "LedgerShareMismatch");
+    assert!(stack.allocs.ledger(0).await?.allocs_of_pod(&u).is_empty());
+
+    // The right share, marked Granted with another allocation's text: granted, and the
+    // condition names the grant the ledger committed.
+    let g = allocated_claim_marked(
+        &stack,
+        "g",
+        (4_000, 300),
+        "n1",
+        "share-g",
+        (4_000, 300),
+        Some(forged),
+    )?;
+    let seq = poll("claim g's grant committed", Duration::from_secs(20), || {
+        grant_seq(&stack, 0, &g)
+    })
+    .await
+    .map_err(|e| e.context(logs(&stack)))?;
+    let named = format!("allocation {seq} (seq {seq}");
+    let conds = wait_true(&stack, "g", "claim g's condition names its grant", |t| {
+        t.iter().any(|(_, _, m)| m.contains(&named))
+    })
+    .await?;
+    assert_eq!(conds.len(), 1, "{conds:?}");
+    assert_eq!(
+        (conds[0].0.as_str(), conds[0].1.as_str()),
+        (GRANTED, "LedgerGrant")
+    );
+    Ok(())
+}
+
+/// Regression: a claim's change and its deletion were different keys of the certification
+/// queue, so the deletion's release could run beside the certification, before its grant
+/// committed, and the grant held the room until the next full pass (here an hour away).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_deleted_while_its_grant_is_in_flight_is_released_at_once() -> anyhow::Result<()> {
+    let mut stack = claim_stack(1, 3600).await?;
+    dra_node(&stack, "n1").await?;
+    stack.allocs.wait_leader(Duration::from_secs(20)).await?;
+
+    // etcd stops answering (for less than the lease): claim i's grant waits in flight while
+    // the claim is deleted and the deletion handed to the workers.
+    let signal = |s: &mut KubeStack, sig| -> anyhow::Result<()> {
+        s.etcd()
+            .member(0)
+            .ok_or_else(|| anyhow::anyhow!("no etcd member"))?
+            .signal(sig)
+    };
+    signal(&mut stack, Signal::SIGSTOP)?;
+    let made = allocated_claim(&stack, "i", (2_000, 100), "n1", "share-i", (2_000, 100));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let deleted = stack.api.store.delete(GV, "resourceclaims", NS, "i");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    signal(&mut stack, Signal::SIGCONT)?;
+    let i = made?;
+    deleted.map_err(|e| anyhow::anyhow!("{}", e.message()))?;
+
+    // The race happened: the grant committed after the deletion.
+    let id = poll("claim i's grant committed", Duration::from_secs(20), || {
+        grant_seq(&stack, 0, &i)
+    })
+    .await
+    .map_err(|e| e.context(logs(&stack)))?;
+    let why = poll(
+        "claim i's grant released at once, not at the next pass",
+        Duration::from_secs(10),
+        || async { Ok(released(&claim_events(&stack, 0).await?, id)) },
+    )
+    .await
+    .map_err(|e| e.context(logs(&stack)))?;
+    assert_eq!(why, "claim-deleted");
+    let l = stack.allocs.ledger(0).await?;
     assert_eq!(l.node("n1").expect("n1").gpus[0].mem_used, 0);
     Ok(())
 }

@@ -92,6 +92,11 @@ pub fn to_json(o: &DynamicObject) -> Value {
     serde_json::to_value(o).unwrap_or(Value::Null)
 }
 
+/// Whether the API server refused a write because the object is gone (404).
+pub fn is_gone(e: &kube::Error) -> bool {
+    matches!(e, kube::Error::Api(s) if s.code == 404)
+}
+
 /// Whether the API server refused a write because the object changed (409).
 pub fn is_conflict(e: &kube::Error) -> bool {
     matches!(e, kube::Error::Api(s) if s.code == 409)

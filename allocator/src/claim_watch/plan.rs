@@ -72,28 +72,30 @@ pub enum Mark {
     Refused,
 }
 
-/// What to do about one result.
+/// What to do about one result. Every step ends in a condition naming the ledger's decision
+/// for that exact result: a condition present that names anything else (written by someone
+/// else, or before the allocation changed) is rewritten, never trusted.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Step {
     /// Submit the grant. Once the ledger commits it (or answers with the same live grant),
-    /// write `Granted` when `mark`; when it refuses, record the refusal and write `Refused`
-    /// when `mark`. `mark` is false for a result already marked Granted whose grant the
-    /// ledger lacks: the grant is made again, or the refusal recorded for the node agent.
+    /// write `Granted` naming it; when it refuses, record the refusal and write `Refused`.
     Grant {
         /// The grant.
         grant: pb::ClaimGranted,
-        /// Write the condition.
-        mark: bool,
     },
     /// The result can never be granted as allocated: record the refusal, then write
-    /// `Refused` (with `reason`) when `mark`.
+    /// `Refused` (with `reason`).
     Refuse {
         /// The refusal, with its readable reason.
         refusal: pb::ClaimRefused,
         /// The condition's reason.
         reason: &'static str,
-        /// Write the condition.
-        mark: bool,
+    },
+    /// The ledger holds the grant but the condition present does not name it: write
+    /// `Granted` with `message`.
+    Name {
+        /// The Granted condition's message ([`granted_message`] of the grant).
+        message: String,
     },
 }
 
@@ -216,20 +218,46 @@ fn is_entry_of(entry: &Value, r: &Allotted) -> bool {
 
 /// The condition already written for `r` in `devices`, if any (status True).
 pub fn mark_of(devices: &[Value], r: &Allotted) -> Option<Mark> {
-    let entry = devices.iter().find(|e| is_entry_of(e, r))?;
-    let conds = entry.get("conditions")?.as_array()?;
-    let is_true = |t: &str| {
-        conds
-            .iter()
-            .any(|c| c.get("type") == Some(&json!(t)) && c.get("status") == Some(&json!("True")))
-    };
-    if is_true(REFUSED) {
+    if true_condition(devices, r, REFUSED).is_some() {
         Some(Mark::Refused)
-    } else if is_true(GRANTED) {
+    } else if true_condition(devices, r, GRANTED).is_some() {
         Some(Mark::Granted)
     } else {
         None
     }
+}
+
+/// The condition of type `kind` with status True on the entry of `r` in `devices`.
+fn true_condition<'a>(devices: &'a [Value], r: &Allotted, kind: &str) -> Option<&'a Value> {
+    let entry = devices.iter().find(|e| is_entry_of(e, r))?;
+    entry
+        .get("conditions")?
+        .as_array()?
+        .iter()
+        .find(|c| c.get("type") == Some(&json!(kind)) && c.get("status") == Some(&json!("True")))
+}
+
+/// Whether the entry of `r` says exactly `Granted` with `message`: that condition True, with
+/// our reason and that message, and no `Refused`.
+fn names_grant(devices: &[Value], r: &Allotted, message: &str) -> bool {
+    let Some(c) = true_condition(devices, r, GRANTED) else {
+        return false;
+    };
+    true_condition(devices, r, REFUSED).is_none()
+        && c.get("reason") == Some(&json!(REASON_GRANT))
+        && c.get("message") == Some(&json!(message))
+}
+
+/// The message of a Granted condition: where the grant is in the ledger. A condition is
+/// trusted only when its message is this for the ledger's live grant of that result.
+/// Grant `id` of the leader of `epoch` on `node`, sharing `shares`.
+pub fn granted_message(id: u64, epoch: u64, node: &str, shares: &[pb::GpuShare]) -> String {
+    let share = shares.first().cloned().unwrap_or_default();
+    format!(
+        "granted by the GPU ledger as allocation {id} (seq {id}, epoch {}): {} MiB and {}/1000 \
+         of GPU {} on node {}",
+        epoch, share.mem_mib, share.core_milli, share.gpu_uuid, node,
+    )
 }
 
 /// A `metav1.Condition` of `kind` ([`GRANTED`] or [`REFUSED`]), True.
@@ -244,8 +272,9 @@ pub fn condition(kind: &str, reason: &str, message: &str, generation: i64, now: 
     })
 }
 
-/// `devices` with `cond` set on the entry of `r` (created if missing; a condition of the same
-/// type replaced); every other entry, and every other field of ours, unchanged.
+/// `devices` with `cond` set on the entry of `r` (created if missing; our conditions there
+/// replaced, so that the entry names one decision); every other entry, and every other field
+/// and condition, unchanged.
 pub fn devices_with(devices: &[Value], r: &Allotted, cond: Value) -> Vec<Value> {
     let mut out = devices.to_vec();
     let i = match out.iter().position(|e| is_entry_of(e, r)) {
@@ -265,7 +294,11 @@ pub fn devices_with(devices: &[Value], r: &Allotted, cond: Value) -> Vec<Value> 
         .and_then(Value::as_array)
         .cloned()
         .unwrap_or_default();
-    conds.retain(|c| c.get("type") != cond.get("type"));
+    let ours = |c: &Value| {
+        let t = c.get("type");
+        t == cond.get("type") || t == Some(&json!(GRANTED)) || t == Some(&json!(REFUSED))
+    };
+    conds.retain(|c| !ours(c));
     conds.push(cond);
     entry["conditions"] = Value::Array(conds);
     out
@@ -295,24 +328,33 @@ pub fn plan_claim(l: &Ledger, c: &Claim) -> Plan {
         }
     }
     for r in &c.results {
-        let mark = match mark_of(&c.devices, r) {
-            Some(Mark::Refused) => continue,
-            Some(Mark::Granted) => {
-                if l.alloc_of_claim(&c.claim.uid, &r.request, &r.share_id)
-                    .is_some()
-                {
+        let held = l
+            .alloc_of_claim(&c.claim.uid, &r.request, &r.share_id)
+            .filter(|a| {
+                a.claim
+                    .as_deref()
+                    .is_some_and(|g| g.pool == r.pool && g.device == r.device)
+            });
+        let step = match held {
+            // The ledger's decision is this grant: the condition must name it, whatever is
+            // there now (nothing, another allocation's text, a Refused).
+            Some(a) => {
+                let message = granted_message(a.id, a.epoch, &a.node, &a.shares);
+                if names_grant(&c.devices, r, &message) {
                     continue;
                 }
-                false
+                Step::Name { message }
             }
-            None => true,
-        };
-        let step = match grant_of(l, c, r) {
-            Ok(grant) => Step::Grant { grant, mark },
-            Err((reason, why, share)) => Step::Refuse {
-                refusal: refusal_of(c, r, why, share),
-                reason,
-                mark,
+            // No grant: a Refused stands (the scheduler allocates afresh); a Granted the
+            // ledger does not hold is no decision of the ledger's, so the result is decided
+            // anew and its condition rewritten.
+            None if mark_of(&c.devices, r) == Some(Mark::Refused) => continue,
+            None => match grant_of(l, c, r) {
+                Ok(grant) => Step::Grant { grant },
+                Err((reason, why, share)) => Step::Refuse {
+                    refusal: refusal_of(c, r, why, share),
+                    reason,
+                },
             },
         };
         plan.steps.push((r.clone(), step));

@@ -95,8 +95,7 @@ fn a_share_that_matches_the_request_is_granted() {
     let p = plan_claim(&l, &c);
     assert!(p.releases.is_empty());
     match only_step(&p) {
-        Step::Grant { grant, mark } => {
-            assert!(*mark);
+        Step::Grant { grant } => {
             let s = grant.share.as_ref().expect("share");
             assert_eq!(
                 (s.gpu_uuid.as_str(), s.mem_mib, s.core_milli),
@@ -120,13 +119,8 @@ fn an_under_declared_or_missing_share_is_refused() {
     ] {
         let p = plan_claim(&l, &claim("u1", consumed.clone()));
         match only_step(&p) {
-            Step::Refuse {
-                reason,
-                refusal,
-                mark,
-            } => {
+            Step::Refuse { reason, refusal } => {
                 assert_eq!(*reason, "LedgerShareMismatch", "{consumed}");
-                assert!(*mark);
                 assert!(
                     refusal.reason.contains("memory=4000Mi, cores=300"),
                     "{}",
@@ -215,32 +209,67 @@ fn wrong_nodes_and_devices_are_refused_with_their_reason() {
 }
 
 #[test]
-fn marked_results_are_left_alone_unless_the_grant_is_missing() {
+fn a_condition_always_names_the_ledgers_decision() {
     let mut l = ledger();
     let c = claim("u1", json!({"memory": "4000Mi", "cores": "300"}));
     let Step::Grant { grant, .. } = only_step(&plan_claim(&l, &c)).clone() else {
         panic!("no grant");
     };
     let r = c.results[0].clone();
-    let granted = |c: &Claim, kind: &str| {
+    let marked = |c: &Claim, kind: &str, reason: &str, message: &str| {
         let mut c = c.clone();
-        c.devices = devices_with(&c.devices, &r, condition(kind, "X", "m", 1, "t"));
+        c.devices = devices_with(&c.devices, &r, condition(kind, reason, message, 1, "t"));
         c
     };
-    // Marked Granted but the ledger lacks the grant: grant again, without a new condition.
-    match only_step(&plan_claim(&l, &granted(&c, GRANTED))) {
-        Step::Grant { mark, .. } => assert!(!mark),
-        s => panic!("{s:?}"),
-    }
-    l.execute(Command::GrantClaim(grant), 1, 0).expect("grant");
-    assert!(plan_claim(&l, &granted(&c, GRANTED)).is_empty());
-    assert!(plan_claim(&l, &granted(&c, REFUSED)).is_empty());
-    // Not marked yet, granted already (the leader died between): the grant is repeated,
-    // which the ledger answers with the same allocation.
+    let forged = "granted by the GPU ledger as allocation 999 (seq 999, epoch 1): …";
+    // A Granted the ledger does not hold (forged, or from before the allocation changed):
+    // the result is decided anew, and that decision written.
     assert!(matches!(
-        only_step(&plan_claim(&l, &c)),
-        Step::Grant { mark: true, .. }
+        only_step(&plan_claim(&l, &marked(&c, GRANTED, REASON_GRANT, forged))),
+        Step::Grant { .. }
     ));
+    // Under-declared and marked Granted by someone else: refused, and the refusal written.
+    let under = claim("u2", json!({"memory": "1000Mi", "cores": "300"}));
+    let mut under_marked = under.clone();
+    under_marked.devices = devices_with(
+        &under.devices,
+        &under.results[0],
+        condition(GRANTED, REASON_GRANT, forged, 1, "t"),
+    );
+    assert!(matches!(
+        only_step(&plan_claim(&l, &under_marked)),
+        Step::Refuse {
+            reason: "LedgerShareMismatch",
+            ..
+        }
+    ));
+
+    l.execute(Command::GrantClaim(grant), 1, 0).expect("grant");
+    let a = l.alloc_of_claim("u1", "c0", "s-1").expect("granted");
+    let real = granted_message(a.id, a.epoch, &a.node, &a.shares);
+    assert!(real.contains(&format!("allocation {}", a.id)), "{real}");
+    // The condition names the live grant: nothing to do.
+    assert!(plan_claim(&l, &marked(&c, GRANTED, REASON_GRANT, &real)).is_empty());
+    // Not marked yet (the leader died between), marked with another allocation's text, with
+    // another reason, or Refused while the ledger holds the grant: named anew.
+    for wrong in [
+        c.clone(),
+        marked(&c, GRANTED, REASON_GRANT, forged),
+        marked(&c, GRANTED, "Forged", &real),
+        marked(&marked(&c, GRANTED, REASON_GRANT, &real), REFUSED, "X", "m"),
+    ] {
+        assert_eq!(
+            only_step(&plan_claim(&l, &wrong)),
+            &Step::Name {
+                message: real.clone()
+            },
+            "{:?}",
+            wrong.devices
+        );
+    }
+    // A Refused without a grant stands: the scheduler allocates the claim afresh.
+    let refused = marked(&under, REFUSED, "LedgerShareMismatch", "m");
+    assert!(plan_claim(&l, &refused).is_empty());
 }
 
 #[test]
@@ -294,8 +323,21 @@ fn our_condition_is_set_and_other_entries_kept_unchanged() {
     let d2 = devices_with(&d, r, condition(REFUSED, "LedgerQuota", "q", 1, "t"));
     assert_eq!(d2[1]["conditions"].as_array().map(Vec::len), Some(1));
     assert_eq!(d2[1]["conditions"][0]["reason"], "LedgerQuota");
+    // The other of ours replaces it too (an entry names one decision); another's is kept.
+    let mut d2 = d2;
+    d2[1]["conditions"]
+        .as_array_mut()
+        .expect("conditions")
+        .push(json!({"type": "example.com/Ready", "status": "True"}));
     let d3 = devices_with(&d2, r, condition(GRANTED, REASON_GRANT, "g", 1, "t"));
-    assert_eq!(d3[1]["conditions"].as_array().map(Vec::len), Some(2));
+    let types: Vec<&Value> = d3[1]["conditions"]
+        .as_array()
+        .expect("conditions")
+        .iter()
+        .map(|c| &c["type"])
+        .collect();
+    assert_eq!(types, [&json!("example.com/Ready"), &json!(GRANTED)]);
+    assert_eq!(mark_of(&d3, r), Some(Mark::Granted));
     // A False condition is no mark.
     let mut f = condition(GRANTED, REASON_GRANT, "g", 1, "t");
     f["status"] = json!("False");
