@@ -35,10 +35,12 @@ pub async fn run(a: Args) -> Result<()> {
     let ttl = format!("--lease-ttl={}", a.lease_ttl);
     let mut allocs = Allocators::start(dir.path(), &etcd, a.replicas, "failover", &[&ttl])?;
     let l = allocs.wait_leader(Duration::from_secs(30)).await?;
+    // Reservations of 1 MiB are never released: the node must outlast any run. 1 TiB per GPU is
+    // the most the allocator accepts by default (`--max-gpu-memory-mib`), 8 Mi reservations.
     allocs
         .node_agent(l, "n1")?
         .register_node(api::RegisterNodeRequest {
-            inventory: Some(inventory("n1", 8, 1 << 30, "A100")),
+            inventory: Some(inventory("n1", 8, 1 << 20, "A100")),
         })
         .await?;
 
