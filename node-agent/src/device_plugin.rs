@@ -17,7 +17,7 @@ use tonic::{Request, Response, Status};
 use tracing::field::{self, Empty};
 use tracing::{Instrument, Span, info, info_span, warn};
 
-use self::allocate::{Allocate, Answered, Note, Step};
+use self::allocate::{Admitting, Allocate, Answered, Note, Step, admitting};
 use crate::agent::Agent;
 use crate::nvml::GpuState;
 use crate::view::{Change, container_response, device_id, parse_device_id};
@@ -103,6 +103,17 @@ impl Plugin {
                     let holds = self.still_holds(&held, &ids).await;
                     changed.mark_unchanged();
                     a.with_view(|v| m.owner(holds, v, a.synced(), Instant::now()))
+                }
+                Step::Confirm(guess) => {
+                    let answer = self.list().await.map(|l| admitting(&l, &guess, RESOURCE));
+                    if let Ok(Admitting::No(why)) = &answer {
+                        info!(
+                            allocation = guess.id,
+                            "passed over: the kubelet is not admitting its pod ({why})"
+                        );
+                    }
+                    changed.mark_unchanged();
+                    a.with_view(|v| m.listed(answer, v, a.synced(), Instant::now()))
                 }
                 Step::Wait { until, note } => {
                     match note {
@@ -194,16 +205,20 @@ impl Plugin {
         }
     }
 
-    async fn owner_of(&self, ids: &[String]) -> Result<Option<(String, String, String)>, Status> {
+    /// The kubelet's PodResources `List`: every pod it knows, with each container's devices.
+    async fn list(&self) -> Result<podres::ListPodResourcesResponse, Status> {
         let path = &self.agent.cfg.pod_resources_socket;
         let ch = crate::uds::channel(path).await.map_err(|e| {
             Status::unavailable(format!("PodResources socket {}: {e}", path.display()))
         })?;
         let mut c = podres::pod_resources_lister_client::PodResourcesListerClient::new(ch);
-        let list = c
-            .list(podres::ListPodResourcesRequest {})
+        Ok(c.list(podres::ListPodResourcesRequest {})
             .await?
-            .into_inner();
+            .into_inner())
+    }
+
+    async fn owner_of(&self, ids: &[String]) -> Result<Option<(String, String, String)>, Status> {
+        let list = self.list().await?;
         for p in list.pod_resources {
             for ctr in &p.containers {
                 let hit = ctr.devices.iter().any(|d| {
@@ -328,12 +343,53 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
         &self,
         req: Request<dp::PreferredAllocationRequest>,
     ) -> Result<Response<dp::PreferredAllocationResponse>, Status> {
-        let _span =
-            info_span!("GetPreferredAllocation", node = %self.agent.cfg.node_name).entered();
+        let span = info_span!("GetPreferredAllocation", node = %self.agent.cfg.node_name);
+        self.preferred(req.into_inner()).instrument(span).await
+    }
+
+    async fn allocate(
+        &self,
+        req: Request<dp::AllocateRequest>,
+    ) -> Result<Response<dp::AllocateResponse>, Status> {
+        let t0 = Instant::now();
+        let span = info_span!("Allocate", node = %self.agent.cfg.node_name);
+        let res = self
+            .allocate_all(req.into_inner().container_requests)
+            .instrument(span)
+            .await;
+        let outcome = if res.is_ok() { "ok" } else { "error" };
+        self.agent
+            .metrics
+            .allocate_latency
+            .get_or_create(&vec![("outcome", outcome.to_string())])
+            .observe(t0.elapsed().as_secs_f64());
+        res.map(Response::new)
+    }
+
+    async fn pre_start_container(
+        &self,
+        req: Request<dp::PreStartContainerRequest>,
+    ) -> Result<Response<dp::PreStartContainerResponse>, Status> {
+        let ids = req.into_inner().devices_ids;
+        let span = info_span!("PreStartContainer", node = %self.agent.cfg.node_name, devices = ?ids,
+            allocation = Empty, pod_uid = Empty, pod = Empty, seq = Empty, epoch = Empty);
+        self.pre_start(ids).instrument(span).await
+    }
+}
+
+impl Plugin {
+    /// Prefer the devices of the reservation Allocate will claim.
+    async fn preferred(
+        &self,
+        req: dp::PreferredAllocationRequest,
+    ) -> Result<Response<dp::PreferredAllocationResponse>, Status> {
         let a = &self.agent;
         let mut out = Vec::new();
         let mut taken: Vec<u64> = Vec::new();
-        for c in req.into_inner().container_requests {
+        // Only the reservations of the pod the kubelet is admitting, as Allocate will choose;
+        // without PodResources, Allocate refuses anyway and any preference will do.
+        let list = self.list().await.ok();
+        for c in req.container_requests {
             let size = usize::try_from(c.allocation_size).unwrap_or(0);
             // Steer to the GPUs of the reservation Allocate will guess.
             let pick = a.with_view(|v| {
@@ -342,6 +398,9 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
                         && x.shares.len() == size
                         && x.device_ids.is_empty()
                         && x.state != pb::AllocationState::Assigned as i32
+                        && list
+                            .as_ref()
+                            .is_none_or(|l| admitting(l, x, RESOURCE) == Admitting::Yes)
                 })?;
                 let gpus: Vec<String> = cand.shares.iter().map(|s| s.gpu_uuid.clone()).collect();
                 Some((
@@ -379,37 +438,6 @@ impl dp::device_plugin_server::DevicePlugin for Plugin {
         }))
     }
 
-    async fn allocate(
-        &self,
-        req: Request<dp::AllocateRequest>,
-    ) -> Result<Response<dp::AllocateResponse>, Status> {
-        let t0 = Instant::now();
-        let span = info_span!("Allocate", node = %self.agent.cfg.node_name);
-        let res = self
-            .allocate_all(req.into_inner().container_requests)
-            .instrument(span)
-            .await;
-        let outcome = if res.is_ok() { "ok" } else { "error" };
-        self.agent
-            .metrics
-            .allocate_latency
-            .get_or_create(&vec![("outcome", outcome.to_string())])
-            .observe(t0.elapsed().as_secs_f64());
-        res.map(Response::new)
-    }
-
-    async fn pre_start_container(
-        &self,
-        req: Request<dp::PreStartContainerRequest>,
-    ) -> Result<Response<dp::PreStartContainerResponse>, Status> {
-        let ids = req.into_inner().devices_ids;
-        let span = info_span!("PreStartContainer", node = %self.agent.cfg.node_name, devices = ?ids,
-            allocation = Empty, pod_uid = Empty, pod = Empty, seq = Empty, epoch = Empty);
-        self.pre_start(ids).instrument(span).await
-    }
-}
-
-impl Plugin {
     /// Check with PodResources that the pod Allocate guessed for `ids` got them, and correct
     /// the ledger when it was another.
     async fn pre_start(

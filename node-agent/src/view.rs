@@ -240,12 +240,13 @@ impl View {
     /// one on the node with that many slices (the kubelet admits only pods bound to its node),
     /// else the oldest still only reserved (its pod's `Bound` may be on its way). A reservation
     /// whose pod was never bound here (the extender died before the Binding) is then guessed
-    /// only when no bound pod waits.
-    pub fn pending(&self, slices: usize) -> Option<&pb::Allocation> {
+    /// only when no bound pod waits. The reservations in `except` are passed over (their pods
+    /// are not the one being admitted).
+    pub fn pending(&self, slices: usize, except: &[u64]) -> Option<&pb::Allocation> {
         let oldest = |state: pb::AllocationState| {
-            self.allocs
-                .values()
-                .find(|a| a.shares.len() == slices && a.state == state as i32)
+            self.allocs.values().find(|a| {
+                a.shares.len() == slices && a.state == state as i32 && !except.contains(&a.id)
+            })
         };
         oldest(pb::AllocationState::Bound).or_else(|| oldest(pb::AllocationState::Reserved))
     }

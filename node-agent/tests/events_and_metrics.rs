@@ -162,6 +162,8 @@ async fn a_corrected_identity_is_told_to_the_pod() -> anyhow::Result<()> {
     let a = c.reserve("uid-a", 10_000, Some(&g0)).await?;
     c.reserve("uid-b", 10_000, Some(&g1)).await?;
     // B is admitted first and gets A's (older) reservation on GPU 0; PreStart corrects it.
+    // (The kubelet knows A already, so both reservations could be B's.)
+    c.kubelet.add_pod("default", "pod-uid-a", "main");
     c.kubelet.admit("default", "pod-uid-b", "main", 1).await?;
     let e = wait_event(&o.api, "pod-uid-b", "GpuIdentityCorrected").await?;
     let msg = e["message"].as_str().unwrap_or_default();

@@ -19,7 +19,10 @@ async fn pods_admitted_out_of_order_end_up_on_the_gpus_they_really_got() -> anyh
     let b = c.reserve("uid-b", 10_000, Some(&g1)).await?;
     assert!(a.id < b.id);
 
-    // The kubelet admits B first: the agent steers it to, and claims, the oldest reservation (A's).
+    // The kubelet knows both pods (A is listed by PodResources, without devices, as while it
+    // waits for admission), so both reservations could be B's. It admits B first: the agent
+    // steers it to, and claims, the oldest reservation (A's).
+    c.kubelet.add_pod("default", "pod-uid-a", "main");
     let got_b = c.kubelet.admit("default", "pod-uid-b", "main", 1).await?;
     let env_b = &got_b.response.envs;
     assert_eq!(

@@ -19,7 +19,8 @@ async fn a_pod_admitted_again_on_the_same_devices_gets_its_claim() -> anyhow::Re
     let c = Cluster::start(1, &["--allocate-wait=2s"]).await?;
     let a = c.reserve("uid-a", 8_000, None).await?;
     let dev = vec![format!("{}::0", c.gpu(0))];
-    // The answer is lost: the kubelet records nothing.
+    // The answer is lost: the kubelet, admitting A, records nothing.
+    c.kubelet.add_pod("default", "pod-uid-a", "main");
     let lost = c.kubelet.reallocate(&dev).await?;
     assert_eq!(lost.envs["GPULEDGER_ALLOCATION_ID"], a.id.to_string());
     c.wait_ledger(Duration::from_secs(10), |s| assigned(s, "uid-a"))
@@ -56,6 +57,7 @@ async fn a_claim_whose_answer_was_lost_does_not_block_its_devices() -> anyhow::R
     let d0 = vec![format!("{}::0", c.gpu(0))];
     let d1 = vec![format!("{}::1", c.gpu(0))];
     // A's claim on d0 is committed, its answer lost.
+    c.kubelet.add_pod("default", "pod-uid-a", "main");
     c.kubelet.reallocate(&d0).await?;
     c.wait_ledger(Duration::from_secs(10), |s| assigned(s, "uid-a"))
         .await?;

@@ -72,6 +72,9 @@ struct Inner {
     plugin: Mutex<Option<dp::device_plugin_client::DevicePluginClient<Channel>>>,
     devices: watch::Sender<Vec<dp::Device>>,
     assignments: Mutex<Vec<Assignment>>,
+    /// Containers of the pods the kubelet knows (its pod manager): a pod is known from just
+    /// before its admission, and PodResources lists it, with no devices yet, from then on.
+    known: Mutex<Vec<(String, String, String)>>,
     /// Cancelled when the kubelet is dropped: every server and watch of it stops.
     stop: CancellationToken,
     /// Following the registered plugin's ListAndWatch; cancelled when another registers.
@@ -146,6 +149,25 @@ impl podres::pod_resources_lister_server::PodResourcesLister for PodResourcesSvc
     ) -> Result<Response<podres::ListPodResourcesResponse>, Status> {
         let a = self.0.assignments.lock().expect("lock").clone();
         let mut pods: Vec<podres::PodResources> = Vec::new();
+        // Known containers first, without devices, as the kubelet lists a pod it is admitting.
+        for (ns, pod, container) in self.0.known.lock().expect("lock").iter() {
+            let ctr = podres::ContainerResources {
+                name: container.clone(),
+                devices: Vec::new(),
+                cpu_ids: Vec::new(),
+            };
+            match pods
+                .iter_mut()
+                .find(|p| &p.namespace == ns && &p.name == pod)
+            {
+                Some(p) => p.containers.push(ctr),
+                None => pods.push(podres::PodResources {
+                    name: pod.clone(),
+                    namespace: ns.clone(),
+                    containers: vec![ctr],
+                }),
+            }
+        }
         for x in a {
             let ctr = podres::ContainerResources {
                 name: x.container.clone(),
@@ -160,7 +182,10 @@ impl podres::pod_resources_lister_server::PodResourcesLister for PodResourcesSvc
                 .iter_mut()
                 .find(|p| p.namespace == x.namespace && p.name == x.pod)
             {
-                Some(p) => p.containers.push(ctr),
+                Some(p) => match p.containers.iter_mut().find(|c| c.name == ctr.name) {
+                    Some(c) if c.devices.is_empty() => *c = ctr,
+                    _ => p.containers.push(ctr),
+                },
                 None => pods.push(podres::PodResources {
                     name: x.pod.clone(),
                     namespace: x.namespace.clone(),
@@ -248,6 +273,7 @@ impl Kubelet {
             plugin: Mutex::new(None),
             devices: watch::Sender::new(Vec::new()),
             assignments: Mutex::new(Vec::new()),
+            known: Mutex::new(Vec::new()),
             stop: stop.clone(),
             plugin_watch: Mutex::new(stop.child_token()),
         });
@@ -349,6 +375,7 @@ impl Kubelet {
     ) -> Result<Allocated> {
         self.last_registration()
             .context("no device plugin registered")?;
+        self.add_pod(namespace, pod, container);
         let used: Vec<String> = self
             .assignments()
             .into_iter()
@@ -400,6 +427,7 @@ impl Kubelet {
             .last_registration()
             .context("no device plugin registered")?
             .resource_name;
+        self.add_pod(namespace, pod, container);
         let mut c = self.client()?;
         let t = Instant::now();
         let resp = c
@@ -490,13 +518,32 @@ impl Kubelet {
         .map(Response::into_inner)
     }
 
-    /// Forget a pod's devices (the pod ended).
+    /// Know a pod's container without admitting it (the kubelet's pod manager adds each pod
+    /// just before its admission, and keeps it after): PodResources lists it without devices.
+    pub fn add_pod(&self, namespace: &str, pod: &str, container: &str) {
+        let k = (
+            namespace.to_string(),
+            pod.to_string(),
+            container.to_string(),
+        );
+        let mut known = self.inner.known.lock().expect("lock");
+        if !known.contains(&k) {
+            known.push(k);
+        }
+    }
+
+    /// Forget a pod and its devices (the pod ended).
     pub fn remove_pod(&self, namespace: &str, pod: &str) {
         self.inner
             .assignments
             .lock()
             .expect("lock")
             .retain(|a| !(a.namespace == namespace && a.pod == pod));
+        self.inner
+            .known
+            .lock()
+            .expect("lock")
+            .retain(|(ns, p, _)| !(ns == namespace && p == pod));
     }
 
     /// Restart: stop serving, delete every socket in the device-plugin directory (the

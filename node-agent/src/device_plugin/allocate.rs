@@ -5,12 +5,19 @@
 //! An Allocate is, in order: a repeat (the devices were assigned already and the kubelet still
 //! gives them to that container: the same answer), a wait for finished containers still holding
 //! the devices in the ledger (the kubelet reuses devices before their release arrives), then the
-//! claim of the oldest pending reservation of that size, looked for again a few times when the
-//! allocator refuses the guess because the view was behind.
+//! claim of the oldest pending reservation of that size whose pod the kubelet is admitting,
+//! looked for again a few times when the allocator refuses the guess because the view was behind.
+//!
+//! Allocate names no pod, but the kubelet adds a pod to its pod manager just before it admits it
+//! (one pod at a time), and PodResources lists the pods of the pod manager with the devices of
+//! each container. A reservation whose pod the kubelet does not know yet, or whose container has
+//! its devices already, is not for this Allocate: it is passed over, so a pod that skipped the
+//! scheduler (its own `spec.nodeName`) never takes another pod's reservation.
 
 use std::time::{Duration, Instant};
 
 use gpuledger_proto::ledger::v1 as pb;
+use gpuledger_proto::podresources::v1 as podres;
 use tonic::{Code, Status};
 
 use crate::view::View;
@@ -34,6 +41,9 @@ pub enum Step {
         /// Why, when the wait begins for a reason worth a log line.
         note: Option<Note>,
     },
+    /// List PodResources and tell [`Allocate::listed`] whether the kubelet is admitting this
+    /// reservation's pod ([`admitting`]).
+    Confirm(pb::Allocation),
     /// Ask the allocator to assign the devices to this reservation, and tell
     /// [`Allocate::assigned`].
     Assign(u64),
@@ -96,6 +106,17 @@ enum Phase {
     },
     /// Looking for a reservation to claim.
     Claim(Claim),
+    /// Asked PodResources whether the kubelet is admitting the pod of `guess`.
+    Confirming {
+        claim: Claim,
+        guess: u64,
+    },
+    /// Asked PodResources whether the kubelet is admitting again the pod of `holder`, assigned
+    /// other devices by an Allocate whose answer was lost.
+    ConfirmingLost {
+        claim: Claim,
+        holder: u64,
+    },
     /// Asked the allocator to assign `guess`.
     Assigning {
         claim: Claim,
@@ -110,11 +131,59 @@ enum Phase {
     Done,
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Claim {
     started: Instant,
     deadline: Instant,
     refusals: u32,
+    /// Reservations whose pods the kubelet is not admitting.
+    passed: Vec<u64>,
+    /// Assigned allocations whose pods the kubelet is not admitting again.
+    not_lost: Vec<u64>,
+}
+
+/// Whether the kubelet is admitting a reservation's pod, from its PodResources listing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Admitting {
+    /// The pod is known to the kubelet and the reservation's container has no devices yet.
+    Yes,
+    /// Not this pod, and why.
+    No(String),
+}
+
+/// Whether `list` (PodResources `List`) shows the kubelet admitting the container of `a`: its
+/// pod is known (the kubelet adds a pod just before admitting it) and the container holds no
+/// `resource` devices yet (they are recorded once its Allocate is answered). A container not
+/// listed counts as admitting (kubelets list no init containers).
+pub fn admitting(
+    list: &podres::ListPodResourcesResponse,
+    a: &pb::Allocation,
+    resource: &str,
+) -> Admitting {
+    let pod = a.pod.clone().unwrap_or_default();
+    let Some(p) = list
+        .pod_resources
+        .iter()
+        .find(|p| p.namespace == pod.namespace && p.name == pod.name)
+    else {
+        return Admitting::No(format!(
+            "{}/{} is not on the kubelet yet",
+            pod.namespace, pod.name
+        ));
+    };
+    let holds = p.containers.iter().any(|c| {
+        c.name == a.container
+            && c.devices
+                .iter()
+                .any(|d| d.resource_name == resource && !d.device_ids.is_empty())
+    });
+    if holds {
+        return Admitting::No(format!(
+            "{}/{} container {} has its devices already",
+            pod.namespace, pod.name, a.container
+        ));
+    }
+    Admitting::Yes
 }
 
 impl Allocate {
@@ -150,6 +219,52 @@ impl Allocate {
             // whose release the ledger has not folded yet.
             Phase::Repeat(_) => self.check_holders(view, synced, now),
             other => self.out_of_turn(other, "owner"),
+        }
+    }
+
+    /// PodResources answered whether the kubelet is admitting the pod of the reservation in
+    /// [`Step::Confirm`]; an error refuses the Allocate (no reservation is handed out unconfirmed).
+    pub fn listed(
+        &mut self,
+        answer: Result<Admitting, Status>,
+        view: &View,
+        synced: bool,
+        now: Instant,
+    ) -> Step {
+        let (mut claim, guess) = match std::mem::replace(&mut self.phase, Phase::Done) {
+            Phase::Confirming { claim, guess } => (claim, guess),
+            Phase::ConfirmingLost { mut claim, holder } => {
+                return match answer {
+                    // The pod being admitted holds an allocation on other devices, whose answer
+                    // was lost: claim a pending reservation of that size for these devices;
+                    // PreStartContainer swaps the two pods' records (identity correction).
+                    Ok(Admitting::Yes) => match view.pending(self.ids.len(), &[]) {
+                        Some(g) => {
+                            let guess = g.id;
+                            self.phase = Phase::Assigning { claim, guess };
+                            Step::Assign(guess)
+                        }
+                        None => self.look(claim, view, synced, now),
+                    },
+                    Ok(Admitting::No(_)) => {
+                        claim.not_lost.push(holder);
+                        self.look(claim, view, synced, now)
+                    }
+                    Err(status) => Step::Refuse(unconfirmed(&status)),
+                };
+            }
+            other => return self.out_of_turn(other, "listed"),
+        };
+        match answer {
+            Ok(Admitting::Yes) => {
+                self.phase = Phase::Assigning { claim, guess };
+                Step::Assign(guess)
+            }
+            Ok(Admitting::No(_)) => {
+                claim.passed.push(guess);
+                self.look(claim, view, synced, now)
+            }
+            Err(status) => Step::Refuse(unconfirmed(&status)),
         }
     }
 
@@ -269,38 +384,67 @@ impl Allocate {
             started: now,
             deadline: now + self.wait,
             refusals: 0,
+            passed: Vec::new(),
+            not_lost: Vec::new(),
         };
         self.look(claim, view, synced, now)
     }
 
     /// Look for the reservation to claim: the devices assigned meanwhile are the answer; else
-    /// the oldest pending reservation of that many slices is the guess.
+    /// the oldest pending reservation of that many slices not passed over yet is the guess,
+    /// once PodResources confirms that the kubelet is admitting its pod.
     fn look(&mut self, claim: Claim, view: &View, synced: bool, now: Instant) -> Step {
         if synced {
             if let Some(done) = view.by_devices(&self.ids) {
                 return Step::Answer(done.clone(), Answered::Assigned);
             }
-            if let Some(guess) = view.pending(self.ids.len()) {
-                self.phase = Phase::Assigning {
+            if let Some(guess) = view.pending(self.ids.len(), &claim.passed) {
+                let guess = guess.clone();
+                self.phase = Phase::Confirming {
                     claim,
                     guess: guess.id,
                 };
-                return Step::Assign(guess.id);
+                return Step::Confirm(guess);
+            }
+            // Every pending reservation is another pod's: unless the pod being admitted is one
+            // whose Allocate answer was lost, holding an allocation on other devices.
+            if !claim.passed.is_empty()
+                && let Some(holder) = view.allocs.values().find(|a| {
+                    a.state == pb::AllocationState::Assigned as i32
+                        && a.shares.len() == self.ids.len()
+                        && !a.device_ids.is_empty()
+                        && !claim.not_lost.contains(&a.id)
+                })
+            {
+                let holder = holder.clone();
+                self.phase = Phase::ConfirmingLost {
+                    claim,
+                    holder: holder.id,
+                };
+                return Step::Confirm(holder);
             }
         }
         if now >= claim.deadline {
+            if claim.passed.is_empty() {
+                return Step::Refuse(Status::failed_precondition(format!(
+                    "no pending gpuledger reservation of {} slice(s) on node {} (waited {:?})",
+                    self.ids.len(),
+                    self.node,
+                    self.wait
+                )));
+            }
+            // Other pods' names stay out: the refused pod's status shows this message.
             return Step::Refuse(Status::failed_precondition(format!(
-                "no pending gpuledger reservation of {} slice(s) on node {} (waited {:?})",
+                "the pod being admitted holds no gpuledger reservation of {} slice(s) on node {}: it was not placed by the gpuledger scheduler (a pod that sets spec.nodeName itself skips it); the {} pending reservation(s) of that size here are other pods' (waited {:?})",
                 self.ids.len(),
                 self.node,
+                claim.passed.len(),
                 self.wait
             )));
         }
+        let until = claim.deadline;
         self.phase = Phase::Claim(claim);
-        Step::Wait {
-            until: claim.deadline,
-            note: None,
-        }
+        Step::Wait { until, note: None }
     }
 
     /// An input the current phase does not expect: a bug in the shell.
@@ -309,6 +453,14 @@ impl Allocate {
         self.phase = phase;
         Step::Refuse(Status::internal(why))
     }
+}
+
+/// The refusal when PodResources cannot say which pod the kubelet is admitting.
+fn unconfirmed(status: &Status) -> Status {
+    Status::unavailable(format!(
+        "cannot tell which pod the kubelet is admitting, so no gpuledger reservation is handed out: PodResources: {}",
+        status.message()
+    ))
 }
 
 /// Whether the allocator's refusal of a claim may pass once the view catches up.

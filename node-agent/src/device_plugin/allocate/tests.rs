@@ -42,12 +42,23 @@ fn allocate(devices: &[&str]) -> Allocate {
     Allocate::new(ids(devices), "n1", WAIT)
 }
 
+/// The step `f` takes, with PodResources answering that the kubelet admits the guessed pod.
+fn yes(m: &mut Allocate, f: impl FnOnce(&mut Allocate) -> Step, v: &View, now: Instant) -> Step {
+    match f(m) {
+        Step::Confirm(_) => m.listed(Ok(Admitting::Yes), v, true, now),
+        s => s,
+    }
+}
+
 #[test]
 fn the_oldest_pending_reservation_is_claimed_and_its_allocation_answered() {
     let t0 = Instant::now();
     let v = view(&[reserved(1, "a", "G0"), reserved(2, "b", "G1")]);
     let mut m = allocate(&["G1::0"]);
-    assert!(matches!(m.start(&v, true, t0), Step::Assign(1)));
+    assert!(matches!(
+        yes(&mut m, |m| m.start(&v, true, t0), &v, t0),
+        Step::Assign(1)
+    ));
     let mut a = v.allocs[&1].clone();
     a.device_ids = ids(&["G1::0"]);
     let at = t0 + Duration::from_millis(3);
@@ -98,7 +109,10 @@ fn devices_given_to_another_container_wait_for_the_old_holders_release() {
         Step::Wait { note: None, .. }
     ));
     v.apply(&released(4, 1));
-    assert!(matches!(m.view(&v, true, t1), Step::Assign(3)));
+    assert!(matches!(
+        yes(&mut m, |m| m.view(&v, true, t1), &v, t1),
+        Step::Assign(3)
+    ));
 }
 
 #[test]
@@ -145,7 +159,10 @@ fn refused_guesses_look_again_after_the_view_moves_and_then_give_up() {
     let t0 = Instant::now();
     let mut v = view(&[reserved(1, "a", "G0")]);
     let mut m = allocate(&["G0::0"]);
-    assert!(matches!(m.start(&v, true, t0), Step::Assign(1)));
+    assert!(matches!(
+        yes(&mut m, |m| m.start(&v, true, t0), &v, t0),
+        Step::Assign(1)
+    ));
     let mut now = t0;
     for refusal in 1..=MAX_REFUSALS {
         now += Duration::from_millis(10);
@@ -159,7 +176,10 @@ fn refused_guesses_look_again_after_the_view_moves_and_then_give_up() {
         // Nothing new yet: still waiting.
         assert!(matches!(m.view(&v, true, now), Step::Wait { .. }));
         v.apply(&ev(v.seq + 1, Body::LeaderElected(Default::default())));
-        assert!(matches!(m.view(&v, true, now), Step::Assign(1)));
+        assert!(matches!(
+            yes(&mut m, |m| m.view(&v, true, now), &v, now),
+            Step::Assign(1)
+        ));
     }
     match m.assigned(Err(Status::already_exists("taken")), v.seq, now) {
         Step::Refuse(s) => assert_eq!(s.code(), Code::AlreadyExists),
@@ -172,13 +192,19 @@ fn a_refusal_after_the_wait_or_of_another_kind_is_the_answer() {
     let t0 = Instant::now();
     let v = view(&[reserved(1, "a", "G0")]);
     let mut m = allocate(&["G0::0"]);
-    assert!(matches!(m.start(&v, true, t0), Step::Assign(1)));
+    assert!(matches!(
+        yes(&mut m, |m| m.start(&v, true, t0), &v, t0),
+        Step::Assign(1)
+    ));
     assert!(matches!(
         m.assigned(Err(Status::not_found("gone")), v.seq, t0 + WAIT),
         Step::Refuse(s) if s.code() == Code::NotFound
     ));
     let mut m = allocate(&["G0::0"]);
-    assert!(matches!(m.start(&v, true, t0), Step::Assign(1)));
+    assert!(matches!(
+        yes(&mut m, |m| m.start(&v, true, t0), &v, t0),
+        Step::Assign(1)
+    ));
     assert!(matches!(
         m.assigned(Err(Status::permission_denied("no")), v.seq, t0),
         Step::Refuse(s) if s.code() == Code::PermissionDenied
@@ -227,7 +253,10 @@ fn devices_assigned_while_looking_are_the_answer_and_an_empty_assign_is_a_bug() 
     ));
     let v = view(&[reserved(1, "a", "G0")]);
     let mut m = allocate(&["G0::0"]);
-    assert!(matches!(m.start(&v, true, t0), Step::Assign(1)));
+    assert!(matches!(
+        yes(&mut m, |m| m.start(&v, true, t0), &v, t0),
+        Step::Assign(1)
+    ));
     assert!(matches!(
         m.assigned(Ok(None), v.seq, t0),
         Step::Refuse(s) if s.code() == Code::Internal
@@ -236,4 +265,84 @@ fn devices_assigned_while_looking_are_the_answer_and_an_empty_assign_is_a_bug() 
         matches!(m.view(&v, true, t0), Step::Refuse(s) if s.code() == Code::Internal),
         "an input out of turn is refused, not a panic"
     );
+}
+
+fn listing(pods: &[(&str, &[&str])]) -> podres::ListPodResourcesResponse {
+    podres::ListPodResourcesResponse {
+        pod_resources: pods
+            .iter()
+            .map(|(name, devices)| podres::PodResources {
+                name: name.to_string(),
+                namespace: "ns".into(),
+                containers: vec![podres::ContainerResources {
+                    name: "main".into(),
+                    devices: vec![podres::ContainerDevices {
+                        resource_name: "gpuledger.io/gpu".into(),
+                        device_ids: ids(devices),
+                        topology: None,
+                    }],
+                    cpu_ids: Vec::new(),
+                }],
+            })
+            .collect(),
+    }
+}
+
+#[test]
+fn only_a_pod_the_kubelet_knows_without_devices_is_being_admitted() {
+    let v = view(&[reserved(1, "a", "G0")]);
+    let a = &v.allocs[&1];
+    let r = "gpuledger.io/gpu";
+    assert_eq!(admitting(&listing(&[("pod-a", &[])]), a, r), Admitting::Yes);
+    assert!(matches!(
+        admitting(&listing(&[("pod-x", &[])]), a, r),
+        Admitting::No(_)
+    ));
+    assert!(matches!(
+        admitting(&listing(&[("pod-a", &["G0::1"])]), a, r),
+        Admitting::No(_)
+    ));
+}
+
+#[test]
+fn a_reservation_whose_pod_is_not_being_admitted_is_passed_over_and_never_claimed() {
+    let t0 = Instant::now();
+    let v = view(&[reserved(1, "a", "G0"), reserved(2, "b", "G1")]);
+    let mut m = allocate(&["G1::0"]);
+    assert!(matches!(m.start(&v, true, t0), Step::Confirm(x) if x.id == 1));
+    assert!(matches!(
+        m.listed(Ok(Admitting::No("not known".into())), &v, true, t0),
+        Step::Confirm(x) if x.id == 2
+    ));
+    assert!(matches!(
+        m.listed(Ok(Admitting::Yes), &v, true, t0),
+        Step::Assign(2)
+    ));
+
+    // Nobody's pod is being admitted: wait for a reservation, then refuse, saying why.
+    let v = view(&[reserved(1, "a", "G0")]);
+    let mut m = allocate(&["G1::0"]);
+    assert!(matches!(m.start(&v, true, t0), Step::Confirm(_)));
+    assert!(matches!(
+        m.listed(Ok(Admitting::No("not known".into())), &v, true, t0),
+        Step::Wait { .. }
+    ));
+    match m.view(&v, true, t0 + WAIT) {
+        Step::Refuse(s) => assert!(
+            s.message()
+                .contains("not placed by the gpuledger scheduler")
+                && !s.message().contains("pod-a"),
+            "{}",
+            s.message()
+        ),
+        other => panic!("refused, got {other:?}"),
+    }
+
+    // Without PodResources nothing is handed out.
+    let mut m = allocate(&["G1::0"]);
+    assert!(matches!(m.start(&v, true, t0), Step::Confirm(_)));
+    assert!(matches!(
+        m.listed(Err(Status::unavailable("gone")), &v, true, t0),
+        Step::Refuse(s) if s.code() == Code::Unavailable
+    ));
 }
