@@ -95,7 +95,7 @@ pub fn demotion(
     why: &str,
 ) -> Vec<PatchOperation> {
     let spec = |f: &str| PointerBuf::from_tokens(["spec", f]);
-    let annotation = crate::webhook::annotate(pod, earlier, ANN_DEMOTED, why.to_owned());
+    let annotation = crate::webhook::patch::annotate(pod, earlier, ANN_DEMOTED, why.to_owned());
     let mut ops = vec![
         PatchOperation::Add(AddOperation {
             path: spec("priorityClassName"),

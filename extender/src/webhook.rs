@@ -12,8 +12,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use base64::Engine;
 use gpuledger_proto::allocator::v1 as api;
-use json_patch::jsonptr::PointerBuf;
-use json_patch::{AddOperation, Patch, PatchOperation};
+use json_patch::{Patch, PatchOperation};
 use k8s_openapi::api::core::v1::{Pod, ResourceRequirements};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::core::DynamicObject;
@@ -22,11 +21,13 @@ use serde_json::{Value, json};
 use tracing::field::{self, Empty};
 use tracing::{Span, debug, info, instrument};
 
+use self::patch::add;
 use crate::allocator::Allocators;
 use crate::resources::{self, ContainerGpu};
 
 pub mod dra;
 pub mod feasibility;
+pub mod patch;
 pub use dra::PodPath;
 pub use feasibility::{Feasibility, Verdict};
 
@@ -170,38 +171,6 @@ fn translate(res: Option<&ResourceRequirements>, g: &ContainerGpu) -> Option<Res
         changed = true;
     }
     changed.then_some(res)
-}
-
-/// An `add` operation at the JSON pointer made of `tokens`.
-fn add(tokens: &[&str], value: Value) -> PatchOperation {
-    PatchOperation::Add(AddOperation {
-        path: PointerBuf::from_tokens(tokens.iter().copied()),
-        value,
-    })
-}
-
-/// The operation that sets annotation `key` of `pod` to `value`, after the `earlier`
-/// operations of the same patch (the map is added with it when neither the pod nor an earlier
-/// operation has one: adding the map again would drop what an earlier operation set).
-pub(crate) fn annotate(
-    pod: &Pod,
-    earlier: &[PatchOperation],
-    key: &str,
-    value: String,
-) -> PatchOperation {
-    let map = PointerBuf::from_tokens(["metadata", "annotations"]);
-    let has_map = pod.metadata.annotations.is_some()
-        || earlier
-            .iter()
-            .any(|op| matches!(op, PatchOperation::Add(a) if a.path == map));
-    if has_map {
-        add(&["metadata", "annotations", key], Value::String(value))
-    } else {
-        add(
-            &["metadata", "annotations"],
-            serde_json::json!({ key: value }),
-        )
-    }
 }
 
 /// The JSON Patch that mutate answers for `pod`.

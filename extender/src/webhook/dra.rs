@@ -24,7 +24,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::api::Api;
 use serde_json::Value;
 
-use super::{add, annotate};
+use super::patch::{add, annotate};
 use crate::resources;
 use json_patch::PatchOperation;
 

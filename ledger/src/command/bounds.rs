@@ -269,7 +269,7 @@ pub(crate) fn check(cmd: &Command) -> Result<(), String> {
             text("reason", reason)
         }
         Command::GrantClaim(g) => {
-            super::claim::check_bounds(
+            claim_bounds(
                 g.claim.as_ref(),
                 &g.request,
                 &g.node,
@@ -281,7 +281,7 @@ pub(crate) fn check(cmd: &Command) -> Result<(), String> {
             consumers(&g.consumers)
         }
         Command::RefuseClaim(r) => {
-            super::claim::check_bounds(
+            claim_bounds(
                 r.claim.as_ref(),
                 &r.request,
                 &r.node,
@@ -314,4 +314,21 @@ pub(crate) fn check(cmd: &Command) -> Result<(), String> {
             consumers(c)
         }
     }
+}
+
+/// Why a claim command carries more than an event may hold, if it does.
+fn claim_bounds(
+    claim: Option<&pb::ClaimRef>,
+    request: &str,
+    node: &str,
+    texts: &[(&str, &str)],
+) -> Result<(), String> {
+    if let Some(c) = claim {
+        id("claim uid", &c.uid)?;
+        name("claim namespace", &c.namespace)?;
+        name("claim name", &c.name)?;
+    }
+    name("claim request", request)?;
+    name("node name", node)?;
+    texts.iter().try_for_each(|(what, s)| text(what, s))
 }

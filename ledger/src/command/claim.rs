@@ -2,7 +2,6 @@
 //! capacity, quota) and keyed by claim uid, request and share id; prepare and unprepare are the
 //! node agent's, idempotent like `Assign`.
 
-use super::bounds;
 use super::{CommandError, Reply};
 use crate::CORE_MILLI_PER_GPU;
 use crate::pb;
@@ -278,23 +277,6 @@ fn claim_ref<'a>(
         return Err(CommandError::Invalid("no claim request".into()));
     }
     Ok(claim)
-}
-
-/// Why a claim command carries more than an event may hold, if it does.
-pub(super) fn check_bounds(
-    claim: Option<&pb::ClaimRef>,
-    request: &str,
-    node: &str,
-    texts: &[(&str, &str)],
-) -> Result<(), String> {
-    if let Some(c) = claim {
-        bounds::id("claim uid", &c.uid)?;
-        bounds::name("claim namespace", &c.namespace)?;
-        bounds::name("claim name", &c.name)?;
-    }
-    bounds::name("claim request", request)?;
-    bounds::name("node name", node)?;
-    texts.iter().try_for_each(|(what, s)| bounds::text(what, s))
 }
 
 #[cfg(test)]

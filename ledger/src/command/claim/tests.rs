@@ -1,5 +1,6 @@
 use super::*;
 use crate::Command;
+use crate::command::bounds;
 use crate::placement::{ContainerRequest, PodRequest};
 
 /// Node `dra` in DRA mode and node `dp` in device-plugin mode, two 16000 MiB GPUs each.
