@@ -405,6 +405,9 @@ impl Drop for RealNode {
             }
         }
         self.containerd.terminate(Duration::from_secs(5));
+        // A sandbox's shim exits when containerd tells it to, which a containerd that is gone
+        // never does: end what is left of this node's shims (their tasks are gone already).
+        kill_shims_of(&sock);
         // The kubelet bind-mounts its root directory and containerd mounts a shm per sandbox;
         // neither unmounts them on exit, and the run directory could not be removed.
         unmount_under(&self.dir);
@@ -412,6 +415,34 @@ impl Drop for RealNode {
             let _ = std::fs::write(p, v);
         }
         let _ = clean_device_plugin_dir();
+    }
+}
+
+/// SIGKILL every `containerd-shim` process serving containerd at socket `sock`.
+fn kill_shims_of(sock: &str) {
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return;
+    };
+    for p in procs.flatten() {
+        let Ok(pid) = p.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(p.path().join("cmdline")) else {
+            continue;
+        };
+        let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+        let shim = args
+            .first()
+            .is_some_and(|a| a.ends_with(b"containerd-shim-runc-v2"));
+        let ours = args
+            .windows(2)
+            .any(|w| w[0] == b"-address" && w[1] == sock.as_bytes());
+        if shim && ours {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
     }
 }
 
