@@ -26,7 +26,7 @@ use super::cpu::Governor;
 use super::{Args, Ctx, NS, gpu_pod, pod_request};
 
 /// The attacks, by name, each with a line on what it does.
-pub const ATTACKS: [(&str, &str); 18] = [
+pub const ATTACKS: [(&str, &str); 19] = [
     (
         "slow-bodies",
         "webhook: bodies of 1 MB promised, a byte every 2 s, from 8 addresses; refused ones retried",
@@ -98,6 +98,10 @@ pub const ATTACKS: [(&str, &str); 18] = [
     (
         "log-scans",
         "a viewer's 128 loops of ReadLog from seq 1 (16 per connection from 8 addresses), each stream read to its end",
+    ),
+    (
+        "anonymous-reviews",
+        "admission reviews without credentials, from 8 addresses: /mutate of kube-system DRA pods and /validate, each of a new shape",
     ),
 ];
 
@@ -204,6 +208,10 @@ impl Tally {
                 "{held} idle connections held at most, {ok} opened ({:.0}/s), {refused} refused or cut",
                 rate(ok)
             ),
+            "anonymous-reviews" => format!(
+                "{ok} reviews answered ({:.0}/s), {refused} refused or failed",
+                rate(ok)
+            ),
             "scheduler-cert-copy" => format!(
                 "{ok} filters answered ({:.0}/s), {refused} refused ({:.0}/s)",
                 rate(ok),
@@ -213,6 +221,22 @@ impl Tally {
             _ => String::new(),
         }
     }
+}
+
+/// An AdmissionReview no API server sent: `/mutate` of a DRA pod in kube-system, or
+/// `/validate` of a pod, asking `mib` MiB of GPU memory.
+fn anonymous_review(mutate: bool, mib: u64) -> (&'static str, Vec<u8>) {
+    let pod = json!({"metadata": {"name": format!("anon-{mib}"), "namespace": "kube-system",
+            "annotations": {"gpuledger.io/path": "dra"}},
+        "spec": {"containers": [{"name": "c", "image": "x",
+            "resources": {"limits": {"gpuledger.io/gpu-mem": mib.to_string()}}}]}});
+    let review = json!({"kind": "AdmissionReview", "apiVersion": "admission.k8s.io/v1",
+        "request": {"uid": format!("anon-{mib}"), "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "namespace": "kube-system", "operation": "CREATE",
+            "userInfo": {"username": "nobody"}, "object": pod}});
+    let path = if mutate { "/mutate" } else { "/validate" };
+    (path, serde_json::to_vec(&review).unwrap_or_default())
 }
 
 /// One connection or stream held, counted in its [`Tally`] until dropped.
@@ -394,6 +418,39 @@ pub async fn run(
                     async move { tls_from(&connector, &source, to).await }
                 };
                 tasks.spawn(hold_idle(open, stop.clone(), tally.clone(), gov.clone()));
+            }
+        }
+        "anonymous-reviews" => {
+            // Whoever reaches the webhook: a DRA pod of kube-system to convert (which once had
+            // the extender create a template there) and a pod to validate (which once was a
+            // Filter over every node), each of a shape never sent before.
+            let connector = tls_trusting(ctx.ids.pki.ca_file())?;
+            let to = SocketAddr::from(([127, 0, 0, 1], ctx.hook_port));
+            let shape = Arc::new(AtomicU64::new(1));
+            for i in 0..16 {
+                let (connector, stop, tally, gov, shape) = (
+                    connector.clone(),
+                    stop.clone(),
+                    tally.clone(),
+                    gov.clone(),
+                    shape.clone(),
+                );
+                tasks.spawn(async move {
+                    let source = from.addr(i);
+                    while !stop.is_cancelled() {
+                        gov.pace().await;
+                        let mib = shape.fetch_add(1, Ordering::Relaxed) % 16_000 + 1;
+                        let (path, review) = anonymous_review(i % 2 == 0, mib);
+                        let answered = async {
+                            let s = tls_from(&connector, &source, to).await?;
+                            post_once(s, path, &review).await
+                        };
+                        match answered.await {
+                            Ok(200) => tally.ok(),
+                            _ => tally.refused(),
+                        }
+                    }
+                });
             }
         }
         "scheduler-cert-copy" => {
