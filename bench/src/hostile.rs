@@ -577,6 +577,8 @@ pub async fn run(a: Args) -> Result<()> {
     let (mut before_ratio_max, mut burn_ratio, mut burn_before_ratio) = (0.0f64, 0.0, 0.0);
     let mut attacker_cores_max = 0.0f64;
     let mut errors = Vec::new();
+    // Attacks that could not run: the figures would say nothing of them.
+    let mut broken = Vec::new();
     let phases = std::iter::once((
         CPU_BURN,
         "control: no attack, the attackers' CPU budget burnt in a loop",
@@ -610,10 +612,10 @@ pub async fn run(a: Args) -> Result<()> {
         let under = measure(&ctx, &honest_clients, d, a.concurrency).await?;
         let cores = Usage::now(&threads).cores_since(&before);
         stop.cancel();
-        let failed = running
-            .await?
-            .err()
-            .map(|e| format!("; the attack failed: {e:#}"));
+        let failed = running.await?.err().map(|e| {
+            broken.push(format!("{name}: {e:#}"));
+            format!("; the attack failed: {e:#}")
+        });
         let secs = started.elapsed().as_secs_f64();
         let refused_after = refusals(&metrics_urls).await;
         let p99 = q_ms(&under.latency, 0.99);
@@ -701,11 +703,18 @@ pub async fn run(a: Args) -> Result<()> {
          p99_ratio_before_max={before_ratio_max:.2} quiet_p99_ms={:.1} quiet_success={:.4} \
          cpu_burn_p99_ratio={burn_ratio:.2} cpu_burn_p99_ratio_before={burn_before_ratio:.2} \
          attacker_cpu_cap={} attacker_cpu_max={attacker_cores_max:.2} lease_losses={lease_losses} \
-         process_exits={exits} verify={}",
+         process_exits={exits} verify={} attacks_failed={}",
         q_ms(&quiet.latency, 0.99),
         quiet.success(),
         a.attacker_cpu,
-        if verified { "ok" } else { "failed" }
+        if verified { "ok" } else { "failed" },
+        broken.len()
+    );
+    anyhow::ensure!(
+        broken.is_empty(),
+        "{} attack(s) could not run, so the figures say nothing of them: {}",
+        broken.len(),
+        broken.join("; ")
     );
     Ok(())
 }
