@@ -5,6 +5,7 @@
 mod binds_in_flight;
 mod dra_batch_across_kills;
 mod dra_claims;
+mod dra_first_available;
 mod dra_refusals;
 mod kubelet_that_cannot_reach_the_plugin;
 mod leader_killed_mid_batch;
