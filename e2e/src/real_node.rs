@@ -243,6 +243,28 @@ impl RealNode {
         )
     }
 
+    /// Wait until the node advertises `slots` of `gpuledger.io/gpu` and the agent is ready.
+    pub async fn wait_advertised(
+        &self,
+        client: &kube::Client,
+        slots: i64,
+        timeout: Duration,
+    ) -> Result<()> {
+        let nodes: Api<Node> = Api::all(client.clone());
+        gpuledger_testkit::eventually(
+            &format!(
+                "node {} advertises {slots} GPU slots and its agent is ready",
+                self.name
+            ),
+            timeout,
+            || async {
+                let n = nodes.get(&self.name).await?;
+                Ok(allocatable_gpu(&n) == slots && self.agent_readyz().await?.0 == 200)
+            },
+        )
+        .await
+    }
+
     /// The agent's /readyz: (status, body).
     pub async fn agent_readyz(&self) -> Result<(u16, String)> {
         gpuledger_testkit::http::get(&format!("http://{}/readyz", self.agent_http)).await

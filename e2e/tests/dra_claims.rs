@@ -30,9 +30,8 @@ fn slices(client: &kube::Client) -> Api<DynamicObject> {
     Api::all_with(client.clone(), &ar)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "real Kubernetes with a real kubelet, containerd and root: make test-e2e"]
-async fn claim_pods_run_with_ledger_grants_on_a_real_kubelet() -> Result<()> {
+/// A DRA-mode cluster whose real node's agent is ready and has published its ResourceSlice.
+pub(crate) async fn dra_node() -> Result<E2e> {
     let e = E2e::start(Options {
         real_node: true,
         dra: true,
@@ -56,6 +55,14 @@ async fn claim_pods_run_with_ledger_grants_on_a_real_kubelet() -> Result<()> {
     )
     .await
     .with_context(|| e.log_tails(20))?;
+    Ok(e)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "real Kubernetes with a real kubelet, containerd and root: make test-e2e"]
+async fn claim_pods_run_with_ledger_grants_on_a_real_kubelet() -> Result<()> {
+    let e = dra_node().await?;
+    let node = e.node.as_ref().context("no real node")?;
 
     e.namespace("dra").await?;
     let print = ["sh", "-c", "env | sort; sleep 3600"];
@@ -100,35 +107,7 @@ async fn claim_pods_run_with_ledger_grants_on_a_real_kubelet() -> Result<()> {
         )
         .await
         .with_context(|| e.log_tails(30))?;
-        let env = |k: &str| {
-            logs.lines()
-                .find_map(|l| l.strip_prefix(&format!("{k}=")))
-                .map(str::to_string)
-        };
-        ensure!(
-            env("GPULEDGER_GPU_MEM_MIB").as_deref() == Some(mib),
-            "pod {name}: {mib} MiB asked, the container's environment says {:?}\n{logs}",
-            env("GPULEDGER_GPU_MEM_MIB")
-        );
-        // The grant the ledger holds for the pod's claim names the GPU containerd gave it.
-        let ledger = e.gl.ledger().await?;
-        let grants = pods::grants_consumed_by(&ledger, uid);
-        ensure!(
-            grants.len() == 1,
-            "pod {name}: {} ledger grants name it",
-            grants.len()
-        );
-        let g = grants[0];
-        ensure!(
-            g.node == REAL_NODE && g.claim.as_ref().is_some_and(|c| c.prepared),
-            "pod {name}: grant {g:?}"
-        );
-        ensure!(
-            env(CDI_ENV).as_ref() == Some(&g.shares[0].gpu_uuid),
-            "pod {name}: the container got GPU {:?}, the ledger granted {}",
-            env(CDI_ENV),
-            g.shares[0].gpu_uuid
-        );
+        runs_with_its_grant(&e, name, uid, mib, &logs).await?;
     }
 
     // The audit trail names the allocator's grant and the node agent's prepare.
@@ -148,6 +127,47 @@ async fn claim_pods_run_with_ledger_grants_on_a_real_kubelet() -> Result<()> {
     gpuledger_e2e::gpuledger::verify(&e.gl, &addrs)?;
     extended_resource_pod_gets_a_whole_gpu(&e).await?;
     gpuledger_e2e::gpuledger::verify(&e.gl, &addrs)?;
+    Ok(())
+}
+
+/// The container of pod `name` (`uid`) printed `logs`: its environment says `mib` MiB, and the one
+/// prepared grant the ledger holds for the pod names the GPU whose CDI device containerd gave it.
+pub(crate) async fn runs_with_its_grant(
+    e: &E2e,
+    name: &str,
+    uid: &str,
+    mib: &str,
+    logs: &str,
+) -> Result<()> {
+    let env = |k: &str| {
+        logs.lines()
+            .find_map(|l| l.strip_prefix(&format!("{k}=")))
+            .map(str::to_string)
+    };
+    ensure!(
+        env("GPULEDGER_GPU_MEM_MIB").as_deref() == Some(mib),
+        "pod {name}: {mib} MiB asked, the container's environment says {:?}\n{logs}",
+        env("GPULEDGER_GPU_MEM_MIB")
+    );
+    // The grant the ledger holds for the pod's claim names the GPU containerd gave it.
+    let ledger = e.gl.ledger().await?;
+    let grants = pods::grants_consumed_by(&ledger, uid);
+    ensure!(
+        grants.len() == 1,
+        "pod {name}: {} ledger grants name it",
+        grants.len()
+    );
+    let g = grants[0];
+    ensure!(
+        g.node == REAL_NODE && g.claim.as_ref().is_some_and(|c| c.prepared),
+        "pod {name}: grant {g:?}"
+    );
+    ensure!(
+        env(CDI_ENV).as_ref() == Some(&g.shares[0].gpu_uuid),
+        "pod {name}: the container got GPU {:?}, the ledger granted {}",
+        env(CDI_ENV),
+        g.shares[0].gpu_uuid
+    );
     Ok(())
 }
 

@@ -5,9 +5,11 @@
 mod binds_in_flight;
 mod dra_batch_across_kills;
 mod dra_claims;
+mod dra_first_available;
 mod dra_refusals;
 mod kubelet_that_cannot_reach_the_plugin;
 mod leader_killed_mid_batch;
+mod node_name_takes_no_reservation;
 mod peer_pods_unchanged;
 mod placed_through_the_extender;
 mod preempts_for_gpu_slices;

@@ -32,16 +32,9 @@ async fn a_gpu_pod_runs_on_a_real_kubelet_and_gives_its_gpu_back() -> Result<()>
     .await?;
     let nodes: Api<Node> = Api::all(e.client.clone());
     let node = e.node.as_ref().context("no real node")?;
-    eventually(
-        "the node advertises 2 GPUs x 64 slots and the agent is ready",
-        Duration::from_secs(60),
-        || async {
-            let n = nodes.get(REAL_NODE).await?;
-            Ok(allocatable_gpu(&n) == 128 && node.agent_readyz().await?.0 == 200)
-        },
-    )
-    .await
-    .with_context(|| e.log_tails(20))?;
+    node.wait_advertised(&e.client, 128, Duration::from_secs(60))
+        .await
+        .with_context(|| e.log_tails(20))?;
 
     e.namespace("run").await?;
     let api: Api<Pod> = Api::namespaced(e.client.clone(), "run");
