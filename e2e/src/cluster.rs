@@ -42,6 +42,9 @@ pub struct Options {
     /// second scheduler with DynamicResources, and the real node's agent as a kubelet DRA
     /// plugin (`--mode=dra`).
     pub dra: bool,
+    /// The real node's agent's `--allocate-wait` (None: its default, 10 s): how long an
+    /// Allocate waits for a reservation of its pod.
+    pub agent_allocate_wait: Option<std::time::Duration>,
 }
 
 impl Default for Options {
@@ -55,6 +58,7 @@ impl Default for Options {
             scheduler_qps: None,
             controller_manager_qps: None,
             dra: false,
+            agent_allocate_wait: None,
         }
     }
 }
@@ -155,6 +159,7 @@ impl E2e {
                     o.real_node_gpus,
                     o.misplaced_plugin_socket,
                     o.dra,
+                    o.agent_allocate_wait,
                 )
                 .await?,
             ),

@@ -85,6 +85,7 @@ impl RealNode {
         (gpus, gpu_mem_mib): (u32, u64),
         misplaced: bool,
         dra: bool,
+        allocate_wait: Option<Duration>,
     ) -> Result<RealNode> {
         if !nix::unistd::Uid::effective().is_root() {
             bail!("the real node needs root (containerd, runc and the kubelet)");
@@ -181,14 +182,22 @@ impl RealNode {
                     })?,
             )
             .collect(),
-            vec![
+            [
                 ("FAKE_NVML_CONFIG".into(), nvml.path().display().to_string()),
                 // GPULEDGER_AGENT_LOG overrides the level (e.g. `info,h2=debug`).
                 (
                     "GPULEDGER_LOG".into(),
                     std::env::var("GPULEDGER_AGENT_LOG").unwrap_or_else(|_| "info".into()),
                 ),
-            ],
+            ]
+            .into_iter()
+            .chain(allocate_wait.map(|w| {
+                (
+                    "GPULEDGER_ALLOCATE_WAIT".to_string(),
+                    format!("{}s", w.as_secs().max(1)),
+                )
+            }))
+            .collect(),
         )?;
 
         let kc = pki.kubeconfig(server, &Identity::Node(name.to_string()))?;

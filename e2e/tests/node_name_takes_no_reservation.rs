@@ -30,6 +30,9 @@ const SLICES: [(&str, &str); 2] = [
 async fn a_pod_that_sets_its_node_name_takes_no_other_pods_reservation() -> Result<()> {
     let e = E2e::start(Options {
         real_node: true,
+        // The owner's reservation must arrive while the intruder's Allocate waits: room for a
+        // busy machine's scheduling.
+        agent_allocate_wait: Some(Duration::from_secs(40)),
         ..Options::default()
     })
     .await?;
@@ -41,7 +44,7 @@ async fn a_pod_that_sets_its_node_name_takes_no_other_pods_reservation() -> Resu
     let api: Api<Pod> = Api::namespaced(e.client.clone(), "steal");
 
     // The intruder first: the kubelet adds it to its pod manager, then admits it, and its
-    // Allocate waits (the agent's --allocate-wait, 10 s) for a pending reservation of its size.
+    // Allocate waits (the agent's --allocate-wait, 40 s here) for a pending reservation of its size.
     let mut intruder = host_network(pods::pod("intruder", &SLICES, None));
     intruder["spec"]["nodeName"] = REAL_NODE.into();
     let intruder_uid = pods::create(&e.client, "steal", &intruder)
