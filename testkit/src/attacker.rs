@@ -178,6 +178,29 @@ fn rpc_path(method: &str) -> Result<tonic::codegen::http::uri::PathAndQuery> {
     Ok(format!("/gpuledger.allocator.v1.Allocator/{method}").parse()?)
 }
 
+/// A gRPC client on `ch`, ready to send, and the path of `method`.
+async fn ready<T>(
+    ch: T,
+    method: &str,
+) -> Result<
+    (
+        tonic::client::Grpc<T>,
+        tonic::codegen::http::uri::PathAndQuery,
+    ),
+    tonic::Status,
+>
+where
+    T: tonic::client::GrpcService<tonic::body::Body>,
+    T::Error: Into<tonic::codegen::StdError>,
+{
+    let path = rpc_path(method).map_err(|e| tonic::Status::internal(e.to_string()))?;
+    let mut g = tonic::client::Grpc::new(ch);
+    g.ready()
+        .await
+        .map_err(|e| tonic::Status::unavailable(e.into().to_string()))?;
+    Ok((g, path))
+}
+
 /// Call `method` with `message` as its encoded request, whatever the bytes are.
 pub async fn raw_unary<T>(ch: T, method: &str, message: Vec<u8>) -> Result<(), tonic::Status>
 where
@@ -186,11 +209,7 @@ where
     T::ResponseBody: tonic::codegen::Body<Data = bytes::Bytes> + Send + 'static,
     <T::ResponseBody as tonic::codegen::Body>::Error: Into<tonic::codegen::StdError> + Send,
 {
-    let path = rpc_path(method).map_err(|e| tonic::Status::internal(e.to_string()))?;
-    let mut g = tonic::client::Grpc::new(ch);
-    g.ready()
-        .await
-        .map_err(|e| tonic::Status::unavailable(e.into().to_string()))?;
+    let (mut g, path) = ready(ch, method).await?;
     g.unary(tonic::Request::new(message), path, Raw)
         .await
         .map(drop)
@@ -205,11 +224,7 @@ where
     T::ResponseBody: tonic::codegen::Body<Data = bytes::Bytes> + Send + 'static,
     <T::ResponseBody as tonic::codegen::Body>::Error: Into<tonic::codegen::StdError> + Send,
 {
-    let path = rpc_path(method).map_err(|e| tonic::Status::internal(e.to_string()))?;
-    let mut g = tonic::client::Grpc::new(ch);
-    g.ready()
-        .await
-        .map_err(|e| tonic::Status::unavailable(e.into().to_string()))?;
+    let (mut g, path) = ready(ch, method).await?;
     let never = futures::stream::pending::<Vec<u8>>();
     g.client_streaming(tonic::Request::new(never), path, Raw)
         .await

@@ -126,6 +126,11 @@ impl Tally {
         self.ok.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// One call answered (`ok`) or refused.
+    fn answered(&self, ok: bool) {
+        if ok { self.ok() } else { self.refused() }
+    }
+
     fn refused(&self) {
         self.refused.fetch_add(1, Ordering::Relaxed);
     }
@@ -570,11 +575,7 @@ pub async fn run(
                                 }),
                             })
                             .await;
-                        if r.is_ok() {
-                            tally.ok();
-                        } else {
-                            tally.refused();
-                        }
+                        tally.answered(r.is_ok());
                     }
                 });
             }
@@ -613,11 +614,7 @@ pub async fn run(
                                         "Node": ctx.nodes[i as usize % ctx.nodes.len()]}),
                             )
                             .await;
-                        if matches!(&r, Ok(v) if v["Error"] == "") {
-                            tally.ok();
-                        } else {
-                            tally.refused();
-                        }
+                        tally.answered(matches!(&r, Ok(v) if v["Error"] == ""));
                         tokio::time::sleep(Duration::from_millis(5)).await;
                     }
                 });
@@ -665,11 +662,7 @@ pub async fn run(
                                 ttl_ms: 0,
                             })
                             .await;
-                        if r.is_ok() {
-                            tally.ok();
-                        } else {
-                            tally.refused();
-                        }
+                        tally.answered(r.is_ok());
                         tokio::time::sleep(Duration::from_millis(20)).await;
                     }
                 });
@@ -742,11 +735,7 @@ pub async fn run(
                                 &json!({"Pod": pod, "Nodes": null, "NodeNames": ctx.nodes}),
                             )
                             .await;
-                        if r.is_ok() {
-                            tally.ok();
-                        } else {
-                            tally.refused();
-                        }
+                        tally.answered(r.is_ok());
                     }
                 });
             }
@@ -794,11 +783,7 @@ pub async fn run(
                             Ok(mut c) => c.status(api::StatusRequest {}).await.is_ok(),
                             Err(_) => false,
                         };
-                        if answered {
-                            tally.ok();
-                        } else {
-                            tally.refused();
-                        }
+                        tally.answered(answered);
                     }
                 });
             }
@@ -817,11 +802,7 @@ pub async fn run(
                                     nodes: vec![],
                                 })
                                 .await;
-                            if r.is_ok() {
-                                tally.ok();
-                            } else {
-                                tally.refused();
-                            }
+                            tally.answered(r.is_ok());
                         } else if let Ok(s) = v
                             .read_log(api::ReadLogRequest {
                                 from_seq: 1,
@@ -865,11 +846,7 @@ pub async fn run(
                         r.metadata_mut()
                             .insert(gpuledger_auth::server::ON_BEHALF_OF, v);
                     }
-                    if allocator.set_device_health(r).await.is_ok() {
-                        tally.ok();
-                    } else {
-                        tally.refused();
-                    }
+                    tally.answered(allocator.set_device_health(r).await.is_ok());
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }
             });
@@ -927,11 +904,7 @@ pub async fn run(
                                 xid: 0,
                             })
                             .await;
-                        if r.is_ok() {
-                            tally.ok();
-                        } else {
-                            tally.refused();
-                        }
+                        tally.answered(r.is_ok());
                     }
                 });
             }
@@ -1025,11 +998,7 @@ pub async fn run(
                                 }
                                 Err(_) => false,
                             };
-                            if scanned {
-                                tally.ok();
-                            } else {
-                                tally.refused();
-                            }
+                            tally.answered(scanned);
                         }
                     });
                 }
