@@ -91,6 +91,100 @@ async fn silent_sockets_from_one_address_do_not_lock_new_clients_out() -> anyhow
     Ok(())
 }
 
+/// Idle TLS connections (handshake done, nothing sent after) fill the listener, its reserved
+/// last tenth included: a new client from another address still gets in, by the slot of an
+/// idle connection of the address holding the most, and a connection busy with a stream is
+/// never the one closed, however many newcomers come.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_tls_connections_cannot_fill_the_listener_nor_evict_a_busy_one() -> anyhow::Result<()>
+{
+    use gpuledger_testkit::attacker::{allocator_from, count_closed, tls_from, tls_trusting};
+    let etcd = EtcdCluster::start(1).await?;
+    let dir = tempfile::tempdir()?;
+    let allocs = Allocators::start(
+        dir.path(),
+        &etcd,
+        1,
+        "idle-fill",
+        &["--max-connections=40", "--max-connections-per-peer=32"],
+    )?;
+    allocs.wait_leader(Duration::from_secs(20)).await?;
+    let to = allocs.addrs[0].parse()?;
+    // A node agent's stream, on its own connection from 127.0.0.1.
+    let mut agent = allocs.node_agent(0, "n1")?;
+    agent
+        .register_node(api::RegisterNodeRequest {
+            inventory: Some(inventory("n1", 1, 16_000, "NVIDIA A100")),
+        })
+        .await?;
+    let mut stream = agent
+        .subscribe(api::SubscribeRequest {
+            node: "n1".into(),
+            from_seq: 0,
+        })
+        .await?
+        .into_inner();
+    while let Ok(m) = tokio::time::timeout(Duration::from_millis(500), stream.message()).await {
+        anyhow::ensure!(m?.is_some(), "the stream ended");
+    }
+    // 127.0.0.1 at its per-peer limit with idle connections beside the stream, then one
+    // connection from each of eight more addresses: the listener is full.
+    let tls = tls_trusting(allocs.ids.pki.ca_file())?;
+    let open = |source: String| {
+        let tls = tls.clone();
+        async move { tls_from(&tls, &source, to).await.ok() }
+    };
+    let mut heavy = Vec::new();
+    for _ in 0..31 {
+        heavy.extend(open("127.0.0.1".into()).await);
+    }
+    let mut others = Vec::new();
+    for i in 2..10 {
+        others.extend(open(format!("127.0.0.{i}")).await);
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // A new client from another address gets in and is answered.
+    let viewer = allocs.ids.credentials(&Role::Viewer)?;
+    let mut fresh = allocator_from("127.0.0.10", &allocs.addrs[0], &viewer)?;
+    let status =
+        tokio::time::timeout(Duration::from_secs(5), fresh.status(api::StatusRequest {})).await;
+    assert!(
+        matches!(status, Ok(Ok(_))),
+        "a new client while {} idle TLS connections fill the listener: {status:?}",
+        heavy.len() + others.len()
+    );
+    assert!(limited(&allocs, 0, "connections_evicted").await? >= 1.0);
+    // Forty more newcomers take every idle slot 127.0.0.1 holds; its stream is busy and stays.
+    for i in 11..51 {
+        others.extend(open(format!("127.0.0.{i}")).await);
+    }
+    let mut tcp: Vec<_> = heavy.into_iter().map(|s| s.into_inner().0).collect();
+    let closed = count_closed(&mut tcp, Duration::from_millis(200)).await;
+    assert_eq!(
+        closed,
+        tcp.len(),
+        "every idle connection of 127.0.0.1 was taken"
+    );
+    drop(others);
+    drop(fresh);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The stream still delivers: a reservation on its node reaches it.
+    allocs
+        .extender(0)?
+        .reserve(api::ReserveRequest {
+            request: Some(pod("uid-1", 1_000, 10)),
+            node: "n1".into(),
+            ttl_ms: 0,
+        })
+        .await?;
+    let got = tokio::time::timeout(Duration::from_secs(5), stream.message()).await;
+    assert!(
+        matches!(got, Ok(Ok(Some(_)))),
+        "the busy stream was cut: {got:?}"
+    );
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_viewer_cannot_hold_streams_without_bound_and_the_leader_keeps_its_lease()
 -> anyhow::Result<()> {

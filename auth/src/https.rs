@@ -101,7 +101,7 @@ pub mod bite {
     pub const BODY_TIME: &str = "http_body_time";
     /// An idle connection of the peer holding the most was closed to admit a peer holding
     /// fewer, the listener being full.
-    pub const CONNECTIONS_EVICTED: &str = "connections_evicted";
+    pub const CONNECTIONS_EVICTED: &str = super::tls_bite::CONNECTIONS_EVICTED;
     /// Plain HTTP: every connection slot was taken.
     pub const HTTP_CONNECTIONS: &str = "http_connections";
     /// Plain HTTP: the peer held as many connections as one peer may.

@@ -408,6 +408,9 @@ pub struct ConnInfo {
     pub tcp: TcpConnectInfo,
     /// Holding it stops reading the connection for a while.
     pub brake: Arc<Brake>,
+    /// The connection's slot state when its listener evicts idle connections: a server marks
+    /// it [`Held::busy`] while it answers a request, so that only idle connections are closed.
+    pub held: Option<Arc<Held>>,
 }
 
 /// An accepted TCP connection holding its slot of the listener's connection limit until it is
@@ -557,6 +560,7 @@ impl Connected for Conn {
                 },
             },
             brake: self.brake.clone(),
+            held: self.evicted.as_ref().map(|(h, _)| h.clone()),
         }
     }
 }

@@ -609,6 +609,11 @@ where
                 .and_then(|i| i.get_ref().tcp.remote_addr)
                 .map(|a| peer_key(&a));
             let brake = info.map(|i| i.get_ref().brake.clone());
+            // The connection is busy (not to be evicted for a newcomer) from the request's
+            // arrival until its answer, streams included, has been sent.
+            let busy = info
+                .and_then(|i| i.get_ref().held.as_ref())
+                .map(|h| h.busy());
             let grpc = is_grpc(req.headers());
             let a = match auth
                 .identify(req.headers(), certs.as_deref().map(|v| &v[..]), peer)
@@ -642,7 +647,13 @@ where
             if over_a_limit(&res) {
                 auth.slow_down(brake.as_ref(), a.shares_connection());
             }
-            Ok(res)
+            // The guard lives as long as the answer's body being sent.
+            Ok(res.map(|b| {
+                Body::new(http_body_util::BodyExt::map_err(b, move |e| {
+                    let _busy = &busy;
+                    e
+                }))
+            }))
         })
     }
 }

@@ -66,11 +66,15 @@ pub mod bite {
     pub const CONNECTIONS: &str = "connections";
     /// The peer held as many connections as one peer may.
     pub const CONNECTIONS_PER_PEER: &str = "connections_per_peer";
+    /// An idle connection of the peer holding the most was closed to admit a peer holding
+    /// fewer, the listener being full.
+    pub const CONNECTIONS_EVICTED: &str = "connections_evicted";
 }
 
 /// TLS connections accepted on `listener`: each handshake runs on its own task within
 /// `limits`, so a slow or silent client holds up nobody, and a connection keeps its slot of
-/// the connection limits until it closes. Refusals are counted in `bites`. Ends when the
+/// the connection limits until it closes, or until the listener is full and a peer holding
+/// fewer takes the slot while the connection is idle (it then ends). Refusals are counted in `bites`. Ends when the
 /// stream is dropped or `stop` is cancelled.
 pub fn incoming(
     listener: TcpListener,
@@ -80,8 +84,12 @@ pub fn incoming(
     stop: CancellationToken,
 ) -> impl futures::Stream<Item = std::io::Result<TlsStream<Conn>>> + Send + 'static {
     let (tx, rx) = mpsc::channel(128);
-    let connections = Slots::new(
+    // When full, a peer holding few takes an idle connection's slot from the peer holding the
+    // most: a handful of addresses cannot keep node agents and operators out. The server marks
+    // a connection busy while it answers (`ConnInfo::held`).
+    let connections = Slots::evicting(
         (bite::CONNECTIONS, bite::CONNECTIONS_PER_PEER),
+        bite::CONNECTIONS_EVICTED,
         limits.max_connections,
         limits.max_connections_per_peer,
         bites.clone(),
