@@ -345,6 +345,12 @@ pub struct Limits {
     #[arg(long, env = "GPULEDGER_MAX_LOG_SCANS", default_value_t = 8)]
     pub max_log_scans: usize,
 
+    /// ReadLog scans that one holder of an identity (a token, a pod, a certificate) runs at
+    /// once, so that one viewer cannot take every scan slot from the other operators; past
+    /// it RESOURCE_EXHAUSTED (0 = no bound).
+    #[arg(long, env = "GPULEDGER_MAX_LOG_SCANS_PER_HOLDER", default_value_t = 2)]
+    pub max_log_scans_per_holder: usize,
+
     /// Events a second that one holder of an identity's ReadLog scans stream together, pages
     /// from the archive and etcd alike, after a second's worth at once; a page past it waits
     /// for its turn (0 = no bound).

@@ -1,7 +1,8 @@
 //! Bounds on `ReadLog` scans of the history: each page of one is read, decoded, hashed and
 //! encoded by the leader, so a loop of scans from seq 1 costs CPU in proportion to the log.
-//! At most `--max-log-scans` run at once (past it `RESOURCE_EXHAUSTED`, never a queue), and
-//! each holder of an identity streams at most `--log-scan-events-per-s` events a second over
+//! At most `--max-log-scans` run at once, at most `--max-log-scans-per-holder` of them one
+//! holder's (past either `RESOURCE_EXHAUSTED`, never a queue: one viewer token cannot take
+//! every slot from the other operators), and each holder of an identity streams at most `--log-scan-events-per-s` events a second over
 //! all its scans, pages from the archive and from etcd alike. Allocators and the extender are
 //! held to neither: their reads are part of keeping the ledger and scheduling.
 
@@ -12,44 +13,58 @@ use std::time::Duration;
 use governor::clock::{Clock, DefaultClock};
 use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
 use gpuledger_auth::identity::{Holder, Role};
-use gpuledger_auth::limit::{Bites, Slot, Slots, wait_turn};
+use gpuledger_auth::limit::{Bites, Full, Slot, Slots, wait_turn};
 use gpuledger_auth::server::over_limit;
 use prometheus_client::metrics::gauge::Gauge;
 use tonic::Status;
 
-/// The limit name its refusals are counted under.
+/// The limit name of refusals for want of a scan slot.
 pub const BITE_LOG_SCANS: &str = "log_scans";
+/// The limit name of refusals of a holder who runs as many scans as one may.
+pub const BITE_LOG_SCANS_PER_HOLDER: &str = "log_scans_per_holder";
+
+/// How many scans may run and how fast they stream (0: no bound).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ScanBounds {
+    /// Scans at once, of every holder together.
+    pub max: usize,
+    /// Scans at once of one holder.
+    pub per_holder: usize,
+    /// Events a second one holder's scans stream together, a second's worth at once.
+    pub events_per_s: u32,
+}
 
 /// Holders remembered before those that have not scanned lately are forgotten.
 const MAX_KEYS: usize = 10_000;
 
 /// The scans in flight and each holder's pace.
 pub struct LogScans {
-    max: usize,
-    events_per_s: u32,
-    slots: Arc<Slots<()>>,
+    bounds: ScanBounds,
+    slots: Arc<Slots<Holder>>,
     limiter: Option<Arc<DefaultKeyedRateLimiter<Holder>>>,
     in_flight: Gauge,
 }
 
 /// One scan in flight: its slot (given back when dropped) and its holder's pace.
 pub struct Scan {
-    _slot: Option<Slot<()>>,
+    _slot: Option<Slot<Holder>>,
     pace: Option<(Arc<DefaultKeyedRateLimiter<Holder>>, Holder, NonZeroU32)>,
     in_flight: Gauge,
 }
 
 impl LogScans {
-    /// At most `max` scans at once (0: no bound), `events_per_s` events a second per holder,
-    /// a second's worth at once (0: no pace); refusals counted in `bites`, scans in flight in
-    /// `in_flight`.
-    pub fn new(max: usize, events_per_s: u32, bites: Arc<Bites>, in_flight: Gauge) -> Self {
-        let limiter = NonZeroU32::new(events_per_s)
+    /// Scans within `bounds`; refusals counted in `bites`, scans in flight in `in_flight`.
+    pub fn new(bounds: ScanBounds, bites: Arc<Bites>, in_flight: Gauge) -> Self {
+        let limiter = NonZeroU32::new(bounds.events_per_s)
             .map(|rate| Arc::new(RateLimiter::keyed(Quota::per_second(rate))));
         LogScans {
-            max,
-            events_per_s,
-            slots: Slots::new((BITE_LOG_SCANS, BITE_LOG_SCANS), max, 0, bites),
+            bounds,
+            slots: Slots::new(
+                (BITE_LOG_SCANS, BITE_LOG_SCANS_PER_HOLDER),
+                bounds.max,
+                bounds.per_holder,
+                bites,
+            ),
             limiter,
             in_flight,
         }
@@ -57,36 +72,47 @@ impl LogScans {
 
     /// No bounds.
     pub fn unlimited(bites: Arc<Bites>) -> Self {
-        LogScans::new(0, 0, bites, Gauge::default())
+        LogScans::new(ScanBounds::default(), bites, Gauge::default())
     }
 
     /// A scan for `caller` (None: an unverified caller, which authorization refuses anyway),
-    /// or `RESOURCE_EXHAUSTED` when `--max-log-scans` run already.
+    /// or `RESOURCE_EXHAUSTED` when `--max-log-scans` run already, or the caller's holder runs
+    /// `--max-log-scans-per-holder`.
     pub fn start(&self, caller: Option<Holder>) -> Result<Scan, Status> {
         let held = caller
             .as_ref()
-            .is_some_and(|c| !matches!(c.caller.role, Role::Allocator | Role::Extender));
-        let slot = if held {
-            let slot = self.slots.try_acquire(()).map_err(|_| {
-                over_limit(
-                    Status::resource_exhausted(format!(
-                        "{} log scans run already, as many as this allocator allows at once \
-                         (--max-log-scans); retry later",
-                        self.max
-                    )),
-                    BITE_LOG_SCANS,
-                )
-            })?;
-            Some(slot)
-        } else {
-            None
+            .filter(|c| !matches!(c.caller.role, Role::Allocator | Role::Extender));
+        let slot = match held {
+            Some(h) => Some(self.slots.try_acquire(h.clone()).map_err(|full| {
+                let (why, limit) = match full {
+                    Full::Total => (
+                        format!(
+                            "{} log scans run already, as many as this allocator allows at \
+                             once (--max-log-scans); retry later",
+                            self.bounds.max
+                        ),
+                        BITE_LOG_SCANS,
+                    ),
+                    Full::PerKey => (
+                        format!(
+                            "this caller runs {} log scans already, as many as one may at once \
+                             (--max-log-scans-per-holder); let one end first",
+                            self.bounds.per_holder
+                        ),
+                        BITE_LOG_SCANS_PER_HOLDER,
+                    ),
+                };
+                over_limit(Status::resource_exhausted(why), limit)
+            })?),
+            None => None,
         };
         let pace = match (&self.limiter, caller) {
-            (Some(l), Some(c)) if held => {
+            (Some(l), Some(c)) if slot.is_some() => {
                 if l.len() > MAX_KEYS {
                     l.retain_recent();
                 }
-                let burst = NonZeroU32::new(self.events_per_s).expect("a limiter has a rate");
+                let burst =
+                    NonZeroU32::new(self.bounds.events_per_s).expect("a limiter has a rate");
                 Some((l.clone(), c, burst))
             }
             _ => None,
@@ -146,11 +172,15 @@ mod tests {
     fn past_the_bound_scans_are_refused_and_counted_until_one_ends() {
         let bites = Bites::new();
         let gauge = Gauge::default();
-        let scans = LogScans::new(2, 0, bites.clone(), gauge.clone());
+        let bounds = ScanBounds {
+            max: 2,
+            ..ScanBounds::default()
+        };
+        let scans = LogScans::new(bounds, bites.clone(), gauge.clone());
         let viewer = || Some(holder(Role::Viewer, "token:1"));
         let (a, _b) = (
             scans.start(viewer()).unwrap(),
-            scans.start(viewer()).unwrap(),
+            scans.start(Some(holder(Role::Viewer, "token:2"))).unwrap(),
         );
         let refused = scans.start(viewer()).err().expect("a third scan");
         assert_eq!(refused.code(), tonic::Code::ResourceExhausted);
@@ -165,7 +195,11 @@ mod tests {
 
     #[tokio::test]
     async fn a_holders_scans_share_its_events_per_second() {
-        let scans = LogScans::new(0, 1_000, Bites::new(), Gauge::default());
+        let bounds = ScanBounds {
+            events_per_s: 1_000,
+            ..ScanBounds::default()
+        };
+        let scans = LogScans::new(bounds, Bites::new(), Gauge::default());
         let (one, two) = (
             scans.start(Some(holder(Role::Viewer, "token:1"))).unwrap(),
             scans.start(Some(holder(Role::Viewer, "token:1"))).unwrap(),
@@ -195,5 +229,27 @@ mod tests {
             "{:?}",
             t.elapsed()
         );
+    }
+
+    #[test]
+    fn one_holder_cannot_take_every_slot() {
+        let bites = Bites::new();
+        let bounds = ScanBounds {
+            max: 8,
+            per_holder: 2,
+            events_per_s: 0,
+        };
+        let scans = LogScans::new(bounds, bites.clone(), Gauge::default());
+        let one = || Some(holder(Role::Viewer, "token:1"));
+        let _held = [scans.start(one()).unwrap(), scans.start(one()).unwrap()];
+        let refused = scans
+            .start(one())
+            .err()
+            .expect("a third scan of one holder");
+        assert_eq!(refused.code(), tonic::Code::ResourceExhausted);
+        assert!(refused.message().contains("--max-log-scans-per-holder"));
+        assert_eq!(bites.count(BITE_LOG_SCANS_PER_HOLDER), 1);
+        // Another holder of the same identity (another token) still scans.
+        scans.start(Some(holder(Role::Viewer, "token:2"))).unwrap();
     }
 }

@@ -117,7 +117,11 @@ pub async fn run_until(cfg: Config, stop: CancellationToken) -> Result<(), Start
         cfg.limits.max_streams_per_identity,
         cfg.limits.heavy_read_threads,
     )
-    .with_log_scans(cfg.limits.max_log_scans, cfg.limits.log_scan_events_per_s)
+    .with_log_scans(crate::log_scans::ScanBounds {
+        max: cfg.limits.max_log_scans,
+        per_holder: cfg.limits.max_log_scans_per_holder,
+        events_per_s: cfg.limits.log_scan_events_per_s,
+    })
     .with_read_limits(crate::read_limits::ReadLimits::new(
         cfg.limits.heavy_reads_per_identity_per_s,
         cfg.limits.heavy_read_burst,

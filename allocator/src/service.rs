@@ -140,16 +140,10 @@ impl Service {
         self
     }
 
-    /// The same service, running at most `max` `ReadLog` scans at once (0: no bound), each
-    /// holder's at `events_per_s` events a second (0: unpaced).
-    pub fn with_log_scans(mut self, max: usize, events_per_s: u32) -> Self {
+    /// The same service, running `ReadLog` scans within `bounds`.
+    pub fn with_log_scans(mut self, bounds: crate::log_scans::ScanBounds) -> Self {
         let m = &self.shared.metrics;
-        self.log_scans = Arc::new(LogScans::new(
-            max,
-            events_per_s,
-            m.bites.clone(),
-            m.log_scans.clone(),
-        ));
+        self.log_scans = Arc::new(LogScans::new(bounds, m.bites.clone(), m.log_scans.clone()));
         self
     }
 
