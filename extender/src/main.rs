@@ -106,8 +106,8 @@ struct Args {
     pod_path: webhook::PodPath,
 
     /// Let the namespace label `gpuledger.io/path` (dra or device-plugin) choose the path of a
-    /// GPU pod whose annotation does not: one read of the namespace per GPU pod admitted
-    /// (RBAC: get on namespaces). Off: only the pod annotation and --pod-path choose.
+    /// GPU pod whose annotation does not, read from a watch of the namespaces (RBAC: list and
+    /// watch on namespaces). Off: only the pod annotation and --pod-path choose.
     #[arg(long, env = "GPULEDGER_DRA_NAMESPACE_LABEL")]
     dra_namespace_label: bool,
 
@@ -297,9 +297,11 @@ async fn run(a: Args) -> anyhow::Result<()> {
             ),
             scheduler_name: a.scheduler_name.clone(),
             replica: replica.clone(),
-            kube: kube.clone(),
+            namespaces: kube
+                .clone()
+                .filter(|_| a.dra_namespace_label)
+                .map(|k| webhook::NamespaceLabels::start(k, shutdown.clone())),
             pod_path: a.pod_path,
-            namespace_label: a.dra_namespace_label,
         })
         .layer(axum::middleware::from_fn_with_state(
             metrics.clone(),

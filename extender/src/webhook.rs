@@ -27,9 +27,11 @@ use crate::resources::{self, ContainerGpu};
 
 pub mod dra;
 pub mod feasibility;
+pub mod namespaces;
 pub mod patch;
 pub use dra::PodPath;
 pub use feasibility::{Feasibility, Verdict};
+pub use namespaces::NamespaceLabels;
 
 /// Shared state of the webhook handlers.
 #[derive(Clone)]
@@ -42,14 +44,11 @@ pub struct Webhook {
     pub scheduler_name: Option<String>,
     /// The ledger replica namespaces' budgets are read from (None: budgets are not applied).
     pub replica: Option<std::sync::Arc<crate::replica::Replica>>,
-    /// API server client: the DRA path reads namespace labels (None: every GPU pod whose
-    /// annotation does not choose takes `pod_path`).
-    pub kube: Option<kube::Client>,
+    /// The namespaces' labels, when the label `gpuledger.io/path` chooses the path of a pod
+    /// whose annotation does not (None: every such GPU pod takes `pod_path`).
+    pub namespaces: Option<NamespaceLabels>,
     /// The path of a GPU pod whose annotation and namespace do not choose one.
     pub pod_path: PodPath,
-    /// Whether the namespace label `gpuledger.io/path` chooses the path of a pod whose
-    /// annotation does not (one namespace read per GPU pod).
-    pub namespace_label: bool,
 }
 
 /// The webhook routes.
@@ -259,8 +258,7 @@ async fn mutate(State(w): State<Webhook>, body: Bytes) -> Response {
     let ns = namespace_of(&req, &pod);
     let gpu = resources::containers(&pod).is_ok_and(|c| !c.is_empty());
     let path = if gpu {
-        let kube = w.kube.as_ref().filter(|_| w.namespace_label);
-        match dra::path_of(kube, &pod, &ns, w.pod_path).await {
+        match dra::path_of(w.namespaces.as_ref(), &pod, &ns, w.pod_path).await {
             Ok(p) => p,
             Err(m) => return refuse(allowed, m),
         }

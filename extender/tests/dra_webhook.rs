@@ -578,3 +578,59 @@ async fn an_over_budget_namespace_is_denied_its_dra_pods() -> anyhow::Result<()>
     );
     Ok(())
 }
+
+/// Reviews are not authenticated: however many arrive, the namespace label comes from the
+/// watch, never from one read of the API server per review. A namespace labelled a moment
+/// before its pod is still seen, and a namespace nobody created takes the default path.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn namespace_labels_cost_the_api_server_no_read_per_review() -> anyhow::Result<()> {
+    let (stack, hook) = stack_with_webhook(&["--dra-namespace-label"]).await?;
+    dra_namespace(&stack)?;
+    let namespace_reads = || {
+        stack
+            .api
+            .store
+            .requests()
+            .iter()
+            .filter(|r| r.resource == "namespaces")
+            .count()
+    };
+    let pod = |ns: &str| {
+        json!({"metadata": {"name": "p", "namespace": ns},
+               "spec": {"containers": [{"name": "c", "image": "x",
+                   "resources": {"limits": {"aliyun.com/gpu-mem": "3"}}}]}})
+    };
+    // The first review waits for the watch's list, if it has not come yet.
+    let first = mutate(&hook, &review(&pod("team-dra"), "team-dra", "r-0", false)).await?;
+    assert!(is_content_name(&named(&first.map_err(anyhow::Error::msg)?)));
+    let before = namespace_reads();
+    for i in 1..=200 {
+        let patch = mutate(
+            &hook,
+            &review(&pod("team-dra"), "team-dra", &format!("r-{i}"), false),
+        )
+        .await?
+        .map_err(anyhow::Error::msg)?;
+        assert!(is_content_name(&named(&patch)), "review {i}: {patch}");
+    }
+    assert_eq!(
+        namespace_reads() - before,
+        0,
+        "200 reviews read the namespace from the API server"
+    );
+    // Labelled just now: the watch brings it.
+    ok(stack.api.store.create(
+        "v1",
+        "namespaces",
+        "",
+        json!({"metadata": {"name": "team-new", "labels": {"gpuledger.io/path": "dra"}}}),
+    ))?;
+    let fresh = mutate(&hook, &review(&pod("team-new"), "team-new", "r-new", false)).await?;
+    assert!(is_content_name(&named(&fresh.map_err(anyhow::Error::msg)?)));
+    // No such namespace (a review no API server sent): the default path, device plugin.
+    let none = mutate(&hook, &review(&pod("nowhere"), "nowhere", "r-none", false))
+        .await?
+        .map_err(anyhow::Error::msg)?;
+    assert!(named(&none).is_empty(), "{none}");
+    Ok(())
+}

@@ -99,9 +99,8 @@ async fn stalled_handshakes_and_headers_and_large_bodies_are_cut_off() -> anyhow
         feasible: webhook::Feasibility::new(0, 0, gpuledger_auth::limit::Bites::new()),
         scheduler_name: None,
         replica: None,
-        kube: None,
+        namespaces: None,
         pod_path: webhook::PodPath::DevicePlugin,
-        namespace_label: false,
     });
     let limits = gpuledger_auth::https::Limits {
         handshake: Duration::from_millis(300),

@@ -18,12 +18,12 @@ use std::str::FromStr;
 
 use gpuledger_request::dra::{self, ClaimRequest, PATH_KEY, POD_CLAIM};
 use k8s_openapi::api::core::v1::{
-    Namespace, Pod, PodResourceClaim, ResourceClaim as ContainerClaim, ResourceRequirements,
+    Pod, PodResourceClaim, ResourceClaim as ContainerClaim, ResourceRequirements,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use kube::api::Api;
 use serde_json::Value;
 
+use super::namespaces::NamespaceLabels;
 use super::patch::{add, annotate};
 use crate::resources;
 use json_patch::PatchOperation;
@@ -60,11 +60,10 @@ impl fmt::Display for PodPath {
     }
 }
 
-/// The path of a GPU pod: its annotation [`PATH_KEY`], else its namespace's label (read with
-/// `kube`, when given), else `default` (the `--pod-path` flag). The namespace is read only when
-/// the pod does not say.
+/// The path of a GPU pod: its annotation [`PATH_KEY`], else its namespace's label (from the
+/// watched `namespaces`, when given), else `default` (the `--pod-path` flag).
 pub async fn path_of(
-    kube: Option<&kube::Client>,
+    namespaces: Option<&NamespaceLabels>,
     pod: &Pod,
     ns: &str,
     default: PodPath,
@@ -73,16 +72,10 @@ pub async fn path_of(
     if let Some(v) = ann.and_then(|a| a.get(PATH_KEY)) {
         return v.parse().map_err(|e| format!("annotation {PATH_KEY}: {e}"));
     }
-    let Some(kube) = kube else {
+    let Some(namespaces) = namespaces else {
         return Ok(default);
     };
-    let n = Api::<Namespace>::all(kube.clone())
-        .get_opt(ns)
-        .await
-        .map_err(|e| {
-            format!("reading namespace {ns}'s label {PATH_KEY} (which GPU path its pods take): {e}")
-        })?;
-    match n.and_then(|n| n.metadata.labels?.get(PATH_KEY).cloned()) {
+    match namespaces.label(ns, PATH_KEY).await? {
         Some(v) => v
             .parse()
             .map_err(|e| format!("label {PATH_KEY} of namespace {ns}: {e}")),
