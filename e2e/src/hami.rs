@@ -224,6 +224,8 @@ pub struct Hami {
     pub scheduler: Proc,
     /// `https://127.0.0.1:<port>`.
     pub url: String,
+    /// HAMi's `/metrics` (plain HTTP, as it serves them).
+    pub metrics_url: String,
     client: kube::Client,
     device_plugins: tokio::task::JoinHandle<()>,
 }
@@ -250,6 +252,8 @@ impl Hami {
         std::fs::write(&device_config, DEVICE_CONFIG)?;
         let port = free_port()?;
         let url = format!("https://127.0.0.1:{port}");
+        let metrics_port = free_port()?;
+        let metrics_url = format!("http://127.0.0.1:{metrics_port}/metrics");
         let kubeconfig = e.cp.pki.kubeconfig(
             &e.cp.server,
             &Identity::ServiceAccount(SERVICE_ACCOUNT.into()),
@@ -263,7 +267,7 @@ impl Hami {
                 format!("--cert_file={}", cert.display()),
                 format!("--key_file={}", key.display()),
                 format!("--device-config-file={}", device_config.display()),
-                format!("--metrics-bind-address=127.0.0.1:{}", free_port()?),
+                format!("--metrics-bind-address=127.0.0.1:{metrics_port}"),
                 format!("--scheduler-name={SCHEDULER_NAME}"),
                 "--leader-elect=false".into(),
                 "--v=4".into(),
@@ -312,14 +316,16 @@ impl Hami {
             kube_scheduler,
             scheduler,
             url,
+            metrics_url,
             client,
             device_plugins,
         })
     }
 
     /// Create `names` as kubelet-less HAMi GPU nodes of `shape`, their Leases renewed by `e`'s
-    /// heartbeat; return once HAMi's scheduler has taken every one in (its handshake stamp
-    /// is on it) and the node lifecycle controller has lifted its `not-ready` taint.
+    /// heartbeat; return once HAMi's scheduler has taken every one in (its GPUs are in HAMi's
+    /// metrics, its handshake stamp on the node) and the node lifecycle controller has lifted
+    /// its `not-ready` taint.
     pub async fn add_nodes(&self, e: &E2e, names: &[String], shape: &NodeShape) -> Result<()> {
         let nodes: Api<Node> = Api::all(self.client.clone());
         for n in names {
@@ -329,26 +335,32 @@ impl Hami {
                 .with_context(|| format!("creating HAMi node {n}"))?;
             e.heartbeat.keep(n).await?;
         }
+        let gpus: Vec<String> = names
+            .iter()
+            .flat_map(|n| (0..shape.gpus).map(move |i| gpu_uuid(n, i)))
+            .collect();
         crate::until(
-            "HAMi's scheduler stamps its handshake on every new node",
+            "HAMi's scheduler takes every new node's GPUs in (its /metrics lists them)",
             Duration::from_secs(60),
             || async {
-                for n in names {
-                    let node = nodes.get(n).await?;
-                    let stamp = node
-                        .metadata
-                        .annotations
-                        .as_ref()
-                        .and_then(|a| a.get(HANDSHAKE));
-                    if !stamp.is_some_and(|s| s.starts_with("Requesting_")) {
-                        return Ok(None);
-                    }
-                }
-                Ok(Some(()))
+                let text = self.metrics().await?;
+                let known = |g: &String| text.contains(&format!("device_uuid=\"{g}\""));
+                Ok(gpus.iter().all(known).then_some(()))
             },
         )
         .await
         .with_context(|| self.log_tails(30))?;
+        for n in names {
+            let node = nodes.get(n).await?;
+            let stamp = node.metadata.annotations.unwrap_or_default();
+            ensure!(
+                stamp
+                    .get(HANDSHAKE)
+                    .is_some_and(|s| s.starts_with("Requesting_")),
+                "HAMi took node {n} in without stamping its {HANDSHAKE}: {:?}",
+                stamp.get(HANDSHAKE)
+            );
+        }
         crate::nodes::wait_untainted(&self.client, names).await
     }
 
@@ -380,6 +392,13 @@ impl Hami {
             .with_context(|| format!("excluding namespace {ns} from gpuledger's {kind}"))?;
         }
         crate::pods::namespace(&self.client, ns, &[]).await
+    }
+
+    /// HAMi's scheduler's `/metrics` text (per GPU: `hami_gpu_memory_limit_bytes`, …).
+    pub async fn metrics(&self) -> Result<String> {
+        let (code, body) = gpuledger_testkit::http::get(&self.metrics_url).await?;
+        ensure!(code == 200, "HAMi's /metrics answered {code}");
+        Ok(body)
     }
 
     /// The last lines of HAMi's scheduler's and its kube-scheduler's logs, for a failure.
