@@ -107,17 +107,21 @@ test: test-deps fmt-check clippy machete deny
 ## The real-Kubernetes tier (docs/e2e.md): kube-apiserver, kube-controller-manager,
 ## kube-scheduler, kubelet and kubectl of Kubernetes $(KUBE_VERSION), containerd 2 and etcd 3.6,
 ## built from the Go module proxy by e2e/kube/build.sh (once, then cached in
-## ~/.cache/gpuledger), the machine's runc, pods that really run, the shipped install as it is.
+## ~/.cache/gpuledger), the machine's runc, pods that really run, the shipped install as it is,
+## and the peers beside it (HAMi's scheduler, dra-example-driver: e2e/peers/build.sh, from the
+## source archives in GPULEDGER_PEERS_SRC, default ../shared/peers; cached too, 6 min cold).
 ## Needs root and Go 1.26 or later on PATH. Another release: make test-e2e KUBE_VERSION=1.35.4
 KUBE_VERSION ?= 1.37.2
 e2e-deps: deps
 	@command -v go >/dev/null || { echo "test-e2e needs Go 1.26 or later on PATH (https://go.dev/dl; Debian's golang-go is too old)" >&2; exit 1; }
 	@$(call apt_install,runc:runc umoci:umoci skopeo:skopeo openssl:openssl /bin/busybox:busybox-static /usr/lib/cni/loopback:containernetworking-plugins)
+	@./e2e/peers/build.sh >/dev/null
 
 # Only e2e's tests are #[ignore]d; --workspace keeps the build the one `make test` made.
 test-e2e: e2e-deps
 	$(BUILD_FOR_TESTS)
-	bin="$$(KUBE_VERSION=$(KUBE_VERSION) ./e2e/kube/build.sh)" && GPULEDGER_KUBE_BIN="$$bin" $(CARGO) test --workspace --test integration -- --ignored --test-threads=1
+	bin="$$(KUBE_VERSION=$(KUBE_VERSION) ./e2e/kube/build.sh)" && peers="$$(./e2e/peers/build.sh)" && \
+	  GPULEDGER_KUBE_BIN="$$bin" GPULEDGER_PEERS_BIN="$$peers" $(CARGO) test --workspace --test integration -- --ignored --test-threads=1
 
 ## deploy/: render the kustomize overlays and the Helm chart, validate them offline against the
 ## Kubernetes schemas, check flags, wiring and RBAC against the code (installs its tools).

@@ -31,6 +31,8 @@ COMPONENTS=("${KUBE_CMDS[@]}" "${CONTAINERD_CMDS[@]}" etcd)
 
 say() { printf '[kube-build %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 die() { say "error: $*"; exit 1; }
+# shellcheck source=e2e/go-build.sh
+. "$(dirname "$0")/../go-build.sh"
 complete() { local c; for c in "${COMPONENTS[@]}"; do [ -x "$1/$c" ] || return 1; done; }
 
 [[ "$KUBE_VERSION" =~ ^1\.([0-9]+)\.([0-9]+)$ ]] || die "KUBE_VERSION=$KUBE_VERSION is not a release like 1.37.2"
@@ -41,9 +43,7 @@ staging="v0.$minor.${BASH_REMATCH[2]}"
 out="$CACHE/kube/v$KUBE_VERSION-containerd$CONTAINERD_VERSION-etcd$ETCD_VERSION-r$RECIPE"
 if complete "$out"; then echo "$out"; exit 0; fi
 
-command -v go >/dev/null || die "no go on PATH: install Go 1.26 or later (https://go.dev/dl, or the machine's own)"
-go_minor="$(go env GOVERSION | sed -n 's/^go1\.\([0-9]*\).*/\1/p')"
-[ -n "$go_minor" ] && [ "$go_minor" -ge 26 ] || die "$(go env GOVERSION) on PATH: Kubernetes 1.$minor needs Go 1.26 or later"
+need_go "Kubernetes 1.$minor"
 
 export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-mod=mod GOPROXY="${GOPROXY:-$(go env GOPROXY)}"
 export GOMODCACHE="$CACHE/go/mod" GOCACHE="$CACHE/go/build"
@@ -55,18 +55,6 @@ trap 'rm -rf "$work"' EXIT
 say "building Kubernetes $KUBE_VERSION, containerd $CONTAINERD_VERSION and etcd $ETCD_VERSION into $out"
 say "cold on 2 cores: about 30-40 minutes and 1.5 GB of modules; cached afterwards"
 
-# go build -v names each package as it is compiled: a progress line every 10 %.
-progress() { # progress <name> <total> <log>: count the names on stdin
-    local n=0 next=0 line
-    while IFS= read -r line; do
-        printf '%s\n' "$line" >> "$3"
-        case "$line" in go:\ *|*:[0-9]*:*|\#*) continue ;; esac
-        n=$((n + 1))
-        if [ $((n * 100)) -ge $((next * $2)) ]; then
-            say "$1: $n/$2 packages compiled"; next=$((next + 10))
-        fi
-    done
-}
 # gobuild <name> <module dir> <ldflags> <tags> <package>...: into $work/bin
 gobuild() {
     local name="$1" dir="$2" ld="$3" tags="$4"; shift 4

@@ -93,28 +93,7 @@ impl KubeBins {
 }
 
 fn locate() -> Result<PathBuf> {
-    let dir = match std::env::var_os("GPULEDGER_KUBE_BIN") {
-        Some(d) => PathBuf::from(d),
-        None => {
-            let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("kube/build.sh");
-            eprintln!(
-                "GPULEDGER_KUBE_BIN is not set: {} (cached after the first build)",
-                script.display()
-            );
-            let out = Command::new(&script)
-                .stderr(Stdio::inherit())
-                .output()
-                .with_context(|| format!("running {}", script.display()))?;
-            if !out.status.success() {
-                bail!(
-                    "{} failed ({}); see its output above",
-                    script.display(),
-                    out.status
-                );
-            }
-            PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
-        }
-    };
+    let dir = env_or_build("GPULEDGER_KUBE_BIN", "kube/build.sh")?;
     for p in PROGRAMS {
         if !dir.join(p).is_file() {
             bail!(
@@ -124,4 +103,29 @@ fn locate() -> Result<PathBuf> {
         }
     }
     Ok(dir)
+}
+
+/// `$var` when set, else the directory the build script `script` (under `e2e/`) prints on
+/// stdout: it builds on first use, its progress on stderr, and answers from its cache after.
+pub(crate) fn env_or_build(var: &str, script: &str) -> Result<PathBuf> {
+    if let Some(d) = std::env::var_os(var) {
+        return Ok(PathBuf::from(d));
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join(script);
+    eprintln!(
+        "{var} is not set: {} (cached after the first build)",
+        script.display()
+    );
+    let out = Command::new(&script)
+        .stderr(Stdio::inherit())
+        .output()
+        .with_context(|| format!("running {}", script.display()))?;
+    if !out.status.success() {
+        bail!(
+            "{} failed ({}); see its output above",
+            script.display(),
+            out.status
+        );
+    }
+    Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
 }

@@ -9,6 +9,8 @@
 //! `deploy/scripts/gpuledger-certs.sh` makes and installs the certificates.
 //! Nodes are either kubelet-less (created through the API with GPU capacity, registered with the
 //! allocator as a node agent would) or one real kubelet with a node agent and the fake NVML.
+//! The peers (HAMi, dra-example-driver; `e2e/peers/build.sh`) can run beside gpuledger on the
+//! same control plane: [`hami`] starts HAMi's scheduler and registers HAMi's fake GPU nodes.
 //!
 //! The scenario tests in `tests/` are `#[ignore]`d: `cargo test --workspace` never needs the
 //! Kubernetes binaries or root; `make test-e2e` runs them with `--ignored`.
@@ -18,10 +20,12 @@ pub mod certs;
 pub mod cluster;
 pub mod control_plane;
 pub mod gpuledger;
+pub mod hami;
 pub mod images;
 pub mod kubectl;
 pub mod manifests;
 pub mod nodes;
+pub mod peers;
 pub mod pki;
 pub mod pods;
 pub mod real_node;

@@ -132,6 +132,7 @@ pub const LEASE_RENEWAL: Duration = Duration::from_secs(15);
 /// so that the node lifecycle controller keeps them Ready. Stops when dropped.
 pub struct Heartbeat {
     names: Arc<Mutex<Vec<String>>>,
+    leases: Api<Lease>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -159,13 +160,26 @@ impl Heartbeat {
                 }
             }
         });
-        Heartbeat { names, task }
+        Heartbeat {
+            names,
+            leases: Api::namespaced(client.clone(), "kube-node-lease"),
+            task,
+        }
     }
 
     fn add(&self, name: &str) {
         if let Ok(mut n) = self.names.lock() {
             n.push(name.to_string());
         }
+    }
+
+    /// Create the Lease of kubelet-less node `name` and renew it from now on.
+    pub async fn keep(&self, name: &str) -> Result<()> {
+        renew(&self.leases, name)
+            .await
+            .with_context(|| format!("creating the Lease of node {name}"))?;
+        self.add(name);
+        Ok(())
     }
 }
 
@@ -204,11 +218,9 @@ pub async fn add(
     shape: &NodeShape,
 ) -> Result<()> {
     let nodes: Api<Node> = Api::all(client.clone());
-    let leases: Api<Lease> = Api::namespaced(client.clone(), "kube-node-lease");
     let slices: Api<ResourceSlice> = Api::all(client.clone());
     let results = futures::stream::iter(names.iter().cloned().map(|n| {
         let nodes = nodes.clone();
-        let leases = leases.clone();
         let slices = slices.clone();
         let shape = shape.clone();
         async move {
@@ -216,10 +228,7 @@ pub async fn add(
                 .create(&PostParams::default(), &node_object(&n, &shape)?)
                 .await
                 .with_context(|| format!("creating node {n}"))?;
-            renew(&leases, &n)
-                .await
-                .with_context(|| format!("creating the Lease of node {n}"))?;
-            heartbeat.add(&n);
+            heartbeat.keep(&n).await?;
             let mut c = allocs.node_agent(0, &n)?;
             c.register_node(api::RegisterNodeRequest {
                 inventory: Some(inventory(&n, &shape)),
@@ -241,13 +250,18 @@ pub async fn add(
     .collect::<Vec<_>>()
     .await;
     results.into_iter().collect::<Result<Vec<_>>>()?;
+    wait_untainted(client, names).await
+}
+
+/// Wait until the node lifecycle controller has lifted the `not-ready` taint the API server
+/// put on each of the new nodes `names`.
+pub async fn wait_untainted(client: &kube::Client, names: &[String]) -> Result<()> {
+    let nodes: Api<Node> = Api::all(client.clone());
     crate::until(
         "the node lifecycle controller lifts the new nodes' not-ready taint",
         Duration::from_secs(60 + names.len() as u64 / 20),
         || async {
-            let list = nodes
-                .list(&kube::api::ListParams::default().labels("gpuledger.io/e2e=kubelet-less"))
-                .await?;
+            let list = nodes.list(&kube::api::ListParams::default()).await?;
             let tainted = list
                 .items
                 .iter()
