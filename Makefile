@@ -109,7 +109,7 @@ test: test-deps fmt-check clippy machete deny
 ## built from the Go module proxy by e2e/kube/build.sh (once, then cached in
 ## ~/.cache/gpuledger), the machine's runc, pods that really run, the shipped install as it is,
 ## and the peers beside it (HAMi's scheduler, dra-example-driver: e2e/peers/build.sh, from the
-## source archives in GPULEDGER_PEERS_SRC, default ../shared/peers; cached too, 6 min cold).
+## source archives in GPULEDGER_PEERS_SRC, default testdata/peers; cached too, 6 min cold).
 ## Needs root and Go 1.26 or later on PATH. Another release: make test-e2e KUBE_VERSION=1.35.4
 KUBE_VERSION ?= 1.37.2
 e2e-deps: deps

@@ -9,8 +9,9 @@
 #   GPULEDGER_PEERS_SRC=/path/to/peers e2e/peers/build.sh
 #
 # The archives (HAMi-v$HAMI_VERSION.tar.gz, dra-example-driver-$DRAEX_COMMIT.tar.gz) are read from
-# $GPULEDGER_PEERS_SRC (default: ../shared/peers beside the checkout, where the project keeps
-# them) and extracted into a temporary directory, never into the repository.
+# $GPULEDGER_PEERS_SRC (default: testdata/peers of the checkout, where the project keeps
+# them: 3.7 MB, Apache-2.0, test material) and extracted into a temporary directory, never
+# into the repository.
 #
 # Cache: $GPULEDGER_CACHE (default ~/.cache/gpuledger)/peers/hami<v>-draex<c>-r<RECIPE>/, with
 # hami/scheduler and draex/dra-example-{controller,kubeletplugin} (about 200 MB); Go's module
@@ -22,7 +23,7 @@ HAMI_VERSION="${HAMI_VERSION:-2.10.0}"
 DRAEX_COMMIT="${DRAEX_COMMIT:-31914ce}"
 CACHE="${GPULEDGER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpuledger}"
 here="$(cd "$(dirname "$0")" && pwd)"
-SRC="${GPULEDGER_PEERS_SRC:-$here/../../../shared/peers}"
+SRC="${GPULEDGER_PEERS_SRC:-$here/../../testdata/peers}"
 # Bump when the way the binaries are built changes (flags, components): the cache key has it.
 RECIPE=1
 COMPONENTS=(hami/scheduler draex/dra-example-controller draex/dra-example-kubeletplugin)

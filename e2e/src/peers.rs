@@ -20,7 +20,7 @@ pub const HAMI_SCHEDULER: &str = "hami/scheduler";
 /// How to get the binaries, for every error that finds none.
 const HOW: &str = "build them with e2e/peers/build.sh (Go 1.26 on PATH, the archives \
     HAMi-v2.10.0.tar.gz and dra-example-driver-31914ce.tar.gz in GPULEDGER_PEERS_SRC, by default \
-    ../shared/peers beside the checkout; cached in ~/.cache/gpuledger/peers) or set \
+    testdata/peers of the checkout; cached in ~/.cache/gpuledger/peers) or set \
     GPULEDGER_PEERS_BIN to a directory that holds hami/scheduler, \
     draex/dra-example-controller and draex/dra-example-kubeletplugin";
 
