@@ -514,3 +514,6 @@ impl Allocator for Service {
         )
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -206,6 +206,10 @@ async fn a_forwarded_refusal_does_not_brake_the_followers_connection() -> anyhow
         refused > 0,
         "the admin's forwarded writes were never refused on the leader: the attack did not bite"
     );
+    assert!(
+        crate::hostile_load::limited(&allocs, leader, "in_flight_per_identity").await? >= 1.0,
+        "the refusals were not counted as the admin's calls in flight"
+    );
     let p50 = median(&mut took);
     assert!(
         p50 < Duration::from_millis(250),
@@ -286,5 +290,50 @@ async fn undecodable_messages_are_invalid_arguments() -> anyhow::Result<()> {
         wrong.len(),
         wrong.join("\n")
     );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heavy_reads_past_the_pace_wait_a_second_then_are_refused() -> anyhow::Result<()> {
+    let etcd = EtcdCluster::start(1).await?;
+    let dir = tempfile::tempdir()?;
+    let allocs = Allocators::start(
+        dir.path(),
+        &etcd,
+        1,
+        "heavy",
+        &[
+            "--heavy-reads-per-identity-per-s=2",
+            "--heavy-read-burst=2",
+            "--over-limit-pause-ms=0",
+        ],
+    )?;
+    allocs.wait_leader(Duration::from_secs(20)).await?;
+    // Eight dumps at once by one viewer: the burst's two at once, one more each half second,
+    // and the rest refused once a turn is more than a second of waiting away.
+    let viewer = allocs.viewer(0)?;
+    let t = Instant::now();
+    let dumps = (0..8).map(|_| {
+        let mut v = viewer.clone();
+        async move { (v.dump(api::DumpRequest {}).await.map(drop), t.elapsed()) }
+    });
+    let answers = futures::future::join_all(dumps).await;
+    let refused: Vec<_> = answers
+        .iter()
+        .filter(|(r, _)| matches!(r, Err(s) if s.code() == Code::ResourceExhausted))
+        .collect();
+    assert!(
+        (3..=5).contains(&refused.len()),
+        "{} of 8 dumps refused at 2/s after a burst of 2: {answers:?}",
+        refused.len()
+    );
+    assert!(
+        refused
+            .iter()
+            .all(|(_, at)| *at >= Duration::from_millis(400)),
+        "refused without waiting for a turn: {answers:?}"
+    );
+    let n = crate::hostile_load::limited(&allocs, 0, "heavy_reads_per_identity").await?;
+    assert_eq!(n, refused.len() as f64);
     Ok(())
 }

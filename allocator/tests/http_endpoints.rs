@@ -111,6 +111,24 @@ async fn health_readiness_and_metrics() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// One leading allocator with `flags` (its state in `dir`), once its plain HTTP port answers:
+/// the allocator and that port's address.
+async fn plain_port(
+    dir: &std::path::Path,
+    etcd: &EtcdCluster,
+    flags: &[&str],
+) -> anyhow::Result<(Allocators, std::net::SocketAddr)> {
+    let allocs = Allocators::start(dir, etcd, 1, "http", flags)?;
+    allocs.wait_leader(Duration::from_secs(20)).await?;
+    let addr: std::net::SocketAddr = allocs.http[0].parse()?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while get(&format!("http://{addr}/healthz")).await.is_err() {
+        anyhow::ensure!(Instant::now() < deadline, "the HTTP port never answered");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok((allocs, addr))
+}
+
 /// Regression (hostile load II): the plain HTTP port accepted every connection, and 20,000
 /// idle ones used up the leader's file descriptors until `/healthz` timed out. Now it holds
 /// `--http-max-connections` (per peer too), closes what sends no request within
@@ -125,14 +143,7 @@ async fn idle_connections_cannot_take_the_plain_port() -> anyhow::Result<()> {
         "--http-max-connections-per-peer=8",
         "--http-header-read-timeout-ms=1500",
     ];
-    let allocs = Allocators::start(dir.path(), &etcd, 1, "http", &flags)?;
-    allocs.wait_leader(Duration::from_secs(20)).await?;
-    let addr: std::net::SocketAddr = allocs.http[0].parse()?;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while get(&format!("http://{addr}/healthz")).await.is_err() {
-        anyhow::ensure!(Instant::now() < deadline, "the HTTP port never answered");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let (_allocs, addr) = plain_port(dir.path(), &etcd, &flags).await?;
     // Twelve addresses, 12 connections each: 144, over both the per-peer and the total bound.
     let mut flood = idle_flood_past(addr, 64).await?;
     let t = Instant::now();
@@ -148,6 +159,69 @@ async fn idle_connections_cannot_take_the_plain_port() -> anyhow::Result<()> {
             metric(&text, &line).unwrap_or(0.0) >= 1.0,
             "{limit} not counted: {text}"
         );
+    }
+    Ok(())
+}
+
+/// A plain port full of peers holding one connection each closes a newcomer at accept: no
+/// peer holds two more than it, so no idle connection is evicted for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_plain_port_of_light_peers_closes_a_newcomer_at_accept() -> anyhow::Result<()> {
+    use gpuledger_testkit::attacker::{count_closed, idle_flood};
+    let etcd = EtcdCluster::start(1).await?;
+    let dir = tempfile::tempdir()?;
+    let flags = [
+        "--http-max-connections=8",
+        "--http-header-read-timeout-ms=5000",
+    ];
+    let (_allocs, addr) = plain_port(dir.path(), &etcd, &flags).await?;
+    // Twelve addresses, one idle connection each, on a port of eight.
+    let mut flood = idle_flood(2..14, 1, addr).await;
+    let closed = count_closed(&mut flood, Duration::from_millis(200)).await;
+    assert!(closed >= 4, "{closed} of 12 closed on a port of 8");
+    drop(flood);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let (_, text) = get(&format!("http://{addr}/metrics")).await?;
+    let series = |limit: &str| {
+        let line = format!("gpuledger_allocator_limited_total{{limit=\"{limit}\"}}");
+        metric(&text, &line).unwrap_or(0.0)
+    };
+    assert!(series("http_connections") >= 4.0, "{text}");
+    assert_eq!(series("http_connections_evicted"), 0.0);
+    Ok(())
+}
+
+/// No handler of the plain port reads a body: a request with one, however large or slow, is
+/// answered at once and its connection closed, so a body never holds a connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_on_the_plain_port_is_never_waited_for() -> anyhow::Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let etcd = EtcdCluster::start(1).await?;
+    let dir = tempfile::tempdir()?;
+    let flags = ["--http-header-read-timeout-ms=5000"];
+    let (_allocs, addr) = plain_port(dir.path(), &etcd, &flags).await?;
+    // 100 KiB sent whole, and 2 bytes of a promised 1 MB.
+    for (length, sent) in [(100 << 10, 100 << 10), (1 << 20, 2)] {
+        for method in ["GET", "POST"] {
+            let mut s = tokio::net::TcpStream::connect(addr).await?;
+            let head = format!(
+                "{method} /healthz HTTP/1.1\r\nhost: x\r\ncontent-length: {length}\r\n\r\n"
+            );
+            s.write_all(head.as_bytes()).await?;
+            // The server may close before the whole body is written.
+            let _ = s.write_all(&vec![b'a'; sent]).await;
+            let mut answer = Vec::new();
+            let t = Instant::now();
+            let read =
+                tokio::time::timeout(Duration::from_secs(2), s.read_to_end(&mut answer)).await;
+            let text = String::from_utf8_lossy(&answer);
+            assert!(
+                read.is_ok() && text.starts_with("HTTP/1.1 "),
+                "{method} with {sent} of {length} bytes: closed {:?}, after {:?}: {text:?}",
+                read.is_ok(),
+                t.elapsed()
+            );
+        }
     }
     Ok(())
 }

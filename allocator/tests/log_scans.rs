@@ -201,3 +201,58 @@ async fn log_scans_are_capped_and_paced_from_the_archive_on_and_writes_go_on() -
     assert_eq!((st.role.as_str(), Some(st.epoch)), ("leader", epoch));
     Ok(())
 }
+
+/// A `ReadLog` from seq 1 on `c`, started (its slot taken) and not read.
+async fn open_scan(
+    c: &mut gpuledger_client::Client,
+) -> Result<tonic::Streaming<pb::EventBatch>, tonic::Status> {
+    Ok(c.read_log(api::ReadLogRequest {
+        from_seq: 1,
+        to_seq: 0,
+    })
+    .await?
+    .into_inner())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scans_past_the_allocators_bound_are_refused() -> anyhow::Result<()> {
+    let etcd = EtcdCluster::start(1).await?;
+    let dir = tempfile::tempdir()?;
+    let flags = [
+        "--max-log-scans=2",
+        // Only the bound under test refuses: one holder may run every scan.
+        "--max-log-scans-per-holder=0",
+        "--heavy-reads-per-identity-per-s=0",
+        // A scan of a hundred events lasts seconds.
+        "--log-scan-events-per-s=10",
+    ];
+    let allocs = Allocators::start(dir.path(), &etcd, 1, "allscans", &flags)?;
+    allocs.wait_leader(Duration::from_secs(20)).await?;
+    let mut admin = allocs.admin(0)?;
+    for i in 0..100u64 {
+        admin
+            .set_quota(api::SetQuotaRequest {
+                quota: Some(pb::QuotaSet {
+                    namespace: "ns".into(),
+                    mem_mib: i + 1,
+                    core_milli: 0,
+                }),
+            })
+            .await?;
+    }
+    let mut viewer = allocs.viewer(0)?;
+    let held = (open_scan(&mut viewer).await?, open_scan(&mut viewer).await?);
+    let third = open_scan(&mut viewer).await.map(drop);
+    let refused = third.as_ref().err();
+    assert_eq!(
+        refused.map(tonic::Status::code),
+        Some(Code::ResourceExhausted),
+        "a third scan beside two: {third:?}"
+    );
+    let limit = refused.and_then(|s| s.metadata().get(OVER_LIMIT)?.to_str().ok());
+    assert_eq!(limit, Some("log_scans"));
+    assert_eq!(limited(&allocs, 0, "log_scans").await?, 1.0);
+    assert_eq!(metric(&allocs, 0, "log_scans").await?, 2.0);
+    drop(held);
+    Ok(())
+}

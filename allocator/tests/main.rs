@@ -13,6 +13,7 @@ mod etcd_tls;
 mod fgd_live;
 mod fuzz_grpc;
 mod graceful_handover;
+mod grpc_listener_bounds;
 mod hostile_clients;
 mod hostile_load;
 mod hostile_tokens;

@@ -2,3 +2,4 @@
 //! module (`autotests = false` in Cargo.toml), as in the other crates.
 
 mod every_bench_runs;
+mod limits_table_names_its_tests;

@@ -207,6 +207,7 @@ async fn a_50_mb_body_is_answered_413() -> anyhow::Result<()> {
         .post("/mutate", &kit::review(&pod(), "u"))
         .await?;
     assert_eq!(status, 200, "and the webhook goes on");
+    assert!(webhook_limited(&stack, "http_body_bytes").await? >= 1.0);
     Ok(())
 }
 
@@ -325,6 +326,16 @@ async fn a_copy_of_the_schedulers_certificate_spends_only_its_own_turns() -> any
     assert!(
         refused >= 1,
         "the copy was never refused: the pace did not bite"
+    );
+    let counted = kit::metric(
+        &stack,
+        "gpuledger_extender_limited_total{listener=\"scheduler\",limit=\"scheduling_calls\"} ",
+    )
+    .await?;
+    assert_eq!(
+        counted,
+        f64::from(refused),
+        "429s counted as scheduling_calls"
     );
     Ok(())
 }

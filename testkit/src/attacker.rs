@@ -327,3 +327,33 @@ pub async fn ensure_closed_within(
     );
     Ok(())
 }
+
+/// The first flight of a TLS client trusting the CA in `ca_file` for `localhost`: a whole
+/// ClientHello, for a client that sends it and then stalls the rest of the handshake.
+pub fn client_hello(ca_file: &Path) -> Result<Vec<u8>> {
+    let cfg = gpuledger_auth::tls::client_config(ca_file, None, &[b"h2"])?.current();
+    let name = rustls::pki_types::ServerName::try_from("localhost")?.to_owned();
+    let mut conn = rustls::ClientConnection::new(cfg, name)?;
+    let mut hello = Vec::new();
+    while conn.wants_write() {
+        conn.write_tls(&mut hello)?;
+    }
+    Ok(hello)
+}
+
+/// A TLS connection (ALPN `h2`) from `source` to `to` that opens HTTP/2 (the preface and its
+/// SETTINGS) and then neither reads nor writes again: a peer that died, as keep-alive sees it.
+pub async fn silent_h2(
+    ca_file: &Path,
+    source: &str,
+    to: SocketAddr,
+) -> Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>> {
+    use tokio::io::AsyncWriteExt;
+    let cfg = gpuledger_auth::tls::client_config(ca_file, None, &[b"h2"])?.current();
+    let mut s = tls_from(&tokio_rustls::TlsConnector::from(cfg), source, to).await?;
+    // The connection preface, then an empty SETTINGS frame (length 0, type 4, no flags).
+    s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").await?;
+    s.write_all(&[0, 0, 0, 4, 0, 0, 0, 0, 0]).await?;
+    s.flush().await?;
+    Ok(s)
+}
