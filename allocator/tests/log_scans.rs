@@ -224,7 +224,7 @@ async fn scans_past_the_allocators_bound_are_refused() -> anyhow::Result<()> {
         "--max-log-scans-per-holder=0",
         "--heavy-reads-per-identity-per-s=0",
         // A scan of a hundred events lasts seconds.
-        "--log-scan-events-per-s=10",
+        "--log-scan-events-per-s=2",
     ];
     let allocs = Allocators::start(dir.path(), &etcd, 1, "allscans", &flags)?;
     allocs.wait_leader(Duration::from_secs(20)).await?;
@@ -254,5 +254,63 @@ async fn scans_past_the_allocators_bound_are_refused() -> anyhow::Result<()> {
     assert_eq!(limited(&allocs, 0, "log_scans").await?, 1.0);
     assert_eq!(metric(&allocs, 0, "log_scans").await?, 2.0);
     drop(held);
+    Ok(())
+}
+
+/// A scan whose client went away gives its slot back at once, also while its next page waits
+/// for the holder's pace: a holder that cancels scans in a loop holds no slot it does not use.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_scan_gives_its_slot_back_while_paced() -> anyhow::Result<()> {
+    let etcd = EtcdCluster::start(1).await?;
+    let dir = tempfile::tempdir()?;
+    let flags = [
+        "--heavy-reads-per-identity-per-s=0",
+        "--max-log-scans-per-holder=1",
+        "--log-scan-events-per-s=2",
+    ];
+    let allocs = Allocators::start(dir.path(), &etcd, 1, "cancelled", &flags)?;
+    allocs.wait_leader(Duration::from_secs(20)).await?;
+    let mut admin = allocs.admin(0)?;
+    for i in 0..100u64 {
+        admin
+            .set_quota(api::SetQuotaRequest {
+                quota: Some(pb::QuotaSet {
+                    namespace: format!("ns-{}", i % 7),
+                    mem_mib: i + 1,
+                    core_milli: 0,
+                }),
+            })
+            .await?;
+    }
+    let mut viewer = allocs.viewer(0)?;
+    // The first page (100 events) waits ~50 s for its turn at 2 events a second; the client
+    // goes away meanwhile.
+    let s = viewer
+        .read_log(api::ReadLogRequest {
+            from_seq: 1,
+            to_seq: 0,
+        })
+        .await?
+        .into_inner();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    drop(s);
+    let t = Instant::now();
+    loop {
+        match viewer
+            .read_log(api::ReadLogRequest {
+                from_seq: 1,
+                to_seq: 1,
+            })
+            .await
+        {
+            Ok(_) => break,
+            Err(e)
+                if e.code() == Code::ResourceExhausted && t.elapsed() < Duration::from_secs(3) =>
+            {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => anyhow::bail!("the cancelled scan's slot after {:?}: {e:?}", t.elapsed()),
+        }
+    }
     Ok(())
 }

@@ -159,11 +159,13 @@ impl Scanner {
     }
 
     /// Hand `page` to the client once its holder's budget allows; false when the client is
-    /// gone.
+    /// gone, also while the page waits for its turn (the scan's slot is given back at once).
     async fn send(&self, page: Vec<pb::EventBatch>) -> bool {
-        self.scan
-            .pace(page.iter().map(|b| b.events.len()).sum())
-            .await;
+        let events = page.iter().map(|b| b.events.len()).sum();
+        tokio::select! {
+            _ = self.scan.pace(events) => {}
+            _ = self.tx.closed() => return false,
+        }
         for b in page {
             if self.tx.send(Ok(b)).await.is_err() {
                 return false;
