@@ -27,13 +27,13 @@ use tracing::{debug, info, warn};
 
 use self::certify::Claims;
 use self::plan::{Allotted, Claim, Release, Step};
-use self::queue::{Pushed, Queue};
-use crate::shared::{Role, Shared, View};
-use crate::writer::{WriteError, Writer};
+use crate::runtime::queue::{Pushed, Queue};
+use crate::runtime::{Runtime, Unwritten};
+use crate::shared::{Shared, View};
+use crate::writer::Writer;
 
 pub mod certify;
 pub mod plan;
-pub mod queue;
 
 /// Flags of the claim certification.
 #[derive(clap::Args, Debug, Clone)]
@@ -136,22 +136,18 @@ impl Work {
 const FOLD_WAIT: Duration = Duration::from_secs(5);
 
 struct Watch {
+    rt: Runtime,
     shared: Arc<Shared>,
-    writer: Writer,
     claims: Claims,
     store: Store<DynamicObject>,
-    queue: Queue<Work>,
+    queue: Arc<Queue<Work>>,
     /// Refusals recorded by this replica ("uid/request/share").
     refused: Mutex<HashSet<String>>,
 }
 
 impl Watch {
-    fn leading(&self) -> bool {
-        self.shared.role_info().role == Role::Leader
-    }
-
     fn push(&self, w: Work) {
-        if !self.leading() {
+        if !self.rt.leading() {
             return;
         }
         if self.queue.push(w) == Pushed::Full {
@@ -164,13 +160,6 @@ impl Watch {
     fn depth(&self) {
         let n = i64::try_from(self.queue.waiting()).unwrap_or(i64::MAX);
         self.shared.metrics.claim_queue_depth.set(n);
-    }
-
-    async fn work(&self, w: Work) {
-        if !self.leading() {
-            return;
-        }
-        self.certify(&w).await
     }
 
     /// Certify claim `w`: its stale grants released, each result granted or refused in the
@@ -306,7 +295,8 @@ impl Watch {
             }
             Step::Grant { grant } => {
                 let share = grant.share.clone();
-                match self.writer.submit(Command::GrantClaim(grant)).await {
+                let what = format!("grant {} request {}", claim.what(), r.request);
+                match self.rt.write(Command::GrantClaim(grant), &what).await {
                     Ok(c) => {
                         let a = match &c.reply {
                             Reply::Reserved { allocations, .. } => allocations.first().cloned(),
@@ -324,15 +314,11 @@ impl Watch {
                         );
                         return Some((cond, ("granted", plan::REASON_GRANT)));
                     }
-                    Err(WriteError::Refused(e)) => {
+                    Err(Unwritten::Refused(e)) => {
                         let reason = plan::refusal_reason(&e)?;
                         (plan::refusal_of(claim, r, e.to_string(), share), reason)
                     }
-                    Err(WriteError::NotLeader) => return None,
-                    Err(e) => {
-                        warn!(claim = %claim.what(), request = %r.request, error = %e, "granting a ResourceClaim result failed; retried at its next change or pass");
-                        return None;
-                    }
+                    Err(Unwritten::Dropped | Unwritten::Later(_)) => return None,
                 }
             }
             Step::Refuse { refusal, reason } => (refusal, reason),
@@ -358,7 +344,8 @@ impl Watch {
         if self.lock_refused().contains(&key) {
             return true;
         }
-        match self.writer.submit(Command::RefuseClaim(refusal)).await {
+        let what = format!("record the refusal of {}", claim.what());
+        match self.rt.write(Command::RefuseClaim(refusal), &what).await {
             Ok(_) => {
                 let mut s = self.lock_refused();
                 if s.len() >= REMEMBERED_REFUSALS {
@@ -367,11 +354,7 @@ impl Watch {
                 s.insert(key);
                 true
             }
-            Err(WriteError::NotLeader) => false,
-            Err(e) => {
-                warn!(claim = %claim.what(), error = %e, "recording a refusal failed; retried at the next change or pass");
-                false
-            }
+            Err(_) => false,
         }
     }
 
@@ -386,15 +369,8 @@ impl Watch {
             claim_uid: claim.claim.uid.clone(),
             consumers,
         };
-        match self.writer.submit(cmd).await {
-            Ok(c) => {
-                info!(claim = %claim.what(), consumers = n, seq = c.seq, "claim grants' consumers set")
-            }
-            Err(WriteError::NotLeader) => {}
-            Err(e) => {
-                debug!(claim = %claim.what(), error = %e, "claim grants' consumers not set")
-            }
-        }
+        let what = format!("set the {n} consumers of {}", claim.what());
+        let _ = self.rt.write(cmd, &what).await;
     }
 
     async fn release(&self, r: &Release) {
@@ -404,27 +380,21 @@ impl Watch {
             allocation_id: r.allocation_id,
             reason: r.reason.into(),
         };
-        match self.writer.submit(cmd).await {
-            Ok(c) => {
-                self.shared
-                    .metrics
-                    .claim_releases
-                    .get_or_create(&vec![("reason", r.reason)])
-                    .inc();
-                info!(claim = %r.what, allocation = r.allocation_id, reason = r.reason, seq = c.seq, "claim grant released");
-            }
-            Err(WriteError::NotLeader) => {}
-            Err(e) => {
-                debug!(claim = %r.what, allocation = r.allocation_id, error = %e, "claim grant not released")
-            }
+        let what = format!(
+            "release grant {} of {} ({})",
+            r.allocation_id, r.what, r.reason
+        );
+        if self.rt.write(cmd, &what).await.is_ok() {
+            self.shared
+                .metrics
+                .claim_releases
+                .get_or_create(&vec![("reason", r.reason)])
+                .inc();
         }
     }
 
     /// The full pass (leader only): release what no claim holds, queue what needs a step.
     async fn reconcile(&self) {
-        if !self.leading() {
-            return;
-        }
         // The ledger before the list: a grant it shows was made for a claim the list has,
         // unless that claim is gone.
         let l = self.shared.view().await;
@@ -492,11 +462,14 @@ pub(crate) fn spawn(
     let claims = Claims::new(client);
     let ar = kube::api::ApiResource::erase::<k8s_openapi::api::resource::v1::ResourceClaim>(&());
     let store_writer = reflector::store::Writer::<DynamicObject>::new(ar);
+    let rt = Runtime::new("claims", shared.clone(), writer);
     let w = Arc::new(Watch {
-        shared: shared.clone(),
-        writer,
+        rt: rt.clone(),
+        shared,
         store: store_writer.as_reader(),
-        queue: Queue::new(usize::try_from(args.claim_queue).unwrap_or(usize::MAX)),
+        queue: Arc::new(Queue::new(
+            usize::try_from(args.claim_queue).unwrap_or(usize::MAX),
+        )),
         claims: claims.clone(),
         refused: Mutex::default(),
     });
@@ -528,47 +501,19 @@ pub(crate) fn spawn(
             }
         }
     });
-    for _ in 0..WORKERS {
-        let ww = w.clone();
-        tasks.spawn(async move {
-            loop {
-                let job = ww.queue.pop().await;
-                ww.depth();
-                ww.work(job.clone()).await;
-                ww.queue.done(&job);
-            }
-        });
-    }
-    let interval = Duration::from_secs(args.claim_reconcile_interval_s.max(1));
-    tasks.spawn(async move {
-        let mut role = shared.role.subscribe();
-        let mut tick = tokio::time::interval(interval);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut epoch_passed = 0;
-        loop {
-            tokio::select! {
-                _ = tick.tick() => {}
-                changed = role.changed() => {
-                    if changed.is_err() {
-                        return;
-                    }
-                }
-            }
-            let info = shared.role_info();
-            if info.role != Role::Leader {
-                continue;
-            }
-            // Each election gets a pass at once; the ticks bring the others.
-            if info.epoch != epoch_passed {
-                epoch_passed = info.epoch;
-                info!(
-                    epoch = info.epoch,
-                    "leading: certifying every ResourceClaim"
-                );
-            }
-            w.reconcile().await;
+    let ww = w.clone();
+    rt.workers(tasks, WORKERS, w.queue.clone(), move |job: Work| {
+        let ww = ww.clone();
+        async move {
+            ww.depth();
+            ww.certify(&job).await
         }
     });
+    let every = Duration::from_secs(args.claim_reconcile_interval_s.max(1));
+    tasks.spawn(rt.passes(every, None, move |_| {
+        let w = w.clone();
+        async move { w.reconcile().await }
+    }));
 }
 
 #[cfg(test)]
