@@ -10,7 +10,8 @@
 //! and every `--claim-reconcile-interval` the leader lists every claim: a grant whose claim or
 //! share is gone is released, an allocated result without its condition is certified. That
 //! list replaces a finalizer: a claim deleted while no replica watched is released there.
-//! What to do is decided in [`plan`]; the writes to Kubernetes are in [`certify`].
+//! What to do is decided in [`plan`], in what order in the state machine [`certification`]; the
+//! writes to Kubernetes are in [`certify`].
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
@@ -25,13 +26,15 @@ use kube::runtime::{WatchStreamExt, watcher};
 use tokio::task::JoinSet;
 use tracing::{debug, info, warn};
 
+use self::certification::{Certification, Outcome, Read, Step, Written};
 use self::certify::Claims;
-use self::plan::{Allotted, Claim, Release, Step};
+use self::plan::{Allotted, Claim, Release};
 use crate::runtime::queue::{Pushed, Queue};
 use crate::runtime::{Runtime, Unwritten};
-use crate::shared::{Shared, View};
+use crate::shared::Shared;
 use crate::writer::Writer;
 
+pub mod certification;
 pub mod certify;
 pub mod plan;
 
@@ -92,8 +95,6 @@ impl Default for ClaimArgs {
 
 /// Claims certified at once (their grants share etcd transactions through group commit).
 const WORKERS: usize = 16;
-/// Reads of a claim whose status write met a newer version, before leaving it to the next event.
-const ATTEMPTS: usize = 5;
 /// Refusals remembered so that a claim marked Granted that the ledger cannot hold is recorded
 /// once, not at every pass.
 const REMEMBERED_REFUSALS: usize = 65_536;
@@ -164,111 +165,117 @@ impl Watch {
 
     /// Certify claim `w`: its stale grants released, each result granted or refused in the
     /// ledger, then the conditions written; or, when the API server no longer has it, its
-    /// grants released.
+    /// grants released. What to do next is [`Certification`]'s; this does the reads and writes.
     async fn certify(&self, w: &Work) {
-        let (ns, name) = (w.ns.as_str(), w.name.as_str());
-        let mut fresh = false;
-        for _ in 0..ATTEMPTS {
-            // The ledger is read before the claim, so that a grant it shows belongs to a claim
-            // read after it: a release never races a grant made meanwhile.
-            let l = self.shared.view().await;
-            let cached = if fresh {
-                None
-            } else {
-                self.store
-                    .get(&ObjectRef::new_with(name, self.claims_ar()).within(ns))
-                    .map(|o| certify::to_json(&o))
-            };
-            let json = match cached {
-                Some(j) => j,
-                None => match self.claims.get(ns, name).await {
-                    Ok(Some(j)) => {
-                        fresh = true;
-                        j
+        let (mut m, mut step) = Certification::start(&w.uid, w.what());
+        loop {
+            step = match step {
+                Step::Read { fresh } => {
+                    // The ledger before the claim (see [`certification`]); the view is let go
+                    // before any write, which a view held would stall.
+                    let l = self.shared.view().await;
+                    let (got, from_api) = self.read_claim(w, fresh).await;
+                    m.read(got, from_api, &l)
+                }
+                Step::Release(rel) => {
+                    for r in &rel {
+                        self.release(r).await;
                     }
-                    Ok(None) => return self.release_deleted(l, w).await,
-                    Err(e) => {
-                        warn!(claim = %format!("{ns}/{name}"), error = %e, "reading a ResourceClaim failed; left to the next pass");
-                        return;
-                    }
-                },
-            };
-            let claim = match Claim::from_json(&json) {
-                Ok(c) => c,
-                Err(e) => {
-                    warn!(claim = %format!("{ns}/{name}"), error = %e, "ResourceClaim not understood; skipped");
                     return;
                 }
-            };
-            if claim.claim.uid != w.uid {
-                if fresh {
-                    // Another claim of that name now: `w`'s was deleted.
-                    return self.release_deleted(l, w).await;
+                Step::Carry(claim, p) => {
+                    let written = self.carry(&claim, p).await;
+                    m.written(written)
                 }
-                fresh = true;
-                continue;
-            }
-            let p = plan::plan_claim(&l, &claim);
-            drop(l);
-            if (!p.releases.is_empty() || p.consumers.is_some()) && !fresh {
-                // Releases and consumers only from the claim as the API server has it now,
-                // not a cached one.
-                fresh = true;
-                continue;
-            }
-            for r in &p.releases {
-                self.release(r).await;
-            }
-            if let Some(consumers) = p.consumers {
-                self.set_consumers(&claim, consumers).await;
-            }
-            let mut devices = claim.devices.clone();
-            let mut marked = Vec::new();
-            for (r, step) in p.steps {
-                let Some((cond, outcome)) = self.decide(&claim, &r, step).await else {
-                    continue;
-                };
-                devices = plan::devices_with(&devices, &r, cond);
-                marked.push(outcome);
-            }
-            if marked.is_empty() {
-                return;
-            }
-            let rv = &claim.resource_version;
-            match self.claims.write_devices(ns, name, rv, devices).await {
-                Ok(()) => {
-                    for (outcome, reason) in marked {
-                        self.shared
-                            .metrics
-                            .claims_certified
-                            .get_or_create(&vec![("outcome", outcome), ("reason", reason)])
-                            .inc();
-                    }
-                    info!(claim = %claim.what(), "ResourceClaim conditions written");
-                    return;
-                }
-                Err(e) if certify::is_conflict(&e) || certify::is_gone(&e) => {
-                    debug!(claim = %claim.what(), "ResourceClaim changed or deleted meanwhile; reading it again");
-                    fresh = true;
-                }
-                Err(e) => {
-                    self.shared.metrics.claim_status_failures.inc();
-                    warn!(claim = %claim.what(), error = %e, "writing the ResourceClaim's status failed; retried at its next change or pass");
-                    return;
-                }
+                Step::Done(outcome) => return self.done(w, outcome),
             }
         }
-        self.shared.metrics.claim_status_failures.inc();
-        warn!(claim = %format!("{ns}/{name}"), "ResourceClaim kept changing; retried at its next change or pass");
     }
 
-    /// Release the grants of claim `w`, which the API server no longer has (read after `l`).
-    /// The view is let go before the writes, which a view held would stall.
-    async fn release_deleted(&self, l: View, w: &Work) {
-        let rel = plan::releases_of_deleted(&l, &w.uid, &w.what());
-        drop(l);
-        for r in rel {
-            self.release(&r).await;
+    /// Claim `w` from the watch's cache unless `fresh` (or the cache lacks it), else from the
+    /// API server; whether it came from the API server.
+    async fn read_claim(&self, w: &Work, fresh: bool) -> (Read, bool) {
+        let (ns, name) = (w.ns.as_str(), w.name.as_str());
+        if !fresh
+            && let Some(o) = self
+                .store
+                .get(&ObjectRef::new_with(name, self.claims_ar()).within(ns))
+        {
+            return (
+                Read::Claim(Claim::from_json(&certify::to_json(&o)).map(Box::new)),
+                false,
+            );
+        }
+        let got = match self.claims.get(ns, name).await {
+            Ok(Some(j)) => Read::Claim(Claim::from_json(&j).map(Box::new)),
+            Ok(None) => Read::Gone,
+            Err(e) => Read::Failed(e.to_string()),
+        };
+        (got, true)
+    }
+
+    /// Carry out plan `p` for `claim`: its releases, its consumers, each result's step, then
+    /// the conditions decided written in one status write.
+    async fn carry(&self, claim: &Claim, p: plan::Plan) -> Written {
+        for r in &p.releases {
+            self.release(r).await;
+        }
+        if let Some(consumers) = p.consumers {
+            self.set_consumers(claim, consumers).await;
+        }
+        let mut devices = claim.devices.clone();
+        let mut marked = Vec::new();
+        for (r, step) in p.steps {
+            let Some((cond, outcome)) = self.decide(claim, &r, step).await else {
+                continue;
+            };
+            devices = plan::devices_with(&devices, &r, cond);
+            marked.push(outcome);
+        }
+        if marked.is_empty() {
+            return Written::Nothing;
+        }
+        let (ns, name) = (&claim.claim.namespace, &claim.claim.name);
+        let rv = &claim.resource_version;
+        match self.claims.write_devices(ns, name, rv, devices).await {
+            Ok(()) => {
+                for (outcome, reason) in marked {
+                    self.shared
+                        .metrics
+                        .claims_certified
+                        .get_or_create(&vec![("outcome", outcome), ("reason", reason)])
+                        .inc();
+                }
+                info!(claim = %claim.what(), "ResourceClaim conditions written");
+                Written::Done
+            }
+            Err(e) if certify::is_conflict(&e) || certify::is_gone(&e) => {
+                debug!(claim = %claim.what(), "ResourceClaim changed or deleted meanwhile; reading it again");
+                Written::Conflict
+            }
+            Err(e) => Written::Failed(e.to_string()),
+        }
+    }
+
+    /// Log how the certification of `w` ended.
+    fn done(&self, w: &Work, outcome: Outcome) {
+        let claim = w.what();
+        match outcome {
+            Outcome::Settled => {}
+            Outcome::Unreadable(e) => {
+                warn!(%claim, error = %e, "ResourceClaim not understood; skipped")
+            }
+            Outcome::ReadFailed(e) => {
+                warn!(%claim, error = %e, "reading a ResourceClaim failed; left to the next pass")
+            }
+            Outcome::WriteFailed(e) => {
+                self.shared.metrics.claim_status_failures.inc();
+                warn!(%claim, error = %e, "writing the ResourceClaim's status failed; retried at its next change or pass");
+            }
+            Outcome::KeptChanging => {
+                self.shared.metrics.claim_status_failures.inc();
+                warn!(%claim, "ResourceClaim kept changing; retried at its next change or pass");
+            }
         }
     }
 
@@ -278,11 +285,11 @@ impl Watch {
         &self,
         claim: &Claim,
         r: &Allotted,
-        step: Step,
+        step: plan::Step,
     ) -> Option<(k8s_openapi::serde_json::Value, (&'static str, &'static str))> {
         let now = self.now();
         let (refusal, reason) = match step {
-            Step::Name { message } => {
+            plan::Step::Name { message } => {
                 info!(claim = %claim.what(), request = %r.request, "ResourceClaim result's condition named the ledger's grant");
                 let cond = plan::condition(
                     plan::GRANTED,
@@ -293,7 +300,7 @@ impl Watch {
                 );
                 return Some((cond, ("granted", plan::REASON_GRANT)));
             }
-            Step::Grant { grant } => {
+            plan::Step::Grant { grant } => {
                 let share = grant.share.clone();
                 let what = format!("grant {} request {}", claim.what(), r.request);
                 match self.rt.write(Command::GrantClaim(grant), &what).await {
@@ -321,7 +328,7 @@ impl Watch {
                     Err(Unwritten::Dropped | Unwritten::Later(_)) => return None,
                 }
             }
-            Step::Refuse { refusal, reason } => (refusal, reason),
+            plan::Step::Refuse { refusal, reason } => (refusal, reason),
         };
         let message = format!(
             "the GPU ledger refused request {} on {}: {}",
