@@ -28,11 +28,12 @@ use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use tokio::sync::{Mutex, Notify};
 use tokio::task::JoinSet;
-use tracing::{debug, info, warn};
+use tracing::{debug, warn};
 
 use self::plan::{Fix, governing, no_class};
-use crate::shared::{Role, Shared};
-use crate::writer::{WriteError, Writer};
+use crate::runtime::{Runtime, Unwritten};
+use crate::shared::Shared;
+use crate::writer::Writer;
 
 pub mod plan;
 
@@ -165,8 +166,8 @@ fn governed_place(ns: &str) -> String {
 
 /// The leader's side: the objects, the ledger, and the writes between them.
 struct Watch {
+    rt: Runtime,
     shared: Arc<Shared>,
-    writer: Writer,
     guard: BudgetGuard,
     ready: AtomicBool,
     /// One pass at a time: the watch and the resync both start passes.
@@ -175,7 +176,7 @@ struct Watch {
 
 impl Watch {
     fn leading(&self) -> bool {
-        self.shared.role_info().role == Role::Leader
+        self.rt.leading()
     }
 
     /// Compare every object with the ledger and write the differences (leader only).
@@ -284,24 +285,12 @@ impl Watch {
     /// Submit `cmd` as the leader: the seq it committed at; `Err(Some(why))` when the ledger
     /// refuses it, `Err(None)` when it should be tried again (not leading, leadership lost).
     async fn write(&self, cmd: Command, what: &str) -> Result<u64, Option<String>> {
-        match self.writer.submit(cmd).await {
-            Err(WriteError::NotLeader) => Err(None),
-            Ok(c) => {
-                info!(
-                    what,
-                    seq = c.seq,
-                    epoch = c.epoch,
-                    "ledger updated from a GPUBudget"
-                );
-                Ok(c.seq)
-            }
-            Err(WriteError::Refused(
+        match self.rt.write(cmd, what).await {
+            Ok(c) => Ok(c.seq),
+            Err(Unwritten::Refused(
                 CommandError::Invalid(why) | CommandError::Unsatisfiable(why),
             )) => Err(Some(why)),
-            Err(e) => {
-                warn!(what, error = %e, "budget write failed; retrying");
-                Err(None)
-            }
+            Err(_) => Err(None),
         }
     }
 
@@ -449,9 +438,10 @@ pub(crate) fn spawn(
         default_ns: args.budget_default_namespace.clone(),
     };
     let _ = slot.set(guard.clone());
+    let rt = Runtime::new("budgets", shared.clone(), writer);
     let w = Arc::new(Watch {
+        rt: rt.clone(),
         shared,
-        writer,
         guard,
         ready: AtomicBool::new(false),
         pass: Mutex::new(()),
@@ -480,14 +470,11 @@ pub(crate) fn spawn(
             }
         }
     });
-    tasks.spawn(async move {
-        loop {
-            tokio::select! {
-                _ = changed.notified() => {}
-                _ = tokio::time::sleep(RESYNC) => {}
-            }
+    tasks.spawn(rt.passes(RESYNC, Some(changed), move |_| {
+        let w = w.clone();
+        async move {
             w.reconcile().await;
             debug!("GPUBudget pass done");
         }
-    });
+    }));
 }

@@ -10,7 +10,8 @@
 //! and every `--claim-reconcile-interval` the leader lists every claim: a grant whose claim or
 //! share is gone is released, an allocated result without its condition is certified. That
 //! list replaces a finalizer: a claim deleted while no replica watched is released there.
-//! What to do is decided in [`plan`]; the writes to Kubernetes are in [`certify`].
+//! What to do is decided in [`plan`], in what order in the state machine [`certification`]; the
+//! writes to Kubernetes are in [`certify`].
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
@@ -25,15 +26,17 @@ use kube::runtime::{WatchStreamExt, watcher};
 use tokio::task::JoinSet;
 use tracing::{debug, info, warn};
 
+use self::certification::{Certification, Outcome, Read, Step, Written};
 use self::certify::Claims;
-use self::plan::{Allotted, Claim, Release, Step};
-use self::queue::{Pushed, Queue};
-use crate::shared::{Role, Shared, View};
-use crate::writer::{WriteError, Writer};
+use self::plan::{Allotted, Claim, Release};
+use crate::runtime::queue::{Pushed, Queue};
+use crate::runtime::{Runtime, Unwritten};
+use crate::shared::Shared;
+use crate::writer::Writer;
 
+pub mod certification;
 pub mod certify;
 pub mod plan;
-pub mod queue;
 
 /// Flags of the claim certification.
 #[derive(clap::Args, Debug, Clone)]
@@ -92,8 +95,6 @@ impl Default for ClaimArgs {
 
 /// Claims certified at once (their grants share etcd transactions through group commit).
 const WORKERS: usize = 16;
-/// Reads of a claim whose status write met a newer version, before leaving it to the next event.
-const ATTEMPTS: usize = 5;
 /// Refusals remembered so that a claim marked Granted that the ledger cannot hold is recorded
 /// once, not at every pass.
 const REMEMBERED_REFUSALS: usize = 65_536;
@@ -136,22 +137,18 @@ impl Work {
 const FOLD_WAIT: Duration = Duration::from_secs(5);
 
 struct Watch {
+    rt: Runtime,
     shared: Arc<Shared>,
-    writer: Writer,
     claims: Claims,
     store: Store<DynamicObject>,
-    queue: Queue<Work>,
+    queue: Arc<Queue<Work>>,
     /// Refusals recorded by this replica ("uid/request/share").
     refused: Mutex<HashSet<String>>,
 }
 
 impl Watch {
-    fn leading(&self) -> bool {
-        self.shared.role_info().role == Role::Leader
-    }
-
     fn push(&self, w: Work) {
-        if !self.leading() {
+        if !self.rt.leading() {
             return;
         }
         if self.queue.push(w) == Pushed::Full {
@@ -166,120 +163,119 @@ impl Watch {
         self.shared.metrics.claim_queue_depth.set(n);
     }
 
-    async fn work(&self, w: Work) {
-        if !self.leading() {
-            return;
-        }
-        self.certify(&w).await
-    }
-
     /// Certify claim `w`: its stale grants released, each result granted or refused in the
     /// ledger, then the conditions written; or, when the API server no longer has it, its
-    /// grants released.
+    /// grants released. What to do next is [`Certification`]'s; this does the reads and writes.
     async fn certify(&self, w: &Work) {
-        let (ns, name) = (w.ns.as_str(), w.name.as_str());
-        let mut fresh = false;
-        for _ in 0..ATTEMPTS {
-            // The ledger is read before the claim, so that a grant it shows belongs to a claim
-            // read after it: a release never races a grant made meanwhile.
-            let l = self.shared.view().await;
-            let cached = if fresh {
-                None
-            } else {
-                self.store
-                    .get(&ObjectRef::new_with(name, self.claims_ar()).within(ns))
-                    .map(|o| certify::to_json(&o))
-            };
-            let json = match cached {
-                Some(j) => j,
-                None => match self.claims.get(ns, name).await {
-                    Ok(Some(j)) => {
-                        fresh = true;
-                        j
+        let (mut m, mut step) = Certification::start(&w.uid, w.what());
+        loop {
+            step = match step {
+                Step::Read { fresh } => {
+                    // The ledger before the claim (see [`certification`]); the view is let go
+                    // before any write, which a view held would stall.
+                    let l = self.shared.view().await;
+                    let (got, from_api) = self.read_claim(w, fresh).await;
+                    m.read(got, from_api, &l)
+                }
+                Step::Release(rel) => {
+                    for r in &rel {
+                        self.release(r).await;
                     }
-                    Ok(None) => return self.release_deleted(l, w).await,
-                    Err(e) => {
-                        warn!(claim = %format!("{ns}/{name}"), error = %e, "reading a ResourceClaim failed; left to the next pass");
-                        return;
-                    }
-                },
-            };
-            let claim = match Claim::from_json(&json) {
-                Ok(c) => c,
-                Err(e) => {
-                    warn!(claim = %format!("{ns}/{name}"), error = %e, "ResourceClaim not understood; skipped");
                     return;
                 }
-            };
-            if claim.claim.uid != w.uid {
-                if fresh {
-                    // Another claim of that name now: `w`'s was deleted.
-                    return self.release_deleted(l, w).await;
+                Step::Carry(claim, p) => {
+                    let written = self.carry(&claim, p).await;
+                    m.written(written)
                 }
-                fresh = true;
-                continue;
-            }
-            let p = plan::plan_claim(&l, &claim);
-            drop(l);
-            if (!p.releases.is_empty() || p.consumers.is_some()) && !fresh {
-                // Releases and consumers only from the claim as the API server has it now,
-                // not a cached one.
-                fresh = true;
-                continue;
-            }
-            for r in &p.releases {
-                self.release(r).await;
-            }
-            if let Some(consumers) = p.consumers {
-                self.set_consumers(&claim, consumers).await;
-            }
-            let mut devices = claim.devices.clone();
-            let mut marked = Vec::new();
-            for (r, step) in p.steps {
-                let Some((cond, outcome)) = self.decide(&claim, &r, step).await else {
-                    continue;
-                };
-                devices = plan::devices_with(&devices, &r, cond);
-                marked.push(outcome);
-            }
-            if marked.is_empty() {
-                return;
-            }
-            let rv = &claim.resource_version;
-            match self.claims.write_devices(ns, name, rv, devices).await {
-                Ok(()) => {
-                    for (outcome, reason) in marked {
-                        self.shared
-                            .metrics
-                            .claims_certified
-                            .get_or_create(&vec![("outcome", outcome), ("reason", reason)])
-                            .inc();
-                    }
-                    info!(claim = %claim.what(), "ResourceClaim conditions written");
-                    return;
-                }
-                Err(e) if certify::is_conflict(&e) || certify::is_gone(&e) => {
-                    debug!(claim = %claim.what(), "ResourceClaim changed or deleted meanwhile; reading it again");
-                    fresh = true;
-                }
-                Err(e) => {
-                    self.shared.metrics.claim_status_failures.inc();
-                    warn!(claim = %claim.what(), error = %e, "writing the ResourceClaim's status failed; retried at its next change or pass");
-                    return;
-                }
+                Step::Done(outcome) => return self.done(w, outcome),
             }
         }
-        self.shared.metrics.claim_status_failures.inc();
-        warn!(claim = %format!("{ns}/{name}"), "ResourceClaim kept changing; retried at its next change or pass");
     }
 
-    /// Release the grants of claim `w`, which the API server no longer has (read after `l`).
-    /// The view is let go before the writes, which a view held would stall.
-    async fn release_deleted(&self, l: View, w: &Work) {
-        let rel = plan::releases_of_deleted(&l, &w.uid, &w.what());
-        drop(l);
-        for r in rel {
-            self.release(&r).await;
+    /// Claim `w` from the watch's cache unless `fresh` (or the cache lacks it), else from the
+    /// API server; whether it came from the API server.
+    async fn read_claim(&self, w: &Work, fresh: bool) -> (Read, bool) {
+        let (ns, name) = (w.ns.as_str(), w.name.as_str());
+        if !fresh
+            && let Some(o) = self
+                .store
+                .get(&ObjectRef::new_with(name, self.claims_ar()).within(ns))
+        {
+            return (
+                Read::Claim(Claim::from_json(&certify::to_json(&o)).map(Box::new)),
+                false,
+            );
+        }
+        let got = match self.claims.get(ns, name).await {
+            Ok(Some(j)) => Read::Claim(Claim::from_json(&j).map(Box::new)),
+            Ok(None) => Read::Gone,
+            Err(e) => Read::Failed(e.to_string()),
+        };
+        (got, true)
+    }
+
+    /// Carry out plan `p` for `claim`: its releases, its consumers, each result's step, then
+    /// the conditions decided written in one status write.
+    async fn carry(&self, claim: &Claim, p: plan::Plan) -> Written {
+        for r in &p.releases {
+            self.release(r).await;
+        }
+        if let Some(consumers) = p.consumers {
+            self.set_consumers(claim, consumers).await;
+        }
+        let mut devices = claim.devices.clone();
+        let mut marked = Vec::new();
+        for (r, step) in p.steps {
+            let Some((cond, outcome)) = self.decide(claim, &r, step).await else {
+                continue;
+            };
+            devices = plan::devices_with(&devices, &r, cond);
+            marked.push(outcome);
+        }
+        if marked.is_empty() {
+            return Written::Nothing;
+        }
+        let (ns, name) = (&claim.claim.namespace, &claim.claim.name);
+        let rv = &claim.resource_version;
+        match self.claims.write_devices(ns, name, rv, devices).await {
+            Ok(()) => {
+                for (outcome, reason) in marked {
+                    self.shared
+                        .metrics
+                        .claims_certified
+                        .get_or_create(&vec![("outcome", outcome), ("reason", reason)])
+                        .inc();
+                }
+                info!(claim = %claim.what(), "ResourceClaim conditions written");
+                Written::Done
+            }
+            Err(e) if certify::is_conflict(&e) || certify::is_gone(&e) => {
+                debug!(claim = %claim.what(), "ResourceClaim changed or deleted meanwhile; reading it again");
+                Written::Conflict
+            }
+            Err(e) => Written::Failed(e.to_string()),
+        }
+    }
+
+    /// Log how the certification of `w` ended.
+    fn done(&self, w: &Work, outcome: Outcome) {
+        let claim = w.what();
+        match outcome {
+            Outcome::Settled => {}
+            Outcome::Unreadable(e) => {
+                warn!(%claim, error = %e, "ResourceClaim not understood; skipped")
+            }
+            Outcome::ReadFailed(e) => {
+                warn!(%claim, error = %e, "reading a ResourceClaim failed; left to the next pass")
+            }
+            Outcome::WriteFailed(e) => {
+                self.shared.metrics.claim_status_failures.inc();
+                warn!(%claim, error = %e, "writing the ResourceClaim's status failed; retried at its next change or pass");
+            }
+            Outcome::KeptChanging => {
+                self.shared.metrics.claim_status_failures.inc();
+                warn!(%claim, "ResourceClaim kept changing; retried at its next change or pass");
+            }
         }
     }
 
@@ -289,11 +285,11 @@ impl Watch {
         &self,
         claim: &Claim,
         r: &Allotted,
-        step: Step,
+        step: plan::Step,
     ) -> Option<(k8s_openapi::serde_json::Value, (&'static str, &'static str))> {
         let now = self.now();
         let (refusal, reason) = match step {
-            Step::Name { message } => {
+            plan::Step::Name { message } => {
                 info!(claim = %claim.what(), request = %r.request, "ResourceClaim result's condition named the ledger's grant");
                 let cond = plan::condition(
                     plan::GRANTED,
@@ -304,9 +300,10 @@ impl Watch {
                 );
                 return Some((cond, ("granted", plan::REASON_GRANT)));
             }
-            Step::Grant { grant } => {
+            plan::Step::Grant { grant } => {
                 let share = grant.share.clone();
-                match self.writer.submit(Command::GrantClaim(grant)).await {
+                let what = format!("grant {} request {}", claim.what(), r.request);
+                match self.rt.write(Command::GrantClaim(grant), &what).await {
                     Ok(c) => {
                         let a = match &c.reply {
                             Reply::Reserved { allocations, .. } => allocations.first().cloned(),
@@ -324,18 +321,14 @@ impl Watch {
                         );
                         return Some((cond, ("granted", plan::REASON_GRANT)));
                     }
-                    Err(WriteError::Refused(e)) => {
+                    Err(Unwritten::Refused(e)) => {
                         let reason = plan::refusal_reason(&e)?;
                         (plan::refusal_of(claim, r, e.to_string(), share), reason)
                     }
-                    Err(WriteError::NotLeader) => return None,
-                    Err(e) => {
-                        warn!(claim = %claim.what(), request = %r.request, error = %e, "granting a ResourceClaim result failed; retried at its next change or pass");
-                        return None;
-                    }
+                    Err(Unwritten::Dropped | Unwritten::Later(_)) => return None,
                 }
             }
-            Step::Refuse { refusal, reason } => (refusal, reason),
+            plan::Step::Refuse { refusal, reason } => (refusal, reason),
         };
         let message = format!(
             "the GPU ledger refused request {} on {}: {}",
@@ -358,7 +351,8 @@ impl Watch {
         if self.lock_refused().contains(&key) {
             return true;
         }
-        match self.writer.submit(Command::RefuseClaim(refusal)).await {
+        let what = format!("record the refusal of {}", claim.what());
+        match self.rt.write(Command::RefuseClaim(refusal), &what).await {
             Ok(_) => {
                 let mut s = self.lock_refused();
                 if s.len() >= REMEMBERED_REFUSALS {
@@ -367,11 +361,7 @@ impl Watch {
                 s.insert(key);
                 true
             }
-            Err(WriteError::NotLeader) => false,
-            Err(e) => {
-                warn!(claim = %claim.what(), error = %e, "recording a refusal failed; retried at the next change or pass");
-                false
-            }
+            Err(_) => false,
         }
     }
 
@@ -386,15 +376,8 @@ impl Watch {
             claim_uid: claim.claim.uid.clone(),
             consumers,
         };
-        match self.writer.submit(cmd).await {
-            Ok(c) => {
-                info!(claim = %claim.what(), consumers = n, seq = c.seq, "claim grants' consumers set")
-            }
-            Err(WriteError::NotLeader) => {}
-            Err(e) => {
-                debug!(claim = %claim.what(), error = %e, "claim grants' consumers not set")
-            }
-        }
+        let what = format!("set the {n} consumers of {}", claim.what());
+        let _ = self.rt.write(cmd, &what).await;
     }
 
     async fn release(&self, r: &Release) {
@@ -404,27 +387,21 @@ impl Watch {
             allocation_id: r.allocation_id,
             reason: r.reason.into(),
         };
-        match self.writer.submit(cmd).await {
-            Ok(c) => {
-                self.shared
-                    .metrics
-                    .claim_releases
-                    .get_or_create(&vec![("reason", r.reason)])
-                    .inc();
-                info!(claim = %r.what, allocation = r.allocation_id, reason = r.reason, seq = c.seq, "claim grant released");
-            }
-            Err(WriteError::NotLeader) => {}
-            Err(e) => {
-                debug!(claim = %r.what, allocation = r.allocation_id, error = %e, "claim grant not released")
-            }
+        let what = format!(
+            "release grant {} of {} ({})",
+            r.allocation_id, r.what, r.reason
+        );
+        if self.rt.write(cmd, &what).await.is_ok() {
+            self.shared
+                .metrics
+                .claim_releases
+                .get_or_create(&vec![("reason", r.reason)])
+                .inc();
         }
     }
 
     /// The full pass (leader only): release what no claim holds, queue what needs a step.
     async fn reconcile(&self) {
-        if !self.leading() {
-            return;
-        }
         // The ledger before the list: a grant it shows was made for a claim the list has,
         // unless that claim is gone.
         let l = self.shared.view().await;
@@ -492,11 +469,14 @@ pub(crate) fn spawn(
     let claims = Claims::new(client);
     let ar = kube::api::ApiResource::erase::<k8s_openapi::api::resource::v1::ResourceClaim>(&());
     let store_writer = reflector::store::Writer::<DynamicObject>::new(ar);
+    let rt = Runtime::new("claims", shared.clone(), writer);
     let w = Arc::new(Watch {
-        shared: shared.clone(),
-        writer,
+        rt: rt.clone(),
+        shared,
         store: store_writer.as_reader(),
-        queue: Queue::new(usize::try_from(args.claim_queue).unwrap_or(usize::MAX)),
+        queue: Arc::new(Queue::new(
+            usize::try_from(args.claim_queue).unwrap_or(usize::MAX),
+        )),
         claims: claims.clone(),
         refused: Mutex::default(),
     });
@@ -528,47 +508,19 @@ pub(crate) fn spawn(
             }
         }
     });
-    for _ in 0..WORKERS {
-        let ww = w.clone();
-        tasks.spawn(async move {
-            loop {
-                let job = ww.queue.pop().await;
-                ww.depth();
-                ww.work(job.clone()).await;
-                ww.queue.done(&job);
-            }
-        });
-    }
-    let interval = Duration::from_secs(args.claim_reconcile_interval_s.max(1));
-    tasks.spawn(async move {
-        let mut role = shared.role.subscribe();
-        let mut tick = tokio::time::interval(interval);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut epoch_passed = 0;
-        loop {
-            tokio::select! {
-                _ = tick.tick() => {}
-                changed = role.changed() => {
-                    if changed.is_err() {
-                        return;
-                    }
-                }
-            }
-            let info = shared.role_info();
-            if info.role != Role::Leader {
-                continue;
-            }
-            // Each election gets a pass at once; the ticks bring the others.
-            if info.epoch != epoch_passed {
-                epoch_passed = info.epoch;
-                info!(
-                    epoch = info.epoch,
-                    "leading: certifying every ResourceClaim"
-                );
-            }
-            w.reconcile().await;
+    let ww = w.clone();
+    rt.workers(tasks, WORKERS, w.queue.clone(), move |job: Work| {
+        let ww = ww.clone();
+        async move {
+            ww.depth();
+            ww.certify(&job).await
         }
     });
+    let every = Duration::from_secs(args.claim_reconcile_interval_s.max(1));
+    tasks.spawn(rt.passes(every, None, move |_| {
+        let w = w.clone();
+        async move { w.reconcile().await }
+    }));
 }
 
 #[cfg(test)]

@@ -27,8 +27,9 @@ use self::plan::{Expiry, Fix, Held, Missing, PodFacts};
 use crate::authz::Authz;
 use crate::budget_watch::GuardSlot;
 use crate::claim_templates::Templates;
-use crate::shared::{Role, Shared};
-use crate::writer::{WriteError, Writer};
+use crate::runtime::Runtime;
+use crate::shared::Shared;
+use crate::writer::Writer;
 
 pub mod plan;
 
@@ -128,8 +129,8 @@ async fn client(args: &KubeArgs) -> Result<kube::Client, ClientError> {
 
 /// The watchers' view and the writes they make.
 struct Watch {
+    rt: Runtime,
     shared: Arc<Shared>,
-    writer: Writer,
     pods_api: Api<Pod>,
     pods: Store<Pod>,
     nodes: Store<Node>,
@@ -143,30 +144,12 @@ struct Watch {
 
 impl Watch {
     fn leading(&self) -> bool {
-        self.shared.role_info().role == Role::Leader
+        self.rt.leading()
     }
 
-    /// Submit `cmd` when leading; logs the outcome. True when the ledger took it.
+    /// Submit `cmd` when leading (the runtime logs the outcome). True when the ledger took it.
     async fn act(&self, cmd: Command, what: &str) -> bool {
-        match self.writer.submit(cmd).await {
-            Err(WriteError::NotLeader) => {
-                debug!(what, "not the leader: leaving it to the leader");
-                false
-            }
-            Ok(c) => {
-                info!(
-                    what,
-                    seq = c.seq,
-                    epoch = c.epoch,
-                    "ledger updated from Kubernetes"
-                );
-                true
-            }
-            Err(e) => {
-                warn!(what, error = %e, "ledger update refused");
-                false
-            }
-        }
+        self.rt.write(cmd, what).await.is_ok()
     }
 
     /// Read a view of the committed state.
@@ -407,9 +390,10 @@ async fn run(ties: Ties, client: kube::Client, args: KubeArgs) {
             Duration::from_secs(args.claims.claim_template_collect_after_s),
         ))
     });
+    let rt = Runtime::new("pods-and-nodes", ties.shared.clone(), ties.writer);
     let w = Arc::new(Watch {
+        rt: rt.clone(),
         shared: ties.shared,
-        writer: ties.writer,
         pods_api: Api::all(client.clone()),
         pods,
         nodes,
@@ -485,22 +469,18 @@ async fn run(ties: Ties, client: kube::Client, args: KubeArgs) {
     if let Some(t) = w.templates.clone() {
         let wt = w.clone();
         let every = Duration::from_secs(args.claims.claim_reconcile_interval_s);
-        watchers.spawn(async move {
-            let mut was_leading = false;
-            let mut tick = tokio::time::interval(every);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tick.tick().await;
-                let leading = wt.leading();
-                if leading && !was_leading {
+        let passes = wt.rt.named("claim-templates");
+        watchers.spawn(passes.passes(every, None, move |p| {
+            let (wt, t) = (wt.clone(), t.clone());
+            async move {
+                if p.elected {
                     t.forget();
                 }
-                was_leading = leading;
-                if leading && wt.pods_ready.load(Ordering::Relaxed) {
+                if wt.pods_ready.load(Ordering::Relaxed) {
                     t.pass(&wt.pods).await;
                 }
             }
-        });
+        }));
     }
 
     let interval = Duration::from_millis(if args.reconcile_interval_ms == 0 {
@@ -511,10 +491,8 @@ async fn run(ties: Ties, client: kube::Client, args: KubeArgs) {
     let grace = Duration::from_secs(args.node_gone_grace_s);
     let mut missing = Missing::default();
     let mut expiry = Expiry::default();
-    let mut tick = tokio::time::interval(interval);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
+    let mut passes = rt.pass_clock(interval, None);
+    while passes.next().await.is_some() {
         w.reconcile(&mut missing, &mut expiry, grace).await;
     }
 }

@@ -23,6 +23,7 @@ pub mod preemption;
 pub mod read_limits;
 pub mod replica;
 mod retry;
+pub mod runtime;
 pub mod service;
 pub mod shared;
 pub mod span;

@@ -36,8 +36,9 @@ use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
 use crate::authz::Authz;
-use crate::shared::{Role, Shared};
-use crate::writer::{WriteError, Writer};
+use crate::runtime::Runtime;
+use crate::shared::Shared;
+use crate::writer::Writer;
 
 /// Flags of gpuledger's own preemption.
 #[derive(clap::Args, Debug, Clone)]
@@ -356,14 +357,8 @@ async fn end(writer: &Writer, uid: &str, reason: String) {
         pod_uid: uid.to_string(),
         reason: reason.clone(),
     };
-    match writer.submit(cmd).await {
-        Ok(c) => info!(pod_uid = uid, seq = c.seq, %reason, "nomination ended"),
-        Err(WriteError::NotLeader) => debug!(
-            pod_uid = uid,
-            "not the leader: the leader ends the nomination"
-        ),
-        Err(e) => warn!(pod_uid = uid, error = %e, "ending a nomination failed"),
-    }
+    let what = format!("end the nomination of pod {uid}: {reason}");
+    let _ = crate::runtime::write("preemption", writer, cmd, &what).await;
 }
 
 /// What the sweep of nominations reads and writes through.
@@ -382,16 +377,13 @@ pub struct Sweep {
 /// pod is gone, has ended, or is bound without a reservation (it no longer waits for the
 /// room).
 pub fn spawn(sweep: Sweep, interval: Duration, tasks: &TaskTracker, stop: &CancellationToken) {
-    tasks.spawn(stop.clone().run_until_cancelled_owned(async move {
-        let mut tick = tokio::time::interval(interval.max(Duration::from_millis(50)));
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tick.tick().await;
-            if sweep.shared.role_info().role == Role::Leader {
-                sweep.pass().await;
-            }
-        }
-    }));
+    let rt = Runtime::new("preemption", sweep.shared.clone(), sweep.writer.clone());
+    let sweep = Arc::new(sweep);
+    let passes = rt.passes(interval.max(Duration::from_millis(50)), None, move |_| {
+        let sweep = sweep.clone();
+        async move { sweep.pass().await }
+    });
+    tasks.spawn(stop.clone().run_until_cancelled_owned(passes));
 }
 
 impl Sweep {

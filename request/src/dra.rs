@@ -14,15 +14,24 @@ use std::fmt;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{
     CapacityRequirements, DeviceClaim, DeviceConstraint, DeviceRequest, ExactDeviceRequest,
-    ResourceClaimSpec, ResourceClaimTemplate, ResourceClaimTemplateSpec,
+    ResourceClaim, ResourceClaimSpec, ResourceClaimTemplate, ResourceClaimTemplateSpec,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-/// The DeviceClass (and driver) of gpuledger's GPUs.
+/// The DeviceClass of gpuledger's GPUs.
 pub const DEVICE_CLASS: &str = "gpu.gpuledger.io";
+/// The DRA driver gpuledger's devices belong to: `spec.driver` of its ResourceSlices,
+/// `driver` of allocation results and of `status.devices` entries.
+pub const DRIVER: &str = "gpu.gpuledger.io";
+/// The binding condition of gpuledger's devices: the ledger committed a grant for the result.
+pub const GRANTED: &str = "gpuledger.io/Granted";
+/// The binding-failure condition of gpuledger's devices: the ledger refused the result.
+pub const REFUSED: &str = "gpuledger.io/Refused";
+/// The reason of a [`GRANTED`] condition.
+pub const REASON_GRANT: &str = "LedgerGrant";
 /// The attribute that tells GPUs apart (a request of several GPUs takes distinct ones).
 pub const UUID_ATTRIBUTE: &str = "gpu.gpuledger.io/uuid";
 /// The name of the pod's claim (`spec.resourceClaims[].name`).
@@ -34,9 +43,14 @@ pub const PATH_KEY: &str = "gpuledger.io/path";
 pub const REQUESTS_ANNOTATION: &str = "gpuledger.io/claim-requests";
 /// Label on gpuledger's ResourceClaimTemplates (and on their claims).
 pub const MANAGED_LABEL: &str = "gpuledger.io/managed";
-/// The capacity names of gpuledger's devices (MiB, and core_milli).
-const MEMORY: &str = "memory";
-const CORES: &str = "cores";
+/// The capacity names of gpuledger's devices: memory (a quantity of bytes, published in MiB)
+/// and cores (thousandths of the GPU).
+pub const MEMORY: &str = "memory";
+/// See [`MEMORY`].
+pub const CORES: &str = "cores";
+/// Largest quantity taken from a claim (bytes or units): 2^50, far above any GPU.
+const MAX_QUANTITY: f64 = (1u64 << 50) as f64;
+const MIB: f64 = 1024.0 * 1024.0;
 
 /// One GPU container's request of the claim.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -387,6 +401,120 @@ pub fn main_request(request: &str) -> &str {
 /// The name of every template of gpuledger's starts with it.
 pub const TEMPLATE_PREFIX: &str = "gpuledger-";
 
+/// One allocation result of a ResourceClaim for [`DRIVER`], as the API server has it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimResult {
+    /// The claim's request (or `request/subrequest`).
+    pub request: String,
+    /// The pool (gpuledger's pools are named after their node).
+    pub pool: String,
+    /// The device (`gpu-<uuid>`).
+    pub device: String,
+    /// The shareID; empty when the device was allocated whole.
+    pub share_id: String,
+    /// `consumedCapacity` as the scheduler wrote it (None: absent).
+    pub consumed: Option<BTreeMap<String, String>>,
+    /// `adminAccess: true`: access to a device in use, which gpuledger never grants.
+    pub admin_access: bool,
+}
+
+impl ClaimResult {
+    /// The share `consumedCapacity` declares: memory in whole MiB and cores in whole units,
+    /// each None when absent or not a whole number of its unit; None without
+    /// `consumedCapacity`.
+    pub fn declared(&self) -> Option<(Option<u64>, Option<u64>)> {
+        self.consumed.as_ref().map(|m| {
+            (
+                m.get(MEMORY).and_then(|q| exact(q, MIB)),
+                m.get(CORES).and_then(|q| exact(q, 1.0)),
+            )
+        })
+    }
+}
+
+/// The allocation results of [`DRIVER`] in claim `rc`, every other driver's left out; None
+/// when the claim is not allocated.
+pub fn claim_results(rc: &ResourceClaim) -> Option<Vec<ClaimResult>> {
+    let results = rc
+        .status
+        .as_ref()?
+        .allocation
+        .as_ref()?
+        .devices
+        .as_ref()?
+        .results
+        .as_ref()?;
+    Some(
+        results
+            .iter()
+            .filter(|r| r.driver == DRIVER)
+            .map(|r| ClaimResult {
+                request: r.request.clone(),
+                pool: r.pool.clone(),
+                device: r.device.clone(),
+                share_id: r.share_id.clone().unwrap_or_default(),
+                consumed: r
+                    .consumed_capacity
+                    .as_ref()
+                    .map(|m| m.iter().map(|(k, q)| (k.clone(), q.0.clone())).collect()),
+                admin_access: r.admin_access.unwrap_or(false),
+            })
+            .collect(),
+    )
+}
+
+/// What a device request asks of one of gpuledger's devices in `capacity.requests`: memory
+/// in MiB and cores, each rounded up to a whole unit, None when left out (the device's
+/// request policy then gives the whole GPU).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CapacityAsk {
+    /// MiB, rounded up.
+    pub memory_mib: Option<u64>,
+    /// Thousandths of the GPU, rounded up.
+    pub cores: Option<u64>,
+}
+
+/// Decode `capacity.requests` of a request for gpuledger's devices, by the scheduler's rule:
+/// a key is a capacity name of the device as published, compared exactly ([`MEMORY`],
+/// [`CORES`]); a request naming any other capacity (`gpu.gpuledger.io/memory` included)
+/// fits none of gpuledger's devices, so it is refused, never read as something else.
+pub fn capacity_ask(caps: Option<&CapacityRequirements>) -> Result<CapacityAsk, String> {
+    let mut ask = CapacityAsk::default();
+    for (name, q) in caps.and_then(|c| c.requests.as_ref()).into_iter().flatten() {
+        let (slot, unit) = match name.as_str() {
+            MEMORY => (&mut ask.memory_mib, MIB),
+            CORES => (&mut ask.cores, 1.0),
+            _ => {
+                return Err(format!(
+                    "capacity {name:?} is not one of gpuledger's devices (they have \
+                     {MEMORY:?} and {CORES:?}); no device can be allocated for it"
+                ));
+            }
+        };
+        *slot = Some(round_up(&q.0, unit).map_err(|e| format!("capacity {name}: {e}"))?);
+    }
+    Ok(ask)
+}
+
+/// A quantity in `unit`s, rounded up.
+fn round_up(q: &str, unit: f64) -> Result<u64, String> {
+    let v = crate::parse_quantity(q)?;
+    if !(0.0..=MAX_QUANTITY).contains(&v) {
+        return Err(format!("{q:?} is out of range"));
+    }
+    Ok((v / unit).ceil() as u64)
+}
+
+/// A quantity as a whole number of `unit`s; None when it is not one.
+fn exact(q: &str, unit: f64) -> Option<u64> {
+    let v = crate::parse_quantity(q).ok()?;
+    if !(0.0..=MAX_QUANTITY).contains(&v) {
+        return None;
+    }
+    let n = v / unit;
+    (n.fract() == 0.0).then_some(n as u64)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -399,6 +527,83 @@ mod tests {
             mem_mib: mib,
             core_milli: cores,
         }]
+    }
+
+    fn caps(pairs: &[(&str, &str)]) -> CapacityRequirements {
+        CapacityRequirements {
+            requests: Some(
+                pairs
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), Quantity(v.to_string())))
+                    .collect(),
+            ),
+        }
+    }
+
+    #[test]
+    fn capacity_is_read_by_the_devices_names_and_rounded_up() {
+        let ask = capacity_ask(Some(&caps(&[("memory", "1.5Gi"), ("cores", "0.2k")]))).unwrap();
+        assert_eq!(
+            ask,
+            CapacityAsk {
+                memory_mib: Some(1536),
+                cores: Some(200)
+            }
+        );
+        let ask = capacity_ask(Some(&caps(&[("memory", "1")]))).unwrap();
+        assert_eq!((ask.memory_mib, ask.cores), (Some(1), None));
+        assert_eq!(capacity_ask(None).unwrap(), CapacityAsk::default());
+        assert!(capacity_ask(Some(&caps(&[("memory", "-1Mi")]))).is_err());
+        assert!(capacity_ask(Some(&caps(&[("cores", "lots")]))).is_err());
+    }
+
+    /// The scheduler looks a request's capacity up by the device's own capacity names, and a
+    /// device lacking a requested name is no candidate: `gpu.gpuledger.io/memory` fits none
+    /// of our devices. The allocator used to read it as `memory`, the extender to ignore it
+    /// (the whole GPU): both now refuse it, as the scheduler does.
+    #[test]
+    fn a_capacity_our_devices_do_not_have_is_refused() {
+        for name in [
+            "gpu.gpuledger.io/memory",
+            "gpu.gpuledger.io/cores",
+            "memoryMiB",
+        ] {
+            let why = capacity_ask(Some(&caps(&[(name, "1Gi")]))).unwrap_err();
+            assert!(why.contains(name) && why.contains("no device"), "{why}");
+        }
+    }
+
+    #[test]
+    fn our_results_are_decoded_once_and_others_left_out() {
+        let rc: ResourceClaim = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "c", "namespace": "ns", "uid": "u"},
+            "spec": {},
+            "status": {"allocation": {"devices": {"results": [
+                {"request": "gpu/small", "driver": DRIVER, "pool": "n1", "device": "gpu-a",
+                 "shareID": "s1", "consumedCapacity": {"memory": "2Gi", "cores": "300"}},
+                {"request": "nic", "driver": "nic.example.com", "pool": "n1", "device": "eth0"},
+                {"request": "all", "driver": DRIVER, "pool": "n1", "device": "gpu-b",
+                 "adminAccess": true}
+            ]}}}
+        }))
+        .unwrap();
+        let r = claim_results(&rc).unwrap();
+        assert_eq!(r.len(), 2);
+        assert_eq!(
+            (r[0].request.as_str(), r[0].share_id.as_str()),
+            ("gpu/small", "s1")
+        );
+        assert_eq!(r[0].declared(), Some((Some(2048), Some(300))));
+        assert!(r[1].admin_access && r[1].share_id.is_empty() && r[1].declared().is_none());
+        let mut unallocated = rc.clone();
+        unallocated.status = None;
+        assert_eq!(claim_results(&unallocated), None);
+        // A declared share that is no whole number of its unit declares nothing.
+        let half = ClaimResult {
+            consumed: Some(BTreeMap::from([(MEMORY.to_string(), "1.5Mi".to_string())])),
+            ..r[0].clone()
+        };
+        assert_eq!(half.declared(), Some((None, None)));
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! our condition set. The shell ([`super`]) reads the claim and the ledger, submits what this
 //! decides and writes the status.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::HashSet;
 
 use gpuledger_ledger::capacity::{GpuCapacities, consumed};
 use gpuledger_ledger::state::{dra_device_name, same_pods};
@@ -11,19 +11,9 @@ use gpuledger_ledger::{CORE_MILLI_PER_GPU, CommandError, Ledger, pb};
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimSpec};
 use k8s_openapi::serde_json::{self, Value, json};
 
-/// The DRA driver gpuledger's devices belong to.
-pub const DRIVER: &str = "gpu.gpuledger.io";
-/// The binding condition: the ledger committed a grant for the result.
-pub const GRANTED: &str = "gpuledger.io/Granted";
-/// The binding-failure condition: the ledger refused the result.
-pub const REFUSED: &str = "gpuledger.io/Refused";
-/// The reason of a [`GRANTED`] condition.
-pub const REASON_GRANT: &str = "LedgerGrant";
+pub use gpuledger_request::dra::{ClaimResult as Allotted, DRIVER, GRANTED, REASON_GRANT, REFUSED};
 /// The annotation the scheduler puts on a claim it made for an extended resource (KEP-5004).
 const EXTENDED_RESOURCE_CLAIM: &str = "resource.kubernetes.io/extended-resource-claim";
-/// Largest quantity taken from a claim (bytes or units): 2^50, far above any GPU.
-const MAX_QUANTITY: f64 = (1u64 << 50) as f64;
-const MIB: f64 = 1024.0 * 1024.0;
 
 /// A ResourceClaim as the certification reads it.
 #[derive(Debug, Clone)]
@@ -44,23 +34,6 @@ pub struct Claim {
     pub consumers: Vec<pb::PodRef>,
     /// `status.devices` as stored, every driver's entries untouched.
     pub devices: Vec<Value>,
-}
-
-/// One allocation result of our driver.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Allotted {
-    /// The request ("request" or "request/subrequest").
-    pub request: String,
-    /// The pool (the node).
-    pub pool: String,
-    /// The device (`gpu-<uuid>`).
-    pub device: String,
-    /// The shareID; empty when the device was allocated whole.
-    pub share_id: String,
-    /// `consumedCapacity` as the scheduler wrote it (None: absent).
-    pub consumed: Option<BTreeMap<String, String>>,
-    /// An `adminAccess` result.
-    pub admin_access: bool,
 }
 
 /// A grant or refusal already written for a result.
@@ -147,26 +120,10 @@ impl Claim {
             .as_ref()
             .and_then(|a| a.get(EXTENDED_RESOURCE_CLAIM))
             .is_some_and(|v| v == "true");
-        let status = rc.status.unwrap_or_default();
-        let results = status
-            .allocation
-            .and_then(|a| a.devices)
-            .and_then(|d| d.results)
+        let results = gpuledger_request::dra::claim_results(&rc).unwrap_or_default();
+        let consumers = rc
+            .status
             .unwrap_or_default()
-            .into_iter()
-            .filter(|r| r.driver == DRIVER)
-            .map(|r| Allotted {
-                request: r.request,
-                pool: r.pool,
-                device: r.device,
-                share_id: r.share_id.unwrap_or_default(),
-                consumed: r
-                    .consumed_capacity
-                    .map(|m| m.into_iter().map(|(k, q)| (k, q.0)).collect()),
-                admin_access: r.admin_access.unwrap_or(false),
-            })
-            .collect();
-        let consumers = status
             .reserved_for
             .unwrap_or_default()
             .into_iter()
@@ -539,16 +496,11 @@ fn share_of(
             consumed(cores, &caps.cores).map_err(|e| policy("cores", e))?,
         )
     };
-    let declared = r.consumed.as_ref().map(|m| {
-        (
-            m.get("memory").map(|q| exact(q, MIB)),
-            m.get("cores").map(|q| exact(q, 1.0)),
-        )
-    });
+    let declared = r.declared();
     let cores = u32::try_from(want_cores).unwrap_or(u32::MAX);
     let fits = match &declared {
         None => r.share_id.is_empty(),
-        Some((m, c)) => *m == Some(Some(want_mem)) && *c == Some(Some(want_cores)),
+        Some((m, c)) => *m == Some(want_mem) && *c == Some(want_cores),
     };
     if !fits {
         let said = r.consumed.as_ref().map_or("nothing".to_owned(), |m| {
@@ -602,32 +554,9 @@ fn requested(
             .capacity
             .as_ref(),
     };
-    let asks = capacity.and_then(|c| c.requests.as_ref());
-    let get = |name: &str, unit: f64| -> Result<Option<u64>, String> {
-        let q = asks.and_then(|m| m.get(name).or_else(|| m.get(&format!("{DRIVER}/{name}"))));
-        q.map(|q| round_up(&q.0, unit).map_err(|e| format!("request {request}: {name}: {e}")))
-            .transpose()
-    };
-    Ok((get("memory", MIB)?, get("cores", 1.0)?))
-}
-
-/// A quantity in `unit`s, rounded up.
-fn round_up(q: &str, unit: f64) -> Result<u64, String> {
-    let v = gpuledger_ops::quantity::parse(q)?;
-    if !(0.0..=MAX_QUANTITY).contains(&v) {
-        return Err(format!("{q:?} is out of range"));
-    }
-    Ok((v / unit).ceil() as u64)
-}
-
-/// A quantity as a whole number of `unit`s; None when it is not one.
-fn exact(q: &str, unit: f64) -> Option<u64> {
-    let v = gpuledger_ops::quantity::parse(q).ok()?;
-    if !(0.0..=MAX_QUANTITY).contains(&v) {
-        return None;
-    }
-    let n = v / unit;
-    (n.fract() == 0.0).then_some(n as u64)
+    let ask = gpuledger_request::dra::capacity_ask(capacity)
+        .map_err(|e| format!("request {request}: {e}"))?;
+    Ok((ask.memory_mib, ask.cores))
 }
 
 #[cfg(test)]

@@ -138,23 +138,15 @@ fn container(
         .ok()
         .filter(|c| *c >= 1)
         .ok_or_else(|| bad(format!("count {count}")))?;
-    let caps = e
-        .capacity
-        .as_ref()
-        .and_then(|c| c.requests.clone())
-        .unwrap_or_default();
-    let value = |k: &str| -> Result<Option<f64>, Unreadable> {
-        caps.get(k)
-            .map(|q| resources::parse_quantity(&q.0).map_err(|m| bad(format!("capacity {k}: {m}"))))
-            .transpose()
-    };
-    let (mem_mib, mem_percent) = match value("memory")? {
-        Some(b) if b >= 0.0 => ((b / (1024.0 * 1024.0)).ceil() as u64, 0),
-        Some(b) => return Err(bad(format!("memory {b}"))),
+    // Read as the allocator reads it when it certifies the allocation.
+    let ask = gpuledger_request::dra::capacity_ask(e.capacity.as_ref()).map_err(bad)?;
+    let (mem_mib, mem_percent) = match ask.memory_mib {
+        // The device's request policy: 1 MiB at least.
+        Some(m) => (m.max(1), 0),
         None => (0, 100),
     };
-    let core_milli = match value("cores")? {
-        Some(c) if (0.0..=1000.0).contains(&c) => c.ceil() as u32,
+    let core_milli = match ask.cores {
+        Some(c) if c <= 1000 => c as u32,
         Some(c) => return Err(bad(format!("cores {c}: 0 to 1000 (core_milli)"))),
         None => 1000,
     };
@@ -165,4 +157,51 @@ fn container(
         mem_percent,
         core_milli,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use k8s_openapi::api::resource::v1::{CapacityRequirements, ExactDeviceRequest};
+    use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+
+    use super::*;
+
+    fn exactly(caps: &[(&str, &str)]) -> ExactDeviceRequest {
+        let requests: BTreeMap<String, Quantity> = caps
+            .iter()
+            .map(|(k, v)| (k.to_string(), Quantity(v.to_string())))
+            .collect();
+        ExactDeviceRequest {
+            device_class_name: DEVICE_CLASS.into(),
+            capacity: Some(CapacityRequirements {
+                requests: Some(requests),
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_request_is_judged_with_the_capacity_the_allocator_certifies() {
+        let c = container("p/c0", &exactly(&[("memory", "1G"), ("cores", "300")])).unwrap();
+        assert_eq!((c.mem_mib, c.mem_percent, c.core_milli), (954, 0, 300));
+        let c = container("p/c0", &exactly(&[])).unwrap();
+        assert_eq!((c.mem_mib, c.mem_percent, c.core_milli), (0, 100, 1000));
+        assert!(matches!(
+            container("p/c0", &exactly(&[("cores", "1001")])),
+            Err(Unreadable::Invalid(_))
+        ));
+    }
+
+    /// The scheduler allocates no device of ours for a capacity they do not publish: the
+    /// extender used to take `gpu.gpuledger.io/memory` for the whole GPU, and the allocator
+    /// for `memory`; both refuse it now.
+    #[test]
+    fn a_capacity_our_devices_do_not_publish_is_invalid() {
+        match container("p/c0", &exactly(&[("gpu.gpuledger.io/memory", "2Gi")])) {
+            Err(Unreadable::Invalid(m)) => assert!(m.contains("gpu.gpuledger.io/memory"), "{m}"),
+            other => panic!("not invalid: {other:?}"),
+        }
+    }
 }

@@ -7,23 +7,7 @@ use gpuledger_proto::ledger::v1 as pb;
 
 use crate::view::View;
 
-/// The driver name: `spec.driver` of our slices, `driver` of allocation results.
-pub const DRIVER: &str = "gpu.gpuledger.io";
-
-/// One allocation result of a claim for our driver, as the API server has it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ClaimResult {
-    /// The claim's request (or `request/subrequest`).
-    pub request: String,
-    /// The pool (our pools are named after their node).
-    pub pool: String,
-    /// The device (`gpu-<uuid>`).
-    pub device: String,
-    /// The share id of a device that allows multiple allocations.
-    pub share_id: String,
-    /// `adminAccess: true`: access to a device in use, which gpuledger never grants.
-    pub admin_access: bool,
-}
+pub use gpuledger_request::dra::{ClaimResult, DRIVER};
 
 /// What prepare does with a claim, given the view.
 #[derive(Debug, Clone, PartialEq)]

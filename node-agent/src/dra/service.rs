@@ -14,7 +14,7 @@ use tonic::{Request, Response, Status};
 use tracing::{Instrument, info, info_span, warn};
 
 use super::cdi;
-use super::prepare::{ClaimResult, DRIVER, Decision, decide};
+use super::prepare::{ClaimResult, Decision, decide};
 use crate::agent::Agent;
 use crate::config::DeviceListStrategy;
 use crate::view::container_response;
@@ -107,23 +107,8 @@ impl Plugin {
                 "the API server's claim of that name has uid {uid} (the claim was replaced)"
             ));
         }
-        let results = claim
-            .status
-            .and_then(|s| s.allocation)
-            .and_then(|a| a.devices)
-            .and_then(|d| d.results)
-            .ok_or("the claim is not allocated")?;
-        Ok(results
-            .into_iter()
-            .filter(|r| r.driver == DRIVER)
-            .map(|r| ClaimResult {
-                request: r.request,
-                pool: r.pool,
-                device: r.device,
-                share_id: r.share_id.unwrap_or_default(),
-                admin_access: r.admin_access.unwrap_or(false),
-            })
-            .collect())
+        gpuledger_request::dra::claim_results(&claim)
+            .ok_or_else(|| "the claim is not allocated".into())
     }
 
     /// The decision for claim `uid`, waiting up to --prepare-grant-wait for a grant (or a

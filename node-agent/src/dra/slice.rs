@@ -26,11 +26,12 @@ use tracing::{info, warn};
 
 use super::DRIVER;
 use crate::agent::Agent;
+use gpuledger_request::dra;
 
-/// The condition the allocator sets once the ledger granted an allocation.
-pub const BINDING_CONDITION: &str = "gpuledger.io/Granted";
-/// The condition the allocator sets when the ledger refused one.
-pub const BINDING_FAILURE_CONDITION: &str = "gpuledger.io/Refused";
+/// The conditions the allocator sets once the ledger granted, or refused, an allocation.
+pub use gpuledger_request::dra::{
+    GRANTED as BINDING_CONDITION, REFUSED as BINDING_FAILURE_CONDITION,
+};
 
 /// How often the slice is checked even when nothing was heard.
 const RESYNC: Duration = Duration::from_secs(30);
@@ -129,8 +130,8 @@ pub fn devices(inv: &pb::NodeInventory) -> Vec<Device> {
             // The policy the allocator checks every grant against: one definition, in the ledger.
             let caps = gpuledger_ledger::capacity::GpuCapacities::of_gpu(g.memory_mib);
             let capacity = BTreeMap::from([
-                ("memory".to_string(), capacity(&caps.memory, "Mi")),
-                ("cores".to_string(), capacity(&caps.cores, "")),
+                (dra::MEMORY.to_string(), capacity(&caps.memory, "Mi")),
+                (dra::CORES.to_string(), capacity(&caps.cores, "")),
             ]);
             Device {
                 name: gpuledger_ledger::state::dra_device_name(&g.uuid),

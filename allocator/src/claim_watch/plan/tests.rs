@@ -186,6 +186,32 @@ fn requests_round_up_and_default_to_the_whole_gpu() {
     ));
 }
 
+/// A capacity named as no device of ours names it fits none of them at the scheduler: the
+/// certification refuses such an allocation (written by hand) instead of reading the name
+/// as `memory`, and declares nothing the scheduler would not.
+#[test]
+fn a_capacity_named_otherwise_than_our_devices_is_refused() {
+    let l = ledger();
+    let j = claim_json(
+        "u1",
+        "dra",
+        json!({"gpu.gpuledger.io/memory": "4000Mi", "cores": "300"}),
+        "s-1",
+        Some(json!({"memory": "4000Mi", "cores": "300"})),
+    );
+    match only_step(&plan_claim(&l, &Claim::from_json(&j).expect("claim"))) {
+        Step::Refuse {
+            reason: "LedgerInvalidRequest",
+            refusal,
+        } => assert!(
+            refusal.reason.contains("gpu.gpuledger.io/memory"),
+            "{}",
+            refusal.reason
+        ),
+        s => panic!("not refused: {s:?}"),
+    }
+}
+
 #[test]
 fn wrong_nodes_and_devices_are_refused_with_their_reason() {
     let l = ledger();

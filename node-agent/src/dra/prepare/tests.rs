@@ -58,6 +58,7 @@ fn result(gpu: u32, share: &str) -> ClaimResult {
         pool: "n1".into(),
         device: dra_device_name(&format!("GPU-AB{gpu}")),
         share_id: share.into(),
+        consumed: None,
         admin_access: false,
     }
 }

@@ -1,4 +1,4 @@
-//! The claim work queue: bounded, each key at most once, and a key never in two workers' hands
+//! The controllers' work queue: bounded, each key at most once, and a key never in two workers' hands
 //! at once (a key that changes while a worker has it is taken again once that worker is done),
 //! as client-go's workqueue does.
 
