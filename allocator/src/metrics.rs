@@ -179,7 +179,7 @@ impl Default for Metrics {
         let pods_requeued = Family::<Vec<(&'static str, &'static str)>, Counter>::default();
         registry.register(
             "pods_requeued",
-            "Pending GPU pods kube-scheduler had found unschedulable, annotated gpuledger.io/room-freed when the ledger freed room so that kube-scheduler retries them after their backoff, by outcome: requeued, failed (an API error; the next freed room tries again)",
+            "Pending GPU pods kube-scheduler had found unschedulable, given the status condition gpuledger.io/RoomFreed when the ledger freed room so that kube-scheduler retries them after their backoff, by outcome: requeued, failed (an API error; the next freed room tries again)",
             pods_requeued.clone(),
         );
         let claim_queue_full = Counter::default();

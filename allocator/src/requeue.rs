@@ -3,10 +3,11 @@
 //! that event is the deletion of the pod whose GPUs it needs, the retry can come a moment
 //! before the leader has released them, and the pod then waits for the next event or for
 //! kube-scheduler's periodic flush (5 minutes). The leader therefore watches its own committed
-//! events: when one can free room ([`plan::frees_room`]), it annotates the pods kube-scheduler
-//! last found unschedulable ([`plan::ROOM_FREED`]), at most `MAX_PER_PASS` a pass, each at most
-//! once per `GAP`; kube-scheduler takes the update as a reason to retry them after their
-//! backoff. What to requeue is decided in [`plan`]; this shell watches and patches.
+//! events: when one can free room ([`plan::frees_room`]), it sets a condition
+//! ([`plan::ROOM_FREED`]) in the status of the pods kube-scheduler last found unschedulable, at
+//! most `MAX_PER_PASS` a pass, each at most once per `GAP`; kube-scheduler takes the update as
+//! a reason to retry them after their backoff. What to requeue is decided in [`plan`]; this
+//! shell watches and patches.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -81,11 +82,19 @@ pub fn spawn(
         };
         let (client, m) = (client.clone(), m.clone());
         async move {
-            let patch = json!({"metadata": {"annotations": {plan::ROOM_FREED: seq.to_string()}}});
+            // A strategic merge patch: conditions merge by type, kube-scheduler's stay.
+            let patch = json!({"status": {"conditions": [{
+                "type": plan::ROOM_FREED,
+                "status": "True",
+                "reason": "LedgerFreedRoom",
+                "message": format!(
+                    "the GPU ledger freed room (seq {seq}); kube-scheduler retries the pod after its backoff"
+                ),
+            }]}});
             for w in todo {
                 let api = Api::<Pod>::namespaced(client.clone(), &w.ns);
                 let outcome = match api
-                    .patch(&w.name, &PatchParams::default(), &Patch::Merge(&patch))
+                    .patch_status(&w.name, &PatchParams::default(), &Patch::Strategic(&patch))
                     .await
                 {
                     Ok(_) => "requeued",

@@ -128,8 +128,8 @@ async fn deleted_pods_and_nodes_release() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A pending GPU pod kube-scheduler found unschedulable is annotated `gpuledger.io/room-freed`
-/// once the ledger releases the GPUs of a deleted pod, so that kube-scheduler retries it then,
+/// A pending GPU pod kube-scheduler found unschedulable gets the status condition
+/// `gpuledger.io/RoomFreed` once the ledger releases the GPUs of a deleted pod, so that kube-scheduler retries it then,
 /// not at its next unrelated event or its 5-minute flush. A pending pod kube-scheduler has not
 /// given up on, and a bound one, are left alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -168,12 +168,16 @@ async fn a_pending_gpu_pod_is_requeued_when_the_ledger_frees_room() -> anyhow::R
             Ok(())
         })
         .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    // The seq in the condition's message, when the pod has the condition.
     let annotation = |name: &str| {
-        stack.api.pod("default", name).and_then(|p| {
-            p["metadata"]["annotations"]["gpuledger.io/room-freed"]
-                .as_str()
-                .map(String::from)
-        })
+        let p = stack.api.pod("default", name)?;
+        let c = p["status"]["conditions"]
+            .as_array()?
+            .iter()
+            .find(|c| c["type"] == "gpuledger.io/RoomFreed")?
+            .clone();
+        let m = c["message"].as_str()?;
+        Some(m.split("(seq ").nth(1)?.split(')').next()?.to_string())
     };
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(annotation("waiting"), None, "nothing was freed yet");

@@ -7,11 +7,12 @@ use std::time::{Duration, Instant};
 use gpuledger_ledger::pb;
 use k8s_openapi::api::core::v1::Pod;
 
-/// The annotation the leader sets on a pending GPU pod when the ledger may have room for it
-/// again (its value: the ledger seq that freed it). kube-scheduler takes any update of an
-/// unschedulable pod that no in-tree plugin rejected (the extender did) as a reason to retry it
-/// after its backoff.
-pub const ROOM_FREED: &str = "gpuledger.io/room-freed";
+/// The condition the leader sets in a pending GPU pod's status when the ledger may have room
+/// for it again (its message names the ledger seq that freed it). kube-scheduler takes any
+/// update of an unschedulable pod that no in-tree plugin rejected (the extender did) as a
+/// reason to retry it after its backoff. A status condition, not an annotation: the allocator
+/// may patch pods' status only, never their spec.
+pub const ROOM_FREED: &str = "gpuledger.io/RoomFreed";
 
 /// Whether a committed event can make room for a pending pod: a release, a node (re)registered
 /// or a device back to health, a nomination ended, a quota or budget raised or removed.
