@@ -433,6 +433,14 @@ async fn run(ties: Ties, client: kube::Client, args: KubeArgs) {
         }
     });
 
+    crate::requeue::spawn(
+        &mut watchers,
+        rt.named("requeue"),
+        w.shared.clone(),
+        w.pods.clone(),
+        client.clone(),
+    );
+
     let wn = w.clone();
     let node_stream = reflector::reflector(
         node_writer,

@@ -22,6 +22,7 @@ pub mod metrics;
 pub mod preemption;
 pub mod read_limits;
 pub mod replica;
+pub mod requeue;
 mod retry;
 pub mod runtime;
 pub mod service;

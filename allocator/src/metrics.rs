@@ -75,6 +75,8 @@ pub struct Metrics {
     pub(crate) claim_releases: Family<Vec<(&'static str, &'static str)>, Counter>,
     /// Claim events dropped because `--claim-queue` was full.
     pub(crate) claim_queue_full: Counter,
+    /// Pending GPU pods requeued in kube-scheduler because the ledger freed room, by outcome.
+    pub(crate) pods_requeued: Family<Vec<(&'static str, &'static str)>, Counter>,
     /// ResourceClaimTemplates of converted pods, by outcome.
     pub(crate) claim_templates: Family<Vec<(&'static str, &'static str)>, Counter>,
     /// Claims waiting for the certification.
@@ -174,6 +176,12 @@ impl Default for Metrics {
             "ResourceClaimTemplates of pods the webhook converted to the DRA path, by outcome: created (for a pod that exists), refused (the pod's requests do not make the template it claims, or a different one of that name exists), collected (no pod claims it), failed (an API error; retried)",
             claim_templates.clone(),
         );
+        let pods_requeued = Family::<Vec<(&'static str, &'static str)>, Counter>::default();
+        registry.register(
+            "pods_requeued",
+            "Pending GPU pods kube-scheduler had found unschedulable, given the status condition gpuledger.io/RoomFreed when the ledger freed room so that kube-scheduler retries them after their backoff, by outcome: requeued, failed (an API error; the next freed room tries again)",
+            pods_requeued.clone(),
+        );
         let claim_queue_full = Counter::default();
         registry.register(
             "claim_queue_full",
@@ -205,6 +213,7 @@ impl Default for Metrics {
             claim_releases,
             claim_templates,
             claim_queue_full,
+            pods_requeued,
             claim_queue_depth,
             claim_status_failures,
             commit_latency,

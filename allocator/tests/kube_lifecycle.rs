@@ -127,3 +127,76 @@ async fn deleted_pods_and_nodes_release() -> anyhow::Result<()> {
     let _ = (d, e);
     Ok(())
 }
+
+/// A pending GPU pod kube-scheduler found unschedulable gets the status condition
+/// `gpuledger.io/RoomFreed` once the ledger releases the GPUs of a deleted pod, so that kube-scheduler retries it then,
+/// not at its next unrelated event or its 5-minute flush. A pending pod kube-scheduler has not
+/// given up on, and a bound one, are left alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pending_gpu_pod_is_requeued_when_the_ledger_frees_room() -> anyhow::Result<()> {
+    let stack = KubeStack::start(StackOptions {
+        allocators: 1,
+        allocator_flags: vec!["--reconcile-interval-ms=200".into()],
+        ..Default::default()
+    })
+    .await?;
+    stack
+        .allocs
+        .node_agent(0, "n1")?
+        .register_node(api::RegisterNodeRequest {
+            inventory: Some(inventory("n1", 1, 2_000, "T4")),
+        })
+        .await?;
+    stack.api.add_node("n1", 128)?;
+    place(&stack, "holder", "n1").await?;
+    // The node's CPU and memory reach the ledger (a NodeRegistered, which can free room too).
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Two pending GPU pods: one kube-scheduler found no room for, one it has not tried yet.
+    let spec = gpuledger_testkit::workload::pod_spec(&pod("", 2_000, 10), SCHEDULER_NAME);
+    for name in ["waiting", "untried"] {
+        stack
+            .api
+            .add_pod(json!({"metadata": {"name": name, "namespace": "default"}, "spec": spec}))?;
+    }
+    stack
+        .api
+        .store
+        .update("v1", "pods", "default", "waiting", |p| {
+            p["status"]["conditions"] = json!([{"type": "PodScheduled", "status": "False",
+                "reason": "Unschedulable", "lastTransitionTime": "2026-01-01T00:00:00Z",
+                "message": "0/1 nodes are available: 1 no GPU has room."}]);
+            Ok(())
+        })
+        .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    // The seq in the condition's message, when the pod has the condition.
+    let annotation = |name: &str| {
+        let p = stack.api.pod("default", name)?;
+        let c = p["status"]["conditions"]
+            .as_array()?
+            .iter()
+            .find(|c| c["type"] == "gpuledger.io/RoomFreed")?
+            .clone();
+        let m = c["message"].as_str()?;
+        Some(m.split("(seq ").nth(1)?.split(')').next()?.to_string())
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(annotation("waiting"), None, "nothing was freed yet");
+
+    stack.api.delete_pod("default", "holder")?;
+    let took = wait_until(
+        "the waiting pod requeued",
+        Duration::from_secs(3),
+        || async { Ok(annotation("waiting").is_some()) },
+    )
+    .await?;
+    eprintln!("requeued {took:?} after the deletion");
+    assert_eq!(
+        annotation("untried"),
+        None,
+        "a pod kube-scheduler has not tried"
+    );
+    // The seq it names is the release's, which the ledger holds.
+    let seq: u64 = annotation("waiting").unwrap_or_default().parse()?;
+    assert!(seq >= 1 && seq <= stack.allocs.status(0).await.map(|s| s.seq).unwrap_or(0));
+    Ok(())
+}
