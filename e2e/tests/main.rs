@@ -12,6 +12,7 @@ mod kubelet_that_cannot_reach_the_plugin;
 mod leader_killed_mid_batch;
 mod node_name_takes_no_reservation;
 mod peer_pods_unchanged;
+mod pending_pod_requeued;
 mod placed_through_the_extender;
 mod preempts_for_gpu_slices;
 mod reasons_users_can_read;
