@@ -142,8 +142,9 @@ pub struct Config {
     /// --hami-core-lib) preloaded into every container through `/etc/ld.so.preload`, which
     /// fails CUDA allocations beyond the share inside the process; `mps`: the MPS server
     /// holding each client to its share (not available yet: refused); `dmem`: the pod
-    /// cgroup's `dmem.max` (cgroup v2, driver r615+). A mode the node cannot serve stops the
-    /// agent at start with what is missing; it never runs a weaker one instead.
+    /// cgroup's `dmem.max` (not available yet: refused after the node's checks). A mode the
+    /// node cannot serve stops the agent at start with what is missing; it never runs a weaker
+    /// one instead.
     #[arg(long, env = "GPULEDGER_ISOLATION", value_enum, default_value_t = Isolation::Nvml)]
     pub isolation: Isolation,
 

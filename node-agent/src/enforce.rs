@@ -247,6 +247,12 @@ impl Enforcer {
         if !agent.synced() {
             return;
         }
+        if let Some(h) = &agent.env.hami_core {
+            let live: HashSet<u64> = agent.with_view(|v| v.allocs.keys().copied().collect());
+            for e in h.sweep(&live) {
+                warn!("removing a released allocation's HAMi-core cache directory: {e}");
+            }
+        }
         let allowance = agent.cfg.context_allowance_mib;
         let findings = agent.with_view(|v| judge(v, &sampled, allowance));
         let now = Instant::now();

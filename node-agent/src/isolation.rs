@@ -108,6 +108,24 @@ impl HamiCore {
         }
     }
 
+    /// Remove the cache directories of allocations not in `live` (released); the names it
+    /// could not remove, with why.
+    pub fn sweep(&self, live: &std::collections::HashSet<u64>) -> Vec<String> {
+        let Ok(entries) = std::fs::read_dir(self.dir.join("containers")) else {
+            return Vec::new();
+        };
+        entries
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<u64>().ok())
+            .filter(|id| !live.contains(id))
+            .filter_map(|id| {
+                self.remove_cache_dir(id)
+                    .err()
+                    .map(|e| format!("{}: {e}", self.cache_dir(id).display()))
+            })
+            .collect()
+    }
+
     /// Check the library and write the preload file and the lock directory.
     fn install(&self) -> Result<(), String> {
         use std::os::unix::fs::PermissionsExt;
@@ -212,7 +230,10 @@ pub fn check(w: &Wanted, facts: &NodeFacts) -> Result<(), String> {
                     ));
                 }
             }
-            no_mig()
+            no_mig()?;
+            Err(
+                "--isolation=dmem: this node could serve it, but this agent does not yet write each pod's dmem.max when its containers start (crate::dmem has the write and read-back, not the pod lifecycle); run --isolation=nvml or --isolation=hami-core".into(),
+            )
         }
     }
 }
@@ -258,6 +279,18 @@ mod tests {
             std::fs::read_to_string(w.hami_core.preload()).expect("preload"),
             "/usr/local/vgpu/libvgpu.so\n"
         );
+        w.hami_core.make_cache_dir(3).expect("cache 3");
+        w.hami_core.make_cache_dir(4).expect("cache 4");
+        let errors = w.hami_core.sweep(&[4].into_iter().collect());
+        assert!(errors.is_empty(), "{errors:?}");
+        assert!(
+            !w.hami_core.cache_dir(3).exists(),
+            "a released allocation's cache stays"
+        );
+        assert!(
+            w.hami_core.cache_dir(4).exists(),
+            "a live allocation's cache was removed"
+        );
         let mut f = facts("580.1", None);
         f.mig_on = vec!["GPU-1".into()];
         assert!(check(&w, &f).expect_err("MIG").contains("MIG mode is on"));
@@ -273,7 +306,8 @@ mod tests {
         assert!(no.contains("no dmem controller"), "{no}");
         let old = check(&w, &facts("580.95.05", Some("cpu dmem\n"))).expect_err("old");
         assert!(old.contains("r615 or newer"), "{old}");
-        check(&w, &facts("615.0", Some("cpu memory dmem\n"))).expect("served");
+        let ready = check(&w, &facts("615.0", Some("cpu memory dmem\n"))).expect_err("not yet");
+        assert!(ready.contains("could serve it, but"), "{ready}");
     }
 
     #[test]

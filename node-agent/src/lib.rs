@@ -11,6 +11,7 @@ pub mod allocator;
 pub mod cgroup;
 pub mod config;
 pub mod device_plugin;
+pub mod dmem;
 pub mod dra;
 pub mod enforce;
 pub mod health;
