@@ -258,6 +258,7 @@ mod tests {
                 node,
                 cpu_milli: 64_000,
                 memory_mib: 0,
+                isolation: String::new(),
             };
             l.apply(&pb::Event {
                 seq: k as u64 + 1,

@@ -31,6 +31,9 @@ pub struct Args {
     /// Seconds of idling over which the agent's CPU use is measured.
     #[arg(long, default_value_t = 10)]
     idle_secs: u64,
+    /// More flags for the agent, one per use (e.g. `--agent-flag=--isolation=hami-core`).
+    #[arg(long = "agent-flag", allow_hyphen_values = true)]
+    agent_flags: Vec<String>,
 }
 
 const NODE: &str = "bench-node";
@@ -152,6 +155,7 @@ pub async fn run(a: Args) -> Result<()> {
         format!("--slots-per-gpu={}", a.slots),
         "--enforce-interval=1s".to_string(),
     ];
+    flags.extend(a.agent_flags.iter().cloned());
     flags.extend(
         allocs
             .ids

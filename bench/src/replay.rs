@@ -100,6 +100,7 @@ fn build_log(
                 .collect(),
             cpu_milli: 0,
             memory_mib: 0,
+            isolation: String::new(),
         };
         out.extend(l.execute(Command::RegisterNode(inv), epoch, 0)?.0);
     }

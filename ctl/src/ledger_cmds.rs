@@ -174,6 +174,24 @@ pub fn render_state(l: &Ledger, details: bool) -> String {
         }
     }
     let mut out = t.render();
+    let isolation: Vec<String> = l
+        .nodes()
+        .values()
+        .map(|n| {
+            let first = if n.isolation.is_empty() {
+                "nvml"
+            } else {
+                n.isolation.as_str()
+            };
+            format!("{}={first}", n.name)
+        })
+        .collect();
+    if !isolation.is_empty() {
+        out.push_str(&format!(
+            "\nisolation (first layer; NVML sampling with a kill behind every one): {}\n",
+            isolation.join(" ")
+        ));
+    }
     out.push_str(&format!(
         "\nnodes={} gpus={} allocations={} memory={}/{} MiB ({}) compute={}% of {} GPUs seq={} epoch={}\n",
         l.nodes().len(),

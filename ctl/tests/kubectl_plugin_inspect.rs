@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use gpuledger_auth::identity::Role;
 use gpuledger_proto::allocator::v1 as api;
+use gpuledger_proto::ledger::v1 as pb;
 use gpuledger_testkit::cluster::SCHEDULER_NAME;
 use gpuledger_testkit::kube::FakeApiServer;
 use gpuledger_testkit::kube::portforward::forwarded_connections;
@@ -77,7 +78,10 @@ async fn kubectl_gpuledger_inspect_equals_gpuledger_inspect() -> anyhow::Result<
     allocs
         .node_agent(leader, "node-a")?
         .register_node(api::RegisterNodeRequest {
-            inventory: Some(inventory("node-a", 2, 16_000, "NVIDIA A100")),
+            inventory: Some(pb::NodeInventory {
+                isolation: "hami-core".into(),
+                ..inventory("node-a", 2, 16_000, "NVIDIA A100")
+            }),
         })
         .await?;
     let mut ext = allocs.extender(leader)?;
@@ -183,6 +187,10 @@ async fn kubectl_gpuledger_inspect_equals_gpuledger_inspect() -> anyhow::Result<
     assert!(ok, "{err}");
     assert!(want.contains("allocations=2"), "{want}");
     assert!(want.contains("default/pod-u2:main"), "{want}");
+    assert!(
+        want.contains("NVML sampling with a kill behind every one): node-a=hami-core"),
+        "the node's isolation as its agent reported it:\n{want}"
+    );
 
     let before = forwarded_connections();
     let (ok, got, err) = run(

@@ -45,6 +45,8 @@ pub struct Options {
     /// The real node's agent's `--allocate-wait` (None: its default, 10 s): how long an
     /// Allocate waits for a reservation of its pod.
     pub agent_allocate_wait: Option<std::time::Duration>,
+    /// More flags of the real node's agent (e.g. `--isolation=hami-core`).
+    pub agent_flags: Vec<String>,
 }
 
 impl Default for Options {
@@ -59,6 +61,7 @@ impl Default for Options {
             controller_manager_qps: None,
             dra: false,
             agent_allocate_wait: None,
+            agent_flags: Vec::new(),
         }
     }
 }
@@ -162,6 +165,7 @@ impl E2e {
                     o.misplaced_plugin_socket,
                     o.dra,
                     o.agent_allocate_wait,
+                    &o.agent_flags,
                 )
                 .await?,
             ),

@@ -29,6 +29,16 @@ fn run(cmd: &mut Command) -> Result<()> {
 /// Build `name` (e.g. `e2e.local/busybox:1`) from busybox with `cmd` as its command, as a
 /// docker-archive under `dir`; the archive's path.
 pub fn build(dir: &Path, name: &str, cmd: &[&str]) -> Result<std::path::PathBuf> {
+    build_with(dir, name, cmd, &[])
+}
+
+/// [`build`], with host files copied into the image: `(host path, path in the image)`.
+pub fn build_with(
+    dir: &Path,
+    name: &str,
+    cmd: &[&str],
+    files: &[(&Path, &str)],
+) -> Result<std::path::PathBuf> {
     if !Path::new(BUSYBOX).is_file() {
         bail!("{BUSYBOX} missing: apt-get install -y busybox-static (or `make test-e2e`)");
     }
@@ -49,6 +59,14 @@ pub fn build(dir: &Path, name: &str, cmd: &[&str]) -> Result<std::path::PathBuf>
     std::fs::copy(BUSYBOX, bin.join("busybox")).context("copying busybox into the image")?;
     for applet in ["sh", "sleep", "env", "cat", "echo", "ls", "test"] {
         std::os::unix::fs::symlink("busybox", bin.join(applet))?;
+    }
+    for (host, at) in files {
+        let to = bundle.join("rootfs").join(at.trim_start_matches('/'));
+        if let Some(parent) = to.parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+        std::fs::copy(host, &to)
+            .with_context(|| format!("copying {} into the image", host.display()))?;
     }
     run(Command::new("umoci")
         .args(["repack", "--image", &image])

@@ -79,6 +79,7 @@ pub fn inventory(name: &str, shape: &NodeShape) -> pb::NodeInventory {
             .collect(),
         cpu_milli: 0,
         memory_mib: 0,
+        isolation: String::new(),
     }
 }
 

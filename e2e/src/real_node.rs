@@ -86,6 +86,7 @@ impl RealNode {
         misplaced: bool,
         dra: bool,
         allocate_wait: Option<Duration>,
+        agent_flags: &[String],
     ) -> Result<RealNode> {
         if !nix::unistd::Uid::effective().is_root() {
             bail!("the real node needs root (containerd, runc and the kubelet)");
@@ -174,6 +175,7 @@ impl RealNode {
                 .into_iter()
                 .flatten(),
             )
+            .chain(agent_flags.iter().cloned())
             .chain(
                 allocators
                     .ids
@@ -230,6 +232,11 @@ impl RealNode {
         };
         node.wait_ready(client, Duration::from_secs(90)).await?;
         Ok(node)
+    }
+
+    /// Import an image archive ([`crate::images::build_with`]) into this node's containerd.
+    pub fn import_image(&self, archive: &Path) -> Result<()> {
+        crate::images::import(&self.bins.path("ctr"), &self.containerd_sock, archive)
     }
 
     /// Wait until the Node object says Ready.

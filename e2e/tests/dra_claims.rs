@@ -32,9 +32,15 @@ fn slices(client: &kube::Client) -> Api<DynamicObject> {
 
 /// A DRA-mode cluster whose real node's agent is ready and has published its ResourceSlice.
 pub(crate) async fn dra_node() -> Result<E2e> {
+    dra_node_with(Vec::new()).await
+}
+
+/// [`dra_node`] whose agent has these extra flags.
+pub(crate) async fn dra_node_with(agent_flags: Vec<String>) -> Result<E2e> {
     let e = E2e::start(Options {
         real_node: true,
         dra: true,
+        agent_flags,
         ..Options::default()
     })
     .await?;

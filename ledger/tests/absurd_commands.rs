@@ -58,6 +58,7 @@ fn inventory() -> impl Strategy<Value = pb::NodeInventory> {
     )
         .prop_map(|(n, gpus, cpu, mem)| pb::NodeInventory {
             mode: Default::default(),
+            isolation: String::new(),
             node: format!("n{n}"),
             gpus: gpus
                 .into_iter()
@@ -217,6 +218,7 @@ fn an_absurd_gpu_is_refused_and_percentages_never_wrap() {
     let mut l = Ledger::new();
     let inv = pb::NodeInventory {
         mode: Default::default(),
+        isolation: String::new(),
         node: "n0".into(),
         gpus: vec![pb::Gpu {
             uuid: "GPU-huge".into(),

@@ -33,6 +33,7 @@ fn inventory(node: usize, dra: bool) -> pb::NodeInventory {
         } else {
             pb::NodeMode::DevicePlugin as i32
         },
+        isolation: String::new(),
     }
 }
 

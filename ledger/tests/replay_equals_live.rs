@@ -27,6 +27,7 @@ fn inventory(node: usize, gpus: usize, mem: u64) -> pb::NodeInventory {
             .collect(),
         cpu_milli: 16_000,
         memory_mib: 64_000,
+        isolation: String::new(),
     }
 }
 

@@ -16,6 +16,7 @@ use tracing::{info, warn};
 
 use crate::allocator::Pool;
 use crate::config::Config;
+use crate::isolation::Isolation;
 use crate::metrics::Metrics;
 use crate::nvml::{GpuInfo, GpuState, NvmlBackend, XidEvent, is_critical_xid};
 use crate::view::{AllocateOptions, Change, View};
@@ -108,7 +109,13 @@ impl Agent {
             mps_pipe_dir: cfg.mps_pipe_dir.display().to_string(),
             strategies: cfg.device_list_strategy.clone(),
             cdi_kind: cfg.cdi_kind.clone(),
+            hami_core: (cfg.isolation == Isolation::HamiCore)
+                .then(|| cfg.isolation_wanted().hami_core),
         };
+        metrics
+            .isolation
+            .get_or_create(&vec![("mode", cfg.isolation.as_str().to_string())])
+            .set(1);
         let enforcement_refused = crate::procs::host_pid_namespace_problem();
         metrics
             .enforcing
@@ -262,6 +269,7 @@ impl Agent {
                 .collect(),
             cpu_milli: 0,
             memory_mib: 0,
+            isolation: self.cfg.isolation.as_str().into(),
         }
     }
 

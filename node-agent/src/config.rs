@@ -5,6 +5,8 @@ use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
 
+use crate::isolation::{HamiCore, Isolation, Wanted};
+
 /// gpuledger-node-agent: makes the GPU ledger real on one node.
 ///
 /// Discovers the node's GPUs through NVML and registers them with the allocator; serves the
@@ -134,6 +136,41 @@ pub struct Config {
     #[arg(long, env = "GPULEDGER_CDI_KIND", default_value = "nvidia.com/gpu", value_parser = parse_cdi_kind)]
     pub cdi_kind: String,
 
+    /// The first isolation layer in front of each container's share; NVML sampling with a kill
+    /// (--on-violation) stands behind every one. `nvml`: that sampling only (a process can
+    /// exceed its share until the next sample); `hami-core`: HAMi-core's `libvgpu.so` (from
+    /// --hami-core-lib) preloaded into every container through `/etc/ld.so.preload`, which
+    /// fails CUDA allocations beyond the share inside the process; `mps`: the MPS server
+    /// holding each client to its share (not available yet: refused); `dmem`: the pod
+    /// cgroup's `dmem.max` (not available yet: refused after the node's checks). A mode the
+    /// node cannot serve stops the agent at start with what is missing; it never runs a weaker
+    /// one instead.
+    #[arg(long, env = "GPULEDGER_ISOLATION", value_enum, default_value_t = Isolation::Nvml)]
+    pub isolation: Isolation,
+
+    /// HAMi-core's library on the host (--isolation=hami-core); mounted read-only into each
+    /// container at /usr/local/vgpu/libvgpu.so.
+    #[arg(
+        long,
+        env = "GPULEDGER_HAMI_CORE_LIB",
+        default_value = "/usr/local/vgpu/libvgpu.so"
+    )]
+    pub hami_core_lib: PathBuf,
+
+    /// A host directory the agent owns for HAMi-core (--isolation=hami-core): the preload
+    /// file mounted as each container's /etc/ld.so.preload, HAMi-core's lock directory, and
+    /// one shared-cache directory per allocation.
+    #[arg(
+        long,
+        env = "GPULEDGER_HAMI_CORE_DIR",
+        default_value = "/var/lib/gpuledger/hami-core"
+    )]
+    pub hami_core_dir: PathBuf,
+
+    /// The cgroup v2 mount (--isolation=dmem).
+    #[arg(long, env = "GPULEDGER_CGROUP_ROOT", default_value = "/sys/fs/cgroup")]
+    pub cgroup_root: PathBuf,
+
     /// The node runs the CUDA MPS daemon: also return the MPS limit variables and mount its
     /// pipe directory into containers.
     #[arg(long, env = "GPULEDGER_MPS")]
@@ -207,6 +244,20 @@ pub struct Config {
     /// Log format: "human" or "json" (filter with GPULEDGER_LOG, e.g. "debug").
     #[arg(long, env = "GPULEDGER_LOG_FORMAT", default_value = "human", value_parser = ["human", "json"])]
     pub log_format: String,
+}
+
+impl Config {
+    /// What --isolation asks of the node.
+    pub fn isolation_wanted(&self) -> Wanted {
+        Wanted {
+            isolation: self.isolation,
+            hami_core: HamiCore {
+                lib: self.hami_core_lib.clone(),
+                dir: self.hami_core_dir.clone(),
+            },
+            cgroup_root: self.cgroup_root.clone(),
+        }
+    }
 }
 
 /// How a node's GPUs reach containers.
@@ -364,6 +415,11 @@ mod tests {
         );
         assert_eq!(cfg.rogue_policy, RoguePolicy::Report);
         assert_eq!(cfg.mode, Mode::DevicePlugin);
+        assert_eq!(cfg.isolation, Isolation::Nvml);
+        let hami = Config::try_parse_from(["agent", "--node-name=n", "--isolation=hami-core"])
+            .expect("hami-core");
+        assert_eq!(hami.isolation, Isolation::HamiCore);
+        assert!(Config::try_parse_from(["agent", "--node-name=n", "--isolation=none"]).is_err());
         assert_eq!(cfg.prepare_grant_wait, Duration::from_secs(20));
         let dra = Config::try_parse_from(["agent", "--node-name=n", "--mode=dra"]).expect("dra");
         assert_eq!(dra.mode, Mode::Dra);

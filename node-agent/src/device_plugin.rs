@@ -79,6 +79,14 @@ impl Plugin {
             let span = info_span!("container", devices = ?c.devices_ids, allocation = Empty,
                 pod_uid = Empty, pod = Empty, seq = Empty, epoch = Empty);
             let alloc = self.allocate_one(c.devices_ids).instrument(span).await?;
+            if let Some(h) = &self.agent.env.hami_core {
+                h.make_cache_dir(alloc.id).map_err(|e| {
+                    Status::internal(format!(
+                        "creating HAMi-core's cache directory of allocation {}: {e}",
+                        alloc.id
+                    ))
+                })?;
+            }
             let r = self.agent.with_view(|v| {
                 container_response(&[&alloc], v.inventory.as_ref(), &self.agent.env)
             });

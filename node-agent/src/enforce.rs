@@ -17,6 +17,7 @@ use tracing::{Instrument, error, info, info_span, warn};
 use crate::agent::Agent;
 use crate::cgroup::PodCgroup;
 use crate::config::{OnViolation, RoguePolicy};
+use crate::isolation::Isolation;
 use crate::nvml::GpuProcess;
 use crate::procs::{Killed, ProcKey, ProcOwner, SampleError, Sampled, sample};
 use crate::view::View;
@@ -246,6 +247,12 @@ impl Enforcer {
         if !agent.synced() {
             return;
         }
+        if let Some(h) = &agent.env.hami_core {
+            let live: HashSet<u64> = agent.with_view(|v| v.allocs.keys().copied().collect());
+            for e in h.sweep(&live) {
+                warn!("removing a released allocation's HAMi-core cache directory: {e}");
+            }
+        }
         let allowance = agent.cfg.context_allowance_mib;
         let findings = agent.with_view(|v| judge(v, &sampled, allowance));
         let now = Instant::now();
@@ -429,20 +436,15 @@ fn tell_pod(agent: &Agent, o: &OverLimit, action: OnViolation) {
     }) else {
         return;
     };
-    let (id, gpu, pids, used, limit) = (o.allocation_id, &o.gpu, &o.pids, o.used_mib, o.limit_mib);
     let done = match action {
         OnViolation::Kill => "killed",
         OnViolation::Report => "reported only (--on-violation=report)",
     };
-    let message = if o.claimers_only {
-        format!(
-            "processes {pids:?} in no pod claim allocation {id} of container {container} in their environment and took its use of {gpu} to {used} MiB, over its limit of {limit} MiB: they were {done}; the container's own processes were left alone"
-        )
-    } else {
-        format!(
-            "container {container} used {used} MiB on {gpu}, over its limit of {limit} MiB (allocation {id}): its GPU processes {pids:?} were {done}"
-        )
-    };
+    let message = format!(
+        "{} {}",
+        over_message(o, &container, done),
+        escaped(agent.cfg.isolation)
+    );
     agent.event(PodEvent {
         namespace: pod.namespace,
         name: pod.name,
@@ -451,6 +453,34 @@ fn tell_pod(agent: &Agent, o: &OverLimit, action: OnViolation) {
         reason: "GpuLimitExceeded",
         message,
     });
+}
+
+/// Which layer the over-limit use got past, for the Event: the node's first isolation layer,
+/// or none but the NVML sampling that caught it.
+pub fn escaped(isolation: Isolation) -> String {
+    match isolation {
+        Isolation::Nvml => {
+            "This node's isolation is nvml: NVML sampling is its only layer, and it caught this."
+                .into()
+        }
+        other => format!(
+            "It escaped this node's first isolation layer, {}, and the NVML backstop caught it.",
+            other.as_str()
+        ),
+    }
+}
+
+fn over_message(o: &OverLimit, container: &str, done: &str) -> String {
+    let (id, gpu, pids, used, limit) = (o.allocation_id, &o.gpu, &o.pids, o.used_mib, o.limit_mib);
+    if o.claimers_only {
+        format!(
+            "processes {pids:?} in no pod claim allocation {id} of container {container} in their environment and took its use of {gpu} to {used} MiB, over its limit of {limit} MiB: they were {done}; the container's own processes were left alone."
+        )
+    } else {
+        format!(
+            "container {container} used {used} MiB on {gpu}, over its limit of {limit} MiB (allocation {id}): its GPU processes {pids:?} were {done}."
+        )
+    }
 }
 
 async fn report(agent: &Agent, v: pb::LimitViolated) {

@@ -11,9 +11,11 @@ pub mod allocator;
 pub mod cgroup;
 pub mod config;
 pub mod device_plugin;
+pub mod dmem;
 pub mod dra;
 pub mod enforce;
 pub mod health;
+pub mod isolation;
 pub mod kubelet;
 pub mod metrics;
 pub mod nvml;
@@ -50,6 +52,9 @@ pub enum RunError {
     /// NVML could not be loaded.
     #[error(transparent)]
     Nvml(#[from] nvml::Error),
+    /// The node cannot serve the --isolation asked for: what is missing.
+    #[error("isolation refused: {0}")]
+    Isolation(String),
     /// The agent's credentials for the allocator could not be read.
     #[error("the agent's credentials for the allocator: {0}")]
     Credentials(#[from] gpuledger_auth::client::CredentialError),
@@ -75,6 +80,20 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
         ));
     }
     let nvml = nvml::NvmlBackend::open(cfg.nvml_lib.as_deref())?;
+    let wanted = cfg.isolation_wanted();
+    if wanted.isolation != isolation::Isolation::Nvml {
+        let facts = isolation::NodeFacts {
+            driver_version: nvml.driver_version()?,
+            mig_on: nvml.mig_on()?,
+            cgroup2_controllers: isolation::cgroup2_controllers(&wanted.cgroup_root),
+        };
+        isolation::check(&wanted, &facts).map_err(RunError::Isolation)?;
+    }
+    info!(
+        isolation = wanted.isolation.as_str(),
+        "isolation: {} first, NVML sampling with a kill behind it",
+        wanted.isolation.as_str()
+    );
     let creds = gpuledger_auth::Credentials::load(&cfg.credentials)?;
     let agent = agent::Agent::new(cfg, nvml, &creds)?;
     match gpuledger_ops::kube_client::client(agent.cfg.kubeconfig.as_deref()).await {

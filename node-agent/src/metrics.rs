@@ -25,6 +25,9 @@ pub struct Metrics {
     /// 1 while memory limits are enforced (0 when the agent refuses, e.g. outside the host pid
     /// namespace).
     pub enforcing: Gauge,
+    /// 1 for the node's first isolation layer (`mode`: nvml, hami-core, mps, dmem); NVML
+    /// sampling stands behind every one.
+    pub isolation: Family<Labels, Gauge>,
     /// GPU memory in use per GPU as NVML measures it (sum over its processes), in bytes.
     pub memory_used: Family<Labels, Gauge<i64, AtomicI64>>,
     memory_total: Family<Labels, Gauge<i64, AtomicI64>>,
@@ -65,6 +68,7 @@ impl Metrics {
             allocate_latency: Family::new_with_constructor(allocate_histogram as fn() -> _),
             violations: Family::default(),
             enforcing: Gauge::default(),
+            isolation: Family::default(),
             memory_used: Family::default(),
             memory_total: Family::default(),
             memory_allocated: Family::default(),
@@ -96,6 +100,11 @@ impl Metrics {
             "enforcing",
             "1 while memory limits are enforced on this node (0: refused, /readyz says why)",
             m.enforcing.clone(),
+        );
+        registry.register(
+            "isolation",
+            "1 for the node's first isolation layer (mode); NVML sampling with a kill stands behind every one",
+            m.isolation.clone(),
         );
         registry.register_with_unit(
             "gpu_memory_used",

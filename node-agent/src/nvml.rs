@@ -157,6 +157,34 @@ impl NvmlBackend {
         Ok(out)
     }
 
+    /// The driver's version (`580.95.05`).
+    pub fn driver_version(&self) -> Result<String, Error> {
+        call("driver version", self.nvml.sys_driver_version())
+    }
+
+    /// The UUIDs of the GPUs whose MIG mode is on (now or after the next reset). A GPU or a
+    /// library that has no MIG answers "not supported": MIG is off there.
+    pub fn mig_on(&self) -> Result<Vec<String>, Error> {
+        let n = call("device count", self.nvml.device_count())?;
+        let mut on = Vec::new();
+        for i in 0..n {
+            let d = call("device by index", self.nvml.device_by_index(i))?;
+            match d.mig_mode() {
+                Ok(m) if m.current != 0 || m.pending != 0 => {
+                    on.push(call("device uuid", d.uuid())?)
+                }
+                Ok(_) | Err(NvmlError::NotSupported | NvmlError::FailedToLoadSymbol(_)) => {}
+                Err(source) => {
+                    return Err(Error::Call {
+                        what: "MIG mode",
+                        source,
+                    });
+                }
+            }
+        }
+        Ok(on)
+    }
+
     /// Every compute process on every GPU, with its memory use.
     pub fn processes(&self) -> Result<Vec<GpuProcess>, Error> {
         let n = call("device count", self.nvml.device_count())?;

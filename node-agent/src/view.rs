@@ -353,6 +353,8 @@ pub struct AllocateOptions {
     pub strategies: Vec<DeviceListStrategy>,
     /// The CDI kind of the GPUs' CDI devices (`nvidia.com/gpu`).
     pub cdi_kind: String,
+    /// HAMi-core injected into every container (--isolation=hami-core).
+    pub hami_core: Option<crate::isolation::HamiCore>,
 }
 
 /// The CDI annotation for allocation `id`: the key is unique per allocation, as the CDI
@@ -451,13 +453,17 @@ pub fn container_response(
             read_only: false,
         });
     }
-    dp::ContainerAllocateResponse {
+    let mut r = dp::ContainerAllocateResponse {
         envs,
         mounts,
         devices: Vec::new(),
         annotations,
         cdi_devices,
+    };
+    if let Some(h) = &opts.hami_core {
+        h.edit(id, &mut r);
     }
+    r
 }
 
 /// `GPULEDGER_ALLOCATION_ID` of a container holding `grants`: their ids, comma-separated (one

@@ -37,6 +37,48 @@ fn a_missing_nvml_library_is_a_clear_error_and_a_failing_exit() -> anyhow::Resul
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("cannot load or initialise NVML"), "{err}");
+    // An isolation the node cannot serve stops the agent with what is missing; it never runs
+    // a weaker one (the fake NVML answers driver 550, and this machine runs cgroup v1 or has
+    // no dmem controller).
+    let dir = tempfile::tempdir()?;
+    let fake_state = dir.path().join("nvml.json");
+    std::fs::write(&fake_state, r#"{"gpus":[]}"#)?;
+    for (flags, want) in [
+        (
+            vec![
+                "--isolation=hami-core".to_string(),
+                "--hami-core-lib=/nonexistent/libvgpu.so".into(),
+                format!("--hami-core-dir={}", dir.path().join("hami").display()),
+            ],
+            "no HAMi-core library at --hami-core-lib /nonexistent/libvgpu.so",
+        ),
+        (
+            vec![
+                "--isolation=dmem".to_string(),
+                format!("--cgroup-root={}", dir.path().display()),
+            ],
+            "is not a cgroup v2 mount",
+        ),
+        (
+            vec!["--isolation=mps".to_string()],
+            "does not run the MPS control daemon",
+        ),
+    ] {
+        let out = Command::new(&bin)
+            .args([
+                "--node-name=n1",
+                &format!("--nvml-lib={}", fake_nvml_lib()?.display()),
+            ])
+            .args(&flags)
+            .env("FAKE_NVML_CONFIG", &fake_state)
+            .output()?;
+        assert!(!out.status.success(), "{flags:?} started");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("isolation refused") && err.contains(want),
+            "{flags:?}: {err}"
+        );
+    }
     // --help explains the flags.
     let out = Command::new(&bin).arg("--help").output()?;
     let help = String::from_utf8_lossy(&out.stdout);

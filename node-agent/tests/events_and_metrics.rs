@@ -95,7 +95,13 @@ async fn a_killed_container_gets_an_event_and_the_metrics_follow_nvml() -> anyho
     assert_eq!(e["metadata"]["namespace"], "default");
     assert_eq!(e["source"]["host"], support::NODE);
     let msg = e["message"].as_str().unwrap_or_default();
-    for want in ["12000 MiB", "10000 MiB", gpu.as_str(), "killed"] {
+    for want in [
+        "12000 MiB",
+        "10000 MiB",
+        gpu.as_str(),
+        "killed",
+        "This node's isolation is nvml",
+    ] {
         assert!(msg.contains(want), "{want:?} missing from {msg:?}");
     }
     assert!(
@@ -141,6 +147,11 @@ async fn a_killed_container_gets_an_event_and_the_metrics_follow_nvml() -> anyho
         Some(1.0)
     );
     assert_eq!(value(&text, "gpuledger_node_agent_enforcing"), Some(1.0));
+    assert_eq!(
+        value(&text, r#"gpuledger_node_agent_isolation{mode="nvml"}"#),
+        Some(1.0),
+        "{text}"
+    );
     assert_eq!(value(&text, "gpuledger_node_agent_allocations"), Some(2.0));
     assert!(value(&text, "gpuledger_node_agent_ledger_seq").is_some_and(|s| s > 0.0));
     let (code, _) =

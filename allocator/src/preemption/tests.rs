@@ -8,6 +8,7 @@ fn ledger(pods: &[(&str, &str)]) -> Ledger {
     for n in ["n1", "n2"] {
         let inv = pb::NodeInventory {
             mode: Default::default(),
+            isolation: String::new(),
             node: n.into(),
             gpus: vec![pb::Gpu {
                 uuid: format!("GPU-{n}"),

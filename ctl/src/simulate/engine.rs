@@ -330,6 +330,7 @@ fn commit(node: &mut NodeState, req: &PodRequest, c: &Candidate) {
 pub(super) fn node_state(n: &NodeRow) -> NodeState {
     NodeState {
         mode: Default::default(),
+        isolation: String::new(),
         name: n.name.clone(),
         gpus: (0..n.gpus)
             .map(|i| GpuState {

@@ -178,6 +178,7 @@ mod tests {
     fn node(gpus: u32, core_used: u32, cpu_milli: u64, cpu_used: u64) -> NodeState {
         NodeState {
             mode: Default::default(),
+            isolation: String::new(),
             name: "n".into(),
             gpus: (0..gpus)
                 .map(|i| GpuState {

@@ -35,6 +35,7 @@ fn node() -> Body {
                 .collect(),
             cpu_milli: 0,
             memory_mib: 0,
+            isolation: String::new(),
         }),
     })
 }

@@ -24,6 +24,7 @@ fn ledger(names: &[&str]) -> Ledger {
     for (i, name) in names.iter().enumerate() {
         let inv = pb::NodeInventory {
             mode: Default::default(),
+            isolation: String::new(),
             node: (*name).into(),
             gpus: vec![pb::Gpu {
                 uuid: format!("GPU-{name}"),

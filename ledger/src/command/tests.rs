@@ -18,6 +18,7 @@ fn setup() -> Ledger {
             .collect(),
         cpu_milli: 0,
         memory_mib: 0,
+        isolation: String::new(),
     };
     l.execute(Command::RegisterNode(inv), 1, 0)
         .expect("register");

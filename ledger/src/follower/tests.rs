@@ -18,6 +18,7 @@ fn batch(first: u64, n: u64, prev: &[u8]) -> pb::EventBatch {
                 body: Some(pb::event::Body::NodeRegistered(pb::NodeRegistered {
                     inventory: Some(pb::NodeInventory {
                         mode: Default::default(),
+                        isolation: String::new(),
                         node: format!("n{seq}"),
                         gpus: vec![pb::Gpu {
                             uuid: format!("GPU-{seq}"),

@@ -21,6 +21,7 @@ pub(super) fn gpu(i: u32, mem: u64) -> GpuState {
 pub(super) fn node(gpus: Vec<GpuState>) -> NodeState {
     NodeState {
         mode: Default::default(),
+        isolation: String::new(),
         name: "n1".into(),
         gpus,
         cpu_milli: 0,

@@ -264,6 +264,7 @@ impl Ledger {
                 devices,
                 pod_kinds,
                 mode,
+                isolation: inv.isolation.clone(),
             },
         );
         Ok(())

@@ -75,6 +75,7 @@ mod tests {
     fn node(name: &str) -> NodeState {
         NodeState {
             mode: Default::default(),
+            isolation: String::new(),
             name: name.into(),
             gpus: Vec::new(),
             cpu_milli: 0,

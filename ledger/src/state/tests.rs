@@ -5,6 +5,7 @@ use crate::pb::event::Body;
 fn inv(node: &str, gpus: &[(&str, u64)]) -> pb::NodeInventory {
     pb::NodeInventory {
         mode: Default::default(),
+        isolation: String::new(),
         node: node.into(),
         gpus: gpus
             .iter()
@@ -173,4 +174,28 @@ fn snapshot_round_trip_keeps_the_state() {
     let back = Ledger::from_snapshot(&l.to_snapshot()).expect("loads");
     assert!(back.same_state(&l));
     back.check().expect("consistent");
+}
+
+#[test]
+fn a_nodes_isolation_is_kept_through_a_snapshot_and_a_change_of_it_registers_again() {
+    let mut l = Ledger::new();
+    let mut i = inv("n1", &[("g0", 100)]);
+    i.isolation = "hami-core".into();
+    l.apply(&ev(
+        1,
+        Body::NodeRegistered(pb::NodeRegistered {
+            inventory: Some(i.clone()),
+        }),
+    ))
+    .expect("register");
+    assert_eq!(l.node("n1").expect("n1").isolation, "hami-core");
+    let back = Ledger::from_snapshot(&l.to_snapshot()).expect("snapshot");
+    assert_eq!(back.node("n1").expect("n1").isolation, "hami-core");
+    assert_eq!(back.node("n1").expect("n1").inventory(), i);
+    i.isolation = "nvml".into();
+    assert_ne!(
+        l.node("n1").expect("n1").inventory(),
+        i,
+        "a new isolation is a changed inventory"
+    );
 }

@@ -66,6 +66,9 @@ pub struct NodeState {
     /// Which kind of grant the node serves: pod reservations (device plugin) or claim grants
     /// (DRA), never both.
     pub mode: pb::NodeMode,
+    /// The node agent's first isolation layer as it reported it (empty: `nvml`). The ledger
+    /// only keeps it for operators; no placement reads it.
+    pub isolation: String,
 }
 
 /// Kinds of grant told apart: a share of one GPU, then 1 to 7 whole GPUs, then 8 or more.
@@ -120,6 +123,7 @@ impl NodeState {
             cpu_milli: self.cpu_milli,
             memory_mib: self.memory_mib,
             mode: self.mode as i32,
+            isolation: self.isolation.clone(),
         }
     }
 }

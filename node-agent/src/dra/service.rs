@@ -188,6 +188,18 @@ impl Plugin {
                 })
                 .collect()
         });
+        if let Some(h) = &a.env.hami_core {
+            for (_, gs) in &requests {
+                if let Some(g) = gs.first() {
+                    h.make_cache_dir(g.id).map_err(|e| {
+                        format!(
+                            "creating HAMi-core's cache directory of allocation {}: {e}",
+                            g.id
+                        )
+                    })?;
+                }
+            }
+        }
         let spec = cdi::spec(uid, &edits);
         let bytes =
             serde_json::to_vec_pretty(&spec).map_err(|e| format!("encoding the CDI spec: {e}"))?;

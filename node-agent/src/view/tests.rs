@@ -96,6 +96,7 @@ fn allocate_env_carries_every_limit_format() {
     v.apply(&reserved(1, "a", "G0"));
     let inv = pb::NodeInventory {
         mode: Default::default(),
+        isolation: String::new(),
         node: "n1".into(),
         gpus: vec![pb::Gpu {
             uuid: "G0".into(),
@@ -113,6 +114,7 @@ fn allocate_env_carries_every_limit_format() {
         mps_pipe_dir: "/tmp/nvidia-mps".into(),
         strategies: vec![DeviceListStrategy::Envvar],
         cdi_kind: "nvidia.com/gpu".into(),
+        hami_core: None,
     };
     let r = container_response(&[&v.allocs[&1]], Some(&inv), &opts);
     let e = |k: &str| r.envs.get(k).map(String::as_str);
@@ -187,6 +189,60 @@ fn cdi_strategies_name_exactly_the_granted_gpus() {
     assert_eq!(r.envs["NVIDIA_VISIBLE_DEVICES"], "GPU-0,GPU-1");
     assert_eq!(r.cdi_devices.len(), 2);
     assert_eq!(r.annotations.len(), 2);
+}
+
+#[test]
+fn hami_core_rides_on_the_device_plugin_answer_and_the_claims_cdi_spec() {
+    let a = two_gpu_allocation();
+    let mut opts = with(&[DeviceListStrategy::CdiCri], "nvidia.com/gpu");
+    let plain = container_response(&[&a], None, &opts);
+    assert!(
+        plain.mounts.is_empty(),
+        "no HAMi-core without --isolation=hami-core"
+    );
+    assert!(!plain.envs.contains_key("CUDA_DEVICE_MEMORY_SHARED_CACHE"));
+    opts.hami_core = Some(crate::isolation::HamiCore {
+        lib: "/opt/libvgpu.so".into(),
+        dir: "/var/lib/gpuledger/hami-core".into(),
+    });
+    let r = container_response(&[&a], None, &opts);
+    assert_eq!(r.envs["CUDA_DEVICE_MEMORY_LIMIT_0"], "4096m");
+    assert_eq!(r.envs["CUDA_DEVICE_MEMORY_LIMIT_1"], "4096m");
+    assert_eq!(
+        r.envs["CUDA_DEVICE_MEMORY_SHARED_CACHE"],
+        "/usr/local/vgpu/9.cache"
+    );
+    let preload = r
+        .mounts
+        .iter()
+        .find(|m| m.container_path == "/etc/ld.so.preload")
+        .expect("the preload file");
+    assert!(preload.read_only);
+    // The DRA path writes the same edits into the claim's CDI spec.
+    let spec = crate::dra::cdi::spec("u", &[("gpu".into(), r)]);
+    let edits = &spec["devices"][0]["containerEdits"];
+    let mounts = edits["mounts"].as_array().expect("mounts");
+    assert!(
+        mounts
+            .iter()
+            .any(|m| m["containerPath"] == "/etc/ld.so.preload"
+                && m["hostPath"] == "/var/lib/gpuledger/hami-core/ld.so.preload"
+                && m["options"][0] == "ro")
+    );
+    assert!(
+        mounts
+            .iter()
+            .any(|m| m["containerPath"] == "/usr/local/vgpu/libvgpu.so"
+                && m["hostPath"] == "/opt/libvgpu.so"
+                && m["options"][0] == "ro")
+    );
+    let env: Vec<&str> = edits["env"]
+        .as_array()
+        .expect("env")
+        .iter()
+        .filter_map(|e| e.as_str())
+        .collect();
+    assert!(env.contains(&"CUDA_DEVICE_MEMORY_SHARED_CACHE=/usr/local/vgpu/9.cache"));
 }
 
 #[test]

@@ -32,6 +32,7 @@ fn inventory(node: &str, mode: pb::NodeMode) -> pb::NodeInventory {
         cpu_milli: 0,
         memory_mib: 0,
         mode: mode as i32,
+        isolation: String::new(),
     }
 }
 

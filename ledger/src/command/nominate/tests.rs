@@ -20,6 +20,7 @@ fn setup() -> Ledger {
 fn inventory(gpus: &[&str]) -> pb::NodeInventory {
     pb::NodeInventory {
         mode: Default::default(),
+        isolation: String::new(),
         node: "n1".into(),
         gpus: gpus
             .iter()

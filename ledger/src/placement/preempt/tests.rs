@@ -52,6 +52,7 @@ fn ledger(gpus: usize, mem: u64, pods: &[Pod]) -> Ledger {
             .collect(),
         cpu_milli: 0,
         memory_mib: 0,
+        isolation: String::new(),
     };
     l.apply(&ev(
         1,
@@ -386,6 +387,7 @@ fn two_nodes(on_n1: (&str, i32), on_n2: (&str, i32)) -> (Ledger, Vec<NodePods>) 
     for (n, (uid, prio)) in [("n1", on_n1), ("n2", on_n2)] {
         let inv = pb::NodeInventory {
             mode: Default::default(),
+            isolation: String::new(),
             node: n.into(),
             gpus: vec![pb::Gpu {
                 uuid: format!("GPU-{n}"),

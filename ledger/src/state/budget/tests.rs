@@ -26,6 +26,7 @@ fn ledger() -> Ledger {
             .collect(),
         cpu_milli: 0,
         memory_mib: 0,
+        isolation: String::new(),
     };
     l.execute(Command::RegisterNode(inv), 1, DAY0)
         .expect("register");

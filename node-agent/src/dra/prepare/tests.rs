@@ -21,6 +21,7 @@ fn inventory() -> pb::NodeInventory {
         cpu_milli: 0,
         memory_mib: 0,
         mode: pb::NodeMode::Dra as i32,
+        isolation: String::new(),
     }
 }
 

@@ -1,0 +1,167 @@
+//! The kernel's dmem cgroup controller (cgroup v2, Linux 6.14+), as its interface files are
+//! documented in `Documentation/admin-guide/cgroup-v2.rst`: `dmem.capacity` in the root cgroup
+//! lists each device memory region and its size (`drm/0000:03:00.0/vram0 8514437120`);
+//! `dmem.max` in a non-root cgroup is a nested-keyed file, read as one `<region> <bytes|max>`
+//! line per region and written one `<region> <bytes|max>` line at a time; `dmem.current` is
+//! what the cgroup uses. The controller must be enabled in the parent's
+//! `cgroup.subtree_control` (`+dmem`) for a cgroup to have the files.
+//!
+//! This module writes a share and reads back what the kernel kept; nothing here decides a
+//! share.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::Path;
+
+/// A region's limit: bytes, or `max` (none).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Limit {
+    /// At most this many bytes.
+    Bytes(u64),
+    /// No limit.
+    Max,
+}
+
+impl std::fmt::Display for Limit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Limit::Bytes(b) => write!(f, "{b}"),
+            Limit::Max => f.write_str("max"),
+        }
+    }
+}
+
+/// Parse a nested-keyed dmem file (`dmem.capacity`, `dmem.max`, `dmem.current`): region →
+/// value. A line that is not `<region> <bytes|max>` is an error naming it.
+pub fn parse(text: &str) -> Result<BTreeMap<String, Limit>, String> {
+    let mut out = BTreeMap::new();
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let mut parts = line.split_whitespace();
+        let (Some(region), Some(value), None) = (parts.next(), parts.next(), parts.next()) else {
+            return Err(format!("{line:?} is not `<region> <bytes|max>`"));
+        };
+        let limit = match value {
+            "max" => Limit::Max,
+            v => Limit::Bytes(
+                v.parse()
+                    .map_err(|_| format!("{line:?}: {v:?} is neither bytes nor max"))?,
+            ),
+        };
+        out.insert(region.to_string(), limit);
+    }
+    Ok(out)
+}
+
+/// The dmem region of the GPU at PCI address `bus_id` among those of `dmem.capacity`: NVML
+/// writes the domain with 8 digits (`00000000:03:00.0`), the kernel with 4 (`0000:03:00.0`).
+/// The region of the device's video memory (`…/vram0`) when there are several.
+pub fn region_of<'a>(capacity: &'a BTreeMap<String, Limit>, bus_id: &str) -> Option<&'a str> {
+    let bus = bus_id.to_ascii_lowercase();
+    let short = match bus.split_once(':') {
+        Some((domain, rest)) if domain.len() > 4 => {
+            format!("{}:{rest}", &domain[domain.len() - 4..])
+        }
+        _ => bus,
+    };
+    let mut of_device = capacity
+        .keys()
+        .filter(|r| r.split('/').nth(1) == Some(short.as_str()));
+    let all: Vec<&String> = of_device.by_ref().collect();
+    all.iter()
+        .find(|r| r.ends_with("/vram0"))
+        .or(all.first())
+        .map(|r| r.as_str())
+}
+
+/// Write `limit` for `region` into `<cgroup>/dmem.max` and read back what the kernel kept for
+/// it: the answer is what the cgroup is now held to, which the caller reports (a kernel that
+/// rounds or refuses the value shows it here).
+pub fn apply(cgroup: &Path, region: &str, limit: Limit) -> Result<Limit, String> {
+    let path = cgroup.join("dmem.max");
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .map_err(|e| {
+            format!(
+                "opening {}: {e} (is +dmem in the parent's cgroup.subtree_control?)",
+                path.display()
+            )
+        })?;
+    // One write per line: the kernel parses each write(2) on its own.
+    f.write_all(format!("{region} {limit}\n").as_bytes())
+        .map_err(|e| format!("writing {region} {limit} to {}: {e}", path.display()))?;
+    drop(f);
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| format!("reading back {}: {e}", path.display()))?;
+    parse(&text)
+        .map_err(|e| format!("{}: {e}", path.display()))?
+        .get(region)
+        .copied()
+        .ok_or_else(|| {
+            format!(
+                "{} has no line for {region} after the write",
+                path.display()
+            )
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CAPACITY: &str = "drm/0000:03:00.0/vram0 85899345920\ndrm/0000:03:00.0/stolen 8650752\ndrm/0000:41:00.0/vram0 85899345920\n";
+
+    /// A cgroup v2 tree as the kernel shows one with the dmem controller on: the root's
+    /// capacity, and a pod cgroup whose `dmem.max` starts at `max` for every region. A plain
+    /// file cannot parse writes, so the test writes what a write leaves: the region's line.
+    fn tree() -> tempfile::TempDir {
+        let d = tempfile::tempdir().expect("tempdir");
+        std::fs::write(d.path().join("cgroup.controllers"), "cpu memory dmem\n").expect("w");
+        std::fs::write(d.path().join("dmem.capacity"), CAPACITY).expect("w");
+        let pod = d.path().join("kubepods/podabc");
+        std::fs::create_dir_all(&pod).expect("mkdir");
+        std::fs::write(pod.join("dmem.max"), "").expect("w");
+        d
+    }
+
+    #[test]
+    fn capacity_is_parsed_and_a_gpu_is_found_by_its_nvml_bus_id() {
+        let cap = parse(CAPACITY).expect("parse");
+        assert_eq!(cap["drm/0000:03:00.0/vram0"], Limit::Bytes(85_899_345_920));
+        assert_eq!(
+            region_of(&cap, "00000000:03:00.0"),
+            Some("drm/0000:03:00.0/vram0")
+        );
+        assert_eq!(
+            region_of(&cap, "0000:41:00.0"),
+            Some("drm/0000:41:00.0/vram0")
+        );
+        assert_eq!(region_of(&cap, "00000000:99:00.0"), None);
+        assert!(
+            parse("drm/x/vram0 lots\n")
+                .expect_err("bad")
+                .contains("neither bytes nor max")
+        );
+        assert!(parse("drm/x/vram0\n").is_err());
+        assert_eq!(
+            parse("drm/x/vram0 max\n").expect("max")["drm/x/vram0"],
+            Limit::Max
+        );
+    }
+
+    #[test]
+    fn a_share_is_written_as_one_line_and_read_back() {
+        let d = tree();
+        let pod = d.path().join("kubepods/podabc");
+        let got = apply(&pod, "drm/0000:03:00.0/vram0", Limit::Bytes(4 << 30)).expect("apply");
+        assert_eq!(got, Limit::Bytes(4 << 30));
+        assert_eq!(
+            std::fs::read_to_string(pod.join("dmem.max")).expect("read"),
+            "drm/0000:03:00.0/vram0 4294967296\n"
+        );
+        // A cgroup without the controller has no dmem.max: the error says where to look.
+        let bare = d.path().join("kubepods");
+        let e = apply(&bare, "drm/0000:03:00.0/vram0", Limit::Max).expect_err("no file");
+        assert!(e.contains("cgroup.subtree_control"), "{e}");
+    }
+}
