@@ -361,6 +361,16 @@ pub struct Limits {
     )]
     pub log_scan_events_per_s: u32,
 
+    /// Events a second that every holder's ReadLog scans stream together (allocators' and the
+    /// extender's not counted), after a second's worth at once: many holders' scans cost the
+    /// leader what one holder's do (0 = no bound).
+    #[arg(
+        long,
+        env = "GPULEDGER_LOG_SCAN_EVENTS_TOTAL_PER_S",
+        default_value_t = 20_000
+    )]
+    pub log_scan_events_total_per_s: u32,
+
     /// Threads that answer CPU-heavy reads (Filter, Score, Dump, ReadLog pages) off the async
     /// runtime, which keeps the leader's lease alive; further heavy reads wait for one.
     #[arg(long, env = "GPULEDGER_HEAVY_READ_THREADS", default_value_t = 2)]

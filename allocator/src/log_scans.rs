@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use governor::clock::{Clock, DefaultClock};
-use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
+use governor::{DefaultDirectRateLimiter, DefaultKeyedRateLimiter, Quota, RateLimiter};
 use gpuledger_auth::identity::{Holder, Role};
 use gpuledger_auth::limit::{Bites, Full, Slot, Slots, wait_turn};
 use gpuledger_auth::server::over_limit;
@@ -32,6 +32,9 @@ pub struct ScanBounds {
     pub per_holder: usize,
     /// Events a second one holder's scans stream together, a second's worth at once.
     pub events_per_s: u32,
+    /// Events a second every holder's scans stream together, a second's worth at once: what
+    /// many holders' scans cost the leader at most, whoever holds them.
+    pub total_events_per_s: u32,
 }
 
 /// Holders remembered before those that have not scanned lately are forgotten.
@@ -42,13 +45,16 @@ pub struct LogScans {
     bounds: ScanBounds,
     slots: Arc<Slots<Holder>>,
     limiter: Option<Arc<DefaultKeyedRateLimiter<Holder>>>,
+    total: Option<Arc<DefaultDirectRateLimiter>>,
     in_flight: Gauge,
 }
 
-/// One scan in flight: its slot (given back when dropped) and its holder's pace.
+/// One scan in flight: its slot (given back when dropped), its holder's pace and the pace of
+/// all scans.
 pub struct Scan {
     _slot: Option<Slot<Holder>>,
     pace: Option<(Arc<DefaultKeyedRateLimiter<Holder>>, Holder, NonZeroU32)>,
+    total: Option<(Arc<DefaultDirectRateLimiter>, NonZeroU32)>,
     in_flight: Gauge,
 }
 
@@ -57,6 +63,8 @@ impl LogScans {
     pub fn new(bounds: ScanBounds, bites: Arc<Bites>, in_flight: Gauge) -> Self {
         let limiter = NonZeroU32::new(bounds.events_per_s)
             .map(|rate| Arc::new(RateLimiter::keyed(Quota::per_second(rate))));
+        let total = NonZeroU32::new(bounds.total_events_per_s)
+            .map(|rate| Arc::new(RateLimiter::direct(Quota::per_second(rate))));
         LogScans {
             bounds,
             slots: Slots::new(
@@ -66,6 +74,7 @@ impl LogScans {
                 bites,
             ),
             limiter,
+            total,
             in_flight,
         }
     }
@@ -117,32 +126,57 @@ impl LogScans {
             }
             _ => None,
         };
+        let total = match &self.total {
+            Some(t) if slot.is_some() => {
+                NonZeroU32::new(self.bounds.total_events_per_s).map(|burst| (t.clone(), burst))
+            }
+            _ => None,
+        };
         self.in_flight.inc();
         Ok(Scan {
             _slot: slot,
             pace,
+            total,
             in_flight: self.in_flight.clone(),
         })
     }
 }
 
 impl Scan {
-    /// Wait until this scan's holder may stream `events` more events, however long that
-    /// takes: its client waits for them anyway, and the scan holds one of the few slots.
+    /// Wait until this scan's holder, and all scans together, may stream `events` more events,
+    /// however long that takes: its client waits for them anyway, and the scan holds one of the
+    /// few slots.
     pub async fn pace(&self, events: usize) {
-        let Some((limiter, holder, burst)) = &self.pace else {
+        let clock = DefaultClock::default();
+        let burst = [
+            self.pace.as_ref().map(|p| p.2),
+            self.total.as_ref().map(|t| t.1),
+        ]
+        .into_iter()
+        .flatten()
+        .min();
+        let Some(burst) = burst else {
             return;
         };
-        let clock = DefaultClock::default();
         let mut left = u32::try_from(events).unwrap_or(u32::MAX);
         while let Some(n) = NonZeroU32::new(left.min(burst.get())) {
-            let turn = || match limiter.check_key_n(holder, n) {
-                Ok(Ok(())) => None,
-                Ok(Err(not_until)) => Some(not_until.wait_time_from(clock.now())),
-                // Never more than the burst at once; should it be, let it pass.
-                Err(_) => None,
-            };
-            let _ = wait_turn(turn, Duration::MAX).await;
+            if let Some((limiter, holder, _)) = &self.pace {
+                let turn = || match limiter.check_key_n(holder, n) {
+                    Ok(Ok(())) => None,
+                    Ok(Err(not_until)) => Some(not_until.wait_time_from(clock.now())),
+                    // Never more than the burst at once; should it be, let it pass.
+                    Err(_) => None,
+                };
+                let _ = wait_turn(turn, Duration::MAX).await;
+            }
+            if let Some((limiter, _)) = &self.total {
+                let turn = || match limiter.check_n(n) {
+                    Ok(Ok(())) => None,
+                    Ok(Err(not_until)) => Some(not_until.wait_time_from(clock.now())),
+                    Err(_) => None,
+                };
+                let _ = wait_turn(turn, Duration::MAX).await;
+            }
             left -= n.get();
         }
     }
@@ -238,6 +272,7 @@ mod tests {
             max: 8,
             per_holder: 2,
             events_per_s: 0,
+            total_events_per_s: 0,
         };
         let scans = LogScans::new(bounds, bites.clone(), Gauge::default());
         let one = || Some(holder(Role::Viewer, "token:1"));
@@ -251,5 +286,42 @@ mod tests {
         assert_eq!(bites.count(BITE_LOG_SCANS_PER_HOLDER), 1);
         // Another holder of the same identity (another token) still scans.
         scans.start(Some(holder(Role::Viewer, "token:2"))).unwrap();
+    }
+
+    #[tokio::test]
+    async fn all_holders_share_the_total_pace() {
+        let bounds = ScanBounds {
+            total_events_per_s: 1_000,
+            ..ScanBounds::default()
+        };
+        let scans = LogScans::new(bounds, Bites::new(), Gauge::default());
+        let (one, two) = (
+            scans.start(Some(holder(Role::Viewer, "token:1"))).unwrap(),
+            scans.start(Some(holder(Role::Viewer, "token:2"))).unwrap(),
+        );
+        let t = std::time::Instant::now();
+        // A second's worth at once for both together, then the total rate.
+        one.pace(600).await;
+        two.pace(400).await;
+        assert!(
+            t.elapsed() < Duration::from_millis(300),
+            "{:?}",
+            t.elapsed()
+        );
+        two.pace(500).await;
+        assert!(
+            t.elapsed() >= Duration::from_millis(400),
+            "{:?}",
+            t.elapsed()
+        );
+        // A replica's own reads are not held to it.
+        let t = std::time::Instant::now();
+        let own = scans.start(Some(holder(Role::Allocator, "cert"))).unwrap();
+        own.pace(5_000).await;
+        assert!(
+            t.elapsed() < Duration::from_millis(100),
+            "{:?}",
+            t.elapsed()
+        );
     }
 }

@@ -121,6 +121,7 @@ pub async fn run_until(cfg: Config, stop: CancellationToken) -> Result<(), Start
         max: cfg.limits.max_log_scans,
         per_holder: cfg.limits.max_log_scans_per_holder,
         events_per_s: cfg.limits.log_scan_events_per_s,
+        total_events_per_s: cfg.limits.log_scan_events_total_per_s,
     })
     .with_read_limits(crate::read_limits::ReadLimits::new(
         cfg.limits.heavy_reads_per_identity_per_s,

@@ -31,8 +31,9 @@ pub mod plan;
 const MAX_PER_PASS: usize = 256;
 /// A pod is annotated at most once in this long.
 const GAP: Duration = Duration::from_secs(2);
-/// Passes are at least this far apart (a burst of releases makes one pass).
-const PACE: Duration = Duration::from_millis(200);
+/// Passes are at least this far apart (a burst of releases makes one pass; each looks at
+/// every pod of the watch). kube-scheduler's own backoff is at least this long.
+const PACE: Duration = Duration::from_secs(1);
 /// A pass without a nudge this often (nothing to do unless room was freed).
 const EVERY: Duration = Duration::from_secs(60);
 

@@ -314,3 +314,56 @@ async fn a_cancelled_scan_gives_its_slot_back_while_paced() -> anyhow::Result<()
     }
     Ok(())
 }
+
+/// Many holders' scans together stream at most `--log-scan-events-total-per-s`: two operators
+/// (two holders, each unpaced on its own) scanning at once share it, so what many identities'
+/// loops cost the leader is what one scan at that rate costs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_holders_scans_share_the_total_pace() -> anyhow::Result<()> {
+    const TOTAL: u64 = 500;
+    let etcd = EtcdCluster::start(1).await?;
+    let dir = tempfile::tempdir()?;
+    let total = format!("--log-scan-events-total-per-s={TOTAL}");
+    let flags = [
+        "--heavy-reads-per-identity-per-s=0",
+        "--log-scan-events-per-s=0",
+        total.as_str(),
+    ];
+    let allocs = Allocators::start(dir.path(), &etcd, 1, "total", &flags)?;
+    allocs.wait_leader(Duration::from_secs(20)).await?;
+    let admin = allocs.admin(0)?;
+    let mut writers = tokio::task::JoinSet::new();
+    for w in 0..4u64 {
+        let mut a = admin.clone();
+        writers.spawn(async move {
+            for i in 0..150u64 {
+                a.set_quota(api::SetQuotaRequest {
+                    quota: Some(pb::QuotaSet {
+                        namespace: format!("ns-{w}"),
+                        mem_mib: i + 1,
+                        core_milli: 0,
+                    }),
+                })
+                .await?;
+            }
+            anyhow::Ok(())
+        });
+    }
+    while let Some(r) = writers.join_next().await {
+        r??;
+    }
+    let head = allocs.status(0).await.expect("status").seq;
+    let (mut viewer, mut other) = (allocs.viewer(0)?, admin.clone());
+    let t = Instant::now();
+    let (a, b) = tokio::join!(scan(&mut viewer), scan(&mut other));
+    let took = t.elapsed();
+    let events = (a?.len() + b?.len()) as u64;
+    assert!(events >= 2 * head, "{events} events of two scans of {head}");
+    // A second's worth at once, the rest at the total rate.
+    let paced = Duration::from_secs_f64((events - TOTAL) as f64 / TOTAL as f64);
+    assert!(
+        took >= paced.mul_f64(0.9),
+        "two holders streamed {events} events in {took:?}: not held to {TOTAL}/s together"
+    );
+    Ok(())
+}

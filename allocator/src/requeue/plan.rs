@@ -52,12 +52,7 @@ pub fn waiting(pod: &Pod) -> Option<Waiting> {
     if spec.node_name.is_some() || pod.metadata.deletion_timestamp.is_some() {
         return None;
     }
-    // DRA pods are requeued by kube-scheduler itself when claims and slices change.
-    if gpuledger_request::has_dra_marker(pod)
-        || gpuledger_request::containers(pod).map_or(true, |c| c.is_empty())
-    {
-        return None;
-    }
+    // The cheap test first: every pod of the watch is looked at on each pass.
     let unschedulable = pod
         .status
         .as_ref()?
@@ -66,6 +61,12 @@ pub fn waiting(pod: &Pod) -> Option<Waiting> {
         .iter()
         .find(|c| c.type_ == "PodScheduled")
         .filter(|c| c.status == "False" && c.reason.as_deref() == Some("Unschedulable"))?;
+    // DRA pods are requeued by kube-scheduler itself when claims and slices change.
+    if gpuledger_request::has_dra_marker(pod)
+        || gpuledger_request::containers(pod).map_or(true, |c| c.is_empty())
+    {
+        return None;
+    }
     Some(Waiting {
         ns: pod.metadata.namespace.clone()?,
         name: pod.metadata.name.clone()?,
