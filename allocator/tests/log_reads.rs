@@ -24,8 +24,9 @@ async fn a_read_from_any_seq_starts_at_the_batch_holding_it() -> anyhow::Result<
     .await?;
     let epoch = key.rev() as u64;
     // Batch sizes that put boundaries inside every width the search tries (1, 64, 4,096,
-    // 262,144 seqs below the one read).
-    let sizes = [1u64, 5, 100, 3, 70, 1, 5_000, 2, 300];
+    // 262,144 seqs below the one read), and a batch longer than the window a bounded read
+    // walks the log in (8,192 seqs), with one after it.
+    let sizes = [1u64, 5, 100, 3, 70, 1, 5_000, 2, 300, 20_000, 1];
     let mut bounds = Vec::new(); // (first, last) of each batch
     let (mut seq, mut head_rev) = (1u64, 0i64);
     for n in sizes {

@@ -13,6 +13,12 @@ use super::{Commit, Encoded, Fence, HeadInfo, LedgerLog, LogError, decode_batch,
 const MAX_DECODE: usize = 256 * 1024 * 1024;
 /// Keys per page when range-reading the log.
 const PAGE: i64 = 256;
+/// Seqs one range of a bounded read spans at most. etcd counts every key up to a range's end
+/// to answer it, whatever its limit (`treeIndex.Revisions`, under the index's read lock, which
+/// writes wait for): a range that ends at the log's end costs the rest of the log, and a whole
+/// log read in pages cost the log times its pages. A read with a known last seq walks the log
+/// in windows of this many seqs instead.
+const WINDOW: u64 = 8_192;
 
 /// Handle on one cluster's log in etcd.
 #[derive(Clone)]
@@ -109,6 +115,13 @@ impl EtcdLog {
     pub fn log_key(&self, first_seq: u64) -> String {
         format!("{}log/{}", self.prefix, seq_key(first_seq))
     }
+
+    /// The first seq of the batch stored under `key` (a [`EtcdLog::log_key`]).
+    fn seq_of_key(&self, key: &str) -> Option<u64> {
+        key.strip_prefix(&format!("{}log/", self.prefix))?
+            .parse()
+            .ok()
+    }
     /// Key of the head record.
     pub fn head_key(&self) -> String {
         format!("{}head", self.prefix)
@@ -125,6 +138,25 @@ impl EtcdLog {
         match tokio::time::timeout(self.timeout, f).await {
             Ok(r) => Ok(r?),
             Err(_) => Err(LogError::Timeout(self.timeout)),
+        }
+    }
+
+    /// The head's seq at revision `rev` (0: an empty log).
+    async fn head_at(&self, kv: &mut KvClient, rev: i64) -> Result<u64, LogError> {
+        let key = self.head_key();
+        let resp = self
+            .timed(kv.get(key.clone(), Some(GetOptions::new().with_revision(rev))))
+            .await?;
+        match resp.kvs().first() {
+            None => Ok(0),
+            Some(kv) => {
+                pb::Head::decode(kv.value())
+                    .map(|h| h.seq)
+                    .map_err(|e| LogError::Corrupt {
+                        key,
+                        why: e.to_string(),
+                    })
+            }
         }
     }
 
@@ -302,14 +334,23 @@ impl EtcdLog {
         let mut kv = self.kv.clone();
         let end = format!("{}log0", self.prefix); // '0' sorts right after '/'
         let (mut start, rev) = self.batch_holding(&mut kv, from.max(1), at_rev).await?;
+        // Ranges end a window after where they start (see WINDOW), up to the head as of the
+        // revision read at when no last seq is asked for.
+        let to = match to {
+            0 => self.head_at(&mut kv, rev).await?,
+            to => to,
+        };
+        let mut window_from = self.seq_of_key(&start).unwrap_or(from.max(1));
         loop {
+            let window_end = (to > 0).then(|| window_from.saturating_add(WINDOW).min(to + 1));
+            let range_end = window_end.map_or_else(|| end.clone(), |w| self.log_key(w));
             let resp = self
                 .timed(
                     kv.get(
                         start.clone(),
                         Some(
                             GetOptions::new()
-                                .with_range(end.clone())
+                                .with_range(range_end)
                                 .with_limit(PAGE)
                                 .with_revision(rev),
                         ),
@@ -319,11 +360,19 @@ impl EtcdLog {
             let more = resp.more();
             let mut resp = resp;
             let page = self.decode_page(resp.take_kvs()).await?;
-            let next = page.last().filter(|_| more).map(|(_, last)| {
-                let mut next = last.key().to_vec();
-                next.push(0);
-                String::from_utf8_lossy(&next).into_owned()
-            });
+            let next = match (page.last().filter(|_| more), window_end) {
+                (Some((_, last)), _) => {
+                    let mut next = last.key().to_vec();
+                    next.push(0);
+                    Some(String::from_utf8_lossy(&next).into_owned())
+                }
+                // The window is read: the next one, until past the last seq.
+                (None, Some(w)) if w <= to => {
+                    window_from = w;
+                    Some(self.log_key(w))
+                }
+                (None, _) => None,
+            };
             for (b, kvp) in page {
                 let last = b.events.last().map_or(b.first_seq, |e| e.seq);
                 if last < from {
