@@ -44,6 +44,35 @@ async fn scan(c: &mut gpuledger_client::Client) -> Result<Vec<u64>, tonic::Statu
     Ok(seqs)
 }
 
+/// `writers` admins writing `each` quotas at once: a log of `writers × each` events.
+async fn write_quotas(
+    admin: &gpuledger_client::Client,
+    writers: u64,
+    each: u64,
+) -> anyhow::Result<()> {
+    let mut tasks = tokio::task::JoinSet::new();
+    for w in 0..writers {
+        let mut a = admin.clone();
+        tasks.spawn(async move {
+            for i in 0..each {
+                a.set_quota(api::SetQuotaRequest {
+                    quota: Some(pb::QuotaSet {
+                        namespace: format!("ns-{w}"),
+                        mem_mib: i + 1,
+                        core_milli: 0,
+                    }),
+                })
+                .await?;
+            }
+            anyhow::Ok(())
+        });
+    }
+    while let Some(r) = tasks.join_next().await {
+        r??;
+    }
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn log_scans_are_capped_and_paced_from_the_archive_on_and_writes_go_on() -> anyhow::Result<()>
 {
@@ -68,26 +97,7 @@ async fn log_scans_are_capped_and_paced_from_the_archive_on_and_writes_go_on() -
 
     // A log of a few thousand events, most of it archived.
     let admin = allocs.admin(0)?;
-    let mut writers = tokio::task::JoinSet::new();
-    for w in 0..16u64 {
-        let mut a = admin.clone();
-        writers.spawn(async move {
-            for i in 0..250u64 {
-                a.set_quota(api::SetQuotaRequest {
-                    quota: Some(pb::QuotaSet {
-                        namespace: format!("ns-{w}"),
-                        mem_mib: i + 1,
-                        core_milli: 0,
-                    }),
-                })
-                .await?;
-            }
-            anyhow::Ok(())
-        });
-    }
-    while let Some(r) = writers.join_next().await {
-        r??;
-    }
+    write_quotas(&admin, 16, 250).await?;
     let head = allocs.status(0).await.expect("status").seq;
     assert!(head >= 4_000, "{head} events written");
     let t0 = Instant::now();
@@ -332,26 +342,7 @@ async fn all_holders_scans_share_the_total_pace() -> anyhow::Result<()> {
     let allocs = Allocators::start(dir.path(), &etcd, 1, "total", &flags)?;
     allocs.wait_leader(Duration::from_secs(20)).await?;
     let admin = allocs.admin(0)?;
-    let mut writers = tokio::task::JoinSet::new();
-    for w in 0..4u64 {
-        let mut a = admin.clone();
-        writers.spawn(async move {
-            for i in 0..150u64 {
-                a.set_quota(api::SetQuotaRequest {
-                    quota: Some(pb::QuotaSet {
-                        namespace: format!("ns-{w}"),
-                        mem_mib: i + 1,
-                        core_milli: 0,
-                    }),
-                })
-                .await?;
-            }
-            anyhow::Ok(())
-        });
-    }
-    while let Some(r) = writers.join_next().await {
-        r??;
-    }
+    write_quotas(&admin, 4, 150).await?;
     let head = allocs.status(0).await.expect("status").seq;
     let (mut viewer, mut other) = (allocs.viewer(0)?, admin.clone());
     let t = Instant::now();
