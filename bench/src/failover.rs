@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use gpuledger_auth::identity::Role;
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_testkit::workload::{inventory, pod, reserve_retry_via};
@@ -16,9 +16,9 @@ use crate::common::{run_dir, title};
 /// Flags of `gpuledger-bench failover`.
 #[derive(clap::Args)]
 pub struct Args {
-    /// Number of leader kills.
-    #[arg(long, default_value_t = 10)]
-    trials: usize,
+    /// Number of leader kills (at least 1).
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..))]
+    trials: u32,
     /// Allocator replicas.
     #[arg(long, default_value_t = 3)]
     replicas: usize,
@@ -119,7 +119,9 @@ pub async fn run(a: Args) -> Result<()> {
         let _ = w.await;
     }
     times.sort_unstable();
-    let p50 = times[times.len() / 2];
+    let p50 = *times
+        .get(times.len() / 2)
+        .context("no trial ran (--trials must be at least 1)")?;
     let max = *times.last().unwrap_or(&0);
     println!(
         "\nleader lease TTL {} s; kube-scheduler's default leader election takes ~15 s for the same event",

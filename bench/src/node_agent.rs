@@ -142,15 +142,47 @@ async fn etcd_leader_url(etcd: &EtcdCluster) -> Result<String> {
         .context("the etcd leader has no client URL")
 }
 
+/// GPU memory of each fake GPU, in MiB.
+const GPU_MIB: u64 = 40_960;
+/// MiB each admitted pod reserves, and as much again for its baseline reservation.
+const POD_MIB: u64 = 100;
+
+/// Refuse sizes the run could not finish, before anything starts: every admitted pod keeps one
+/// replica device and, with its baseline, 2 × 100 MiB until the end.
+fn check_sizes(a: &Args) -> Result<()> {
+    anyhow::ensure!(
+        a.gpus >= 1 && a.slots >= 1 && a.pods >= 1,
+        "--gpus, --slots and --pods must each be at least 1"
+    );
+    let devices = u64::from(a.gpus) * u64::from(a.slots);
+    anyhow::ensure!(
+        a.pods as u64 <= devices,
+        "--pods={} needs as many replica devices, and --gpus={} x --slots={} is {devices}: raise --slots",
+        a.pods,
+        a.gpus,
+        a.slots
+    );
+    let room = u64::from(a.gpus) * GPU_MIB / (2 * POD_MIB);
+    anyhow::ensure!(
+        a.pods as u64 <= room,
+        "--pods={} reserve {} MiB each (pod and baseline), and --gpus={} of {GPU_MIB} MiB hold {room} such pods: raise --gpus",
+        a.pods,
+        2 * POD_MIB,
+        a.gpus
+    );
+    Ok(())
+}
+
 /// Run the benchmark.
 pub async fn run(a: Args) -> Result<()> {
+    check_sizes(&a)?;
     let dir = run_dir("node-agent")?;
     title("starting a 3-member etcd, an allocator, the kubelet emulator and the node agent");
     let etcd = EtcdCluster::start_in(&dir.path().join("etcd"), 3).await?;
     let allocs = Allocators::start(&dir.path().join("alloc"), &etcd, 1, "bench", &["--no-kube"])?;
     allocs.wait_leader(Duration::from_secs(30)).await?;
     let kubelet = Kubelet::start(&dir.path().join("kubelet")).await?;
-    let nvml = FakeNvml::new(dir.path(), NODE, a.gpus, 40_960)?;
+    let nvml = FakeNvml::new(dir.path(), NODE, a.gpus, GPU_MIB)?;
     let mut flags = vec![
         format!("--slots-per-gpu={}", a.slots),
         "--enforce-interval=1s".to_string(),
@@ -167,7 +199,7 @@ pub async fn run(a: Args) -> Result<()> {
         .wait_registrations(1, Duration::from_secs(30))
         .await
         .with_context(|| agent.proc.log_tail(30))?;
-    let want = (a.gpus * a.slots) as usize;
+    let want = (u64::from(a.gpus) * u64::from(a.slots)) as usize;
     kubelet
         .wait_devices(Duration::from_secs(10), |d| d.len() == want)
         .await?;
@@ -215,7 +247,7 @@ pub async fn run(a: Args) -> Result<()> {
         let base = format!("base-{i}");
         let r = ext
             .reserve(api::ReserveRequest {
-                request: Some(pod(&base, 100, 1)),
+                request: Some(pod(&base, POD_MIB, 1)),
                 node: NODE.into(),
                 ttl_ms: 600_000,
             })
@@ -233,7 +265,7 @@ pub async fn run(a: Args) -> Result<()> {
 
         let uid = format!("uid-{i}");
         ext.reserve(api::ReserveRequest {
-            request: Some(pod(&uid, 100, 1)),
+            request: Some(pod(&uid, POD_MIB, 1)),
             node: NODE.into(),
             ttl_ms: 600_000,
         })

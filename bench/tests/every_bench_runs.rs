@@ -199,3 +199,42 @@ fn hostile() -> Result<()> {
         "attacks=1 ",
     )
 }
+
+/// Run `gpuledger-bench <args>`, which must refuse at once (before starting etcd) with a
+/// message that holds `says`.
+fn refused(args: &[&str], says: &str) -> Result<()> {
+    let started = Instant::now();
+    let out = Command::new(env!("CARGO_BIN_EXE_gpuledger-bench"))
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .context("running gpuledger-bench")?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    if out.status.success() || !err.contains(says) {
+        bail!(
+            "gpuledger-bench {} should have been refused with {says:?}: {}\n{err}",
+            args.join(" "),
+            out.status
+        );
+    }
+    if err.contains("panicked") || started.elapsed() > Duration::from_secs(10) {
+        bail!(
+            "gpuledger-bench {} did not refuse cleanly at once:\n{err}",
+            args.join(" ")
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn sizes_a_run_cannot_finish_are_refused_before_it_starts() -> Result<()> {
+    refused(&["failover", "--trials=0"], "--trials")?;
+    refused(
+        &["node-agent", "--pods=10", "--gpus=1", "--slots=4"],
+        "raise --slots",
+    )?;
+    refused(
+        &["node-agent", "--pods=300", "--gpus=1", "--slots=512"],
+        "raise --gpus",
+    )
+}
