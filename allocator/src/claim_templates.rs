@@ -41,6 +41,8 @@ pub struct Templates {
     outcomes: Family<Vec<(&'static str, &'static str)>, Counter>,
     events: Recorder,
     collect_after: Duration,
+    /// The unit the templates state `cores` in (`--dra-cores`).
+    cores: gpuledger_request::dra::CoresUnit,
     /// Templates made or found, and when.
     known: Mutex<HashMap<(String, String), Instant>>,
     /// Pods already told (an Event) why their template is refused.
@@ -55,12 +57,14 @@ impl Templates {
         outcomes: Family<Vec<(&'static str, &'static str)>, Counter>,
         events: Recorder,
         collect_after: Duration,
+        cores: gpuledger_request::dra::CoresUnit,
     ) -> Self {
         Templates {
             client,
             outcomes,
             events,
             collect_after,
+            cores,
             known: Mutex::default(),
             told: Mutex::default(),
         }
@@ -87,7 +91,7 @@ impl Templates {
 
     /// Make the template `pod` claims, if it needs one that is not known to exist.
     pub async fn on_pod(&self, pod: &Pod) {
-        let Some((ns, wanted)) = plan::wanted(pod) else {
+        let Some((ns, wanted)) = plan::wanted(pod, self.cores) else {
             return;
         };
         let t = match wanted {

@@ -80,6 +80,21 @@ pub struct ClaimArgs {
         value_parser = clap::value_parser!(u64).range(1..)
     )]
     pub claim_template_collect_after_s: u64,
+
+    /// How gpuledger's DRA devices state their `cores` capacity, for the whole cluster:
+    /// `thousandths` (a GPU has `cores: 1000`; a claim asks `cores: "300"`) or `fraction` (a
+    /// GPU has `cores: 1`; a claim asks `cores: "0.3"`; Kubernetes 1.37 or later, whose
+    /// DRAFractionalCapacityRange is on by default). Recorded on every node at its
+    /// registration (its slice follows), used for the templates the leader makes and for
+    /// certification. The extender's --dra-cores must say the same. A node keeps the unit it
+    /// registered with until its agent registers again (restart the agents after a change).
+    #[arg(
+        long = "dra-cores",
+        env = "GPULEDGER_DRA_CORES",
+        value_name = "UNIT",
+        default_value = "thousandths"
+    )]
+    pub dra_cores: gpuledger_request::dra::CoresUnit,
 }
 
 impl Default for ClaimArgs {
@@ -89,6 +104,7 @@ impl Default for ClaimArgs {
             claim_reconcile_interval_s: 60,
             claim_queue: 4096,
             claim_template_collect_after_s: 600,
+            dra_cores: Default::default(),
         }
     }
 }

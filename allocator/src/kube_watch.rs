@@ -388,6 +388,7 @@ async fn run(ties: Ties, client: kube::Client, args: KubeArgs) {
             ties.shared.metrics.claim_templates.clone(),
             events.clone(),
             Duration::from_secs(args.claims.claim_template_collect_after_s),
+            args.claims.dra_cores,
         ))
     });
     let rt = Runtime::new("pods-and-nodes", ties.shared.clone(), ties.writer);

@@ -128,7 +128,8 @@ pub async fn run_until(cfg: Config, stop: CancellationToken) -> Result<(), Start
         cfg.limits.heavy_read_burst,
         shared.metrics.bites.clone(),
     ))
-    .with_preemption(preemption.clone());
+    .with_preemption(preemption.clone())
+    .with_dra_cores(cfg.kube.claims.dra_cores);
     let http = tokio::net::TcpListener::bind(cfg.http_listen)
         .await
         .map_err(|source| StartError::Listen {

@@ -72,6 +72,8 @@ pub struct Service {
     /// Threads that answer CPU-heavy reads, off the async runtime.
     heavy: Arc<Semaphore>,
     preemption: Arc<crate::preemption::Preemption>,
+    /// The unit of `cores` recorded on every node registered here (`--dra-cores`).
+    dra_cores: gpuledger_request::dra::CoresUnit,
 }
 
 /// The limit name of the streams-per-identity refusals.
@@ -125,7 +127,14 @@ impl Service {
             ),
             heavy,
             preemption,
+            dra_cores: Default::default(),
         }
+    }
+
+    /// The same service, recording `cores` as the unit of every node it registers.
+    pub fn with_dra_cores(mut self, cores: gpuledger_request::dra::CoresUnit) -> Self {
+        self.dra_cores = cores;
+        self
     }
 
     /// The same service, holding callers to `limits`.

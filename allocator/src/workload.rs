@@ -259,6 +259,7 @@ mod tests {
                 cpu_milli: 64_000,
                 memory_mib: 0,
                 isolation: String::new(),
+                dra_cores: String::new(),
             };
             l.apply(&pb::Event {
                 seq: k as u64 + 1,

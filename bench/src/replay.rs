@@ -101,6 +101,7 @@ fn build_log(
             cpu_milli: 0,
             memory_mib: 0,
             isolation: String::new(),
+            dra_cores: String::new(),
         };
         out.extend(l.execute(Command::RegisterNode(inv), epoch, 0)?.0);
     }

@@ -80,6 +80,7 @@ async fn kubectl_gpuledger_inspect_equals_gpuledger_inspect() -> anyhow::Result<
         .register_node(api::RegisterNodeRequest {
             inventory: Some(pb::NodeInventory {
                 isolation: "hami-core".into(),
+                dra_cores: String::new(),
                 ..inventory("node-a", 2, 16_000, "NVIDIA A100")
             }),
         })

@@ -80,6 +80,7 @@ pub fn inventory(name: &str, shape: &NodeShape) -> pb::NodeInventory {
         cpu_milli: 0,
         memory_mib: 0,
         isolation: String::new(),
+        dra_cores: String::new(),
     }
 }
 

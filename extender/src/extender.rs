@@ -62,6 +62,8 @@ pub struct App {
     pub preemption: Arc<crate::preemption::Preemption>,
     /// How fast filter and prioritize are answered.
     pub pace: Arc<crate::pace::Pace>,
+    /// The unit DRA claims state `cores` in (`--dra-cores`).
+    pub dra_cores: gpuledger_request::dra::CoresUnit,
 }
 
 /// The verbs kube-scheduler calls, served at the root and under `/gpuledger` (over HTTPS, to

@@ -105,6 +105,18 @@ struct Args {
     #[arg(long, env = "GPULEDGER_POD_PATH", default_value = "device-plugin")]
     pod_path: webhook::PodPath,
 
+    /// How gpuledger's DRA devices state their `cores` capacity: "thousandths" (a GPU is
+    /// `cores: 1000`) or "fraction" (a GPU is `cores: 1`, Kubernetes 1.37+). Must equal the
+    /// allocator's --dra-cores: the webhook's claim templates are named by what they ask, and
+    /// the DRA path's claims are read in it.
+    #[arg(
+        long = "dra-cores",
+        env = "GPULEDGER_DRA_CORES",
+        value_name = "UNIT",
+        default_value = "thousandths"
+    )]
+    dra_cores: gpuledger_request::dra::CoresUnit,
+
     /// Let the namespace label `gpuledger.io/path` (dra or device-plugin) choose the path of a
     /// GPU pod whose annotation does not, read from a watch of the namespaces (RBAC: list and
     /// watch on namespaces). Off: only the pod annotation and --pod-path choose.
@@ -302,6 +314,7 @@ async fn run(a: Args) -> anyhow::Result<()> {
                 .filter(|_| a.dra_namespace_label)
                 .map(|k| webhook::NamespaceLabels::start(k, shutdown.clone())),
             pod_path: a.pod_path,
+            dra_cores: a.dra_cores,
         })
         .layer(axum::middleware::from_fn_with_state(
             metrics.clone(),
@@ -337,6 +350,7 @@ async fn run(a: Args) -> anyhow::Result<()> {
             a.scheduling_call_burst,
             scheduler_bites.clone(),
         ),
+        dra_cores: a.dra_cores,
     };
     let probes = tokio::net::TcpListener::bind(a.http_listen)
         .await

@@ -49,6 +49,8 @@ pub struct Webhook {
     pub namespaces: Option<NamespaceLabels>,
     /// The path of a GPU pod whose annotation and namespace do not choose one.
     pub pod_path: PodPath,
+    /// The unit the DRA path's templates state `cores` in (`--dra-cores`).
+    pub dra_cores: gpuledger_request::dra::CoresUnit,
 }
 
 /// The webhook routes.
@@ -212,12 +214,16 @@ fn scheduler_op(pod: &Pod, scheduler_name: Option<&str>) -> Option<PatchOperatio
 
 /// The JSON Patch that converts a GPU pod to the DRA path ([`dra`]). It creates nothing: the
 /// allocator makes the template the pod claims once the pod exists.
-pub fn dra_mutation(pod: &Pod, scheduler_name: Option<&str>) -> Result<Patch, String> {
+pub fn dra_mutation(
+    pod: &Pod,
+    scheduler_name: Option<&str>,
+    cores: gpuledger_request::dra::CoresUnit,
+) -> Result<Patch, String> {
     let reqs = gpuledger_request::dra::claim_requests(pod)?;
     if reqs.is_empty() {
         return Ok(Patch(Vec::new()));
     }
-    let spec = gpuledger_request::dra::template_spec(&reqs);
+    let spec = gpuledger_request::dra::template_spec(&reqs, cores);
     let name = gpuledger_request::dra::template_name(&spec);
     let mut ops = dra::patch_ops(pod, &reqs, &name)?;
     ops.extend(scheduler_op(pod, scheduler_name));
@@ -269,7 +275,7 @@ async fn mutate(State(w): State<Webhook>, body: Bytes) -> Response {
         PodPath::DevicePlugin => mutation(&pod, w.scheduler_name.as_deref()),
         PodPath::Dra => {
             let sched = w.scheduler_name.as_deref();
-            match dra_mutation(&pod, sched) {
+            match dra_mutation(&pod, sched, w.dra_cores) {
                 Ok(ops) => {
                     info!(dry_run = req.dry_run, "converted to the DRA path");
                     Ok(ops)

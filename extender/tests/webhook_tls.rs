@@ -101,6 +101,7 @@ async fn stalled_handshakes_and_headers_and_large_bodies_are_cut_off() -> anyhow
         replica: None,
         namespaces: None,
         pod_path: webhook::PodPath::DevicePlugin,
+        dra_cores: Default::default(),
     });
     let limits = gpuledger_auth::https::Limits {
         handshake: Duration::from_millis(300),

@@ -59,6 +59,7 @@ fn inventory() -> impl Strategy<Value = pb::NodeInventory> {
         .prop_map(|(n, gpus, cpu, mem)| pb::NodeInventory {
             mode: Default::default(),
             isolation: String::new(),
+            dra_cores: String::new(),
             node: format!("n{n}"),
             gpus: gpus
                 .into_iter()
@@ -219,6 +220,7 @@ fn an_absurd_gpu_is_refused_and_percentages_never_wrap() {
     let inv = pb::NodeInventory {
         mode: Default::default(),
         isolation: String::new(),
+        dra_cores: String::new(),
         node: "n0".into(),
         gpus: vec![pb::Gpu {
             uuid: "GPU-huge".into(),

@@ -34,6 +34,7 @@ fn inventory(node: usize, dra: bool) -> pb::NodeInventory {
             pb::NodeMode::DevicePlugin as i32
         },
         isolation: String::new(),
+        dra_cores: String::new(),
     }
 }
 

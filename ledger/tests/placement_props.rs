@@ -17,6 +17,7 @@ fn cluster(spec: &[(u32, u64, usize)]) -> Vec<NodeState> {
         .map(|(k, &(gpus, cpu, model))| NodeState {
             mode: Default::default(),
             isolation: String::new(),
+            dra_cores: String::new(),
             name: format!("n{k}"),
             gpus: (0..gpus)
                 .map(|i| GpuState {

@@ -28,6 +28,7 @@ fn inventory(node: usize, gpus: usize, mem: u64) -> pb::NodeInventory {
         cpu_milli: 16_000,
         memory_mib: 64_000,
         isolation: String::new(),
+        dra_cores: String::new(),
     }
 }
 

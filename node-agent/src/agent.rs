@@ -270,6 +270,8 @@ impl Agent {
             cpu_milli: 0,
             memory_mib: 0,
             isolation: self.cfg.isolation.as_str().into(),
+            // The allocator records the cluster's unit (--dra-cores) on registration.
+            dra_cores: String::new(),
         }
     }
 

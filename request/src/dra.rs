@@ -48,6 +48,81 @@ pub const MANAGED_LABEL: &str = "gpuledger.io/managed";
 pub const MEMORY: &str = "memory";
 /// See [`MEMORY`].
 pub const CORES: &str = "cores";
+/// How gpuledger's DRA devices state their [`CORES`] capacity, one choice per cluster (the
+/// allocator's `--dra-cores`, recorded on every node it registers): what a node's slice
+/// publishes, what claim templates ask, and what certification reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CoresUnit {
+    /// Thousandths of the GPU: the device has `cores: 1000`, a claim asks `cores: "300"`.
+    #[default]
+    Thousandths,
+    /// A fraction of the GPU: the device has `cores: 1`, in steps of `1m`, and a claim asks
+    /// `cores: "0.3"` (or `300m`). Needs Kubernetes' `DRAFractionalCapacityRange` (1.37, beta,
+    /// on by default): without it the scheduler rounds every request up to the whole GPU.
+    Fraction,
+}
+
+impl CoresUnit {
+    /// The name a flag and `NodeInventory.dra_cores` use.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CoresUnit::Thousandths => "thousandths",
+            CoresUnit::Fraction => "fraction",
+        }
+    }
+
+    /// `NodeInventory.dra_cores` as recorded: empty is [`CoresUnit::Thousandths`], the unit
+    /// before the field existed.
+    pub fn of_record(s: &str) -> Result<CoresUnit, String> {
+        if s.is_empty() {
+            Ok(CoresUnit::Thousandths)
+        } else {
+            s.parse()
+        }
+    }
+
+    /// The suffix of a core_milli amount written as a quantity of this unit.
+    pub fn suffix(self) -> &'static str {
+        match self {
+            CoresUnit::Thousandths => "",
+            CoresUnit::Fraction => "m",
+        }
+    }
+
+    /// `core_milli` (1000 = the whole GPU) as a quantity of this unit.
+    pub fn quantity(self, core_milli: u64) -> Quantity {
+        Quantity(format!("{core_milli}{}", self.suffix()))
+    }
+
+    /// One core_milli in this unit's quantities.
+    fn per_core_milli(self) -> f64 {
+        match self {
+            CoresUnit::Thousandths => 1.0,
+            CoresUnit::Fraction => 0.001,
+        }
+    }
+}
+
+impl std::str::FromStr for CoresUnit {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "thousandths" => Ok(CoresUnit::Thousandths),
+            "fraction" => Ok(CoresUnit::Fraction),
+            _ => Err(format!(
+                "{s:?} is not a unit of cores: `thousandths` (cores: 1000 is the GPU) or                  `fraction` (cores: 1 is the GPU; Kubernetes 1.37's DRAFractionalCapacityRange)"
+            )),
+        }
+    }
+}
+
+impl fmt::Display for CoresUnit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// Largest quantity taken from a claim (bytes or units): 2^50, far above any GPU.
 const MAX_QUANTITY: f64 = (1u64 << 50) as f64;
 const MIB: f64 = 1024.0 * 1024.0;
@@ -119,7 +194,7 @@ pub fn claim_requests(pod: &Pod) -> Result<Vec<ClaimRequest>, String> {
 
 /// The template's spec for `reqs`: one request per GPU container, a distinct-GPU constraint
 /// for each request of more than one GPU, and the managed label on the claims.
-pub fn template_spec(reqs: &[ClaimRequest]) -> ResourceClaimTemplateSpec {
+pub fn template_spec(reqs: &[ClaimRequest], cores: CoresUnit) -> ResourceClaimTemplateSpec {
     let requests = reqs
         .iter()
         .map(|r| {
@@ -127,7 +202,7 @@ pub fn template_spec(reqs: &[ClaimRequest]) -> ResourceClaimTemplateSpec {
             if let Some(m) = r.mem_mib {
                 caps.insert(MEMORY.to_string(), Quantity(format!("{m}Mi")));
             }
-            caps.insert(CORES.to_string(), Quantity(r.core_milli.to_string()));
+            caps.insert(CORES.to_string(), cores.quantity(u64::from(r.core_milli)));
             DeviceRequest {
                 name: r.name.clone(),
                 exactly: Some(ExactDeviceRequest {
@@ -182,8 +257,8 @@ pub fn template_name(spec: &ResourceClaimTemplateSpec) -> String {
 }
 
 /// The template for `reqs` in namespace `ns`.
-pub fn template(ns: &str, reqs: &[ClaimRequest]) -> ResourceClaimTemplate {
-    let spec = template_spec(reqs);
+pub fn template(ns: &str, reqs: &[ClaimRequest], cores: CoresUnit) -> ResourceClaimTemplate {
+    let spec = template_spec(reqs, cores);
     ResourceClaimTemplate {
         metadata: ObjectMeta {
             name: Some(template_name(&spec)),
@@ -349,7 +424,11 @@ pub fn decode_requests(v: &str) -> Result<Vec<ClaimRequest>, String> {
 /// None when it claims no gpuledger template; the template its [`REQUESTS_ANNOTATION`] makes
 /// when that template has the name the pod claims; why not otherwise (a pod that names one
 /// template and asks for another gets none).
-pub fn template_of_pod(ns: &str, pod: &Pod) -> Option<Result<ResourceClaimTemplate, String>> {
+pub fn template_of_pod(
+    ns: &str,
+    pod: &Pod,
+    cores: CoresUnit,
+) -> Option<Result<ResourceClaimTemplate, String>> {
     let claimed = claimed_template(pod)?;
     let Some(v) = pod
         .metadata
@@ -362,7 +441,7 @@ pub fn template_of_pod(ns: &str, pod: &Pod) -> Option<Result<ResourceClaimTempla
         )));
     };
     Some(decode_requests(v).and_then(|reqs| {
-        let t = template(ns, &reqs);
+        let t = template(ns, &reqs, cores);
         let name = t.metadata.name.as_deref().unwrap_or("");
         if name == claimed {
             Ok(t)
@@ -419,14 +498,14 @@ pub struct ClaimResult {
 }
 
 impl ClaimResult {
-    /// The share `consumedCapacity` declares: memory in whole MiB and cores in whole units,
-    /// each None when absent or not a whole number of its unit; None without
-    /// `consumedCapacity`.
-    pub fn declared(&self) -> Option<(Option<u64>, Option<u64>)> {
+    /// The share `consumedCapacity` declares: memory in whole MiB and cores in whole
+    /// core_milli (read in the node's `cores` unit), each None when absent or not a whole
+    /// number of its unit; None without `consumedCapacity`.
+    pub fn declared(&self, cores: CoresUnit) -> Option<(Option<u64>, Option<u64>)> {
         self.consumed.as_ref().map(|m| {
             (
                 m.get(MEMORY).and_then(|q| exact(q, MIB)),
-                m.get(CORES).and_then(|q| exact(q, 1.0)),
+                m.get(CORES).and_then(|q| exact(q, cores.per_core_milli())),
             )
         })
     }
@@ -478,12 +557,15 @@ pub struct CapacityAsk {
 /// a key is a capacity name of the device as published, compared exactly ([`MEMORY`],
 /// [`CORES`]); a request naming any other capacity (`gpu.gpuledger.io/memory` included)
 /// fits none of gpuledger's devices, so it is refused, never read as something else.
-pub fn capacity_ask(caps: Option<&CapacityRequirements>) -> Result<CapacityAsk, String> {
+pub fn capacity_ask(
+    caps: Option<&CapacityRequirements>,
+    cores: CoresUnit,
+) -> Result<CapacityAsk, String> {
     let mut ask = CapacityAsk::default();
     for (name, q) in caps.and_then(|c| c.requests.as_ref()).into_iter().flatten() {
         let (slot, unit) = match name.as_str() {
             MEMORY => (&mut ask.memory_mib, MIB),
-            CORES => (&mut ask.cores, 1.0),
+            CORES => (&mut ask.cores, cores.per_core_milli()),
             _ => {
                 return Err(format!(
                     "capacity {name:?} is not one of gpuledger's devices (they have \
@@ -502,7 +584,16 @@ fn round_up(q: &str, unit: f64) -> Result<u64, String> {
     if !(0.0..=MAX_QUANTITY).contains(&v) {
         return Err(format!("{q:?} is out of range"));
     }
-    Ok((v / unit).ceil() as u64)
+    Ok(units(v, unit).unwrap_or_else(|| (v / unit).ceil() as u64))
+}
+
+/// `v` as a whole number of `unit`s when it is one, within the float error of a decimal
+/// unit (`0.3` is not 300 thousandths exactly in binary; a billionth of a unit is far below
+/// what any quantity of ours states).
+fn units(v: f64, unit: f64) -> Option<u64> {
+    let n = v / unit;
+    let r = n.round();
+    ((n - r).abs() <= 1e-9).then_some(r as u64)
 }
 
 /// A quantity as a whole number of `unit`s; None when it is not one.
@@ -511,8 +602,7 @@ fn exact(q: &str, unit: f64) -> Option<u64> {
     if !(0.0..=MAX_QUANTITY).contains(&v) {
         return None;
     }
-    let n = v / unit;
-    (n.fract() == 0.0).then_some(n as u64)
+    units(v, unit)
 }
 
 #[cfg(test)]
@@ -542,7 +632,11 @@ mod tests {
 
     #[test]
     fn capacity_is_read_by_the_devices_names_and_rounded_up() {
-        let ask = capacity_ask(Some(&caps(&[("memory", "1.5Gi"), ("cores", "0.2k")]))).unwrap();
+        let ask = capacity_ask(
+            Some(&caps(&[("memory", "1.5Gi"), ("cores", "0.2k")])),
+            CoresUnit::Thousandths,
+        )
+        .unwrap();
         assert_eq!(
             ask,
             CapacityAsk {
@@ -550,11 +644,72 @@ mod tests {
                 cores: Some(200)
             }
         );
-        let ask = capacity_ask(Some(&caps(&[("memory", "1")]))).unwrap();
+        let ask = capacity_ask(Some(&caps(&[("memory", "1")])), CoresUnit::Thousandths).unwrap();
         assert_eq!((ask.memory_mib, ask.cores), (Some(1), None));
-        assert_eq!(capacity_ask(None).unwrap(), CapacityAsk::default());
-        assert!(capacity_ask(Some(&caps(&[("memory", "-1Mi")]))).is_err());
-        assert!(capacity_ask(Some(&caps(&[("cores", "lots")]))).is_err());
+        assert_eq!(
+            capacity_ask(None, CoresUnit::Thousandths).unwrap(),
+            CapacityAsk::default()
+        );
+        assert!(capacity_ask(Some(&caps(&[("memory", "-1Mi")])), CoresUnit::Thousandths).is_err());
+        assert!(capacity_ask(Some(&caps(&[("cores", "lots")])), CoresUnit::Thousandths).is_err());
+    }
+
+    /// In the fraction unit a claim states cores as a part of the GPU: `0.3`, `300m` and
+    /// `0.3333` (rounded up to the next thousandth) read as core_milli, the template writes
+    /// `300m`, and a consumedCapacity is read back exactly; the thousandths unit reads `300`.
+    #[test]
+    fn cores_read_and_written_in_the_clusters_unit() {
+        let f = CoresUnit::Fraction;
+        for (q, want) in [
+            ("0.3", 300),
+            ("300m", 300),
+            ("0.3333", 334),
+            ("1", 1000),
+            ("0", 0),
+        ] {
+            let ask = capacity_ask(Some(&caps(&[("cores", q)])), f).unwrap();
+            assert_eq!(ask.cores, Some(want), "{q}");
+        }
+        let t = template_spec(&one(None, 250), f);
+        let asked = t.spec.devices.unwrap().requests.unwrap()[0]
+            .exactly
+            .clone()
+            .unwrap()
+            .capacity
+            .unwrap()
+            .requests
+            .unwrap();
+        assert_eq!(asked[CORES], Quantity("250m".into()));
+        let r = |q: &str| ClaimResult {
+            request: "c0".into(),
+            pool: "n".into(),
+            device: "gpu-x".into(),
+            share_id: "s".into(),
+            consumed: Some(BTreeMap::from([(CORES.to_string(), q.to_string())])),
+            admin_access: false,
+        };
+        assert_eq!(r("250m").declared(f), Some((None, Some(250))));
+        assert_eq!(r("0.25").declared(f), Some((None, Some(250))));
+        assert_eq!(
+            r("250").declared(CoresUnit::Thousandths),
+            Some((None, Some(250)))
+        );
+        // Not a whole thousandth: no share is read from it.
+        assert_eq!(r("2505u").declared(f), Some((None, None)));
+        // Two templates of one pod differ by unit, so a cluster's webhook and allocator must
+        // agree on it (one flag, both binaries).
+        assert_ne!(
+            template_name(&template_spec(&one(None, 250), f)),
+            template_name(&template_spec(&one(None, 250), CoresUnit::Thousandths))
+        );
+        assert_eq!(CoresUnit::of_record(""), Ok(CoresUnit::Thousandths));
+        assert_eq!("fraction".parse(), Ok(CoresUnit::Fraction));
+        assert!(
+            "percent"
+                .parse::<CoresUnit>()
+                .unwrap_err()
+                .contains("thousandths")
+        );
     }
 
     /// The scheduler looks a request's capacity up by the device's own capacity names, and a
@@ -568,7 +723,8 @@ mod tests {
             "gpu.gpuledger.io/cores",
             "memoryMiB",
         ] {
-            let why = capacity_ask(Some(&caps(&[(name, "1Gi")]))).unwrap_err();
+            let why =
+                capacity_ask(Some(&caps(&[(name, "1Gi")])), CoresUnit::Thousandths).unwrap_err();
             assert!(why.contains(name) && why.contains("no device"), "{why}");
         }
     }
@@ -593,8 +749,15 @@ mod tests {
             (r[0].request.as_str(), r[0].share_id.as_str()),
             ("gpu/small", "s1")
         );
-        assert_eq!(r[0].declared(), Some((Some(2048), Some(300))));
-        assert!(r[1].admin_access && r[1].share_id.is_empty() && r[1].declared().is_none());
+        assert_eq!(
+            r[0].declared(CoresUnit::Thousandths),
+            Some((Some(2048), Some(300)))
+        );
+        assert!(
+            r[1].admin_access
+                && r[1].share_id.is_empty()
+                && r[1].declared(CoresUnit::Thousandths).is_none()
+        );
         let mut unallocated = rc.clone();
         unallocated.status = None;
         assert_eq!(claim_results(&unallocated), None);
@@ -603,7 +766,7 @@ mod tests {
             consumed: Some(BTreeMap::from([(MEMORY.to_string(), "1.5Mi".to_string())])),
             ..r[0].clone()
         };
-        assert_eq!(half.declared(), Some((None, None)));
+        assert_eq!(half.declared(CoresUnit::Thousandths), Some((None, None)));
     }
 
     #[test]
@@ -634,7 +797,7 @@ mod tests {
 
     #[test]
     fn a_stored_template_compares_by_value_and_names_what_differs() {
-        let want = template("ns", &one(Some(2000), 200));
+        let want = template("ns", &one(Some(2000), 200), CoresUnit::Thousandths);
         let mut got = want.clone();
         let set = |t: &mut ResourceClaimTemplate, cores: Option<&str>| {
             let e = t

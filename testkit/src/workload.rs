@@ -28,6 +28,7 @@ pub fn inventory(name: &str, gpus: u32, mem_mib: u64, model: &str) -> pb::NodeIn
         cpu_milli: 0,
         memory_mib: 0,
         isolation: String::new(),
+        dra_cores: String::new(),
     }
 }
 

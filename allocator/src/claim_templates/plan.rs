@@ -29,7 +29,10 @@ fn claim_of(p: &Pod) -> Option<(String, String)> {
 /// The template pod `p` still needs made, in its namespace: None when it claims no gpuledger
 /// template, is finished or being deleted, or its claim exists already (the template is read
 /// only when the claim is made); otherwise the template its requests make, or why none can be.
-pub fn wanted(p: &Pod) -> Option<(String, Result<ResourceClaimTemplate, String>)> {
+pub fn wanted(
+    p: &Pod,
+    cores: dra::CoresUnit,
+) -> Option<(String, Result<ResourceClaimTemplate, String>)> {
     if p.metadata.deletion_timestamp.is_some() {
         return None;
     }
@@ -50,7 +53,7 @@ pub fn wanted(p: &Pod) -> Option<(String, Result<ResourceClaimTemplate, String>)
         return None;
     }
     let ns = p.metadata.namespace.clone().unwrap_or_default();
-    let t = dra::template_of_pod(&ns, p)?;
+    let t = dra::template_of_pod(&ns, p, cores)?;
     Some((ns, t))
 }
 
@@ -96,7 +99,9 @@ pub fn collectable(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gpuledger_request::dra::{ClaimRequest, REQUESTS_ANNOTATION, encode_requests, template};
+    use gpuledger_request::dra::{
+        ClaimRequest, CoresUnit, REQUESTS_ANNOTATION, encode_requests, template,
+    };
     use k8s_openapi::api::core::v1::{
         PodResourceClaim, PodResourceClaimStatus, PodSpec, PodStatus,
     };
@@ -123,7 +128,9 @@ mod tests {
         p.spec = Some(PodSpec {
             resource_claims: Some(vec![PodResourceClaim {
                 name: POD_CLAIM.into(),
-                resource_claim_template_name: template("team", reqs).metadata.name,
+                resource_claim_template_name: template("team", reqs, CoresUnit::Thousandths)
+                    .metadata
+                    .name,
                 ..Default::default()
             }]),
             ..Default::default()
@@ -134,22 +141,25 @@ mod tests {
     #[test]
     fn a_converted_pod_gets_the_template_it_claims() {
         let p = converted(&reqs(3000), &reqs(3000));
-        let (ns, t) = wanted(&p).unwrap();
+        let (ns, t) = wanted(&p, CoresUnit::Thousandths).unwrap();
         assert_eq!(ns, "team");
-        assert_eq!(t.unwrap(), template("team", &reqs(3000)));
+        assert_eq!(
+            t.unwrap(),
+            template("team", &reqs(3000), CoresUnit::Thousandths)
+        );
     }
 
     #[test]
     fn a_pod_whose_requests_make_another_template_gets_none() {
         // Names the 3000 MiB template, records a 16 GiB request: no template for either.
         let p = converted(&reqs(3000), &reqs(16_384));
-        let why = wanted(&p).unwrap().1.unwrap_err();
+        let why = wanted(&p, CoresUnit::Thousandths).unwrap().1.unwrap_err();
         assert!(why.contains("makes gpuledger-"), "{why}");
         // A forged annotation is refused before any name is computed.
         let mut p = converted(&reqs(3000), &reqs(3000));
         p.metadata.annotations =
             Some([(REQUESTS_ANNOTATION.into(), "[{\"container\":0}]".into())].into());
-        assert!(wanted(&p).unwrap().1.is_err());
+        assert!(wanted(&p, CoresUnit::Thousandths).unwrap().1.is_err());
     }
 
     #[test]
@@ -162,18 +172,24 @@ mod tests {
             }]),
             ..Default::default()
         });
-        assert!(wanted(&p).is_none(), "its claim exists");
+        assert!(
+            wanted(&p, CoresUnit::Thousandths).is_none(),
+            "its claim exists"
+        );
         let mut p = converted(&reqs(3000), &reqs(3000));
         p.status = Some(PodStatus {
             phase: Some("Succeeded".into()),
             ..Default::default()
         });
-        assert!(wanted(&p).is_none(), "finished");
+        assert!(wanted(&p, CoresUnit::Thousandths).is_none(), "finished");
         let mut p = converted(&reqs(3000), &reqs(3000));
         p.spec.as_mut().unwrap().resource_claims.as_mut().unwrap()[0]
             .resource_claim_template_name = Some("theirs".into());
-        assert!(wanted(&p).is_none(), "not a gpuledger template");
-        assert!(wanted(&Pod::default()).is_none());
+        assert!(
+            wanted(&p, CoresUnit::Thousandths).is_none(),
+            "not a gpuledger template"
+        );
+        assert!(wanted(&Pod::default(), CoresUnit::Thousandths).is_none());
     }
 
     fn stored(ns: &str, name: &str, born_ms: i64, managed: bool) -> ResourceClaimTemplate {

@@ -8,6 +8,7 @@ use std::collections::HashSet;
 use gpuledger_ledger::capacity::{GpuCapacities, consumed};
 use gpuledger_ledger::state::{dra_device_name, same_pods};
 use gpuledger_ledger::{CORE_MILLI_PER_GPU, CommandError, Ledger, pb};
+use gpuledger_request::dra::CoresUnit;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimSpec};
 use k8s_openapi::serde_json::{self, Value, json};
 
@@ -444,7 +445,17 @@ fn grant_of(l: &Ledger, c: &Claim, r: &Allotted) -> Result<pb::ClaimGranted, Ref
                 None,
             )
         })?;
-    let (mem_mib, core_milli) = share_of(&c.spec, r, &gpu.uuid, gpu.memory_mib)?;
+    let cores = CoresUnit::of_record(&node.dra_cores).map_err(|e| {
+        (
+            "LedgerUnknownDevice",
+            format!(
+                "request {}: node {} records its cores in an unknown unit: {e}",
+                r.request, r.pool
+            ),
+            None,
+        )
+    })?;
+    let (mem_mib, core_milli) = share_of(&c.spec, r, &gpu.uuid, gpu.memory_mib, cores)?;
     Ok(pb::ClaimGranted {
         allocation_id: 0,
         claim: Some(c.claim.clone()),
@@ -472,6 +483,7 @@ fn share_of(
     r: &Allotted,
     gpu_uuid: &str,
     gpu_mib: u64,
+    unit: CoresUnit,
 ) -> Result<(u64, u32), Refusal> {
     let whole = u64::from(CORE_MILLI_PER_GPU);
     let (want_mem, want_cores) = if r.share_id.is_empty() {
@@ -479,14 +491,16 @@ fn share_of(
         (gpu_mib, whole)
     } else {
         let (mem, cores) =
-            requested(spec, &r.request).map_err(|e| ("LedgerInvalidRequest", e, None))?;
+            requested(spec, &r.request, unit).map_err(|e| ("LedgerInvalidRequest", e, None))?;
         let caps = GpuCapacities::of_gpu(gpu_mib);
         let policy = |what: &str, e: gpuledger_ledger::capacity::CapacityError| {
             (
                 "LedgerCapacityPolicy",
                 format!(
-                    "request {}: {what} {e} (device {} has {gpu_mib} MiB and {whole} cores)",
-                    r.request, r.device
+                    "request {}: {what} {e} (device {} has {gpu_mib} MiB and cores {})",
+                    r.request,
+                    r.device,
+                    unit.quantity(whole).0
                 ),
                 None,
             )
@@ -496,7 +510,7 @@ fn share_of(
             consumed(cores, &caps.cores).map_err(|e| policy("cores", e))?,
         )
     };
-    let declared = r.declared();
+    let declared = r.declared(unit);
     let cores = u32::try_from(want_cores).unwrap_or(u32::MAX);
     let fits = match &declared {
         None => r.share_id.is_empty(),
@@ -513,8 +527,11 @@ fn share_of(
             "LedgerShareMismatch",
             format!(
                 "request {}: the allocation of {} share {:?} declares consumedCapacity {said}, but \
-                 the request consumes memory={want_mem}Mi, cores={want_cores} of it",
-                r.request, r.device, r.share_id
+                 the request consumes memory={want_mem}Mi, cores={} of it",
+                r.request,
+                r.device,
+                r.share_id,
+                unit.quantity(want_cores).0
             ),
             Some(pb::GpuShare {
                 gpu_uuid: gpu_uuid.to_owned(),
@@ -531,6 +548,7 @@ fn share_of(
 fn requested(
     spec: &ResourceClaimSpec,
     request: &str,
+    unit: CoresUnit,
 ) -> Result<(Option<u64>, Option<u64>), String> {
     let (main, sub) = match request.split_once('/') {
         Some((m, s)) => (m, Some(s)),
@@ -554,7 +572,7 @@ fn requested(
             .capacity
             .as_ref(),
     };
-    let ask = gpuledger_request::dra::capacity_ask(capacity)
+    let ask = gpuledger_request::dra::capacity_ask(capacity, unit)
         .map_err(|e| format!("request {request}: {e}"))?;
     Ok((ask.memory_mib, ask.cores))
 }

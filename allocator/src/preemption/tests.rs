@@ -9,6 +9,7 @@ fn ledger(pods: &[(&str, &str)]) -> Ledger {
         let inv = pb::NodeInventory {
             mode: Default::default(),
             isolation: String::new(),
+            dra_cores: String::new(),
             node: n.into(),
             gpus: vec![pb::Gpu {
                 uuid: format!("GPU-{n}"),

@@ -26,11 +26,13 @@ pub(super) async fn register_node(
     svc: &Service,
     req: Request<api::RegisterNodeRequest>,
 ) -> Result<Response<api::WriteResponse>, Status> {
-    let inv = req
+    let mut inv = req
         .get_ref()
         .inventory
         .clone()
         .ok_or_else(|| Status::invalid_argument("inventory is missing"))?;
+    // The cluster's unit of DRA `cores`, not the agent's: its slice publishes what is recorded.
+    inv.dra_cores = svc.dra_cores.as_str().into();
     svc.write_limits
         .check_inventory(&inv, &svc.shared.metrics)?;
     done(svc.write(req, Command::RegisterNode(inv)).await?)

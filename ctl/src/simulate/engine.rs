@@ -331,6 +331,7 @@ pub(super) fn node_state(n: &NodeRow) -> NodeState {
     NodeState {
         mode: Default::default(),
         isolation: String::new(),
+        dra_cores: String::new(),
         name: n.name.clone(),
         gpus: (0..n.gpus)
             .map(|i| GpuState {

@@ -179,6 +179,7 @@ mod tests {
         NodeState {
             mode: Default::default(),
             isolation: String::new(),
+            dra_cores: String::new(),
             name: "n".into(),
             gpus: (0..gpus)
                 .map(|i| GpuState {

@@ -36,6 +36,7 @@ fn node() -> Body {
             cpu_milli: 0,
             memory_mib: 0,
             isolation: String::new(),
+            dra_cores: String::new(),
         }),
     })
 }

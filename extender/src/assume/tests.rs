@@ -25,6 +25,7 @@ fn ledger(names: &[&str]) -> Ledger {
         let inv = pb::NodeInventory {
             mode: Default::default(),
             isolation: String::new(),
+            dra_cores: String::new(),
             node: (*name).into(),
             gpus: vec![pb::Gpu {
                 uuid: format!("GPU-{name}"),

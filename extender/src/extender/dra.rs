@@ -112,7 +112,7 @@ async fn claim_containers(app: &App, pod: &Pod) -> Result<Vec<api::ContainerRequ
             if e.device_class_name != DEVICE_CLASS {
                 continue;
             }
-            out.push(container(&name, &e)?);
+            out.push(container(&name, &e, app.dra_cores)?);
         }
     }
     Ok(out)
@@ -123,6 +123,7 @@ async fn claim_containers(app: &App, pod: &Pod) -> Result<Vec<api::ContainerRequ
 fn container(
     name: &str,
     e: &k8s_openapi::api::resource::v1::ExactDeviceRequest,
+    cores: gpuledger_request::dra::CoresUnit,
 ) -> Result<api::ContainerRequest, Unreadable> {
     let bad = |m: String| Unreadable::Invalid(format!("request {name}: {m}"));
     match e.allocation_mode.as_deref() {
@@ -139,7 +140,7 @@ fn container(
         .filter(|c| *c >= 1)
         .ok_or_else(|| bad(format!("count {count}")))?;
     // Read as the allocator reads it when it certifies the allocation.
-    let ask = gpuledger_request::dra::capacity_ask(e.capacity.as_ref()).map_err(bad)?;
+    let ask = gpuledger_request::dra::capacity_ask(e.capacity.as_ref(), cores).map_err(bad)?;
     let (mem_mib, mem_percent) = match ask.memory_mib {
         // The device's request policy: 1 MiB at least.
         Some(m) => (m.max(1), 0),
@@ -147,7 +148,13 @@ fn container(
     };
     let core_milli = match ask.cores {
         Some(c) if c <= 1000 => c as u32,
-        Some(c) => return Err(bad(format!("cores {c}: 0 to 1000 (core_milli)"))),
+        Some(c) => {
+            return Err(bad(format!(
+                "cores {}: more than the whole GPU ({})",
+                cores.quantity(c).0,
+                cores.quantity(1000).0
+            )));
+        }
         None => 1000,
     };
     Ok(api::ContainerRequest {
@@ -167,6 +174,9 @@ mod tests {
     use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
     use super::*;
+    use gpuledger_request::dra::CoresUnit;
+
+    const T: CoresUnit = CoresUnit::Thousandths;
 
     fn exactly(caps: &[(&str, &str)]) -> ExactDeviceRequest {
         let requests: BTreeMap<String, Quantity> = caps
@@ -184,14 +194,22 @@ mod tests {
 
     #[test]
     fn a_request_is_judged_with_the_capacity_the_allocator_certifies() {
-        let c = container("p/c0", &exactly(&[("memory", "1G"), ("cores", "300")])).unwrap();
+        let c = container("p/c0", &exactly(&[("memory", "1G"), ("cores", "300")]), T).unwrap();
         assert_eq!((c.mem_mib, c.mem_percent, c.core_milli), (954, 0, 300));
-        let c = container("p/c0", &exactly(&[])).unwrap();
+        let c = container("p/c0", &exactly(&[]), T).unwrap();
         assert_eq!((c.mem_mib, c.mem_percent, c.core_milli), (0, 100, 1000));
         assert!(matches!(
-            container("p/c0", &exactly(&[("cores", "1001")])),
+            container("p/c0", &exactly(&[("cores", "1001")]), T),
             Err(Unreadable::Invalid(_))
         ));
+        // The fraction unit: a quarter of the GPU; more than the GPU is named in that unit.
+        let f = CoresUnit::Fraction;
+        let c = container("p/c0", &exactly(&[("cores", "0.25")]), f).unwrap();
+        assert_eq!(c.core_milli, 250);
+        match container("p/c0", &exactly(&[("cores", "1.5")]), f) {
+            Err(Unreadable::Invalid(m)) => assert!(m.contains("cores 1500m"), "{m}"),
+            other => panic!("not invalid: {other:?}"),
+        }
     }
 
     /// The scheduler allocates no device of ours for a capacity they do not publish: the
@@ -199,7 +217,7 @@ mod tests {
     /// for `memory`; both refuse it now.
     #[test]
     fn a_capacity_our_devices_do_not_publish_is_invalid() {
-        match container("p/c0", &exactly(&[("gpu.gpuledger.io/memory", "2Gi")])) {
+        match container("p/c0", &exactly(&[("gpu.gpuledger.io/memory", "2Gi")]), T) {
             Err(Unreadable::Invalid(m)) => assert!(m.contains("gpu.gpuledger.io/memory"), "{m}"),
             other => panic!("not invalid: {other:?}"),
         }

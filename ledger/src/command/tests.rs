@@ -19,6 +19,7 @@ fn setup() -> Ledger {
         cpu_milli: 0,
         memory_mib: 0,
         isolation: String::new(),
+        dra_cores: String::new(),
     };
     l.execute(Command::RegisterNode(inv), 1, 0)
         .expect("register");

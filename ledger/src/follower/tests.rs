@@ -19,6 +19,7 @@ fn batch(first: u64, n: u64, prev: &[u8]) -> pb::EventBatch {
                     inventory: Some(pb::NodeInventory {
                         mode: Default::default(),
                         isolation: String::new(),
+                        dra_cores: String::new(),
                         node: format!("n{seq}"),
                         gpus: vec![pb::Gpu {
                             uuid: format!("GPU-{seq}"),

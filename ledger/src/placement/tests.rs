@@ -22,6 +22,7 @@ pub(super) fn node(gpus: Vec<GpuState>) -> NodeState {
     NodeState {
         mode: Default::default(),
         isolation: String::new(),
+        dra_cores: String::new(),
         name: "n1".into(),
         gpus,
         cpu_milli: 0,

@@ -265,6 +265,7 @@ impl Ledger {
                 pod_kinds,
                 mode,
                 isolation: inv.isolation.clone(),
+                dra_cores: inv.dra_cores.clone(),
             },
         );
         Ok(())

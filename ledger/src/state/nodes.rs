@@ -76,6 +76,7 @@ mod tests {
         NodeState {
             mode: Default::default(),
             isolation: String::new(),
+            dra_cores: String::new(),
             name: name.into(),
             gpus: Vec::new(),
             cpu_milli: 0,

@@ -6,6 +6,7 @@ fn inv(node: &str, gpus: &[(&str, u64)]) -> pb::NodeInventory {
     pb::NodeInventory {
         mode: Default::default(),
         isolation: String::new(),
+        dra_cores: String::new(),
         node: node.into(),
         gpus: gpus
             .iter()

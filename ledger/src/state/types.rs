@@ -69,6 +69,9 @@ pub struct NodeState {
     /// The node agent's first isolation layer as it reported it (empty: `nvml`). The ledger
     /// only keeps it for operators; no placement reads it.
     pub isolation: String,
+    /// How the node's DRA devices state `cores` (`NodeInventory.dra_cores`; empty:
+    /// thousandths): what its slice publishes and what certification reads claims in.
+    pub dra_cores: String,
 }
 
 /// Kinds of grant told apart: a share of one GPU, then 1 to 7 whole GPUs, then 8 or more.
@@ -124,6 +127,7 @@ impl NodeState {
             memory_mib: self.memory_mib,
             mode: self.mode as i32,
             isolation: self.isolation.clone(),
+            dra_cores: self.dra_cores.clone(),
         }
     }
 }

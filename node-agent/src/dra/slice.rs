@@ -80,6 +80,9 @@ fn semver_of(cc: &str) -> Option<String> {
 
 /// The devices of `inv`: its healthy GPUs in index order (the scheduler's first-fit order).
 pub fn devices(inv: &pb::NodeInventory) -> Vec<Device> {
+    // An unknown unit (from a newer allocator) publishes thousandths, which certification of
+    // that allocator refuses by name rather than mis-reading.
+    let cores = dra::CoresUnit::of_record(&inv.dra_cores).unwrap_or_default();
     let mut gpus: Vec<&pb::Gpu> = inv.gpus.iter().filter(|g| g.healthy).collect();
     gpus.sort_by_key(|g| g.index);
     gpus.into_iter()
@@ -128,10 +131,16 @@ pub fn devices(inv: &pb::NodeInventory) -> Vec<Device> {
                 );
             }
             // The policy the allocator checks every grant against: one definition, in the ledger.
+            // `cores` in the unit the allocator recorded for the cluster: thousandths (1000),
+            // or milli-units of the GPU (1000m = 1), which makes the scheduler use
+            // DRAFractionalCapacityRange's milli arithmetic.
             let caps = gpuledger_ledger::capacity::GpuCapacities::of_gpu(g.memory_mib);
             let capacity = BTreeMap::from([
                 (dra::MEMORY.to_string(), capacity(&caps.memory, "Mi")),
-                (dra::CORES.to_string(), capacity(&caps.cores, "")),
+                (
+                    dra::CORES.to_string(),
+                    capacity(&caps.cores, cores.suffix()),
+                ),
             ]);
             Device {
                 name: gpuledger_ledger::state::dra_device_name(&g.uuid),
@@ -430,6 +439,25 @@ mod tests {
         let cap = d[0].capacity.as_ref().expect("capacity");
         assert_eq!(cap["memory"].value.0, "81079Mi");
         assert_eq!(cap["cores"].value.0, "1000");
+        let range = |cap: &BTreeMap<String, DeviceCapacity>| {
+            let p = cap["cores"].request_policy.clone().expect("policy");
+            let r = p.valid_range.expect("range");
+            (
+                p.default.expect("default").0,
+                r.min.0,
+                r.step.expect("step").0,
+            )
+        };
+        assert_eq!(range(cap), ("1000".into(), "0".into(), "1".into()));
+        // In the fraction unit the GPU is 1 (1000m), requested in steps of 0.001.
+        let fraction = devices(&pb::NodeInventory {
+            dra_cores: "fraction".into(),
+            ..inv.clone()
+        });
+        let cap = fraction[0].capacity.as_ref().expect("capacity");
+        assert_eq!(cap["cores"].value.0, "1000m");
+        assert_eq!(range(cap), ("1000m".into(), "0m".into(), "1m".into()));
+        assert_eq!(cap["memory"].value.0, "81079Mi");
         assert!(dropped_gates(&d, &d).is_empty());
         let mut stripped = d.clone();
         for s in &mut stripped {

@@ -97,6 +97,7 @@ fn allocate_env_carries_every_limit_format() {
     let inv = pb::NodeInventory {
         mode: Default::default(),
         isolation: String::new(),
+        dra_cores: String::new(),
         node: "n1".into(),
         gpus: vec![pb::Gpu {
             uuid: "G0".into(),

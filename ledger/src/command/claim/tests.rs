@@ -33,6 +33,7 @@ fn inventory(node: &str, mode: pb::NodeMode) -> pb::NodeInventory {
         memory_mib: 0,
         mode: mode as i32,
         isolation: String::new(),
+        dra_cores: String::new(),
     }
 }
 

@@ -21,6 +21,7 @@ fn inventory(gpus: &[&str]) -> pb::NodeInventory {
     pb::NodeInventory {
         mode: Default::default(),
         isolation: String::new(),
+        dra_cores: String::new(),
         node: "n1".into(),
         gpus: gpus
             .iter()

@@ -53,6 +53,7 @@ fn ledger(gpus: usize, mem: u64, pods: &[Pod]) -> Ledger {
         cpu_milli: 0,
         memory_mib: 0,
         isolation: String::new(),
+        dra_cores: String::new(),
     };
     l.apply(&ev(
         1,
@@ -388,6 +389,7 @@ fn two_nodes(on_n1: (&str, i32), on_n2: (&str, i32)) -> (Ledger, Vec<NodePods>) 
         let inv = pb::NodeInventory {
             mode: Default::default(),
             isolation: String::new(),
+            dra_cores: String::new(),
             node: n.into(),
             gpus: vec![pb::Gpu {
                 uuid: format!("GPU-{n}"),

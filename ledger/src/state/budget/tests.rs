@@ -27,6 +27,7 @@ fn ledger() -> Ledger {
         cpu_milli: 0,
         memory_mib: 0,
         isolation: String::new(),
+        dra_cores: String::new(),
     };
     l.execute(Command::RegisterNode(inv), 1, DAY0)
         .expect("register");

@@ -22,6 +22,7 @@ fn inventory() -> pb::NodeInventory {
         memory_mib: 0,
         mode: pb::NodeMode::Dra as i32,
         isolation: String::new(),
+        dra_cores: String::new(),
     }
 }
 
