@@ -50,6 +50,7 @@ fn grant(uid: &str, gpu: u32, share: &str) -> pb::ClaimGranted {
             name: "p".into(),
         }],
         source: "claim".into(),
+        priority: 0,
     }
 }
 
