@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use gpuledger_ledger::pb;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Pod, PodCondition};
 
 /// The condition the leader sets in a pending GPU pod's status when the ledger may have room
 /// for it again (its message names the ledger seq that freed it). kube-scheduler takes any
@@ -46,6 +46,17 @@ pub struct Waiting {
     pub since: String,
 }
 
+/// The `PodScheduled` condition of `pod` when kube-scheduler last found it unschedulable.
+pub fn unschedulable(pod: &Pod) -> Option<&PodCondition> {
+    pod.status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == "PodScheduled")
+        .filter(|c| c.status == "False" && c.reason.as_deref() == Some("Unschedulable"))
+}
+
 /// `pod` when it waits for GPU room ([`Waiting`]).
 pub fn waiting(pod: &Pod) -> Option<Waiting> {
     let spec = pod.spec.as_ref()?;
@@ -53,14 +64,7 @@ pub fn waiting(pod: &Pod) -> Option<Waiting> {
         return None;
     }
     // The cheap test first: every pod of the watch is looked at on each pass.
-    let unschedulable = pod
-        .status
-        .as_ref()?
-        .conditions
-        .as_ref()?
-        .iter()
-        .find(|c| c.type_ == "PodScheduled")
-        .filter(|c| c.status == "False" && c.reason.as_deref() == Some("Unschedulable"))?;
+    let unschedulable = unschedulable(pod)?;
     // DRA pods are requeued by kube-scheduler itself when claims and slices change.
     if gpuledger_request::has_dra_marker(pod)
         || gpuledger_request::containers(pod).map_or(true, |c| c.is_empty())
