@@ -163,10 +163,15 @@ async fn a_high_priority_dra_pod_gets_its_room_and_the_guarded_pod_stays() -> Re
             grants.len() == 1 && grants[0].shares[0].gpu_uuid == GPU,
             "trial {i}: {pre}'s grants in the ledger: {grants:?}"
         );
-        ensure!(
-            l.nominations().get(&uid).is_none(),
-            "trial {i}: {pre} is certified but its nomination lives on"
-        );
+        until(
+            &format!("trial {i}: {pre}'s nomination ended by its certification"),
+            Duration::from_secs(10),
+            || async {
+                let l = e.gl.ledger().await?;
+                Ok(l.nominations().get(&uid).is_none().then_some(()))
+            },
+        )
+        .await?;
         let events = pods::events_text(&e.client, NS, &victim)
             .await
             .unwrap_or_default();
