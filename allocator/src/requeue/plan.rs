@@ -32,8 +32,9 @@ pub fn frees_room(ev: &pb::Event) -> bool {
     )
 }
 
-/// A pod that waits for GPU room: not bound, not being deleted, asking GPU slices on the
-/// device-plugin path, and last found unschedulable by kube-scheduler.
+/// A pod that waits for GPU room: not bound, not being deleted, asking GPU slices (on the
+/// device-plugin path, or through claims: the DRA marker), and last found unschedulable by
+/// kube-scheduler.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Waiting {
     /// Namespace.
@@ -65,9 +66,12 @@ pub fn waiting(pod: &Pod) -> Option<Waiting> {
     }
     // The cheap test first: every pod of the watch is looked at on each pass.
     let unschedulable = unschedulable(pod)?;
-    // DRA pods are requeued by kube-scheduler itself when claims and slices change.
-    if gpuledger_request::has_dra_marker(pod)
-        || gpuledger_request::containers(pod).map_or(true, |c| c.is_empty())
+    // A DRA pod (the marker) is requeued by kube-scheduler itself when claims change, but
+    // that retry can come before the leader released the grant of the claim that went, and
+    // the extender then refuses it as it refuses a device-plugin pod (a preemptor whose
+    // victims just left, say): it waits for room like one.
+    if !gpuledger_request::has_dra_marker(pod)
+        && gpuledger_request::containers(pod).map_or(true, |c| c.is_empty())
     {
         return None;
     }
@@ -134,6 +138,11 @@ mod tests {
         assert!(waiting(&pod("b", Some("n1"), "Unschedulable", t, true)).is_none());
         assert!(waiting(&pod("c", None, "SchedulerError", t, true)).is_none());
         assert!(waiting(&pod("d", None, "Unschedulable", t, false)).is_none());
+        // A claim pod (the DRA marker, no GPU limits) waits for room too.
+        let mut dra = pod("e", None, "Unschedulable", t, false);
+        dra.spec.as_mut().expect("spec").containers[0].resources =
+            from_value(json!({"limits": {gpuledger_request::DRA_MARKER: "1"}})).expect("resources");
+        assert!(waiting(&dra).is_some());
     }
 
     #[test]
