@@ -177,7 +177,7 @@ async fn a_high_priority_dra_pod_gets_its_room_and_the_guarded_pod_stays() -> Re
             .unwrap_or_default();
         eprintln!(
             "trial {i}: {pre} bound in {:?}; {victim}'s events: {events}",
-            t.elapsed()
+            took[i]
         );
 
         // Make room for the next trial's victim.
