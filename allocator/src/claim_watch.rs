@@ -19,6 +19,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use gpuledger_ledger::{Command, Reply, pb};
+use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use kube::api::DynamicObject;
 use kube::runtime::reflector::{self, ObjectRef, Store};
@@ -156,6 +157,10 @@ struct Watch {
     rt: Runtime,
     shared: Arc<Shared>,
     claims: Claims,
+    /// The pod watch's pods (the consumers' priorities) and the client that reads a pod it
+    /// has not delivered yet.
+    pods: Store<Pod>,
+    client: kube::Client,
     store: Store<DynamicObject>,
     queue: Arc<Queue<Work>>,
     /// Refusals recorded by this replica ("uid/request/share").
@@ -190,7 +195,10 @@ impl Watch {
                     // The ledger before the claim (see [`certification`]); the view is let go
                     // before any write, which a view held would stall.
                     let l = self.shared.view().await;
-                    let (got, from_api) = self.read_claim(w, fresh).await;
+                    let (mut got, from_api) = self.read_claim(w, fresh).await;
+                    if let Read::Claim(Ok(c)) = &mut got {
+                        c.priority = self.priority_of(&c.consumers).await;
+                    }
                     m.read(got, from_api, &l)
                 }
                 Step::Release(rel) => {
@@ -230,6 +238,42 @@ impl Watch {
         (got, true)
     }
 
+    /// The highest priority among `consumers` as the API server has their pods (a pod that
+    /// cannot be read counts as priority 0: it takes no room kept for a preempting pod).
+    async fn priority_of(&self, consumers: &[pb::PodRef]) -> i32 {
+        let mut top: Option<i32> = None;
+        for p in consumers {
+            let prio = match crate::preemption::current_pod(&self.pods, &self.client, p).await {
+                Ok(Some(x)) => x.spec.as_ref().and_then(|s| s.priority).unwrap_or(0),
+                Ok(None) => 0,
+                Err(e) => {
+                    debug!(pod = %crate::preemption::pod_name(Some(p)), error = %e, "reading a claim consumer's priority failed");
+                    0
+                }
+            };
+            top = Some(top.map_or(prio, |t| t.max(prio)));
+        }
+        top.unwrap_or(0)
+    }
+
+    /// End the nominations of `claim`'s consumers once every result of it is granted.
+    async fn end_certified(&self, claim: &Claim) {
+        let done = {
+            let l = self.shared.view().await;
+            plan::nominees_certified(&l, claim)
+        };
+        for uid in done {
+            let cmd = Command::EndNomination {
+                pod_uid: uid.clone(),
+                reason: format!("certified: {} is granted", claim.what()),
+            };
+            let _ = self
+                .rt
+                .write(cmd, &format!("end the nomination of pod {uid}"))
+                .await;
+        }
+    }
+
     /// Carry out plan `p` for `claim`: its releases, its consumers, each result's step, then
     /// the conditions decided written in one status write.
     async fn carry(&self, claim: &Claim, p: plan::Plan) -> Written {
@@ -263,6 +307,7 @@ impl Watch {
                         .inc();
                 }
                 info!(claim = %claim.what(), "ResourceClaim conditions written");
+                self.end_certified(claim).await;
                 Written::Done
             }
             Err(e) if certify::is_conflict(&e) || certify::is_gone(&e) => {
@@ -470,30 +515,35 @@ impl Watch {
     }
 }
 
-/// Start the claim watch, its workers and its passes as tasks of `tasks`.
+/// Start the claim watch, its workers and its passes as tasks of `tasks`; the watch's claims,
+/// None when it is off.
 pub(crate) fn spawn(
     tasks: &mut JoinSet<()>,
     shared: Arc<Shared>,
     writer: Writer,
     client: kube::Client,
+    pods: Store<Pod>,
     args: &ClaimArgs,
-) {
+) -> Option<Store<DynamicObject>> {
     if !args.claim_watch {
         info!("no --claim-watch: DRA ResourceClaims are not certified");
-        return;
+        return None;
     }
-    let claims = Claims::new(client);
+    let claims = Claims::new(client.clone());
     let ar = kube::api::ApiResource::erase::<k8s_openapi::api::resource::v1::ResourceClaim>(&());
     let store_writer = reflector::store::Writer::<DynamicObject>::new(ar);
     let rt = Runtime::new("claims", shared.clone(), writer);
+    let store = store_writer.as_reader();
     let w = Arc::new(Watch {
         rt: rt.clone(),
         shared,
-        store: store_writer.as_reader(),
+        store: store.clone(),
         queue: Arc::new(Queue::new(
             usize::try_from(args.claim_queue).unwrap_or(usize::MAX),
         )),
         claims: claims.clone(),
+        pods,
+        client,
         refused: Mutex::default(),
     });
     let stream = reflector::reflector(
@@ -537,6 +587,7 @@ pub(crate) fn spawn(
         let w = w.clone();
         async move { w.reconcile().await }
     }));
+    Some(store)
 }
 
 #[cfg(test)]

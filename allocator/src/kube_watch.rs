@@ -83,6 +83,8 @@ pub struct Ties {
     pub authz: Arc<Authz>,
     /// Where the budget RPCs find what the GPUBudget watch knows.
     pub budget_guard: GuardSlot,
+    /// gpuledger's preemption (its DRA side runs beside the claim watch).
+    pub preemption: Arc<crate::preemption::Preemption>,
 }
 
 /// Start the watchers, if configured, as tasks of `tasks` that end when `stop` is cancelled.
@@ -374,11 +376,12 @@ async fn run(ties: Ties, client: kube::Client, args: KubeArgs) {
         client.clone(),
         &args.budgets,
     );
-    crate::claim_watch::spawn(
+    let claims = crate::claim_watch::spawn(
         &mut watchers,
         ties.shared.clone(),
         ties.writer.clone(),
         client.clone(),
+        pods.clone(),
         &args.claims,
     );
     let events = Recorder::new(client.clone(), "gpuledger-allocator", None);
@@ -391,6 +394,7 @@ async fn run(ties: Ties, client: kube::Client, args: KubeArgs) {
             args.claims.dra_cores,
         ))
     });
+    let preemption_writer = ties.writer.clone();
     let rt = Runtime::new("pods-and-nodes", ties.shared.clone(), ties.writer);
     let w = Arc::new(Watch {
         rt: rt.clone(),
@@ -441,6 +445,21 @@ async fn run(ties: Ties, client: kube::Client, args: KubeArgs) {
         w.pods.clone(),
         client.clone(),
     );
+    if let Some(claims) = claims {
+        crate::preemption::dra::spawn(
+            &mut watchers,
+            rt.named("dra-preemption"),
+            crate::preemption::dra::DraPreemption {
+                preemption: ties.preemption.clone(),
+                shared: w.shared.clone(),
+                writer: preemption_writer,
+                pods: w.pods.clone(),
+                claims,
+                client: client.clone(),
+                cores: args.claims.dra_cores,
+            },
+        );
+    }
 
     let wn = w.clone();
     let node_stream = reflector::reflector(

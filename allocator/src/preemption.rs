@@ -19,7 +19,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use gpuledger_ledger::placement::preempt::{Evictable, NodePods};
+use gpuledger_ledger::placement::preempt::{self, Evictable, NodePods};
 use gpuledger_ledger::{Command, Ledger, pb};
 use gpuledger_ops::events::{Kind, PodEvent, Recorder};
 use k8s_openapi::api::core::v1::Pod;
@@ -39,6 +39,8 @@ use crate::authz::Authz;
 use crate::runtime::Runtime;
 use crate::shared::Shared;
 use crate::writer::Writer;
+
+pub mod dra;
 
 /// Flags of gpuledger's own preemption.
 #[derive(clap::Args, Debug, Clone)]
@@ -156,8 +158,7 @@ pub fn node_pods<'a>(
         let Some(uid) = p.metadata.uid.as_deref().filter(|u| *u != me) else {
             continue;
         };
-        let node = &nodes[i];
-        if !ledger.allocs_of_pod(uid).iter().any(|a| &a.node == node) {
+        if ledger.held_on(&nodes[i], uid).is_empty() {
             continue;
         }
         let phase = p.status.as_ref().and_then(|s| s.phase.as_deref());
@@ -175,6 +176,57 @@ pub fn node_pods<'a>(
         }
     }
     out
+}
+
+/// Why no preemption could be planned.
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    /// The PodDisruptionBudgets could not be read (retryable: preemption respects them).
+    #[error("cannot read PodDisruptionBudgets ({0}): preemption respects them; retry")]
+    Budgets(kube::Error),
+    /// The victim search's task failed (a bug).
+    #[error("the victim search failed: {0}")]
+    Search(tokio::task::JoinError),
+}
+
+/// The preemption for `req` (its priority the API server's) on `nodes`, from this replica's
+/// view and the watch's `pods`: where, whom to evict, and the pods counted as leaving there;
+/// None when evicting pods of lower priority that no PodDisruptionBudget protects frees no
+/// room. The budgets are read only when some pod there could be evicted; the search runs off
+/// the runtime.
+pub async fn choose(
+    shared: &Shared,
+    client: &kube::Client,
+    pods: &[Arc<Pod>],
+    req: &gpuledger_ledger::placement::PodRequest,
+    nodes: &[String],
+) -> Result<Option<(preempt::Plan, Vec<String>)>, PlanError> {
+    let uid = req.pod.uid.as_str();
+    let on_nodes = |pdbs: &[PodDisruptionBudget], v: &Ledger| {
+        node_pods(pods.iter().map(|p| &**p), pdbs, v, nodes, req.priority, uid)
+    };
+    // Most pods that fit nowhere outrank no GPU pod there: they are answered without asking
+    // the API server for the budgets.
+    let hopeless = on_nodes(&[], &*shared.view().await)
+        .iter()
+        .all(|n| n.evictable.is_empty() && n.leaving.is_empty());
+    if hopeless {
+        return Ok(None);
+    }
+    let pdbs = budgets(client).await.map_err(PlanError::Budgets)?;
+    let (candidates, on_nodes) = {
+        let v = shared.view().await;
+        let on_nodes = on_nodes(&pdbs, &v);
+        (preempt::candidates(&v, req, &on_nodes), on_nodes)
+    };
+    let request = req.clone();
+    let plan = tokio::task::spawn_blocking(move || preempt::choose_among(&request, &candidates))
+        .await
+        .map_err(PlanError::Search)?;
+    Ok(plan.map(|p| {
+        let leaving = leaving_on(&on_nodes, &p.node);
+        (p, leaving)
+    }))
 }
 
 /// The PodDisruptionBudget that allows no disruption of `pod` now, if any (`namespace/name`).
@@ -352,7 +404,7 @@ async fn eviction(client: &kube::Client, victim: &pb::PodRef) -> Result<(), kube
 }
 
 /// End `uid`'s nomination (leader only); logs the outcome.
-async fn end(writer: &Writer, uid: &str, reason: String) {
+pub(crate) async fn end(writer: &Writer, uid: &str, reason: String) {
     let cmd = Command::EndNomination {
         pod_uid: uid.to_string(),
         reason: reason.clone(),

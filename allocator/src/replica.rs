@@ -172,6 +172,7 @@ pub async fn run_until(cfg: Config, stop: CancellationToken) -> Result<(), Start
             writer: writer.clone(),
             authz: authz.clone(),
             budget_guard: service.budget_guard_slot().clone(),
+            preemption: preemption.clone(),
         },
         &cfg.kube,
         &tasks,

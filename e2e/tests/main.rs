@@ -6,6 +6,7 @@ mod binds_in_flight;
 mod dra_batch_across_kills;
 mod dra_claims;
 mod dra_first_available;
+mod dra_preempts_for_gpu;
 mod dra_refusals;
 mod hami_core_isolation;
 mod hami_places_its_pods;

@@ -42,11 +42,11 @@ fn gpu_of(l: &gpuledger_ledger::Ledger, ns: &str, name: &str) -> Option<String> 
         .and_then(|a| a.shares.first().map(|s| s.gpu_uuid.clone()))
 }
 
-async fn terminating(api: &Api<Pod>, name: &str) -> Result<bool> {
+pub(crate) async fn terminating(api: &Api<Pod>, name: &str) -> Result<bool> {
     Ok(api.get(name).await?.metadata.deletion_timestamp.is_some())
 }
 
-async fn priority_classes(client: &kube::Client, classes: &[(&str, i32)]) -> Result<()> {
+pub(crate) async fn priority_classes(client: &kube::Client, classes: &[(&str, i32)]) -> Result<()> {
     let api: Api<PriorityClass> = Api::all(client.clone());
     for (name, value) in classes {
         let pc: PriorityClass = serde_json::from_value(json!({
@@ -70,7 +70,11 @@ async fn preempt_calls(e: &E2e) -> Result<f64> {
 }
 
 /// Every nomination the ledger recorded for `ns/name`: node, victims (`ns/name`), actor role.
-async fn nominations(e: &E2e, ns: &str, name: &str) -> Result<Vec<(String, Vec<String>, String)>> {
+pub(crate) async fn nominations(
+    e: &E2e,
+    ns: &str,
+    name: &str,
+) -> Result<Vec<(String, Vec<String>, String)>> {
     let leader = e.gl.allocs.wait_leader(Duration::from_secs(20)).await?;
     let log = e.gl.allocs.events(leader).await?;
     Ok(log

@@ -83,6 +83,7 @@ fn grant(claim: u8, share: u8, node: usize, gpu: usize, mem: u64, core: u32) -> 
         }),
         consumers: vec![],
         source: "claim".into(),
+        priority: 0,
     })
 }
 

@@ -212,6 +212,7 @@ impl DraNode {
             }),
             consumers: Vec::new(),
             source: "claim".into(),
+            priority: 0,
         }
     }
 

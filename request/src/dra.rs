@@ -578,6 +578,89 @@ pub fn capacity_ask(
     Ok(ask)
 }
 
+/// One container request per request of `spec` for [`DEVICE_CLASS`] (in `exactly`), named
+/// `<pod_claim>/<request>`, judged as the allocator certifies its allocation; requests for
+/// other classes are left out. Why not, when the claim asks for our devices in a way gpuledger
+/// does not place (the pod must change).
+pub fn spec_containers(
+    pod_claim: &str,
+    spec: &ResourceClaimSpec,
+    cores: CoresUnit,
+) -> Result<Vec<gpuledger_proto::allocator::v1::ContainerRequest>, String> {
+    let mut out = Vec::new();
+    let requests = spec.devices.as_ref().and_then(|d| d.requests.as_ref());
+    for r in requests.into_iter().flatten() {
+        let name = format!("{pod_claim}/{}", r.name);
+        let Some(e) = &r.exactly else {
+            let ours = r
+                .first_available
+                .iter()
+                .flatten()
+                .any(|s| s.device_class_name == DEVICE_CLASS);
+            if ours {
+                return Err(format!(
+                    "request {name} lists {DEVICE_CLASS} among firstAvailable subrequests, \
+                     which gpuledger does not place; ask for it in `exactly`"
+                ));
+            }
+            continue;
+        };
+        if e.device_class_name != DEVICE_CLASS {
+            continue;
+        }
+        out.push(exact_container(&name, e, cores)?);
+    }
+    Ok(out)
+}
+
+/// The container request of one `exactly` request of our class. A capacity it leaves out is
+/// the whole GPU's (the device's request policy default).
+pub fn exact_container(
+    name: &str,
+    e: &ExactDeviceRequest,
+    cores: CoresUnit,
+) -> Result<gpuledger_proto::allocator::v1::ContainerRequest, String> {
+    let bad = |m: String| format!("request {name}: {m}");
+    match e.allocation_mode.as_deref() {
+        None | Some("ExactCount") => {}
+        Some(m) => {
+            return Err(bad(format!(
+                "allocationMode {m} is not placed by gpuledger; use ExactCount"
+            )));
+        }
+    }
+    let count = e.count.unwrap_or(1);
+    let slices = u32::try_from(count)
+        .ok()
+        .filter(|c| *c >= 1)
+        .ok_or_else(|| bad(format!("count {count}")))?;
+    // Read as the allocator reads it when it certifies the allocation.
+    let ask = capacity_ask(e.capacity.as_ref(), cores).map_err(bad)?;
+    let (mem_mib, mem_percent) = match ask.memory_mib {
+        // The device's request policy: 1 MiB at least.
+        Some(m) => (m.max(1), 0),
+        None => (0, 100),
+    };
+    let core_milli = match ask.cores {
+        Some(c) if c <= 1000 => c as u32,
+        Some(c) => {
+            return Err(bad(format!(
+                "cores {}: more than the whole GPU ({})",
+                cores.quantity(c).0,
+                cores.quantity(1000).0
+            )));
+        }
+        None => 1000,
+    };
+    Ok(gpuledger_proto::allocator::v1::ContainerRequest {
+        name: name.to_string(),
+        slices,
+        mem_mib,
+        mem_percent,
+        core_milli,
+    })
+}
+
 /// A quantity in `unit`s, rounded up.
 fn round_up(q: &str, unit: f64) -> Result<u64, String> {
     let v = crate::parse_quantity(q)?;
@@ -832,5 +915,44 @@ mod tests {
         set(&mut got, None);
         let why = same_template(&want, &got).unwrap_err();
         assert!(why.contains("DRAConsumableCapacity"), "{why}");
+    }
+
+    fn exactly(caps: &[(&str, &str)]) -> ExactDeviceRequest {
+        let requests: BTreeMap<String, Quantity> = caps
+            .iter()
+            .map(|(k, v)| (k.to_string(), Quantity(v.to_string())))
+            .collect();
+        ExactDeviceRequest {
+            device_class_name: DEVICE_CLASS.into(),
+            capacity: Some(CapacityRequirements {
+                requests: Some(requests),
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_request_is_judged_with_the_capacity_the_allocator_certifies() {
+        let c = exact_container("p/c0", &exactly(&[("memory", "1G"), ("cores", "300")]), CoresUnit::Thousandths).unwrap();
+        assert_eq!((c.mem_mib, c.mem_percent, c.core_milli), (954, 0, 300));
+        let c = exact_container("p/c0", &exactly(&[]), CoresUnit::Thousandths).unwrap();
+        assert_eq!((c.mem_mib, c.mem_percent, c.core_milli), (0, 100, 1000));
+        assert!(exact_container("p/c0", &exactly(&[("cores", "1001")]), CoresUnit::Thousandths).is_err());
+        // The fraction unit: a quarter of the GPU; more than the GPU is named in that unit.
+        let f = CoresUnit::Fraction;
+        let c = exact_container("p/c0", &exactly(&[("cores", "0.25")]), f).unwrap();
+        assert_eq!(c.core_milli, 250);
+        let why = exact_container("p/c0", &exactly(&[("cores", "1.5")]), f).unwrap_err();
+        assert!(why.contains("cores 1500m"), "{why}");
+    }
+
+    /// The scheduler allocates no device of ours for a capacity they do not publish: the
+    /// extender used to take `gpu.gpuledger.io/memory` for the whole GPU, and the allocator
+    /// for `memory`; both refuse it now.
+    #[test]
+    fn a_capacity_our_devices_do_not_publish_is_invalid() {
+        let e =
+            exact_container("p/c0", &exactly(&[("gpu.gpuledger.io/memory", "2Gi")]), CoresUnit::Thousandths).unwrap_err();
+        assert!(e.contains("gpu.gpuledger.io/memory"), "{e}");
     }
 }

@@ -33,6 +33,9 @@ pub struct Claim {
     pub results: Vec<Allotted>,
     /// The pods the claim is reserved for.
     pub consumers: Vec<pb::PodRef>,
+    /// The highest priority among the consumers (0 until the shell reads their pods): room
+    /// nominated for a preempting pod of this priority or higher is not the claim's.
+    pub priority: i32,
     /// `status.devices` as stored, every driver's entries untouched.
     pub devices: Vec<Value>,
 }
@@ -151,6 +154,7 @@ impl Claim {
             spec: rc.spec,
             results,
             consumers,
+            priority: 0,
             devices,
             claim,
         })
@@ -320,6 +324,24 @@ pub fn plan_claim(l: &Ledger, c: &Claim) -> Plan {
     plan
 }
 
+/// The consumers of `c` whose nomination ends now that the ledger `l` holds a grant for every
+/// result of `c`: a preempting pod is certified, and the room kept for it is its own.
+pub fn nominees_certified(l: &Ledger, c: &Claim) -> Vec<String> {
+    let all = !c.results.is_empty()
+        && c.results.iter().all(|r| {
+            l.alloc_of_claim(&c.claim.uid, &r.request, &r.share_id)
+                .is_some()
+        });
+    if !all {
+        return Vec::new();
+    }
+    c.consumers
+        .iter()
+        .filter(|p| l.nominations().get(&p.uid).is_some())
+        .map(|p| p.uid.clone())
+        .collect()
+}
+
 /// Grants whose claims are gone: those of a claim `uid` that was deleted.
 pub fn releases_of_deleted(l: &Ledger, uid: &str, what: &str) -> Vec<Release> {
     l.allocs_of_pod(uid)
@@ -365,6 +387,7 @@ pub fn plan_all(l: &Ledger, claims: &[Claim]) -> (Vec<Release>, Vec<usize>) {
 pub fn refusal_reason(e: &CommandError) -> Option<&'static str> {
     match e {
         CommandError::NoCapacity(m) if m.contains("quota") => Some("LedgerQuota"),
+        CommandError::NoCapacity(m) if m.contains("preempted for it") => Some("LedgerRoomKept"),
         CommandError::NoCapacity(_) => Some("LedgerNoCapacity"),
         CommandError::Unsatisfiable(_) => Some("LedgerUnsatisfiable"),
         CommandError::NotFound(_) => Some("LedgerUnknownDevice"),
@@ -471,6 +494,7 @@ fn grant_of(l: &Ledger, c: &Claim, r: &Allotted) -> Result<pb::ClaimGranted, Ref
         }),
         consumers: c.consumers.clone(),
         source: c.source.into(),
+        priority: c.priority,
     })
 }
 

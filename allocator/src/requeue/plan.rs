@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use gpuledger_ledger::pb;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Pod, PodCondition};
 
 /// The condition the leader sets in a pending GPU pod's status when the ledger may have room
 /// for it again (its message names the ledger seq that freed it). kube-scheduler takes any
@@ -32,8 +32,9 @@ pub fn frees_room(ev: &pb::Event) -> bool {
     )
 }
 
-/// A pod that waits for GPU room: not bound, not being deleted, asking GPU slices on the
-/// device-plugin path, and last found unschedulable by kube-scheduler.
+/// A pod that waits for GPU room: not bound, not being deleted, asking GPU slices (on the
+/// device-plugin path, or through claims: the DRA marker), and last found unschedulable by
+/// kube-scheduler.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Waiting {
     /// Namespace.
@@ -46,6 +47,17 @@ pub struct Waiting {
     pub since: String,
 }
 
+/// The `PodScheduled` condition of `pod` when kube-scheduler last found it unschedulable.
+pub fn unschedulable(pod: &Pod) -> Option<&PodCondition> {
+    pod.status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == "PodScheduled")
+        .filter(|c| c.status == "False" && c.reason.as_deref() == Some("Unschedulable"))
+}
+
 /// `pod` when it waits for GPU room ([`Waiting`]).
 pub fn waiting(pod: &Pod) -> Option<Waiting> {
     let spec = pod.spec.as_ref()?;
@@ -53,17 +65,13 @@ pub fn waiting(pod: &Pod) -> Option<Waiting> {
         return None;
     }
     // The cheap test first: every pod of the watch is looked at on each pass.
-    let unschedulable = pod
-        .status
-        .as_ref()?
-        .conditions
-        .as_ref()?
-        .iter()
-        .find(|c| c.type_ == "PodScheduled")
-        .filter(|c| c.status == "False" && c.reason.as_deref() == Some("Unschedulable"))?;
-    // DRA pods are requeued by kube-scheduler itself when claims and slices change.
-    if gpuledger_request::has_dra_marker(pod)
-        || gpuledger_request::containers(pod).map_or(true, |c| c.is_empty())
+    let unschedulable = unschedulable(pod)?;
+    // A DRA pod (the marker) is requeued by kube-scheduler itself when claims change, but
+    // that retry can come before the leader released the grant of the claim that went, and
+    // the extender then refuses it as it refuses a device-plugin pod (a preemptor whose
+    // victims just left, say): it waits for room like one.
+    if !gpuledger_request::has_dra_marker(pod)
+        && gpuledger_request::containers(pod).map_or(true, |c| c.is_empty())
     {
         return None;
     }
@@ -130,6 +138,11 @@ mod tests {
         assert!(waiting(&pod("b", Some("n1"), "Unschedulable", t, true)).is_none());
         assert!(waiting(&pod("c", None, "SchedulerError", t, true)).is_none());
         assert!(waiting(&pod("d", None, "Unschedulable", t, false)).is_none());
+        // A claim pod (the DRA marker, no GPU limits) waits for room too.
+        let mut dra = pod("e", None, "Unschedulable", t, false);
+        dra.spec.as_mut().expect("spec").containers[0].resources =
+            from_value(json!({"limits": {gpuledger_request::DRA_MARKER: "1"}})).expect("resources");
+        assert!(waiting(&dra).is_some());
     }
 
     #[test]

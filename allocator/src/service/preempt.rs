@@ -3,7 +3,6 @@
 //! leader decides (the `Nominate` command re-checks the room against its state), commits, and
 //! then evicts, so only the replica whose sequencer committed the nomination evicts.
 
-use gpuledger_ledger::placement::preempt;
 use gpuledger_ledger::{Command, Reply, pb};
 use gpuledger_proto::allocator::v1 as api;
 use k8s_openapi::api::core::v1::Pod;
@@ -94,54 +93,26 @@ pub(super) async fn preempt(
         }));
     }
 
+    if let Some(a) = svc.shared.view().await.allocs_of_pod(&uid).first() {
+        p.outcome("refused");
+        return Err(Status::failed_precondition(format!(
+            "pod {} already holds allocation {} on node {}",
+            preemption::pod_name(Some(&pr.pod)),
+            a.id,
+            a.node
+        )));
+    }
     let pods = store.state();
     let mut nodes = r.nodes.clone();
     nodes.sort();
     nodes.dedup();
-    let on_nodes = |pdbs: &[_], v: &gpuledger_ledger::Ledger| {
-        preemption::node_pods(
-            pods.iter().map(|p| &**p),
-            pdbs,
-            v,
-            &nodes,
-            pr.priority,
-            &uid,
-        )
-    };
-    // Most pods that fit nowhere outrank no GPU pod there: they are answered without asking
-    // the API server for the budgets.
-    let hopeless = {
-        let v = svc.shared.view().await;
-        if let Some(a) = v.allocs_of_pod(&uid).first() {
-            p.outcome("refused");
-            return Err(Status::failed_precondition(format!(
-                "pod {} already holds allocation {} on node {}",
-                preemption::pod_name(Some(&pr.pod)),
-                a.id,
-                a.node
-            )));
-        }
-        on_nodes(&[], &v)
-            .iter()
-            .all(|n| n.evictable.is_empty() && n.leaving.is_empty())
-    };
-    let (candidates, on_nodes) = if hopeless {
-        (Vec::new(), Vec::new())
-    } else {
-        let pdbs = preemption::budgets(&client).await.map_err(|e| {
-            Status::unavailable(format!(
-                "cannot read PodDisruptionBudgets ({e}): preemption respects them; retry"
-            ))
-        })?;
-        let v = svc.shared.view().await;
-        let on_nodes = on_nodes(&pdbs, &v);
-        (preempt::candidates(&v, &pr, &on_nodes), on_nodes)
-    };
-    let request = pr.clone();
-    let plan = tokio::task::spawn_blocking(move || preempt::choose_among(&request, &candidates))
+    let plan = preemption::choose(&svc.shared, &client, &pods, &pr, &nodes)
         .await
-        .map_err(|e| Status::internal(format!("the victim search failed: {e}")))?;
-    let Some(plan) = plan else {
+        .map_err(|e| match e {
+            preemption::PlanError::Budgets(_) => Status::unavailable(e.to_string()),
+            preemption::PlanError::Search(_) => Status::internal(e.to_string()),
+        })?;
+    let Some((plan, leaving)) = plan else {
         p.outcome("none");
         return Ok(Response::new(api::PreemptResponse {
             nomination: None,
@@ -159,7 +130,6 @@ pub(super) async fn preempt(
     let by_uid = preemption::names(&pods);
     let deadline = svc.shared.clock.now_ms() + p.ttl().as_millis() as i64;
     let nomination = plan.nomination(&pr, deadline, &|u| by_uid.get(u).cloned());
-    let leaving = preemption::leaving_on(&on_nodes, &plan.node);
     let cmd = Command::Nominate {
         nomination: nomination.clone(),
         leaving,

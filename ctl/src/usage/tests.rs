@@ -194,6 +194,7 @@ fn claim_grants_are_metered_under_their_claims_namespace() {
         }),
         consumers: vec![],
         source: "claim".into(),
+        priority: 0,
     });
     let events = [
         ev(1, 0, Body::NodeRegistered(dra)),

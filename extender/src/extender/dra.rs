@@ -11,7 +11,6 @@ use kube::api::Api;
 
 use super::App;
 use crate::resources;
-use gpuledger_request::dra::DEVICE_CLASS;
 
 /// Why a pod's request cannot be read.
 #[derive(Debug)]
@@ -93,133 +92,10 @@ async fn claim_containers(app: &App, pod: &Pod) -> Result<Vec<api::ContainerRequ
         } else {
             continue;
         };
-        for r in spec.devices.and_then(|d| d.requests).unwrap_or_default() {
-            let name = format!("{}/{}", pc.name, r.name);
-            let Some(e) = r.exactly else {
-                let ours = r
-                    .first_available
-                    .iter()
-                    .flatten()
-                    .any(|s| s.device_class_name == DEVICE_CLASS);
-                if ours {
-                    return Err(Unreadable::Invalid(format!(
-                        "request {name} lists {DEVICE_CLASS} among firstAvailable subrequests, \
-                         which gpuledger does not place; ask for it in `exactly`"
-                    )));
-                }
-                continue;
-            };
-            if e.device_class_name != DEVICE_CLASS {
-                continue;
-            }
-            out.push(container(&name, &e, app.dra_cores)?);
-        }
+        out.extend(
+            gpuledger_request::dra::spec_containers(&pc.name, &spec, app.dra_cores)
+                .map_err(Unreadable::Invalid)?,
+        );
     }
     Ok(out)
-}
-
-/// The container request of one `exactly` request of our class. A capacity it leaves out is
-/// the whole GPU's (the device's request policy default).
-fn container(
-    name: &str,
-    e: &k8s_openapi::api::resource::v1::ExactDeviceRequest,
-    cores: gpuledger_request::dra::CoresUnit,
-) -> Result<api::ContainerRequest, Unreadable> {
-    let bad = |m: String| Unreadable::Invalid(format!("request {name}: {m}"));
-    match e.allocation_mode.as_deref() {
-        None | Some("ExactCount") => {}
-        Some(m) => {
-            return Err(bad(format!(
-                "allocationMode {m} is not placed by gpuledger; use ExactCount"
-            )));
-        }
-    }
-    let count = e.count.unwrap_or(1);
-    let slices = u32::try_from(count)
-        .ok()
-        .filter(|c| *c >= 1)
-        .ok_or_else(|| bad(format!("count {count}")))?;
-    // Read as the allocator reads it when it certifies the allocation.
-    let ask = gpuledger_request::dra::capacity_ask(e.capacity.as_ref(), cores).map_err(bad)?;
-    let (mem_mib, mem_percent) = match ask.memory_mib {
-        // The device's request policy: 1 MiB at least.
-        Some(m) => (m.max(1), 0),
-        None => (0, 100),
-    };
-    let core_milli = match ask.cores {
-        Some(c) if c <= 1000 => c as u32,
-        Some(c) => {
-            return Err(bad(format!(
-                "cores {}: more than the whole GPU ({})",
-                cores.quantity(c).0,
-                cores.quantity(1000).0
-            )));
-        }
-        None => 1000,
-    };
-    Ok(api::ContainerRequest {
-        name: name.to_string(),
-        slices,
-        mem_mib,
-        mem_percent,
-        core_milli,
-    })
-}
-
-#[cfg(test)]
-mod tests {
-    use std::collections::BTreeMap;
-
-    use k8s_openapi::api::resource::v1::{CapacityRequirements, ExactDeviceRequest};
-    use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-
-    use super::*;
-    use gpuledger_request::dra::CoresUnit;
-
-    const T: CoresUnit = CoresUnit::Thousandths;
-
-    fn exactly(caps: &[(&str, &str)]) -> ExactDeviceRequest {
-        let requests: BTreeMap<String, Quantity> = caps
-            .iter()
-            .map(|(k, v)| (k.to_string(), Quantity(v.to_string())))
-            .collect();
-        ExactDeviceRequest {
-            device_class_name: DEVICE_CLASS.into(),
-            capacity: Some(CapacityRequirements {
-                requests: Some(requests),
-            }),
-            ..Default::default()
-        }
-    }
-
-    #[test]
-    fn a_request_is_judged_with_the_capacity_the_allocator_certifies() {
-        let c = container("p/c0", &exactly(&[("memory", "1G"), ("cores", "300")]), T).unwrap();
-        assert_eq!((c.mem_mib, c.mem_percent, c.core_milli), (954, 0, 300));
-        let c = container("p/c0", &exactly(&[]), T).unwrap();
-        assert_eq!((c.mem_mib, c.mem_percent, c.core_milli), (0, 100, 1000));
-        assert!(matches!(
-            container("p/c0", &exactly(&[("cores", "1001")]), T),
-            Err(Unreadable::Invalid(_))
-        ));
-        // The fraction unit: a quarter of the GPU; more than the GPU is named in that unit.
-        let f = CoresUnit::Fraction;
-        let c = container("p/c0", &exactly(&[("cores", "0.25")]), f).unwrap();
-        assert_eq!(c.core_milli, 250);
-        match container("p/c0", &exactly(&[("cores", "1.5")]), f) {
-            Err(Unreadable::Invalid(m)) => assert!(m.contains("cores 1500m"), "{m}"),
-            other => panic!("not invalid: {other:?}"),
-        }
-    }
-
-    /// The scheduler allocates no device of ours for a capacity they do not publish: the
-    /// extender used to take `gpu.gpuledger.io/memory` for the whole GPU, and the allocator
-    /// for `memory`; both refuse it now.
-    #[test]
-    fn a_capacity_our_devices_do_not_publish_is_invalid() {
-        match container("p/c0", &exactly(&[("gpu.gpuledger.io/memory", "2Gi")]), T) {
-            Err(Unreadable::Invalid(m)) => assert!(m.contains("gpu.gpuledger.io/memory"), "{m}"),
-            other => panic!("not invalid: {other:?}"),
-        }
-    }
 }

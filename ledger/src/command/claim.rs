@@ -106,6 +106,7 @@ impl Ledger {
                 share.core_milli
             )));
         }
+        self.check_room_kept(&g, &what, share)?;
         self.check_quota_of(&claim.namespace, std::iter::once(share))?;
         g.allocation_id = self.seq() + 1;
         Ok((
@@ -115,6 +116,56 @@ impl Ledger {
                 created: true,
             },
         ))
+    }
+
+    /// Refuse a grant that takes room nominated on its GPU for a preempting pod its consumers
+    /// do not outrank (`g.priority`); the nominee's own claim may take its room.
+    fn check_room_kept(
+        &self,
+        g: &pb::ClaimGranted,
+        what: &str,
+        share: &pb::GpuShare,
+    ) -> Result<(), CommandError> {
+        let noms = self.nominations();
+        let me = g
+            .consumers
+            .iter()
+            .map(|c| c.uid.as_str())
+            .find(|u| noms.get(u).is_some_and(|n| n.node == g.node))
+            .unwrap_or("");
+        let Some(node) = self.node(&g.node) else {
+            return Ok(());
+        };
+        let seen = noms.seen_by(node, me, g.priority);
+        let Some(gpu) = seen.gpu(&share.gpu_uuid) else {
+            return Ok(());
+        };
+        if share.mem_mib <= gpu.mem_free() && share.core_milli <= gpu.core_free() {
+            return Ok(());
+        }
+        let kept: Vec<String> = noms
+            .keeping_from(&g.node, me, g.priority)
+            .filter(|n| {
+                n.containers
+                    .iter()
+                    .flat_map(|c| &c.shares)
+                    .any(|s| s.gpu_uuid == share.gpu_uuid)
+            })
+            .map(|n| {
+                let p = n.pod.clone().unwrap_or_default();
+                format!("pod {}/{} (priority {})", p.namespace, p.name, n.priority)
+            })
+            .collect();
+        Err(CommandError::NoCapacity(format!(
+            "{what}: the room on GPU {} is kept for {}, which preempted for it, until it is \
+             certified there; this claim's pods have priority {}, so only {} MiB and {} cores \
+             of it are free to them",
+            share.gpu_uuid,
+            kept.join(", "),
+            g.priority,
+            gpu.mem_free(),
+            gpu.core_free()
+        )))
     }
 
     pub(super) fn decide_refuse_claim(&self, r: pb::ClaimRefused) -> Decided {

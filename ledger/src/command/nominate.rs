@@ -34,12 +34,6 @@ impl Ledger {
         let node = self
             .node(&n.node)
             .ok_or_else(|| CommandError::NotFound(format!("node {} is not registered", n.node)))?;
-        if node.mode != pb::NodeMode::DevicePlugin {
-            return Err(CommandError::Unsatisfiable(format!(
-                "node {} serves GPUs through DRA: the scheduler preempts for claims itself",
-                n.node
-            )));
-        }
         if let Some(cur) = self.nominations().get(&uid) {
             if cur.node == n.node && cur.containers == n.containers {
                 return Ok((Vec::new(), Reply::Done { changed: false }));
@@ -199,15 +193,12 @@ impl Ledger {
     }
 }
 
-/// `node` with the allocations of the pods `gone` released.
+/// `node` with the allocations of the pods `gone` released (their reservations, and the
+/// grants of claims reserved for them alone).
 fn without<'a>(l: &Ledger, node: &NodeState, gone: impl Iterator<Item = &'a str>) -> NodeState {
     let mut n = node.clone();
     for uid in gone {
-        for a in l
-            .allocs_of_pod(uid)
-            .into_iter()
-            .filter(|a| a.node == node.name)
-        {
+        for a in l.held_on(&node.name, uid) {
             for s in &a.shares {
                 if let Some(g) = n.gpus.iter_mut().find(|g| g.uuid == s.gpu_uuid) {
                     g.mem_used = g.mem_used.saturating_sub(s.mem_mib);
@@ -222,5 +213,7 @@ fn without<'a>(l: &Ledger, node: &NodeState, gone: impl Iterator<Item = &'a str>
     n
 }
 
+#[cfg(test)]
+mod dra_tests;
 #[cfg(test)]
 mod tests;

@@ -6,7 +6,9 @@
 //! priorities. Evicting a pod whose slices are on other GPUs than the ones the request lands on
 //! helps nobody, and such a pod is never in the answer. [`choose_victims`] answers for one node
 //! (the scheduler's `preempt` verb); [`choose_nomination`] picks the node as well (the
-//! allocator's own preemption, which nominates the pod for the room).
+//! allocator's own preemption, which nominates the pod for the room). On a DRA node the
+//! allocations are claim grants: a grant counts as the pod's its claim is reserved for, so the
+//! same search chooses the DRA pods whose eviction frees room for a claim.
 
 use std::collections::BTreeSet;
 
@@ -14,7 +16,7 @@ use rustc_hash::FxHashMap;
 
 use super::{ContainerPlacement, PodRequest, evaluate, materialize};
 use crate::pb;
-use crate::state::{Alloc, Ledger, NodeState, pod_kind};
+use crate::state::{Alloc, Ledger, NodeState, holder, pod_kind};
 
 /// Placement evaluations spent on the exhaustive search before it settles for an irreducible set
 /// found greedily: a node with many small pods would otherwise cost C(n, k) evaluations.
@@ -253,8 +255,20 @@ pub struct Candidate {
     pub pods: NodePods,
 }
 
+/// `a` under the pod whose eviction frees it ([`holder`]): a claim grant reserved for one pod
+/// is that pod's, so that the search weighs DRA pods as it weighs device-plugin pods; a grant
+/// no single eviction frees stays under its claim, which no pod is, and is never freed.
+fn by_holder(a: &Alloc) -> Alloc {
+    let mut a = a.clone();
+    if let Some(h) = holder(&a).filter(|h| *h != a.pod.uid).map(str::to_owned) {
+        a.pod.uid = h;
+    }
+    a
+}
+
 /// The candidates of `pods` as `req` sees them in `ledger` (unknown nodes left out, and nodes
-/// where no pod may be evicted and none is leaving: nothing can free room there).
+/// where no pod may be evicted and none is leaving: nothing can free room there). On a DRA
+/// node the allocations are claim grants, each under the one pod its claim is reserved for.
 pub fn candidates(ledger: &Ledger, req: &PodRequest, pods: &[NodePods]) -> Vec<Candidate> {
     pods.iter()
         .filter(|p| !p.evictable.is_empty() || !p.leaving.is_empty())
@@ -263,7 +277,8 @@ pub fn candidates(ledger: &Ledger, req: &PodRequest, pods: &[NodePods]) -> Vec<C
             let allocs = node
                 .allocs
                 .iter()
-                .filter_map(|id| ledger.alloc(*id).cloned())
+                .filter_map(|id| ledger.alloc(*id))
+                .map(by_holder)
                 .collect();
             Some(Candidate {
                 node,

@@ -19,7 +19,33 @@ pub fn same_pods(a: &[pb::PodRef], b: &[pb::PodRef]) -> bool {
     uids(a) == uids(b)
 }
 
+/// The pod whose eviction frees allocation `a`: a reservation's pod, or the one pod a claim
+/// grant is reserved for. A grant shared by several pods, or reserved for none, is freed by no
+/// single eviction (None).
+pub fn holder(a: &super::Alloc) -> Option<&str> {
+    match a.claim.as_deref() {
+        None => Some(a.pod.uid.as_str()),
+        Some(g) => match g.consumers.as_slice() {
+            [only] => Some(only.uid.as_str()),
+            _ => None,
+        },
+    }
+}
+
 impl Ledger {
+    /// The live allocations on `node` that evicting pod `uid` frees ([`holder`]): its
+    /// reservations, and the grants of claims reserved for it alone.
+    pub fn held_on(&self, node: &str, uid: &str) -> Vec<&super::Alloc> {
+        let Some(n) = self.nodes.get(node) else {
+            return Vec::new();
+        };
+        n.allocs
+            .iter()
+            .filter_map(|id| self.allocs.get(id))
+            .filter(|a| holder(a) == Some(uid))
+            .collect()
+    }
+
     /// The live grant of a claim's result (request and share), if any.
     pub fn alloc_of_claim(
         &self,

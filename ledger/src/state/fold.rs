@@ -147,11 +147,9 @@ impl Ledger {
                     return Err(bad(format!("BudgetSet of {:?}: {why}", b.namespace)));
                 }
             }
-            Body::Nominated(n) => {
-                self.require_mode(&n.node, pb::NodeMode::DevicePlugin, "Nominated")
-                    .map_err(bad)?;
-                self.nominate(n).map_err(bad)?;
-            }
+            // Both modes: a DRA node's nominations keep room from claims (preemption for
+            // DRA pods).
+            Body::Nominated(n) => self.nominate(n).map_err(bad)?,
             Body::NominationEnded(e) => self.end_nomination(e).map_err(bad)?,
         }
         self.account(body, before, ev.time_ms);

@@ -357,6 +357,7 @@ fn a_pod_that_joins_a_claim_is_charged_to_its_grant() {
             }),
             consumers: vec![pod("first")],
             source: "claim".into(),
+            priority: 0,
         }),
     ));
     let serves = |v: &View, uid: &str| crate::enforce::serves_pod(&v.allocs[&7], uid);

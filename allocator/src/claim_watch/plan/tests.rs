@@ -389,3 +389,82 @@ fn ledger_refusals_map_to_condition_reasons() {
     );
     assert_eq!(r(CommandError::Conflict("x".into())), None);
 }
+
+/// `ledger()` with 14000 MiB of GPU-dra-0 nominated for pod `nominee` (priority 100).
+fn nominated() -> Ledger {
+    let mut l = ledger();
+    let n = pb::Nominated {
+        pod: Some(pb::PodRef {
+            uid: "nominee".into(),
+            namespace: "team-a".into(),
+            name: "nominee".into(),
+        }),
+        priority: 100,
+        node: "dra".into(),
+        containers: vec![pb::NominatedContainer {
+            container: "gpuledger/c0".into(),
+            shares: vec![pb::GpuShare {
+                gpu_uuid: "GPU-dra-0".into(),
+                mem_mib: 14_000,
+                core_milli: 300,
+            }],
+        }],
+        deadline_ms: 60_000,
+        ..Default::default()
+    };
+    l.execute(
+        Command::Nominate {
+            nomination: n,
+            leaving: Vec::new(),
+        },
+        1,
+        1,
+    )
+    .expect("nominate");
+    l
+}
+
+/// The grant the plan makes for `c`.
+fn planned_grant(l: &Ledger, c: &Claim) -> pb::ClaimGranted {
+    match only_step(&plan_claim(l, c)) {
+        Step::Grant { grant } => grant.clone(),
+        s => panic!("not a grant: {s:?}"),
+    }
+}
+
+#[test]
+fn room_kept_for_a_preemptor_is_refused_to_pods_it_outranks_with_a_reason() {
+    let mut l = nominated();
+    let mut c = claim("u1", json!({"memory": "4000Mi", "cores": "300"}));
+    c.priority = 50;
+    let g = planned_grant(&l, &c);
+    assert_eq!(g.priority, 50, "the grant carries its pods' priority");
+    let e = l
+        .execute(Command::GrantClaim(g), 1, 2)
+        .expect_err("2000 MiB are free beside the kept room");
+    assert_eq!(refusal_reason(&e), Some("LedgerRoomKept"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("kept for pod team-a/nominee (priority 100)"),
+        "{e}"
+    );
+    // A pod that outranks the preemptor is not held back.
+    c.priority = 200;
+    l.execute(Command::GrantClaim(planned_grant(&l, &c)), 1, 3)
+        .expect("granted to a pod of higher priority");
+}
+
+#[test]
+fn the_nomination_ends_once_every_result_of_the_preemptors_claim_is_granted() {
+    let mut l = nominated();
+    let mut c = claim("u1", json!({"memory": "4000Mi", "cores": "300"}));
+    c.consumers[0].uid = "nominee".into();
+    c.priority = 100;
+    assert!(
+        nominees_certified(&l, &c).is_empty(),
+        "nothing is granted yet"
+    );
+    l.execute(Command::GrantClaim(planned_grant(&l, &c)), 1, 2)
+        .expect("the preemptor takes its own room");
+    assert_eq!(nominees_certified(&l, &c), ["nominee"]);
+}

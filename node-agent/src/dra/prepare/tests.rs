@@ -51,6 +51,7 @@ fn grant(uid: &str, gpu: u32, share: &str) -> pb::ClaimGranted {
             name: "p".into(),
         }],
         source: "claim".into(),
+        priority: 0,
     }
 }
 
