@@ -39,7 +39,9 @@ async fn tainted(client: &kube::Client, device: &str) -> Result<bool> {
         .any(|t| t["key"] == "gpu.gpuledger.io/unhealthy" && t["effect"] == "NoSchedule"))
 }
 
-/// The health the kubelet reports for `device` in the pod's `allocatedResourcesStatus`.
+/// The health the kubelet reports for `device` in the pod's `allocatedResourcesStatus`. The
+/// kubelet names a prepared device by its first CDI id (the claim's `gpuledger.io/claim=…`),
+/// else `<driver>/<pool>/<device>`; the pod holds one device.
 async fn pod_health(pods: &Api<Pod>, name: &str, device: &str) -> Result<Option<String>> {
     let p = serde_json::to_value(pods.get(name).await?)?;
     let suffix = format!("/{device}");
@@ -57,7 +59,7 @@ async fn pod_health(pods: &Api<Pod>, name: &str, device: &str) -> Result<Option<
         .find(|r| {
             r["resourceID"]
                 .as_str()
-                .is_some_and(|id| id.ends_with(&suffix))
+                .is_some_and(|id| id.ends_with(&suffix) || id.starts_with("gpuledger.io/claim="))
         })
         .and_then(|r| r["health"].as_str().map(String::from)))
 }
