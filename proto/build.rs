@@ -8,6 +8,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "proto/k8s/podresources/v1/api.proto",
         "proto/k8s/pluginregistration/v1/api.proto",
         "proto/k8s/dra/v1/api.proto",
+        "proto/k8s/drahealth/v1alpha1/api.proto",
     ];
     for p in &protos {
         println!("cargo:rerun-if-changed={p}");

@@ -239,7 +239,12 @@ pub async fn add(
             .with_context(|| format!("registering node {n} with the allocator"))?;
             if shape.dra {
                 let inv = inventory(&n, &shape);
-                let s = slice::slice(&n, Some(&node), slice::devices(&inv), 0);
+                let s = slice::slice(
+                    &n,
+                    Some(&node),
+                    slice::devices(&inv, slice::Unhealthy::Omitted),
+                    0,
+                );
                 slices
                     .create(&PostParams::default(), &s)
                     .await

@@ -19,7 +19,8 @@ use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams
 use kube::discovery::ApiResource;
 use serde_json::json;
 
-fn slices(client: &kube::Client) -> Api<DynamicObject> {
+/// The ResourceSlices of the cluster.
+pub(crate) fn slices(client: &kube::Client) -> Api<DynamicObject> {
     let ar = ApiResource {
         group: "resource.k8s.io".into(),
         version: "v1".into(),

@@ -90,7 +90,8 @@ pub enum DeviceChoice {
     /// kube-scheduler's structured allocator (the DRA path): for each container in order, the
     /// first GPUs in index order whose remaining memory and compute cover the request (what a
     /// DRA request, `PodRequest::dra`, always gets). The policy still scores the node, by the
-    /// GPUs first fit takes; a first-fit GPU the ledger would refuse fails the node.
+    /// GPUs first fit takes (unhealthy ones, tainted, passed by); a first-fit GPU the ledger
+    /// would refuse fails the node.
     FirstFit,
 }
 
@@ -167,8 +168,8 @@ pub fn evaluate_with(
             return Err(Fit::Wait(shortage(node, req, &c, &free)));
         }
         let chosen: Vec<usize> = match req.policy {
-            // The pod's own claims (the webhook's): the scheduler sees neither health nor the
-            // pod's selectors, so a first-fit GPU the ledger would refuse fails the node.
+            // The pod's own claims (the webhook's): the scheduler does not see the pod's
+            // selectors, so a first-fit GPU the ledger would refuse fails the node.
             _ if req.dra || choice == DeviceChoice::FirstFit => first_fit(node, req, &c, &free)?,
             Policy::Spread => take_sorted(cands, c.slices, |a, b| b.total_cmp(a)),
             Policy::FgdStrand if c.slices == 1 && c.core_milli < CORE_MILLI_PER_GPU => {
@@ -227,9 +228,9 @@ pub fn evaluate_with(
 /// whether the ledger accepts them: devices are tried in slice order (gpuledger's node agent
 /// publishes them by GPU index), and each of the `slices` distinct devices is the first whose
 /// remaining memory and compute cover the request (the slice's request policy, 1 MiB and 1
-/// core_milli steps, rounds nothing). The scheduler sees neither health nor the pod's
-/// gpu-type/gpu-uuid selectors, so a choice the ledger would refuse is a `Wait` with the GPU
-/// named.
+/// core_milli steps, rounds nothing), passing unhealthy GPUs by (their device taint). The
+/// scheduler does not see the pod's gpu-type/gpu-uuid selectors, so a choice the ledger would
+/// refuse is a `Wait` with the GPU named.
 fn first_fit(
     node: &NodeState,
     req: &PodRequest,
@@ -240,12 +241,19 @@ fn first_fit(
     order.sort_by_key(|&i| node.gpus[i].index);
     let chosen: Vec<usize> = order
         .into_iter()
-        .filter(|&i| free[i].mem >= c.mem_on(&node.gpus[i]) && free[i].core >= c.core_milli)
+        // An unhealthy GPU carries the node agent's NoSchedule device taint (or is left out of
+        // the slice): the scheduler passes it by.
+        .filter(|&i| {
+            node.gpus[i].healthy
+                && free[i].mem >= c.mem_on(&node.gpus[i])
+                && free[i].core >= c.core_milli
+        })
         .take(c.slices as usize)
         .collect();
     if chosen.len() < c.slices as usize {
+        let unhealthy = node.gpus.iter().filter(|g| !g.healthy).count();
         return Err(Fit::Wait(format!(
-            "container {} needs {} GPU(s) with {} MiB and {}% compute free; {} have it",
+            "container {} needs {} GPU(s) with {} MiB and {}% compute free; {} have it ({unhealthy} unhealthy, tainted)",
             c.name,
             c.slices,
             node.gpus.first().map_or(c.mem_mib, |g| c.mem_on(g)),
@@ -253,17 +261,13 @@ fn first_fit(
             chosen.len()
         )));
     }
-    for &i in &chosen {
-        let g = &node.gpus[i];
-        let why = if !g.healthy {
-            "is unhealthy"
-        } else if !req.selector.accepts(g) {
-            "is excluded by the pod's gpu-type/gpu-uuid selectors"
-        } else {
-            continue;
-        };
+    if let Some(g) = chosen
+        .iter()
+        .map(|&i| &node.gpus[i])
+        .find(|g| !req.selector.accepts(g))
+    {
         return Err(Fit::Wait(format!(
-            "the scheduler's first fit gives container {} GPU {} (index {}), which {why}",
+            "the scheduler's first fit gives container {} GPU {} (index {}), which is excluded by the pod's gpu-type/gpu-uuid selectors",
             c.name, g.uuid, g.index
         )));
     }

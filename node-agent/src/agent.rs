@@ -82,6 +82,9 @@ pub struct Agent {
     /// With --mode=dra: why the agent serves no DRA now (the API server dropped a slice field a
     /// feature gate guards); every prepare is refused with it and `/readyz` says it.
     pub dra_off: std::sync::Mutex<Option<String>>,
+    /// With --mode=dra: the API server dropped the slice's device taints (feature gate
+    /// DRADeviceTaints off), so unhealthy GPUs are left out of the slice rather than tainted.
+    pub dra_taints_off: AtomicBool,
 }
 
 impl Agent {
@@ -127,14 +130,7 @@ impl Agent {
             view: Views::new(&View::default()),
             synced: AtomicBool::new(false),
             view_rev: watch::Sender::new(0),
-            gpus: watch::Sender::new(
-                gpus.into_iter()
-                    .map(|info| GpuState {
-                        info,
-                        healthy: true,
-                    })
-                    .collect(),
-            ),
+            gpus: watch::Sender::new(gpus.into_iter().map(GpuState::new).collect()),
             decide: tokio::sync::Mutex::new(()),
             kubelet_registered: AtomicBool::new(false),
             watchers: watch::Sender::new(0),
@@ -146,6 +142,7 @@ impl Agent {
             enforcement_refused,
             kube: OnceLock::new(),
             dra_off: std::sync::Mutex::new(None),
+            dra_taints_off: AtomicBool::new(false),
         }))
     }
 
@@ -214,7 +211,12 @@ impl Agent {
                 self.update_view(Change::Reset { view, force }).await;
                 self.synced.store(true, Ordering::Release);
             }
-            Some(Body::Event(e)) => self.update_view(Change::Event(e)).await,
+            Some(Body::Event(e)) => {
+                if let Some(pb::event::Body::DeviceHealthChanged(h)) = &e.body {
+                    self.follow_health(h);
+                }
+                self.update_view(Change::Event(e)).await
+            }
             None => {}
         }
     }
@@ -331,18 +333,23 @@ impl Agent {
             let now: Vec<GpuInfo> = self.gpus.borrow().iter().map(|g| g.info.clone()).collect();
             if now != found {
                 info!("GPU inventory changed; registering again");
-                let health: HashMap<String, bool> = self
+                let health: HashMap<String, (bool, bool)> = self
                     .gpus
                     .borrow()
                     .iter()
-                    .map(|g| (g.info.uuid.clone(), g.healthy))
+                    .map(|g| (g.info.uuid.clone(), (g.healthy, g.lost)))
                     .collect();
                 self.gpus.send_replace(
                     found
                         .into_iter()
-                        .map(|info| GpuState {
-                            healthy: health.get(&info.uuid).copied().unwrap_or(true),
-                            info,
+                        .map(|info| {
+                            let (healthy, lost) =
+                                health.get(&info.uuid).copied().unwrap_or((true, false));
+                            GpuState {
+                                healthy,
+                                lost,
+                                info,
+                            }
                         })
                         .collect(),
                 );
@@ -359,37 +366,126 @@ impl Agent {
                 continue;
             }
             warn!(gpu = %x.gpu, xid = x.xid, "critical Xid: marking the GPU unhealthy");
-            self.gpus.send_if_modified(|gs| {
-                let mut changed = false;
-                for g in gs.iter_mut().filter(|g| g.info.uuid == x.gpu && g.healthy) {
-                    g.healthy = false;
-                    changed = true;
-                }
-                changed
-            });
-            let req = api::SetDeviceHealthRequest {
-                node: self.cfg.node_name.clone(),
-                gpu_uuid: x.gpu.clone(),
-                healthy: false,
-                reason: format!("critical Xid {}", x.xid),
-                xid: x.xid as u32,
-            };
-            let r = (|| async {
-                self.pool
-                    .call("SetDeviceHealth", Duration::from_secs(30), |mut c| {
-                        let r = req.clone();
-                        async move { c.set_device_health(r).await }
-                    })
-                    .await
-            })
-            .retry(every_second())
-            // Not registered yet: the registration carries the health mark.
-            .when(|e| e.code() != tonic::Code::NotFound)
-            .notify(|e, _| warn!(gpu = %x.gpu, "SetDeviceHealth failed, retrying: {e}"))
+            let xid = u32::try_from(x.xid).unwrap_or(u32::MAX);
+            // No longer "lost": an Xid mark stays until an operator clears it.
+            self.set_health(
+                &x.gpu,
+                false,
+                Some(false),
+                format!("critical Xid {xid}"),
+                xid,
+            )
             .await;
-            if let Err(e) = r {
-                warn!(gpu = %x.gpu, "SetDeviceHealth: {e}");
+        }
+    }
+
+    /// Probe every GPU each --health-probe-interval: one NVML answers `GPU_IS_LOST` for is
+    /// marked unhealthy, and healthy again once it answers.
+    pub async fn probe_lost(self: Arc<Self>) {
+        loop {
+            tokio::time::sleep(self.cfg.health_probe_interval).await;
+            let uuids: Vec<String> = self
+                .gpus
+                .borrow()
+                .iter()
+                .map(|g| g.info.uuid.clone())
+                .collect();
+            let nvml = self.nvml.clone();
+            let Ok(lost) = tokio::task::spawn_blocking(move || nvml.lost(&uuids)).await else {
+                continue;
+            };
+            let changes: Vec<(String, bool)> = self
+                .gpus
+                .borrow()
+                .iter()
+                .filter_map(|g| {
+                    let now = lost.contains(&g.info.uuid);
+                    g.probed(now).map(|l| (g.info.uuid.clone(), l))
+                })
+                .collect();
+            for (gpu, lost) in changes {
+                if lost {
+                    warn!(%gpu, "NVML answers GPU_IS_LOST: marking the GPU unhealthy");
+                    self.set_health(&gpu, false, Some(true), LOST.into(), 0)
+                        .await;
+                } else {
+                    info!(%gpu, "the lost GPU answers NVML again: marking it healthy");
+                    self.set_health(&gpu, true, Some(false), FOUND.into(), 0)
+                        .await;
+                }
             }
         }
     }
+
+    /// Follow an operator's health mark in the ledger (`SetDeviceHealth` by an admin clears a
+    /// critical Xid) on the GPUs this agent serves to the kubelet.
+    fn follow_health(&self, h: &pb::DeviceHealthChanged) {
+        if h.node != self.cfg.node_name {
+            return;
+        }
+        self.gpus.send_if_modified(|gs| {
+            let mut changed = false;
+            for g in gs.iter_mut().filter(|g| g.info.uuid == h.gpu_uuid) {
+                if g.healthy != h.healthy {
+                    g.healthy = h.healthy;
+                    changed = true;
+                }
+                if h.healthy {
+                    g.lost = false;
+                }
+            }
+            changed
+        });
+    }
+
+    /// Mark `gpu` healthy or not, locally (and its lost mark, when given) and in the ledger,
+    /// retrying until the allocator answers.
+    async fn set_health(
+        &self,
+        gpu: &str,
+        healthy: bool,
+        lost: Option<bool>,
+        reason: String,
+        xid: u32,
+    ) {
+        self.gpus.send_if_modified(|gs| {
+            let mut changed = false;
+            for g in gs.iter_mut().filter(|g| g.info.uuid == gpu) {
+                changed |= g.healthy != healthy;
+                g.healthy = healthy;
+                if let Some(l) = lost {
+                    g.lost = l;
+                }
+            }
+            changed
+        });
+        let req = api::SetDeviceHealthRequest {
+            node: self.cfg.node_name.clone(),
+            gpu_uuid: gpu.to_string(),
+            healthy,
+            reason,
+            xid,
+        };
+        let r = (|| async {
+            self.pool
+                .call("SetDeviceHealth", Duration::from_secs(30), |mut c| {
+                    let r = req.clone();
+                    async move { c.set_device_health(r).await }
+                })
+                .await
+        })
+        .retry(every_second())
+        // Not registered yet: the registration carries the health mark.
+        .when(|e| e.code() != tonic::Code::NotFound)
+        .notify(|e, _| warn!(%gpu, "SetDeviceHealth failed, retrying: {e}"))
+        .await;
+        if let Err(e) = r {
+            warn!(%gpu, "SetDeviceHealth: {e}");
+        }
+    }
 }
+
+/// The ledger's reason for a GPU NVML answers `GPU_IS_LOST` for.
+pub const LOST: &str = "GPU is lost (NVML: GPU_IS_LOST)";
+/// The ledger's reason when a lost GPU answers again.
+pub const FOUND: &str = "the lost GPU answers NVML again";

@@ -192,6 +192,12 @@ pub struct Config {
     #[arg(long, env = "GPULEDGER_REDISCOVER_INTERVAL", default_value = "30s", value_parser = parse_duration)]
     pub rediscover_interval: Duration,
 
+    /// How often each GPU is asked whether it is still there: one NVML answers
+    /// `GPU_IS_LOST` for (fallen off the bus) is marked unhealthy, and healthy again once it
+    /// answers.
+    #[arg(long, env = "GPULEDGER_HEALTH_PROBE_INTERVAL", default_value = "1s", value_parser = parse_duration)]
+    pub health_probe_interval: Duration,
+
     /// Address for HTTP `/healthz`, `/readyz` and `/metrics` (e.g. 0.0.0.0:7422); off when unset.
     #[arg(long, env = "GPULEDGER_HEALTH_LISTEN")]
     pub health_listen: Option<std::net::SocketAddr>,
@@ -241,6 +247,17 @@ pub struct Config {
     #[arg(long, env = "GPULEDGER_PREPARE_GRANT_WAIT", default_value = "20s", value_parser = parse_duration)]
     pub prepare_grant_wait: Duration,
 
+    /// The effect of the device taint an unhealthy GPU gets in the node's ResourceSlice
+    /// (--mode=dra): `no-schedule` keeps new claims off it and leaves running pods be;
+    /// `no-execute` also has Kubernetes evict the pods using it (each gets an Event saying so).
+    #[arg(
+        long,
+        env = "GPULEDGER_DRA_UNHEALTHY_TAINT",
+        value_enum,
+        default_value = "no-schedule"
+    )]
+    pub dra_unhealthy_taint: TaintEffect,
+
     /// Log format: "human" or "json" (filter with GPULEDGER_LOG, e.g. "debug").
     #[arg(long, env = "GPULEDGER_LOG_FORMAT", default_value = "human", value_parser = ["human", "json"])]
     pub log_format: String,
@@ -267,6 +284,25 @@ pub enum Mode {
     DevicePlugin,
     /// A kubelet DRA plugin (Dynamic Resource Allocation).
     Dra,
+}
+
+/// The effect of a device taint (`resource.k8s.io/v1` `DeviceTaint.effect`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum TaintEffect {
+    /// No new allocation of the device; allocated ones stay.
+    NoSchedule,
+    /// Also evict the pods whose claims hold the device.
+    NoExecute,
+}
+
+impl TaintEffect {
+    /// The API's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TaintEffect::NoSchedule => "NoSchedule",
+            TaintEffect::NoExecute => "NoExecute",
+        }
+    }
 }
 
 /// What enforcement does to a container over its limit.
@@ -421,6 +457,7 @@ mod tests {
         assert_eq!(hami.isolation, Isolation::HamiCore);
         assert!(Config::try_parse_from(["agent", "--node-name=n", "--isolation=none"]).is_err());
         assert_eq!(cfg.prepare_grant_wait, Duration::from_secs(20));
+        assert_eq!(cfg.dra_unhealthy_taint, TaintEffect::NoSchedule);
         let dra = Config::try_parse_from(["agent", "--node-name=n", "--mode=dra"]).expect("dra");
         assert_eq!(dra.mode, Mode::Dra);
         assert!(Config::try_parse_from(["agent", "--node-name=n", "--mode=both"]).is_err());

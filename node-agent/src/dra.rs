@@ -1,14 +1,17 @@
 //! The node agent as a kubelet DRA plugin for driver `gpu.gpuledger.io` (--mode=dra): the
-//! plugin-registration service in the kubelet's plugin registry, the `DRAPlugin` v1 service on
-//! its own socket, and the node's ResourceSlice. A claim is prepared only when the ledger holds
+//! plugin-registration service in the kubelet's plugin registry, the `DRAPlugin` v1 service and
+//! the kubelet's health stream (`DRAResourceHealth`) on its own socket, and the node's
+//! ResourceSlice. A claim is prepared only when the ledger holds
 //! a grant for its current allocation; its limits reach the container through a per-claim CDI
 //! spec.
 
 pub mod cdi;
+pub mod health;
 pub mod prepare;
 mod registration;
 mod service;
 pub mod slice;
+pub mod unhealthy;
 
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -83,6 +86,9 @@ pub async fn serve(agent: Arc<Agent>, shutdown: CancellationToken) {
         let stop = shutdown.child_token();
         let plugin =
             dra::dra_plugin_server::DraPluginServer::new(service::Plugin::new(agent.clone()));
+        let health = gpuledger_proto::drahealth::v1alpha1::dra_resource_health_server::DraResourceHealthServer::new(
+            health::Health::new(agent.clone()),
+        );
         let registration = reg::registration_server::RegistrationServer::new(
             registration::Registration::new(agent.clone(), svc_sock.clone()),
         );
@@ -90,6 +96,7 @@ pub async fn serve(agent: Arc<Agent>, shutdown: CancellationToken) {
             stop.clone().run_until_cancelled_owned(
                 tonic::transport::Server::builder()
                     .add_service(plugin)
+                    .add_service(health)
                     .serve_with_incoming(UnixListenerStream::new(svc_l)),
             ),
         );

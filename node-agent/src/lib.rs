@@ -123,6 +123,7 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
     until_shutdown(subscribe::follow(agent.clone()).boxed());
     until_shutdown(agent.clone().keep_registered().boxed());
     until_shutdown(agent.clone().watch_health(xid_rx).boxed());
+    until_shutdown(agent.clone().probe_lost().boxed());
     until_shutdown(enforce::run(agent.clone()).boxed());
     match agent.cfg.mode {
         config::Mode::DevicePlugin => {

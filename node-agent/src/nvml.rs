@@ -36,8 +36,33 @@ pub struct GpuInfo {
 pub struct GpuState {
     /// What NVML says about it.
     pub info: GpuInfo,
-    /// False after a critical Xid (or when the ledger already had it unhealthy).
+    /// False after a critical Xid, while NVML answers that it is lost, or when the ledger
+    /// has it unhealthy.
     pub healthy: bool,
+    /// Unhealthy because NVML answered `GPU_IS_LOST`: healthy again once it answers.
+    pub lost: bool,
+}
+
+impl GpuState {
+    /// A GPU NVML just listed: healthy.
+    pub fn new(info: GpuInfo) -> GpuState {
+        GpuState {
+            info,
+            healthy: true,
+            lost: false,
+        }
+    }
+
+    /// What a probe that found the GPU lost (`lost_now`) or answering changes: `Some(true)`
+    /// it is newly lost, `Some(false)` a lost one answers again; an unhealthy GPU that is not
+    /// lost (a critical Xid) stays so.
+    pub fn probed(&self, lost_now: bool) -> Option<bool> {
+        match (self.lost, lost_now) {
+            (false, true) => Some(true),
+            (true, false) => Some(false),
+            _ => None,
+        }
+    }
 }
 
 /// A process with a compute context on a GPU.
@@ -157,6 +182,23 @@ impl NvmlBackend {
         Ok(out)
     }
 
+    /// Which of `uuids` NVML answers `GPU_IS_LOST` for (fallen off the bus). Blocking: one
+    /// NVML call or two per GPU.
+    pub fn lost(&self, uuids: &[String]) -> Vec<String> {
+        uuids
+            .iter()
+            .filter(|u| {
+                matches!(
+                    self.nvml
+                        .device_by_uuid(u.as_str())
+                        .and_then(|d| d.memory_info()),
+                    Err(NvmlError::GpuLost)
+                )
+            })
+            .cloned()
+            .collect()
+    }
+
     /// The driver's version (`580.95.05`).
     pub fn driver_version(&self) -> Result<String, Error> {
         call("driver version", self.nvml.sys_driver_version())
@@ -185,14 +227,27 @@ impl NvmlBackend {
         Ok(on)
     }
 
-    /// Every compute process on every GPU, with its memory use.
+    /// Every compute process on every GPU that answers, with its memory use (a lost GPU is
+    /// passed by: its health probe takes it out of service).
     pub fn processes(&self) -> Result<Vec<GpuProcess>, Error> {
         let n = call("device count", self.nvml.device_count())?;
         let mut out = Vec::new();
         for i in 0..n {
-            let d = call("device by index", self.nvml.device_by_index(i))?;
-            let uuid = call("device uuid", d.uuid())?;
-            for p in call("running compute processes", d.running_compute_processes())? {
+            let one = || {
+                let d = call("device by index", self.nvml.device_by_index(i))?;
+                let uuid = call("device uuid", d.uuid())?;
+                let ps = call("running compute processes", d.running_compute_processes())?;
+                Ok::<_, Error>((uuid, ps))
+            };
+            let (uuid, ps) = match one() {
+                Ok(x) => x,
+                Err(Error::Call {
+                    source: NvmlError::GpuLost,
+                    ..
+                }) => continue,
+                Err(e) => return Err(e),
+            };
+            for p in ps {
                 let used_mib = match p.used_gpu_memory {
                     UsedGpuMemory::Used(b) => b >> 20,
                     UsedGpuMemory::Unavailable => 0,
@@ -271,5 +326,30 @@ mod tests {
         assert!(!is_critical_xid(109));
         assert!(is_critical_xid(79));
         assert!(is_critical_xid(48));
+    }
+
+    #[test]
+    fn a_probe_recovers_only_what_it_found_lost() {
+        let info = GpuInfo {
+            uuid: "GPU-A".into(),
+            index: 0,
+            model: "H100".into(),
+            memory_mib: 81_079,
+            reserved_mib: 480,
+            compute_capability: "9.0".into(),
+        };
+        let mut g = GpuState::new(info);
+        assert_eq!(g.probed(false), None, "healthy and answering");
+        assert_eq!(g.probed(true), Some(true), "newly lost");
+        g.lost = true;
+        g.healthy = false;
+        assert_eq!(g.probed(true), None, "still lost: nothing new");
+        assert_eq!(g.probed(false), Some(false), "answers again");
+        g.lost = false;
+        assert_eq!(
+            g.probed(false),
+            None,
+            "unhealthy by an Xid, answering: stays unhealthy"
+        );
     }
 }

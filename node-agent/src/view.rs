@@ -25,6 +25,9 @@ pub struct View {
     /// The latest claim refusals on the node by seq (at most [`MAX_REFUSALS`]): a prepare of a
     /// refused claim fails at once with the allocator's reason.
     pub refusals: BTreeMap<u64, pb::ClaimRefused>,
+    /// Why each GPU the ledger holds unhealthy is so, by UUID, as its `DeviceHealthChanged`
+    /// said (empty for marks made before the subscription began).
+    pub health_reasons: BTreeMap<String, String>,
 }
 
 /// How many claim refusals the view keeps (the oldest are forgotten first).
@@ -71,6 +74,7 @@ impl View {
             inventory: v.inventory,
             allocs: v.allocations.into_iter().map(|a| (a.id, a)).collect(),
             refusals: BTreeMap::new(),
+            health_reasons: BTreeMap::new(),
         }
     }
 
@@ -87,8 +91,15 @@ impl View {
                 self.inventory = None;
                 self.allocs.clear();
                 self.refusals.clear();
+                self.health_reasons.clear();
             }
             Body::DeviceHealthChanged(h) => {
+                if h.healthy {
+                    self.health_reasons.remove(&h.gpu_uuid);
+                } else {
+                    self.health_reasons
+                        .insert(h.gpu_uuid.clone(), h.reason.clone());
+                }
                 if let Some(g) = self
                     .inventory
                     .as_mut()

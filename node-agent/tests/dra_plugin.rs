@@ -21,29 +21,32 @@ use gpuledger_testkit::kubelet::node::{FakeNvml, NodeAgent};
 use gpuledger_testkit::{Allocators, EtcdCluster};
 use serde_json::{Value, json};
 
-const NODE: &str = "dra-node-1";
+pub(crate) const NODE: &str = "dra-node-1";
 const GPU_MIB: u64 = 40_960;
 const SLICES: (&str, &str) = ("resource.k8s.io/v1", "resourceslices");
 const CLAIMS: (&str, &str) = ("resource.k8s.io/v1", "resourceclaims");
 
-struct DraNode {
-    dir: tempfile::TempDir,
-    _etcd: EtcdCluster,
-    allocs: Allocators,
-    api: FakeApiServer,
-    kubelet: Kubelet,
-    dra: DraKubelet,
-    nvml: FakeNvml,
-    agent: NodeAgent,
+pub(crate) struct DraNode {
+    pub(crate) dir: tempfile::TempDir,
+    pub(crate) _etcd: EtcdCluster,
+    pub(crate) allocs: Allocators,
+    pub(crate) api: FakeApiServer,
+    pub(crate) kubelet: Kubelet,
+    pub(crate) dra: DraKubelet,
+    pub(crate) nvml: FakeNvml,
+    pub(crate) agent: NodeAgent,
 }
 
 impl DraNode {
-    async fn start() -> Result<DraNode> {
+    pub(crate) async fn start() -> Result<DraNode> {
         Self::start_with(|_| {}, &[]).await
     }
 
     /// Start with `api` prepared by `before` (before the agent starts) and `extra` agent flags.
-    async fn start_with(before: impl FnOnce(&FakeApiServer), extra: &[String]) -> Result<DraNode> {
+    pub(crate) async fn start_with(
+        before: impl FnOnce(&FakeApiServer),
+        extra: &[String],
+    ) -> Result<DraNode> {
         let dir = tempfile::tempdir()?;
         let etcd = EtcdCluster::start(1).await?;
         let allocs = Allocators::start(&dir.path().join("alloc"), &etcd, 1, "t", &["--no-kube"])?;
@@ -90,7 +93,7 @@ impl DraNode {
         Ok(n)
     }
 
-    fn log(&self) -> String {
+    pub(crate) fn log(&self) -> String {
         format!("agent log:\n{}", self.agent.proc.log_tail(40))
     }
 
@@ -98,12 +101,12 @@ impl DraNode {
         self.dir.path().join("cdi")
     }
 
-    fn device(&self, i: usize) -> String {
+    pub(crate) fn device(&self, i: usize) -> String {
         gpuledger_ledger::state::dra_device_name(&self.nvml.gpus[i].uuid)
     }
 
     /// The node's slices in the API server.
-    fn slices(&self) -> Vec<Value> {
+    pub(crate) fn slices(&self) -> Vec<Value> {
         self.api
             .store
             .objects(SLICES.0, SLICES.1)
@@ -112,7 +115,7 @@ impl DraNode {
             .collect()
     }
 
-    async fn wait_slice(&self, not: Option<&str>) -> Result<Value> {
+    pub(crate) async fn wait_slice(&self, not: Option<&str>) -> Result<Value> {
         let t0 = Instant::now();
         loop {
             if let Some(s) = self
@@ -130,7 +133,13 @@ impl DraNode {
     }
 
     /// A claim allocated on GPU `gpu` with share `share`, as the scheduler writes it.
-    fn add_claim(&self, uid: &str, name: &str, gpu: usize, share: &str) -> Result<dra::Claim> {
+    pub(crate) fn add_claim(
+        &self,
+        uid: &str,
+        name: &str,
+        gpu: usize,
+        share: &str,
+    ) -> Result<dra::Claim> {
         let request = json!({"name": "c0", "exactly": {"deviceClassName": "gpu.gpuledger.io"}});
         self.add_claim_of(uid, name, gpu, share, request, "c0")
     }
@@ -187,7 +196,7 @@ impl DraNode {
         })
     }
 
-    fn grant(&self, c: &dra::Claim, gpu: usize, share: &str) -> pb::ClaimGranted {
+    pub(crate) fn grant(&self, c: &dra::Claim, gpu: usize, share: &str) -> pb::ClaimGranted {
         self.grant_of(c, gpu, share, "c0")
     }
 
@@ -261,6 +270,20 @@ impl DraNode {
     }
 }
 
+/// Make `api` change every device of every ResourceSlice written with `f` (an API server with
+/// a feature gate off drops the gated fields).
+pub(crate) fn on_each_slice_device(api: &FakeApiServer, f: fn(&mut Value)) {
+    api.store
+        .set_on_write(std::sync::Arc::new(move |_, resource, obj| {
+            if resource != "resourceslices" {
+                return;
+            }
+            for d in obj["spec"]["devices"].as_array_mut().into_iter().flatten() {
+                f(d);
+            }
+        }));
+}
+
 fn env_of(spec: &Value) -> Vec<String> {
     spec["devices"][0]["containerEdits"]["env"]
         .as_array()
@@ -279,7 +302,10 @@ async fn dra_plugin_registers_and_keeps_its_resource_slice() -> Result<()> {
     let info = &r[0].info;
     assert_eq!(info.r#type, "DRAPlugin");
     assert_eq!(info.name, "gpu.gpuledger.io");
-    assert_eq!(info.supported_versions, ["v1.DRAPlugin"]);
+    assert_eq!(
+        info.supported_versions,
+        ["v1.DRAPlugin", "v1alpha1.DRAResourceHealth"]
+    );
     assert_eq!(
         PathBuf::from(&info.endpoint),
         n.dra
@@ -597,26 +623,20 @@ async fn dra_is_off_while_the_api_server_drops_the_consumable_capacity_fields() 
     let health = format!("127.0.0.1:{}", gpuledger_testkit::free_port()?);
     let n = DraNode::start_with(
         |api| {
-            api.store
-                .set_on_write(std::sync::Arc::new(|_, resource, obj| {
-                    if resource != "resourceslices" {
-                        return;
+            on_each_slice_device(api, |d| {
+                if let Some(d) = d.as_object_mut() {
+                    d.remove("allowMultipleAllocations");
+                }
+                for c in d["capacity"]
+                    .as_object_mut()
+                    .into_iter()
+                    .flat_map(|c| c.values_mut())
+                {
+                    if let Some(c) = c.as_object_mut() {
+                        c.remove("requestPolicy");
                     }
-                    for d in obj["spec"]["devices"].as_array_mut().into_iter().flatten() {
-                        if let Some(d) = d.as_object_mut() {
-                            d.remove("allowMultipleAllocations");
-                        }
-                        for c in d["capacity"]
-                            .as_object_mut()
-                            .into_iter()
-                            .flat_map(|c| c.values_mut())
-                        {
-                            if let Some(c) = c.as_object_mut() {
-                                c.remove("requestPolicy");
-                            }
-                        }
-                    }
-                }));
+                }
+            })
         },
         &[format!("--health-listen={health}")],
     )

@@ -7,6 +7,7 @@ mod support;
 mod bad_input;
 mod cdi_allocate;
 mod cuda_context;
+mod dra_device_health;
 mod dra_plugin;
 mod enforcement;
 mod events_and_metrics;

@@ -1,5 +1,6 @@
 //! Generated protobuf code for gpuledger: the ledger's events, the allocator's gRPC API and the
-//! kubelet APIs the node agent speaks (device plugin, PodResources, plugin registration, DRA).
+//! kubelet APIs the node agent speaks (device plugin, PodResources, plugin registration, DRA and its
+//! health stream).
 
 #![allow(missing_docs, clippy::all, clippy::pedantic)]
 
@@ -59,5 +60,14 @@ pub mod dra {
             env!("OUT_DIR"),
             "/k8s.io.kubelet.pkg.apis.dra.v1.rs"
         ));
+    }
+}
+
+/// The kubelet DRA resource-health API (upstream package `v1alpha1`, KEP-4680).
+#[cfg(feature = "grpc")]
+pub mod drahealth {
+    /// Version v1alpha1, advertised as `v1alpha1.DRAResourceHealth`.
+    pub mod v1alpha1 {
+        include!(concat!(env!("OUT_DIR"), "/v1alpha1.rs"));
     }
 }

@@ -1,7 +1,7 @@
 //! The kubelet reaches a DRA driver by literal gRPC paths. This serves our generated
-//! plugin-registration and DRAPlugin services over a real unix socket and calls them by upstream's
-//! paths with a generic client, so a package, service or method name that drifts from the kubelet's
-//! fails here instead of on a node.
+//! plugin-registration, DRAPlugin and DRAResourceHealth services over a real unix socket and
+//! calls them by upstream's paths with a generic client, so a package, service or method name
+//! that drifts from the kubelet's fails here instead of on a node.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -9,6 +9,10 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use gpuledger_proto::dra::v1 as dra;
 use gpuledger_proto::dra::v1::dra_plugin_server::{DraPlugin, DraPluginServer};
+use gpuledger_proto::drahealth::v1alpha1 as health;
+use gpuledger_proto::drahealth::v1alpha1::dra_resource_health_server::{
+    DraResourceHealth, DraResourceHealthServer,
+};
 use gpuledger_proto::pluginregistration::v1 as reg;
 use gpuledger_proto::pluginregistration::v1::registration_server::{
     Registration, RegistrationServer,
@@ -103,6 +107,31 @@ impl DraPlugin for Driver {
     }
 }
 
+#[tonic::async_trait]
+impl DraResourceHealth for Driver {
+    type NodeWatchResourcesStream =
+        tokio_stream::Once<Result<health::NodeWatchResourcesResponse, Status>>;
+
+    async fn node_watch_resources(
+        &self,
+        _: Request<health::NodeWatchResourcesRequest>,
+    ) -> Result<Response<Self::NodeWatchResourcesStream>, Status> {
+        let device = health::DeviceHealth {
+            device: Some(health::DeviceIdentifier {
+                pool_name: "node-a".into(),
+                device_name: "gpu-0".into(),
+            }),
+            health: health::HealthStatus::Unhealthy as i32,
+            last_updated_time: 1_700_000_000,
+        };
+        Ok(Response::new(tokio_stream::once(Ok(
+            health::NodeWatchResourcesResponse {
+                devices: vec![device],
+            },
+        ))))
+    }
+}
+
 async fn serve(dir: &tempfile::TempDir) -> Result<PathBuf> {
     let path = dir.path().join("gpu.gpuledger.io-reg.sock");
     let listener = UnixListener::bind(&path).context("bind the plugin socket")?;
@@ -110,6 +139,7 @@ async fn serve(dir: &tempfile::TempDir) -> Result<PathBuf> {
         tonic::transport::Server::builder()
             .add_service(RegistrationServer::new(Driver))
             .add_service(DraPluginServer::new(Driver))
+            .add_service(DraResourceHealthServer::new(Driver))
             .serve_with_incoming(UnixListenerStream::new(listener)),
     );
     Ok(path)
@@ -210,6 +240,38 @@ async fn registration_and_dra_plugin_answer_on_upstream_paths() -> Result<()> {
     .await?;
     let keys: HashMap<_, _> = unprepared.claims.into_iter().collect();
     assert_eq!(keys.keys().collect::<Vec<_>>(), ["uid-1"]);
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_health_stream_answers_on_the_kubelets_path() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let mut client = dial(serve(&dir).await?).await?;
+    client
+        .ready()
+        .await
+        .map_err(|e| Status::unavailable(e.to_string()))?;
+    let codec = ProstCodec::<
+        health::NodeWatchResourcesRequest,
+        health::NodeWatchResourcesResponse,
+    >::default();
+    let mut stream = client
+        .server_streaming(
+            Request::new(health::NodeWatchResourcesRequest {}),
+            PathAndQuery::from_static("/v1alpha1.DRAResourceHealth/NodeWatchResources"),
+            codec,
+        )
+        .await?
+        .into_inner();
+    let first = stream.message().await?.context("one answer")?;
+    let d = &first.devices[0];
+    assert_eq!(d.health(), health::HealthStatus::Unhealthy);
+    assert_eq!(
+        d.device
+            .as_ref()
+            .map(|i| (i.pool_name.as_str(), i.device_name.as_str())),
+        Some(("node-a", "gpu-0"))
+    );
     Ok(())
 }
 

@@ -43,6 +43,9 @@ pub const PATH_KEY: &str = "gpuledger.io/path";
 pub const REQUESTS_ANNOTATION: &str = "gpuledger.io/claim-requests";
 /// Label on gpuledger's ResourceClaimTemplates (and on their claims).
 pub const MANAGED_LABEL: &str = "gpuledger.io/managed";
+/// The device taint the node agent puts on an unhealthy GPU's slice device (KEP-5055): the
+/// scheduler places no new claim there (`NoSchedule`), or also evicts its pods (`NoExecute`).
+pub const UNHEALTHY_TAINT: &str = "gpu.gpuledger.io/unhealthy";
 /// The capacity names of gpuledger's devices: memory (a quantity of bytes, published in MiB)
 /// and cores (thousandths of the GPU).
 pub const MEMORY: &str = "memory";

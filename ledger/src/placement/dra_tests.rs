@@ -75,15 +75,23 @@ fn first_fit_takes_the_lowest_index_with_room_whatever_the_policy() {
 }
 
 #[test]
-fn a_first_fit_gpu_the_ledger_would_refuse_fails_the_node() {
+fn first_fit_passes_an_unhealthy_gpu_by_as_the_scheduler_passes_its_taint() {
     let mut n = node(pb::NodeMode::Dra, vec![gpu(0, 24000), gpu(1, 24000)]);
     n.gpus[0].healthy = false;
-    // The policy path would take the healthy GPU 1; the scheduler takes GPU 0.
+    let p = place_on_node(&n, &req(1, 3000, 300, Policy::Binpack, true)).expect("fits");
+    assert_eq!(uuids(&p), ["GPU-1"]);
+    n.gpus[1].healthy = false;
     match fit_node(&n, &req(1, 3000, 300, Policy::Binpack, true)) {
-        Fit::Wait(why) => assert!(why.contains("GPU-0") && why.contains("unhealthy"), "{why}"),
-        other => panic!("expected Wait, got {other:?}"),
+        Fit::Wait(why) => {
+            assert!(why.contains("healthy GPUs, node has 0"), "{why}")
+        }
+        other => panic!("expected no fit, got {other:?}"),
     }
-    n.gpus[0].healthy = true;
+}
+
+#[test]
+fn a_first_fit_gpu_the_ledger_would_refuse_fails_the_node() {
+    let mut n = node(pb::NodeMode::Dra, vec![gpu(0, 24000), gpu(1, 24000)]);
     let mut r = req(1, 3000, 300, Policy::Binpack, true);
     r.selector.uuids_exclude = vec!["GPU-0".into()];
     match fit_node(&n, &r) {

@@ -59,6 +59,10 @@ pub struct FakeGpu {
     /// `nvmlDeviceGetCudaComputeCapability`; None: the call answers NOT_SUPPORTED.
     #[serde(default)]
     pub compute_capability: Option<(u32, u32)>,
+    /// Fallen off the bus: every call on the device answers `NVML_ERROR_GPU_IS_LOST` until the
+    /// test sets it back.
+    #[serde(default)]
+    pub lost: bool,
 }
 
 /// One process using a GPU.
@@ -104,6 +108,7 @@ const ERROR_NOT_SUPPORTED: u32 = 3;
 const ERROR_INSUFFICIENT_SIZE: u32 = 7;
 const ERROR_DRIVER_NOT_LOADED: u32 = 9;
 const ERROR_TIMEOUT: u32 = 10;
+const ERROR_GPU_IS_LOST: u32 = 15;
 const ERROR_UNKNOWN: u32 = 999;
 
 /// `nvmlEventTypeXidCriticalError`.
@@ -205,10 +210,10 @@ fn index_of(device: *mut c_void, cfg: &FakeConfig) -> Result<usize, u32> {
     let i = (device as usize)
         .checked_sub(1)
         .ok_or(ERROR_INVALID_ARGUMENT)?;
-    if i < cfg.gpus.len() {
-        Ok(i)
-    } else {
-        Err(ERROR_INVALID_ARGUMENT)
+    match cfg.gpus.get(i) {
+        Some(g) if g.lost => Err(ERROR_GPU_IS_LOST),
+        Some(_) => Ok(i),
+        None => Err(ERROR_INVALID_ARGUMENT),
     }
 }
 
@@ -284,6 +289,7 @@ pub extern "C" fn nvmlErrorString(result: u32) -> *const c_char {
             c"Driver Not Loaded (fake NVML: FAKE_NVML_CONFIG unset or unreadable)"
         }
         ERROR_TIMEOUT => c"Timeout",
+        ERROR_GPU_IS_LOST => c"GPU is lost",
         _ => c"Unknown Error",
     };
     s.as_ptr()
@@ -356,6 +362,9 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByUUID(
             .iter()
             .position(|g| g.uuid == want)
             .ok_or(ERROR_NOT_FOUND)?;
+        if c.gpus[i].lost {
+            return Err(ERROR_GPU_IS_LOST);
+        }
         // SAFETY: non-null, and NVML's contract makes it a valid `nvmlDevice_t*`.
         unsafe { *device = handle(i) };
         Ok(())

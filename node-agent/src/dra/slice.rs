@@ -6,8 +6,9 @@
 //! agent then serves no DRA rather than let the scheduler hand out uncertified or exclusive
 //! devices.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -15,7 +16,7 @@ use gpuledger_proto::ledger::v1 as pb;
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::{
     CapacityRequestPolicy, CapacityRequestPolicyRange, Device, DeviceAttribute, DeviceCapacity,
-    ResourcePool, ResourceSlice, ResourceSliceSpec,
+    DeviceTaint, ResourcePool, ResourceSlice, ResourceSliceSpec,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
@@ -78,12 +79,54 @@ fn semver_of(cc: &str) -> Option<String> {
     Some(format!("{major}.{minor}.0"))
 }
 
-/// The devices of `inv`: its healthy GPUs in index order (the scheduler's first-fit order).
-pub fn devices(inv: &pb::NodeInventory) -> Vec<Device> {
+/// The feature gate that keeps device taints in a slice (KEP-5055).
+pub const TAINTS_GATE: &str = "DRADeviceTaints";
+
+/// How the slice shows the GPUs the ledger holds unhealthy.
+#[derive(Debug, Clone, Copy)]
+pub enum Unhealthy<'a> {
+    /// Left out of the slice: the API server drops device taints (their feature gate is off),
+    /// and an untainted device would be handed out.
+    Omitted,
+    /// Published with the [`dra::UNHEALTHY_TAINT`] taint of `effect` (`NoSchedule` or
+    /// `NoExecute`), its value the ledger's reason by GPU UUID where known.
+    Tainted {
+        /// The taint's effect.
+        effect: &'a str,
+        /// Why each unhealthy GPU is so.
+        reasons: &'a BTreeMap<String, String>,
+    },
+}
+
+/// `reason` as a taint value (a label value: at most 63 of `[A-Za-z0-9._-]`, alphanumeric at
+/// both ends); None when nothing of it is left.
+pub fn taint_value(reason: &str) -> Option<String> {
+    let v: String = reason
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '.' || c == '_' || c == '-' {
+                c
+            } else {
+                '-'
+            }
+        })
+        .take(63)
+        .collect();
+    let v = v.trim_matches(|c: char| !c.is_ascii_alphanumeric());
+    (!v.is_empty()).then(|| v.to_string())
+}
+
+/// The devices of `inv` in index order (the scheduler's first-fit order): every GPU, an
+/// unhealthy one tainted, or left out as `unhealthy` says.
+pub fn devices(inv: &pb::NodeInventory, unhealthy: Unhealthy<'_>) -> Vec<Device> {
     // An unknown unit (from a newer allocator) publishes thousandths, which certification of
     // that allocator refuses by name rather than mis-reading.
     let cores = dra::CoresUnit::of_record(&inv.dra_cores).unwrap_or_default();
-    let mut gpus: Vec<&pb::Gpu> = inv.gpus.iter().filter(|g| g.healthy).collect();
+    let mut gpus: Vec<&pb::Gpu> = inv
+        .gpus
+        .iter()
+        .filter(|g| g.healthy || matches!(unhealthy, Unhealthy::Tainted { .. }))
+        .collect();
     gpus.sort_by_key(|g| g.index);
     gpus.into_iter()
         .map(|g| {
@@ -142,6 +185,16 @@ pub fn devices(inv: &pb::NodeInventory) -> Vec<Device> {
                     capacity(&caps.cores, cores.suffix()),
                 ),
             ]);
+            let taints = match unhealthy {
+                Unhealthy::Tainted { effect, reasons } if !g.healthy => Some(vec![DeviceTaint {
+                    key: dra::UNHEALTHY_TAINT.into(),
+                    value: reasons.get(&g.uuid).and_then(|r| taint_value(r)),
+                    effect: effect.into(),
+                    // Set by the API server when the taint is added.
+                    time_added: None,
+                }]),
+                _ => None,
+            };
             Device {
                 name: gpuledger_ledger::state::dra_device_name(&g.uuid),
                 allow_multiple_allocations: Some(true),
@@ -149,6 +202,7 @@ pub fn devices(inv: &pb::NodeInventory) -> Vec<Device> {
                 capacity: Some(capacity),
                 binding_conditions: Some(vec![BINDING_CONDITION.into()]),
                 binding_failure_conditions: Some(vec![BINDING_FAILURE_CONDITION.into()]),
+                taints,
                 ..Default::default()
             }
         })
@@ -186,6 +240,9 @@ pub fn dropped_gates(sent: &[Device], stored: &[Device]) -> Vec<(&'static str, &
         }
         if s.binding_failure_conditions.is_some() && d.binding_failure_conditions.is_none() {
             note("DRADeviceBindingConditions", "bindingFailureConditions");
+        }
+        if s.taints.is_some() && d.taints.is_none() {
+            note(TAINTS_GATE, "taints");
         }
     }
     out
@@ -270,11 +327,29 @@ pub async fn publish(agent: Arc<Agent>) {
     // otherwise only a changed inventory is written. Allocations change the view often and
     // the slice never.
     let mut look = true;
+    // The GPUs whose taint the pods on them were told of.
+    let mut told = BTreeSet::new();
     loop {
-        let inv = agent.with_view(|v| v.inventory.clone());
+        let (inv, reasons) = agent.with_view(|v| (v.inventory.clone(), v.health_reasons.clone()));
+        let unhealthy = if agent.dra_taints_off.load(Ordering::Acquire) {
+            Unhealthy::Omitted
+        } else {
+            Unhealthy::Tainted {
+                effect: agent.cfg.dra_unhealthy_taint.as_str(),
+                reasons: &reasons,
+            }
+        };
         let wanted = match &inv {
-            Some(i) if i.mode == pb::NodeMode::Dra as i32 => Some(devices(i)),
+            Some(i) if i.mode == pb::NodeMode::Dra as i32 => Some(devices(i, unhealthy)),
             _ => None,
+        };
+        let tainted_now: BTreeSet<String> = match (&wanted, unhealthy) {
+            (Some(w), Unhealthy::Tainted { .. }) => w
+                .iter()
+                .filter(|d| d.taints.is_some())
+                .filter_map(|d| d.attributes.as_ref()?.get("uuid")?.string.clone())
+                .collect(),
+            _ => BTreeSet::new(),
         };
         if let Some(wanted) = wanted
             && (look || wrote.as_ref().is_none_or(|(sent, _)| *sent != wanted))
@@ -295,6 +370,15 @@ pub async fn publish(agent: Arc<Agent>) {
                 continue;
             }
         }
+        // The taint is on the slice now: tell the pods on each newly tainted GPU.
+        let effect = agent.cfg.dra_unhealthy_taint.as_str();
+        for gpu in tainted_now.difference(&told) {
+            let (agent, client, gpu) = (agent.clone(), client.clone(), gpu.clone());
+            tokio::spawn(
+                async move { super::unhealthy::tell(&agent, &client, &gpu, effect).await },
+            );
+        }
+        told = tainted_now;
         changes.mark_unchanged();
         look = tokio::select! {
             _ = heard.notified() => true,
@@ -366,7 +450,24 @@ async fn sync(
         .get_or_create(&vec![("why", why.to_string())])
         .inc();
     let stored = written.spec.devices.clone().unwrap_or_default();
-    let dropped = dropped_gates(&wanted, &stored);
+    let mut dropped = dropped_gates(&wanted, &stored);
+    // Without taints an unhealthy GPU would look usable: leave it out instead (the next pass
+    // writes the slice again), and keep serving DRA on the healthy ones.
+    if dropped.iter().any(|(g, _)| *g == TAINTS_GATE) {
+        warn!(
+            node,
+            slice = %written.metadata.name.as_deref().unwrap_or_default(),
+            "the API server dropped device taints (feature gate {TAINTS_GATE} off): unhealthy GPUs are left out of the slice instead"
+        );
+        agent.dra_taints_off.store(true, Ordering::Release);
+        dropped.retain(|(g, _)| *g != TAINTS_GATE);
+    }
+    let taints_off = agent.dra_taints_off.load(Ordering::Acquire);
+    agent
+        .metrics
+        .dra_gate_off
+        .get_or_create(&vec![("gate", TAINTS_GATE.to_string())])
+        .set(i64::from(taints_off));
     for gate in ["DRAConsumableCapacity", "DRADeviceBindingConditions"] {
         let off = dropped.iter().any(|(g, _)| *g == gate);
         agent
@@ -402,7 +503,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_device_per_healthy_gpu_in_index_order_with_the_gated_fields() {
+    fn a_device_per_gpu_in_index_order_with_the_gated_fields_and_unhealthy_ones_tainted() {
         let inv = pb::NodeInventory {
             node: "n1".into(),
             gpus: vec![
@@ -433,9 +534,35 @@ mod tests {
             ],
             ..Default::default()
         };
-        let d = devices(&inv);
+        let reasons = BTreeMap::from([("GPU-CC".to_string(), "critical Xid 79".to_string())]);
+        let tainted = devices(
+            &inv,
+            Unhealthy::Tainted {
+                effect: "NoSchedule",
+                reasons: &reasons,
+            },
+        );
+        let names: Vec<&str> = tainted.iter().map(|d| d.name.as_str()).collect();
+        assert_eq!(names, ["gpu-aa", "gpu-bb", "gpu-cc"]);
+        assert_eq!(tainted[0].taints, None, "a healthy GPU carries no taint");
+        let t = tainted[2]
+            .taints
+            .as_deref()
+            .expect("the unhealthy GPU is tainted");
+        assert_eq!(t.len(), 1);
+        assert_eq!(t[0].key, "gpu.gpuledger.io/unhealthy");
+        assert_eq!(t[0].effect, "NoSchedule");
+        assert_eq!(t[0].value.as_deref(), Some("critical-Xid-79"));
+        let mut stored = tainted.clone();
+        stored[2].taints = None;
+        assert_eq!(dropped_gates(&tainted, &stored), [(TAINTS_GATE, "taints")]);
+        let d = devices(&inv, Unhealthy::Omitted);
         let names: Vec<&str> = d.iter().map(|d| d.name.as_str()).collect();
-        assert_eq!(names, ["gpu-aa", "gpu-bb"]);
+        assert_eq!(
+            names,
+            ["gpu-aa", "gpu-bb"],
+            "no taints: the unhealthy GPU is left out"
+        );
         let cap = d[0].capacity.as_ref().expect("capacity");
         assert_eq!(cap["memory"].value.0, "81079Mi");
         assert_eq!(cap["cores"].value.0, "1000");
@@ -450,10 +577,13 @@ mod tests {
         };
         assert_eq!(range(cap), ("1000".into(), "0".into(), "1".into()));
         // In the fraction unit the GPU is 1 (1000m), requested in steps of 0.001.
-        let fraction = devices(&pb::NodeInventory {
-            dra_cores: "fraction".into(),
-            ..inv.clone()
-        });
+        let fraction = devices(
+            &pb::NodeInventory {
+                dra_cores: "fraction".into(),
+                ..inv.clone()
+            },
+            Unhealthy::Omitted,
+        );
         let cap = fraction[0].capacity.as_ref().expect("capacity");
         assert_eq!(cap["cores"].value.0, "1000m");
         assert_eq!(range(cap), ("1000m".into(), "0m".into(), "1m".into()));
@@ -471,6 +601,20 @@ mod tests {
         assert_eq!(
             gates,
             ["DRAConsumableCapacity", "DRADeviceBindingConditions"]
+        );
+    }
+
+    #[test]
+    fn taint_values_are_label_values() {
+        assert_eq!(taint_value("GPU is lost").as_deref(), Some("GPU-is-lost"));
+        assert_eq!(taint_value("  (Xid 79)  ").as_deref(), Some("Xid-79"));
+        assert_eq!(taint_value("::"), None);
+        assert_eq!(taint_value(""), None);
+        let long = taint_value(&"x".repeat(100)).expect("long");
+        assert_eq!(long.len(), 63);
+        assert_eq!(
+            taint_value(&format!("{}-tail", "a".repeat(62))).as_deref(),
+            Some(&*"a".repeat(62))
         );
     }
 }

@@ -3,7 +3,8 @@
 //! for sockets (polling every 50 ms where the kubelet uses fsnotify), asks each new one
 //! `GetInfo` with the kubelet's 1 s timeout, accepts a `DRAPlugin` that offers `v1.DRAPlugin`
 //! on an absolute endpoint, answers `NotifyRegistrationStatus` (5 s), and then calls
-//! `NodePrepareResources` / `NodeUnprepareResources` on that endpoint with the kubelet's 45 s.
+//! `NodePrepareResources` / `NodeUnprepareResources` on that endpoint with the kubelet's 45 s,
+//! and opens the health stream (`NodeWatchResources`) there.
 
 use std::collections::HashSet;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
@@ -12,6 +13,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use gpuledger_proto::dra::v1 as dra;
+use gpuledger_proto::drahealth::v1alpha1 as drahealth;
 use gpuledger_proto::pluginregistration::v1 as reg;
 use tokio::sync::watch;
 use tokio_util::sync::{CancellationToken, DropGuard};
@@ -111,6 +113,25 @@ impl DraKubelet {
         });
         req.set_timeout(DRA_CALL_TIMEOUT);
         Ok(c.node_prepare_resources(req).await?.into_inner())
+    }
+
+    /// `NodeWatchResources` of the health service (`v1alpha1.DRAResourceHealth`) on the
+    /// plugin's endpoint, as the kubelet opens it once the plugin is registered.
+    pub async fn watch_health(
+        &self,
+    ) -> Result<tonic::Streaming<drahealth::NodeWatchResourcesResponse>> {
+        let Some(r) = self.registered.borrow().last().cloned() else {
+            bail!("no DRA plugin is registered");
+        };
+        let ch = uds_channel(Path::new(&r.info.endpoint))
+            .await
+            .with_context(|| format!("dialing the DRA plugin at {}", r.info.endpoint))?;
+        let mut c = drahealth::dra_resource_health_client::DraResourceHealthClient::new(ch);
+        Ok(
+            c.node_watch_resources(drahealth::NodeWatchResourcesRequest {})
+                .await?
+                .into_inner(),
+        )
     }
 
     /// `NodeUnprepareResources` for `claims`, as the kubelet calls it.

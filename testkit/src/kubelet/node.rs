@@ -33,6 +33,8 @@ pub struct FakeNvml {
     pub processes: Vec<(u32, u64, String)>,
     /// `(GPU UUID, Xid)` in order of occurrence.
     pub xids: Vec<(String, u64)>,
+    /// UUIDs of the GPUs fallen off the bus (NVML answers `GPU_IS_LOST` for them).
+    pub lost: std::collections::BTreeSet<String>,
 }
 
 impl FakeNvml {
@@ -50,6 +52,7 @@ impl FakeNvml {
                 .collect(),
             processes: Vec::new(),
             xids: Vec::new(),
+            lost: Default::default(),
         };
         f.write()?;
         Ok(f)
@@ -63,7 +66,7 @@ impl FakeNvml {
     /// Write the state (temp file + rename).
     pub fn write(&self) -> Result<()> {
         let v = json!({
-            "gpus": self.gpus.iter().map(|g| json!({"uuid": g.uuid, "name": g.name, "memory_mib": g.memory_mib, "compute_capability": g.compute_capability})).collect::<Vec<_>>(),
+            "gpus": self.gpus.iter().map(|g| json!({"uuid": g.uuid, "name": g.name, "memory_mib": g.memory_mib, "compute_capability": g.compute_capability, "lost": self.lost.contains(&g.uuid)})).collect::<Vec<_>>(),
             "processes": self.processes.iter().map(|(pid, used, gpu)| json!({"pid": pid, "used_mib": used, "gpu": gpu})).collect::<Vec<_>>(),
             "xids": self.xids.iter().map(|(gpu, xid)| json!({"gpu": gpu, "xid": xid})).collect::<Vec<_>>(),
         });
@@ -77,6 +80,16 @@ impl FakeNvml {
     pub fn set_process(&mut self, pid: u32, used_mib: u64, gpu: &str) -> Result<()> {
         self.processes.retain(|p| p.0 != pid);
         self.processes.push((pid, used_mib, gpu.to_string()));
+        self.write()
+    }
+
+    /// Make `gpu` fall off the bus (`lost`) or answer again, and write.
+    pub fn set_lost(&mut self, gpu: &str, lost: bool) -> Result<()> {
+        if lost {
+            self.lost.insert(gpu.to_string());
+        } else {
+            self.lost.remove(gpu);
+        }
         self.write()
     }
 
