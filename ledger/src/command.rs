@@ -11,6 +11,8 @@ use crate::state::{Alloc, AllocState, ApplyError, Ledger};
 
 mod adopt;
 mod claim;
+
+pub use adopt::{ADOPTED_FROM, is_adopted};
 mod nominate;
 mod reserve;
 

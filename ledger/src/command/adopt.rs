@@ -10,9 +10,18 @@ use crate::pb;
 use crate::pb::event::Body;
 use crate::state::Ledger;
 
+/// How an adopted allocation's policy begins (`adopted-from=<peer>`).
+pub const ADOPTED_FROM: &str = "adopted-from=";
+
 /// The policy recorded on an adopted allocation: who placed it.
 pub fn adopted_policy(source: &str) -> String {
-    format!("adopted-from={source}")
+    format!("{ADOPTED_FROM}{source}")
+}
+
+/// Whether an allocation of this policy was adopted: its pod runs on devices another device
+/// plugin handed out, so no kubelet Allocate of gpuledger's will ever claim it.
+pub fn is_adopted(policy: &str) -> bool {
+    policy.starts_with(ADOPTED_FROM)
 }
 
 impl Ledger {
