@@ -226,3 +226,67 @@ async fn adopt_plans_applies_once_and_shows_every_conflict() -> anyhow::Result<(
     assert_eq!(gpu(&l, "node-a", "GPU-node-a-0"), Some((13000, 200)));
     Ok(())
 }
+
+/// Without `--pods-file` the pods come from the API server; a deleted adopted pod releases its
+/// grant through the allocator's pod watch, as gpuledger's own do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adopt_reads_the_api_server_and_a_deleted_pod_releases_its_grant() -> anyhow::Result<()> {
+    use gpuledger_testkit::Identities;
+    use gpuledger_testkit::kube::FakeApiServer;
+
+    let etcd = EtcdCluster::start(1).await?;
+    let dir = tempfile::tempdir()?;
+    let kube = FakeApiServer::start(&dir.path().join("kube")).await?;
+    let ids = Identities::tokens(kube.pki.clone(), kube.store.clone());
+    let kubeconfig = format!("--kubeconfig={}", kube.kubeconfig().display());
+    let allocs = Allocators::start_each(
+        &dir.path().join("alloc"),
+        &etcd,
+        &[etcd.endpoints_flag()],
+        "adopt-kube",
+        &[&kubeconfig],
+        ids,
+    )?;
+    let leader = allocs.wait_leader(Duration::from_secs(20)).await?;
+    kube.add_node("node-a", 8)?;
+    allocs
+        .node_agent(leader, "node-a")?
+        .register_node(api::RegisterNodeRequest {
+            inventory: Some(inventory("node-a", 2, 16_000, "NVIDIA A100")),
+        })
+        .await?;
+    let created = kube.add_pod(hami("h1", "node-a", "GPU-node-a-1,NVIDIA,6000,25:;"))?;
+    let uid = created["metadata"]["uid"]
+        .as_str()
+        .expect("the API server sets a uid")
+        .to_string();
+    kube.set_pod_phase("team", "h1", "Running")?;
+    let target = format!("--allocator={}", allocs.addrs[leader]);
+    let admin = credential_flags(&allocs.ids.credentials(&Role::Admin)?);
+    let (ok, out) = ctl(&admin, &["adopt", &target, &kubeconfig, "--apply"]);
+    assert!(ok, "{out}");
+    assert_eq!(
+        last_line(&out),
+        "adopt nodes=1 adopt=1 held=0 cannot=0 applied=1",
+        "{out}"
+    );
+    let l = allocs.ledger(leader).await?;
+    assert_eq!(l.allocs_of_pod(&uid).len(), 1, "{out}");
+
+    kube.delete_pod("team", "h1")?;
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let l = allocs.ledger(leader).await?;
+        if l.allocs_of_pod(&uid).is_empty() {
+            let g = l.node("node-a").and_then(|n| n.gpu("GPU-node-a-1"));
+            assert_eq!(g.map(|g| g.mem_used), Some(0));
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the deleted pod's adopted grant was not released"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Ok(())
+}
