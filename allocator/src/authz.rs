@@ -449,3 +449,4 @@ impl Touches for api::SetBudgetRequest {}
 impl Touches for api::SetQuotaRequest {}
 impl Touches for api::GrantClaimRequest {}
 impl Touches for api::RefuseClaimRequest {}
+impl Touches for api::AdoptRequest {}

@@ -491,6 +491,13 @@ impl Allocator for Service {
         .await
     }
 
+    async fn adopt(
+        &self,
+        req: Request<api::AdoptRequest>,
+    ) -> Result<Response<api::ReserveResponse>, Status> {
+        traced(self, Call::Adopt, req, |req| writes::adopt(self, req)).await
+    }
+
     type ReadLogStream = BoxStream<pb::EventBatch>;
 
     async fn read_log(

@@ -163,6 +163,15 @@ impl Ids for api::RefuseClaimRequest {
     }
 }
 
+impl Ids for api::AdoptRequest {
+    fn record(&self, span: &Span) {
+        node(&self.node, span);
+        if let Some(p) = &self.pod {
+            span.record("pod_uid", display(&p.uid));
+        }
+    }
+}
+
 impl Ids for api::SubscribeRequest {
     fn record(&self, span: &Span) {
         node(&self.node, span);

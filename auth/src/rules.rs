@@ -62,11 +62,13 @@ pub enum Call {
     GrantClaim,
     /// `RefuseClaim`.
     RefuseClaim,
+    /// `Adopt`.
+    Adopt,
 }
 
 impl Call {
     /// Every call, for tests and metrics.
-    pub const ALL: [Call; 25] = [
+    pub const ALL: [Call; 26] = [
         Call::RegisterNode,
         Call::RemoveNode,
         Call::SetDeviceHealth,
@@ -92,6 +94,7 @@ impl Call {
         Call::UnprepareClaim,
         Call::GrantClaim,
         Call::RefuseClaim,
+        Call::Adopt,
     ];
 
     /// Whether the call changes the ledger.
@@ -114,6 +117,7 @@ impl Call {
                 | Call::UnprepareClaim
                 | Call::GrantClaim
                 | Call::RefuseClaim
+                | Call::Adopt
         )
     }
 
@@ -145,6 +149,7 @@ impl Call {
             Call::UnprepareClaim => "UnprepareClaim",
             Call::GrantClaim => "GrantClaim",
             Call::RefuseClaim => "RefuseClaim",
+            Call::Adopt => "Adopt",
         }
     }
 
@@ -225,7 +230,7 @@ pub fn rule_for(role: &Role, call: Call) -> Option<Rule> {
         (
             Role::Admin,
             RegisterNode | RemoveNode | SetDeviceHealth | Release | SetBudget | SetQuota
-            | GrantClaim | RefuseClaim,
+            | GrantClaim | RefuseClaim | Adopt,
         ) => rule("admin-write", None),
         _ => Option::None,
     }

@@ -70,7 +70,8 @@ impl KubeArgs {
     }
 }
 
-async fn client(k: &KubeArgs) -> Result<kube::Client> {
+/// A Kubernetes client for the kubeconfig (or in-cluster account) `k` names.
+pub async fn client(k: &KubeArgs) -> Result<kube::Client> {
     let opts = KubeConfigOptions {
         context: k.context.clone(),
         ..Default::default()

@@ -1,5 +1,6 @@
 //! `gpuledger`: the operator's command line.
 
+mod adopt;
 mod budget;
 mod client;
 mod discover;
@@ -58,6 +59,10 @@ enum Cmd {
     /// Namespaces' GPU budgets and quotas: where each stands (budget, used, remaining, burn
     /// rate, projected exhaustion), and setting them.
     Budget(Box<budget::BudgetArgs>),
+    /// Take over running GPU pods that HAMi, gpushare or gpu-manager placed, without a
+    /// restart: a plan per node (dry run), --apply commits it.
+    #[command(long_about = adopt::LONG_ABOUT)]
+    Adopt(Box<adopt::AdoptArgs>),
 }
 
 /// Diagnostics go to stderr, as stdout is the command's output: only warnings by default, and
@@ -99,6 +104,7 @@ fn main() -> std::process::ExitCode {
                     Cmd::Verify(a) => ledger_cmds::verify(a).await,
                     Cmd::Usage(a) => usage::usage(a).await,
                     Cmd::Budget(a) => budget::budget(*a).await,
+                    Cmd::Adopt(a) => adopt::adopt(*a).await,
                     Cmd::Simulate(_) => unreachable!("handled above"),
                 }
             }),

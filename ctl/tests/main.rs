@@ -4,6 +4,7 @@
 
 mod kit;
 
+mod adopt_running_pods;
 mod cli_logs_name_the_allocator;
 mod kubectl_plugin_inspect;
 mod simulate_by_hand;

@@ -9,7 +9,10 @@ use crate::pb::event::Body;
 use crate::placement::PodRequest;
 use crate::state::{Alloc, AllocState, ApplyError, Ledger};
 
+mod adopt;
 mod claim;
+
+pub use adopt::{ADOPTED_FROM, is_adopted};
 mod nominate;
 mod reserve;
 
@@ -129,6 +132,21 @@ pub enum Command {
         claim_uid: String,
         /// The pods it is reserved for now.
         consumers: Vec<pb::PodRef>,
+    },
+    /// Take over a running pod that another scheduler placed (`gpuledger adopt`): its
+    /// containers are reserved and bound at once on exactly the shares named, checked against
+    /// the node's mode, the GPUs' health and capacity (not the namespace's quota: the pod runs
+    /// already). A pod that already holds allocations writes nothing.
+    Adopt {
+        /// The running pod.
+        pod: pb::PodRef,
+        /// The node it runs on.
+        node: String,
+        /// Each GPU container's shares, as the other scheduler recorded them.
+        containers: Vec<pb::NominatedContainer>,
+        /// Who placed it (`hami`, `gpushare`, `gpu-manager`): recorded as the allocations'
+        /// policy `adopted-from=<source>`.
+        source: String,
     },
     /// End a pod's nomination (nothing when it has none).
     EndNomination {
@@ -518,6 +536,12 @@ impl Ledger {
                 claim_uid,
                 consumers,
             } => self.decide_set_claim_consumers(&claim_uid, consumers),
+            Command::Adopt {
+                pod,
+                node,
+                containers,
+                source,
+            } => self.decide_adopt(pod, node, containers, &source),
             Command::EndNomination { pod_uid, reason } => {
                 match self.end_nomination_body(&pod_uid, reason) {
                     Some(b) => changed(vec![b]),

@@ -123,6 +123,20 @@ fn command() -> impl Strategy<Value = Command> {
                 nomination: nomination(p, n, g, m, c, prio, &victims),
                 leaving: leaving.into_iter().map(|v| format!("uid-{v}")).collect(),
             }),
+        // Pods another scheduler placed, adopted on GPUs they name (some over-committed,
+        // unhealthy or not registered, some already held: those are refused or repeats).
+        2 => (0u8..24, 0..NODES, prop::collection::vec((0usize..5, 0u64..20_000, 0u32..1100), 1..3), 1usize..3)
+            .prop_map(|(p, n, shares, containers)| Command::Adopt {
+                pod: pb::PodRef { uid: format!("uid-{p}"), namespace: "ns".into(), name: format!("p{p}") },
+                node: format!("n{n}"),
+                containers: (0..containers).map(|c| pb::NominatedContainer {
+                    container: format!("c{c}"),
+                    shares: shares.iter().skip(c).map(|(g, m, core)| pb::GpuShare {
+                        gpu_uuid: format!("GPU-{n}-{g}"), mem_mib: *m, core_milli: *core,
+                    }).collect(),
+                }).collect(),
+                source: "hami".into(),
+            }),
         1 => (0u8..24).prop_map(|p| Command::EndNomination {
             pod_uid: format!("uid-{p}"), reason: "expired".into()
         }),

@@ -252,11 +252,15 @@ impl View {
     /// else the oldest still only reserved (its pod's `Bound` may be on its way). A reservation
     /// whose pod was never bound here (the extender died before the Binding) is then guessed
     /// only when no bound pod waits. The reservations in `except` are passed over (their pods
-    /// are not the one being admitted).
+    /// are not the one being admitted). Adopted allocations are never guessed: their pods got
+    /// their devices from the device plugin of the scheduler that placed them.
     pub fn pending(&self, slices: usize, except: &[u64]) -> Option<&pb::Allocation> {
         let oldest = |state: pb::AllocationState| {
             self.allocs.values().find(|a| {
-                a.shares.len() == slices && a.state == state as i32 && !except.contains(&a.id)
+                a.shares.len() == slices
+                    && a.state == state as i32
+                    && !except.contains(&a.id)
+                    && !gpuledger_ledger::command::is_adopted(&a.policy)
             })
         };
         oldest(pb::AllocationState::Bound).or_else(|| oldest(pb::AllocationState::Reserved))

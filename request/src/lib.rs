@@ -13,6 +13,7 @@ use gpuledger_proto::ledger::v1 as pb;
 use k8s_openapi::api::core::v1::{Container, Pod};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
+pub mod adopt;
 pub mod dra;
 
 /// Number of GPU slices of a container (each on a distinct GPU).

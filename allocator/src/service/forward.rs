@@ -146,6 +146,7 @@ forwardable! {
     UnprepareClaimRequest => WriteResponse by unprepare_claim;
     GrantClaimRequest => WriteResponse by grant_claim;
     RefuseClaimRequest => WriteResponse by refuse_claim;
+    AdoptRequest => ReserveResponse by adopt;
 }
 
 /// How one attempt at a write failed: worth another try (no leader reachable yet), or not.

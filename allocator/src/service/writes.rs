@@ -95,7 +95,30 @@ pub(super) async fn reserve(
         node: r.node.clone(),
         deadline_ms: svc.shared.clock.now_ms() + ttl.as_millis() as i64,
     };
-    match svc.write(req, cmd).await? {
+    reserved(svc.write(req, cmd).await?)
+}
+
+pub(super) async fn adopt(
+    svc: &Service,
+    req: Request<api::AdoptRequest>,
+) -> Result<Response<api::ReserveResponse>, Status> {
+    let r = req.get_ref();
+    let pod = r
+        .pod
+        .clone()
+        .ok_or_else(|| Status::invalid_argument("pod is missing"))?;
+    let cmd = Command::Adopt {
+        pod,
+        node: r.node.clone(),
+        containers: r.containers.clone(),
+        source: r.source.clone(),
+    };
+    reserved(svc.write(req, cmd).await?)
+}
+
+/// The answer to a write that grants (a reservation or an adoption).
+fn reserved(w: Written<api::ReserveResponse>) -> Result<Response<api::ReserveResponse>, Status> {
+    match w {
         Written::Here(c) => match c.reply {
             Reply::Reserved {
                 allocations,

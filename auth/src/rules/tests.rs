@@ -101,7 +101,8 @@ fn which_role_may_make_which_call() {
             SetBudget,
             SetQuota,
             GrantClaim,
-            RefuseClaim
+            RefuseClaim,
+            Adopt
         ]
     );
 }
@@ -168,6 +169,7 @@ fn a_node_agent_touches_only_its_own_node() {
         Call::ReadLog,
         Call::GrantClaim,
         Call::RefuseClaim,
+        Call::Adopt,
     ] {
         assert!(
             authorize(&agent("a"), call, &on(&["a"]), None).is_err(),

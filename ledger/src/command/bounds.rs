@@ -268,6 +268,38 @@ pub(crate) fn check(cmd: &Command) -> Result<(), String> {
             id("pod uid", pod_uid)?;
             text("reason", reason)
         }
+        Command::Adopt {
+            pod,
+            node,
+            containers,
+            source,
+        } => {
+            id("pod uid", &pod.uid)?;
+            name("pod namespace", &pod.namespace)?;
+            name("pod name", &pod.name)?;
+            name("node name", node)?;
+            id("adoption source", source)?;
+            if containers.len() > MAX_CONTAINERS {
+                return Err(format!(
+                    "{} containers adopted, at most {MAX_CONTAINERS}",
+                    containers.len()
+                ));
+            }
+            for c in containers {
+                id("container name", &c.container)?;
+                if c.shares.len() > MAX_SLICES as usize {
+                    return Err(format!(
+                        "container {} holds {} GPUs, at most {MAX_SLICES}",
+                        c.container,
+                        c.shares.len()
+                    ));
+                }
+                c.shares
+                    .iter()
+                    .try_for_each(|s| id("GPU uuid", &s.gpu_uuid))?;
+            }
+            Ok(())
+        }
         Command::GrantClaim(g) => {
             claim_bounds(
                 g.claim.as_ref(),

@@ -16,23 +16,8 @@ impl Ledger {
         deadline_ms: i64,
     ) -> Result<(Vec<Body>, Reply), CommandError> {
         request.validate().map_err(CommandError::Invalid)?;
-        let existing = self.allocs_of_pod(&request.pod.uid);
-        if !existing.is_empty() {
-            if let Some(a) = existing.iter().find(|a| a.node != node) {
-                return Err(CommandError::Conflict(format!(
-                    "pod {}/{} already holds allocation {} on node {}",
-                    request.pod.namespace, request.pod.name, a.id, a.node
-                )));
-            }
-            let mut allocations: Vec<pb::Allocation> = existing.iter().map(|a| a.to_pb()).collect();
-            allocations.sort_by_key(|a| a.id);
-            return Ok((
-                Vec::new(),
-                Reply::Reserved {
-                    allocations,
-                    created: false,
-                },
-            ));
+        if let Some(repeat) = self.repeat_of(&request.pod, &node) {
+            return repeat;
         }
         let n = self
             .node_for(&node, &request)
@@ -81,6 +66,35 @@ impl Ledger {
                 created: true,
             },
         ))
+    }
+
+    /// The answer to a grant asked again for a pod that holds allocations already: what it
+    /// holds, written nothing, or a conflict when it holds them on another node than `node`.
+    /// None when the pod holds nothing.
+    pub(super) fn repeat_of(
+        &self,
+        pod: &pb::PodRef,
+        node: &str,
+    ) -> Option<Result<(Vec<Body>, Reply), CommandError>> {
+        let existing = self.allocs_of_pod(&pod.uid);
+        if existing.is_empty() {
+            return None;
+        }
+        if let Some(a) = existing.iter().find(|a| a.node != node) {
+            return Some(Err(CommandError::Conflict(format!(
+                "pod {}/{} already holds allocation {} on node {}",
+                pod.namespace, pod.name, a.id, a.node
+            ))));
+        }
+        let mut allocations: Vec<pb::Allocation> = existing.iter().map(|a| a.to_pb()).collect();
+        allocations.sort_by_key(|a| a.id);
+        Some(Ok((
+            Vec::new(),
+            Reply::Reserved {
+                allocations,
+                created: false,
+            },
+        )))
     }
 
     /// Refuse a grant that would take a namespace over its quota. The leader decides every

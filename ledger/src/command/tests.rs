@@ -1,7 +1,8 @@
 use super::*;
 use crate::placement::{ContainerRequest, Policy};
 
-fn setup() -> Ledger {
+/// A ledger with node n1 of two 16,000 MiB GPUs, GPU-0 and GPU-1.
+pub(super) fn setup() -> Ledger {
     let mut l = Ledger::new();
     let inv = pb::NodeInventory {
         mode: Default::default(),

@@ -297,6 +297,31 @@ fn a_bound_reservation_is_guessed_before_an_older_unbound_one() {
 }
 
 #[test]
+fn an_adopted_allocation_is_never_guessed_for_an_allocate() {
+    let mut v = View::default();
+    let mut adopted = reserved(5, "hami-pod", "G0");
+    if let Some(Body::Reserved(r)) = &mut adopted.body {
+        r.policy = "adopted-from=hami".into();
+    }
+    v.apply(&adopted);
+    let bound = |seq, id| {
+        ev(
+            seq,
+            Body::Bound(pb::Bound {
+                allocation_id: id,
+                reason: "x".into(),
+                node: "n1".into(),
+            }),
+        )
+    };
+    v.apply(&bound(6, 5));
+    assert_eq!(v.pending(1, &[]), None, "only an adopted pod is bound here");
+    v.apply(&reserved(7, "new", "G1"));
+    v.apply(&bound(8, 7));
+    assert_eq!(v.pending(1, &[]).map(|a| a.id), Some(7));
+}
+
+#[test]
 fn a_lagging_replicas_view_does_not_roll_the_agents_back_but_the_first_is_taken() {
     let mut v = View::default();
     let mut newer = View::default();
