@@ -96,6 +96,30 @@ impl Daemons {
         }
     }
 
+    /// The output of a run of the control program (`what` it was asked), once it exited
+    /// successfully within [`ANSWER_WAIT`].
+    async fn answered(
+        uuid: &str,
+        what: &str,
+        run: impl std::future::Future<Output = std::io::Result<std::process::Output>>,
+    ) -> Result<std::process::Output, Error> {
+        let out = tokio::time::timeout(ANSWER_WAIT, run)
+            .await
+            .map_err(|_| Self::control_error(uuid, format!("no answer to {what}")))?
+            .map_err(|e| Self::control_error(uuid, format!("running {what}: {e}")))?;
+        if !out.status.success() {
+            return Err(Self::control_error(
+                uuid,
+                format!(
+                    "{what} failed ({}): {}",
+                    out.status,
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ),
+            ));
+        }
+        Ok(out)
+    }
+
     /// Start GPU `uuid`'s daemon (`-d`) and note its PID.
     pub async fn start(&self, uuid: &str) -> Result<u32, Error> {
         use std::os::unix::fs::PermissionsExt;
@@ -117,20 +141,8 @@ impl Daemons {
         )?;
         let pid_file = pipe.join(PID_FILE);
         let _ = std::fs::remove_file(&pid_file);
-        let out = tokio::time::timeout(ANSWER_WAIT, self.command(uuid).arg("-d").output())
-            .await
-            .map_err(|_| Self::control_error(uuid, "-d did not return"))?
-            .map_err(|e| Self::control_error(uuid, format!("running -d: {e}")))?;
-        if !out.status.success() {
-            return Err(Self::control_error(
-                uuid,
-                format!(
-                    "-d failed ({}): {}",
-                    out.status,
-                    String::from_utf8_lossy(&out.stderr).trim()
-                ),
-            ));
-        }
+        let out = self.command(uuid).arg("-d").output();
+        Self::answered(uuid, "-d", out).await?;
         let deadline = tokio::time::Instant::now() + ANSWER_WAIT;
         let pid = loop {
             let pid = std::fs::read_to_string(&pid_file)
@@ -176,20 +188,7 @@ impl Daemons {
                 .await
                 .map_err(|e| Self::control_error(uuid, format!("writing commands: {e}")))?;
         }
-        let out = tokio::time::timeout(ANSWER_WAIT, child.wait_with_output())
-            .await
-            .map_err(|_| Self::control_error(uuid, format!("no answer to {cmds:?}")))?
-            .map_err(|e| Self::control_error(uuid, format!("waiting: {e}")))?;
-        if !out.status.success() {
-            return Err(Self::control_error(
-                uuid,
-                format!(
-                    "{cmds:?} failed ({}): {}",
-                    out.status,
-                    String::from_utf8_lossy(&out.stderr).trim()
-                ),
-            ));
-        }
+        let out = Self::answered(uuid, &format!("{cmds:?}"), child.wait_with_output()).await?;
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
