@@ -102,9 +102,14 @@ async fn mps_daemons_per_gpu_hold_clients_to_the_ledger_through_restarts_and_cra
         .await?;
     }
 
-    // A server already runs on GPU 0: it is told too, not only the next one.
-    std::fs::write(mps_dir.join(&g0).join("pipe/servers"), "4242\n")?;
+    // No server runs yet: the defaults are set for the first one.
     c.reserve("uid-a", 10_000, Some(&g0)).await?;
+    wait_log(&c, &mps_dir, &g0, "A's share", |l| {
+        last_default(l).0.as_deref() == Some("set_default_device_pinned_mem_limit 0 10000M")
+    })
+    .await?;
+    // A server runs now: it is told too, not only the next one.
+    std::fs::write(mps_dir.join(&g0).join("pipe/servers"), "4242\n")?;
     c.reserve("uid-b", 30_000, Some(&g0)).await?;
     let log = wait_log(&c, &mps_dir, &g0, "the larger share", |l| {
         last_default(l).0.as_deref() == Some("set_default_device_pinned_mem_limit 0 30000M")

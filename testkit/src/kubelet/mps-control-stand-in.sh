@@ -15,7 +15,9 @@ case "${1:-}" in
 -d)
   if alive; then echo "An instance of this daemon is already running" >&2; exit 1; fi
   log "start CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES"
-  ( exec </dev/null >/dev/null 2>&1; trap 'exit 0' TERM; while :; do sleep 0.1; done ) &
+  # The daemon blocks in bash's own read on a FIFO it holds open: no process per tick.
+  rm -f "$P/stand-in.fifo"; mkfifo "$P/stand-in.fifo"
+  ( exec <>"$P/stand-in.fifo" >/dev/null 2>&1; while :; do read -r _; done ) &
   echo $! > "$pidf"
   exit 0;;
 "") ;;
@@ -26,7 +28,7 @@ while read -r cmd args; do
   [ -z "$cmd" ] && continue
   log "$cmd${args:+ $args}"
   case "$cmd" in
-    get_server_list) [ -f "$P/servers" ] && cat "$P/servers";;
+    get_server_list) if [ -f "$P/servers" ]; then cat "$P/servers"; fi;;
     quit) kill "$(cat "$pidf")"; rm -f "$pidf";;
     set_default_device_pinned_mem_limit|set_default_active_thread_percentage) ;;
     set_device_pinned_mem_limit|set_active_thread_percentage) ;;
