@@ -144,10 +144,10 @@ pub struct Config {
     /// daemon per GPU run by the agent (--mps-control, --mps-dir), the GPU in EXCLUSIVE_PROCESS
     /// compute mode, each daemon's pinned-memory limit and active-thread percentage set
     /// server-side to the largest share on its GPU, and each container given only its GPU's
-    /// pipe directory; `dmem`: the pod cgroup's `dmem.max` (not available yet: refused after
-    /// the node's checks). A mode the
-    /// node cannot serve stops the agent at start with what is missing; it never runs a weaker
-    /// one instead.
+    /// pipe directory; `dmem`: each pod cgroup's `dmem.max` under --cgroup-root (cgroup v2,
+    /// driver r615+, MIG off) set to the pod's shares and read back. A mode the node cannot
+    /// serve stops the agent at start with what is missing; it never runs a weaker one
+    /// instead.
     #[arg(long, env = "GPULEDGER_ISOLATION", value_enum, default_value_t = Isolation::Nvml)]
     pub isolation: Isolation,
 
@@ -170,7 +170,8 @@ pub struct Config {
     )]
     pub hami_core_dir: PathBuf,
 
-    /// The cgroup v2 mount (--isolation=dmem).
+    /// The cgroup v2 mount (--isolation=dmem): its `dmem.capacity` names each GPU's region,
+    /// and the pod cgroups under its `kubepods` get their `dmem.max`.
     #[arg(long, env = "GPULEDGER_CGROUP_ROOT", default_value = "/sys/fs/cgroup")]
     pub cgroup_root: PathBuf,
 
