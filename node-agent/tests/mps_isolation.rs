@@ -180,7 +180,10 @@ async fn mps_daemons_per_gpu_hold_clients_to_the_ledger_through_restarts_and_cra
         Some("set_default_device_pinned_mem_limit 0 10000M")
     );
 
-    // The daemon crashes: started again and told its limits.
+    // The daemon crashes, and someone put its GPU back in DEFAULT: the mode is set again,
+    // the daemon started again and told its limits.
+    let mode_file = nvidia_ml::compute_mode_path(c.nvml.path());
+    std::fs::write(&mode_file, format!(r#"{{"{g0}":0,"{g1}":3}}"#))?;
     let pid = daemon_pid(&mps_dir.join(&g0)).context("no daemon PID on GPU 0")?;
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(pid as i32),
@@ -200,6 +203,11 @@ async fn mps_daemons_per_gpu_hold_clients_to_the_ledger_through_restarts_and_cra
     assert!(
         log.iter()
             .any(|l| l.starts_with("set_active_thread_percentage 4242"))
+    );
+    assert_eq!(
+        nvidia_ml::compute_modes(c.nvml.path()).get(&g0),
+        Some(&nvidia_ml::COMPUTE_MODE_EXCLUSIVE_PROCESS),
+        "the restarted daemon's GPU is not in EXCLUSIVE_PROCESS"
     );
 
     // SIGTERM: the idle GPU's daemon is quit and its GPU back in DEFAULT; GPU 0's stays for A.

@@ -274,6 +274,16 @@ pub async fn supervise(agent: Arc<Agent>, d: Arc<Daemons>) {
                             .get_or_create(&vec![("gpu", uuid.clone())])
                             .inc();
                     }
+                    // A GPU found since the start, or reset by someone, is set again first.
+                    let nvml = agent.nvml.clone();
+                    let u = uuid.clone();
+                    let mode =
+                        tokio::task::spawn_blocking(move || nvml.set_exclusive_process(&u, true))
+                            .await;
+                    if let Ok(Err(e)) = mode {
+                        warn!(gpu = %uuid, "no MPS daemon: EXCLUSIVE_PROCESS compute mode: {e}");
+                        continue;
+                    }
                     match d.start(uuid).await {
                         Ok(pid) => {
                             info!(gpu = %uuid, pid, "MPS control daemon started");
