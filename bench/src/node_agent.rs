@@ -337,10 +337,10 @@ pub async fn run(a: Args) -> Result<()> {
         q_ms(&h_raw_leader, 0.99)
     );
     println!(
-        "isolation={} allocate_p50_ms={:.2} allocate_p99_ms={:.2}",
-        a.isolation,
+        "allocate_p50_ms={:.2} allocate_p99_ms={:.2} isolation={}",
         q_ms(&h_alloc, 0.5),
-        q_ms(&h_alloc, 0.99)
+        q_ms(&h_alloc, 0.99),
+        a.isolation
     );
     if std::env::var_os("GPULEDGER_BENCH_AGENT_LOG").is_some() {
         println!("{}", agent.proc.log_tail(20));
