@@ -22,7 +22,7 @@ CARGO_DENY_VERSION := 0.20.2
 # Where cargo-deny keeps the RustSec advisory database (its default; it follows CARGO_HOME).
 ADVISORY_DBS := $(or $(CARGO_HOME),$(HOME)/.cargo)/advisory-dbs
 
-.PHONY: all deps build release test fmt-check clippy dev-tools machete deny demo chaos bench bench-allocator bench-failover bench-replay clean deploy-check image install-plugin test-deps test-e2e e2e-deps
+.PHONY: all deps build release test fmt-check clippy dev-tools machete deny demo chaos bench bench-allocator bench-failover bench-replay clean deploy-check gpu-check image install-plugin test-deps test-e2e e2e-deps
 
 all: build
 
@@ -128,6 +128,15 @@ test-e2e: e2e-deps
 deploy-check: deps
 	$(BUILD_FOR_TESTS)
 	./deploy/test/deploy-check.sh
+
+## On a machine with an NVIDIA GPU: allocate up to and past a share in every isolation mode the
+## machine supports (node-agent/gpu-check/gpu-check.sh), with the driver, MIG, MPS and cgroup
+## state. Builds with gcc alone (the CUDA driver API through dlopen); without a GPU it fails
+## after compiling, saying so. CI never runs it.
+gpu-check:
+	@mkdir -p target/gpu-check
+	gcc -O2 -Wall -Wextra -Werror -o target/gpu-check/gpu-alloc node-agent/gpu-check/gpu_alloc.c -ldl
+	GPU_CHECK_BIN=target/gpu-check/gpu-alloc ./node-agent/gpu-check/gpu-check.sh
 
 ## Install the CLI and the kubectl plugin (kubectl gpuledger …) into $(PREFIX)/bin.
 PREFIX ?= /usr/local

@@ -3,6 +3,7 @@
 //! interleaved on the same etcd: the bare Assign RPC, and the raw fenced etcd transaction the
 //! allocator's commit is made of (no allocator at all); and the agent's RSS and idle CPU.
 
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
@@ -10,7 +11,7 @@ use gpuledger_allocator::log::{Commit, EtcdLog};
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::ledger::v1 as pb;
 use gpuledger_testkit::kubelet::Kubelet;
-use gpuledger_testkit::kubelet::node::{FakeNvml, NodeAgent};
+use gpuledger_testkit::kubelet::node::{FakeNvml, MpsReaper, NodeAgent, mps_stand_in};
 use gpuledger_testkit::workload::pod;
 use gpuledger_testkit::{Allocators, EtcdCluster};
 
@@ -31,7 +32,13 @@ pub struct Args {
     /// Seconds of idling over which the agent's CPU use is measured.
     #[arg(long, default_value_t = 10)]
     idle_secs: u64,
-    /// More flags for the agent, one per use (e.g. `--agent-flag=--isolation=hami-core`).
+    /// The agent's --isolation, with what the mode needs made here: a placeholder
+    /// `libvgpu.so` (hami-core: no container starts, so it is never loaded), the stand-in MPS
+    /// control program of the tests (mps: one daemon per GPU), a cgroup v2 tree with a dmem
+    /// region per GPU and driver 615 (dmem).
+    #[arg(long, default_value = "nvml", value_parser = ["nvml", "hami-core", "mps", "dmem"])]
+    isolation: String,
+    /// More flags for the agent, one per use (e.g. `--agent-flag=--grace=1s`).
     #[arg(long = "agent-flag", allow_hyphen_values = true)]
     agent_flags: Vec<String>,
 }
@@ -174,6 +181,42 @@ fn check_sizes(a: &Args) -> Result<()> {
 }
 
 /// Run the benchmark.
+/// The flags of `--isolation=<mode>` and what they name, made under `dir`.
+fn isolation_flags(mode: &str, dir: &Path, nvml: &FakeNvml) -> Result<Vec<String>> {
+    let mut flags = vec![format!("--isolation={mode}")];
+    match mode {
+        "hami-core" => {
+            std::fs::write(dir.join("libvgpu.so"), b"\x7fELF")?;
+            flags.push(format!(
+                "--hami-core-lib={}",
+                dir.join("libvgpu.so").display()
+            ));
+            flags.push(format!("--hami-core-dir={}", dir.join("hami").display()));
+        }
+        "mps" => {
+            let control = mps_stand_in(&dir.join("mps-bin"))?;
+            flags.push(format!("--mps-control={}", control.display()));
+            flags.push(format!("--mps-dir={}", dir.join("mps").display()));
+        }
+        "dmem" => {
+            let root = dir.join("cgroup");
+            std::fs::create_dir_all(root.join("kubepods.slice"))?;
+            std::fs::write(root.join("cgroup.controllers"), "cpu memory dmem\n")?;
+            let regions: String = (0..nvml.gpus.len())
+                .map(|i| format!("nvidia/0000:{:02x}:00.0/vidmem 42949672960\n", i + 1))
+                .collect();
+            std::fs::write(root.join("dmem.capacity"), regions)?;
+            let mut state: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(nvml.path())?)?;
+            state["driver_version"] = "615.20.01".into();
+            std::fs::write(nvml.path(), serde_json::to_vec(&state)?)?;
+            flags.push(format!("--cgroup-root={}", root.display()));
+        }
+        _ => {}
+    }
+    Ok(flags)
+}
+
 pub async fn run(a: Args) -> Result<()> {
     check_sizes(&a)?;
     let dir = run_dir("node-agent")?;
@@ -187,6 +230,8 @@ pub async fn run(a: Args) -> Result<()> {
         format!("--slots-per-gpu={}", a.slots),
         "--enforce-interval=1s".to_string(),
     ];
+    flags.extend(isolation_flags(&a.isolation, dir.path(), &nvml)?);
+    let _daemons = MpsReaper(dir.path().join("mps"));
     flags.extend(a.agent_flags.iter().cloned());
     flags.extend(
         allocs
@@ -282,8 +327,8 @@ pub async fn run(a: Args) -> Result<()> {
     }
 
     title(&format!(
-        "agent idle for {} s ({} GPUs, 1 s enforce interval)",
-        a.idle_secs, a.gpus
+        "agent idle for {} s ({} GPUs, 1 s enforce interval, --isolation={})",
+        a.idle_secs, a.gpus, a.isolation
     ));
     let pid = agent.proc.pid().context("the agent is not running")?;
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -324,9 +369,10 @@ pub async fn run(a: Args) -> Result<()> {
         q_ms(&h_raw_leader, 0.99)
     );
     println!(
-        "allocate_p50_ms={:.2} allocate_p99_ms={:.2}",
+        "allocate_p50_ms={:.2} allocate_p99_ms={:.2} isolation={}",
         q_ms(&h_alloc, 0.5),
-        q_ms(&h_alloc, 0.99)
+        q_ms(&h_alloc, 0.99),
+        a.isolation
     );
     if std::env::var_os("GPULEDGER_BENCH_AGENT_LOG").is_some() {
         println!("{}", agent.proc.log_tail(20));

@@ -133,6 +133,18 @@ fn node_agent() -> Result<()> {
 }
 
 #[test]
+fn node_agent_in_the_modes_that_start_something() -> Result<()> {
+    // The bench makes what each needs: MPS daemons (the tests' stand-in), a dmem cgroup tree.
+    for mode in ["--isolation=mps", "--isolation=dmem"] {
+        smoke(
+            &["node-agent", "--pods=3", "--gpus=1", "--idle-secs=1", mode],
+            "allocate_p50_ms=",
+        )?;
+    }
+    Ok(())
+}
+
+#[test]
 fn extender() -> Result<()> {
     smoke(
         &[

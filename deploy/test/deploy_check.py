@@ -1371,6 +1371,46 @@ def check_rbac(c, rendered, usage_file, pending_file):
         c.check(f"rbac {name}", problems, f"{n} kinds of request made by the components, each allowed; every grant used or pending")
 
 
+# The host paths each --isolation mode needs in the agent's container (docs/node-agent.md). The
+# agent names its hami-core and mps directories to the container runtime as host paths, so they
+# are mounted at the same path; dmem's cgroup root is wherever GPULEDGER_CGROUP_ROOT says.
+ISOLATION_HOST_PATHS = {"hami-core": ["/var/lib/gpuledger/hami-core"], "mps": ["/var/lib/gpuledger/mps"],
+                        "dmem": ["/sys/fs/cgroup"]}
+SAME_PATH = {"/var/lib/gpuledger/hami-core", "/var/lib/gpuledger/mps"}
+
+
+def check_isolation(c, rendered):
+    """Every node agent mounts what its --isolation needs, and nothing another mode needs."""
+    for name, docs in sorted(rendered.items()):
+        problems, seen = [], []
+        for d in docs:
+            spec = pod_spec(d)
+            if d["kind"] != "DaemonSet" or not d["metadata"]["name"].startswith(AGENT):
+                continue
+            ct = spec["containers"][0]
+            env = {e["name"]: e.get("value") for e in ct.get("env") or []}
+            mode = env.get("GPULEDGER_ISOLATION", "nvml")
+            seen.append(mode)
+            host = {v["name"]: v["hostPath"]["path"] for v in spec.get("volumes") or [] if "hostPath" in v}
+            mounted = {host[m["name"]]: m["mountPath"] for m in ct.get("volumeMounts") or [] if m["name"] in host}
+            for m, paths in ISOLATION_HOST_PATHS.items():
+                for path in paths:
+                    if m == mode and path not in mounted:
+                        problems.append(f"{key(d)}: --isolation={mode} without {path} mounted")
+                    if m != mode and path in mounted:
+                        problems.append(f"{key(d)}: {path} mounted for --isolation={mode}")
+                    if path in mounted and path in SAME_PATH and mounted[path] != path:
+                        problems.append(f"{key(d)}: {path} mounted at {mounted[path]}, not at itself")
+            if mode == "dmem" and env.get("GPULEDGER_CGROUP_ROOT") != mounted.get("/sys/fs/cgroup"):
+                problems.append(f"{key(d)}: GPULEDGER_CGROUP_ROOT is not where /sys/fs/cgroup is mounted")
+            if mode == "mps" and "compute" not in (env.get("NVIDIA_DRIVER_CAPABILITIES") or ""):
+                problems.append(f"{key(d)}: --isolation=mps without the compute capability (no MPS binaries)")
+        want = name.removeprefix("helm:isolation-") if name.startswith("helm:isolation-") else None
+        if want and any(m != want for m in seen):
+            problems.append(f"{name}: agents run {seen}, not {want}")
+        c.check(f"isolation {name}", problems, f"agents: {seen}")
+
+
 def render_helm(c, helm, chart, values_sets):
     out = {}
     lint = run([helm, "lint", str(chart), "--namespace", NS])
@@ -1492,6 +1532,10 @@ def main():
         "cert-manager": ["certManager.enabled=true"],
         "dra": ["dra.enabled=true"],
         "dra-mixed": ["dra.enabled=true", "dra.nodes=labelled"],
+        # Each isolation mode: its flag checked against the agent's --help, its mounts.
+        "isolation-hami-core": ["nodeAgent.isolation=hami-core"],
+        "isolation-mps": ["nodeAgent.isolation=mps"],
+        "isolation-dmem": ["nodeAgent.isolation=dmem"],
     }
     if a.helm and chart.exists():
         rendered.update(render_helm(c, a.helm, chart, helm_sets))
@@ -1509,6 +1553,7 @@ def main():
     check_mounts(c, rendered, helps, certs)
     check_components(c, rendered)
     check_node_agents(c, rendered, helps)
+    check_isolation(c, rendered)
     check_network(c, rendered)
     check_scheduler_config(c, rendered)
     check_webhook(c, rendered)

@@ -114,6 +114,7 @@ impl Agent {
             cdi_kind: cfg.cdi_kind.clone(),
             hami_core: (cfg.isolation == Isolation::HamiCore)
                 .then(|| cfg.isolation_wanted().hami_core),
+            mps_daemons: (cfg.isolation == Isolation::Mps).then(|| cfg.mps_dir.clone()),
         };
         metrics
             .isolation

@@ -55,7 +55,7 @@ pub fn pod_of(text: &str) -> PodCgroup {
 
 /// The pod UID a kubelet-made cgroup name carries: `pod<uid>` (cgroupfs) or
 /// `kubepods[-<qos>]-pod<uid with _>.slice` (systemd).
-fn pod_uid_of_component(c: &str) -> Option<String> {
+pub fn pod_uid_of_component(c: &str) -> Option<String> {
     if let Some(uid) = c.strip_prefix("pod") {
         return is_uid(uid).then(|| uid.to_string());
     }

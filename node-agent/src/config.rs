@@ -140,11 +140,14 @@ pub struct Config {
     /// (--on-violation) stands behind every one. `nvml`: that sampling only (a process can
     /// exceed its share until the next sample); `hami-core`: HAMi-core's `libvgpu.so` (from
     /// --hami-core-lib) preloaded into every container through `/etc/ld.so.preload`, which
-    /// fails CUDA allocations beyond the share inside the process; `mps`: the MPS server
-    /// holding each client to its share (not available yet: refused); `dmem`: the pod
-    /// cgroup's `dmem.max` (not available yet: refused after the node's checks). A mode the
-    /// node cannot serve stops the agent at start with what is missing; it never runs a weaker
-    /// one instead.
+    /// fails CUDA allocations beyond the share inside the process; `mps`: one MPS control
+    /// daemon per GPU run by the agent (--mps-control, --mps-dir), the GPU in EXCLUSIVE_PROCESS
+    /// compute mode, each daemon's pinned-memory limit and active-thread percentage set
+    /// server-side to the largest share on its GPU, and each container given only its GPU's
+    /// pipe directory; `dmem`: each pod cgroup's `dmem.max` under --cgroup-root (cgroup v2,
+    /// driver r615+, MIG off) set to the pod's shares and read back. A mode the node cannot
+    /// serve stops the agent at start with what is missing; it never runs a weaker one
+    /// instead.
     #[arg(long, env = "GPULEDGER_ISOLATION", value_enum, default_value_t = Isolation::Nvml)]
     pub isolation: Isolation,
 
@@ -167,16 +170,36 @@ pub struct Config {
     )]
     pub hami_core_dir: PathBuf,
 
-    /// The cgroup v2 mount (--isolation=dmem).
+    /// The cgroup v2 mount (--isolation=dmem): its `dmem.capacity` names each GPU's region,
+    /// and the pod cgroups under its `kubepods` get their `dmem.max`.
     #[arg(long, env = "GPULEDGER_CGROUP_ROOT", default_value = "/sys/fs/cgroup")]
     pub cgroup_root: PathBuf,
 
-    /// The node runs the CUDA MPS daemon: also return the MPS limit variables and mount its
-    /// pipe directory into containers.
+    /// `nvidia-cuda-mps-control` (--isolation=mps); `nvidia-cuda-mps-server` must be in the
+    /// same directory. A node without them refuses --isolation=mps at start.
+    #[arg(
+        long,
+        env = "GPULEDGER_MPS_CONTROL",
+        default_value = "/usr/bin/nvidia-cuda-mps-control"
+    )]
+    pub mps_control: PathBuf,
+
+    /// A host directory the agent owns for its MPS daemons (--isolation=mps): per GPU
+    /// `<UUID>/pipe` (mounted into that GPU's containers at --mps-pipe-dir) and `<UUID>/log`.
+    #[arg(
+        long,
+        env = "GPULEDGER_MPS_DIR",
+        default_value = "/var/lib/gpuledger/mps"
+    )]
+    pub mps_dir: PathBuf,
+
+    /// The node runs the CUDA MPS daemon itself (not the agent, unlike --isolation=mps): also
+    /// return the MPS limit variables and mount its pipe directory into containers.
     #[arg(long, env = "GPULEDGER_MPS")]
     pub mps: bool,
 
-    /// MPS pipe directory mounted into containers with --mps.
+    /// MPS pipe directory mounted into containers with --mps, and where a container sees its
+    /// GPU's pipe directory with --isolation=mps.
     #[arg(
         long,
         env = "GPULEDGER_MPS_PIPE_DIR",
@@ -273,6 +296,7 @@ impl Config {
                 dir: self.hami_core_dir.clone(),
             },
             cgroup_root: self.cgroup_root.clone(),
+            mps_control: self.mps_control.clone(),
         }
     }
 }

@@ -6,8 +6,13 @@
 //! what the cgroup uses. The controller must be enabled in the parent's
 //! `cgroup.subtree_control` (`+dmem`) for a cgroup to have the files.
 //!
-//! This module writes a share and reads back what the kernel kept; nothing here decides a
-//! share.
+//! NVIDIA's driver (r615+) names each GPU's region `nvidia/<PCI address>/vidmem`; DRM drivers
+//! `drm/<PCI address>/vram0`.
+//!
+//! This module decides each pod's limits from the view ([`wanted`]), writes a limit and reads
+//! back what the kernel kept; [`limits`] keeps the pods' cgroups equal to the ledger.
+
+pub mod limits;
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -68,9 +73,54 @@ pub fn region_of<'a>(capacity: &'a BTreeMap<String, Limit>, bus_id: &str) -> Opt
         .filter(|r| r.split('/').nth(1) == Some(short.as_str()));
     let all: Vec<&String> = of_device.by_ref().collect();
     all.iter()
-        .find(|r| r.ends_with("/vram0"))
+        .find(|r| r.ends_with("/vidmem") || r.ends_with("/vram0"))
         .or(all.first())
         .map(|r| r.as_str())
+}
+
+/// The dmem region of each GPU (`(UUID, NVML PCI bus id)`) in the root's `dmem.capacity`
+/// text; a GPU the driver did not register is an error naming it.
+pub fn regions(
+    capacity: &str,
+    gpus: &[(String, String)],
+) -> Result<BTreeMap<String, String>, String> {
+    let cap = parse(capacity).map_err(|e| format!("dmem.capacity: {e}"))?;
+    gpus.iter()
+        .map(|(uuid, bus)| {
+            region_of(&cap, bus)
+                .map(|r| (uuid.clone(), r.to_string()))
+                .ok_or_else(|| {
+                    format!(
+                        "dmem.capacity names no region of {uuid} (PCI {bus}): its driver did not register the GPU's memory with the dmem controller ({:?})",
+                        cap.keys().collect::<Vec<_>>()
+                    )
+                })
+        })
+        .collect()
+}
+
+/// Each pod's limit per region from the view: the sum of its allocations' shares on each GPU
+/// of `regions` (the pod's containers share the pod's cgroup), in bytes. Keyed by pod UID.
+pub fn wanted(
+    view: &crate::view::View,
+    regions: &BTreeMap<String, String>,
+) -> BTreeMap<String, BTreeMap<String, u64>> {
+    let mut out: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
+    for a in view.allocs.values() {
+        let Some(pod) = &a.pod else { continue };
+        for s in &a.shares {
+            let Some(region) = regions.get(&s.gpu_uuid) else {
+                continue;
+            };
+            let e = out
+                .entry(pod.uid.clone())
+                .or_default()
+                .entry(region.clone())
+                .or_default();
+            *e = e.saturating_add(s.mem_mib.saturating_mul(1 << 20));
+        }
+    }
+    out
 }
 
 /// Write `limit` for `region` into `<cgroup>/dmem.max` and read back what the kernel kept for
@@ -78,8 +128,10 @@ pub fn region_of<'a>(capacity: &'a BTreeMap<String, Limit>, bus_id: &str) -> Opt
 /// rounds or refuses the value shows it here).
 pub fn apply(cgroup: &Path, region: &str, limit: Limit) -> Result<Limit, String> {
     let path = cgroup.join("dmem.max");
+    // O_TRUNC is ignored by cgroup files, and keeps a plain file (tests) to the last write.
     let mut f = std::fs::OpenOptions::new()
         .write(true)
+        .truncate(true)
         .open(&path)
         .map_err(|e| {
             format!(
@@ -147,6 +199,42 @@ mod tests {
             parse("drm/x/vram0 max\n").expect("max")["drm/x/vram0"],
             Limit::Max
         );
+    }
+
+    #[test]
+    fn nvidia_regions_are_found_and_a_pod_is_held_to_the_sum_of_its_shares() {
+        use gpuledger_proto::ledger::v1 as pb;
+        let cap =
+            "nvidia/0000:3b:00.0/vidmem 85899345920\nnvidia/0000:86:00.0/vidmem 85899345920\n";
+        let gpus = vec![
+            ("GPU-0".to_string(), "00000000:3B:00.0".to_string()),
+            ("GPU-1".to_string(), "00000000:86:00.0".to_string()),
+        ];
+        let r = regions(cap, &gpus).expect("regions");
+        assert_eq!(r["GPU-0"], "nvidia/0000:3b:00.0/vidmem");
+        let missing = vec![("GPU-9".to_string(), "00000000:99:00.0".to_string())];
+        assert!(regions(cap, &missing).expect_err("none").contains("GPU-9"));
+        let mut v = crate::view::View::default();
+        let alloc = |id, uid: &str, gpu: &str, mem_mib| pb::Allocation {
+            id,
+            pod: Some(pb::PodRef {
+                uid: uid.into(),
+                ..Default::default()
+            }),
+            shares: vec![pb::GpuShare {
+                gpu_uuid: gpu.into(),
+                mem_mib,
+                core_milli: 0,
+            }],
+            ..Default::default()
+        };
+        v.allocs.insert(1, alloc(1, "a", "GPU-0", 1024));
+        v.allocs.insert(2, alloc(2, "a", "GPU-0", 2048));
+        v.allocs.insert(3, alloc(3, "b", "GPU-1", 512));
+        let w = wanted(&v, &r);
+        assert_eq!(w["a"]["nvidia/0000:3b:00.0/vidmem"], 3072 << 20);
+        assert_eq!(w["b"]["nvidia/0000:86:00.0/vidmem"], 512 << 20);
+        assert_eq!(w.len(), 2);
     }
 
     #[test]

@@ -181,6 +181,36 @@ pub struct Wanted {
     pub hami_core: HamiCore,
     /// The cgroup v2 mount (--isolation=dmem).
     pub cgroup_root: PathBuf,
+    /// `nvidia-cuda-mps-control` (--isolation=mps); `nvidia-cuda-mps-server` beside it.
+    pub mps_control: PathBuf,
+}
+
+/// Whether the MPS control program and the server it starts (from the same directory) are
+/// there and executable.
+fn mps_binaries(control: &Path) -> Result<(), String> {
+    use std::os::unix::fs::PermissionsExt;
+    let server = control.with_file_name("nvidia-cuda-mps-server");
+    for (what, p) in [("control daemon", control), ("server", server.as_path())] {
+        let ok = std::fs::metadata(p)
+            .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+            .map_err(|e| e.to_string());
+        match ok {
+            Ok(true) => {}
+            Ok(false) => {
+                return Err(format!(
+                    "--isolation=mps: the MPS {what} {} is not an executable file",
+                    p.display()
+                ));
+            }
+            Err(e) => {
+                return Err(format!(
+                    "--isolation=mps: no MPS {what} at {}: {e} (install the NVIDIA driver's nvidia-cuda-mps-control and nvidia-cuda-mps-server there, point --mps-control at them, or choose another --isolation)",
+                    p.display()
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The driver branch of a version string (`580` of `580.95.05`).
@@ -204,9 +234,10 @@ pub fn check(w: &Wanted, facts: &NodeFacts) -> Result<(), String> {
             no_mig()?;
             w.hami_core.install()
         }
-        Isolation::Mps => Err(
-            "--isolation=mps: this agent does not run the MPS control daemon yet, so it cannot hold clients to their shares server-side; run --isolation=nvml (with --mps for the MPS variables) or --isolation=hami-core".into(),
-        ),
+        Isolation::Mps => {
+            no_mig()?;
+            mps_binaries(&w.mps_control)
+        }
         Isolation::Dmem => {
             let Some(controllers) = &facts.cgroup2_controllers else {
                 return Err(format!(
@@ -230,10 +261,7 @@ pub fn check(w: &Wanted, facts: &NodeFacts) -> Result<(), String> {
                     ));
                 }
             }
-            no_mig()?;
-            Err(
-                "--isolation=dmem: this node could serve it, but this agent does not yet write each pod's dmem.max when its containers start (crate::dmem has the write and read-back, not the pod lifecycle); run --isolation=nvml or --isolation=hami-core".into(),
-            )
+            no_mig()
         }
     }
 }
@@ -255,6 +283,7 @@ mod tests {
                 dir: dir.join("state"),
             },
             cgroup_root: dir.join("cgroup"),
+            mps_control: dir.join("mps/nvidia-cuda-mps-control"),
         }
     }
 
@@ -306,16 +335,37 @@ mod tests {
         assert!(no.contains("no dmem controller"), "{no}");
         let old = check(&w, &facts("580.95.05", Some("cpu dmem\n"))).expect_err("old");
         assert!(old.contains("r615 or newer"), "{old}");
-        let ready = check(&w, &facts("615.0", Some("cpu memory dmem\n"))).expect_err("not yet");
-        assert!(ready.contains("could serve it, but"), "{ready}");
+        check(&w, &facts("615.0", Some("cpu memory dmem\n"))).expect("served");
+        let mut f = facts("615.0", Some("cpu memory dmem\n"));
+        f.mig_on = vec!["GPU-1".into()];
+        assert!(check(&w, &f).expect_err("MIG").contains("MIG mode is on"));
     }
 
     #[test]
-    fn nvml_always_serves_and_mps_says_it_is_not_there_yet() {
+    fn nvml_always_serves_and_mps_needs_both_binaries() {
+        use std::os::unix::fs::PermissionsExt;
         let dir = tempfile::tempdir().expect("tempdir");
         check(&wanted(dir.path(), Isolation::Nvml), &facts("", None)).expect("nvml");
-        let e = check(&wanted(dir.path(), Isolation::Mps), &facts("", None)).expect_err("mps");
-        assert!(e.contains("does not run the MPS control daemon"), "{e}");
+        let w = wanted(dir.path(), Isolation::Mps);
+        let e = check(&w, &facts("580.1", None)).expect_err("no binaries");
+        assert!(e.contains("no MPS control daemon at"), "{e}");
+        std::fs::create_dir_all(dir.path().join("mps")).expect("mkdir");
+        let exe = |name: &str, mode| {
+            let p = dir.path().join("mps").join(name);
+            std::fs::write(&p, "#!/bin/sh\n").expect("write");
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).expect("chmod");
+        };
+        exe("nvidia-cuda-mps-control", 0o755);
+        let e = check(&w, &facts("580.1", None)).expect_err("no server");
+        assert!(e.contains("no MPS server at"), "{e}");
+        exe("nvidia-cuda-mps-server", 0o644);
+        let e = check(&w, &facts("580.1", None)).expect_err("not executable");
+        assert!(e.contains("not an executable file"), "{e}");
+        exe("nvidia-cuda-mps-server", 0o755);
+        check(&w, &facts("580.1", None)).expect("both there");
+        let mut f = facts("580.1", None);
+        f.mig_on = vec!["GPU-1".into()];
+        assert!(check(&w, &f).expect_err("MIG").contains("MIG mode is on"));
     }
 
     #[test]

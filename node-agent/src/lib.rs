@@ -18,6 +18,7 @@ pub mod health;
 pub mod isolation;
 pub mod kubelet;
 pub mod metrics;
+pub mod mps;
 pub mod nvml;
 pub mod procs;
 pub mod subscribe;
@@ -89,6 +90,40 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
         };
         isolation::check(&wanted, &facts).map_err(RunError::Isolation)?;
     }
+    if wanted.isolation == isolation::Isolation::Mps {
+        if cfg.mps {
+            return Err(RunError::Flag(
+                "--mps is for an MPS daemon the node runs; --isolation=mps runs the agent's own: choose one",
+            ));
+        }
+        // EXCLUSIVE_PROCESS before any daemon: no context but the MPS server's.
+        for g in nvml.gpus()? {
+            nvml.set_exclusive_process(&g.uuid, true).map_err(|e| {
+                RunError::Isolation(format!(
+                    "--isolation=mps: cannot put {} in EXCLUSIVE_PROCESS compute mode: {e}",
+                    g.uuid
+                ))
+            })?;
+        }
+    }
+    let dmem_limits = match wanted.isolation {
+        isolation::Isolation::Dmem => {
+            let capacity = wanted.cgroup_root.join("dmem.capacity");
+            let text = std::fs::read_to_string(&capacity).map_err(|e| {
+                RunError::Isolation(format!(
+                    "--isolation=dmem: reading {}: {e}",
+                    capacity.display()
+                ))
+            })?;
+            let regions = dmem::regions(&text, &nvml.bus_ids()?)
+                .map_err(|e| RunError::Isolation(format!("--isolation=dmem: {e}")))?;
+            Some(std::sync::Arc::new(dmem::limits::Dmem {
+                root: wanted.cgroup_root.clone(),
+                regions,
+            }))
+        }
+        _ => None,
+    };
     info!(
         isolation = wanted.isolation.as_str(),
         "isolation: {} first, NVML sampling with a kill behind it",
@@ -134,6 +169,18 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
             until_shutdown(dra::slice::publish(agent.clone()).boxed());
         }
     }
+    let mps = (agent.cfg.isolation == isolation::Isolation::Mps).then(|| {
+        std::sync::Arc::new(mps::daemon::Daemons {
+            control: agent.cfg.mps_control.clone(),
+            dir: agent.cfg.mps_dir.clone(),
+        })
+    });
+    if let Some(d) = &mps {
+        until_shutdown(mps::daemon::supervise(agent.clone(), d.clone()).boxed());
+    }
+    if let Some(d) = dmem_limits {
+        until_shutdown(dmem::limits::run(agent.clone(), d).boxed());
+    }
     if let Some(addr) = agent.cfg.health_listen {
         until_shutdown(health::serve(agent.clone(), addr, shutdown.clone()).boxed());
     }
@@ -149,6 +196,9 @@ pub async fn run(cfg: Config) -> Result<(), RunError> {
         .is_err()
     {
         warn!("stopping with tasks still running");
+    }
+    if let Some(d) = &mps {
+        mps::daemon::stop(&agent, d).await;
     }
     match agent.cfg.mode {
         config::Mode::DevicePlugin => kubelet::remove_socket(&agent),

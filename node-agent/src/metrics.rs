@@ -28,6 +28,11 @@ pub struct Metrics {
     /// 1 for the node's first isolation layer (`mode`: nvml, hami-core, mps, dmem); NVML
     /// sampling stands behind every one.
     pub isolation: Family<Labels, Gauge>,
+    /// What the first isolation layer holds to, in bytes, as it answered (`mode`; `target`:
+    /// the GPU of an MPS daemon, `<pod uid>/<region>` of a dmem limit).
+    pub isolation_limit: Family<Labels, Gauge<i64, AtomicI64>>,
+    /// MPS control daemons found dead and started again, by GPU.
+    pub mps_restarts: Family<Labels, Counter>,
     /// GPU memory in use per GPU as NVML measures it (sum over its processes), in bytes.
     pub memory_used: Family<Labels, Gauge<i64, AtomicI64>>,
     memory_total: Family<Labels, Gauge<i64, AtomicI64>>,
@@ -69,6 +74,8 @@ impl Metrics {
             violations: Family::default(),
             enforcing: Gauge::default(),
             isolation: Family::default(),
+            isolation_limit: Family::default(),
+            mps_restarts: Family::default(),
             memory_used: Family::default(),
             memory_total: Family::default(),
             memory_allocated: Family::default(),
@@ -105,6 +112,17 @@ impl Metrics {
             "isolation",
             "1 for the node's first isolation layer (mode); NVML sampling with a kill stands behind every one",
             m.isolation.clone(),
+        );
+        registry.register_with_unit(
+            "isolation_limit",
+            "What the first isolation layer holds to, as it answered (mode; target: the GPU of an MPS daemon, <pod uid>/<region> of a dmem.max)",
+            Unit::Bytes,
+            m.isolation_limit.clone(),
+        );
+        registry.register(
+            "mps_daemon_restarts",
+            "MPS control daemons found dead and started again, by GPU",
+            m.mps_restarts.clone(),
         );
         registry.register_with_unit(
             "gpu_memory_used",

@@ -227,6 +227,40 @@ impl NvmlBackend {
         Ok(on)
     }
 
+    /// Put GPU `uuid` in `exclusive` (EXCLUSIVE_PROCESS: one context, the MPS server's) or
+    /// DEFAULT compute mode. Needs root on a real node.
+    pub fn set_exclusive_process(&self, uuid: &str, exclusive: bool) -> Result<(), Error> {
+        use nvml_wrapper::enum_wrappers::device::ComputeMode;
+        let mut d = call("device by uuid", self.nvml.device_by_uuid(uuid))?;
+        let mode = if exclusive {
+            ComputeMode::ExclusiveProcess
+        } else {
+            ComputeMode::Default
+        };
+        call("set compute mode", d.set_compute_mode(mode))
+    }
+
+    /// Whether GPU `uuid` is in EXCLUSIVE_PROCESS compute mode.
+    pub fn is_exclusive_process(&self, uuid: &str) -> Result<bool, Error> {
+        use nvml_wrapper::enum_wrappers::device::ComputeMode;
+        let d = call("device by uuid", self.nvml.device_by_uuid(uuid))?;
+        Ok(call("compute mode", d.compute_mode())? == ComputeMode::ExclusiveProcess)
+    }
+
+    /// Each GPU's UUID and PCI bus id (`00000000:3B:00.0`).
+    pub fn bus_ids(&self) -> Result<Vec<(String, String)>, Error> {
+        let n = call("device count", self.nvml.device_count())?;
+        (0..n)
+            .map(|i| {
+                let d = call("device by index", self.nvml.device_by_index(i))?;
+                Ok((
+                    call("device uuid", d.uuid())?,
+                    call("PCI info", d.pci_info())?.bus_id,
+                ))
+            })
+            .collect()
+    }
+
     /// Every compute process on every GPU that answers, with its memory use (a lost GPU is
     /// passed by: its health probe takes it out of service).
     pub fn processes(&self) -> Result<Vec<GpuProcess>, Error> {

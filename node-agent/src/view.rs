@@ -370,6 +370,9 @@ pub struct AllocateOptions {
     pub cdi_kind: String,
     /// HAMi-core injected into every container (--isolation=hami-core).
     pub hami_core: Option<crate::isolation::HamiCore>,
+    /// The agent's MPS daemons' directory (--isolation=mps): a container gets its GPU's pipe
+    /// directory, mounted at `mps_pipe_dir`, and the MPS variables.
+    pub mps_daemons: Option<std::path::PathBuf>,
 }
 
 /// The CDI annotation for allocation `id`: the key is unique per allocation, as the CDI
@@ -448,7 +451,7 @@ pub fn container_response(
         (mem / 1024).max(u64::from(mem > 0)).to_string(),
     );
     let mut mounts = Vec::new();
-    if opts.mps {
+    if opts.mps || opts.mps_daemons.is_some() {
         let limits: Vec<String> = shares
             .iter()
             .enumerate()
@@ -462,9 +465,14 @@ pub fn container_response(
             );
         }
         envs.insert("CUDA_MPS_PIPE_DIRECTORY".into(), opts.mps_pipe_dir.clone());
+        // A CUDA process talks to one daemon: a container's is its first GPU's.
+        let host_path = match (&opts.mps_daemons, uuids.first()) {
+            (Some(dir), Some(gpu)) => crate::mps::pipe_dir(dir, gpu).display().to_string(),
+            _ => opts.mps_pipe_dir.clone(),
+        };
         mounts.push(dp::Mount {
             container_path: opts.mps_pipe_dir.clone(),
-            host_path: opts.mps_pipe_dir.clone(),
+            host_path,
             read_only: false,
         });
     }

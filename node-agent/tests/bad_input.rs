@@ -60,8 +60,11 @@ fn a_missing_nvml_library_is_a_clear_error_and_a_failing_exit() -> anyhow::Resul
             "is not a cgroup v2 mount",
         ),
         (
-            vec!["--isolation=mps".to_string()],
-            "does not run the MPS control daemon",
+            vec![
+                "--isolation=mps".to_string(),
+                "--mps-control=/nonexistent/nvidia-cuda-mps-control".into(),
+            ],
+            "no MPS control daemon at /nonexistent/nvidia-cuda-mps-control",
         ),
     ] {
         let out = Command::new(&bin)

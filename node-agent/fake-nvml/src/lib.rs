@@ -717,3 +717,119 @@ pub unsafe extern "C" fn nvmlEventSetFree(set: *mut c_void) -> u32 {
     drop(unsafe { Box::from_raw(set.cast::<Mutex<EventSet>>()) });
     SUCCESS
 }
+
+/// `NVML_COMPUTEMODE_DEFAULT`: what a GPU whose mode was never set reports.
+pub const COMPUTE_MODE_DEFAULT: u32 = 0;
+/// `NVML_COMPUTEMODE_EXCLUSIVE_PROCESS`.
+pub const COMPUTE_MODE_EXCLUSIVE_PROCESS: u32 = 3;
+/// `NVML_COMPUTEMODE_COUNT`: modes at or above are invalid.
+const COMPUTE_MODE_COUNT: u32 = 4;
+
+/// Where the fake records the compute modes set through it: beside the state file, so a test
+/// that rewrites the state (processes, Xids) does not erase what the agent set.
+pub fn compute_mode_path(config: &std::path::Path) -> std::path::PathBuf {
+    let mut p = config.as_os_str().to_owned();
+    p.push(".compute-mode");
+    p.into()
+}
+
+/// The compute mode of each GPU set through `nvmlDeviceSetComputeMode`, by UUID; a GPU not in
+/// it is in [`COMPUTE_MODE_DEFAULT`].
+pub fn compute_modes(config: &std::path::Path) -> std::collections::BTreeMap<String, u32> {
+    std::fs::read(compute_mode_path(config))
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_default()
+}
+
+/// The recorded modes of the running fake, and where they are written.
+fn recorded_modes() -> Result<(std::path::PathBuf, std::collections::BTreeMap<String, u32>), u32> {
+    let config = std::env::var_os("FAKE_NVML_CONFIG").ok_or(ERROR_DRIVER_NOT_LOADED)?;
+    let config = std::path::PathBuf::from(config);
+    Ok((compute_mode_path(&config), compute_modes(&config)))
+}
+
+/// `nvmlDeviceGetComputeMode`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetComputeMode(device: *mut c_void, mode: *mut c_uint) -> u32 {
+    ret(initialized().and_then(|c| {
+        let i = index_of(device, &c)?;
+        if mode.is_null() {
+            return Err(ERROR_INVALID_ARGUMENT);
+        }
+        let (_, modes) = recorded_modes()?;
+        let m = modes
+            .get(&c.gpus[i].uuid)
+            .copied()
+            .unwrap_or(COMPUTE_MODE_DEFAULT);
+        // SAFETY: non-null, and NVML's contract makes it a valid `nvmlComputeMode_t*`.
+        unsafe { *mode = m };
+        Ok(())
+    }))
+}
+
+/// `nvmlDeviceSetComputeMode`: recorded in the file [`compute_mode_path`] names (temp file +
+/// rename, so a reader never sees half).
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlDeviceSetComputeMode(device: *mut c_void, mode: c_uint) -> u32 {
+    ret(initialized().and_then(|c| {
+        let i = index_of(device, &c)?;
+        if mode >= COMPUTE_MODE_COUNT {
+            return Err(ERROR_INVALID_ARGUMENT);
+        }
+        let (path, mut modes) = recorded_modes()?;
+        modes.insert(c.gpus[i].uuid.clone(), mode);
+        let body = serde_json::to_vec(&modes).map_err(|_| ERROR_UNKNOWN)?;
+        let tmp = path.with_extension("tmp-mode");
+        std::fs::write(&tmp, body).map_err(|_| ERROR_UNKNOWN)?;
+        std::fs::rename(&tmp, &path).map_err(|_| ERROR_UNKNOWN)
+    }))
+}
+
+/// `nvmlPciInfo_t`.
+#[repr(C)]
+pub struct PciInfo {
+    bus_id_legacy: [c_char; 16],
+    domain: c_uint,
+    bus: c_uint,
+    device: c_uint,
+    pci_device_id: c_uint,
+    pci_sub_system_id: c_uint,
+    bus_id: [c_char; 32],
+}
+
+/// The PCI bus id the fake gives GPU `i`: domain 0, bus `i + 1`, as NVML writes it.
+pub fn bus_id(i: usize) -> String {
+    format!("00000000:{:02X}:00.0", i + 1)
+}
+
+/// `nvmlDeviceGetPciInfo_v3`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetPciInfo_v3(device: *mut c_void, pci: *mut PciInfo) -> u32 {
+    ret(initialized().and_then(|c| {
+        let i = index_of(device, &c)?;
+        if pci.is_null() {
+            return Err(ERROR_INVALID_ARGUMENT);
+        }
+        let mut info = PciInfo {
+            bus_id_legacy: [0; 16],
+            domain: 0,
+            bus: c_uint::try_from(i + 1).map_err(|_| ERROR_UNKNOWN)?,
+            device: 0,
+            pci_device_id: 0x20b0_10de,
+            pci_sub_system_id: 0,
+            bus_id: [0; 32],
+        };
+        let id = bus_id(i);
+        // The legacy field has room for a 4-digit domain only.
+        let legacy = &id[4..];
+        // SAFETY: both buffers are ours, of the lengths given.
+        unsafe {
+            write_str(&id, info.bus_id.as_mut_ptr(), 32)?;
+            write_str(legacy, info.bus_id_legacy.as_mut_ptr(), 16)?;
+        }
+        // SAFETY: non-null, and NVML's contract makes it a valid `nvmlPciInfo_t*`.
+        unsafe { *pci = info };
+        Ok(())
+    }))
+}

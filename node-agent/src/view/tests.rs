@@ -116,6 +116,7 @@ fn allocate_env_carries_every_limit_format() {
         strategies: vec![DeviceListStrategy::Envvar],
         cdi_kind: "nvidia.com/gpu".into(),
         hami_core: None,
+        mps_daemons: None,
     };
     let r = container_response(&[&v.allocs[&1]], Some(&inv), &opts);
     let e = |k: &str| r.envs.get(k).map(String::as_str);

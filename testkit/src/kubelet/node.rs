@@ -107,6 +107,55 @@ pub fn fake_nvml_lib() -> Result<PathBuf> {
     )
 }
 
+/// A stand-in `nvidia-cuda-mps-control` (and an `nvidia-cuda-mps-server` beside it) in `dir`;
+/// the path to pass as `--mps-control`. With `-d` it starts a daemon that writes its PID where
+/// the real one does; without arguments it is the control shell: it refuses when no daemon
+/// runs, records each command in `$CUDA_MPS_LOG_DIRECTORY/control.log`, answers
+/// `get_server_list` from `$CUDA_MPS_PIPE_DIRECTORY/servers` (PIDs of pretend servers a test
+/// writes), and `quit` stops the daemon.
+pub fn mps_stand_in(dir: &Path) -> Result<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(dir)?;
+    let control = dir.join("nvidia-cuda-mps-control");
+    for (p, body) in [
+        (control.clone(), include_str!("mps-control-stand-in.sh")),
+        (dir.join("nvidia-cuda-mps-server"), "#!/bin/sh\nexit 0\n"),
+    ] {
+        std::fs::write(&p, body)?;
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755))?;
+    }
+    Ok(control)
+}
+
+/// SIGKILL every stand-in MPS daemon under `mps_dir` (the agent's `--mps-dir`): they outlive
+/// the agent, as real ones do. Best effort.
+pub fn kill_mps_stand_ins(mps_dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(mps_dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let pid = std::fs::read_to_string(e.path().join("pipe/nvidia-cuda-mps-control.pid"))
+            .ok()
+            .and_then(|s| s.trim().parse::<i32>().ok());
+        if let Some(pid) = pid {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+    }
+}
+
+/// Kills the stand-in MPS daemons under its `--mps-dir` when dropped (a test or bench that
+/// ends, passed, failed or not).
+pub struct MpsReaper(pub PathBuf);
+
+impl Drop for MpsReaper {
+    fn drop(&mut self) {
+        kill_mps_stand_ins(&self.0);
+    }
+}
+
 /// A node agent process.
 pub struct NodeAgent {
     /// The process.
