@@ -7,6 +7,7 @@ mod dra_batch_across_kills;
 mod dra_claims;
 mod dra_first_available;
 mod dra_refusals;
+mod draex_binds_its_claims;
 mod hami_core_isolation;
 mod hami_places_its_pods;
 mod kubelet_that_cannot_reach_the_plugin;
