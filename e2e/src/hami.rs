@@ -367,7 +367,11 @@ impl Hami {
             "HAMi's scheduler takes every new node's GPUs in (its /metrics lists them)",
             Duration::from_secs(60),
             || async {
-                let text = self.metrics().await?;
+                // HAMi answers /metrics slowly while it first goes through every node of the
+                // cluster (its client is throttled): a timed-out scrape is a "not yet".
+                let Ok(text) = self.metrics().await else {
+                    return Ok(None);
+                };
                 let known = |g: &String| text.contains(&format!("device_uuid=\"{g}\""));
                 Ok(gpus.iter().all(known).then_some(()))
             },
