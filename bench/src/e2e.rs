@@ -241,8 +241,8 @@ pub(crate) async fn schedule(
     let (lo, hi) = (at[n / 20], at[n * 19 / 20]);
     let steady = (n * 9 / 10) as f64 / (hi - lo).as_secs_f64().max(1e-3);
     // Up to an hour: a peer's pods may wait minutes, beyond [`histogram`]'s 60 s.
-    let mut latency = Histogram::new_with_bounds(1, 3_600_000_000, 3)
-        .expect("static bounds are valid");
+    let mut latency =
+        Histogram::new_with_bounds(1, 3_600_000_000, 3).expect("static bounds are valid");
     for (name, t) in &bound {
         if let Some(c) = created.get(name) {
             record(&mut latency, t.saturating_duration_since(*c));
