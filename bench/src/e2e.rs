@@ -88,11 +88,13 @@ pub struct Args {
 }
 
 /// How one batch of pods went through the scheduler.
-struct Batch {
+pub(crate) struct Batch {
     /// First create to last bound.
-    total: Duration,
+    pub(crate) total: Duration,
     /// Pods/s between the 5th and the 95th percentile of bindings.
-    steady: f64,
+    pub(crate) steady: f64,
+    /// Each pod's create call to its binding, as the watch saw it.
+    pub(crate) bound: Histogram<u64>,
 }
 
 /// What one path measured.
@@ -135,7 +137,7 @@ fn on_kubelet_less(mut p: Value) -> Value {
 
 /// CPU seconds used so far by this process ("bench") and each of its descendants, summed by
 /// the name the kernel gives them (`comm`: kube-apiserver, etcd, gpuledger-alloc, …).
-fn cpu_by_process() -> BTreeMap<String, f64> {
+pub(crate) fn cpu_by_process() -> BTreeMap<String, f64> {
     let all = processes();
     let me = std::process::id();
     let ours = |mut p: u32| {
@@ -161,7 +163,7 @@ fn cpu_by_process() -> BTreeMap<String, f64> {
 }
 
 /// Milliseconds of CPU per pod, by process, between two [`cpu_by_process`] readings.
-fn cpu_per_pod(
+pub(crate) fn cpu_per_pod(
     before: &BTreeMap<String, f64>,
     after: &BTreeMap<String, f64>,
     pods: usize,
@@ -177,7 +179,12 @@ fn cpu_per_pod(
 }
 
 /// Create `specs` in `ns` (`parallel` at a time) and time until every one is bound.
-async fn schedule(e: &E2e, ns: &str, specs: Vec<Value>, parallel: usize) -> Result<Batch> {
+pub(crate) async fn schedule(
+    e: &E2e,
+    ns: &str,
+    specs: Vec<Value>,
+    parallel: usize,
+) -> Result<Batch> {
     let n = specs.len();
     let names: std::collections::HashSet<String> = specs
         .iter()
@@ -210,14 +217,21 @@ async fn schedule(e: &E2e, ns: &str, specs: Vec<Value>, parallel: usize) -> Resu
     let t0 = Instant::now();
     let created = futures::stream::iter(specs.into_iter().map(|p| {
         let c = e.client.clone();
-        async move { pods::create(&c, ns, &p).await }
+        async move {
+            let at = Instant::now();
+            let name = p["metadata"]["name"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
+            pods::create(&c, ns, &p).await.map(|_| (name, at))
+        }
     }))
     .buffer_unordered(parallel)
     .collect::<Vec<_>>()
     .await;
-    for c in created {
-        c?;
-    }
+    let created = created
+        .into_iter()
+        .collect::<Result<HashMap<String, Instant>>>()?;
     let bound = tokio::time::timeout(Duration::from_secs(1800), watch)
         .await
         .context("pods not bound within 30 min")???;
@@ -226,9 +240,18 @@ async fn schedule(e: &E2e, ns: &str, specs: Vec<Value>, parallel: usize) -> Resu
     at.sort_unstable();
     let (lo, hi) = (at[n / 20], at[n * 19 / 20]);
     let steady = (n * 9 / 10) as f64 / (hi - lo).as_secs_f64().max(1e-3);
+    // Up to an hour: a peer's pods may wait minutes, beyond [`histogram`]'s 60 s.
+    let mut latency =
+        Histogram::new_with_bounds(1, 3_600_000_000, 3).expect("static bounds are valid");
+    for (name, t) in &bound {
+        if let Some(c) = created.get(name) {
+            record(&mut latency, t.saturating_duration_since(*c));
+        }
+    }
     Ok(Batch {
         total: at[n - 1],
         steady,
+        bound: latency,
     })
 }
 

@@ -12,6 +12,7 @@ mod node_agent;
 mod replay;
 mod scrape;
 mod verify;
+mod versus;
 
 use clap::{Parser, Subcommand};
 
@@ -50,6 +51,10 @@ enum Cmd {
     /// Honest binds, reservations and admission reviews, quiet and under each hostile-load
     /// attack (slow bodies, idle sockets, stream floods, forged identities, …): success and p99.
     Hostile(hostile::Args),
+    /// HAMi and gpuledger on one control plane, the same pods in HAMi's YAML: pods/s,
+    /// create-to-bound, CPU per pod; under churn and kills: over-commit, stranded grants, and
+    /// how soon a deleted pod's room is usable again.
+    Versus(versus::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -75,6 +80,7 @@ fn main() -> std::process::ExitCode {
             Cmd::E2e(a) => e2e::run(a).await,
             Cmd::Verify(a) => verify::run(a).await,
             Cmd::Hostile(a) => hostile::run(a).await,
+            Cmd::Versus(a) => versus::run(a).await,
         }
     });
     match res {

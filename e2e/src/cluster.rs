@@ -112,6 +112,8 @@ impl E2e {
             Identity::ServiceAccount(crate::control_plane::DRA_SCHEDULER_SA.into()),
             // HAMi's scheduler, when a test starts it beside gpuledger (crate::hami).
             Identity::ServiceAccount(crate::hami::SERVICE_ACCOUNT.into()),
+            // dra-example-driver's controller, likewise (crate::draex).
+            Identity::ServiceAccount(crate::draex::SERVICE_ACCOUNT.into()),
         ];
         let mut cp =
             ControlPlane::start(&dir, &bins, &identities, o.controller_manager_qps).await?;

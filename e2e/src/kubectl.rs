@@ -76,4 +76,30 @@ impl Kubectl {
         );
         Ok(o.stdout)
     }
+
+    /// Apply a ClusterRole `role` with `rules`, bound to ServiceAccount `account`'s identity
+    /// on the tier (a peer's RBAC, as its chart grants it), with `more` objects in the same
+    /// apply; `what` names it in the error.
+    pub fn grant(
+        &self,
+        what: &str,
+        (role, account): (&str, &str),
+        rules: serde_json::Value,
+        more: Vec<serde_json::Value>,
+    ) -> Result<()> {
+        let (user, _) = crate::pki::Identity::ServiceAccount(account.into()).user();
+        let mut items = more;
+        items.push(
+            serde_json::json!({"apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRole", "metadata": {"name": role}, "rules": rules}),
+        );
+        items.push(serde_json::json!({"apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding", "metadata": {"name": role},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role},
+            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}]}));
+        let list = serde_json::json!({"apiVersion": "v1", "kind": "List", "items": items});
+        let o = self.run_with_input(&["apply", "-f", "-"], Some(&list.to_string()))?;
+        anyhow::ensure!(o.ok, "applying {what}: {}{}", o.stdout, o.stderr);
+        Ok(())
+    }
 }

@@ -10,7 +10,8 @@
 //! Nodes are either kubelet-less (created through the API with GPU capacity, registered with the
 //! allocator as a node agent would) or one real kubelet with a node agent and the fake NVML.
 //! The peers (HAMi, dra-example-driver; `e2e/peers/build.sh`) can run beside gpuledger on the
-//! same control plane: [`hami`] starts HAMi's scheduler and registers HAMi's fake GPU nodes.
+//! same control plane: [`hami`] starts HAMi's scheduler and registers HAMi's fake GPU nodes;
+//! [`draex`] starts dra-example-driver's controller and publishes its nodes' ResourceSlices.
 //!
 //! The scenario tests in `tests/` are `#[ignore]`d: `cargo test --workspace` never needs the
 //! Kubernetes binaries or root; `make test-e2e` runs them with `--ignored`.
@@ -19,6 +20,7 @@ pub mod bins;
 pub mod certs;
 pub mod cluster;
 pub mod control_plane;
+pub mod draex;
 pub mod gpuledger;
 pub mod hami;
 pub mod images;

@@ -10,9 +10,12 @@ use anyhow::{Context, Result, bail};
 /// The programs a complete directory holds, by their path in it.
 pub const PROGRAMS: [&str; 3] = [
     HAMI_SCHEDULER,
-    "draex/dra-example-controller",
+    DRAEX_CONTROLLER,
     "draex/dra-example-kubeletplugin",
 ];
+
+/// dra-example-driver's controller (`cmd/dra-example-controller`: binding conditions).
+pub const DRAEX_CONTROLLER: &str = "draex/dra-example-controller";
 
 /// HAMi's scheduler extender and admission webhook (`cmd/scheduler`).
 pub const HAMI_SCHEDULER: &str = "hami/scheduler";
