@@ -936,11 +936,23 @@ mod tests {
 
     #[test]
     fn a_request_is_judged_with_the_capacity_the_allocator_certifies() {
-        let c = exact_container("p/c0", &exactly(&[("memory", "1G"), ("cores", "300")]), CoresUnit::Thousandths).unwrap();
+        let c = exact_container(
+            "p/c0",
+            &exactly(&[("memory", "1G"), ("cores", "300")]),
+            CoresUnit::Thousandths,
+        )
+        .unwrap();
         assert_eq!((c.mem_mib, c.mem_percent, c.core_milli), (954, 0, 300));
         let c = exact_container("p/c0", &exactly(&[]), CoresUnit::Thousandths).unwrap();
         assert_eq!((c.mem_mib, c.mem_percent, c.core_milli), (0, 100, 1000));
-        assert!(exact_container("p/c0", &exactly(&[("cores", "1001")]), CoresUnit::Thousandths).is_err());
+        assert!(
+            exact_container(
+                "p/c0",
+                &exactly(&[("cores", "1001")]),
+                CoresUnit::Thousandths
+            )
+            .is_err()
+        );
         // The fraction unit: a quarter of the GPU; more than the GPU is named in that unit.
         let f = CoresUnit::Fraction;
         let c = exact_container("p/c0", &exactly(&[("cores", "0.25")]), f).unwrap();
@@ -954,8 +966,12 @@ mod tests {
     /// for `memory`; both refuse it now.
     #[test]
     fn a_capacity_our_devices_do_not_publish_is_invalid() {
-        let e =
-            exact_container("p/c0", &exactly(&[("gpu.gpuledger.io/memory", "2Gi")]), CoresUnit::Thousandths).unwrap_err();
+        let e = exact_container(
+            "p/c0",
+            &exactly(&[("gpu.gpuledger.io/memory", "2Gi")]),
+            CoresUnit::Thousandths,
+        )
+        .unwrap_err();
         assert!(e.contains("gpu.gpuledger.io/memory"), "{e}");
     }
 }
