@@ -9,7 +9,6 @@ mod dra_device_health;
 mod dra_first_available;
 mod dra_preempts_for_gpu;
 mod dra_refusals;
-mod draex_binds_its_claims;
 mod hami_core_isolation;
 mod hami_places_its_pods;
 mod kubelet_that_cannot_reach_the_plugin;
