@@ -429,6 +429,12 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs_f64(secs))
 }
 
+/// GPU `uuid`'s MPS pipe directory under `--mps-dir`: the one thing its containers get (the
+/// daemons' layout, which the containers' mounts follow).
+pub fn mps_pipe_dir(mps_dir: &std::path::Path, uuid: &str) -> std::path::PathBuf {
+    mps_dir.join(uuid).join("pipe")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

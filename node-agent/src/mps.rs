@@ -27,10 +27,7 @@ use crate::view::View;
 /// (`CUDA_VISIBLE_DEVICES=<UUID>`), so it is device 0.
 const DEVICE: u32 = 0;
 
-/// GPU `uuid`'s pipe directory under `--mps-dir`: the one thing its containers get.
-pub fn pipe_dir(mps_dir: &std::path::Path, uuid: &str) -> std::path::PathBuf {
-    mps_dir.join(uuid).join("pipe")
-}
+pub use crate::config::mps_pipe_dir as pipe_dir;
 
 /// What a GPU's daemon holds each client to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -467,7 +467,7 @@ pub fn container_response(
         envs.insert("CUDA_MPS_PIPE_DIRECTORY".into(), opts.mps_pipe_dir.clone());
         // A CUDA process talks to one daemon: a container's is its first GPU's.
         let host_path = match (&opts.mps_daemons, uuids.first()) {
-            (Some(dir), Some(gpu)) => crate::mps::pipe_dir(dir, gpu).display().to_string(),
+            (Some(dir), Some(gpu)) => crate::config::mps_pipe_dir(dir, gpu).display().to_string(),
             _ => opts.mps_pipe_dir.clone(),
         };
         mounts.push(dp::Mount {
