@@ -79,6 +79,35 @@ where
     }
 }
 
+/// What each side holds now (the ledger's mark, the slice's taint, the pod's status), then the
+/// processes' logs: the failure's cause comes first, before the long tails.
+async fn state(
+    e: &gpuledger_e2e::cluster::E2e,
+    gpu: &str,
+    device: &str,
+    pods: &Api<Pod>,
+) -> String {
+    let ledger = match e.gl.ledger().await {
+        Ok(l) => format!(
+            "{:?}",
+            l.node(REAL_NODE)
+                .and_then(|n| n.gpu(gpu))
+                .map(|g| g.healthy)
+        ),
+        Err(err) => format!("unread ({err:#})"),
+    };
+    let taint = tainted(&e.client, device)
+        .await
+        .map_or_else(|err| format!("unread ({err:#})"), |t| t.to_string());
+    let pod = pod_health(pods, "job", device)
+        .await
+        .map_or_else(|err| format!("unread ({err:#})"), |h| format!("{h:?}"));
+    format!(
+        "now: ledger healthy={ledger}, slice tainted={taint}, pod reads {pod}\n{}",
+        e.log_tails(40)
+    )
+}
+
 fn p99(mut v: Vec<Duration>) -> Duration {
     v.sort();
     let i = (v.len() * 99).div_ceil(100).saturating_sub(1);
@@ -138,7 +167,7 @@ async fn an_unhealthy_gpu_taints_its_device_and_the_pods_status_then_recovers() 
         nvml.add_xid(&gpu, 79)?;
         let (c, pa) = (&e.client, &pods_api);
         let (d, dv) = (&device, &device);
-        let (taint, pod) = tokio::try_join!(
+        let taint_and_pod = tokio::try_join!(
             time_until("the device tainted", fault, || async move {
                 tainted(c, d).await
             }),
@@ -146,7 +175,11 @@ async fn an_unhealthy_gpu_taints_its_device_and_the_pods_status_then_recovers() 
                 Ok(pod_health(pa, "job", dv).await?.as_deref() == Some("Unhealthy"))
             }),
         )
-        .with_context(|| format!("trial {trial}\n{}", e.log_tails(30)))?;
+        .map_err(|err| anyhow::anyhow!("trial {trial}: {err:#}"));
+        if let Err(err) = taint_and_pod {
+            return Err(err.context(state(&e, &gpu, &device, &pods_api).await));
+        }
+        let (taint, pod) = taint_and_pod?;
         to_taint.push(taint);
         to_pod.push(pod);
         // The operator clears the mark: the taint lifts and the pod reads Healthy again.
@@ -160,7 +193,7 @@ async fn an_unhealthy_gpu_taints_its_device_and_the_pods_status_then_recovers() 
         })
         .await?;
         let healed = Instant::now();
-        tokio::try_join!(
+        let recovered = tokio::try_join!(
             time_until("the taint lifted", healed, || async move {
                 Ok(!tainted(c, d).await?)
             }),
@@ -168,7 +201,10 @@ async fn an_unhealthy_gpu_taints_its_device_and_the_pods_status_then_recovers() 
                 Ok(pod_health(pa, "job", dv).await?.as_deref() == Some("Healthy"))
             }),
         )
-        .with_context(|| format!("trial {trial} recovery\n{}", e.log_tails(30)))?;
+        .map_err(|err| anyhow::anyhow!("trial {trial} recovery: {err:#}"));
+        if let Err(err) = recovered {
+            return Err(err.context(state(&e, &gpu, &device, &pods_api).await));
+        }
     }
     let (t, p) = (p99(to_taint.clone()), p99(to_pod.clone()));
     eprintln!(
