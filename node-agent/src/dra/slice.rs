@@ -330,6 +330,10 @@ pub async fn publish(agent: Arc<Agent>) {
     // The GPUs whose taint the pods on them were told of.
     let mut told = BTreeSet::new();
     loop {
+        // Before the view is read: a change that lands while the slice is being written (an
+        // operator clearing the mark just tainted) wakes the wait below at once, rather than
+        // being lost until the next resync.
+        changes.mark_unchanged();
         let (inv, reasons) = agent.with_view(|v| (v.inventory.clone(), v.health_reasons.clone()));
         let unhealthy = if agent.dra_taints_off.load(Ordering::Acquire) {
             Unhealthy::Omitted
@@ -379,7 +383,6 @@ pub async fn publish(agent: Arc<Agent>) {
             );
         }
         told = tainted_now;
-        changes.mark_unchanged();
         look = tokio::select! {
             _ = heard.notified() => true,
             _ = changes.changed() => false,
