@@ -275,5 +275,13 @@ fn sizes_a_run_cannot_finish_are_refused_before_it_starts() -> Result<()> {
     refused(
         &["node-agent", "--pods=300", "--gpus=1", "--slots=512"],
         "raise --gpus",
+    )?;
+    refused(
+        &["node-agent", "--pods=1", "--claims=500", "--gpus=1"],
+        "--claims=500",
+    )?;
+    refused(
+        &["node-agent", "--isolation=nvml,mig"],
+        "\"mig\" is not a mode",
     )
 }
