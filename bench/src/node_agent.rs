@@ -187,6 +187,8 @@ async fn etcd_leader_url(etcd: &EtcdCluster) -> Result<String> {
 const GPU_MIB: u64 = 40_960;
 /// MiB each admitted pod reserves, and as much again for its baseline reservation.
 const POD_MIB: u64 = 100;
+/// Compute each claim's share holds (1 % of a GPU, as each admitted pod's).
+const CLAIM_CORE_MILLI: u64 = 10;
 
 /// Refuse sizes the run could not finish, before anything starts: every admitted pod keeps one
 /// replica device and, with its baseline, 2 × 100 MiB until the end; every claim 100 MiB of
@@ -213,10 +215,10 @@ fn check_sizes(a: &Args) -> Result<()> {
         2 * POD_MIB,
         a.gpus
     );
-    let claim_room = u64::from(a.gpus) * GPU_MIB / POD_MIB;
+    let claim_room = u64::from(a.gpus) * (GPU_MIB / POD_MIB).min(1000 / CLAIM_CORE_MILLI);
     anyhow::ensure!(
         a.claims as u64 <= claim_room,
-        "--claims={} reserve {POD_MIB} MiB each, and --gpus={} of {GPU_MIB} MiB hold {claim_room}: raise --gpus",
+        "--claims={} reserve {POD_MIB} MiB and {CLAIM_CORE_MILLI} core-milli each, and --gpus={} of {GPU_MIB} MiB and 1000 hold {claim_room}: raise --gpus",
         a.claims,
         a.gpus
     );
@@ -439,7 +441,7 @@ async fn grant_claim(s: &mut Shared, d: &DraNode, mode: &str, i: usize) -> Resul
                 "status": {"allocation": {"devices": {"results": [{
                     "request": "c0", "driver": "gpu.gpuledger.io", "pool": d.node,
                     "device": device, "shareID": share,
-                    "consumedCapacity": {"memory": format!("{POD_MIB}Mi"), "cores": "100"},
+                    "consumedCapacity": {"memory": format!("{POD_MIB}Mi"), "cores": CLAIM_CORE_MILLI.to_string()},
                 }]}}},
             }),
         )
@@ -464,7 +466,7 @@ async fn grant_claim(s: &mut Shared, d: &DraNode, mode: &str, i: usize) -> Resul
         share: Some(pb::GpuShare {
             gpu_uuid: gpu.clone(),
             mem_mib: POD_MIB,
-            core_milli: 100,
+            core_milli: CLAIM_CORE_MILLI as u32,
         }),
         consumers: Vec::new(),
         source: "claim".into(),
