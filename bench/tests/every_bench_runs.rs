@@ -40,6 +40,11 @@ fn tail(path: &Path, n: usize) -> String {
 /// Run `gpuledger-bench <args>` and check that it exits 0 with a last line that starts with
 /// `closing`.
 fn smoke(args: &[&str], closing: &str) -> Result<()> {
+    smoke_output(args, closing).map(drop)
+}
+
+/// [`smoke`], and what the bench printed.
+fn smoke_output(args: &[&str], closing: &str) -> Result<String> {
     let dir = tempfile::tempdir()?;
     let (out, err) = (dir.path().join("stdout"), dir.path().join("stderr"));
     let started = Instant::now();
@@ -86,7 +91,7 @@ fn smoke(args: &[&str], closing: &str) -> Result<()> {
         args[0],
         started.elapsed().as_secs_f64()
     );
-    Ok(())
+    Ok(stdout)
 }
 
 #[test]
@@ -127,19 +132,41 @@ fn replay() -> Result<()> {
 fn node_agent() -> Result<()> {
     // Each pod and its baseline keep a replica device; the default 64 per GPU leave room.
     smoke(
-        &["node-agent", "--pods=5", "--gpus=1", "--idle-secs=1"],
+        &[
+            "node-agent",
+            "--pods=5",
+            "--claims=5",
+            "--gpus=1",
+            "--idle-secs=1",
+        ],
         "allocate_p50_ms=",
     )
 }
 
 #[test]
-fn node_agent_in_the_modes_that_start_something() -> Result<()> {
+fn node_agent_in_every_mode_side_by_side() -> Result<()> {
     // The bench makes what each needs: MPS daemons (the tests' stand-in), a dmem cgroup tree.
-    for mode in ["--isolation=mps", "--isolation=dmem"] {
-        smoke(
-            &["node-agent", "--pods=3", "--gpus=1", "--idle-secs=1", mode],
-            "allocate_p50_ms=",
-        )?;
+    let out = smoke_output(
+        &[
+            "node-agent",
+            "--pods=3",
+            "--claims=3",
+            "--gpus=1",
+            "--idle-secs=1",
+            "--isolation=all",
+        ],
+        "allocate_p50_ms=",
+    )?;
+    for mode in ["nvml", "hami-core", "mps", "dmem"] {
+        let line = out.lines().find(|l| {
+            l.starts_with("allocate_p50_ms=") && l.ends_with(&format!("isolation={mode}"))
+        });
+        assert!(
+            line.is_some_and(
+                |l| l.contains("allocate_p99_vs_nvml=") && l.contains("prepare_p99_ms=")
+            ),
+            "no closing line with both calls for {mode}:\n{out}"
+        );
     }
     Ok(())
 }
@@ -248,5 +275,13 @@ fn sizes_a_run_cannot_finish_are_refused_before_it_starts() -> Result<()> {
     refused(
         &["node-agent", "--pods=300", "--gpus=1", "--slots=512"],
         "raise --gpus",
+    )?;
+    refused(
+        &["node-agent", "--pods=1", "--claims=500", "--gpus=1"],
+        "--claims=500",
+    )?;
+    refused(
+        &["node-agent", "--isolation=nvml,mig"],
+        "\"mig\" is not a mode",
     )
 }

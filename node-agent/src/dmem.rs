@@ -101,23 +101,30 @@ pub fn regions(
 
 /// Each pod's limit per region from the view: the sum of its allocations' shares on each GPU
 /// of `regions` (the pod's containers share the pod's cgroup), in bytes. Keyed by pod UID.
+/// A DRA claim's grant names the claim, not a pod: its share counts for each pod the claim is
+/// reserved for (its consumers, the claim's `reservedFor`), as enforcement charges it.
 pub fn wanted(
     view: &crate::view::View,
     regions: &BTreeMap<String, String>,
 ) -> BTreeMap<String, BTreeMap<String, u64>> {
     let mut out: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
     for a in view.allocs.values() {
-        let Some(pod) = &a.pod else { continue };
+        let pods: Vec<&str> = match &a.claim {
+            Some(c) => c.consumers.iter().map(|p| p.uid.as_str()).collect(),
+            None => a.pod.iter().map(|p| p.uid.as_str()).collect(),
+        };
         for s in &a.shares {
             let Some(region) = regions.get(&s.gpu_uuid) else {
                 continue;
             };
-            let e = out
-                .entry(pod.uid.clone())
-                .or_default()
-                .entry(region.clone())
-                .or_default();
-            *e = e.saturating_add(s.mem_mib.saturating_mul(1 << 20));
+            for pod in &pods {
+                let e = out
+                    .entry((*pod).to_string())
+                    .or_default()
+                    .entry(region.clone())
+                    .or_default();
+                *e = e.saturating_add(s.mem_mib.saturating_mul(1 << 20));
+            }
         }
     }
     out
@@ -235,6 +242,40 @@ mod tests {
         assert_eq!(w["a"]["nvidia/0000:3b:00.0/vidmem"], 3072 << 20);
         assert_eq!(w["b"]["nvidia/0000:86:00.0/vidmem"], 512 << 20);
         assert_eq!(w.len(), 2);
+    }
+
+    /// Regression: a claim grant's `pod` names the claim, so a DRA pod's cgroup got no limit.
+    #[test]
+    fn a_claims_share_counts_for_each_pod_that_consumes_it() {
+        use gpuledger_proto::ledger::v1 as pb;
+        let r: BTreeMap<String, String> = [("GPU-0".to_string(), "nvidia/r0".to_string())].into();
+        let pod_ref = |uid: &str| pb::PodRef {
+            uid: uid.into(),
+            ..Default::default()
+        };
+        let claim = |id, claim_uid: &str, consumers: &[&str], mem_mib| pb::Allocation {
+            id,
+            pod: Some(pod_ref(claim_uid)),
+            shares: vec![pb::GpuShare {
+                gpu_uuid: "GPU-0".into(),
+                mem_mib,
+                core_milli: 0,
+            }],
+            claim: Some(Box::new(pb::ClaimGrant {
+                consumers: consumers.iter().map(|u| pod_ref(u)).collect(),
+                ..Default::default()
+            })),
+            ..Default::default()
+        };
+        let mut v = crate::view::View::default();
+        v.allocs.insert(1, claim(1, "claim-1", &["p"], 1024));
+        v.allocs.insert(2, claim(2, "claim-2", &["p", "q"], 2048));
+        // Reserved for no pod yet: no cgroup to hold to it.
+        v.allocs.insert(3, claim(3, "claim-3", &[], 4096));
+        let w = wanted(&v, &r);
+        assert_eq!(w["p"]["nvidia/r0"], 3072 << 20);
+        assert_eq!(w["q"]["nvidia/r0"], 2048 << 20);
+        assert_eq!(w.len(), 2, "a claim's own uid is no pod: {w:?}");
     }
 
     #[test]

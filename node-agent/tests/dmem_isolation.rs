@@ -2,7 +2,8 @@
 //! the agent turns the dmem controller on down to the pod's cgroup, writes the pod's share of
 //! its GPU's region into `dmem.max` as the kernel documents it (`<region> <bytes>`, one line
 //! a write), again when it changes, and a pod whose cgroup appears later gets its limit then.
-//! The tree's files are plain files: each keeps what the last write left.
+//! The tree's files are plain files: each keeps what the last write left. A DRA pod is held to
+//! the sum of the claims reserved for it.
 
 use crate::support;
 
@@ -24,9 +25,10 @@ fn tree(root: &Path) -> Result<PathBuf> {
     let qos = root.join("kubepods.slice/kubepods-burstable.slice");
     std::fs::create_dir_all(&qos)?;
     std::fs::write(root.join("cgroup.controllers"), "cpu memory pids dmem\n")?;
+    // GPU 1 of a two-GPU node is at PCI 00000000:02:00.0.
     std::fs::write(
         root.join("dmem.capacity"),
-        format!("{REGION} 42949672960\n"),
+        format!("{REGION} 42949672960\nnvidia/0000:02:00.0/vidmem 42949672960\n"),
     )?;
     for d in [root.to_path_buf(), root.join("kubepods.slice"), qos.clone()] {
         std::fs::write(d.join("cgroup.subtree_control"), "cpu memory\n")?;
@@ -46,6 +48,11 @@ fn pod_cgroup(qos: &Path, uid: &str) -> Result<PathBuf> {
 }
 
 async fn wait_file(c: &Cluster, path: &Path, want: &str) -> Result<()> {
+    wait_file_or(path, want, || c.agent_log()).await
+}
+
+/// Wait until `path` holds `want`; the failure says what it holds and `log()`.
+async fn wait_file_or(path: &Path, want: &str, log: impl Fn() -> String) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {
         let got = std::fs::read_to_string(path).unwrap_or_default();
@@ -53,11 +60,7 @@ async fn wait_file(c: &Cluster, path: &Path, want: &str) -> Result<()> {
             return Ok(());
         }
         if Instant::now() > deadline {
-            bail!(
-                "{} is {got:?}, not {want:?}\n{}",
-                path.display(),
-                c.agent_log()
-            );
+            bail!("{} is {got:?}, not {want:?}\n{}", path.display(), log());
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -111,4 +114,75 @@ async fn each_pods_dmem_max_follows_its_share() -> Result<()> {
         "B's limit moved with A's release"
     );
     Ok(())
+}
+
+/// Regression: a DRA claim's grant names the claim, not the pod, and the pod that consumed it
+/// got no `dmem.max`. Its pod is held to the sum of its claims on the GPU, written once its
+/// cgroup is there and again when a claim is released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dra_pods_dmem_max_is_the_sum_of_its_claims() -> Result<()> {
+    use crate::dra_plugin::DraNode;
+    use gpuledger_proto::ledger::v1 as pb;
+
+    let tmp = tempfile::tempdir()?;
+    let root = tmp.path().join("cgroup");
+    let qos = tree(&root)?;
+    let health = format!("127.0.0.1:{}", gpuledger_testkit::process::free_port()?);
+    let n = DraNode::start_full(
+        |_| {},
+        &[
+            "--isolation=dmem".into(),
+            format!("--cgroup-root={}", root.display()),
+            format!("--health-listen={health}"),
+        ],
+        Some(Box::new(|cfg| cfg.driver_version = "615.20.01".into())),
+    )
+    .await?;
+    n.wait_slice(None).await?;
+
+    // Two claims on GPU 0 (3000 MiB each), both reserved for pod A, granted and prepared as
+    // the kubelet does before A's containers start.
+    let mut claims = Vec::new();
+    for (uid, name, share) in [
+        ("claim-d1", "d1", "share-d1"),
+        ("claim-d2", "d2", "share-d2"),
+    ] {
+        let c = n.add_claim(uid, name, 0, share)?;
+        let mut g = n.grant(&c, 0, share);
+        g.consumers = vec![pb::PodRef {
+            uid: UID_A.into(),
+            namespace: "team-a".into(),
+            name: "a".into(),
+        }];
+        n.allocs
+            .admin(0)?
+            .grant_claim(api::GrantClaimRequest { grant: Some(g) })
+            .await?;
+        claims.push(c);
+    }
+    let r = n.dra.prepare(&claims).await?;
+    for c in &claims {
+        assert_eq!(r.claims[&c.uid].error, "", "{}", n.log());
+    }
+    let a = pod_cgroup(&qos, UID_A)?;
+    let both = format!("{REGION} {}\n", 6000u64 << 20);
+    wait_file_or(&a.join("dmem.max"), &both, || n.log()).await?;
+    let (_, metrics) = gpuledger_testkit::http::get(&format!("http://{health}/metrics")).await?;
+    let line = format!(
+        "gpuledger_node_agent_isolation_limit_bytes{{mode=\"dmem\",target=\"{UID_A}/{REGION}\"}} {}",
+        6000u64 << 20
+    );
+    assert!(metrics.contains(&line), "no {line:?} in\n{metrics}");
+
+    // One claim released: A keeps the other's share.
+    n.allocs
+        .admin(0)?
+        .release(api::ReleaseRequest {
+            pod_uid: "claim-d1".into(),
+            reason: "claim deleted".into(),
+            ..Default::default()
+        })
+        .await?;
+    let one = format!("{REGION} {}\n", 3000u64 << 20);
+    wait_file_or(&a.join("dmem.max"), &one, || n.log()).await
 }

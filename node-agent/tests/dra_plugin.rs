@@ -47,6 +47,15 @@ impl DraNode {
         before: impl FnOnce(&FakeApiServer),
         extra: &[String],
     ) -> Result<DraNode> {
+        Self::start_full(before, extra, None).await
+    }
+
+    /// [`DraNode::start_with`], the fake NVML state changed by `nvml` before the agent starts.
+    pub(crate) async fn start_full(
+        before: impl FnOnce(&FakeApiServer),
+        extra: &[String],
+        edit_nvml: Option<crate::support::NvmlEdit>,
+    ) -> Result<DraNode> {
         let dir = tempfile::tempdir()?;
         let etcd = EtcdCluster::start(1).await?;
         let allocs = Allocators::start(&dir.path().join("alloc"), &etcd, 1, "t", &["--no-kube"])?;
@@ -64,6 +73,9 @@ impl DraNode {
         let kubelet = Kubelet::start(&dir.path().join("kubelet")).await?;
         let dra = DraKubelet::start(&dir.path().join("dra")).await?;
         let nvml = FakeNvml::new(dir.path(), NODE, 2, GPU_MIB)?;
+        if let Some(f) = edit_nvml {
+            crate::support::edit_fake_nvml(nvml.path(), f)?;
+        }
         let mut flags = allocs.ids.flags(&Role::NodeAgent { node: NODE.into() })?;
         flags.extend([
             "--mode=dra".to_string(),

@@ -365,7 +365,7 @@ fn start_wrapped(
 }
 
 /// Read the fake NVML state at `path`, apply `f`, write it back atomically.
-fn edit_fake_nvml(path: &Path, f: impl FnOnce(&mut FakeConfig)) -> Result<()> {
+pub fn edit_fake_nvml(path: &Path, f: impl FnOnce(&mut FakeConfig)) -> Result<()> {
     let mut cfg: FakeConfig = serde_json::from_slice(&std::fs::read(path)?)
         .with_context(|| format!("reading the fake NVML state {}", path.display()))?;
     f(&mut cfg);
