@@ -117,10 +117,19 @@ pub fn gpu_uuid(node: &str, i: u32) -> String {
 /// info per GPU (`id`, `index`, `count` = split, `devmem` MiB, `devcore` 100, `type`, `numa`,
 /// `mode` `hami-core`, `health`).
 pub fn register_annotation(node: &str, shape: &NodeShape) -> String {
-    let devices: Vec<Value> = (0..shape.gpus)
-        .map(|i| {
+    let uuids: Vec<String> = (0..shape.gpus).map(|i| gpu_uuid(node, i)).collect();
+    register_annotation_of(&uuids, shape)
+}
+
+/// [`register_annotation`] for GPUs of these UUIDs, indexed in order (a real node's, as NVML
+/// names them).
+pub fn register_annotation_of(uuids: &[String], shape: &NodeShape) -> String {
+    let devices: Vec<Value> = uuids
+        .iter()
+        .zip(0u32..)
+        .map(|(uuid, i)| {
             json!({
-                "id": gpu_uuid(node, i),
+                "id": uuid,
                 "index": i,
                 "count": shape.split,
                 "devmem": shape.gpu_mem_mib,
@@ -363,6 +372,44 @@ impl Hami {
             .iter()
             .flat_map(|n| (0..shape.gpus).map(move |i| gpu_uuid(n, i)))
             .collect();
+        self.wait_taken_in(names, &gpus).await?;
+        crate::nodes::wait_untainted(&self.client, names).await
+    }
+
+    /// Make the existing node `name` (a real kubelet's) one of HAMi's, as HAMi's device plugin
+    /// would on it: its GPUs `uuids` in the register annotation, `nvidia.com/gpu` (GPUs ×
+    /// split) in its status, where an operator advertises an extended resource and the
+    /// kubelet keeps it. Return once HAMi's scheduler has taken it in.
+    pub async fn take_in(&self, name: &str, uuids: &[String], shape: &NodeShape) -> Result<()> {
+        let nodes: Api<Node> = Api::all(self.client.clone());
+        let annotation = register_annotation_of(uuids, shape);
+        nodes
+            .patch(
+                name,
+                &PatchParams::default(),
+                &Patch::Merge(json!({"metadata": {"annotations": {REGISTER: annotation}}})),
+            )
+            .await
+            .with_context(|| format!("annotating node {name} with HAMi's GPUs"))?;
+        let count = (uuids.len() as u64 * u64::from(shape.split)).to_string();
+        nodes
+            .patch_status(
+                name,
+                &PatchParams::default(),
+                &Patch::Merge(json!({"status": {
+                    "capacity": {"nvidia.com/gpu": count},
+                    "allocatable": {"nvidia.com/gpu": count},
+                }})),
+            )
+            .await
+            .with_context(|| format!("advertising nvidia.com/gpu on node {name}"))?;
+        self.wait_taken_in(&[name.to_string()], uuids).await
+    }
+
+    /// Wait until HAMi's scheduler lists every GPU of `gpus` in its metrics and has stamped
+    /// the handshake of every node of `names`.
+    async fn wait_taken_in(&self, names: &[String], gpus: &[String]) -> Result<()> {
+        let nodes: Api<Node> = Api::all(self.client.clone());
         crate::until(
             "HAMi's scheduler takes every new node's GPUs in (its /metrics lists them)",
             Duration::from_secs(60),
@@ -389,7 +436,7 @@ impl Hami {
                 stamp.get(HANDSHAKE)
             );
         }
-        crate::nodes::wait_untainted(&self.client, names).await
+        Ok(())
     }
 
     /// Create namespace `ns` for HAMi's pods, left alone by gpuledger's webhooks (which would

@@ -2,6 +2,7 @@
 //! module. One binary per crate links the workspace once instead of once per file, which keeps
 //! the build's disk and link time small (`autotests = false` in Cargo.toml).
 
+mod adopt_switch;
 mod binds_in_flight;
 mod dra_batch_across_kills;
 mod dra_claims;
