@@ -35,6 +35,8 @@ pub struct Options {
     pub extender_flags: Vec<String>,
     /// Extra flags of every allocator replica (e.g. `--dra-cores=fraction`).
     pub allocator_flags: Vec<String>,
+    /// Extra flags of kube-scheduler (e.g. a feature gate).
+    pub scheduler_flags: Vec<String>,
     /// kube-scheduler's client QPS (None: the shipped configuration's, i.e. the default 50).
     pub scheduler_qps: Option<u32>,
     /// kube-controller-manager's client QPS, each controller's (None: the default 20). Its
@@ -60,6 +62,7 @@ impl Default for Options {
             real_node_gpus: (2, 16_384),
             extender_flags: Vec::new(),
             allocator_flags: Vec::new(),
+            scheduler_flags: Vec::new(),
             scheduler_qps: None,
             controller_manager_qps: None,
             dra: false,
@@ -153,8 +156,14 @@ impl E2e {
             o.dra,
         )
         .await?;
-        cp.start_scheduler(&gl.extender_url, o.scheduler_qps, &certs, &scheduler)
-            .await?;
+        cp.start_scheduler(
+            &gl.extender_url,
+            o.scheduler_qps,
+            &certs,
+            &scheduler,
+            &o.scheduler_flags,
+        )
+        .await?;
         let node = match o.real_node {
             false => None,
             true => Some(

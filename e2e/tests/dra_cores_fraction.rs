@@ -107,6 +107,10 @@ async fn fractional_cores_run_with_their_share_and_more_than_a_gpu_is_refused() 
     let e = dra_node_of(Options {
         allocator_flags: fraction.clone(),
         extender_flags: fraction,
+        // Beta in 1.37 but off unless --min-compatibility-version is 1.37 (its on-default
+        // spec has MinCompatibilityVersion 1.37, pkg/features/kube_features.go): without it
+        // the scheduler rounds cores 0.3 up to 1 and certification refuses every claim.
+        scheduler_flags: vec!["--feature-gates=DRAFractionalCapacityRange=true".to_string()],
         ..Options::default()
     })
     .await?;
