@@ -33,6 +33,10 @@ pub struct Options {
     pub real_node_gpus: (u32, u64),
     /// Extra extender flags.
     pub extender_flags: Vec<String>,
+    /// Extra flags of every allocator replica (e.g. `--dra-cores=fraction`).
+    pub allocator_flags: Vec<String>,
+    /// Extra flags of kube-scheduler (e.g. a feature gate).
+    pub scheduler_flags: Vec<String>,
     /// kube-scheduler's client QPS (None: the shipped configuration's, i.e. the default 50).
     pub scheduler_qps: Option<u32>,
     /// kube-controller-manager's client QPS, each controller's (None: the default 20). Its
@@ -57,6 +61,8 @@ impl Default for Options {
             misplaced_plugin_socket: false,
             real_node_gpus: (2, 16_384),
             extender_flags: Vec::new(),
+            allocator_flags: Vec::new(),
+            scheduler_flags: Vec::new(),
             scheduler_qps: None,
             controller_manager_qps: None,
             dra: false,
@@ -146,12 +152,18 @@ impl E2e {
             (&cp.pki, &certs),
             (&cp.server, &client),
             (o.allocators, webhook_port),
-            &extender_flags,
+            (&o.allocator_flags, &extender_flags),
             o.dra,
         )
         .await?;
-        cp.start_scheduler(&gl.extender_url, o.scheduler_qps, &certs, &scheduler)
-            .await?;
+        cp.start_scheduler(
+            &gl.extender_url,
+            o.scheduler_qps,
+            &certs,
+            &scheduler,
+            &o.scheduler_flags,
+        )
+        .await?;
         let node = match o.real_node {
             false => None,
             true => Some(

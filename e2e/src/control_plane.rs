@@ -228,6 +228,7 @@ impl ControlPlane {
         qps: Option<u32>,
         certs: &crate::certs::Shipped,
         flavor: &SchedulerFlavor,
+        extra: &[String],
     ) -> Result<()> {
         let mut config = scheduler_config(
             &crate::repo_root().join(flavor.config),
@@ -259,6 +260,7 @@ impl ControlPlane {
             "--v=2".into(),
         ];
         args.extend(self.bins.feature_gate_flags()?);
+        args.extend(extra.iter().cloned());
         self.scheduler = Some(Proc::spawn(
             &self.dir,
             "kube-scheduler",

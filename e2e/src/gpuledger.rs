@@ -52,15 +52,15 @@ pub struct Gpuledger {
 
 impl Gpuledger {
     /// Start the ledger etcd, `allocators` replicas (leader elected) and the extender with its
-    /// webhook on `webhook_port`; `extra` flags go to the extender; `dra`: the allocators
-    /// certify ResourceClaims. `client` (an admin) asks
+    /// webhook on `webhook_port`; `extra` flags go to the allocators and to the extender;
+    /// `dra`: the allocators certify ResourceClaims. `client` (an admin) asks
     /// the API server for the ServiceAccount tokens.
     pub async fn start(
         dir: &Path,
         (pki, certs): (&Pki, &Shipped),
         (server, client): (&str, &kube::Client),
         (allocators, webhook_port): (usize, u16),
-        extra: &[String],
+        (allocator_extra, extra): (&[String], &[String]),
         dra: bool,
     ) -> Result<Gpuledger> {
         let etcd = EtcdCluster::start_in(&dir.join("ledger-etcd"), 1).await?;
@@ -70,6 +70,7 @@ impl Gpuledger {
             // As the dra overlay's allocators run.
             flags.push("--claim-watch".into());
         }
+        flags.extend(allocator_extra.iter().cloned());
         let refs: Vec<&str> = flags.iter().map(String::as_str).collect();
         let allocs = Allocators::start_each(
             dir,

@@ -38,11 +38,19 @@ pub(crate) async fn dra_node() -> Result<E2e> {
 
 /// [`dra_node`] whose agent has these extra flags.
 pub(crate) async fn dra_node_with(agent_flags: Vec<String>) -> Result<E2e> {
+    dra_node_of(Options {
+        agent_flags,
+        ..Options::default()
+    })
+    .await
+}
+
+/// [`dra_node`] started with `o` (its real node and DRA mode set here).
+pub(crate) async fn dra_node_of(o: Options) -> Result<E2e> {
     let e = E2e::start(Options {
         real_node: true,
         dra: true,
-        agent_flags,
-        ..Options::default()
+        ..o
     })
     .await?;
     let node = e.node.as_ref().context("no real node")?;

@@ -6,6 +6,7 @@ mod adopt_switch;
 mod binds_in_flight;
 mod dra_batch_across_kills;
 mod dra_claims;
+mod dra_cores_fraction;
 mod dra_device_health;
 mod dra_first_available;
 mod dra_preempts_for_gpu;

@@ -72,6 +72,9 @@ pub struct Agent {
     /// What the limits of the plain HTTP port refused
     /// (`gpuledger_node_agent_limited_total{listener="http",limit}`).
     pub http_bites: Arc<gpuledger_auth::limit::Bites>,
+    /// What the limits of the DRA plugin socket refused
+    /// (`gpuledger_node_agent_limited_total{listener="dra",limit}`).
+    pub dra_bites: Arc<gpuledger_auth::limit::Bites>,
     /// Pod Events (limit exceeded, identity corrected); unset without a Kubernetes client.
     pub events: OnceLock<Recorder>,
     /// Why enforcement cannot run on this node (the agent is not in the host pid namespace);
@@ -103,10 +106,11 @@ impl Agent {
         let mut registry = Registry::with_prefix("gpuledger_node_agent");
         let metrics = Metrics::new(&mut registry);
         let http_bites = gpuledger_auth::limit::Bites::new();
-        registry.register_collector(Box::new(gpuledger_auth::limit::Limited(vec![(
-            "http",
-            http_bites.clone(),
-        )])));
+        let dra_bites = gpuledger_auth::limit::Bites::new();
+        registry.register_collector(Box::new(gpuledger_auth::limit::Limited(vec![
+            ("http", http_bites.clone()),
+            ("dra", dra_bites.clone()),
+        ])));
         let env = AllocateOptions {
             mps: cfg.mps,
             mps_pipe_dir: cfg.mps_pipe_dir.display().to_string(),
@@ -139,6 +143,7 @@ impl Agent {
             metrics,
             registry,
             http_bites,
+            dra_bites,
             events: OnceLock::new(),
             enforcement_refused,
             kube: OnceLock::new(),

@@ -281,6 +281,22 @@ pub struct Config {
     )]
     pub dra_unhealthy_taint: TaintEffect,
 
+    /// How many kubelet health streams (`NodeWatchResources`) the DRA socket serves at once
+    /// (--mode=dra): the kubelet holds one, two for a moment while it restarts; past it a new
+    /// stream is refused with RESOURCE_EXHAUSTED until one ends (0 = no bound).
+    #[arg(long, env = "GPULEDGER_DRA_MAX_HEALTH_STREAMS", default_value_t = 4)]
+    pub dra_max_health_streams: usize,
+
+    /// How many claims the DRA socket prepares or unprepares at once, across every call
+    /// (--mode=dra): each may wait --prepare-grant-wait and reads the API server. Past it a
+    /// claim is answered with an error the kubelet retries (0 = no bound).
+    #[arg(
+        long,
+        env = "GPULEDGER_DRA_MAX_CLAIMS_IN_FLIGHT",
+        default_value_t = 256
+    )]
+    pub dra_max_claims_in_flight: usize,
+
     /// Log format: "human" or "json" (filter with GPULEDGER_LOG, e.g. "debug").
     #[arg(long, env = "GPULEDGER_LOG_FORMAT", default_value = "human", value_parser = ["human", "json"])]
     pub log_format: String,

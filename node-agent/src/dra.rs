@@ -20,6 +20,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use gpuledger_proto::dra::v1 as dra;
+use gpuledger_proto::drahealth::{v1 as hv1, v1alpha1 as hv1alpha1};
 use gpuledger_proto::pluginregistration::v1 as reg;
 use tokio::net::UnixListener;
 use tokio_stream::wrappers::UnixListenerStream;
@@ -38,6 +39,14 @@ pub const KUBELET_CALL_TIMEOUT: Duration = Duration::from_secs(45);
 
 /// The plugin type the kubelet's plugin watcher hands to its DRA handler.
 pub const PLUGIN_TYPE: &str = "DRAPlugin";
+
+/// The largest request either socket reads (tonic's default, stated): a NodePrepareResources
+/// names the claims of one pod, a few hundred bytes each. Past it, OUT_OF_RANGE.
+pub const MAX_REQUEST_BYTES: usize = 4 * 1024 * 1024;
+
+/// Concurrent HTTP/2 streams one connection to either socket may open: the kubelet's one
+/// connection carries its prepares of several pods and the health stream.
+pub const MAX_STREAMS_PER_CONNECTION: u32 = 64;
 
 /// The registration socket: `<--dra-registry-dir>/gpu.gpuledger.io-reg.sock`.
 pub fn registration_socket(cfg: &Config) -> PathBuf {
@@ -70,6 +79,8 @@ fn bind(path: &Path) -> std::io::Result<UnixListener> {
 pub async fn serve(agent: Arc<Agent>, shutdown: CancellationToken) {
     let reg_sock = registration_socket(&agent.cfg);
     let svc_sock = service_socket(&agent.cfg);
+    // Kept across re-serves: a stream of a stopped server gives its slot back as it is dropped.
+    let health_streams = health::Health::slots(&agent);
     loop {
         agent.kubelet_registered.store(false, Ordering::Release);
         // The service first: the kubelet dials it as soon as it read the registration.
@@ -85,24 +96,32 @@ pub async fn serve(agent: Arc<Agent>, shutdown: CancellationToken) {
         let mine = (inode(&reg_sock), inode(&svc_sock));
         let stop = shutdown.child_token();
         let plugin =
-            dra::dra_plugin_server::DraPluginServer::new(service::Plugin::new(agent.clone()));
-        let health = gpuledger_proto::drahealth::v1alpha1::dra_resource_health_server::DraResourceHealthServer::new(
-            health::Health::new(agent.clone()),
-        );
+            dra::dra_plugin_server::DraPluginServer::new(service::Plugin::new(agent.clone()))
+                .max_decoding_message_size(MAX_REQUEST_BYTES);
+        let health = health::Health::new(agent.clone(), health_streams.clone());
+        let health_v1alpha1 =
+            hv1alpha1::dra_resource_health_server::DraResourceHealthServer::new(health.clone())
+                .max_decoding_message_size(MAX_REQUEST_BYTES);
+        let health_v1 = hv1::dra_resource_health_server::DraResourceHealthServer::new(health)
+            .max_decoding_message_size(MAX_REQUEST_BYTES);
         let registration = reg::registration_server::RegistrationServer::new(
             registration::Registration::new(agent.clone(), svc_sock.clone()),
-        );
+        )
+        .max_decoding_message_size(MAX_REQUEST_BYTES);
         let svc = tokio::spawn(
             stop.clone().run_until_cancelled_owned(
                 tonic::transport::Server::builder()
+                    .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
                     .add_service(plugin)
-                    .add_service(health)
+                    .add_service(health_v1alpha1)
+                    .add_service(health_v1)
                     .serve_with_incoming(UnixListenerStream::new(svc_l)),
             ),
         );
         let regs = tokio::spawn(
             stop.clone().run_until_cancelled_owned(
                 tonic::transport::Server::builder()
+                    .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
                     .add_service(registration)
                     .serve_with_incoming(UnixListenerStream::new(reg_l)),
             ),

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use gpuledger_proto::allocator::v1 as api;
-use gpuledger_proto::drahealth::v1alpha1 as hp;
+use gpuledger_proto::drahealth::{v1 as h1, v1alpha1 as hp};
 use serde_json::{Value, json};
 
 use crate::dra_plugin::{DraNode, NODE, on_each_slice_device};
@@ -73,6 +73,28 @@ async fn wait_device(
     }
 }
 
+/// `device`'s health and message in the first answer of a v1 stream, the version a 1.37
+/// kubelet picks.
+async fn v1_health(n: &DraNode, device: &str) -> Result<(hp::HealthStatus, String)> {
+    let r =
+        h1::dra_resource_health_client::DraResourceHealthClient::new(n.dra.plugin_channel().await?)
+            .node_watch_resources(hp::NodeWatchResourcesRequest {})
+            .await?
+            .into_inner()
+            .message()
+            .await?
+            .context("the v1 stream sent nothing")?;
+    r.devices
+        .into_iter()
+        .find(|d| {
+            d.device
+                .as_ref()
+                .is_some_and(|i| i.pool_name == NODE && i.device_name == device)
+        })
+        .map(|d| (d.health(), d.message))
+        .with_context(|| format!("no {device} on the v1 stream"))
+}
+
 fn tainted(d: &Value) -> bool {
     d["taints"].as_array().is_some_and(|t| !t.is_empty())
 }
@@ -123,6 +145,11 @@ async fn an_unhealthy_gpu_is_tainted_reported_unhealthy_and_lifted_on_recovery()
     assert_eq!(
         (actor.role.as_str(), actor.node.as_str()),
         ("node-agent", NODE)
+    );
+    // A kubelet on v1 reads the same, with the ledger's reason as the message.
+    assert_eq!(
+        v1_health(&n, &d0).await?,
+        (hp::HealthStatus::Unhealthy, "critical Xid 79".to_string())
     );
 
     // An operator clears the Xid: healthy on the stream, the taint lifted.

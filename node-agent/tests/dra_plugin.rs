@@ -316,7 +316,11 @@ async fn dra_plugin_registers_and_keeps_its_resource_slice() -> Result<()> {
     assert_eq!(info.name, "gpu.gpuledger.io");
     assert_eq!(
         info.supported_versions,
-        ["v1.DRAPlugin", "v1alpha1.DRAResourceHealth"]
+        [
+            "v1.DRAPlugin",
+            "v1alpha1.DRAResourceHealth",
+            "v1.DRAResourceHealth"
+        ]
     );
     assert_eq!(
         PathBuf::from(&info.endpoint),

@@ -10,6 +10,7 @@ mod cuda_context;
 mod dmem_isolation;
 mod dra_device_health;
 mod dra_plugin;
+mod dra_socket_bounds;
 mod enforcement;
 mod events_and_metrics;
 mod fake_pod_cgroup;

@@ -63,11 +63,16 @@ pub mod dra {
     }
 }
 
-/// The kubelet DRA resource-health API (upstream package `v1alpha1`, KEP-4680).
+/// The kubelet DRA resource-health API (KEP-4680): one stream in two versions, which Kubernetes
+/// 1.37 both speaks (the newest a plugin lists).
 #[cfg(feature = "grpc")]
 pub mod drahealth {
     /// Version v1alpha1, advertised as `v1alpha1.DRAResourceHealth`.
     pub mod v1alpha1 {
         include!(concat!(env!("OUT_DIR"), "/v1alpha1.rs"));
+    }
+    /// Version v1, advertised as `v1.DRAResourceHealth`.
+    pub mod v1 {
+        include!(concat!(env!("OUT_DIR"), "/drahealth/v1.rs"));
     }
 }

@@ -9,6 +9,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use gpuledger_proto::dra::v1 as dra;
 use gpuledger_proto::dra::v1::dra_plugin_server::{DraPlugin, DraPluginServer};
+use gpuledger_proto::drahealth::v1 as health_v1;
 use gpuledger_proto::drahealth::v1alpha1 as health;
 use gpuledger_proto::drahealth::v1alpha1::dra_resource_health_server::{
     DraResourceHealth, DraResourceHealthServer,
@@ -24,6 +25,22 @@ use tonic::codegen::http::uri::PathAndQuery;
 use tonic::transport::{Channel, Endpoint, Uri};
 use tonic::{Code, Request, Response, Status};
 use tonic_prost::ProstCodec;
+
+/// A report of device `gpu-0` of pool `node-a`: Unhealthy, for `why`.
+fn gpu0_unhealthy(why: &str) -> health::NodeWatchResourcesResponse {
+    health::NodeWatchResourcesResponse {
+        devices: vec![health::DeviceHealth {
+            device: Some(health::DeviceIdentifier {
+                pool_name: "node-a".into(),
+                device_name: "gpu-0".into(),
+            }),
+            health: health::HealthStatus::Unhealthy as i32,
+            last_updated_time: 1_700_000_000,
+            health_check_timeout_seconds: 0,
+            message: why.into(),
+        }],
+    }
+}
 
 /// Answers as a driver named `gpu.gpuledger.io` would, echoing what it was asked.
 struct Driver;
@@ -116,19 +133,25 @@ impl DraResourceHealth for Driver {
         &self,
         _: Request<health::NodeWatchResourcesRequest>,
     ) -> Result<Response<Self::NodeWatchResourcesStream>, Status> {
-        let device = health::DeviceHealth {
-            device: Some(health::DeviceIdentifier {
-                pool_name: "node-a".into(),
-                device_name: "gpu-0".into(),
-            }),
-            health: health::HealthStatus::Unhealthy as i32,
-            last_updated_time: 1_700_000_000,
-        };
-        Ok(Response::new(tokio_stream::once(Ok(
-            health::NodeWatchResourcesResponse {
-                devices: vec![device],
-            },
-        ))))
+        Ok(Response::new(tokio_stream::once(Ok(gpu0_unhealthy("")))))
+    }
+}
+
+/// v1 serves v1alpha1's messages (they are the same in 1.37); this one answers with a message.
+struct DriverV1;
+
+#[tonic::async_trait]
+impl health_v1::dra_resource_health_server::DraResourceHealth for DriverV1 {
+    type NodeWatchResourcesStream =
+        tokio_stream::Once<Result<health::NodeWatchResourcesResponse, Status>>;
+
+    async fn node_watch_resources(
+        &self,
+        _: Request<health::NodeWatchResourcesRequest>,
+    ) -> Result<Response<Self::NodeWatchResourcesStream>, Status> {
+        Ok(Response::new(tokio_stream::once(Ok(gpu0_unhealthy(
+            "critical Xid 79",
+        )))))
     }
 }
 
@@ -140,6 +163,9 @@ async fn serve(dir: &tempfile::TempDir) -> Result<PathBuf> {
             .add_service(RegistrationServer::new(Driver))
             .add_service(DraPluginServer::new(Driver))
             .add_service(DraResourceHealthServer::new(Driver))
+            .add_service(
+                health_v1::dra_resource_health_server::DraResourceHealthServer::new(DriverV1),
+            )
             .serve_with_incoming(UnixListenerStream::new(listener)),
     );
     Ok(path)
@@ -275,6 +301,36 @@ async fn the_health_stream_answers_on_the_kubelets_path() -> Result<()> {
     Ok(())
 }
 
+/// v1, which a 1.37 kubelet opens before v1alpha1 (`pickHealthService`), on its own package's
+/// path with its per-device message.
+#[tokio::test]
+async fn the_v1_health_stream_answers_on_the_kubelets_path() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let mut client = dial(serve(&dir).await?).await?;
+    client
+        .ready()
+        .await
+        .map_err(|e| Status::unavailable(e.to_string()))?;
+    let mut v1 =
+        client
+            .server_streaming(
+                Request::new(health::NodeWatchResourcesRequest {}),
+                PathAndQuery::from_static("/v1.DRAResourceHealth/NodeWatchResources"),
+                ProstCodec::<
+                    health::NodeWatchResourcesRequest,
+                    health::NodeWatchResourcesResponse,
+                >::default(),
+            )
+            .await?
+            .into_inner();
+    let first = v1.message().await?.context("one v1 answer")?;
+    assert_eq!(
+        (first.devices[0].health(), first.devices[0].message.as_str()),
+        (health::HealthStatus::Unhealthy, "critical Xid 79")
+    );
+    Ok(())
+}
+
 #[tokio::test]
 async fn paths_the_kubelet_does_not_use_are_unimplemented() -> Result<()> {
     let dir = tempfile::tempdir()?;
@@ -284,6 +340,8 @@ async fn paths_the_kubelet_does_not_use_are_unimplemented() -> Result<()> {
         "/pluginregistration.v1.Registration/GetInfo",
         "/v1.DRAPlugin/NodePrepareResources",
         "/k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin/NodePrepareResources",
+        // Kubernetes 1.37 has no v1beta1 of the health API (v1 and v1alpha1 only).
+        "/v1beta1.DRAResourceHealth/NodeWatchResources",
     ] {
         let got: Result<reg::PluginInfo, Status> =
             call(&mut client, path, reg::InfoRequest {}).await;

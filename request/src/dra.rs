@@ -61,7 +61,8 @@ pub enum CoresUnit {
     Thousandths,
     /// A fraction of the GPU: the device has `cores: 1`, in steps of `1m`, and a claim asks
     /// `cores: "0.3"` (or `300m`). Needs Kubernetes' `DRAFractionalCapacityRange` (1.37, beta,
-    /// on by default): without it the scheduler rounds every request up to the whole GPU.
+    /// off in kube-scheduler unless its gate or `--min-compatibility-version=1.37` says so):
+    /// without it the scheduler rounds every request up to the whole GPU.
     Fraction,
 }
 

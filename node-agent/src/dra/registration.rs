@@ -35,10 +35,10 @@ impl reg::registration_server::Registration for Registration {
             r#type: PLUGIN_TYPE.into(),
             name: DRIVER.into(),
             endpoint: self.endpoint.display().to_string(),
-            supported_versions: vec![
-                SERVICE_VERSION.into(),
-                super::health::SERVICE_VERSION.into(),
-            ],
+            supported_versions: std::iter::once(SERVICE_VERSION)
+                .chain(super::health::SERVICE_VERSIONS)
+                .map(String::from)
+                .collect(),
         }))
     }
 

@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use gpuledger_auth::limit::{Slot, Slots};
 use gpuledger_proto::allocator::v1 as api;
 use gpuledger_proto::dra::v1 as dra;
 use gpuledger_proto::ledger::v1 as pb;
@@ -22,9 +23,14 @@ use crate::view::container_response;
 /// How long a ClaimPrepared or ClaimUnprepared commit may take, failover included.
 const COMMIT_BUDGET: Duration = Duration::from_secs(10);
 
+/// The `limit` label of a claim refused for --dra-max-claims-in-flight.
+pub const BITE_CLAIMS: &str = "claims_in_flight";
+
 /// The DRAPlugin service.
 pub struct Plugin {
     agent: Arc<Agent>,
+    /// The claims being prepared or unprepared now (--dra-max-claims-in-flight).
+    claims: Arc<Slots<()>>,
 }
 
 /// The time each step of one prepare took, in order.
@@ -52,7 +58,25 @@ impl Steps {
 impl Plugin {
     /// The service for `agent`.
     pub fn new(agent: Arc<Agent>) -> Plugin {
-        Plugin { agent }
+        let claims = Slots::new(
+            (BITE_CLAIMS, BITE_CLAIMS),
+            agent.cfg.dra_max_claims_in_flight,
+            0,
+            agent.dra_bites.clone(),
+        );
+        Plugin { agent, claims }
+    }
+
+    /// A slot for one claim's prepare or unprepare, or the error the kubelet retries.
+    fn claim_slot(&self) -> Result<Slot<()>, String> {
+        self.claims.try_acquire(()).map_err(|_| {
+            format!(
+                "node {} prepares or unprepares {} claims already, as many as its \
+                 --dra-max-claims-in-flight allows; try again",
+                self.agent.cfg.node_name,
+                self.claims.in_use()
+            )
+        })
     }
 
     /// Prepare one claim: its devices, or the error the kubelet shows the user.
@@ -316,7 +340,10 @@ impl dra::dra_plugin_server::DraPlugin for Plugin {
             let span = claim_span("NodePrepareResources", &c, &node);
             async move {
                 let t0 = Instant::now();
-                let r = self.prepare(&c).await;
+                let r = match self.claim_slot() {
+                    Ok(_slot) => self.prepare(&c).await,
+                    Err(e) => Err(e),
+                };
                 let outcome = if r.is_ok() { "ok" } else { "error" };
                 self.agent
                     .metrics
@@ -353,7 +380,10 @@ impl dra::dra_plugin_server::DraPlugin for Plugin {
         let each = req.into_inner().claims.into_iter().map(|c| {
             let span = claim_span("NodeUnprepareResources", &c, &node);
             async move {
-                let r = self.unprepare(&c).await;
+                let r = match self.claim_slot() {
+                    Ok(_slot) => self.unprepare(&c).await,
+                    Err(e) => Err(e),
+                };
                 let outcome = if r.is_ok() { "ok" } else { "error" };
                 self.agent
                     .metrics

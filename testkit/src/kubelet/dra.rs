@@ -115,17 +115,23 @@ impl DraKubelet {
         Ok(c.node_prepare_resources(req).await?.into_inner())
     }
 
+    /// A new connection to the registered plugin's endpoint, for a client of any of its
+    /// services and versions.
+    pub async fn plugin_channel(&self) -> Result<tonic::transport::Channel> {
+        let Some(r) = self.registered.borrow().last().cloned() else {
+            bail!("no DRA plugin is registered");
+        };
+        uds_channel(Path::new(&r.info.endpoint))
+            .await
+            .with_context(|| format!("dialing the DRA plugin at {}", r.info.endpoint))
+    }
+
     /// `NodeWatchResources` of the health service (`v1alpha1.DRAResourceHealth`) on the
     /// plugin's endpoint, as the kubelet opens it once the plugin is registered.
     pub async fn watch_health(
         &self,
     ) -> Result<tonic::Streaming<drahealth::NodeWatchResourcesResponse>> {
-        let Some(r) = self.registered.borrow().last().cloned() else {
-            bail!("no DRA plugin is registered");
-        };
-        let ch = uds_channel(Path::new(&r.info.endpoint))
-            .await
-            .with_context(|| format!("dialing the DRA plugin at {}", r.info.endpoint))?;
+        let ch = self.plugin_channel().await?;
         let mut c = drahealth::dra_resource_health_client::DraResourceHealthClient::new(ch);
         Ok(
             c.node_watch_resources(drahealth::NodeWatchResourcesRequest {})
