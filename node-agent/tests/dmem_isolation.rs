@@ -21,7 +21,7 @@ const REGION: &str = "nvidia/0000:01:00.0/vidmem";
 
 /// The root of a cgroup v2 mount with the dmem controller, and the systemd driver's
 /// `kubepods.slice/kubepods-burstable.slice`; the kubelet enabled cpu and memory only.
-fn tree(root: &Path) -> Result<PathBuf> {
+pub(crate) fn tree(root: &Path) -> Result<PathBuf> {
     let qos = root.join("kubepods.slice/kubepods-burstable.slice");
     std::fs::create_dir_all(&qos)?;
     std::fs::write(root.join("cgroup.controllers"), "cpu memory pids dmem\n")?;

@@ -224,3 +224,56 @@ async fn idle_connections_cannot_take_the_health_port() -> anyhow::Result<()> {
     drop(c);
     Ok(())
 }
+
+/// Defence in depth: on a node whose first layer is MPS or dmem, a process that got past it
+/// (here: one the fake NVML shows using more than its share) is still killed by the NVML
+/// backstop, and the pod's Event names the layer it escaped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_escape_from_mps_or_dmem_is_killed_and_the_event_names_the_layer() -> anyhow::Result<()>
+{
+    use gpuledger_testkit::kubelet::node::{MpsReaper, mps_stand_in};
+    for mode in ["mps", "dmem"] {
+        let o = observed().await?;
+        let tmp = tempfile::tempdir()?;
+        let mut flags = o.flags.clone();
+        flags.push(format!("--isolation={mode}"));
+        let mut nvml: Option<support::NvmlEdit> = None;
+        let _reaper = if mode == "mps" {
+            let control = mps_stand_in(&tmp.path().join("bin"))?;
+            let dir = tmp.path().join("mps");
+            flags.push(format!("--mps-control={}", control.display()));
+            flags.push(format!("--mps-dir={}", dir.display()));
+            Some(MpsReaper(dir))
+        } else {
+            let root = tmp.path().join("cgroup");
+            crate::dmem_isolation::tree(&root)?;
+            flags.push(format!("--cgroup-root={}", root.display()));
+            nvml = Some(Box::new(|cfg| cfg.driver_version = "615.20.01".into()));
+            None
+        };
+        let mut c = Cluster::start_opts(support::Options {
+            flags,
+            nvml,
+            ..support::Options::default()
+        })
+        .await?;
+        let gpu = c.gpu(0);
+        let a = c.reserve("uid-a", 10_000, None).await?;
+        c.kubelet.admit("default", "pod-uid-a", "main", 1).await?;
+        let mut hog = sleeper(a.id)?;
+        c.nvml.set_process(hog.id(), 12_000, &gpu)?;
+
+        let e = wait_event(&o.api, "pod-uid-a", "GpuLimitExceeded").await?;
+        let msg = e["message"].as_str().unwrap_or_default();
+        let layer = format!(
+            "escaped this node's first isolation layer, {mode}, and the NVML backstop caught it"
+        );
+        for want in ["12000 MiB", "10000 MiB", "killed", layer.as_str()] {
+            assert!(msg.contains(want), "{mode}: {want:?} missing from {msg:?}");
+        }
+        let status = hog.wait()?;
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(status.signal(), Some(9), "{mode}: killed with SIGKILL");
+    }
+    Ok(())
+}
