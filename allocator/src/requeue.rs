@@ -88,9 +88,7 @@ pub fn spawn(
                 "type": plan::ROOM_FREED,
                 "status": "True",
                 "reason": "LedgerFreedRoom",
-                "message": format!(
-                    "the GPU ledger freed room (seq {seq}); kube-scheduler retries the pod after its backoff"
-                ),
+                "message": gpuledger_request::room_freed_message(seq),
             }]}});
             for w in todo {
                 let api = Api::<Pod>::namespaced(client.clone(), &w.ns);

@@ -56,6 +56,36 @@ pub const ALL_RESOURCES: [&str; 10] = [
     VCUDA_MEMORY,
 ];
 
+/// The status condition the allocator leader sets on a pending GPU pod kube-scheduler found
+/// unschedulable, when the ledger freed room: kube-scheduler retries the pod on the update.
+pub const ROOM_FREED: &str = "gpuledger.io/RoomFreed";
+
+/// The message of a [`ROOM_FREED`] condition; it names the ledger seq that freed the room.
+pub fn room_freed_message(seq: u64) -> String {
+    format!(
+        "the GPU ledger freed room (seq {seq}); kube-scheduler retries the pod after its backoff"
+    )
+}
+
+/// The ledger seq named by `pod`'s [`ROOM_FREED`] condition: an answer to the retry it causes
+/// must reflect at least that seq.
+pub fn room_freed_seq(pod: &Pod) -> Option<u64> {
+    pod.status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == ROOM_FREED && c.status == "True")?
+        .message
+        .as_deref()?
+        .split_once("(seq ")?
+        .1
+        .split_once(')')?
+        .0
+        .parse()
+        .ok()
+}
+
 /// The marker resource of a pod whose GPUs come through DRA (ResourceClaims of the
 /// `gpu.gpuledger.io` DeviceClass): the webhook puts it in requests and limits of each GPU
 /// container it converts, so that kube-scheduler consults the extender (a managed resource
@@ -416,6 +446,20 @@ pub fn request_of(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_room_freed_condition_names_its_seq() {
+        let mut p = pod(&[], &[]);
+        assert_eq!(room_freed_seq(&p), None);
+        p.status = Some(
+            serde_json::from_value(serde_json::json!({"conditions": [
+                {"type": "PodScheduled", "status": "False", "reason": "Unschedulable"},
+                {"type": ROOM_FREED, "status": "True", "message": room_freed_message(15)},
+            ]}))
+            .expect("valid status"),
+        );
+        assert_eq!(room_freed_seq(&p), Some(15));
+    }
 
     fn pod(limits: &[(&str, &str)], ann: &[(&str, &str)]) -> Pod {
         serde_json::from_value(serde_json::json!({

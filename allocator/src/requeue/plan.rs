@@ -12,7 +12,7 @@ use k8s_openapi::api::core::v1::{Pod, PodCondition};
 /// update of an unschedulable pod that no in-tree plugin rejected (the extender did) as a
 /// reason to retry it after its backoff. A status condition, not an annotation: the allocator
 /// may patch pods' status only, never their spec.
-pub const ROOM_FREED: &str = "gpuledger.io/RoomFreed";
+pub const ROOM_FREED: &str = gpuledger_request::ROOM_FREED;
 
 /// Whether a committed event can make room for a pending pod: a release, a node (re)registered
 /// or a device back to health, a nomination ended, a quota or budget raised or removed.

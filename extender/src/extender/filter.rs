@@ -93,6 +93,12 @@ pub(super) async fn filter(State(app): State<App>, body: Bytes) -> Response {
             return failed(axum::Json(out).into_response());
         }
     };
+    // A retry the leader caused by freeing room (its condition names the seq): the answer must
+    // reflect that seq, else a replica a moment behind refuses the pod again and nothing else
+    // retries it (the replica waits for the seq, or the allocator answers).
+    if let (Some(r), Some(seq)) = (&app.replica, gpuledger_request::room_freed_seq(pod)) {
+        r.note_write(seq);
+    }
     let mut local = match &app.replica {
         None => None,
         Some(r) => on_replica(r, &names, &req).await,
