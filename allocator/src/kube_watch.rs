@@ -454,6 +454,7 @@ async fn run(ties: Ties, client: kube::Client, args: KubeArgs) {
                 shared: w.shared.clone(),
                 writer: preemption_writer,
                 pods: w.pods.clone(),
+                nodes: w.nodes.clone(),
                 claims,
                 client: client.clone(),
                 cores: args.claims.dra_cores,

@@ -158,7 +158,7 @@ pub fn node_pods<'a>(
         let Some(uid) = p.metadata.uid.as_deref().filter(|u| *u != me) else {
             continue;
         };
-        if ledger.held_on(&nodes[i], uid).is_empty() {
+        if !ledger.holds_on(&nodes[i], uid) {
             continue;
         }
         let phase = p.status.as_ref().and_then(|s| s.phase.as_deref());

@@ -4,7 +4,9 @@
 //! with one GPU, full with a low-priority pod and a lower-priority pod a PodDisruptionBudget
 //! protects, a high-priority pod's claim makes the leader nominate the room and evict the
 //! low-priority pod (never the protected one, though its priority is the lowest), and the
-//! high-priority pod is bound once its claim is certified on that GPU.
+//! high-priority pod is bound once its claim is certified on that GPU. A second scenario, on
+//! two nodes, preempts only on the node the pod's selector allows, and there frees a claim
+//! shared by two pods by evicting both.
 //!
 //! Each trial measures the high-priority pod's creation to its binding (its claim allocated
 //! and certified: kube-scheduler binds a DRA pod only after the allocator wrote
@@ -22,6 +24,7 @@ use gpuledger_e2e::pods;
 use gpuledger_e2e::{E2e, Options, until};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::api::{Api, ListParams, PostParams};
 use serde_json::json;
 
@@ -44,15 +47,20 @@ fn gpu_pod(name: &str, mem: &str, class: &str, app: &str) -> serde_json::Value {
 /// What a kubelet does with an evicted pod, for the kubelet-less node: delete it once its
 /// deletion is asked for. Runs until aborted.
 fn kubelet_stand_in(client: kube::Client) -> tokio::task::JoinHandle<()> {
+    kubelet_stand_in_in(client, NS)
+}
+
+/// [`kubelet_stand_in`] for the pods of namespace `ns`.
+fn kubelet_stand_in_in(client: kube::Client, ns: &'static str) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
-        let api: Api<Pod> = Api::namespaced(client.clone(), NS);
+        let api: Api<Pod> = Api::namespaced(client.clone(), ns);
         loop {
             if let Ok(list) = api.list(&ListParams::default()).await {
                 for p in list.items {
                     if p.metadata.deletion_timestamp.is_some()
                         && let Some(name) = p.metadata.name
                     {
-                        let _ = pods::force_delete(&client, NS, &name).await;
+                        let _ = pods::force_delete(&client, ns, &name).await;
                     }
                 }
             }
@@ -73,10 +81,9 @@ fn trials() -> Result<usize> {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "real Kubernetes (kube-apiserver, kube-scheduler, DRA): make test-e2e"]
-async fn a_high_priority_dra_pod_gets_its_room_and_the_guarded_pod_stays() -> Result<()> {
-    let trials = trials()?;
+/// A DRA cluster of kubelet-less `nodes` of one 16 GiB GPU each, namespace `ns` and the
+/// priority classes `e2e-lowest` (5), `e2e-low` (10) and `e2e-high` (1000).
+async fn start(nodes: &[&str], ns: &str) -> Result<E2e> {
     let e = E2e::start(Options {
         dra: true,
         ..Options::default()
@@ -88,13 +95,22 @@ async fn a_high_priority_dra_pod_gets_its_room_and_the_guarded_pod_stays() -> Re
         dra: true,
         ..NodeShape::default()
     };
-    e.add_nodes(&[NODE.to_string()], &shape).await?;
-    e.namespace(NS).await?;
+    let nodes: Vec<String> = nodes.iter().map(|n| n.to_string()).collect();
+    e.add_nodes(&nodes, &shape).await?;
+    e.namespace(ns).await?;
     priority_classes(
         &e.client,
         &[("e2e-lowest", 5), ("e2e-low", 10), ("e2e-high", 1000)],
     )
     .await?;
+    Ok(e)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "real Kubernetes (kube-apiserver, kube-scheduler, DRA): make test-e2e"]
+async fn a_high_priority_dra_pod_gets_its_room_and_the_guarded_pod_stays() -> Result<()> {
+    let trials = trials()?;
+    let e = start(&[NODE], NS).await?;
     let api: Api<Pod> = Api::namespaced(e.client.clone(), NS);
     let pdbs: Api<PodDisruptionBudget> = Api::namespaced(e.client.clone(), NS);
     let pdb: PodDisruptionBudget = serde_json::from_value(json!({
@@ -208,6 +224,123 @@ async fn a_high_priority_dra_pod_gets_its_room_and_the_guarded_pod_stays() -> Re
     ensure!(
         p50 <= Duration::from_secs(10),
         "p50 {p50:?} over 10 s (KAI: 13.9 s)"
+    );
+    Ok(())
+}
+
+/// Pod `name` using ResourceClaim `claim` (made beforehand, possibly shared), at priority
+/// class `class`, for kubelet-less node `node` only.
+fn claim_pod(name: &str, claim: &str, class: &str, node: &str) -> serde_json::Value {
+    let mut p = pods::pod(name, &[], None);
+    p["spec"]["schedulerName"] = json!("gpuledger-scheduler");
+    p["spec"]["priorityClassName"] = json!(class);
+    p["spec"]["nodeSelector"] = json!({"kubernetes.io/hostname": node});
+    p["spec"]["resourceClaims"] = json!([{"name": "gpu", "resourceClaimName": claim}]);
+    p
+}
+
+/// Two DRA nodes of one GPU. `cheap-a` (the lowest priority) fills dra-a; claim `shared`
+/// fills dra-b and is reserved for two pods of low priority. A high-priority pod that may run
+/// only on dra-b gets its room there by the eviction of both pods of the shared claim (evicting
+/// one frees nothing), and `cheap-a`, the cheapest victim in the cluster but on a node the
+/// pod may not use, is left alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "real Kubernetes (kube-apiserver, kube-scheduler, DRA): make test-e2e"]
+async fn a_shared_claim_is_freed_by_evicting_all_its_pods_on_a_node_the_pod_may_use() -> Result<()>
+{
+    const NS: &str = "dra-preempt-shared";
+    let e = start(&["dra-a", "dra-b"], NS).await?;
+    let api: Api<Pod> = Api::namespaced(e.client.clone(), NS);
+    let claims: Api<ResourceClaim> = Api::namespaced(e.client.clone(), NS);
+    let claim = |name: &str| -> Result<ResourceClaim> {
+        Ok(serde_json::from_value(json!({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"name": name},
+            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+                "deviceClassName": "gpu.gpuledger.io",
+                "capacity": {"requests": {"memory": "16000Mi", "cores": "100"}},
+            }}]}},
+        }))?)
+    };
+    claims
+        .create(&PostParams::default(), &claim("whole-a")?)
+        .await?;
+    claims
+        .create(&PostParams::default(), &claim("shared")?)
+        .await?;
+    pods::create(
+        &e.client,
+        NS,
+        &claim_pod("cheap-a", "whole-a", "e2e-lowest", "dra-a"),
+    )
+    .await?;
+    for p in ["s1", "s2"] {
+        pods::create(&e.client, NS, &claim_pod(p, "shared", "e2e-low", "dra-b")).await?;
+    }
+    let names = ["cheap-a", "s1", "s2"].map(String::from);
+    pods::wait_bound(&e.client, NS, &names, Duration::from_secs(90)).await?;
+    until(
+        "the shared claim's grant names both its pods",
+        Duration::from_secs(30),
+        || async {
+            let l = e.gl.ledger().await?;
+            let uids = [
+                api.get("s1").await?.metadata.uid,
+                api.get("s2").await?.metadata.uid,
+            ];
+            Ok(uids
+                .iter()
+                .flatten()
+                .all(|u| pods::grants_consumed_by(&l, u).len() == 1)
+                .then_some(()))
+        },
+    )
+    .await?;
+
+    let stand_in = kubelet_stand_in_in(e.client.clone(), NS);
+    let t = Instant::now();
+    let mut high = gpu_pod("high", "10000", "e2e-high", "high");
+    high["spec"]["nodeSelector"] = json!({"kubernetes.io/hostname": "dra-b"});
+    pods::create(&e.client, NS, &high).await?;
+    let bound = pods::wait_bound(
+        &e.client,
+        NS,
+        &["high".to_string()],
+        Duration::from_secs(90),
+    )
+    .await
+    .map_err(|err| {
+        anyhow::anyhow!(
+            "the high-priority pod got no room on dra-b: {err}\n{}",
+            e.log_tails(40)
+        )
+    })?;
+    let took = t.elapsed();
+    stand_in.abort();
+    ensure!(
+        bound.get("high").map(String::as_str) == Some("dra-b"),
+        "high bound to {bound:?}"
+    );
+    let n = nominations(&e, NS, "high").await?;
+    ensure!(
+        n.iter().all(|(at, _, _)| at == "dra-b"),
+        "high was nominated on a node its selector does not allow: {n:?}"
+    );
+    ensure!(
+        n.iter().any(|(_, v, _)| {
+            let mut v = v.clone();
+            v.sort();
+            v == [format!("{NS}/s1"), format!("{NS}/s2")]
+        }),
+        "high's nomination does not evict both pods of the shared claim: {n:?}"
+    );
+    ensure!(
+        api.get_opt("cheap-a").await?.is_some() && !terminating(&api, "cheap-a").await?,
+        "cheap-a, on a node the preemptor may not use, was evicted"
+    );
+    eprintln!(
+        "DRA preemption of a shared claim's two pods on the one node the pod may use: bound in {} ms; nominations {n:?}",
+        took.as_millis()
     );
     Ok(())
 }

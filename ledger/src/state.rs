@@ -18,7 +18,7 @@ pub use budget::{
     BudgetStatus, Budgets, MS_PER_HOUR, NsUsage, Quota, ROLLING_BUCKETS, budget_summary,
     is_dns_label, same_budget, validate_budget,
 };
-pub use claims::{dra_device_name, holder, same_pods};
+pub use claims::{dra_device_name, holder, holders, same_pods};
 pub use nodes::Nodes;
 pub(crate) use nominations::take_nominated;
 pub use nominations::{Nominations, nominee};

@@ -1,19 +1,21 @@
 //! gpuledger's preemption for DRA pods, on the leader. A pod whose claims ask gpuledger's
 //! DeviceClass and that kube-scheduler left Unschedulable ([`plan::may_preempt`]) is looked at
 //! every pass: what its unallocated claims ask ([`plan::request`]) is searched for among the
-//! DRA nodes with the same pure [`preempt::choose_among`] the device-plugin path uses, claim
-//! grants counting as the pods they are reserved for. When evicting lower-priority pods frees
-//! room, the leader commits a `Nominated` event and evicts them through the Eviction API
-//! (PodDisruptionBudgets respected). The certification then refuses the room to the claims of
-//! pods that do not outrank the preemptor, grants it to the preemptor's claim and ends the
-//! nomination; the sweep ends it when the pod is gone or the deadline passes.
+//! DRA nodes its selectors and tolerations allow ([`plan::node_allows`]) with the same pure
+//! [`preempt::choose_among`] the device-plugin path uses, claim grants counting as the pods
+//! they are reserved for (the pods of a shared claim evicted together). When evicting
+//! lower-priority pods frees room, the leader commits a `Nominated` event and evicts them
+//! through the Eviction API (PodDisruptionBudgets respected). The certification then refuses
+//! the room to the claims of pods that do not outrank the preemptor, grants it to the
+//! preemptor's claim and ends the nomination; the sweep ends it when the pod is gone or the
+//! deadline passes.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use gpuledger_ledger::placement::{PodRequest, Policy};
 use gpuledger_ledger::{Command, Reply, pb};
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::api::DynamicObject;
 use kube::runtime::reflector::{ObjectRef, Store};
@@ -42,6 +44,8 @@ pub struct DraPreemption {
     pub writer: Writer,
     /// The pod watch.
     pub pods: Store<Pod>,
+    /// The node watch: a pod preempts only on nodes its selectors and tolerations allow.
+    pub nodes: Store<Node>,
     /// The claim watch's ResourceClaims.
     pub claims: Store<DynamicObject>,
     /// The API server.
@@ -98,7 +102,7 @@ impl DraPreemption {
                 continue;
             }
             decided += 1;
-            self.preempt(rt, &req).await;
+            self.preempt(rt, &pod, &req).await;
         }
     }
 
@@ -154,14 +158,20 @@ impl DraPreemption {
         })
     }
 
-    /// Choose, nominate and evict for `req` among the DRA nodes.
-    async fn preempt(&self, rt: &Runtime, req: &PodRequest) {
+    /// Choose, nominate and evict for `req` (of `pod`) among the DRA nodes that its node
+    /// selector, required node affinity and tolerations allow, as the node watch has them.
+    async fn preempt(&self, rt: &Runtime, pod: &Pod, req: &PodRequest) {
         let nodes: Vec<String> = {
             let v = self.shared.view().await;
             v.nodes()
                 .iter()
                 .filter(|(_, n)| n.mode == pb::NodeMode::Dra)
                 .map(|(name, _)| name.clone())
+                .filter(|name| {
+                    self.nodes
+                        .get(&ObjectRef::new(name))
+                        .is_some_and(|n| plan::node_allows(pod, &n))
+                })
                 .collect()
         };
         let pods = self.pods.state();

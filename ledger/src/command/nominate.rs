@@ -194,21 +194,20 @@ impl Ledger {
 }
 
 /// `node` with the allocations of the pods `gone` released (their reservations, and the
-/// grants of claims reserved for them alone).
+/// grants of claims reserved for them only).
 fn without<'a>(l: &Ledger, node: &NodeState, gone: impl Iterator<Item = &'a str>) -> NodeState {
+    let gone: std::collections::BTreeSet<&str> = gone.collect();
     let mut n = node.clone();
-    for uid in gone {
-        for a in l.held_on(&node.name, uid) {
-            for s in &a.shares {
-                if let Some(g) = n.gpus.iter_mut().find(|g| g.uuid == s.gpu_uuid) {
-                    g.mem_used = g.mem_used.saturating_sub(s.mem_mib);
-                    g.core_used = g.core_used.saturating_sub(s.core_milli);
-                    g.holders = g.holders.saturating_sub(1);
-                }
+    for a in l.freed_on(&node.name, &gone) {
+        for s in &a.shares {
+            if let Some(g) = n.gpus.iter_mut().find(|g| g.uuid == s.gpu_uuid) {
+                g.mem_used = g.mem_used.saturating_sub(s.mem_mib);
+                g.core_used = g.core_used.saturating_sub(s.core_milli);
+                g.holders = g.holders.saturating_sub(1);
             }
-            n.cpu_used = n.cpu_used.saturating_sub(a.cpu_milli);
-            n.memory_used = n.memory_used.saturating_sub(a.memory_mib);
         }
+        n.cpu_used = n.cpu_used.saturating_sub(a.cpu_milli);
+        n.memory_used = n.memory_used.saturating_sub(a.memory_mib);
     }
     n
 }

@@ -16,7 +16,7 @@ use rustc_hash::FxHashMap;
 
 use super::{ContainerPlacement, PodRequest, evaluate, materialize};
 use crate::pb;
-use crate::state::{Alloc, Ledger, NodeState, holder, pod_kind};
+use crate::state::{Alloc, Ledger, NodeState, holders, pod_kind};
 
 /// Placement evaluations spent on the exhaustive search before it settles for an irreducible set
 /// found greedily: a node with many small pods would otherwise cost C(n, k) evaluations.
@@ -249,26 +249,122 @@ impl Plan {
 pub struct Candidate {
     /// The node, nominated room of pods that outrank the preemptor counted as taken.
     pub node: NodeState,
-    /// Its live allocations.
+    /// Its live allocations, each under the eviction unit that frees it.
     pub allocs: Vec<Alloc>,
-    /// Its pods' priorities and who is leaving.
+    /// Its pods' priorities and who is leaving, pods tied by a shared claim as one unit.
     pub pods: NodePods,
+    /// The units of several pods ([`units`]): the unit's name, and the pods evicted for it.
+    pub units: FxHashMap<String, Vec<Evictable>>,
 }
 
-/// `a` under the pod whose eviction frees it ([`holder`]): a claim grant reserved for one pod
-/// is that pod's, so that the search weighs DRA pods as it weighs device-plugin pods; a grant
-/// no single eviction frees stays under its claim, which no pod is, and is never freed.
-fn by_holder(a: &Alloc) -> Alloc {
-    let mut a = a.clone();
-    if let Some(h) = holder(&a).filter(|h| *h != a.pod.uid).map(str::to_owned) {
-        a.pod.uid = h;
+/// Evicting a pod frees a claim grant only when every pod the claim is reserved for goes, so
+/// pods that share a grant, and that may all be moved (evictable or leaving), are evicted
+/// together: one unit, of the highest priority among them, named by their UIDs joined by `+`.
+/// The allocations of a unit's pods are put under the unit's name; a grant shared with a pod
+/// that may not be moved stays under its claim, which no pod is, and is never freed. Returns
+/// the allocations so relabelled, the pods with the units in place of their members, and
+/// each unit's members that are not leaving anyway.
+fn units(
+    allocs: Vec<Alloc>,
+    pods: &NodePods,
+) -> (Vec<Alloc>, NodePods, FxHashMap<String, Vec<Evictable>>) {
+    let movable =
+        |u: &str| pods.leaving.contains(u) || pods.evictable.iter().any(|e| e.pod_uid == u);
+    // Union-find over the pods of the grants that several movable pods share.
+    let mut parent: FxHashMap<&str, &str> = FxHashMap::default();
+    fn root<'a>(parent: &FxHashMap<&'a str, &'a str>, mut u: &'a str) -> &'a str {
+        while let Some(&p) = parent.get(u).filter(|p| **p != u) {
+            u = p;
+        }
+        u
     }
-    a
+    for a in &allocs {
+        let h = holders(a);
+        if h.len() < 2 || !h.iter().all(|u| movable(u)) {
+            continue;
+        }
+        for u in &h {
+            parent.entry(u).or_insert(u);
+        }
+        let first = root(&parent, h[0]);
+        for u in &h[1..] {
+            let r = root(&parent, u);
+            if r != first {
+                parent.insert(r, first);
+            }
+        }
+    }
+    let mut members: FxHashMap<&str, BTreeSet<&str>> = FxHashMap::default();
+    for &u in parent.keys() {
+        members.entry(root(&parent, u)).or_default().insert(u);
+    }
+    let name_of: FxHashMap<&str, String> = members
+        .values()
+        .flat_map(|m| {
+            let name = m.iter().copied().collect::<Vec<_>>().join("+");
+            m.iter().map(move |u| (*u, name.clone()))
+        })
+        .collect();
+    let relabel = |a: &Alloc| -> Alloc {
+        let mut a = a.clone();
+        let h = holders(&a);
+        let unit = match h.as_slice() {
+            [only] => name_of
+                .get(only)
+                .cloned()
+                .or_else(|| Some((*only).to_string())),
+            [first, ..] if h.iter().all(|u| movable(u)) => name_of.get(first).cloned(),
+            _ => None,
+        };
+        if let Some(u) = unit {
+            a.pod.uid = u;
+        }
+        a
+    };
+    let allocs = allocs.iter().map(relabel).collect();
+    let mut out = NodePods {
+        node: pods.node.clone(),
+        ..Default::default()
+    };
+    let mut unit_members: FxHashMap<String, Vec<Evictable>> = FxHashMap::default();
+    for m in members.values() {
+        let name = name_of[m.iter().next().expect("a unit has members")].clone();
+        let going: Vec<Evictable> = pods
+            .evictable
+            .iter()
+            .filter(|e| m.contains(e.pod_uid.as_str()) && !pods.leaving.contains(&e.pod_uid))
+            .cloned()
+            .collect();
+        match going.iter().map(|e| e.priority).max() {
+            None => {
+                out.leaving.insert(name.clone());
+            }
+            Some(priority) => out.evictable.push(Evictable {
+                pod_uid: name.clone(),
+                priority,
+            }),
+        }
+        unit_members.insert(name, going);
+    }
+    out.evictable.extend(
+        pods.evictable
+            .iter()
+            .filter(|e| !name_of.contains_key(e.pod_uid.as_str()))
+            .cloned(),
+    );
+    out.leaving.extend(
+        pods.leaving
+            .iter()
+            .filter(|u| !name_of.contains_key(u.as_str()))
+            .cloned(),
+    );
+    (allocs, out, unit_members)
 }
 
 /// The candidates of `pods` as `req` sees them in `ledger` (unknown nodes left out, and nodes
 /// where no pod may be evicted and none is leaving: nothing can free room there). On a DRA
-/// node the allocations are claim grants, each under the one pod its claim is reserved for.
+/// node the allocations are claim grants, each under the pod, or the [`units`] of pods, whose
+/// eviction frees it.
 pub fn candidates(ledger: &Ledger, req: &PodRequest, pods: &[NodePods]) -> Vec<Candidate> {
     pods.iter()
         .filter(|p| !p.evictable.is_empty() || !p.leaving.is_empty())
@@ -278,12 +374,14 @@ pub fn candidates(ledger: &Ledger, req: &PodRequest, pods: &[NodePods]) -> Vec<C
                 .allocs
                 .iter()
                 .filter_map(|id| ledger.alloc(*id))
-                .map(by_holder)
+                .cloned()
                 .collect();
+            let (allocs, pods, units) = units(allocs, p);
             Some(Candidate {
                 node,
                 allocs,
-                pods: p.clone(),
+                pods,
+                units,
             })
         })
         .collect()
@@ -315,14 +413,18 @@ pub fn choose_among(req: &PodRequest, candidates: &[Candidate]) -> Option<Plan> 
                 .find(|e| &e.pod_uid == uid)
                 .map_or(0, |e| e.priority)
         };
-        let victims: Vec<Evictable> = v
+        let mut victims: Vec<Evictable> = v
             .pods
             .iter()
-            .map(|u| Evictable {
-                pod_uid: u.clone(),
-                priority: prio(u),
+            .flat_map(|u| match c.units.get(u) {
+                Some(members) => members.clone(),
+                None => vec![Evictable {
+                    pod_uid: u.clone(),
+                    priority: prio(u),
+                }],
             })
             .collect();
+        victims.sort_by(|a, b| (a.priority, &a.pod_uid).cmp(&(b.priority, &b.pod_uid)));
         let key = (
             victims.iter().map(|e| e.priority).max().unwrap_or(i32::MIN),
             victims.iter().map(|e| i64::from(e.priority)).sum::<i64>(),

@@ -23,27 +23,49 @@ pub fn same_pods(a: &[pb::PodRef], b: &[pb::PodRef]) -> bool {
 /// grant is reserved for. A grant shared by several pods, or reserved for none, is freed by no
 /// single eviction (None).
 pub fn holder(a: &super::Alloc) -> Option<&str> {
+    match holders(a).as_slice() {
+        [only] => Some(only),
+        _ => None,
+    }
+}
+
+/// The pods whose evictions together free allocation `a`: a reservation's pod, or every pod a
+/// claim grant is reserved for (none for a grant reserved for none: no eviction frees it).
+pub fn holders(a: &super::Alloc) -> Vec<&str> {
     match a.claim.as_deref() {
-        None => Some(a.pod.uid.as_str()),
-        Some(g) => match g.consumers.as_slice() {
-            [only] => Some(only.uid.as_str()),
-            _ => None,
-        },
+        None => vec![a.pod.uid.as_str()],
+        Some(g) => g.consumers.iter().map(|c| c.uid.as_str()).collect(),
     }
 }
 
 impl Ledger {
-    /// The live allocations on `node` that evicting pod `uid` frees ([`holder`]): its
-    /// reservations, and the grants of claims reserved for it alone.
-    pub fn held_on(&self, node: &str, uid: &str) -> Vec<&super::Alloc> {
-        let Some(n) = self.nodes.get(node) else {
-            return Vec::new();
-        };
-        n.allocs
-            .iter()
-            .filter_map(|id| self.allocs.get(id))
-            .filter(|a| holder(a) == Some(uid))
+    /// The live allocations on `node` that evicting every pod of `gone` frees ([`holders`]):
+    /// their reservations, and the grants of claims reserved for them only.
+    pub fn freed_on(
+        &self,
+        node: &str,
+        gone: &std::collections::BTreeSet<&str>,
+    ) -> Vec<&super::Alloc> {
+        self.live_on(node)
+            .filter(|a| {
+                let h = holders(a);
+                !h.is_empty() && h.iter().all(|u| gone.contains(u))
+            })
             .collect()
+    }
+
+    /// Whether pod `uid` holds a reservation on `node` or is among the pods a grant there is
+    /// reserved for: whether its eviction may free anything there.
+    pub fn holds_on(&self, node: &str, uid: &str) -> bool {
+        self.live_on(node).any(|a| holders(a).contains(&uid))
+    }
+
+    fn live_on(&self, node: &str) -> impl Iterator<Item = &super::Alloc> {
+        self.nodes
+            .get(node)
+            .into_iter()
+            .flat_map(|n| n.allocs.iter())
+            .filter_map(|id| self.allocs.get(id))
     }
 
     /// The live grant of a claim's result (request and share), if any.

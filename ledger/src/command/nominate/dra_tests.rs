@@ -105,7 +105,7 @@ fn evictable(uids: &[&str]) -> Vec<NodePods> {
 }
 
 #[test]
-fn the_search_evicts_the_pod_a_claim_is_reserved_for_and_never_a_shared_claims() {
+fn the_search_evicts_the_pod_a_claim_is_reserved_for_and_every_pod_of_a_shared_claim() {
     let l = setup();
     // 2000 MiB free; evicting v frees its claim's 8000.
     let plan = preempt::choose_nomination(&l, &request("p", 10000, 100), &evictable(&["v", "o1"]))
@@ -113,15 +113,69 @@ fn the_search_evicts_the_pod_a_claim_is_reserved_for_and_never_a_shared_claims()
     assert_eq!(plan.victims.len(), 1, "{plan:?}");
     assert_eq!(plan.victims[0].pod_uid, "v");
     assert_eq!(plan.placement[0].shares[0].gpu_uuid, GPU);
-    // 14000 MiB needs co's room too, and evicting o1 alone frees no claim reserved for o2.
+    // 14000 MiB needs co's room too, and evicting o1 alone frees no claim also reserved for
+    // o2, which may not be evicted.
     assert_eq!(
-        preempt::choose_nomination(
-            &l,
-            &request("p", 14000, 100),
-            &evictable(&["v", "o1", "o2"])
-        ),
+        preempt::choose_nomination(&l, &request("p", 14000, 100), &evictable(&["v", "o1"])),
         None
     );
+    // When o2 may go too, the claim's pods go together.
+    let plan = preempt::choose_nomination(
+        &l,
+        &request("p", 14000, 100),
+        &evictable(&["v", "o1", "o2"]),
+    )
+    .expect("room once v, o1 and o2 are gone");
+    let victims: Vec<&str> = plan.victims.iter().map(|v| v.pod_uid.as_str()).collect();
+    assert_eq!(victims, ["o1", "o2", "v"], "{plan:?}");
+    assert!(plan.victims.iter().all(|v| v.priority == 5));
+}
+
+#[test]
+fn a_pod_sharing_a_claim_is_evicted_with_the_others_only_when_that_frees_room() {
+    let l = setup();
+    // 8000 MiB: v alone suffices, and o1 + o2 (6000) do not; the search does not take the
+    // unit where one pod frees the room.
+    let plan =
+        preempt::choose_nomination(&l, &request("p", 9000, 100), &evictable(&["v", "o1", "o2"]))
+            .expect("room once v is gone");
+    let victims: Vec<&str> = plan.victims.iter().map(|v| v.pod_uid.as_str()).collect();
+    assert_eq!(victims, ["v"]);
+    // 7000 MiB: evicting the two pods of co (6000 + 2000 free) is enough, and two pods of
+    // priority 1 are cheaper than one of priority 5.
+    let mut pods = evictable(&["v", "o1", "o2"]);
+    for e in &mut pods[0].evictable {
+        if e.pod_uid.starts_with('o') {
+            e.priority = 1;
+        }
+    }
+    let plan = preempt::choose_nomination(&l, &request("p", 7000, 100), &pods)
+        .expect("room once o1 and o2 are gone");
+    let victims: Vec<&str> = plan.victims.iter().map(|v| v.pod_uid.as_str()).collect();
+    assert_eq!(victims, ["o1", "o2"], "{plan:?}");
+    // The ledger takes a nomination whose victims are all of a shared claim's pods, and
+    // refuses one that leaves one of them running: the claim is not freed then.
+    let nominate = |victims: &[&str]| {
+        let mut n = plan.nomination(&request("p", 7000, 100), i64::MAX, &|u| Some(pod_ref(u)));
+        n.victims
+            .retain(|v| victims.contains(&v.pod.as_ref().unwrap().uid.as_str()));
+        l.clone().execute(
+            Command::Nominate {
+                nomination: n,
+                leaving: Vec::new(),
+            },
+            1,
+            10,
+        )
+    };
+    assert!(
+        matches!(nominate(&["o1"]), Err(CommandError::NoCapacity(_))),
+        "one of a shared claim's two pods frees nothing"
+    );
+    assert!(matches!(
+        nominate(&["o1", "o2"]),
+        Ok((_, Reply::Done { changed: true }))
+    ));
 }
 
 #[test]
