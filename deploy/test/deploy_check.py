@@ -32,9 +32,10 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 OVERLAYS = ["bundled-etcd", "external-etcd", "default-scheduler", "archive", "cert-manager", "dra",
-            "dra-mixed"]
+            "dra-mixed", "dra-fraction"]
 # The renderings in DRA mode (docs/dra.md): the DeviceClass, scheduler config and webhook.
-DRA_RENDERINGS = {"dra", "helm:dra", "dra-mixed", "helm:dra-mixed"}
+DRA_RENDERINGS = {"dra", "helm:dra", "dra-mixed", "helm:dra-mixed", "dra-fraction",
+                  "helm:dra-fraction"}
 # The DRA renderings that choose each node's mode by its label gpuledger.io/mode (overlay
 # dra-mixed, Helm dra.nodes=labelled); the other DRA renderings serve DRA on every node.
 MIXED_RENDERINGS = {"dra-mixed", "helm:dra-mixed"}
@@ -609,6 +610,23 @@ def check_components(c, rendered):
             p.append("no Service gpuledger-extender")
         if name in DRA_RENDERINGS and not find(docs, "DeviceClass", "gpu.gpuledger.io"):
             p.append("no DeviceClass gpu.gpuledger.io")
+        # --dra-cores: one unit for the allocator and the extender, and with `fraction` the
+        # scheduler's DRAFractionalCapacityRange on, without which every claim is refused.
+        def cores(d):
+            env = {e["name"]: e.get("value") for ct in pod_spec(d)["containers"]
+                   for e in ct.get("env") or []}
+            return env.get("GPULEDGER_DRA_CORES") or "thousandths"
+        if cores(alloc) != cores(ext):
+            p.append(f"--dra-cores {cores(alloc)} on the allocator, {cores(ext)} on the extender")
+        sched = find(docs, "Deployment", "gpuledger-scheduler")
+        gate = "--feature-gates=DRAFractionalCapacityRange=true"
+        gated = bool(sched) and any(gate in (ct.get("command") or []) + (ct.get("args") or [])
+                                    for ct in pod_spec(sched)["containers"])
+        if cores(alloc) == "fraction" and not gated:
+            p.append(f"--dra-cores=fraction without {gate} on the gpuledger-scheduler")
+        if name == "dra-fraction" or name == "helm:dra-fraction":
+            if cores(alloc) != "fraction":
+                p.append("the dra-fraction rendering does not set --dra-cores=fraction")
         for d in docs:
             if d["metadata"].get("namespace") not in (None, NS) and key(d)[0] != "RoleBinding":
                 p.append(f"{key(d)} is outside {NS}")
@@ -1532,6 +1550,7 @@ def main():
         "cert-manager": ["certManager.enabled=true"],
         "dra": ["dra.enabled=true"],
         "dra-mixed": ["dra.enabled=true", "dra.nodes=labelled"],
+        "dra-fraction": ["dra.enabled=true", "dra.cores=fraction"],
         # Each isolation mode: its flag checked against the agent's --help, its mounts.
         "isolation-hami-core": ["nodeAgent.isolation=hami-core"],
         "isolation-mps": ["nodeAgent.isolation=mps"],
@@ -1565,7 +1584,8 @@ def main():
     check_helm_equals_kustomize(c, rendered, {"defaults": "bundled-etcd", "external-etcd": "external-etcd",
                                               "default-scheduler": "default-scheduler",
                                               "archive": "archive", "cert-manager": "cert-manager",
-                                              "dra": "dra", "dra-mixed": "dra-mixed"})
+                                              "dra": "dra", "dra-mixed": "dra-mixed",
+                                              "dra-fraction": "dra-fraction"})
     check_dockerfile(c, a.hadolint, overlays_only)
 
     for msg in c.pending:
