@@ -269,8 +269,8 @@ async fn registration_and_dra_plugin_answer_on_upstream_paths() -> Result<()> {
     Ok(())
 }
 
-#[tokio::test]
-async fn the_health_stream_answers_on_the_kubelets_path() -> Result<()> {
+/// The first answer of the health stream served on `path`, as the kubelet opens it.
+async fn first_health(path: &'static str) -> Result<health::NodeWatchResourcesResponse> {
     let dir = tempfile::tempdir()?;
     let mut client = dial(serve(&dir).await?).await?;
     client
@@ -284,12 +284,17 @@ async fn the_health_stream_answers_on_the_kubelets_path() -> Result<()> {
     let mut stream = client
         .server_streaming(
             Request::new(health::NodeWatchResourcesRequest {}),
-            PathAndQuery::from_static("/v1alpha1.DRAResourceHealth/NodeWatchResources"),
+            PathAndQuery::from_static(path),
             codec,
         )
         .await?
         .into_inner();
-    let first = stream.message().await?.context("one answer")?;
+    stream.message().await?.context("one answer")
+}
+
+#[tokio::test]
+async fn the_health_stream_answers_on_the_kubelets_path() -> Result<()> {
+    let first = first_health("/v1alpha1.DRAResourceHealth/NodeWatchResources").await?;
     let d = &first.devices[0];
     assert_eq!(d.health(), health::HealthStatus::Unhealthy);
     assert_eq!(
@@ -305,25 +310,7 @@ async fn the_health_stream_answers_on_the_kubelets_path() -> Result<()> {
 /// path with its per-device message.
 #[tokio::test]
 async fn the_v1_health_stream_answers_on_the_kubelets_path() -> Result<()> {
-    let dir = tempfile::tempdir()?;
-    let mut client = dial(serve(&dir).await?).await?;
-    client
-        .ready()
-        .await
-        .map_err(|e| Status::unavailable(e.to_string()))?;
-    let mut v1 =
-        client
-            .server_streaming(
-                Request::new(health::NodeWatchResourcesRequest {}),
-                PathAndQuery::from_static("/v1.DRAResourceHealth/NodeWatchResources"),
-                ProstCodec::<
-                    health::NodeWatchResourcesRequest,
-                    health::NodeWatchResourcesResponse,
-                >::default(),
-            )
-            .await?
-            .into_inner();
-    let first = v1.message().await?.context("one v1 answer")?;
+    let first = first_health("/v1.DRAResourceHealth/NodeWatchResources").await?;
     assert_eq!(
         (first.devices[0].health(), first.devices[0].message.as_str()),
         (health::HealthStatus::Unhealthy, "critical Xid 79")
