@@ -4,7 +4,9 @@
 //! pod the webhook turns into a claim (`gpuledger.io/gpu-core: 25`, a template asking `250m`)
 //! are scheduled, certified and run with the share the ledger granted (`GPULEDGER_GPU_CORE`,
 //! `CUDA_DEVICE_SM_LIMIT`); a claim asking more than one GPU's worth (`cores: "1.5"`) is not
-//! scheduled, the pod's events say why, and the ledger grants it nothing.
+//! scheduled, the pod's events say why, and the ledger grants it nothing. On 1.36, which has
+//! no such gate, it proves the documented refusal instead: the whole GPU's `cores` that
+//! kube-scheduler allocates to a claim asking 0.3 is refused by the certification.
 
 use std::time::Duration;
 
@@ -13,6 +15,7 @@ use gpuledger_e2e::cluster::REAL_NODE;
 use gpuledger_e2e::pods;
 use gpuledger_e2e::real_node::host_network;
 use gpuledger_e2e::{E2e, Options, until};
+use gpuledger_ledger::pb;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::api::{Api, ListParams, PostParams};
 use serde_json::json;
@@ -104,13 +107,21 @@ async fn runs_with_share(e: &E2e, name: &str, uid: &str, pct: u32) -> Result<()>
 #[ignore = "real Kubernetes with a real kubelet, containerd and root: make test-e2e"]
 async fn fractional_cores_run_with_their_share_and_more_than_a_gpu_is_refused() -> Result<()> {
     let fraction = vec!["--dra-cores=fraction".to_string()];
+    // 1.36 has no DRAFractionalCapacityRange: what the tier proves there is the documented
+    // refusal (docs/dra.md), not a share.
+    let version = gpuledger_e2e::bins::KubeBins::get()?.version()?;
+    let gated = !version.starts_with("v1.35.") && !version.starts_with("v1.36.");
     let e = dra_node_of(Options {
         allocator_flags: fraction.clone(),
         extender_flags: fraction,
         // Beta in 1.37 but off unless --min-compatibility-version is 1.37 (its on-default
         // spec has MinCompatibilityVersion 1.37, pkg/features/kube_features.go): without it
         // the scheduler rounds cores 0.3 up to 1 and certification refuses every claim.
-        scheduler_flags: vec!["--feature-gates=DRAFractionalCapacityRange=true".to_string()],
+        scheduler_flags: if gated {
+            vec!["--feature-gates=DRAFractionalCapacityRange=true".to_string()]
+        } else {
+            Vec::new()
+        },
         ..Options::default()
     })
     .await?;
@@ -130,6 +141,9 @@ async fn fractional_cores_run_with_their_share_and_more_than_a_gpu_is_refused() 
     );
 
     e.namespace(NS).await?;
+    if !gated {
+        return refused_without_the_gate(&e, &version).await;
+    }
     // By hand: 0.3 of a GPU. Through the webhook: 25 %, a template asking 250m.
     let third = claim_pod(&e, "third", "0.3").await?;
     let quarter = pods::create(
@@ -192,6 +206,46 @@ async fn fractional_cores_run_with_their_share_and_more_than_a_gpu_is_refused() 
     ensure!(
         pods::grants_consumed_by(&ledger, &too_much).is_empty(),
         "the ledger granted the pod asking cores 1.5"
+    );
+    gpuledger_e2e::gpuledger::verify(&e.gl, &e.gl.allocs.addrs)?;
+    Ok(())
+}
+
+/// On a release without `DRAFractionalCapacityRange` (1.36): kube-scheduler reads the slice's
+/// fractional step as 1 and allocates the whole GPU's `cores` to a claim asking 0.3; the
+/// certification refuses that result (the ledger's `ClaimRefused`, its reason naming the
+/// mismatch) and grants nothing, so the pod never runs with a share it did not ask for.
+async fn refused_without_the_gate(e: &E2e, version: &str) -> Result<()> {
+    let third = claim_pod(e, "third", "0.3").await?;
+    let refusal = until(
+        &format!("on {version}, the ledger refuses the claim asking cores 0.3"),
+        Duration::from_secs(90),
+        || async {
+            let leader = e.gl.allocs.wait_leader(Duration::from_secs(20)).await?;
+            let log = e.gl.allocs.events(leader).await?;
+            Ok(log.into_iter().find_map(|ev| match ev.body {
+                Some(pb::event::Body::ClaimRefused(r))
+                    if r.claim.as_ref().is_some_and(|c| c.name == "third") =>
+                {
+                    Some(r.reason)
+                }
+                _ => None,
+            }))
+        },
+    )
+    .await
+    .with_context(|| e.log_tails(30))?;
+    eprintln!(
+        "on {version} (no DRAFractionalCapacityRange) the claim asking 0.3 is refused: {refusal}"
+    );
+    ensure!(
+        refusal.contains("cores"),
+        "the refusal does not name the cores that differ: {refusal}"
+    );
+    let ledger = e.gl.ledger().await?;
+    ensure!(
+        pods::grants_consumed_by(&ledger, &third).is_empty(),
+        "on {version} the ledger granted the claim asking 0.3"
     );
     gpuledger_e2e::gpuledger::verify(&e.gl, &e.gl.allocs.addrs)?;
     Ok(())
