@@ -111,10 +111,18 @@ pub fn pod(name: &str, template: &str) -> Value {
     p
 }
 
-/// dra-example-driver's controller, running. Dropping it stops it.
+/// dra-example-driver's controller, running, and the stand-in that does its binding-condition
+/// plugin's work on shared devices (see [`mark_binding_conditions`]). Dropping it stops both.
 pub struct Draex {
     /// `dra-example-controller --enable-plugin=BindingConditions`.
     pub controller: Proc,
+    marker: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Draex {
+    fn drop(&mut self) {
+        self.marker.abort();
+    }
 }
 
 impl Draex {
@@ -139,7 +147,8 @@ impl Draex {
             ],
             vec![("KUBECONFIG".into(), kubeconfig.display().to_string())],
         )?;
-        Ok(Draex { controller })
+        let marker = tokio::spawn(mark_binding_conditions(e.client.clone()));
+        Ok(Draex { controller, marker })
     }
 
     /// Create `names` as kubelet-less nodes of the driver with `gpus` devices each, their
@@ -183,6 +192,103 @@ impl Draex {
     }
 }
 
+/// What the controller's `BindingConditions` plugin does (`cmd/dra-example-controller/plugins/
+/// bindingconditions.go`): once a claim is allocated, set every binding condition of each of
+/// the driver's results True, in one status update. The plugin itself cannot do it for a
+/// shared device: its status entry names driver, pool and device but not the result's
+/// `shareID`, and since 1.36 the API server accepts a device status only for an allocated
+/// (device, shareID) pair (`pkg/apis/resource/validation`, "must be an allocated device in
+/// the claim"), so every update it makes is refused and the pod is never bound. The
+/// stand-in writes the same conditions with the `shareID`. Runs until aborted; a claim whose
+/// update fails (deleted meanwhile, a conflict) is retried at its next change.
+async fn mark_binding_conditions(client: kube::Client) {
+    use futures::TryStreamExt;
+    use kube::api::{Patch, PatchParams};
+    use kube::runtime::{WatchStreamExt, watcher};
+    let api: Api<DynamicObject> =
+        Api::all_with(client.clone(), &resource("ResourceClaim", "resourceclaims"));
+    let mut s = std::pin::pin!(
+        watcher(api, watcher::Config::default())
+            .applied_objects()
+            .default_backoff()
+    );
+    loop {
+        let claim = match s.try_next().await {
+            Ok(Some(c)) => c,
+            Ok(None) => return,
+            Err(err) => {
+                eprintln!("dra-example-driver's binding conditions (stand-in): watch: {err}");
+                continue;
+            }
+        };
+        let v = serde_json::to_value(&claim).unwrap_or_default();
+        let Some(devices) = conditions_to_set(&v) else {
+            continue;
+        };
+        let (Some(ns), Some(name)) = (claim.metadata.namespace, claim.metadata.name) else {
+            continue;
+        };
+        let claims: Api<DynamicObject> = Api::namespaced_with(
+            client.clone(),
+            &ns,
+            &resource("ResourceClaim", "resourceclaims"),
+        );
+        let patch = json!({"status": {"devices": devices}});
+        if let Err(err) = claims
+            .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+        {
+            eprintln!(
+                "dra-example-driver's binding conditions (stand-in), claim {ns}/{name}: {err}"
+            );
+        }
+    }
+}
+
+/// The `status.devices` that mark every binding condition of `claim`'s results of the driver
+/// True (with each result's `shareID`), or None when there is nothing to mark: not allocated,
+/// no binding conditions, or all of them True already.
+pub fn conditions_to_set(claim: &Value) -> Option<Vec<Value>> {
+    let results = claim["status"]["allocation"]["devices"]["results"].as_array()?;
+    let ours: Vec<&Value> = results
+        .iter()
+        .filter(|r| r["driver"] == DRIVER)
+        .filter(|r| {
+            r["bindingConditions"]
+                .as_array()
+                .is_some_and(|c| !c.is_empty())
+        })
+        .collect();
+    if ours.is_empty() || allocation(claim).is_ok_and(|(_, done)| done) {
+        return None;
+    }
+    let now = "1970-01-01T00:00:00Z";
+    let at = claim["metadata"]["creationTimestamp"]
+        .as_str()
+        .unwrap_or(now);
+    Some(
+        ours.iter()
+            .map(|r| {
+                let conditions: Vec<Value> = r["bindingConditions"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|t| {
+                        json!({"type": t, "status": "True", "reason": "Ready",
+                            "message": "Device is ready", "lastTransitionTime": at})
+                    })
+                    .collect();
+                let mut d = json!({"driver": r["driver"], "pool": r["pool"],
+                    "device": r["device"], "conditions": conditions});
+                if let Some(id) = r["shareID"].as_str() {
+                    d["shareID"] = json!(id);
+                }
+                d
+            })
+            .collect(),
+    )
+}
+
 /// One device of a claim's allocation: (pool, device, memory GiB, compute) consumed.
 pub type Consumed = (String, String, u64, u64);
 
@@ -213,6 +319,7 @@ pub fn allocation(claim: &Value) -> Result<(Vec<Consumed>, bool)> {
             ds.iter().any(|d| {
                 d["pool"] == r["pool"]
                     && d["device"] == r["device"]
+                    && d["shareID"] == r["shareID"]
                     && d["conditions"].as_array().is_some_and(|cs| {
                         cs.iter()
                             .any(|c| c["type"] == BINDING_CONDITION && c["status"] == "True")
@@ -239,7 +346,8 @@ fn parse_quantity(s: &str) -> Result<u64> {
 }
 
 /// The DeviceClass, and RBAC for the controller as the driver's chart grants it
-/// (resourceclaims: get, list, watch; resourceclaims/status: update, patch).
+/// (resourceclaims: get, list, watch; resourceclaims/status: update, patch), with what 1.37
+/// adds for a driver's device status.
 fn install(k: &crate::kubectl::Kubectl) -> Result<()> {
     let class = json!({"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
         "metadata": {"name": DRIVER},
@@ -249,6 +357,11 @@ fn install(k: &crate::kubectl::Kubectl) -> Result<()> {
          "verbs": ["get", "list", "watch"]},
         {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims/status"],
          "verbs": ["update", "patch"]},
+        // 1.37 authorizes a driver's writes of `status.devices` on this subresource too
+        // (verbs per node scope, the driver's name as resource name); 31914ce's chart
+        // predates it.
+        {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims/driver"],
+         "resourceNames": [DRIVER], "verbs": ["arbitrary-node:update", "arbitrary-node:patch"]},
         {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
     ]);
     k.grant(
@@ -290,6 +403,22 @@ mod tests {
             "conditions": [{"type": BINDING_CONDITION, "status": "True"}]}]);
         assert!(allocation(&claim)?.1);
         assert!(allocation(&json!({"status": {}})).is_err());
+        // A shared device's result: its status entry must carry the result's shareID.
+        let mut shared = json!({"status": {"allocation": {"devices": {"results": [
+            {"driver": DRIVER, "pool": "n1", "device": "gpu-0", "request": "gpu", "shareID": "s-1",
+             "bindingConditions": [BINDING_CONDITION],
+             "consumedCapacity": {"memory": "4Gi", "compute": "25"}}]}}}});
+        let set = conditions_to_set(&shared).expect("conditions to set");
+        assert_eq!(set[0]["shareID"], "s-1");
+        assert_eq!(set[0]["conditions"][0]["type"], BINDING_CONDITION);
+        shared["status"]["devices"] = json!([{"driver": DRIVER, "pool": "n1", "device": "gpu-0",
+            "conditions": [{"type": BINDING_CONDITION, "status": "True"}]}]);
+        assert!(
+            conditions_to_set(&shared).is_some(),
+            "an entry without the shareID is not the result's"
+        );
+        shared["status"]["devices"] = json!(set);
+        assert_eq!(conditions_to_set(&shared), None);
         assert!(parse_quantity("4x").is_err());
         assert_eq!(parse_quantity("4294967296")?, 4 << 30);
         Ok(())
