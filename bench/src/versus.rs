@@ -92,6 +92,10 @@ pub struct Args {
     /// Skip the DRA twin (gpuledger's DRA mode against dra-example-driver, a second cluster).
     #[arg(long)]
     no_dra: bool,
+    /// Run only the DRA twin (no HAMi, no churn): its figures and the closing line, the HAMi
+    /// fields `na`.
+    #[arg(long, conflicts_with = "no_dra")]
+    dra_only: bool,
     /// kube-controller-manager's client QPS per controller in the DRA twin (its resource-claim
     /// controller makes two calls per claim pod, for both drivers). Default: its own (20).
     #[arg(long)]
@@ -449,8 +453,9 @@ async fn churn(e: &mut E2e, h: &mut Hami, a: &Args, sys: System) -> Result<Churn
     // The burst: every pod created, `delete_pct` of them deleted right after their create,
     // while the scheduler has them in flight.
     let names: Vec<String> = (0..a.pods).map(|i| format!("c-{i}")).collect();
+    // Exactly ⌊pods × pct / 100⌋ of them, spread evenly over the burst.
     let pct = a.delete_pct as usize;
-    let doomed = move |i: usize| i % 100 < pct;
+    let doomed = move |i: usize| (i + 1) * pct / 100 > i * pct / 100;
     let t0 = Instant::now();
     let burst = {
         let (client, ns) = (client.clone(), ns.clone());
@@ -605,6 +610,11 @@ pub async fn run(a: Args) -> Result<()> {
         a.delete_pct <= 100 && a.pods > 0 && a.parallel > 0,
         "--delete-pct is 0..=100, --pods and --parallel above 0"
     );
+    if a.dra_only {
+        let dra = dra_twin(&a).await?;
+        report(&a, &version, &[], &[], &dra);
+        return Ok(());
+    }
     title(&format!(
         "versus: HAMi v2.10.0 and gpuledger on one kube-apiserver + kube-scheduler {version}; {} kubelet-less nodes x {} GPUs of {GPU_MIB} MiB per system; {} pods of {} MiB / {} % cores per system",
         a.nodes, a.gpus_per_node, a.pods, a.pod_mib, a.pod_cores
@@ -713,7 +723,8 @@ pub async fn run(a: Args) -> Result<()> {
 /// the same pods in HAMi's YAML through gpuledger's webhook, which turns them into claims
 /// that the allocator certifies (binding conditions), against claim pods of
 /// dra-example-driver asking the same memory and compute of its shared devices, whose binding
-/// conditions its controller sets at once. Both go through the same kube-scheduler
+/// conditions its controller's plugin sets at once (done by a stand-in with the result's
+/// `shareID`, which the plugin omits and 1.36+ requires: `gpuledger_e2e::draex`). Both go through the same kube-scheduler
 /// (`gpuledger-scheduler`, DynamicResources; the extender is not called for the driver's
 /// pods, which ask none of its resources) and kube-controller-manager.
 async fn dra_twin(a: &Args) -> Result<Vec<(&'static str, Batch, BTreeMap<String, f64>)>> {
@@ -809,6 +820,14 @@ fn report(
     churns: &[(System, Churn)],
     dra: &[(&'static str, Batch, BTreeMap<String, f64>)],
 ) {
+    if !batches.is_empty() {
+        report_throughput(a, version, batches);
+    }
+    report_churn_and_dra(a, version, batches, churns, dra);
+}
+
+/// The throughput tables of HAMi and gpuledger.
+fn report_throughput(a: &Args, version: &str, batches: &[(System, Batch, BTreeMap<String, f64>)]) {
     println!(
         "\nthroughput: {} pods per system in HAMi's YAML through kube-scheduler {version} (client QPS {})",
         a.pods,
@@ -844,7 +863,16 @@ fn report(
         print!(" {:>10.2}", c.values().sum::<f64>());
     }
     println!();
+}
 
+/// The churn and DRA-twin tables, and the closing line of everything.
+fn report_churn_and_dra(
+    a: &Args,
+    version: &str,
+    batches: &[(System, Batch, BTreeMap<String, f64>)],
+    churns: &[(System, Churn)],
+    dra: &[(&'static str, Batch, BTreeMap<String, f64>)],
+) {
     if !churns.is_empty() {
         println!(
             "\nchurn: {} pods per system, {} % deleted in flight, SIGKILL every {} s (HAMi: its scheduler; gpuledger: allocator leader + extender), state sampled every second",
@@ -900,7 +928,7 @@ fn report(
 
     if !dra.is_empty() {
         println!(
-            "\nDRA twin: {} claim pods each through kube-scheduler {version}'s DynamicResources (gpuledger-scheduler), binding conditions set by the ledger's certification / by dra-example-driver's controller",
+            "\nDRA twin: {} claim pods each through kube-scheduler {version}'s DynamicResources (gpuledger-scheduler), binding conditions set by the ledger's certification / as dra-example-driver's controller sets them",
             a.pods
         );
         println!(
