@@ -22,3 +22,4 @@ mod placed_through_the_extender;
 mod preempts_for_gpu_slices;
 mod reasons_users_can_read;
 mod runs_on_a_real_kubelet;
+mod versus_bench_runs;
