@@ -185,6 +185,9 @@ struct Churn {
     room: Option<Histogram<u64>>,
     /// Replacements not bound within [`ROOM_WAIT`].
     room_timeouts: usize,
+    /// [`Churn::room`] of the probes with no kill from [`NEAR_KILL`] before their delete to
+    /// their replacement bound: the room as it comes back when nothing is restarting.
+    room_calm: Option<Histogram<u64>>,
     /// `gpuledger verify`'s verdict (gpuledger only).
     verify: Option<String>,
 }
@@ -372,9 +375,10 @@ async fn rooms(
     sys: System,
     probes: usize,
     stop: CancellationToken,
-) -> Result<(Histogram<u64>, usize)> {
+) -> Result<(Histogram<u64>, usize, Vec<(Instant, Duration)>)> {
     let mut h = histogram();
     let mut timeouts = 0;
+    let mut taken = Vec::new();
     let first = "room-0".to_string();
     let ns = ns.as_str();
     create_retrying(&client, ns, &sys.room_pod(&first)).await?;
@@ -391,6 +395,7 @@ async fn rooms(
         create_retrying(&client, ns, &sys.room_pod(&next)).await?;
         if bound(&client, ns, &next, ROOM_WAIT).await? {
             record(&mut h, t.elapsed());
+            taken.push((t, t.elapsed()));
         } else {
             timeouts += 1;
         }
@@ -398,7 +403,24 @@ async fn rooms(
         i += 1;
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    Ok((h, timeouts))
+    Ok((h, timeouts, taken))
+}
+
+/// How long before a room probe's delete a kill still counts as the probe's: the killed
+/// component's restart and, for gpuledger, the leader's failover (about 2 s) and the
+/// extender's replica catching up.
+const NEAR_KILL: Duration = Duration::from_secs(5);
+
+/// The probes of `probes` (delete time, delete to bound) that no kill of `kills` came near.
+fn calm(probes: &[(Instant, Duration)], kills: &[Instant]) -> Histogram<u64> {
+    let mut h = histogram();
+    for &(t, took) in probes {
+        let near = kills.iter().any(|&k| k + NEAR_KILL >= t && k <= t + took);
+        if !near {
+            record(&mut h, took);
+        }
+    }
+    h
 }
 
 /// The churn for one system: burst, deletes in flight, kills, samples, room probe; then the
@@ -504,6 +526,7 @@ async fn churn(e: &mut E2e, h: &mut Hami, a: &Args, sys: System) -> Result<Churn
         })
     };
     let mut next_kill = Instant::now() + Duration::from_secs(a.kill_every_s);
+    let mut kills: Vec<Instant> = Vec::new();
     let mut settle = None;
     while !room.is_finished() {
         if settled.is_finished() && settle.is_none() {
@@ -527,6 +550,7 @@ async fn churn(e: &mut E2e, h: &mut Hami, a: &Args, sys: System) -> Result<Churn
                 }
             }
             out.kills += 1;
+            kills.push(Instant::now());
             next_kill = Instant::now() + Duration::from_secs(a.kill_every_s);
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -539,9 +563,10 @@ async fn churn(e: &mut E2e, h: &mut Hami, a: &Args, sys: System) -> Result<Churn
     out.created = names.len();
     out.deleted = names.len() - survivors.len();
     done.cancel();
-    let (h_room, timeouts) = room.await??;
+    let (h_room, timeouts, probes) = room.await??;
     out.room = Some(h_room);
     out.room_timeouts = timeouts;
+    out.room_calm = Some(calm(&probes, &kills));
     let (samples, n, worst) = sampler.await?;
     (out.samples, out.overcommit, out.worst_mib) = (samples, n, worst);
 
@@ -906,6 +931,16 @@ fn report_churn_and_dra(
                 room.map_or(0.0, |h| q_ms(h, 0.99)),
                 c.room_timeouts
             );
+            if let Some(h) = c.room_calm.as_ref().filter(|h| !h.is_empty()) {
+                println!(
+                    "  {}: room p50 {:.0} ms, p99 {:.0} ms over the {} probes no kill came near (none from {} s before the delete to the bind)",
+                    sys.name(),
+                    q_ms(h, 0.5),
+                    q_ms(h, 0.99),
+                    h.len(),
+                    NEAR_KILL.as_secs()
+                );
+            }
             if let Some(d) = c.stranded_cleared {
                 println!(
                     "  {}: stranded grants gone {:.1} s after the churn settled",
@@ -978,4 +1013,27 @@ fn report_churn_and_dra(
             .as_ref()
             .map_or("na".into(), |h| format!("{:.0}", q_ms(h, 0.99)))),
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_probe_counts_as_calm_only_when_no_kill_came_near_it() {
+        let t0 = Instant::now() + Duration::from_secs(100);
+        let s = Duration::from_secs;
+        let probes = [
+            (t0, Duration::from_millis(100)),         // a kill 2 s before: near
+            (t0 + s(10), Duration::from_millis(200)), // 12 s after the kill: calm
+            (t0 + s(20), s(7)),                       // a kill during it: near
+            (t0 + s(30), Duration::from_millis(300)), // calm
+        ];
+        let kills = [t0 - s(2), t0 + s(23)];
+        let h = calm(&probes, &kills);
+        assert_eq!(h.len(), 2);
+        assert!(q_ms(&h, 0.99) < 400.0, "{}", q_ms(&h, 0.99));
+        // Without kills every probe is calm.
+        assert_eq!(calm(&probes, &[]).len(), 4);
+    }
 }

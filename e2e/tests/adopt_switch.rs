@@ -125,7 +125,10 @@ async fn a_hami_cluster_moves_to_gpuledger_without_a_drain() -> Result<()> {
         pods::create(&e.client, HAMI_NS, &p).await?;
         names.push(name);
     }
-    pods::wait_bound(&e.client, HAMI_NS, &names, Duration::from_secs(180))
+    // HAMi binds about one pod every 3 s here (its client's throttling and node lock:
+    // docs/benchmarks.md), so its wait grows with the count.
+    let hami_wait = Duration::from_secs(180.max(60 + 6 * h_pods as u64));
+    pods::wait_bound(&e.client, HAMI_NS, &names, hami_wait)
         .await
         .with_context(|| h.log_tails(30))?;
     let hami_api: Api<Pod> = Api::namespaced(e.client.clone(), HAMI_NS);
