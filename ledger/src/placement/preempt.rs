@@ -268,8 +268,10 @@ fn units(
     allocs: Vec<Alloc>,
     pods: &NodePods,
 ) -> (Vec<Alloc>, NodePods, FxHashMap<String, Vec<Evictable>>) {
-    let movable =
-        |u: &str| pods.leaving.contains(u) || pods.evictable.iter().any(|e| e.pod_uid == u);
+    let may_go: BTreeSet<&str> = (pods.leaving.iter().map(String::as_str))
+        .chain(pods.evictable.iter().map(|e| e.pod_uid.as_str()))
+        .collect();
+    let movable = |u: &str| may_go.contains(u);
     // Union-find over the pods of the grants that several movable pods share.
     let mut parent: FxHashMap<&str, &str> = FxHashMap::default();
     fn root<'a>(parent: &FxHashMap<&'a str, &'a str>, mut u: &'a str) -> &'a str {
