@@ -64,6 +64,11 @@ pub struct KubeArgs {
     pub claims: crate::claim_watch::ClaimArgs,
 }
 
+/// How many deleted pods' UIDs the watch remembers, and for how long ([`Watch::deleted`]):
+/// longer than any failover, a few MiB at most.
+const DELETED_KEPT: u64 = 100_000;
+const DELETED_FOR: Duration = Duration::from_secs(600);
+
 /// Node capacity updates submitted at once by one reconcile pass.
 const SYNC_CONCURRENCY: usize = 64;
 
@@ -138,6 +143,10 @@ struct Watch {
     nodes: Store<Node>,
     pods_ready: AtomicBool,
     nodes_ready: AtomicBool,
+    /// UIDs of the pods this replica's watch saw deleted, leading or not, for a while: a new
+    /// leader's reconcile releases their grants at once (the deletion may have reached it
+    /// while the old leader was dying).
+    deleted: moka::sync::Cache<String, ()>,
     events: Recorder,
     demoted: crate::budget_watch::DemotedPods,
     /// The templates of converted DRA pods (with the claim watch).
@@ -306,7 +315,8 @@ impl Watch {
                 .get(&ObjectRef::new(name).within(ns))
                 .and_then(|p| PodFacts::of(&p))
         };
-        for fix in plan::plan_pods(&held, cached, expiry, clock.now()) {
+        let deleted = |uid: &str| self.deleted.contains_key(uid);
+        for fix in plan::plan_pods(&held, cached, deleted, expiry, clock.now()) {
             self.apply(fix).await;
         }
         if !self.nodes_ready.load(Ordering::Relaxed) {
@@ -404,6 +414,10 @@ async fn run(ties: Ties, client: kube::Client, args: KubeArgs) {
         nodes,
         pods_ready: AtomicBool::new(false),
         nodes_ready: AtomicBool::new(false),
+        deleted: moka::sync::Cache::builder()
+            .max_capacity(DELETED_KEPT)
+            .time_to_live(DELETED_FOR)
+            .build(),
         events,
         demoted: Default::default(),
         templates,
@@ -424,6 +438,7 @@ async fn run(ties: Ties, client: kube::Client, args: KubeArgs) {
                 Ok(watcher::Event::Delete(p)) => {
                     if let Some(uid) = p.metadata.uid.as_deref() {
                         wp.demoted.forget(uid);
+                        wp.deleted.insert(uid.to_string(), ());
                     }
                     if let Some(uid) = p.metadata.uid.as_deref()
                         && wp.leading()

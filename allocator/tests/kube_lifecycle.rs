@@ -23,6 +23,22 @@ async fn live(stack: &KubeStack) -> anyhow::Result<Vec<pb::Allocation>> {
     Ok(d.snapshot.map(|s| s.allocations).unwrap_or_default())
 }
 
+/// Whether replica `i`'s ledger holds GPUs for pod `uid`.
+async fn holds(
+    allocs: &gpuledger_testkit::Allocators,
+    i: usize,
+    uid: &str,
+) -> anyhow::Result<bool> {
+    let d = allocs
+        .viewer(i)?
+        .dump(api::DumpRequest {})
+        .await?
+        .into_inner();
+    let l = d.snapshot.map(|s| s.allocations).unwrap_or_default();
+    Ok(l.iter()
+        .any(|x| x.pod.as_ref().is_some_and(|p| p.uid == uid)))
+}
+
 /// Create the pod in the API server, reserve and bind it like the extender does.
 async fn place(stack: &KubeStack, name: &str, node: &str) -> anyhow::Result<String> {
     let mut req = pod("", 2_000, 10);
@@ -125,6 +141,57 @@ async fn deleted_pods_and_nodes_release() -> anyhow::Result<()> {
     )
     .await?;
     let _ = (d, e);
+    Ok(())
+}
+
+/// A pod deleted while its leader lies dead: the replica that leads next saw the deletion in
+/// its own watch (not leading, it wrote nothing then) and releases the pod's GPUs in its first
+/// pass, not after the [`YOUNG`](gpuledger_allocator::expiry::YOUNG) wait its reconcile gives
+/// a grant it has just met and whose pod its cache lacks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_deleted_while_the_leader_is_dead_is_released_as_the_next_one_leads()
+-> anyhow::Result<()> {
+    let mut stack = KubeStack::start(StackOptions {
+        allocators: 2,
+        // Time enough to delete the pod while nobody leads.
+        allocator_flags: vec!["--reconcile-interval-ms=200".into(), "--lease-ttl=4".into()],
+        ..Default::default()
+    })
+    .await?;
+    let leader = stack.allocs.wait_leader(Duration::from_secs(20)).await?;
+    stack
+        .allocs
+        .node_agent(leader, "n1")?
+        .register_node(api::RegisterNodeRequest {
+            inventory: Some(inventory("n1", 2, 16_000, "T4")),
+        })
+        .await?;
+    stack.api.add_node("n1", 128)?;
+    let a = place(&stack, "a", "n1").await?;
+    let other = 1 - leader;
+    wait_until(
+        "pod a held on the other replica",
+        Duration::from_secs(5),
+        || holds(&stack.allocs, other, &a),
+    )
+    .await?;
+
+    stack.allocs.procs[leader].kill();
+    stack.api.delete_pod("default", "a")?;
+    // The lease runs out 4 s after the kill at most; the release follows in the new leader's
+    // first pass. Waiting out YOUNG (5 s) on top would take 9 s.
+    let took = wait_until(
+        "pod a released by the next leader",
+        Duration::from_secs(7),
+        || async { Ok(!holds(&stack.allocs, other, &a).await?) },
+    )
+    .await?;
+    let new = stack
+        .allocs
+        .wait_leader_except(Duration::from_secs(1), Some(leader))
+        .await?;
+    assert_eq!(new, other);
+    eprintln!("released {took:?} after the delete, the leader dead");
     Ok(())
 }
 

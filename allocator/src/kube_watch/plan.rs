@@ -169,11 +169,15 @@ pub fn on_pod(pod: &PodFacts, held: &[Held]) -> Option<Fix> {
 }
 
 /// Compare every pod's allocations with the pod cache at `now` (this replica's monotonic
-/// clock): `cached` finds a pod by namespace and name (the caller checks the UID); `expiry`
+/// clock): `cached` finds a pod by namespace and name (the caller checks the UID); `deleted`
+/// says whether this replica's watch saw the pod of a UID deleted (a pod missing from the
+/// cache is read from the API server unless its grants are [young](Expiry::young) here, in
+/// case the watch has not delivered it yet; one the watch saw go is not waited for); `expiry`
 /// remembers when this replica first saw each reservation, and forgets those no longer held.
 pub fn plan_pods(
     held: &BTreeMap<String, Vec<Held>>,
     cached: impl Fn(&str, &str) -> Option<PodFacts>,
+    deleted: impl Fn(&str) -> bool,
     expiry: &mut Expiry,
     now: tokio::time::Instant,
 ) -> Vec<Fix> {
@@ -196,6 +200,12 @@ pub fn plan_pods(
                     });
                 }
             }
+            // This replica's watch saw the pod deleted (while another replica led, maybe):
+            // gone, however young its grants are here.
+            None if deleted(uid) => fixes.push(Fix::Release {
+                uid: uid.clone(),
+                reason: "pod deleted".into(),
+            }),
             None => {
                 let young = list.iter().all(|x| expiry.young(x.id, now));
                 if young && !expired {

@@ -24,6 +24,8 @@ fn pod(uid: &str, finished: Option<&str>, node: Option<&str>) -> PodFacts {
 struct Clocked {
     expiry: Expiry,
     t0: tokio::time::Instant,
+    /// The UIDs the watch saw deleted.
+    deleted: HashSet<String>,
 }
 
 impl Clocked {
@@ -31,6 +33,7 @@ impl Clocked {
         Clocked {
             expiry: Expiry::default(),
             t0: tokio::time::Instant::now(),
+            deleted: HashSet::new(),
         }
     }
 
@@ -43,6 +46,7 @@ impl Clocked {
         plan_pods(
             h,
             cached,
+            |uid| self.deleted.contains(uid),
             &mut self.expiry,
             self.t0 + Duration::from_millis(ms),
         )
@@ -101,6 +105,35 @@ fn a_cached_pod_past_its_deadline_and_bound_nowhere_is_checked_with_the_api_serv
         c.plan(&h, bound, 20_000).as_slice(),
         [Fix::Confirm { .. }]
     ));
+}
+
+/// A new leader's first pass after a failover: the pod was deleted while the old leader was
+/// dying, this replica's watch saw it go, and its grant (young here: first seen now) is
+/// released at once instead of after [`crate::expiry::YOUNG`].
+#[test]
+fn a_grant_of_a_pod_the_watch_saw_deleted_is_released_at_once_however_young() {
+    let h = one("u", held("n1", false, 1_000, 0));
+    let nothing = |_: &str, _: &str| None;
+    let mut c = Clocked::new();
+    assert!(c.plan(&h, nothing, 0).is_empty(), "not seen deleted: waits");
+    c.deleted.insert("u".into());
+    assert_eq!(
+        c.plan(&h, nothing, 1),
+        [Fix::Release {
+            uid: "u".into(),
+            reason: "pod deleted".into()
+        }]
+    );
+    // A pod of that name and another UID in the cache changes nothing.
+    let other = |_: &str, _: &str| Some(pod("v", None, Some("n1")));
+    assert!(matches!(
+        c.plan(&h, other, 2).as_slice(),
+        [Fix::Release { .. }]
+    ));
+    // Another pod's deletion is not this one's.
+    let mut c = Clocked::new();
+    c.deleted.insert("v".into());
+    assert!(c.plan(&h, nothing, 0).is_empty());
 }
 
 #[test]
