@@ -268,6 +268,61 @@ pub async fn campaign(
     })
 }
 
+/// Revoke the leases of this replica's earlier processes: the candidacy keys of election
+/// `name` whose value is `value` (this replica's advertised address) on a lease other than
+/// `own`. A replica that crashed and is restarted at once (a container restart keeps the pod's
+/// address) so hands its dead self's leadership on now rather than when the lease's TTL runs
+/// out. Only an earlier process can hold such a key: this one has bound the address's
+/// listener, and replicas advertise addresses of their own. Were one still alive, fencing on
+/// the epoch would keep its writes out all the same. Returns how many were revoked; an etcd
+/// that cannot answer leaves the old leases to expire.
+pub async fn revoke_earlier_selves(client: &Client, name: &str, value: &str, own: i64) -> usize {
+    let prefix = format!("{name}/");
+    let mut kv = client.kv_client();
+    let opts = etcd_client::GetOptions::new().with_prefix();
+    let listed = tokio::time::timeout(Duration::from_secs(1), kv.get(prefix, Some(opts))).await;
+    let Ok(Ok(resp)) = listed else {
+        return 0;
+    };
+    let stale: Vec<(i64, i64)> = resp
+        .kvs()
+        .iter()
+        .filter(|k| k.value() == value.as_bytes() && k.lease() != 0 && k.lease() != own)
+        .map(|k| (k.lease(), k.create_revision()))
+        .collect();
+    let leader = resp.kvs().iter().map(|k| k.create_revision()).min();
+    let mut lease = client.lease_client();
+    let mut n = 0;
+    for (id, rev) in stale {
+        match tokio::time::timeout(Duration::from_secs(1), lease.revoke(id)).await {
+            Ok(Ok(_)) => {
+                n += 1;
+                let led = Some(rev) == leader;
+                warn!(
+                    lease = id,
+                    epoch = rev,
+                    led,
+                    address = value,
+                    "revoked the election lease of an earlier process of this replica (it crashed): {}",
+                    if led {
+                        "it led, so the election moves on now instead of after the lease's TTL"
+                    } else {
+                        "it was a candidate"
+                    }
+                );
+            }
+            Ok(Err(e)) => {
+                warn!(lease = id, error = %e, "revoking an earlier process's lease failed; it expires by itself")
+            }
+            Err(_) => warn!(
+                lease = id,
+                "revoking an earlier process's lease timed out; it expires by itself"
+            ),
+        }
+    }
+    n
+}
+
 /// The current leader's value (address) and epoch, if any.
 pub async fn current_leader(client: &Client, name: &str) -> Option<(String, i64)> {
     let mut el = client.election_client();

@@ -277,6 +277,13 @@ async fn lifecycle(
         let won = match &session {
             Some(Ok(session)) => {
                 let election_name = log.election_name();
+                election::revoke_earlier_selves(
+                    client,
+                    &election_name,
+                    &shared.address,
+                    session.lease_id,
+                )
+                .await;
                 tokio::select! {
                     r = election::campaign(client, &election_name, &shared.address, session.lease_id) => Some(r),
                     _ = session.lost() => None,
