@@ -30,6 +30,7 @@ use futures::StreamExt;
 use gpuledger_e2e::draex::{self, Draex};
 use gpuledger_e2e::gpuledger::{counter, verify};
 use gpuledger_e2e::hami::{self, Hami};
+use gpuledger_e2e::lone_agent::LoneAgent;
 use gpuledger_e2e::nodes::NodeShape;
 use gpuledger_e2e::{E2e, Options, pods};
 use gpuledger_proto::allocator::v1 as api;
@@ -96,14 +97,28 @@ pub struct Args {
     /// fields `na`.
     #[arg(long, conflicts_with = "no_dra")]
     dra_only: bool,
+    /// Run one system only (its throughput and churn; the ratios `na`): to look at one
+    /// system's figures without waiting for the other's.
+    #[arg(long, value_enum, conflicts_with = "dra_only")]
+    only: Option<System>,
     /// kube-controller-manager's client QPS per controller in the DRA twin (its resource-claim
     /// controller makes two calls per claim pod, for both drivers). Default: its own (20).
     #[arg(long)]
     controller_manager_qps: Option<u32>,
 }
 
+impl Args {
+    /// The systems to run, HAMi first.
+    fn systems(&self) -> Vec<System> {
+        [System::Hami, System::Gpuledger]
+            .into_iter()
+            .filter(|s| self.only.is_none_or(|o| o == *s))
+            .collect()
+    }
+}
+
 /// One of the two systems.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 enum System {
     Hami,
     Gpuledger,
@@ -188,8 +203,17 @@ struct Churn {
     /// [`Churn::room`] of the probes with no kill from [`NEAR_KILL`] before their delete to
     /// their replacement bound: the room as it comes back when nothing is restarting.
     room_calm: Option<Histogram<u64>>,
+    /// The slowest probes, said (see [`slowest`]).
+    room_slowest: Vec<String>,
     /// `gpuledger verify`'s verdict (gpuledger only).
     verify: Option<String>,
+    /// Restarts of the node agent (gpuledger only; SIGKILL with each kill).
+    agent_restarts: usize,
+    /// Registrations of the node agent's inventory its log records (one per start).
+    agent_registrations: usize,
+    /// Bound pods of the churn holding no grant, of the bound pods, once settled (gpuledger
+    /// only).
+    lost: Option<(usize, usize)>,
 }
 
 /// One GPU's grants in one sample: (capacity MiB, MiB granted, cores granted in thousandths).
@@ -276,6 +300,32 @@ async fn live_uids(client: &kube::Client) -> Result<HashSet<String>> {
         .into_iter()
         .filter_map(|p| p.metadata.uid)
         .collect())
+}
+
+/// gpuledger's pods in `ns` bound to a node but holding no grant in the ledger (one a node
+/// agent's re-registration or a failover dropped): the opposite fault of a stranded grant,
+/// and as bad, for the GPU it leaves looks free.
+async fn lost(
+    client: &kube::Client,
+    ns: &str,
+    viewers: &[gpuledger_testkit::allocators::Client],
+) -> Result<(usize, usize)> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let bound: Vec<String> = pods
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some())
+        .filter_map(|p| p.metadata.uid)
+        .collect();
+    let l = ledger(viewers).await?;
+    let n = bound
+        .iter()
+        .filter(|uid| l.allocs_of_pod(uid).is_empty())
+        .count();
+    Ok((n, bound.len()))
 }
 
 /// Grants held for pods that no longer exist. gpuledger: allocations in the ledger whose pod
@@ -375,7 +425,7 @@ async fn rooms(
     sys: System,
     probes: usize,
     stop: CancellationToken,
-) -> Result<(Histogram<u64>, usize, Vec<(Instant, Duration)>)> {
+) -> Result<(Histogram<u64>, usize, Vec<Probe>)> {
     let mut h = histogram();
     let mut timeouts = 0;
     let mut taken = Vec::new();
@@ -393,9 +443,14 @@ async fn rooms(
         pods::force_delete(&client, ns, &holder).await?;
         let next = format!("room-{i}");
         create_retrying(&client, ns, &sys.room_pod(&next)).await?;
+        let created = t.elapsed();
         if bound(&client, ns, &next, ROOM_WAIT).await? {
             record(&mut h, t.elapsed());
-            taken.push((t, t.elapsed()));
+            taken.push(Probe {
+                at: t,
+                created,
+                took: t.elapsed(),
+            });
         } else {
             timeouts += 1;
         }
@@ -411,21 +466,75 @@ async fn rooms(
 /// extender's replica catching up.
 const NEAR_KILL: Duration = Duration::from_secs(5);
 
-/// The probes of `probes` (delete time, delete to bound) that no kill of `kills` came near.
-fn calm(probes: &[(Instant, Duration)], kills: &[Instant]) -> Histogram<u64> {
+/// One room probe.
+#[derive(Clone, Copy, Debug)]
+struct Probe {
+    /// When the holder was deleted.
+    at: Instant,
+    /// Delete to the replacement's create accepted (the admission webhook among the rest).
+    created: Duration,
+    /// Delete to the replacement bound.
+    took: Duration,
+}
+
+impl Probe {
+    /// Whether a kill at `k` came near it: from [`NEAR_KILL`] before its delete to its bind.
+    fn near(&self, k: Instant) -> bool {
+        k + NEAR_KILL >= self.at && k <= self.at + self.took
+    }
+}
+
+/// The probes of `probes` that no kill of `kills` came near.
+fn calm(probes: &[Probe], kills: &[Instant]) -> Histogram<u64> {
     let mut h = histogram();
-    for &(t, took) in probes {
-        let near = kills.iter().any(|&k| k + NEAR_KILL >= t && k <= t + took);
-        if !near {
-            record(&mut h, took);
+    for p in probes {
+        if !kills.iter().any(|&k| p.near(k)) {
+            record(&mut h, p.took);
         }
     }
     h
 }
 
+/// The `n` slowest probes, each said with where its time went and the kill nearest before
+/// its bind: what the room's tail is made of.
+fn slowest(probes: &[Probe], kills: &[Instant], n: usize) -> Vec<String> {
+    let mut by = probes.to_vec();
+    by.sort_by_key(|p| std::cmp::Reverse(p.took));
+    by.iter()
+        .take(n)
+        .map(|p| {
+            let kill = kills
+                .iter()
+                .filter(|&&k| k <= p.at + p.took)
+                .max()
+                .map(|&k| {
+                    if k >= p.at {
+                        format!("a kill {:.1} s after the delete", (k - p.at).as_secs_f64())
+                    } else {
+                        format!("a kill {:.1} s before the delete", (p.at - k).as_secs_f64())
+                    }
+                })
+                .unwrap_or_else(|| "no kill before it".into());
+            format!(
+                "{:.2} s = create accepted {:.2} s + bound {:.2} s later; {kill}",
+                p.took.as_secs_f64(),
+                p.created.as_secs_f64(),
+                (p.took - p.created).as_secs_f64()
+            )
+        })
+        .collect()
+}
+
 /// The churn for one system: burst, deletes in flight, kills, samples, room probe; then the
 /// stranded grants and (gpuledger) `verify`.
-async fn churn(e: &mut E2e, h: &mut Hami, a: &Args, sys: System) -> Result<Churn> {
+async fn churn(
+    e: &mut E2e,
+    h: &mut Hami,
+    agent: Option<&mut LoneAgent>,
+    a: &Args,
+    sys: System,
+) -> Result<Churn> {
+    let mut agent = agent.filter(|_| sys == System::Gpuledger);
     let ns = format!("churn-{}", sys.name());
     match sys {
         System::Hami => h.namespace(e, &ns).await?,
@@ -547,6 +656,11 @@ async fn churn(e: &mut E2e, h: &mut Hami, a: &Args, sys: System) -> Result<Churn
                     e.gl.extender.kill();
                     e.gl.allocs.procs[leader].start()?;
                     e.gl.extender.start()?;
+                    if let Some(ag) = agent.as_deref_mut() {
+                        ag.proc.kill();
+                        ag.proc.start()?;
+                        out.agent_restarts += 1;
+                    }
                 }
             }
             out.kills += 1;
@@ -567,6 +681,7 @@ async fn churn(e: &mut E2e, h: &mut Hami, a: &Args, sys: System) -> Result<Churn
     out.room = Some(h_room);
     out.room_timeouts = timeouts;
     out.room_calm = Some(calm(&probes, &kills));
+    out.room_slowest = slowest(&probes, &kills, 3);
     let (samples, n, worst) = sampler.await?;
     (out.samples, out.overcommit, out.worst_mib) = (samples, n, worst);
 
@@ -590,6 +705,21 @@ async fn churn(e: &mut E2e, h: &mut Hami, a: &Args, sys: System) -> Result<Churn
     }
     if sys == System::Gpuledger {
         e.gl.allocs.wait_leader(Duration::from_secs(30)).await?;
+        out.lost = Some(lost(&client, &ns, &viewers).await?);
+        if let Some(ag) = agent.as_deref() {
+            // Each start registers once it has read the ledger; the last one may still be at it.
+            let deadline = Instant::now() + Duration::from_secs(30);
+            loop {
+                out.agent_registrations = std::fs::read_to_string(ag.proc.log_path())
+                    .unwrap_or_default()
+                    .matches("inventory registered")
+                    .count();
+                if out.agent_registrations > out.agent_restarts || Instant::now() > deadline {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
         let deadline = Instant::now() + Duration::from_secs(60);
         out.verify = Some(loop {
             match verify(&e.gl, &e.gl.allocs.addrs) {
@@ -652,15 +782,17 @@ pub async fn run(a: Args) -> Result<()> {
     let mut h = Hami::start_with_qps(&e, a.scheduler_qps).await?;
     let t = Instant::now();
     let gl_nodes: Vec<String> = (0..a.nodes).map(|i| format!("gl-{i:05}")).collect();
-    e.add_nodes(
-        &gl_nodes,
-        &NodeShape {
-            gpus: a.gpus_per_node,
-            gpu_mem_mib: GPU_MIB,
-            ..NodeShape::default()
-        },
-    )
-    .await?;
+    let gl_shape = NodeShape {
+        gpus: a.gpus_per_node,
+        gpu_mem_mib: GPU_MIB,
+        ..NodeShape::default()
+    };
+    e.add_nodes(&gl_nodes, &gl_shape).await?;
+    // A real node agent on gpuledger's first node, restarted with each kill of the churn.
+    let mut agent = match a.no_churn || !a.systems().contains(&System::Gpuledger) {
+        true => None,
+        false => Some(e.lone_agent(&gl_nodes[0], &gl_shape)?),
+    };
     e.add_nodes(
         &[System::Gpuledger.room_node()],
         &NodeShape {
@@ -694,7 +826,7 @@ pub async fn run(a: Args) -> Result<()> {
 
     // Throughput: HAMi's batch, then gpuledger's, each in a namespace of its own.
     let mut batches: Vec<(System, Batch, BTreeMap<String, f64>)> = Vec::new();
-    for sys in [System::Hami, System::Gpuledger] {
+    for sys in a.systems() {
         let ns = format!("tp-{}", sys.name());
         match sys {
             System::Hami => h.namespace(&e, &ns).await?,
@@ -719,7 +851,7 @@ pub async fn run(a: Args) -> Result<()> {
 
     let mut churns: Vec<(System, Churn)> = Vec::new();
     if !a.no_churn {
-        for sys in [System::Hami, System::Gpuledger] {
+        for sys in a.systems() {
             title(&format!(
                 "churn: {} pods through {}, {} % deleted in flight, a SIGKILL every {} s, {} rooms timed",
                 a.pods,
@@ -728,12 +860,13 @@ pub async fn run(a: Args) -> Result<()> {
                 a.kill_every_s,
                 a.room_probes
             ));
-            let c = churn(&mut e, &mut h, &a, sys)
+            let c = churn(&mut e, &mut h, agent.as_mut(), &a, sys)
                 .await
                 .with_context(|| h.log_tails(20))?;
             churns.push((sys, c));
         }
     }
+    drop(agent);
     drop(h);
     drop(e);
     let dra = match a.no_dra {
@@ -941,6 +1074,9 @@ fn report_churn_and_dra(
                     NEAR_KILL.as_secs()
                 );
             }
+            for p in &c.room_slowest {
+                println!("  {}: a slow room: {p}", sys.name());
+            }
             if let Some(d) = c.stranded_cleared {
                 println!(
                     "  {}: stranded grants gone {:.1} s after the churn settled",
@@ -950,6 +1086,20 @@ fn report_churn_and_dra(
             }
             if let Some(v) = &c.verify {
                 println!("  {}: {v}", sys.name());
+            }
+            if let Some((n, of)) = c.lost {
+                println!(
+                    "  {}: {n} of the {of} bound pods hold no grant (lost grants)",
+                    sys.name()
+                );
+            }
+            if c.agent_restarts > 0 {
+                println!(
+                    "  {}: the node agent of gl-00000 SIGKILLed and restarted {} times; its inventory registered {} times",
+                    sys.name(),
+                    c.agent_restarts,
+                    c.agent_registrations
+                );
             }
             println!(
                 "  {}: {} created, {} deleted in flight, room probes {}",
@@ -1001,7 +1151,7 @@ fn report_churn_and_dra(
     let churn_of = |s: System| churns.iter().find(|(x, _)| *x == s).map(|(_, c)| c);
     let field = |s: System, f: &dyn Fn(&Churn) -> String| churn_of(s).map_or("na".into(), f);
     println!(
-        "versus=hami pods_per_s_ratio={} bound_p99_ratio={} overcommit_gpuledger={} overcommit_hami={} stranded_gpuledger={} stranded_hami={} room_p99_ms={} dra_pods_per_s_ratio={dra_ratio} dra_start_p50_delta_ms={dra_delta}",
+        "versus=hami pods_per_s_ratio={} bound_p99_ratio={} overcommit_gpuledger={} overcommit_hami={} stranded_gpuledger={} stranded_hami={} room_p99_ms={} dra_pods_per_s_ratio={dra_ratio} dra_start_p50_delta_ms={dra_delta} lost_gpuledger={}",
         ratio(&|b| b.steady),
         ratio(&|b| q_ms(&b.bound, 0.99)),
         field(System::Gpuledger, &|c| c.overcommit.to_string()),
@@ -1012,6 +1162,9 @@ fn report_churn_and_dra(
             .room
             .as_ref()
             .map_or("na".into(), |h| format!("{:.0}", q_ms(h, 0.99)))),
+        field(System::Gpuledger, &|c| c
+            .lost
+            .map_or("na".into(), |(n, _)| n.to_string())),
     );
 }
 
@@ -1019,15 +1172,23 @@ fn report_churn_and_dra(
 mod tests {
     use super::*;
 
+    fn probe(at: Instant, took: Duration) -> Probe {
+        Probe {
+            at,
+            created: took / 4,
+            took,
+        }
+    }
+
     #[test]
     fn a_probe_counts_as_calm_only_when_no_kill_came_near_it() {
         let t0 = Instant::now() + Duration::from_secs(100);
         let s = Duration::from_secs;
         let probes = [
-            (t0, Duration::from_millis(100)),         // a kill 2 s before: near
-            (t0 + s(10), Duration::from_millis(200)), // 12 s after the kill: calm
-            (t0 + s(20), s(7)),                       // a kill during it: near
-            (t0 + s(30), Duration::from_millis(300)), // calm
+            probe(t0, Duration::from_millis(100)), // a kill 2 s before: near
+            probe(t0 + s(10), Duration::from_millis(200)), // 12 s after the kill: calm
+            probe(t0 + s(20), s(8)),               // a kill during it: near
+            probe(t0 + s(30), Duration::from_millis(300)), // calm
         ];
         let kills = [t0 - s(2), t0 + s(23)];
         let h = calm(&probes, &kills);
@@ -1035,5 +1196,22 @@ mod tests {
         assert!(q_ms(&h, 0.99) < 400.0, "{}", q_ms(&h, 0.99));
         // Without kills every probe is calm.
         assert_eq!(calm(&probes, &[]).len(), 4);
+
+        // The slowest first, each with its split and its kill.
+        let said = slowest(&probes, &kills, 2);
+        assert_eq!(said.len(), 2);
+        assert_eq!(
+            said[0],
+            "8.00 s = create accepted 2.00 s + bound 6.00 s later; a kill 3.0 s after the delete"
+        );
+        assert!(
+            said[1].starts_with("0.30 s ") && said[1].ends_with("a kill 7.0 s before the delete"),
+            "{}",
+            said[1]
+        );
+        assert_eq!(
+            slowest(&probes, &[], 1)[0],
+            "8.00 s = create accepted 2.00 s + bound 6.00 s later; no kill before it"
+        );
     }
 }

@@ -25,6 +25,7 @@ pub mod gpuledger;
 pub mod hami;
 pub mod images;
 pub mod kubectl;
+pub mod lone_agent;
 pub mod manifests;
 pub mod nodes;
 pub mod peers;

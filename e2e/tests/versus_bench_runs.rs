@@ -3,8 +3,10 @@
 //! twin against dra-example-driver. The bench needs this tier's binaries, so it has no smoke
 //! run in `make test` (bench/tests/every_bench_runs.rs); without this a peer's or Kubernetes'
 //! change could break it unseen, as 1.37's device-status rules broke the DRA twin. It asserts
-//! the closing line and what must hold whatever the timing: gpuledger over-commits nothing
-//! and strands nothing through its churn, and the DRA twin produced both systems' figures. The
+//! the closing line and what must hold whatever the timing: gpuledger over-commits nothing,
+//! strands nothing and loses no bound pod's grant through its churn, in which a real node
+//! agent was restarted and registered again each time, and the DRA twin produced both
+//! systems' figures. The
 //! figures themselves are the bench's (docs/benchmarks.md), not this test's.
 
 use std::collections::BTreeMap;
@@ -60,7 +62,11 @@ fn the_versus_bench_runs_every_part_at_the_smallest_sizes() -> Result<()> {
         .split_whitespace()
         .filter_map(|kv| kv.split_once('='))
         .collect();
-    for k in ["overcommit_gpuledger", "stranded_gpuledger"] {
+    for k in [
+        "overcommit_gpuledger",
+        "stranded_gpuledger",
+        "lost_gpuledger",
+    ] {
         ensure!(fields.get(k) == Some(&"0"), "{k} is not 0: {closing}");
     }
     for k in [
@@ -74,5 +80,18 @@ fn the_versus_bench_runs_every_part_at_the_smallest_sizes() -> Result<()> {
             "{k} was not measured: {closing}"
         );
     }
+    // "the node agent of gl-00000 SIGKILLed and restarted R times; its inventory registered N times"
+    let agent = stdout
+        .lines()
+        .find(|l| l.contains("the node agent of"))
+        .with_context(|| format!("no node agent restart reported:\n{}", tail(&stdout)))?;
+    let counts: Vec<usize> = agent
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    ensure!(
+        matches!(counts.as_slice(), [r, n] if *r >= 1 && n > r),
+        "the agent was not restarted, or did not register again after each restart: {agent}"
+    );
     Ok(())
 }
