@@ -360,8 +360,17 @@ impl InFlight {
         if nodes.is_empty() {
             return;
         }
+        // The node where the pod holds GPUs already is its own room (placement::filter_nodes).
+        let held = ledger
+            .allocs_of_pod(&req.pod.uid)
+            .first()
+            .map(|a| a.node.clone());
         let mut fits = Vec::with_capacity(f.fits.len());
         for name in f.fits.drain(..) {
+            if held.as_ref() == Some(&name) {
+                fits.push(name);
+                continue;
+            }
             match nodes.get(&name).map(|n| placement::fit_node(n, req)) {
                 None | Some(Fit::Fits) => fits.push(name),
                 Some(Fit::Wait(why)) | Some(Fit::Never(why)) => {

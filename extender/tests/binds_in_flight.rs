@@ -7,9 +7,7 @@
 
 use crate::kit;
 
-use gpuledger_proto::allocator::v1 as api;
 use gpuledger_testkit::kube::{ExtenderClient, KubeStack, StackOptions};
-use gpuledger_testkit::workload::inventory;
 use serde_json::{Value, json};
 
 fn pod(name: &str) -> Value {
@@ -36,15 +34,7 @@ async fn a_filtered_pod_holds_its_capacity_until_its_bind() -> anyhow::Result<()
         ..Default::default()
     })
     .await?;
-    for n in ["n1", "n2"] {
-        stack
-            .allocs
-            .node_agent(0, n)?
-            .register_node(api::RegisterNodeRequest {
-                inventory: Some(inventory(n, 1, 16_000, "NVIDIA A10")),
-            })
-            .await?;
-    }
+    kit::register_one_gpu_nodes(&stack, &["n1", "n2"], "NVIDIA A10").await?;
     let ext = kit::extender(&stack)?;
     let (a, b) = (pod("a"), pod("b"));
     // A made-up pod (the API server has no such pod) holds nothing once it is checked.

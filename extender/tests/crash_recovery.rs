@@ -177,3 +177,59 @@ async fn crash_after_binding_is_confirmed_and_before_binding_expires() -> anyhow
     drop(sched);
     Ok(())
 }
+
+/// The extender dies after the reservation, before the Binding, and the reservation outlives
+/// the retry (a long TTL, or a leader failing over again and again, whose every new leader
+/// starts the TTL afresh): the scheduler's next try is filtered to the node the pod holds GPUs
+/// on, and bound there with the same grant, instead of being refused ("already holds
+/// allocation … on node n1") on every other node until the reservation expires.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_whose_bind_died_after_its_reservation_is_bound_there_next_time() -> anyhow::Result<()>
+{
+    require_crash_hooks()?;
+    let mut stack = KubeStack::start(StackOptions {
+        allocators: 1,
+        allocator_flags: vec!["--reserve-ttl=600".into()],
+        extender_flags: Some(vec!["--crash-at=before-binding".into()]),
+        ..Default::default()
+    })
+    .await?;
+    kit::register_one_gpu_nodes(&stack, &["n1", "n2"], "NVIDIA L4").await?;
+    for n in ["n1", "n2"] {
+        stack.api.add_node(n, 128)?;
+    }
+    let ext = kit::extender(&stack)?;
+    let p = stack.api.add_pod(gpu_pod("p"))?;
+    let uid = p["metadata"]["uid"].as_str().expect("uid").to_string();
+    let bind = json!({"PodName": "p", "PodNamespace": "default", "PodUID": uid, "Node": "n1"});
+    let r = ext.post("bind", &bind).await;
+    assert!(r.is_err(), "the extender should have died mid-bind: {r:?}");
+    let first = allocs_of(&stack, &uid).await?;
+    assert_eq!(first.len(), 1, "reserved before the crash");
+
+    stack.start_extender(&[]).await?;
+    let pod = stack.api.pod("default", "p").expect("pod");
+    let r = ext
+        .post("filter", &json!({"Pod": pod, "NodeNames": ["n2", "n1"]}))
+        .await?;
+    assert_eq!(r["NodeNames"], json!(["n1"]), "{r}");
+    let why = r["FailedAndUnresolvableNodes"]["n2"].as_str().unwrap_or("");
+    assert!(why.contains("already holds GPUs on node n1"), "{r}");
+    let r = ext.post("bind", &bind).await?;
+    assert!(r["Error"].as_str().unwrap_or("").is_empty(), "{r}");
+    assert_eq!(
+        stack.api.pod("default", "p").expect("pod")["spec"]["nodeName"],
+        "n1"
+    );
+    eventually("p's grant Bound", Duration::from_secs(10), || async {
+        let a = allocs_of(&stack, &uid).await?;
+        Ok(a.len() == 1 && a[0].state == pb::AllocationState::Bound as i32)
+    })
+    .await?;
+    assert_eq!(
+        allocs_of(&stack, &uid).await?[0].id,
+        first[0].id,
+        "the same grant"
+    );
+    Ok(())
+}

@@ -307,3 +307,17 @@ pub async fn admit(hook: &Https, pod: Value) -> Result<std::result::Result<Value
             .to_string()))
     }
 }
+
+/// Register `nodes` with replica 0 as their node agents would, one 16,000 MiB `model` GPU each.
+pub async fn register_one_gpu_nodes(stack: &KubeStack, nodes: &[&str], model: &str) -> Result<()> {
+    for n in nodes {
+        stack
+            .allocs
+            .node_agent(0, n)?
+            .register_node(api::RegisterNodeRequest {
+                inventory: Some(gpuledger_testkit::workload::inventory(n, 1, 16_000, model)),
+            })
+            .await?;
+    }
+    Ok(())
+}

@@ -318,3 +318,37 @@ fn cpu_and_memory_from_kubernetes_survive_an_agent_registration() {
     );
     assert!(err.is_err(), "{err:?}");
 }
+
+/// A pod whose bind did not finish holds a reservation; the scheduler's next try is filtered
+/// to that node (a Reserve there answers what it holds; one elsewhere is refused), however
+/// full the node looks, and the pod's other nodes say why not.
+#[test]
+fn a_pod_holding_a_reservation_is_filtered_to_its_node() {
+    let mut l = setup();
+    let mut inv = l.node("n1").expect("n1").inventory();
+    inv.node = "n2".into();
+    for g in &mut inv.gpus {
+        g.uuid = g.uuid.replace("GPU-", "GPU-n2-");
+    }
+    l.execute(Command::RegisterNode(inv), 1, 0).expect("n2");
+    l.execute(reserve("p1", 16000, "n1"), 1, 10).expect("p1");
+    l.execute(reserve("p2", 16000, "n1"), 1, 10).expect("p2");
+    let f = crate::placement::filter_nodes(&l, ["n1", "n2"], &pod("p1", 16000));
+    assert_eq!(f.fits, ["n1"]);
+    assert_eq!(f.never.len(), 1);
+    assert_eq!(f.never[0].0, "n2");
+    assert!(
+        f.never[0].1.contains("already holds GPUs on node n1"),
+        "{}",
+        f.never[0].1
+    );
+    let (ev, r) = l
+        .execute(reserve("p1", 16000, "n1"), 1, 20)
+        .expect("repeat");
+    assert!(ev.is_empty());
+    assert!(matches!(r, Reply::Reserved { created: false, .. }));
+    // Another pod sees n1 full and n2 free, as before.
+    let f = crate::placement::filter_nodes(&l, ["n1", "n2"], &pod("p3", 16000));
+    assert_eq!(f.fits, ["n2"]);
+    assert_eq!(f.wait.len(), 1);
+}
