@@ -255,7 +255,8 @@ impl Hami {
     }
 
     /// [`Hami::start`] with its kube-scheduler's client QPS `qps` (burst twice that) instead
-    /// of the default 50, as the benchmark gives gpuledger's.
+    /// of the default 50, as the benchmark gives gpuledger's, and HAMi's scheduler's own client
+    /// the same (`--kube-qps`, `--kube-burst`; its default is client-go's 5 and 10).
     pub async fn start_with_qps(e: &E2e, qps: Option<u32>) -> Result<Hami> {
         let bins = PeerBins::get()?;
         let dir = e.dir().join("hami");
@@ -286,7 +287,13 @@ impl Hami {
                 format!("--scheduler-name={SCHEDULER_NAME}"),
                 "--leader-elect=false".into(),
                 "--v=4".into(),
-            ],
+            ]
+            .into_iter()
+            .chain(
+                qps.into_iter()
+                    .flat_map(|q| [format!("--kube-qps={q}"), format!("--kube-burst={}", 2 * q)]),
+            )
+            .collect(),
             vec![("KUBECONFIG".into(), kubeconfig.display().to_string())],
         )?;
         wait_listening(&mut scheduler, port).await?;
