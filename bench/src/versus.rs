@@ -36,6 +36,7 @@ use gpuledger_e2e::{E2e, Options, pods};
 use gpuledger_proto::allocator::v1 as api;
 use hdrhistogram::Histogram;
 use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::scheduling::v1::PriorityClass;
 use kube::api::{Api, DynamicObject, ListParams, PostParams};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
@@ -47,6 +48,26 @@ use crate::e2e::{Batch, cpu_by_process, cpu_per_pod, schedule};
 const GPU_MIB: u64 = 16_384;
 /// Longest wait for one replacement pod of the room probe.
 const ROOM_WAIT: Duration = Duration::from_secs(60);
+/// The PriorityClass of the room probe's pods, both systems': ahead of the churn's burst in
+/// kube-scheduler's queue, so that the probe times the room coming back, not the queue of a
+/// burst of thousands in front of it; `preemptionPolicy: Never`, so it evicts nothing.
+const ROOM_PRIORITY: &str = "versus-room-probe";
+
+/// Create [`ROOM_PRIORITY`].
+async fn room_priority(client: &kube::Client) -> Result<()> {
+    let pcs: Api<PriorityClass> = Api::all(client.clone());
+    let pc: PriorityClass = serde_json::from_value(json!({
+        "apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass",
+        "metadata": {"name": ROOM_PRIORITY},
+        "value": 1000, "preemptionPolicy": "Never",
+        "description": "gpuledger-bench versus: the room probe's pods, ahead of the churn's burst",
+    }))?;
+    pcs.create(&PostParams::default(), &pc)
+        .await
+        .context("creating the room probe's PriorityClass")?;
+    Ok(())
+}
+
 /// Longest wait for the room probe's first pod, bound while the churn's burst floods the
 /// system's scheduler (HAMi's, killed every `--kill-every-s`, took more than a minute once).
 const ROOM_FIRST_WAIT: Duration = Duration::from_secs(600);
@@ -176,6 +197,7 @@ impl System {
     fn room_pod(self, name: &str) -> Value {
         let mut p = self.pod(name, GPU_MIB, 100);
         p["spec"]["nodeSelector"] = json!({"kubernetes.io/hostname": self.room_node()});
+        p["spec"]["priorityClassName"] = json!(ROOM_PRIORITY);
         p
     }
 }
@@ -784,6 +806,7 @@ pub async fn run(a: Args) -> Result<()> {
     })
     .await?;
     let mut h = Hami::start_with_qps(&e, a.scheduler_qps).await?;
+    room_priority(&e.client).await?;
     let t = Instant::now();
     let gl_nodes: Vec<String> = (0..a.nodes).map(|i| format!("gl-{i:05}")).collect();
     let gl_shape = NodeShape {
