@@ -361,13 +361,10 @@ impl InFlight {
             return;
         }
         // The node where the pod holds GPUs already is its own room (placement::filter_nodes).
-        let held = ledger
-            .allocs_of_pod(&req.pod.uid)
-            .first()
-            .map(|a| a.node.clone());
+        let held = ledger.node_of_pod(&req.pod.uid);
         let mut fits = Vec::with_capacity(f.fits.len());
         for name in f.fits.drain(..) {
-            if held.as_ref() == Some(&name) {
+            if held == Some(name.as_str()) {
                 fits.push(name);
                 continue;
             }

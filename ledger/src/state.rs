@@ -119,6 +119,14 @@ impl Ledger {
             .and_then(|c| c.get(container))
             .and_then(|id| self.allocs.get(id))
     }
+    /// The node a pod holds GPUs on, if it holds any (a pod's allocations share one node).
+    pub fn node_of_pod(&self, pod_uid: &str) -> Option<&str> {
+        self.by_pod
+            .get(pod_uid)?
+            .values()
+            .find_map(|id| self.allocs.get(id))
+            .map(|a| a.node.as_str())
+    }
     /// Every live allocation of a pod, by container name order.
     pub fn allocs_of_pod(&self, pod_uid: &str) -> Vec<&Alloc> {
         self.by_pod

@@ -80,18 +80,18 @@ pub fn filter_nodes<S: AsRef<str> + Into<String>>(
     // A pod that holds GPUs already (a reservation whose bind did not finish: the extender
     // died, or the Binding failed and the release did not reach a leader) is bound only
     // there: a Reserve elsewhere is refused, and one there answers what it holds. Its other
-    // nodes wait for that reservation to be bound or expire (--reserve-ttl).
+    // nodes are unresolvable until that reservation is bound or expires (--reserve-ttl).
     if !req.dra
-        && let Some(held) = ledger.allocs_of_pod(&req.pod.uid).first().map(|a| &a.node)
+        && let Some(held) = ledger.node_of_pod(&req.pod.uid)
     {
+        let why = format!(
+            "pod already holds GPUs on node {held} (reserved by a bind that did not finish): it is bound there, or elsewhere once that reservation expires"
+        );
         for n in names {
-            if n.as_ref() == held.as_str() {
+            if n.as_ref() == held {
                 out.fits.push(n.into());
             } else {
-                let why = format!(
-                    "pod already holds GPUs on node {held} (reserved by a bind that did not finish): it is bound there, or elsewhere once that reservation expires"
-                );
-                out.never.push((n.into(), why));
+                out.never.push((n.into(), why.clone()));
             }
         }
         return out;
